@@ -1,0 +1,72 @@
+"""Swap settings: one dataclass, validated once, shared by the CLI, TOML and library API."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .errors import DGLSUserError
+
+
+@dataclass
+class SwapConfig:
+    """How layers are placed and streamed.
+
+    Placement (at most one style): ``gpu_layers`` (explicit resident indices),
+    ``blocks_to_swap`` (how many layers stream), or ``initial_gpu_layers`` /
+    ``final_gpu_layers`` (resident at the two ends). Without any of them the first
+    and last layer stay resident and the rest stream.
+    """
+
+    initial_gpu_layers: int | None = None
+    final_gpu_layers: int | None = None
+    gpu_layers: list[int] | None = None
+    blocks_to_swap: int | None = None
+    prefetch: int = 2
+    threading: bool = False
+    batch_move: bool = False
+    cuda_streams: int = 1
+    selective_packing: float = 0.0
+    event_sync: bool = True
+    pinned_ram_budget_gb: float | None = None
+    collect_timing: bool = True
+    verbose: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Reject values that can never work, with a message that says what to change."""
+        for name in ("initial_gpu_layers", "final_gpu_layers", "blocks_to_swap"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise DGLSUserError(f"{name} must be a whole number >= 0, got {value!r}")
+        if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
+            raise DGLSUserError(f"prefetch must be a whole number >= 0, got {self.prefetch!r}")
+        if not isinstance(self.cuda_streams, int) or self.cuda_streams < 1:
+            raise DGLSUserError(f"cuda_streams must be a whole number >= 1, got {self.cuda_streams!r}")
+        if not isinstance(self.selective_packing, (int, float)) or self.selective_packing < 0:
+            raise DGLSUserError(f"selective_packing is a size in MB >= 0, got {self.selective_packing!r}")
+        if self.pinned_ram_budget_gb is not None and self.pinned_ram_budget_gb < 0:
+            raise DGLSUserError(f"pinned_ram_budget_gb must be >= 0, got {self.pinned_ram_budget_gb!r}")
+        if self.gpu_layers is not None:
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in self.gpu_layers):
+                raise DGLSUserError(f"gpu_layers must be a list of layer indices, got {self.gpu_layers!r}")
+            others = (self.blocks_to_swap, self.initial_gpu_layers, self.final_gpu_layers)
+            if any(v is not None for v in others):
+                raise DGLSUserError(
+                    "gpu_layers lists the resident layers itself: drop initial_gpu_layers, final_gpu_layers "
+                    "and blocks_to_swap, or drop gpu_layers"
+                )
+        if self.blocks_to_swap is not None and (
+            self.initial_gpu_layers is not None or self.final_gpu_layers is not None
+        ):
+            raise DGLSUserError(
+                "blocks_to_swap chooses the resident layers itself: use either blocks_to_swap or "
+                "initial_gpu_layers/final_gpu_layers, not both"
+            )
+
+    def replace(self, **changes) -> SwapConfig:
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes)

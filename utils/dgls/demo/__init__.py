@@ -1,0 +1,1 @@
+"""The embedded default: a tiny diffusion transformer, synthetic data, and a DeepSpeed run."""

@@ -1,0 +1,144 @@
+"""Placement: which layers stay resident on the device and which stream, in bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .config import SwapConfig
+from .errors import DGLSUserError
+
+MB = 1024 * 1024
+ALIGN = 256  # bytes: every packed param starts on this boundary (safe for any dtype view)
+
+
+def aligned(nbytes: int) -> int:
+    """Round up to the packing alignment."""
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class LayerSizes:
+    """Byte sizes of one layer, measured from its tensors (layers are never assumed equal)."""
+
+    index: int
+    class_name: str
+    streamable_bytes: int  # frozen params owned by this layer alone
+    fixed_bytes: int  # trainable params, buffers and shared params: always resident
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The result of planning: resident and streamed layer indices plus the pool size."""
+
+    sizes: tuple[LayerSizes, ...]
+    streamed: tuple[int, ...]
+    slot_count: int
+    slot_bytes: int
+
+    @property
+    def resident(self) -> tuple[int, ...]:
+        streamed = set(self.streamed)
+        return tuple(s.index for s in self.sizes if s.index not in streamed)
+
+    @property
+    def resident_weight_bytes(self) -> int:
+        streamed = set(self.streamed)
+        return sum(s.fixed_bytes + (0 if s.index in streamed else s.streamable_bytes) for s in self.sizes)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.slot_count * self.slot_bytes
+
+    @property
+    def streamed_bytes(self) -> int:
+        return sum(self.sizes[i].streamable_bytes for i in self.streamed)
+
+    @property
+    def predicted_device_bytes(self) -> int:
+        """Weights + buffers + pool: known before step 1 (activations come on top)."""
+        return self.resident_weight_bytes + self.pool_bytes
+
+    def table(self) -> str:
+        """The start-up placement table: index, class, MB, where it lives."""
+        streamed = set(self.streamed)
+        lines = [f"{'idx':>4}  {'layer':<28} {'MB':>9}  placement"]
+        for s in self.sizes:
+            total = (s.streamable_bytes + s.fixed_bytes) / MB
+            if s.index in streamed:
+                where = "streamed"
+                if s.fixed_bytes:
+                    where += f" ({s.fixed_bytes / MB:.1f} MB trainable/buffers resident)"
+            else:
+                where = "resident"
+            lines.append(f"{s.index:>4}  {s.class_name[:28]:<28} {total:>9.1f}  {where}")
+        lines.append(
+            f"resident weights+buffers {self.resident_weight_bytes / MB:.1f} MB + pool "
+            f"{self.slot_count} x {self.slot_bytes / MB:.1f} MB = {self.predicted_device_bytes / MB:.1f} MB "
+            f"on the device before activations; {len(self.streamed)} layers "
+            f"({self.streamed_bytes / MB:.1f} MB) stream"
+        )
+        return "\n".join(lines)
+
+
+def measure_layer(index: int, layer: nn.Module, shared: set[int]) -> LayerSizes:
+    """Split a layer's bytes into what can stream (frozen, unshared params) and what stays."""
+    streamable = fixed = 0
+    for p in layer.parameters():
+        nbytes = p.numel() * p.element_size()
+        if p.requires_grad or id(p) in shared:
+            fixed += nbytes
+        else:
+            streamable += aligned(nbytes)
+    for b in layer.buffers():
+        fixed += b.numel() * b.element_size()
+    return LayerSizes(index, type(layer).__name__, streamable, fixed)
+
+
+def shared_param_ids(layers: list[nn.Module]) -> set[int]:
+    """Params that appear in more than one layer (tied weights) must stay resident."""
+    owner: dict[int, int] = {}
+    shared: set[int] = set()
+    for i, layer in enumerate(layers):
+        for p in layer.parameters():
+            if owner.setdefault(id(p), i) != i:
+                shared.add(id(p))
+    return shared
+
+
+def choose_streamed(sizes: list[LayerSizes], config: SwapConfig) -> list[int]:
+    """Apply the placement settings to the measured layers; raise on settings that don't fit."""
+    n = len(sizes)
+    candidates = [s.index for s in sizes if s.streamable_bytes > 0]
+    if config.gpu_layers is not None:
+        bad = [i for i in config.gpu_layers if not 0 <= i < n]
+        if bad:
+            raise DGLSUserError(f"gpu_layers {bad} out of range: the model has {n} layers (0..{n - 1})")
+        keep = set(config.gpu_layers)
+        return [i for i in candidates if i not in keep]
+    if config.blocks_to_swap is not None:
+        if config.blocks_to_swap > len(candidates):
+            raise DGLSUserError(
+                f"blocks_to_swap={config.blocks_to_swap} but only {len(candidates)} of the {n} layers "
+                f"have frozen weights that can stream: set blocks_to_swap <= {len(candidates)}"
+            )
+        keep = len(candidates) - config.blocks_to_swap
+        head = (keep + 1) // 2  # resident layers split between the two ends: they cover the turnarounds
+        return candidates[head : len(candidates) - (keep - head)]
+    initial = 1 if config.initial_gpu_layers is None else config.initial_gpu_layers
+    final = 1 if config.final_gpu_layers is None else config.final_gpu_layers
+    for name, value in (("initial_gpu_layers", initial), ("final_gpu_layers", final)):
+        if value > n:
+            raise DGLSUserError(f"{name}={value} but the model has only {n} layers")
+    return [i for i in candidates if initial <= i < n - final]
+
+
+def plan_placement(layers: list[nn.Module], config: SwapConfig) -> Placement:
+    """Measure the layers and decide placement and pool size."""
+    shared = shared_param_ids(layers)
+    sizes = [measure_layer(i, layer, shared) for i, layer in enumerate(layers)]
+    streamed = choose_streamed(sizes, config)
+    slot_bytes = max((sizes[i].streamable_bytes for i in streamed), default=0)
+    slot_count = min(len(streamed), config.prefetch + 1)
+    return Placement(tuple(sizes), tuple(streamed), slot_count, slot_bytes)

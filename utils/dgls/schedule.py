@@ -1,0 +1,68 @@
+"""Schedule: predict which layers are used next, from the order observed so far.
+
+A use is ``(layer, phase)`` with phase ``F`` (forward with grad), ``N`` (forward without
+grad: eval, sampling, or a reentrant checkpoint's first pass) or ``B`` (inside backward:
+checkpoint recompute, saved-tensor unpack, or the gradient reaching the layer's output).
+The predictor remembers, for each pair of consecutive uses, what came next; that covers
+forward/backward turnarounds, checkpoint recompute, eval passes and any layer layout
+without guessing from call stacks. Before anything was observed it falls back to
+"forward goes up, backward goes down".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+Use = tuple[int, str]
+
+
+def current_phase() -> str:
+    """The phase of a use happening now (never walks Python frames)."""
+    if torch._C._current_autograd_node() is not None:
+        return "B"
+    return "F" if torch.is_grad_enabled() else "N"
+
+
+class UsePredictor:
+    """Successor tables learned online from the stream of uses."""
+
+    def __init__(self, layer_count: int) -> None:
+        self.layer_count = layer_count
+        self._after_pair: dict[tuple[Use, Use], Use] = {}
+        self._after_one: dict[Use, Use] = {}
+        self.previous: Use | None = None
+        self.current: Use | None = None
+
+    def observe(self, use: Use) -> None:
+        if self.current is not None:
+            self._after_one[self.current] = use
+            if self.previous is not None:
+                self._after_pair[(self.previous, self.current)] = use
+        self.previous, self.current = self.current, use
+
+    def upcoming(self, limit: int) -> Iterator[Use]:
+        """Predicted uses after the current one, at most ``limit``."""
+        previous, current = self.previous, self.current
+        for _ in range(limit):
+            if current is None:
+                return
+            nxt = self._after_pair.get((previous, current)) if previous is not None else None
+            if nxt is None:
+                nxt = self._after_one.get(current)
+            if nxt is None:
+                nxt = self._guess(current)
+            if nxt is None:
+                return
+            yield nxt
+            previous, current = current, nxt
+
+    def _guess(self, use: Use) -> Use | None:
+        layer, phase = use
+        last = self.layer_count - 1
+        if phase == "B":
+            return (layer - 1, "B") if layer > 0 else None
+        if layer < last:
+            return (layer + 1, phase)
+        return (last, "B") if phase == "F" else (0, "N")
