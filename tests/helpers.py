@@ -38,9 +38,11 @@ class RunRecord:
     eval_outputs: list
 
 
-def train(layers, trainable, device, mode="none", steps=2, accumulate=2, eval_between=True, dtype=torch.float32):
+def train(
+    layers, trainable, device, mode="none", steps=2, accumulate=2, eval_between=True, dtype=torch.float32, cfg=SMALL
+):
     """Steps of (accumulate x forward/backward) then AdamW, with forward-only passes between."""
-    data = SyntheticLatents(SMALL, samples=8, image_tokens=12, text_tokens=5, seed=3)
+    data = SyntheticLatents(cfg, samples=8, image_tokens=12, text_tokens=5, seed=3)
     batches = data.batches(2, dtype, device)
     opt = torch.optim.AdamW(trainable, lr=1e-2)
     losses, grads, evals = [], [], []
