@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests and the demo on CUDA, then
 # (optionally) the benchmark. Logs and results go to $OUT so they come back.
-#   usage on the device: bash benchmarks/device_session.sh [tests] [demo] [bench ARGS...]
+#   usage on the device: bash benchmarks/device_session.sh [tests] [demo] [bench:SCRIPT.py] ...
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -19,7 +19,8 @@ for step in "$@"; do
       python3 dgls_train.py --config toml/demo.toml --verbose 2>&1 | grep -v "it/s\]" | tee "$OUT/demo_cuda.log" | tail -8
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     bench:*)
-      python3 benchmarks/bench_swap.py ${step#bench:} 2>&1 | tee "$OUT/bench.log" | tail -40
+      script=${step#bench:}
+      python3 "benchmarks/$script" 2>&1 | tee "$OUT/${script%.py}.log" | tail -40
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       cp benchmarks/results/* "$OUT/" 2>/dev/null ;;
   esac
