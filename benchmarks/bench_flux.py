@@ -255,7 +255,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--prefetch", type=int, default=2)
-    parser.add_argument("--methods", default="all", help="comma list: resident,dgls,naive or all")
+    parser.add_argument("--methods", default="all", help="comma list: resident,dgls,naive,options or all")
     parser.add_argument("--shares", default="0,0.25,0.5,0.75,1", help="shares of blocks streamed")
     parser.add_argument("--gib", default="9.6,19", help="also stream about this many GiB")
     parser.add_argument("--name", default="flux_dev")
@@ -266,6 +266,9 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg, side, text_tokens = (TINY, 8, 8) if args.tiny else (FLUX_DEV, 64, 512)
     methods = {"resident", "dgls", "naive"} if args.methods == "all" else set(args.methods.split(","))
+    options = []
+    if "options" in methods:  # the engine options, at the last --gib target
+        options = [(p, t, b) for p in (1, 2, 4) for t in (False, True) for b in (False, True)]
 
     t0 = time.perf_counter()
     layers = build_layers(cfg, dtype, device)
@@ -295,31 +298,45 @@ def main() -> None:
         record("all-resident", measure(layers, inputs, target, device, args.steps, args.warmup), {"streamed_gib": 0})
         for layer in layers:
             layer.to("cpu")
+    runs = []
     if "dgls" in methods:
         counts = {f"{float(s):.0%} of blocks": round(float(s) * block_count) for s in args.shares.split(",") if s}
         for gib in (g for g in args.gib.split(",") if g):
             counts[f"~{gib} GiB"] = blocks_to_swap_for(layers, float(gib))
-        for label, n in counts.items():
-            reset()
-            swapper = LayerSwapper(
-                layers, SwapConfig(blocks_to_swap=n, prefetch=args.prefetch), device=device, log=None
+        runs += [(label, SwapConfig(blocks_to_swap=n, prefetch=args.prefetch)) for label, n in counts.items()]
+    if options:
+        target_gib = args.gib.split(",")[-1]
+        n = blocks_to_swap_for(layers, float(target_gib))
+        on = {False: "off", True: "on"}
+        runs += [
+            (
+                f"~{target_gib} GiB threading={on[t]} batch_move={on[b]}",
+                SwapConfig(blocks_to_swap=n, prefetch=p, threading=t, batch_move=b),
             )
-            times = measure(layers, inputs, target, device, args.steps, args.warmup)
-            swapper.step_stats()
-            optimizer = torch.optim.AdamW([p for la in layers for p in la.parameters() if p.requires_grad], lr=0)
-            train_step(layers, inputs, target, optimizer)
-            stats = swapper.step_stats()
-            extra = {
-                "blocks_to_swap": n,
-                "streamed_gib": swapper.placement.streamed_bytes / GiB,
-                "predicted_weights_pool_gib": swapper.placement.predicted_device_bytes / GiB,
-                "bytes_per_step": stats.bytes_moved,
-                "copy_gbps": stats.gbps,
-                "wait_ms": stats.wait_ms,
-                "hit_rate": stats.hit_rate,
-            }
-            record(f"DGLS {label} (blocks_to_swap={n}, prefetch={args.prefetch})", times, extra)
-            swapper.remove()
+            for p, t, b in options
+        ]
+    for label, swap_cfg in runs:
+        reset()
+        swapper = LayerSwapper(layers, swap_cfg, device=device, log=None)
+        times = measure(layers, inputs, target, device, args.steps, args.warmup)
+        swapper.step_stats()
+        optimizer = torch.optim.AdamW([p for la in layers for p in la.parameters() if p.requires_grad], lr=0)
+        train_step(layers, inputs, target, optimizer)
+        stats = swapper.step_stats()
+        extra = {
+            "blocks_to_swap": swap_cfg.blocks_to_swap,
+            "prefetch": swap_cfg.prefetch,
+            "threading": swap_cfg.threading,
+            "batch_move": swap_cfg.batch_move,
+            "streamed_gib": swapper.placement.streamed_bytes / GiB,
+            "predicted_weights_pool_gib": swapper.placement.predicted_device_bytes / GiB,
+            "bytes_per_step": stats.bytes_moved,
+            "copy_gbps": stats.gbps,
+            "wait_ms": stats.wait_ms,
+            "hit_rate": stats.hit_rate,
+        }
+        record(f"DGLS {label} (blocks_to_swap={swap_cfg.blocks_to_swap}, prefetch={swap_cfg.prefetch})", times, extra)
+        swapper.remove()
     if "naive" in methods:
         n = blocks_to_swap_for(layers, float(args.gib.split(",")[-1]))
         from utils.dgls.placement import plan_placement
