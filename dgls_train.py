@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from utils.dgls import options  # noqa: E402
 from utils.dgls.errors import DGLSUserError  # noqa: E402
-from utils.dgls.launch import DEMO_MODEL_TYPE, build_parser, load_toml, model_type  # noqa: E402
+from utils.dgls.launch import DEMO_MODEL_TYPE, build_parser, check_known_type, load_toml, model_type  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,10 +31,18 @@ def main(argv: list[str] | None = None) -> int:
 
         run_demo(config, values)
         return 0
-    raise DGLSUserError(
-        f"model type '{kind}' is a diffusion-pipe model: the diffusion-pipe drop-in is not available in this "
-        f"version of DGLS; run the demo with --config toml/demo.toml"
-    )
+    from utils.dgls import diffusion_pipe
+
+    try:
+        checkout = diffusion_pipe.find_checkout(args.diffusion_pipe, Path(__file__).resolve().parent)
+    except DGLSUserError:
+        check_known_type(kind, None)  # a typo reads better as "unknown model type" than "no checkout"
+        raise
+    check_known_type(kind, checkout)
+    if values["dynamic_swapping"]:
+        diffusion_pipe.check_train_config(config, args.config)
+    diffusion_pipe.run_train_py(checkout, args.config, rest, values)
+    return 0
 
 
 if __name__ == "__main__":

@@ -10,6 +10,31 @@ from . import options as opts
 from .errors import DGLSUserError
 
 DEMO_MODEL_TYPE = "dgls_demo"
+# diffusion-pipe's model types (models/*.py) as of 2026; a checkout may know more (checked there).
+DIFFUSION_PIPE_MODEL_TYPES = frozenset(
+    {
+        "flux",
+        "flux2",
+        "chroma",
+        "sdxl",
+        "sd3",
+        "ltx-video",
+        "hunyuan-video",
+        "hunyuan_image",
+        "cosmos",
+        "cosmos_predict2",
+        "lumina",
+        "lumina_2",
+        "wan",
+        "hidream",
+        "omnigen2",
+        "qwen_image",
+        "qwen_image_edit",
+        "auraflow",
+        "z_image",
+        "kandinsky5",
+    }
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,3 +67,13 @@ def model_type(config: dict[str, Any], path: str) -> str:
     if not isinstance(model, dict) or "type" not in model:
         raise DGLSUserError(f"{path} has no [model] type: set type = '{DEMO_MODEL_TYPE}' or a diffusion-pipe model")
     return str(model["type"])
+
+
+def check_known_type(kind: str, checkout: Path | None) -> None:
+    """An unknown model type is a typo until a checkout says otherwise."""
+    if kind == DEMO_MODEL_TYPE or kind in DIFFUSION_PIPE_MODEL_TYPES:
+        return
+    if checkout is not None and (checkout / "models" / f"{kind.replace('-', '_')}.py").is_file():
+        return
+    known = ", ".join(sorted(DIFFUSION_PIPE_MODEL_TYPES))
+    raise DGLSUserError(f"unknown model type '{kind}': use '{DEMO_MODEL_TYPE}' or a diffusion-pipe type ({known})")

@@ -7,6 +7,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 
+def human_bytes(n: float) -> str:
+    """GiB for large amounts, MiB for small ones (the demo moves a few MiB)."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 @dataclass
 class StepStats:
     """What swapping cost in one step (or since the last call to ``step_stats``)."""
@@ -34,15 +39,15 @@ class StepStats:
         return d
 
     def short(self) -> str:
-        return f"streamed {self.bytes_moved / 2**30:.2f} GiB, waited {self.wait_ms:.1f} ms"
+        return f"streamed {human_bytes(self.bytes_moved)}, waited {self.wait_ms:.1f} ms"
 
     def line(self, device_type: str = "cuda") -> str:
         if device_type != "cuda":
-            return f"swap: {self.bytes_moved / 2**30:.3f} GiB in {self.fetches} copies, hits {self.hit_rate:.0%}"
+            return f"swap: {human_bytes(self.bytes_moved)} in {self.fetches} copies, hits {self.hit_rate:.0%}"
         return (
-            f"swap: {self.bytes_moved / 2**30:.2f} GiB in {self.fetches} copies, {self.gbps:.1f} GB/s, "
+            f"swap: {human_bytes(self.bytes_moved)} in {self.fetches} copies, {self.gbps:.1f} GB/s, "
             f"compute waited {self.wait_ms:.1f} ms, hits {self.hit_rate:.0%}, "
-            f"peak VRAM {self.peak_vram_bytes / 2**30:.2f} GiB, pinned {self.pinned_bytes / 2**30:.2f} GiB"
+            f"peak VRAM {human_bytes(self.peak_vram_bytes)}, pinned {human_bytes(self.pinned_bytes)}"
         )
 
 

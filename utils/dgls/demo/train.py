@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ..errors import DGLSUserError
 from ..options import swap_config
+from ..stats import human_bytes
 from ..swapper import LayerSwapper
 from .data import SyntheticLatents
 from .model import BLOCK_CLASSES, DemoModelConfig, add_lora, build_layers
@@ -195,9 +196,10 @@ def run_demo(train_config: dict, options: dict, log=print, progress: bool = True
 
 def summary(r: DemoResult) -> str:
     median = statistics.median(r.step_seconds) * 1000 if r.step_seconds else 0.0
+    vram = human_bytes(r.peak_vram_bytes) if r.peak_vram_bytes else "n/a (CPU)"
     return (
         f"DGLS demo finished: loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f} over {len(r.losses)} steps; "
-        f"median step {median:.0f} ms; peak VRAM {r.peak_vram_bytes / 2**30:.2f} GiB; "
-        f"pinned RAM {r.pinned_bytes / 2**30:.2f} GiB; streamed {r.bytes_streamed / 2**30:.2f} GiB; "
+        f"median step {median:.0f} ms; peak VRAM {vram}; "
+        f"pinned RAM {human_bytes(r.pinned_bytes)}; streamed {human_bytes(r.bytes_streamed)}; "
         f"LoRA saved to {r.lora_path}"
     )

@@ -1,0 +1,127 @@
+"""The diffusion-pipe drop-in: finding the checkout, refusals, and the interception, on a stand-in checkout.
+
+The stand-in (tests/fixtures/fake_checkout) has diffusion-pipe's shape without its code. The real
+train.py is checked where an environment variable points at a checkout.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from safetensors.torch import load_file
+
+import dgls_train
+from utils.dgls.diffusion_pipe import ENV_CHECKOUT, check_train_config, find_checkout
+from utils.dgls.errors import DGLSUserError
+
+FAKE = ROOT / "tests" / "fixtures" / "fake_checkout"
+BASE = {"adapter": {"type": "lora", "rank": 4}, "pipeline_stages": 1, "activation_checkpointing": True}
+
+
+def test_find_checkout_explicit_env_and_errors(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_CHECKOUT, raising=False)
+    assert find_checkout(str(FAKE), tmp_path) == FAKE.resolve()
+    with pytest.raises(DGLSUserError, match="is not a diffusion-pipe checkout: it has no train.py"):
+        find_checkout(str(tmp_path), tmp_path)
+    monkeypatch.setenv(ENV_CHECKOUT, str(FAKE))
+    assert find_checkout(None, tmp_path) == FAKE.resolve()
+    monkeypatch.delenv(ENV_CHECKOUT)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DGLSUserError, match="needs diffusion-pipe"):
+        find_checkout(None, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"blocks_to_swap": 10}, "own blocks_to_swap"),
+        ({"adapter": None}, "has no \\[adapter\\]"),
+        ({"pipeline_stages": 2}, "pipeline_stages = 2"),
+        ({"activation_checkpointing": "sometimes"}, "activation_checkpointing must be"),
+    ],
+)
+def test_refusals(change, message):
+    config = {**BASE, **change}
+    config = {k: v for k, v in config.items() if v is not None}
+    with pytest.raises(DGLSUserError, match=message):
+        check_train_config(config, "x.toml")
+
+
+def test_unknown_type_and_missing_checkout_are_one_line_errors(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_CHECKOUT, raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "typo.toml").write_text('[model]\ntype = "fluxx"\n')
+    with pytest.raises(DGLSUserError, match="unknown model type 'fluxx'"):
+        dgls_train.main(["--config", str(tmp_path / "typo.toml")])
+    (tmp_path / "flux.toml").write_text('[model]\ntype = "flux"\n[adapter]\nrank = 4\n')
+    with pytest.raises(DGLSUserError, match="needs diffusion-pipe"):
+        dgls_train.main(["--config", str(tmp_path / "flux.toml")])
+
+
+def run_fake(tmp_path, *extra):
+    out = tmp_path / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    config = tmp_path / "train.toml"
+    config.write_text(
+        f'output_dir = "{out}"\npipeline_stages = 1\nactivation_checkpointing = true\n'
+        '[model]\ntype = "flux"\n[adapter]\ntype = "lora"\nrank = 4\n'
+    )
+    env = {k: v for k, v in os.environ.items() if k not in (ENV_CHECKOUT, "MASTER_PORT")}
+    env["MASTER_PORT"] = str(29500 + os.getpid() % 1000 + len(extra))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "dgls_train.py"), "--config", str(config), "--diffusion_pipe", str(FAKE), *extra],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("FAKE_TRAIN "))
+    return json.loads(line[len("FAKE_TRAIN ") :]), load_file(str(out / "lora.safetensors")), proc.stdout
+
+
+def test_interception_streams_layers_and_matches_plain_run(tmp_path):
+    swapped, lora_swapped, stdout = run_fake(tmp_path / "a", "--blocks_to_swap", "6", "--prefetch", "1")
+    plain, lora_plain, _ = run_fake(tmp_path / "b", "--no-dynamic_swapping")
+    assert "streamed" in stdout  # the placement table
+    assert swapped["placeholders"] > 0 and plain["placeholders"] == 0
+    assert swapped["losses"] == plain["losses"]
+    assert lora_swapped.keys() == lora_plain.keys()
+    for key in lora_plain:
+        assert (lora_swapped[key] == lora_plain[key]).all(), key
+    assert Path(swapped["cwd"]).resolve() == FAKE.resolve()
+
+
+def test_train_py_arguments_pass_through():
+    args, rest = dgls_train.build_parser().parse_known_args(
+        [
+            "--config",
+            "c.toml",
+            "--prefetch",
+            "2",
+            "--resume_from_checkpoint",
+            "--regenerate_cache",
+            "--master_port",
+            "29501",
+            "--deepspeed",
+        ]
+    )
+    assert args.prefetch == 2
+    assert rest == ["--resume_from_checkpoint", "--regenerate_cache", "--master_port", "29501", "--deepspeed"]
+
+
+@pytest.mark.skipif(not os.environ.get(ENV_CHECKOUT), reason=f"set {ENV_CHECKOUT} to a diffusion-pipe checkout")
+def test_real_train_py_still_has_the_interception_points():
+    checkout = Path(os.environ[ENV_CHECKOUT])
+    train = (checkout / "train.py").read_text()
+    pipeline = (checkout / "utils" / "pipeline.py").read_text()
+    assert re.search(r"^from utils\.pipeline import ManualPipelineModule", train, re.M), "train.py import changed"
+    assert "model.to_layers()" in train, "train.py no longer builds layers with model.to_layers()"
+    assert re.search(r"ManualPipelineModule\(\s*layers=layers", train), "ManualPipelineModule call changed"
+    assert "class ManualPipelineModule(PipelineModule)" in pipeline
