@@ -259,7 +259,11 @@ def main() -> None:
     parser.add_argument("--shares", default="0,0.25,0.5,0.75,1", help="shares of blocks streamed")
     parser.add_argument("--gib", default="9.6,19", help="also stream about this many GiB")
     parser.add_argument("--name", default="flux_dev")
+    parser.add_argument("--rewrite", action="store_true", help="re-render <name>.md/.png from <name>.json")
     args = parser.parse_args()
+    if args.rewrite:
+        write_reports(json.loads((RESULTS / f"{args.name}.json").read_text()), args.name)
+        return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)  # broken backward on the lent H100 image
@@ -348,13 +352,6 @@ def main() -> None:
         record(f"naive .to() swap (blocks_to_swap={n})", times, {"streamed_gib": placement.streamed_bytes / GiB})
         naive.remove(layers)
 
-    resident = next((r["median_step_s"] for r in rows if r["method"] == "all-resident"), None)
-    for r in rows:
-        if resident:
-            r["vs_resident"] = r["median_step_s"] / resident
-            if bandwidth and r.get("bytes_per_step") is not None:
-                r["floor_s"] = max(resident, r["bytes_per_step"] / bandwidth / 1e9)
-                r["vs_floor"] = r["median_step_s"] / r["floor_s"]
     result = {
         "benchmark": "flux_dev_lora_step",
         "config": cfg,
@@ -368,31 +365,55 @@ def main() -> None:
         **gpu_details(),
         "rows": rows,
     }
+    write_reports(result, args.name)
+
+
+def derive(result: dict) -> None:
+    """Ratios and floors, from the figures measured in the run."""
+    rows, bandwidth = result["rows"], result["pinned_h2d_gbps"]
+    resident = next((r["median_step_s"] for r in rows if r["method"] == "all-resident"), None)
+    for r in rows:
+        if not resident:
+            continue
+        r["vs_resident"] = r["median_step_s"] / resident
+        if bandwidth and r.get("bytes_per_step") is not None:
+            # What was really copied (layers kept across the forward/backward turnaround are copied once) ...
+            r["floor_s"] = max(resident, r["bytes_per_step"] / bandwidth / 1e9)
+            r["vs_floor"] = r["median_step_s"] / r["floor_s"]
+            # ... and the issue's definition: every streamed byte twice a step.
+            r["floor_2x_s"] = max(resident, 2 * r["streamed_gib"] * GiB / bandwidth / 1e9)
+            r["vs_floor_2x"] = r["median_step_s"] / r["floor_2x_s"]
+
+
+def write_reports(result: dict, name: str) -> None:
+    """JSON with every figure, a Markdown table and (with matplotlib) a plot."""
+    derive(result)
+    rows = result["rows"]
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2))
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))
     lines = [
-        f"Flux-dev-size LoRA training step on {result.get('gpu', device.type)} "
-        f"(PCIe gen {result.get('pcie_gen', '?')} x{result.get('pcie_width', '?')}, torch {torch.__version__}): "
-        f"{side * side} image + {text_tokens} text tokens, "
-        f"batch 1, LoRA r16, non-reentrant checkpointing per block; pinned host-to-device {bandwidth:.1f} GB/s.",
+        f"Flux-dev-size LoRA training step on {result.get('gpu', 'cpu')} "
+        f"(PCIe gen {result.get('pcie_gen', '?')} x{result.get('pcie_width', '?')}, torch {result['torch']}): "
+        f"{result['image_tokens']} image + {result['text_tokens']} text tokens, batch 1, LoRA r16, "
+        f"non-reentrant checkpointing per block; pinned host-to-device {result['pinned_h2d_gbps']:.1f} GB/s.",
         "",
-        "| method | streamed GiB | step (s) | vs resident | floor (s) | vs floor | copied/step GiB | copy GB/s "
-        "| compute waited (ms) | peak alloc GiB | peak reserved GiB |",
+        "| method | streamed GiB | step (s) | vs resident | vs floor (copied) | vs floor (2x streamed) "
+        "| copied/step GiB | copy GB/s | compute waited (ms) | peak alloc GiB | peak reserved GiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['method']} | {r.get('streamed_gib', 0):.1f} | {r['median_step_s']:.3f} "
-            f"| {r.get('vs_resident', 0):.2f}x "
-            f"| {r.get('floor_s', 0):.3f} | {r.get('vs_floor', 0):.2f}x | {r.get('bytes_per_step', 0) / GiB:.1f} "
-            f"| {r.get('copy_gbps', 0):.1f} | {r.get('wait_ms', 0):.0f} | {r.get('peak_allocated_gib', 0):.2f} "
-            f"| {r.get('peak_reserved_gib', 0):.2f} |"
+            f"| {r.get('vs_resident', 0):.2f}x | {r.get('vs_floor', 0):.2f}x | {r.get('vs_floor_2x', 0):.2f}x "
+            f"| {r.get('bytes_per_step', 0) / GiB:.1f} | {r.get('copy_gbps', 0):.1f} | {r.get('wait_ms', 0):.0f} "
+            f"| {r.get('peak_allocated_gib', 0):.2f} | {r.get('peak_reserved_gib', 0):.2f} |"
         )
     lines += [
         "",
-        "floor = max(all-resident step, bytes copied per step / pinned bandwidth), both measured in this run.",
+        "floor (copied) = max(all-resident step, bytes copied per step / pinned bandwidth); floor (2x streamed) = "
+        "max(all-resident step, 2 x streamed bytes / pinned bandwidth); all measured in this run.",
     ]
-    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
         import matplotlib
@@ -400,15 +421,16 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plt.subplots(figsize=(8, 4.8))
         for r in rows:
             ax.scatter(r.get("peak_allocated_gib", 0), r["median_step_s"], label=r["method"])
+        ax.set_yscale("log")
         ax.set_xlabel("peak allocated VRAM (GiB)")
-        ax.set_ylabel("median step (s)")
-        ax.set_title("Flux-dev LoRA step: time vs VRAM")
+        ax.set_ylabel("median step (s, log scale)")
+        ax.set_title("Flux-dev LoRA step: time vs VRAM (lower left is better)")
         ax.legend(fontsize=6)
         fig.tight_layout()
-        fig.savefig(RESULTS / f"{args.name}.png", dpi=120)
+        fig.savefig(RESULTS / f"{name}.png", dpi=120)
     except ImportError:
         print("matplotlib not installed: no plot written (pip install matplotlib)")
 

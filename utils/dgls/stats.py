@@ -73,7 +73,7 @@ class StatsCollector:
     def waited(self, before, after) -> None:
         self._wait_events.append((before, after))
 
-    def take(self, pinned_bytes: int) -> StepStats:
+    def take(self, pinned_bytes: int, reset_peak: bool) -> StepStats:
         """Close the step: read the event timings (waits for them) and start a new one."""
         stats, self.current = self.current, StepStats()
         if self._copy_events or self._wait_events:
@@ -85,5 +85,6 @@ class StatsCollector:
         stats.pinned_bytes = pinned_bytes
         if self.device.type == "cuda":
             stats.peak_vram_bytes = torch.cuda.max_memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            if reset_peak:
+                torch.cuda.reset_peak_memory_stats(self.device)
         return stats

@@ -390,9 +390,14 @@ class LayerSwapper:
     def placement_table(self) -> str:
         return self.placement.table()
 
-    def step_stats(self) -> StepStats:
-        """Stats since the last call (waits for this step's copy timings); resets the counters."""
-        return self.stats.take(self.store.pinned_bytes)
+    def step_stats(self, reset_peak: bool = True) -> StepStats:
+        """Stats since the last call; resets the counters.
+
+        Synchronises the device (to read this step's copy timings). ``peak_vram_bytes`` is
+        torch's process-wide peak; with ``reset_peak`` (the default) that peak is reset so the
+        next call reports one step, so pass False if you read ``max_memory_allocated`` yourself.
+        """
+        return self.stats.take(self.store.pinned_bytes, reset_peak)
 
     def evict_all(self) -> None:
         """Drop every streamed layer from the device (between steps, e.g. before sampling)."""
