@@ -149,9 +149,12 @@ def test_dgls_train_matches_plain_train_py(checkout, tmp_path, checkpointing):
     }
     _run(checkout, configs["plain"], tmp_path / "cache.log", "--cache_only")
     _run(checkout, configs["plain"], tmp_path / "plain.log")
-    log = _run(checkout, configs["dgls"], tmp_path / "dgls.log", dgls="--blocks_to_swap 5 --prefetch 1")
+    log = _run(checkout, configs["dgls"], tmp_path / "dgls.log", dgls="--blocks_to_swap 5 --prefetch 1 --verbose")
     assert "TRAINING COMPLETE!" in log and log.count("Running eval") == 2
     assert "streamed" in log and "5 layers" in log, "no DGLS placement table in the log"
+    assert f"dgls step {STEPS}: swap:" in log, "no per-step DGLS stats with --verbose"
+    events = b"".join(p.read_bytes() for p in _only_run_dir(tmp_path / "out_dgls").glob("events.out.tfevents.*"))
+    assert b"dgls/bytes_moved" in events and b"train/loss" in events, "DGLS stats missing from TensorBoard"
     loras = {}
     for name in ("plain", "dgls"):
         run_dir = _only_run_dir(tmp_path / f"out_{name}")

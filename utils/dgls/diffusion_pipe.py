@@ -2,13 +2,13 @@
 
 Nothing of diffusion-pipe is copied. ``run_train_py`` puts the checkout on ``sys.path``,
 changes into it, sets ``sys.argv`` to train.py's own arguments and runs train.py with
-``runpy`` as ``__main__``. One interception, installed for the run and removed after it:
-
-* ``utils.pipeline.ManualPipelineModule.__init__`` is wrapped so that the layer list
-  train.py built with ``model.to_layers()`` gets a :class:`LayerSwapper` before DeepSpeed's
-  ``PipelineModule.__init__`` moves the module to the GPU. Streamed params then point at
-  device placeholders, so that move (and the one in ``deepspeed.initialize``) copies only
-  resident weights.
+``runpy`` as ``__main__``. The interceptions (see :class:`PipelineInterception`) are
+installed for the run and removed after it. The main one wraps
+``utils.pipeline.ManualPipelineModule.__init__`` so that the layer list train.py built with
+``model.to_layers()`` gets a :class:`LayerSwapper` before DeepSpeed's
+``PipelineModule.__init__`` moves the module to the GPU. Streamed params then point at
+device placeholders, so that move (and the one in ``deepspeed.initialize``) copies only
+resident weights.
 
 If the checkout lacks what the interception needs, the run stops before training with a
 message naming the file or function.
@@ -80,15 +80,42 @@ def check_train_config(config: dict[str, Any], path: str) -> None:
         raise DGLSUserError(f"{path}: activation_checkpointing must be true, false or 'unsloth', got {ckpt!r}")
 
 
+class Patches:
+    """Attributes replaced for one run and put back afterwards (each documented where installed)."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def replace(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+        original = owner.__dict__[name]
+        replacement = make(original)
+        replacement.__wrapped__ = original
+        self._saved.append((owner, name, original))
+        setattr(owner, name, replacement)
+
+    def restore(self) -> None:
+        while self._saved:
+            owner, name, original = self._saved.pop()
+            setattr(owner, name, original)
+
+
 class PipelineInterception:
-    """Wraps ``ManualPipelineModule.__init__`` for the duration of a run (a context manager)."""
+    """DGLS inside train.py for the duration of a run (a context manager). Installs:
+
+    * ``ManualPipelineModule.__init__``: give the layer list a LayerSwapper before DeepSpeed
+      moves the module to the GPU;
+    * ``PipelineEngine.train_batch``: after each step, read the swap stats, print them with
+      ``verbose`` and write them to diffusion-pipe's TensorBoard run dir;
+    * ``SummaryWriter.__init__`` (if tensorboard is installed): remember train.py's writer,
+      so the stats land next to its loss.
+    """
 
     def __init__(self, values: dict[str, Any], log: Callable[[str], None] = print) -> None:
         self.values = values
         self.log = log
         self.swapper: LayerSwapper | None = None
-        self._cls = None
-        self._original_init = None
+        self.writer = None
+        self.patches = Patches()
 
     def __enter__(self) -> PipelineInterception:
         try:
@@ -98,22 +125,53 @@ class PipelineInterception:
                 f"cannot import diffusion-pipe's utils/pipeline.py ({exc}); is the checkout complete?"
             ) from None
         cls = getattr(dp_pipeline, "ManualPipelineModule", None)
-        if cls is None:
+        if cls is None or "__init__" not in cls.__dict__:
             raise DGLSUserError(
-                "diffusion-pipe's utils/pipeline.py has no ManualPipelineModule: this checkout is too old or too new "
-                "for DGLS's interception; please report its commit"
+                "diffusion-pipe's utils/pipeline.py has no ManualPipelineModule.__init__: this checkout is too old or "
+                "too new for DGLS's interception; please report its commit"
             )
-        self._cls, self._original_init = cls, cls.__dict__["__init__"]
-        interception = self
+        from deepspeed.runtime.pipe.engine import PipelineEngine
 
-        def init_with_dgls(module, *args, **kwargs):
-            layers = kwargs.get("layers", args[0] if args else None)
-            interception.install(layers)
-            return interception._original_init(module, *args, **kwargs)
-
-        init_with_dgls.__wrapped__ = self._original_init
-        cls.__init__ = init_with_dgls
+        self.patches.replace(cls, "__init__", self._wrap_pipeline_init)
+        self.patches.replace(PipelineEngine, "train_batch", self._wrap_train_batch)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            SummaryWriter = None
+        if SummaryWriter is not None:
+            self.patches.replace(SummaryWriter, "__init__", self._wrap_writer_init)
         return self
+
+    def _wrap_pipeline_init(self, original):
+        def init_with_dgls(module, *args, **kwargs):
+            self.install(kwargs.get("layers", args[0] if args else None))
+            return original(module, *args, **kwargs)
+
+        return init_with_dgls
+
+    def _wrap_train_batch(self, original):
+        def train_batch_with_stats(engine, *args, **kwargs):
+            loss = original(engine, *args, **kwargs)
+            if self.swapper is not None:
+                self.report(self.swapper.step_stats(), getattr(engine, "global_steps", 0))
+            return loss
+
+        return train_batch_with_stats
+
+    def _wrap_writer_init(self, original):
+        def init_and_remember(writer, *args, **kwargs):
+            original(writer, *args, **kwargs)
+            if self.writer is None:
+                self.writer = writer
+
+        return init_and_remember
+
+    def report(self, stats, step: int) -> None:
+        if self.values["verbose"]:
+            self.log(f"dgls step {step}: {stats.line(self.swapper.device.type)}")
+        if self.writer is not None:
+            for key, value in stats.as_dict().items():
+                self.writer.add_scalar(f"dgls/{key}", value, step)
 
     def install(self, layers) -> None:
         if self.swapper is not None:
@@ -127,9 +185,7 @@ class PipelineInterception:
         self.swapper = LayerSwapper(list(layers), swap_config(self.values), device=device, log=self.log)
 
     def __exit__(self, *exc) -> None:
-        if self._cls is not None:
-            self._cls.__init__ = self._original_init
-            self._cls = None
+        self.patches.restore()
 
 
 def run_train_py(checkout: Path, config_path: str, train_args: list[str], values: dict[str, Any]) -> None:
