@@ -163,3 +163,28 @@ def test_dgls_train_matches_plain_train_py(checkout, tmp_path, checkpointing):
     assert loras["plain"].keys() == loras["dgls"].keys()
     for key, value in loras["plain"].items():
         assert (loras["dgls"][key] == value).all(), f"{key} differs with DGLS"
+
+
+def test_dgls_resume_matches_plain_resume(checkout, tmp_path):
+    """Stop after 2 steps, --resume_from_checkpoint to step 4: with DGLS the resumed run
+    loads the checkpoint into its placement and ends bitwise where the plain resumed run ends."""
+    from safetensors.torch import load_file
+
+    tiny = _load_fixture("tiny_flux")
+    model = tiny.build_tiny_flux(tmp_path / "model", seed=0, num_double=3, num_single=3)
+    data = tiny.write_dataset(tmp_path / "data", n=4, size=64, seed=0)
+    finals, logs = {}, {}
+    for name, dgls in (("plain", None), ("dgls", "--blocks_to_swap 5 --prefetch 1")):
+        out = tmp_path / f"out_{name}"
+        common = dict(activation_checkpointing=True, eval_every_n_steps=None, eval_before_first_step=False)
+        first = tiny.write_configs(tmp_path / f"cfg1_{name}", model, data, out, max_steps=2, **common)
+        second = tiny.write_configs(tmp_path / f"cfg2_{name}", model, data, out, max_steps=4, **common)
+        if name == "plain":
+            _run(checkout, first, tmp_path / "cache.log", "--cache_only")
+        _run(checkout, first, tmp_path / f"{name}_1.log", dgls=dgls)
+        logs[name] = _run(checkout, second, tmp_path / f"{name}_2.log", "--resume_from_checkpoint", seed=1, dgls=dgls)
+        assert "Resuming training from checkpoint" in logs[name]
+        finals[name] = load_file(_only_run_dir(out) / "epoch1" / "pytorch_lora_weights.safetensors")
+    assert "streamed" in logs["dgls"], "the resumed run did not place layers with DGLS"
+    for key, value in finals["plain"].items():
+        assert (finals["dgls"][key] == value).all(), f"{key} differs after resuming with DGLS"
