@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = build_parser().parse_known_args(argv)
     config = load_toml(args.config)
     values = options.resolve(config.get("dgls"), args)
+    for note in options.startup_notes(values):
+        print(note)
     kind = model_type(config, args.config)
     if kind == DEMO_MODEL_TYPE:
         if rest:
@@ -41,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     check_known_type(kind, checkout)
     if values["dynamic_swapping"]:
         diffusion_pipe.check_train_config(config, args.config)
-    diffusion_pipe.run_train_py(checkout, args.config, rest, values)
+    config_path = diffusion_pipe.with_lazy_lora_steps(config, args.config, values["lazy_lora_steps"])
+    diffusion_pipe.run_train_py(checkout, config_path, rest, values)
     return 0
 
 

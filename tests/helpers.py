@@ -39,9 +39,19 @@ class RunRecord:
 
 
 def train(
-    layers, trainable, device, mode="none", steps=2, accumulate=2, eval_between=True, dtype=torch.float32, cfg=SMALL
+    layers,
+    trainable,
+    device,
+    mode="none",
+    steps=2,
+    accumulate=2,
+    eval_between=True,
+    dtype=torch.float32,
+    cfg=SMALL,
+    on_step=None,
 ):
-    """Steps of (accumulate x forward/backward) then AdamW, with forward-only passes between."""
+    """Steps of (accumulate x forward/backward) then AdamW, with forward-only passes between;
+    ``on_step(step)`` runs after each optimizer step (a step boundary)."""
     data = SyntheticLatents(cfg, samples=8, image_tokens=12, text_tokens=5, seed=3)
     batches = data.batches(2, dtype, device)
     opt = torch.optim.AdamW(trainable, lr=1e-2)
@@ -57,6 +67,8 @@ def train(
         grads.append([p.grad.detach().cpu().clone() for p in trainable])
         opt.step()
         opt.zero_grad()
+        if on_step is not None:
+            on_step(len(grads))
         if eval_between:
             with torch.no_grad():
                 inputs, _ = next(batches)

@@ -81,3 +81,66 @@ def test_gpu_layers_flag_parses_lists():
 def test_readme_flag_table_is_current():
     readme = (ROOT / "README.md").read_text()
     assert options.markdown_table() in readme, "regenerate the README flag table from options.markdown_table()"
+
+
+def _demo_toml(tmp_path, extra=""):
+    config = (
+        (ROOT / "toml" / "demo.toml").read_text().replace('output_dir = "output/demo"', f'output_dir = "{tmp_path}"')
+    )
+    config = config.replace("steps = 30", "steps = 4").replace("[dgls]\n", "[dgls]\n" + extra)
+    lines = [line for line in config.splitlines() if not line.startswith(("initial_gpu_layers", "final_gpu_layers"))]
+    path = tmp_path / "demo.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_plan_prints_the_plan_and_exits_without_saving(tmp_path):
+    proc = run_cli("--config", str(_demo_toml(tmp_path)), "--vram_budget", "0.05", "--plan")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "planning for a 0.05 GiB VRAM budget" in out
+    assert "DGLS plan (" in out and "predicted step" in out
+    assert "nothing was saved" in out
+    assert not (tmp_path / "adapter_model.safetensors").exists()
+
+
+def test_compatibility_flags_say_what_they_map_to_and_lazy_steps_accumulate(tmp_path):
+    proc = run_cli(
+        "--config", str(_demo_toml(tmp_path)), "--async_zero_grad", "--sync_only_on_resume", "--lazy_lora_steps", "2"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "--async_zero_grad has nothing to do here: trainable (LoRA) params are always resident" in out
+    assert "--sync_only_on_resume has nothing to do here" in out
+    assert "step 4: loss" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--plan"], "--plan needs --vram_budget"),
+        (["--lazy_lora_steps", "0"], "lazy_lora_steps must be"),
+    ],
+)
+def test_flag_errors(tmp_path, args, message):
+    with pytest.raises(DGLSUserError, match=message):
+        dgls_train.main(["--config", str(_demo_toml(tmp_path)), *args])
+
+
+@pytest.mark.parametrize("value, message", [("fast", "device_sync_mode"), ("lots", "vram_budget")])
+def test_bad_choice_values_in_toml(tmp_path, value, message):
+    key = "device_sync_mode" if message == "device_sync_mode" else "vram_budget"
+    path = _demo_toml(tmp_path, f'{key} = "{value}"\n')
+    with pytest.raises(DGLSUserError, match=message):
+        dgls_train.main(["--config", str(path)])
+
+
+def test_lazy_lora_steps_multiplies_gradient_accumulation(tmp_path):
+    import toml
+    from utils.dgls.diffusion_pipe import with_lazy_lora_steps
+
+    config = {"gradient_accumulation_steps": 2, "dataset": "d.toml", "dgls": {"prefetch": 1}}
+    path = with_lazy_lora_steps(config, "orig.toml", 3)
+    written = toml.load(path)
+    assert written["gradient_accumulation_steps"] == 6 and written["dataset"] == "d.toml" and "dgls" not in written
+    assert with_lazy_lora_steps(config, "orig.toml", 1) == "orig.toml"

@@ -216,3 +216,16 @@ def test_predictor_learns_turnarounds_and_eval():
     q = UsePredictor(4)
     q.observe((1, "B"))
     assert list(q.upcoming(3)) == [(0, "B")]
+
+
+def test_compile_wraps_resident_layers_only_and_stays_exact(references):
+    layers, trainable = make_layers()
+    config = SwapConfig(compile_resident=True, compile_backend="eager", prefetch=1)
+    with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
+        compiled = {i for i, layer in enumerate(layers) if "forward" in vars(layer)}
+        assert compiled == set(range(len(layers))) - set(swapper.streamed_layers) and compiled
+        got = train(layers, trainable, CPU, "nonreentrant")
+        swapper.apply_placement([0, 2], prefetch=1)  # layer 0 streams now: back to eager
+        assert "forward" not in vars(layers[0]) and "forward" in vars(layers[1])
+    assert not any("forward" in vars(layer) for layer in layers)
+    assert_bitwise_equal(references("nonreentrant"), got)

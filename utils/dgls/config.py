@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .errors import DGLSUserError
+from .precision import validate_autocast, validate_cast_target, validate_mixed_precision
 
 
 @dataclass
@@ -29,8 +30,24 @@ class SwapConfig:
     selective_packing: float = 0.0
     event_sync: bool = True
     pinned_ram_budget_gb: float | None = None
+    vram_budget_gb: float | str | None = None  # GiB, or "auto": the planner chooses placement and prefetch
+    plan_only: bool = False  # stop after planning (``--plan``)
+    sync_each_step: bool = False  # the host waits for the device at every step_stats()
+    compile_resident: bool = False  # torch.compile the forward of resident layers
+    compile_backend: str = "inductor"
+    # Precision (utils/dgls/precision.py has the rules): cast streamed frozen params FROM -> TO
+    # (fp8 TO: stored and copied as fp8, upcast to FROM on the device), norms only with cast_norms;
+    # autocast around each layer's forward; dtype of the trainable params ("auto": leave them).
+    cast_target: list[tuple[str, str]] | None = None
+    cast_norms: bool = False
+    autocast: str | None = None
+    mixed_precision: str = "auto"
     collect_timing: bool = True
     verbose: bool = False
+    verbose_every: int = 10  # steps per windowed summary (with ETA) under verbose
+    profile_path: str | None = None  # Chrome-trace JSON (+ PNG) of copies and compute after warm-up
+    profile_warmup_steps: int = 2
+    profile_steps: int = 3
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -44,12 +61,26 @@ class SwapConfig:
                 raise DGLSUserError(f"{name} must be a whole number >= 0, got {value!r}")
         if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
             raise DGLSUserError(f"prefetch must be a whole number >= 0, got {self.prefetch!r}")
+        for name in ("verbose_every", "profile_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise DGLSUserError(f"{name} must be a whole number >= 1, got {value!r}")
+        if not isinstance(self.profile_warmup_steps, int) or self.profile_warmup_steps < 0:
+            raise DGLSUserError(f"profile_warmup_steps must be a whole number >= 0, got {self.profile_warmup_steps!r}")
         if not isinstance(self.cuda_streams, int) or self.cuda_streams < 1:
             raise DGLSUserError(f"cuda_streams must be a whole number >= 1, got {self.cuda_streams!r}")
         if not isinstance(self.selective_packing, (int, float)) or self.selective_packing < 0:
             raise DGLSUserError(f"selective_packing is a size in MB >= 0, got {self.selective_packing!r}")
         if self.pinned_ram_budget_gb is not None and self.pinned_ram_budget_gb < 0:
             raise DGLSUserError(f"pinned_ram_budget_gb must be >= 0, got {self.pinned_ram_budget_gb!r}")
+        if self.cast_target is not None:
+            self.cast_target = validate_cast_target(self.cast_target) or None
+        self.autocast = validate_autocast(self.autocast)
+        self.mixed_precision = validate_mixed_precision(self.mixed_precision)
+        budget = self.vram_budget_gb
+        if budget is not None and budget != "auto":
+            if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
+                raise DGLSUserError(f"vram_budget must be a number of GiB > 0 or 'auto', got {budget!r}")
         if self.gpu_layers is not None:
             if not all(isinstance(i, int) and not isinstance(i, bool) for i in self.gpu_layers):
                 raise DGLSUserError(f"gpu_layers must be a list of layer indices, got {self.gpu_layers!r}")

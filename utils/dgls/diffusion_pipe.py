@@ -154,6 +154,9 @@ class PipelineInterception:
             loss = original(engine, *args, **kwargs)
             if self.swapper is not None:
                 self.report(self.swapper.step_stats(), getattr(engine, "global_steps", 0))
+                if self.swapper.plan_finished:
+                    self.log("DGLS: --plan: stopping after the probe steps; nothing was saved")
+                    raise SystemExit(0)
             return loss
 
         return train_batch_with_stats
@@ -186,6 +189,28 @@ class PipelineInterception:
 
     def __exit__(self, *exc) -> None:
         self.patches.restore()
+
+
+def with_lazy_lora_steps(config: dict[str, Any], config_path: str, steps: int) -> str:
+    """``lazy_lora_steps N``: the same TOML with gradient_accumulation_steps multiplied by N, written
+    to a temporary file next to nothing the user owns; returns the path train.py should read."""
+    if steps == 1:
+        return config_path
+    import tempfile
+
+    import toml
+
+    before = int(config.get("gradient_accumulation_steps", 1))
+    changed = dict(config, gradient_accumulation_steps=before * steps)
+    changed.pop("dgls", None)
+    handle, path = tempfile.mkstemp(prefix="dgls_", suffix=".toml")
+    with os.fdopen(handle, "w") as f:
+        toml.dump(changed, f)
+    print(
+        f"DGLS: lazy_lora_steps {steps}: gradient_accumulation_steps {before} -> {before * steps} "
+        f"(the optimizer runs every {before * steps} micro-batches; config written to {path})"
+    )
+    return path
 
 
 def run_train_py(checkout: Path, config_path: str, train_args: list[str], values: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from .errors import DGLSUserError
 from .placement import aligned
+from .precision import ParamCast, dequantize, quantize
 
 GiB = 1024**3
 PAGE = 4096
@@ -25,7 +26,9 @@ COPY_CHUNK = REGISTER_CHUNK
 
 @dataclass
 class ParamSlot:
-    """Where one frozen param lives inside its layer's packed bytes."""
+    """Where one frozen param lives: ``offset``/``nbytes`` in the device slot (``dtype``, what the
+    layer computes with), ``host_offset``/``host_nbytes`` in the host master (``stored``, what is copied).
+    The two differ only for fp8 storage, which also keeps fp32 ``scale``s (per row) on the device."""
 
     param: torch.nn.Parameter
     offset: int
@@ -33,38 +36,121 @@ class ParamSlot:
     dtype: torch.dtype
     shape: torch.Size
     original_device: torch.device
+    stored: torch.dtype
+    host_offset: int
+    host_nbytes: int
+    scale: torch.Tensor | None = None  # fp32, on the swapper's device (fp8 storage only)
+    scale_host: torch.Tensor | None = None  # the same scales on the CPU, for state dicts
+
+    @property
+    def scaled(self) -> bool:
+        return self.stored != self.dtype
 
 
 @dataclass
 class HostLayer:
-    """One streamed layer's master bytes and how they are copied to a device slot."""
+    """One streamed layer's master bytes and how they are copied to a device slot.
+
+    Layout: params copied as they are come first, at the same offsets in the host buffer and
+    in the slot (``direct_bytes`` of them), so they travel straight into the slot. fp8-stored
+    params follow; on CUDA their bytes land in a per-stream landing buffer and are upcast
+    into the slot on the copy stream (:meth:`upcast`), on the CPU they are upcast from the master.
+    """
 
     params: list[ParamSlot]
-    nbytes: int
-    buffer: torch.Tensor  # uint8, CPU
+    nbytes: int  # slot bytes: every param in its compute dtype
+    buffer: torch.Tensor  # uint8, CPU: host_nbytes of stored bytes
     pinned: bool
     packed: bool
+    host_nbytes: int  # bytes copied per fetch
+    direct_bytes: int  # the prefix copied straight into the slot
     registered: list[int] = field(default_factory=list)  # base pointers registered with CUDA
 
-    def segments(self) -> list[tuple[torch.Tensor, int]]:
-        """(host bytes, destination offset) pieces to copy: one per chunk when packed, per param if not."""
+    @property
+    def landing_bytes(self) -> int:
+        """Stored bytes that are upcast on the device (0 without fp8 storage)."""
+        return self.host_nbytes - self.direct_bytes
+
+    def copies(self, slot: torch.Tensor, landing: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(host bytes, device bytes) pairs to copy: chunks when packed, per param if not.
+
+        Without ``landing`` the fp8-stored part is not copied (the CPU upcasts from the master).
+        """
+        pairs = []
         if self.packed:
-            return [(self.buffer[o : o + COPY_CHUNK], o) for o in range(0, self.nbytes, COPY_CHUNK)]
-        return [(self.buffer[p.offset : p.offset + p.nbytes], p.offset) for p in self.params]
+            for o in range(0, self.direct_bytes, COPY_CHUNK):
+                end = min(o + COPY_CHUNK, self.direct_bytes)
+                pairs.append((self.buffer[o:end], slot[o:end]))
+            if landing is not None:
+                for o in range(self.direct_bytes, self.host_nbytes, COPY_CHUNK):
+                    end = min(o + COPY_CHUNK, self.host_nbytes)
+                    pairs.append((self.buffer[o:end], landing[o - self.direct_bytes : end - self.direct_bytes]))
+            return pairs
+        for p in self.params:
+            src = self.buffer[p.host_offset : p.host_offset + p.host_nbytes]
+            if not p.scaled:
+                pairs.append((src, slot[p.offset : p.offset + p.nbytes]))
+            elif landing is not None:
+                start = p.host_offset - self.direct_bytes
+                pairs.append((src, landing[start : start + p.host_nbytes]))
+        return pairs
+
+    def upcast(self, slot: torch.Tensor, landing: torch.Tensor | None) -> None:
+        """Write the fp8-stored params into the slot in their compute dtype (times their scales)."""
+        for p in self.params:
+            if not p.scaled:
+                continue
+            if landing is not None:
+                start = p.host_offset - self.direct_bytes
+                source = landing[start : start + p.host_nbytes]
+            else:
+                source = self.buffer[p.host_offset : p.host_offset + p.host_nbytes]
+            out = slot[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape)
+            dequantize(source.view(p.stored).view(p.shape), p.scale, p.dtype, out=out)
 
     def master_view(self, p: ParamSlot) -> torch.Tensor:
-        """The param's true value, as a typed view into host memory."""
-        return self.buffer[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape)
+        """The stored bytes as a typed view into host memory (fp8 for fp8-stored params)."""
+        return self.buffer[p.host_offset : p.host_offset + p.host_nbytes].view(p.stored).view(p.shape)
+
+    def value(self, p: ParamSlot) -> torch.Tensor:
+        """The param's true value in its compute dtype: the master itself, or its dequantized copy."""
+        if not p.scaled:
+            return self.master_view(p)
+        return dequantize(self.master_view(p), p.scale_host, p.dtype)
+
+    def store_value(self, p: ParamSlot, value: torch.Tensor) -> None:
+        """Write a new value into the master (re-quantized for fp8 storage, scales updated)."""
+        with torch.no_grad():
+            if not p.scaled:
+                self.master_view(p).copy_(value)
+                return
+            q, scale = quantize(value.to(p.scale.device, p.dtype), p.stored)
+            self.master_view(p).copy_(q)
+            p.scale.copy_(scale)
+            p.scale_host.copy_(scale)
 
 
-def layout_params(params: list[torch.nn.Parameter]) -> tuple[list[ParamSlot], int]:
-    """Assign aligned byte offsets to a layer's frozen params."""
+def layout_params(
+    params: list[torch.nn.Parameter], casts: dict[int, ParamCast] | None = None
+) -> tuple[list[ParamSlot], int, int, int]:
+    """Aligned offsets for a layer's frozen params: (slots, slot bytes, host bytes, direct bytes)."""
+    casts = casts or {}
+    direct = [p for p in params if not (id(p) in casts and casts[id(p)].scaled)]
+    scaled = [p for p in params if id(p) in casts and casts[id(p)].scaled]
     slots, offset = [], 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        slots.append(ParamSlot(p, offset, nbytes, p.dtype, p.shape, p.device))
+    for p in direct:
+        dtype = casts[id(p)].dtype if id(p) in casts else p.dtype
+        nbytes = p.numel() * dtype.itemsize
+        slots.append(ParamSlot(p, offset, nbytes, dtype, p.shape, p.device, dtype, offset, nbytes))
         offset += aligned(nbytes)
-    return slots, offset
+    direct_bytes = host_offset = offset
+    for p in scaled:
+        cast = casts[id(p)]
+        nbytes, host_nbytes = p.numel() * cast.dtype.itemsize, p.numel() * cast.stored.itemsize
+        slots.append(ParamSlot(p, offset, nbytes, cast.dtype, p.shape, p.device, cast.stored, host_offset, host_nbytes))
+        offset += aligned(nbytes)
+        host_offset += aligned(host_nbytes)
+    return slots, offset, host_offset, direct_bytes
 
 
 def _page_aligned_empty(nbytes: int) -> torch.Tensor:
@@ -107,17 +193,27 @@ class HostStore:
                 f"{vm.available / GiB:.1f} GiB available; stream fewer layers (blocks_to_swap) or free RAM"
             )
 
-    def add_layer(self, index: int, params: list[torch.nn.Parameter]) -> HostLayer:
-        """Pack one layer's frozen params into host memory and pin it while the budget lasts."""
-        slots, nbytes = layout_params(params)
+    def add_layer(
+        self, index: int, params: list[torch.nn.Parameter], casts: dict[int, ParamCast] | None = None
+    ) -> HostLayer:
+        """Pack one layer's frozen params into host memory (cast as ``casts`` says) and pin it while the budget lasts.
+
+        fp8 scales are computed on the swapper's device (fast, and the same device reproduces them).
+        """
+        slots, nbytes, host_nbytes, direct = layout_params(params, casts)
         budget = self.pinned_budget
-        pin = self.use_pinning and (budget is None or self.pinned_bytes + nbytes <= budget)
-        packed = nbytes >= self.packing_threshold
-        buffer = _page_aligned_empty(nbytes) if self.use_pinning else torch.empty(nbytes, dtype=torch.uint8)
-        layer = HostLayer(slots, nbytes, buffer[:nbytes], pinned=False, packed=packed)
+        pin = self.use_pinning and (budget is None or self.pinned_bytes + host_nbytes <= budget)
+        packed = host_nbytes >= self.packing_threshold
+        buffer = _page_aligned_empty(host_nbytes) if self.use_pinning else torch.empty(host_nbytes, dtype=torch.uint8)
+        layer = HostLayer(slots, nbytes, buffer[:host_nbytes], False, packed, host_nbytes, direct)
         with torch.no_grad():
             for p in slots:
-                layer.master_view(p).copy_(p.param.data)
+                if p.scaled:
+                    q, p.scale = quantize(p.param.data.to(self.device), p.stored)
+                    p.scale_host = p.scale.cpu()
+                    layer.master_view(p).copy_(q)
+                else:
+                    layer.master_view(p).copy_(p.param.data)
         if pin:
             layer.registered = _register(buffer)
             layer.pinned = True
@@ -126,6 +222,15 @@ class HostStore:
             self.pageable_layers.append(index)
         self.layers[index] = layer
         return layer
+
+    def remove_layer(self, index: int) -> None:
+        """Unpin and drop one layer's master (it became resident; the device copy is the weight now)."""
+        layer = self.layers.pop(index)
+        _unregister(layer.registered)
+        if layer.pinned:
+            self.pinned_bytes -= (layer.host_nbytes + PAGE - 1) // PAGE * PAGE  # as _page_aligned_empty sized it
+        if index in self.pageable_layers:
+            self.pageable_layers.remove(index)
 
     def ensure_staging(self, count: int, nbytes: int) -> None:
         """Pinned bounce buffers for pageable layers (only if some layer is pageable)."""

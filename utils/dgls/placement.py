@@ -8,6 +8,7 @@ from torch import nn
 
 from .config import SwapConfig
 from .errors import DGLSUserError
+from .precision import CastRules, scale_count
 
 MB = 1024 * 1024
 ALIGN = 256  # bytes: every packed param starts on this boundary (safe for any dtype view)
@@ -24,8 +25,23 @@ class LayerSizes:
 
     index: int
     class_name: str
-    streamable_bytes: int  # frozen params owned by this layer alone
+    streamable_bytes: int  # frozen params owned by this layer alone (as they are: what a resident layer holds)
     fixed_bytes: int  # trainable params, buffers and shared params: always resident
+    # When streamed with cast_target (None: no cast, same as streamable_bytes):
+    cast_slot_bytes: int | None = None  # the slot it needs (params in their compute dtypes)
+    cast_copy_bytes: int | None = None  # bytes copied per fetch (stored dtypes: fp8 halves bf16)
+    landing_bytes: int = 0  # fp8 bytes that land in a copy-stream buffer before their upcast
+    scale_bytes: int = 0  # fp32 fp8 scales, resident on the device
+
+    @property
+    def slot_bytes(self) -> int:
+        """Device slot bytes of this layer when it streams."""
+        return self.streamable_bytes if self.cast_slot_bytes is None else self.cast_slot_bytes
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes moved host-to-device per fetch when it streams."""
+        return self.streamable_bytes if self.cast_copy_bytes is None else self.cast_copy_bytes
 
 
 @dataclass(frozen=True)
@@ -36,6 +52,7 @@ class Placement:
     streamed: tuple[int, ...]
     slot_count: int
     slot_bytes: int
+    landing_bytes: int = 0  # all copy streams' fp8 landing buffers together
 
     @property
     def resident(self) -> tuple[int, ...]:
@@ -45,7 +62,8 @@ class Placement:
     @property
     def resident_weight_bytes(self) -> int:
         streamed = set(self.streamed)
-        return sum(s.fixed_bytes + (0 if s.index in streamed else s.streamable_bytes) for s in self.sizes)
+        weights = sum(s.fixed_bytes + (0 if s.index in streamed else s.streamable_bytes) for s in self.sizes)
+        return weights + sum(self.sizes[i].scale_bytes for i in self.streamed)
 
     @property
     def pool_bytes(self) -> int:
@@ -53,12 +71,13 @@ class Placement:
 
     @property
     def streamed_bytes(self) -> int:
-        return sum(self.sizes[i].streamable_bytes for i in self.streamed)
+        """Bytes copied to fetch every streamed layer once (after cast_target)."""
+        return sum(self.sizes[i].copy_bytes for i in self.streamed)
 
     @property
     def predicted_device_bytes(self) -> int:
-        """Weights + buffers + pool: known before step 1 (activations come on top)."""
-        return self.resident_weight_bytes + self.pool_bytes
+        """Weights + buffers + pool (+ fp8 landing buffers): known before step 1 (activations come on top)."""
+        return self.resident_weight_bytes + self.pool_bytes + self.landing_bytes
 
     def table(self) -> str:
         """The start-up placement table: index, class, MB, where it lives."""
@@ -82,18 +101,33 @@ class Placement:
         return "\n".join(lines)
 
 
-def measure_layer(index: int, layer: nn.Module, shared: set[int]) -> LayerSizes:
-    """Split a layer's bytes into what can stream (frozen, unshared params) and what stays."""
-    streamable = fixed = 0
+def measure_layer(index: int, layer: nn.Module, shared: set[int], rules: CastRules | None = None) -> LayerSizes:
+    """Split a layer's bytes into what can stream (frozen, unshared params) and what stays;
+    with ``rules`` also what it takes when streamed after cast_target (as host_store lays it out)."""
+    streamable = fixed = slot = copy = landing = scales = 0
+    casts = rules.plan(layer) if rules else {}
     for p in layer.parameters():
         nbytes = p.numel() * p.element_size()
         if p.requires_grad or id(p) in shared:
             fixed += nbytes
-        else:
-            streamable += aligned(nbytes)
+            continue
+        streamable += aligned(nbytes)
+        cast = casts.get(id(p))
+        if cast is None:
+            slot += aligned(nbytes)
+            copy += aligned(nbytes)
+            continue
+        stored = aligned(p.numel() * cast.stored.itemsize)
+        slot += aligned(p.numel() * cast.dtype.itemsize)
+        copy += stored
+        if cast.scaled:
+            landing += stored
+            scales += 4 * scale_count(p.shape)
     for b in layer.buffers():
         fixed += b.numel() * b.element_size()
-    return LayerSizes(index, type(layer).__name__, streamable, fixed)
+    if not casts:
+        return LayerSizes(index, type(layer).__name__, streamable, fixed)
+    return LayerSizes(index, type(layer).__name__, streamable, fixed, slot, copy, landing, scales)
 
 
 def shared_param_ids(layers: list[nn.Module]) -> set[int]:
@@ -137,8 +171,10 @@ def choose_streamed(sizes: list[LayerSizes], config: SwapConfig) -> list[int]:
 def plan_placement(layers: list[nn.Module], config: SwapConfig) -> Placement:
     """Measure the layers and decide placement and pool size."""
     shared = shared_param_ids(layers)
-    sizes = [measure_layer(i, layer, shared) for i, layer in enumerate(layers)]
+    rules = CastRules.from_config(config)
+    sizes = [measure_layer(i, layer, shared, rules) for i, layer in enumerate(layers)]
     streamed = choose_streamed(sizes, config)
-    slot_bytes = max((sizes[i].streamable_bytes for i in streamed), default=0)
+    slot_bytes = max((sizes[i].slot_bytes for i in streamed), default=0)
     slot_count = min(len(streamed), config.prefetch + 1)
-    return Placement(tuple(sizes), tuple(streamed), slot_count, slot_bytes)
+    landing = max((sizes[i].landing_bytes for i in streamed), default=0) * config.cuda_streams
+    return Placement(tuple(sizes), tuple(streamed), slot_count, slot_bytes, landing)

@@ -17,17 +17,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 from torch import nn
 
+from .autoplan import AutoPlanner, resolve_budget
 from .config import SwapConfig
 from .device_pool import DevicePool, Slot
 from .errors import DGLSUserError
 from .host_store import GiB, HostLayer, HostStore, ParamSlot, default_pinned_budget
 from .placement import MB, Placement, plan_placement, shared_param_ids
+from .precision import CastRules, autocast_context, cast_trainable, check_device_support, describe
 from .schedule import Use, UsePredictor, current_phase
 from .stats import StatsCollector, StepStats
 from .transfer import CopyEngine, Fetch
@@ -45,6 +47,7 @@ class StreamedLayer:
     fetch: Fetch | None = None
     waited: bool = False  # the compute stream already waits on the fetch
     bound: bool = False  # params point into the slot
+    handles: list = field(default_factory=list)  # its state-dict hooks
 
 
 @dataclass(frozen=True)
@@ -93,19 +96,29 @@ class LayerSwapper:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._log = log or (lambda *_: None)
+        self._trainable_cast = cast_trainable(self.layers, self.config.mixed_precision)
+        self.autoplanner: AutoPlanner | None = None
+        if self.config.vram_budget_gb is not None:
+            self.config = self._start_autoplanner()
         self.placement: Placement = plan_placement(self.layers, self.config)
-        self._original_devices: list[tuple[torch.Tensor, torch.device]] = []
+        if self.autoplanner is not None:
+            self.autoplanner.check_static_minimum(self.placement.sizes)
+        self._home: dict[int, tuple[torch.Tensor, torch.device]] = {}  # where each tensor came from
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self._streamed: dict[int, StreamedLayer] = {}
         self._handles: list = []
         self._saved_hooks: list = []
+        self._autocasts: list = []  # autocast contexts entered by forward pre-hooks, exited by post hooks
+        self._cast_rules = CastRules.from_config(self.config)
+        check_device_support(self.device, self._cast_rules)
         self._current: int | None = None
         self._last_use: Use | None = None
         self._clock = 0
         self._lock = threading.RLock()
         self._removed = False
 
-        self.store = self._build_host_store()
+        self.store: HostStore
+        self._build_host_store()
         self._move_resident_parts()
         slot_bytes = max((sl.host.nbytes for sl in self._streamed.values()), default=0)
         self.pool = DevicePool(self.device, self.placement.slot_count, slot_bytes)
@@ -117,11 +130,17 @@ class LayerSwapper:
             event_sync=self.config.event_sync,
             use_thread=self.config.threading,
             timing=self.config.collect_timing,
+            landing_bytes=max((sl.host.landing_bytes for sl in self._streamed.values()), default=0),
         )
         self.predictor = UsePredictor(len(self.layers))
         self.stats = StatsCollector(self.device)
         self._install_hooks()
+        self._compiled: set[int] = set()
+        self._compile_resident()
         self._log(self.placement.table())
+        if self._cast_rules or self.config.autocast or self.config.mixed_precision != "auto":
+            config = self.config
+            self._log(describe(self._cast_rules, config.autocast, config.mixed_precision, self._trainable_cast))
         if self.store.pageable_layers:
             self._log(
                 f"DGLS: the pinned-RAM budget ({self.store.pinned_budget / GiB:.1f} GiB) covers "
@@ -133,15 +152,9 @@ class LayerSwapper:
     # ---------------------------------------------------------------- set-up
     def _build_host_store(self) -> HostStore:
         shared = shared_param_ids(self.layers)
-        streamed_params: dict[int, list[tuple[str, nn.Parameter]]] = {}
+        streamed_params = {idx: self._streamable(idx, shared) for idx in self.placement.streamed}
         on_cpu = total = 0
-        for idx in self.placement.streamed:
-            named = [
-                (n, p)
-                for n, p in self.layers[idx].named_parameters(remove_duplicate=False)
-                if not p.requires_grad and id(p) not in shared
-            ]
-            streamed_params[idx] = named
+        for named in streamed_params.values():
             for _, p in {id(p): (n, p) for n, p in named}.values():
                 total += p.numel() * p.element_size()
                 on_cpu += p.numel() * p.element_size() if p.device.type == "cpu" else 0
@@ -150,17 +163,69 @@ class LayerSwapper:
         threshold = int(self.config.selective_packing * MB)
         store = HostStore(self.device, budget, threshold)
         store.check_ram(total, on_cpu)
+        self.store = store
         for idx, named in streamed_params.items():
-            unique = list({id(p): p for _, p in named}.values())
-            for p in unique:
-                self._original_devices.append((p, p.device))
-            host = store.add_layer(idx, unique)
-            by_param = {id(ps.param): ps for ps in host.params}
-            names = {n: by_param[id(p)] for n, p in named}
-            for ps in host.params:
-                ps.param.data = self._placeholder(ps.dtype)
-            self._streamed[idx] = StreamedLayer(idx, self.layers[idx], host, names)
+            self._stream_layer(idx, named)
         return store
+
+    def _start_autoplanner(self) -> SwapConfig:
+        """Explicit placement wins over a budget; otherwise start with everything streamed."""
+        config = self.config
+        explicit = [
+            name
+            for name in ("gpu_layers", "blocks_to_swap", "initial_gpu_layers", "final_gpu_layers")
+            if getattr(config, name) is not None
+        ]
+        if explicit:
+            self._log(
+                f"DGLS: {', '.join(explicit)} given: explicit placement wins over vram_budget {config.vram_budget_gb}"
+                " (the planner is off)"
+            )
+            return config
+        budget = resolve_budget(config.vram_budget_gb, self.device)
+        self.autoplanner = AutoPlanner(budget, self.device, self._log, plan_only=config.plan_only)
+        self._log(
+            f"DGLS: planning for a {budget / GiB:.2f} GiB VRAM budget: steps 1-2 run with every layer streamed "
+            "(warm-up, then the probe), then the plan is applied and checked on steps 3-4"
+        )
+        return config.replace(gpu_layers=[], prefetch=1)
+
+    def _streamable(self, idx: int, shared: set[int]) -> list[tuple[str, nn.Parameter]]:
+        """(name, param) of the frozen, unshared params of one layer: what can stream."""
+        return [
+            (n, p)
+            for n, p in self.layers[idx].named_parameters(remove_duplicate=False)
+            if not p.requires_grad and id(p) not in shared
+        ]
+
+    def _stream_layer(self, idx: int, named: list[tuple[str, nn.Parameter]]) -> None:
+        """Pack a layer's frozen params into the host store and point them at placeholders."""
+        unique = list({id(p): p for _, p in named}.values())
+        for p in unique:
+            self._home.setdefault(id(p), (p, p.device))
+        casts = self._cast_rules.plan(self.layers[idx]) if self._cast_rules else None
+        host = self.store.add_layer(idx, unique, casts)
+        by_param = {id(ps.param): ps for ps in host.params}
+        names = {n: by_param[id(p)] for n, p in named}
+        for ps in host.params:
+            ps.param.data = self._placeholder(ps.dtype)
+        sl = StreamedLayer(idx, self.layers[idx], host, names)
+        sl.handles = [
+            sl.module.register_state_dict_post_hook(partial(self._state_dict_post, sl)),
+            sl.module.register_load_state_dict_pre_hook(partial(self._load_pre, sl)),
+            sl.module.register_load_state_dict_post_hook(partial(self._load_post, sl)),
+        ]
+        self._streamed[idx] = sl
+
+    def _unstream_layer(self, sl: StreamedLayer) -> None:
+        """Make a streamed layer resident: its params get device copies of their masters."""
+        for handle in sl.handles:
+            handle.remove()
+        with torch.no_grad():
+            for ps in sl.host.params:
+                ps.param.data = sl.host.value(ps).to(self.device, copy=True)
+        self.store.remove_layer(sl.index)
+        del self._streamed[sl.index]
 
     def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
         """An empty tensor: an evicted param points here, so any use of it fails."""
@@ -177,21 +242,36 @@ class LayerSwapper:
                     if id(t) in streamed or id(t) in seen:
                         continue
                     seen.add(id(t))
-                    self._original_devices.append((t, t.device))
+                    self._home.setdefault(id(t), (t, t.device))
                     t.data = t.data.to(self.device)
 
     def _install_hooks(self) -> None:
         for idx, layer in enumerate(self.layers):
             self._handles.append(layer.register_forward_pre_hook(partial(self._pre_forward, idx)))
             self._handles.append(layer.register_forward_hook(partial(self._post_forward, idx), always_call=True))
-        for sl in self._streamed.values():
-            self._handles.append(sl.module.register_state_dict_post_hook(partial(self._state_dict_post, sl)))
-            self._handles.append(sl.module.register_load_state_dict_pre_hook(partial(self._load_pre, sl)))
-            self._handles.append(sl.module.register_load_state_dict_post_hook(partial(self._load_post, sl)))
+
+    def _compile_resident(self) -> None:
+        """``compile_resident``: compile the forward of resident layers only (an instance attribute
+        over the class's forward, deleted again when the layer streams or on remove()); streamed
+        layers stay eager because their weights move between slots."""
+        if not self.config.compile_resident:
+            return
+        for idx, layer in enumerate(self.layers):
+            if idx in self._streamed and idx in self._compiled:
+                del layer.forward
+                self._compiled.discard(idx)
+            elif idx not in self._streamed and idx not in self._compiled:
+                layer.forward = torch.compile(layer.forward, backend=self.config.compile_backend)
+                self._compiled.add(idx)
 
     # ---------------------------------------------------------------- hooks
     def _pre_forward(self, idx: int, module: nn.Module, args) -> None:
         self._use(idx, current_phase())
+        # Entered here, exited in the post hook: a checkpoint's recompute calls the hooks again.
+        autocast = autocast_context(self.device, self.config.autocast)
+        if autocast is not None:
+            autocast.__enter__()
+        self._autocasts.append(autocast)
         hooks = None
         if (
             idx in self._streamed
@@ -207,6 +287,9 @@ class LayerSwapper:
         hooks = self._saved_hooks.pop() if self._saved_hooks else None
         if hooks is not None:
             hooks.__exit__(None, None, None)
+        autocast = self._autocasts.pop() if self._autocasts else None
+        if autocast is not None:
+            autocast.__exit__(None, None, None)
         if output is None:
             return
         if idx in self._streamed:
@@ -242,10 +325,10 @@ class LayerSwapper:
         return view
 
     def _state_dict_post(self, sl: StreamedLayer, module, state_dict, prefix, local_metadata) -> None:
-        """Write the true weights (the host masters), not the placeholder or a slot view."""
+        """Write the true weights (the host masters, dequantized if fp8), not the placeholder or a slot view."""
         for name, ps in sl.names.items():
             if prefix + name in state_dict:
-                state_dict[prefix + name] = sl.host.master_view(ps)
+                state_dict[prefix + name] = sl.host.value(ps)
 
     def _load_pre(self, sl: StreamedLayer, module, state_dict, prefix, *args) -> None:
         """Point the params at their host masters so the loader writes the true weights."""
@@ -253,9 +336,12 @@ class LayerSwapper:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         for ps in sl.host.params:
-            ps.param.data = sl.host.master_view(ps)
+            ps.param.data = sl.host.value(ps)  # fp8 storage: a dequantized copy, re-quantized after loading
 
     def _load_post(self, sl: StreamedLayer, module, incompatible_keys) -> None:
+        for ps in sl.host.params:
+            if ps.scaled:
+                sl.host.store_value(ps, ps.param.data)
         if sl.slot is not None:
             self._evict(sl)
         for ps in sl.host.params:
@@ -272,6 +358,8 @@ class LayerSwapper:
                 return
             self._last_use = use
             self.predictor.observe(use)
+            if self.autoplanner is not None and self.autoplanner.recorder is not None:
+                self.autoplanner.recorder.use_started(idx, phase)
             if self._current != idx:
                 self._release_current()
                 self._current = idx
@@ -313,6 +401,8 @@ class LayerSwapper:
                 if timing:
                     after.record(compute)
                     self.stats.waited(before, after)
+                    if self.autoplanner is not None and self.autoplanner.recorder is not None:
+                        self.autoplanner.recorder.waited(before, after)
             self.stats.fetched(fetch.nbytes, fetch.demand, fetch.start, fetch.ready)
             sl.waited = True
         if not sl.bound:
@@ -387,17 +477,60 @@ class LayerSwapper:
     def streamed_layers(self) -> tuple[int, ...]:
         return self.placement.streamed
 
+    @property
+    def plan_finished(self) -> bool:
+        """True once a ``plan_only`` run has printed its plan: the caller should stop training."""
+        return self.autoplanner is not None and self.autoplanner.plan_only and self.autoplanner.done
+
     def placement_table(self) -> str:
         return self.placement.table()
 
     def step_stats(self, reset_peak: bool = True) -> StepStats:
-        """Stats since the last call; resets the counters.
+        """Stats since the last call; resets the counters. Call it once per optimizer step: with a
+        VRAM budget, the planner probes, plans and checks at these calls.
 
         Synchronises the device (to read this step's copy timings). ``peak_vram_bytes`` is
         torch's process-wide peak; with ``reset_peak`` (the default) that peak is reset so the
         next call reports one step, so pass False if you read ``max_memory_allocated`` yourself.
         """
-        return self.stats.take(self.store.pinned_bytes, reset_peak)
+        if self.config.sync_each_step and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        stats = self.stats.take(self.store.pinned_bytes, reset_peak)
+        if self.autoplanner is not None:
+            self.autoplanner.step_done(self, stats)
+        return stats
+
+    def apply_placement(self, streamed: Iterable[int], prefetch: int) -> None:
+        """Change which layers stream and the prefetch depth, between steps.
+
+        Layers that become resident get device copies of their masters (and give their
+        host memory back); layers that become streamed are packed into host memory. The
+        pool is rebuilt for the new largest streamed layer and ``prefetch + 1`` slots.
+        """
+        with self._lock:
+            wanted = set(streamed)
+            shared = shared_param_ids(self.layers)
+            bad = [i for i in wanted if not 0 <= i < len(self.layers)]
+            if bad:
+                raise DGLSUserError(f"layers {bad} out of range: the model has {len(self.layers)} layers")
+            self.evict_all()
+            for idx in sorted(set(self._streamed) - wanted):
+                self._unstream_layer(self._streamed[idx])
+            for idx in sorted(wanted - set(self._streamed)):
+                named = self._streamable(idx, shared)
+                if named:
+                    self._stream_layer(idx, named)
+            self.config = self.config.replace(prefetch=prefetch)
+            sizes = self.placement.sizes
+            order = tuple(sorted(self._streamed))
+            slot_bytes = max((sl.host.nbytes for sl in self._streamed.values()), default=0)
+            self.placement = Placement(sizes, order, min(len(order), prefetch + 1), slot_bytes)
+            self.pool.release()
+            self.pool = DevicePool(self.device, self.placement.slot_count, slot_bytes)
+            self.store.ensure_staging(2, slot_bytes)
+            self._compile_resident()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     def evict_all(self) -> None:
         """Drop every streamed layer from the device (between steps, e.g. before sampling)."""
@@ -425,14 +558,20 @@ class LayerSwapper:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for idx in self._compiled:
+            del self.layers[idx].forward
+        self._compiled.clear()
         with torch.no_grad():
-            for sl in self._streamed.values():
+            for sl in list(self._streamed.values()):
+                for handle in sl.handles:
+                    handle.remove()
                 for ps in sl.host.params:
-                    ps.param.data = sl.host.master_view(ps).to(ps.original_device, copy=True)
-            for t, device in self._original_devices:
+                    # fp8-stored params come back dequantized in their compute dtype (lossy)
+                    ps.param.data = sl.host.value(ps).to(self._home[id(ps.param)][1], copy=True)
+            for t, device in self._home.values():
                 if t.device != device:
                     t.data = t.data.to(device)
-        self._original_devices.clear()
+        self._home.clear()
         self._streamed.clear()
         self.pool.release()
         self.store.release()

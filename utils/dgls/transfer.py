@@ -4,6 +4,11 @@ The main thread decides what goes where (slots, release events); this module onl
 issues the copies, inline or on a background worker. The compute stream waits on a
 fetch's ``ready`` event with ``wait_event``; the host does not block unless
 ``event_sync`` is off (the conservative debugging mode).
+
+fp8-stored layers: their fp8 bytes land in a landing buffer owned by the copy stream and
+are upcast into the slot by kernels on that same stream, before ``ready`` is recorded. So
+the compute stream sees a finished slot in the compute dtype, and stream order alone keeps
+the next copy from overwriting a landing buffer that is still being read.
 """
 
 from __future__ import annotations
@@ -34,14 +39,22 @@ class Fetch:
 
     @property
     def nbytes(self) -> int:
-        return self.host.nbytes
+        return self.host.host_nbytes  # bytes moved (fp8 storage moves fewer than the slot holds)
 
 
 class CopyEngine:
     """Issues fetches on copy streams, inline or from a background worker thread."""
 
     def __init__(
-        self, device: torch.device, store: HostStore, *, streams: int, event_sync: bool, use_thread: bool, timing: bool
+        self,
+        device: torch.device,
+        store: HostStore,
+        *,
+        streams: int,
+        event_sync: bool,
+        use_thread: bool,
+        timing: bool,
+        landing_bytes: int = 0,
     ) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
@@ -49,6 +62,9 @@ class CopyEngine:
         self.event_sync = event_sync
         self.timing = timing and self.cuda
         self.streams = [torch.cuda.Stream(device=device) for _ in range(streams)] if self.cuda else []
+        # One landing buffer per copy stream for fp8 bytes awaiting their upcast (CUDA only).
+        self.landing = [torch.empty(landing_bytes, dtype=torch.uint8, device=device) for _ in self.streams]
+        self.landing_bytes = landing_bytes if self.cuda else 0
         self._next_stream = 0
         self._staging_done: list[torch.cuda.Event | None] = []
         self.error: BaseException | None = None
@@ -133,11 +149,13 @@ class CopyEngine:
     def _issue(self, fetches: list[Fetch]) -> None:
         if not self.cuda:
             for f in fetches:
-                for host, offset in f.host.segments():
-                    f.slot.buffer[offset : offset + host.numel()].copy_(host)
+                for src, dst in f.host.copies(f.slot.buffer, None):
+                    dst.copy_(src)
+                f.host.upcast(f.slot.buffer, None)
                 f.issued.set()
             return
-        stream = self.streams[self._next_stream]
+        k = self._next_stream
+        stream, landing = self.streams[k], self.landing[k]
         self._next_stream = (self._next_stream + 1) % len(self.streams)
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             for f in fetches:
@@ -148,23 +166,27 @@ class CopyEngine:
                         event.synchronize()
                 if f.start is not None:
                     f.start.record(stream)
+                if f.host.landing_bytes > self.landing_bytes:
+                    raise RuntimeError(f"layer {f.layer} needs a {f.host.landing_bytes}-byte landing buffer")
+                pairs = f.host.copies(f.slot.buffer, landing)
                 if f.host.pinned:
-                    for host, offset in f.host.segments():
-                        f.slot.buffer[offset : offset + host.numel()].copy_(host, non_blocking=True)
+                    for src, dst in pairs:
+                        dst.copy_(src, non_blocking=True)
                 else:
-                    self._copy_staged(f, stream)
+                    self._copy_staged(pairs, stream)
+                f.host.upcast(f.slot.buffer, landing)
                 f.ready.record(stream)
                 if not self.event_sync:
                     stream.synchronize()
                 f.issued.set()
 
-    def _copy_staged(self, f: Fetch, stream: torch.cuda.Stream) -> None:
+    def _copy_staged(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream) -> None:
         """Pageable master: memcpy into a pinned bounce buffer, then an async copy from it."""
         staging = self.store.staging
         if len(self._staging_done) != len(staging):
             self._staging_done = [None] * len(staging)
         k = 0
-        for host, offset in f.host.segments():
+        for host, dst in pairs:
             done = 0
             while done < host.numel():
                 buf = staging[k]
@@ -172,7 +194,7 @@ class CopyEngine:
                 if self._staging_done[k] is not None:
                     self._staging_done[k].synchronize()  # bounce buffer still being read
                 buf[:n].copy_(host[done : done + n])
-                f.slot.buffer[offset + done : offset + done + n].copy_(buf[:n], non_blocking=True)
+                dst[done : done + n].copy_(buf[:n], non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
                 self._staging_done[k] = event

@@ -140,7 +140,7 @@ def run_demo(train_config: dict, options: dict, log=print, progress: bool = True
     )
     ds_config = {
         "train_micro_batch_size_per_gpu": demo["batch_size"],
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": options["lazy_lora_steps"],
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
         "bf16": {"enabled": demo["dtype"] == torch.bfloat16},
@@ -162,6 +162,10 @@ def run_demo(train_config: dict, options: dict, log=print, progress: bool = True
         start = time.perf_counter()
         loss = engine.train_batch(data_iter=batches).item()
         stats = swapper.step_stats() if swapper is not None else None
+        if swapper is not None and swapper.plan_finished:
+            log("DGLS: --plan: stopping after the probe; nothing was saved")
+            swapper.remove()
+            return result
         result.step_seconds.append(time.perf_counter() - start)
         result.losses.append(loss)
         line = f"step {step + 1}: loss {loss:.4f}, {result.step_seconds[-1] * 1000:.0f} ms"

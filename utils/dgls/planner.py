@@ -1,0 +1,211 @@
+"""Planner: the fastest placement that fits a VRAM budget, from measured sizes and timings.
+
+A probe (the first real training steps, run with every layer streamed) gives one step's
+sequence of layer uses with each use's compute time, the activation peak and the copy
+bandwidth. ``simulate`` replays that sequence on a model of the two streams: compute
+runs the uses in order and waits for a streamed layer's copy; the copy stream copies one
+layer at a time, each copy issued ``prefetch`` streamed uses ahead and into the slot that
+the use ``prefetch + 1`` streamed uses earlier has finished with. ``plan_for_budget``
+searches which layers stay resident (which ones, not only how many: resident layers
+spread between streamed ones give the copies compute to hide behind) and the prefetch
+depth, and keeps the placement with the lowest predicted step time that fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .errors import DGLSUserError
+from .placement import LayerSizes
+
+GiB = 1024**3
+PREFETCH_CHOICES = (1, 2, 3, 4)
+
+
+@dataclass(frozen=True)
+class UseTiming:
+    """One use of a layer in the probe step: its phase and the compute time it took."""
+
+    layer: int
+    phase: str
+    compute_ms: float
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """What the probe measured."""
+
+    uses: tuple[UseTiming, ...]  # one whole step, in order (the next step repeats it)
+    activation_bytes: int  # peak allocated during the step less what was allocated at its start
+    reserved_overhead: int  # peak reserved less peak allocated: allocator slack
+    bytes_per_ms: float  # host-to-device copy bandwidth
+
+    @property
+    def compute_ms(self) -> float:
+        return sum(u.compute_ms for u in self.uses)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A placement with its predictions."""
+
+    streamed: tuple[int, ...]
+    prefetch: int
+    predicted_ms: float
+    predicted_peak: int
+    budget: int
+    pattern: str
+
+    def describe(self, sizes: Sequence[LayerSizes]) -> str:
+        resident = [s.index for s in sizes if s.streamable_bytes and s.index not in set(self.streamed)]
+        return (
+            f"DGLS plan ({self.pattern}): {len(self.streamed)} layers streamed, "
+            f"resident {_ranges(resident) or 'none'}, "
+            f"prefetch {self.prefetch}; predicted step {self.predicted_ms:.0f} ms, "
+            f"peak {self.predicted_peak / GiB:.2f} GiB of the {self.budget / GiB:.2f} GiB budget"
+        )
+
+
+def _ranges(indices: Iterable[int]) -> str:
+    """0,1,2,5,7,8 -> '0-2,5,7-8'."""
+    out: list[str] = []
+    for i in sorted(indices):
+        if out and out[-1][1] == i - 1:
+            out[-1] = (out[-1][0], i)
+        else:
+            out.append((i, i))
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)
+
+
+# ---------------------------------------------------------------- memory
+def pool_bytes(sizes: Sequence[LayerSizes], streamed: Iterable[int], prefetch: int) -> int:
+    streamed = list(streamed)
+    if not streamed:
+        return 0
+    return min(len(streamed), prefetch + 1) * max(sizes[i].streamable_bytes for i in streamed)
+
+
+def predict_peak(sizes: Sequence[LayerSizes], profile: StepProfile, streamed: Iterable[int], prefetch: int) -> int:
+    """Peak reserved bytes: resident weights and buffers, the pool, activations, allocator slack."""
+    streamed = set(streamed)
+    weights = sum(s.fixed_bytes + (0 if s.index in streamed else s.streamable_bytes) for s in sizes)
+    return weights + pool_bytes(sizes, streamed, prefetch) + profile.activation_bytes + profile.reserved_overhead
+
+
+def minimum_bytes(sizes: Sequence[LayerSizes], profile: StepProfile | None, prefetch: int = 1) -> int:
+    """The smallest footprint: every streamable layer streamed, ``prefetch + 1`` slots."""
+    streamed = [s.index for s in sizes if s.streamable_bytes]
+    fixed = sum(s.fixed_bytes for s in sizes) + sum(s.streamable_bytes for s in sizes if not s.streamable_bytes)
+    extra = (profile.activation_bytes + profile.reserved_overhead) if profile else 0
+    return fixed + pool_bytes(sizes, streamed, prefetch) + extra
+
+
+# ---------------------------------------------------------------- time
+def simulate(
+    sizes: Sequence[LayerSizes], profile: StepProfile, streamed: Iterable[int], prefetch: int, steps: int = 3
+) -> float:
+    """Predicted milliseconds of one step in steady state (the last of ``steps`` replayed steps).
+
+    The host runs ahead of the GPU, so a copy starts as soon as the copy stream is free and
+    its slot is: the slot of the copy ``prefetch + 1`` copies earlier, free once that
+    layer's last consecutive use has finished computing.
+    """
+    streamed = set(streamed)
+    n = len(profile.uses)
+    sequence = [profile.uses[k % n] for k in range(steps * n)]
+    slots = max(prefetch, 0) + 1
+    hold_end: list[float] = []  # per copy: when its layer's run of consecutive uses ends
+    copy_free = t = 0.0
+    step_end = [0.0] * steps
+    for k, use in enumerate(sequence):
+        continues = k > 0 and sequence[k - 1].layer == use.layer
+        if use.layer in streamed and not continues:
+            issue = hold_end[-slots] if len(hold_end) >= slots else 0.0
+            copy_free = max(issue, copy_free) + sizes[use.layer].streamable_bytes / profile.bytes_per_ms
+            t = max(t, copy_free)
+            hold_end.append(0.0)
+        t += use.compute_ms
+        if use.layer in streamed:
+            hold_end[-1] = t
+        step_end[k // n] = t
+    return step_end[-1] - step_end[-2] if steps > 1 else step_end[-1]
+
+
+# ---------------------------------------------------------------- search
+def _patterns(candidates: list[int], resident_count: int) -> dict[str, list[int]]:
+    """Resident sets of a given size: at both ends, spread evenly, or all at the start."""
+    k, m = resident_count, len(candidates)
+    head = (k + 1) // 2
+    spread = sorted({candidates[min(m - 1, int((i + 0.5) * m / k))] for i in range(k)}) if k else []
+    return {
+        "ends": candidates[:head] + candidates[m - (k - head) :] if k - head else candidates[:head],
+        "spread": spread,
+        "first": candidates[:k],
+    }
+
+
+def plan_for_budget(
+    sizes: Sequence[LayerSizes],
+    profile: StepProfile,
+    budget: int,
+    prefetch_choices: Sequence[int] = PREFETCH_CHOICES,
+) -> Plan:
+    """The fitting placement with the lowest predicted step time (ties: fewer bytes streamed).
+
+    Tries resident sets of every size in three patterns, then improves the best one
+    greedily: while a streamed layer can become resident within the budget, make resident
+    the one that lowers the predicted time most.
+    """
+    need = minimum_bytes(sizes, profile, min(prefetch_choices))
+    if need > budget:
+        raise DGLSUserError(
+            f"VRAM budget {budget / GiB:.2f} GiB is below the minimum {need / GiB:.2f} GiB (resident essentials "
+            f"+ 2 x the largest layer + {profile.activation_bytes / GiB:.2f} GiB of activations): raise "
+            "--vram_budget, or lower the activations (activation_checkpointing, smaller batch or resolution)"
+        )
+    candidates = [s.index for s in sizes if s.streamable_bytes]
+    best: Plan | None = None
+
+    def consider(streamed: set[int], prefetch: int, pattern: str) -> None:
+        nonlocal best
+        peak = predict_peak(sizes, profile, streamed, prefetch)
+        if peak > budget:
+            return
+        ms = simulate(sizes, profile, streamed, prefetch)
+        plan = Plan(tuple(sorted(streamed)), prefetch, ms, peak, budget, pattern)
+        if best is None or _better(plan, best, sizes):
+            best = plan
+
+    for prefetch in prefetch_choices:
+        for k in range(len(candidates) + 1):
+            for name, resident in _patterns(candidates, k).items():
+                consider(set(candidates) - set(resident), prefetch, name)
+    assert best is not None  # the minimum fits, so "everything streamed" was considered
+    streamed = set(best.streamed)
+    while True:
+        options = []
+        for i in sorted(streamed):
+            trial = streamed - {i}
+            if predict_peak(sizes, profile, trial, best.prefetch) <= budget:
+                options.append((simulate(sizes, profile, trial, best.prefetch), -sizes[i].streamable_bytes, i))
+        if not options:
+            break
+        ms, _, i = min(options)
+        if ms > best.predicted_ms * 0.999:
+            break
+        streamed.discard(i)
+        peak = predict_peak(sizes, profile, streamed, best.prefetch)
+        best = Plan(tuple(sorted(streamed)), best.prefetch, ms, peak, budget, best.pattern + "+greedy")
+    return best
+
+
+def _better(a: Plan, b: Plan, sizes: Sequence[LayerSizes]) -> bool:
+    """Lower predicted time wins by more than 0.1%; otherwise fewer streamed bytes, then less memory."""
+    if a.predicted_ms < b.predicted_ms * 0.999:
+        return True
+    if a.predicted_ms > b.predicted_ms * 1.001:
+        return False
+    bytes_a = sum(sizes[i].streamable_bytes for i in a.streamed)
+    bytes_b = sum(sizes[i].streamable_bytes for i in b.streamed)
+    return (bytes_a, a.predicted_peak) < (bytes_b, b.predicted_peak)
