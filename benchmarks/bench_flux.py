@@ -1,35 +1,42 @@
-"""Flux-dev-size training step: DGLS against all-resident and a naive synchronous swap, side by side.
+"""Flux-dev-size training step: DGLS against all-resident, diffusion-pipe's built-in swap and a naive swap.
 
 diffusers' FluxTransformer2DModel built from its config (19 double + 38 single blocks, hidden
 3072; random bf16 weights, no download), LoRA rank 16 on the blocks' Linear layers,
 non-reentrant checkpointing per block, 1024x1024 (4096 image + 512 text tokens), batch 1.
-Every method runs in this one process on the same model and inputs. Writes
-benchmarks/results/<name>.json, .md and (with matplotlib) .png.
+Every method runs in this one process on the same model and inputs (benchmarks/common.py has
+the methods). Writes benchmarks/results/flux_dev.json, .md (with the peer table and the
+issue's targets) and (with matplotlib) .png. Same as ``bench_models.py --model flux``.
 
-    python benchmarks/bench_flux.py                 # H100: a few minutes
-    python benchmarks/bench_flux.py --tiny          # smoke test on CPU
+    python benchmarks/bench_flux.py                 # H100: about 7 minutes
+    python benchmarks/bench_flux.py --tiny          # smoke test on CPU, seconds
+    DGLS_DIFFUSION_PIPE=/path/to/diffusion-pipe python benchmarks/bench_flux.py   # with the dp baseline
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import (  # noqa: E402, F401  (re-exported: bench_planner.py and bench_fp8.py import them from here)
+    RESULTS,
+    Bench,
+    DPGroup,
+    GiB,
+    NaiveSwap,
+    add_lora,
+    gpu_details,
+    materialize,
+    params_on_meta,
+    pinned_bandwidth,
+    write_reports,
+)
 
-RESULTS = Path(__file__).resolve().parent / "results"
-GiB = 2**30
 FLUX_DEV = dict(
     patch_size=1,
     in_channels=64,
@@ -54,6 +61,9 @@ TINY = dict(
     guidance_embeds=True,
     axes_dims_rope=(4, 6, 6),
 )
+# --tiny of this benchmark: enough blocks that diffusion-pipe's split (blocks_to_swap // 2 double,
+# the rest x 2 + 1 single, each at most count - 2) can swap something.
+TINY_BENCH = dict(TINY, num_layers=4, num_single_layers=6)
 
 
 class Embed(nn.Module):
@@ -93,12 +103,11 @@ class Final(nn.Module):
         return self.proj_out(self.norm_out(h, temb))
 
 
-def build_layers(cfg: dict, dtype, init_device) -> list[nn.Module]:
-    """The model as a diffusion-pipe-style layer list, random weights, on the CPU."""
+def flux_layers(cfg: dict, dtype, device) -> list[nn.Module]:
+    """The model as a diffusion-pipe-style layer list, random weights on ``device``, LoRA r16 on the blocks."""
     from diffusers import FluxTransformer2DModel
-    from peft import LoraConfig, inject_adapter_in_model
 
-    with torch.device("meta"):
+    with params_on_meta():
         model = FluxTransformer2DModel(**cfg)
     layers = [
         Embed(model),
@@ -106,26 +115,16 @@ def build_layers(cfg: dict, dtype, init_device) -> list[nn.Module]:
         *(Block(b) for b in model.single_transformer_blocks),
         Final(model),
     ]
-    g = torch.Generator(device=init_device).manual_seed(0)
+    materialize(layers, device, dtype)
+    add_lora(layers, list(range(1, len(layers) - 1)), dtype)
+    return layers
+
+
+def build_layers(cfg: dict, dtype, init_device) -> list[nn.Module]:
+    """The layer list with its weights on the CPU (initialised on ``init_device``: fast on a GPU)."""
+    layers = flux_layers(cfg, dtype, init_device)
     for layer in layers:
-        layer.to_empty(device=init_device)
-        with torch.no_grad():
-            for name, p in layer.named_parameters():
-                if p.ndim >= 2:
-                    p.normal_(0, 0.02, generator=g)
-                elif "norm" in name:
-                    p.fill_(1.0)
-                else:
-                    p.zero_()
-        layer.to("cpu", dtype).requires_grad_(False)
-    for layer in layers[1:-1]:
-        names = sorted({n for n, m in layer.named_modules() if isinstance(m, nn.Linear)})
-        inject_adapter_in_model(LoraConfig(r=16, lora_alpha=16, target_modules=names), layer)
-    for layer in layers:
-        for name, p in layer.named_parameters():
-            if "lora_" in name:
-                p.data = p.data.to(dtype)
-                p.requires_grad_(True)
+        layer.to("cpu")
     return layers
 
 
@@ -151,288 +150,84 @@ def make_inputs(cfg: dict, image_tokens_side: int, text_tokens: int, device, dty
     return inputs, target.to(device, dtype)
 
 
+def dp_flux_split(double: list[int], single: list[int]):
+    """models/flux.py enable_block_swap: blocks_to_swap // 2 double blocks and (the rest) x 2 + 1 single
+    blocks, each offloader swapping at most its block count - 2."""
+
+    def split(n: int) -> list[DPGroup]:
+        d = n // 2
+        return [DPGroup("DoubleBlock", double, d), DPGroup("SingleBlock", single, (n - d) * 2 + 1)]
+
+    def valid(n: int) -> bool:
+        return all(g.swap <= len(g.layers) - 2 for g in split(n))
+
+    return split, max((n for n in range(1, len(double) + len(single)) if valid(n)), default=0)
+
+
+def flux_bench(tiny: bool, device, dtype, args=None) -> Bench:
+    cfg, side, text_tokens = (TINY_BENCH, 8, 8) if tiny else (FLUX_DEV, 64, 512)
+    layers = flux_layers(cfg, dtype, device)
+    inputs, target = make_inputs(cfg, side, text_tokens, device, dtype)
+    double = list(range(1, 1 + cfg["num_layers"]))
+    single = list(range(1 + cfg["num_layers"], len(layers) - 1))
+    split, dp_max = dp_flux_split(double, single)
+    return Bench(
+        model="flux",
+        name="flux_dev",
+        title="Flux-dev-size LoRA training step",
+        shape=f"{side * 16}x{side * 16} image: {side * side} image + {text_tokens} text tokens",
+        config=cfg,
+        layers=layers,
+        inputs=inputs,
+        target=target,
+        checkpointed=frozenset(range(1, len(layers) - 1)),
+        blocks=list(range(1, len(layers) - 1)),
+        dp_split=split,
+        dp_max=dp_max,
+        defaults={
+            "gib": "" if tiny else "9.6,19",
+            "dp_swaps": "max" if tiny else "9.6GiB,19GiB",
+            "naive": "0.5" if tiny else "19GiB",
+            "budgets": "auto,1" if tiny else "auto,10",
+        },
+    )
+
+
+# ---------------------------------------------------------------- kept for bench_planner.py / bench_fp8.py
 def train_step(layers, inputs, target, optimizer):
-    h = inputs
-    for i, layer in enumerate(layers):
-        h = checkpoint(layer, h, use_reentrant=False) if 0 < i < len(layers) - 1 else layer(h)
-    F.mse_loss(h.float(), target.float()).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-class NaiveSwap:
-    """The lower bound: move a block's frozen weights in with .to() before it runs, out after."""
-
-    def __init__(self, layers, streamed, device):
-        self.handles = []
-        for i in streamed:
-            frozen = [p for p in layers[i].parameters() if not p.requires_grad]
-            self.handles.append(layers[i].register_forward_pre_hook(lambda m, a, f=frozen: self.move(f, device)))
-            self.handles.append(layers[i].register_forward_hook(lambda m, a, o, f=frozen: self.move(f, "cpu")))
-        for i, layer in enumerate(layers):
-            for p in layer.parameters():
-                if i not in streamed or p.requires_grad:
-                    p.data = p.data.to(device)
-
-    @staticmethod
-    def move(params, device):
-        for p in params:
-            p.data = p.data.to(device)
-
-    def remove(self, layers):
-        for h in self.handles:
-            h.remove()
-        for layer in layers:
-            layer.to("cpu")
+    """One LoRA step with the first and last layer un-checkpointed and every block checkpointed."""
+    common.train_step(layers, inputs, target, optimizer, frozenset(range(1, len(layers) - 1)))
 
 
 def measure(layers, inputs, target, device, steps, warmup) -> list[float]:
     optimizer = torch.optim.AdamW([p for layer in layers for p in layer.parameters() if p.requires_grad], lr=1e-5)
     times = []
     for i in range(warmup + steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        common.sync(device)
         start = time.perf_counter()
         train_step(layers, inputs, target, optimizer)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        common.sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return times
 
 
-def pinned_bandwidth(device) -> float:
-    if device.type != "cuda":
-        return 0.0
-    n = GiB
-    host, dev = torch.empty(n, dtype=torch.uint8).pin_memory(), torch.empty(n, dtype=torch.uint8, device=device)
-    rates = []
-    for _ in range(6):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dev.copy_(host, non_blocking=True)
-        b.record()
-        b.synchronize()
-        rates.append(n / a.elapsed_time(b) / 1e6)
-    return statistics.median(rates[1:])
-
-
 def blocks_to_swap_for(layers, gib: float) -> int:
-    """The blocks_to_swap whose streamed bytes come closest to ``gib``."""
-    probe = SwapConfig(blocks_to_swap=0)
+    """The blocks_to_swap whose streamed bytes come closest to ``gib`` (layers holding their weights)."""
+    from utils.dgls import SwapConfig
     from utils.dgls.placement import plan_placement
 
+    probe = SwapConfig(blocks_to_swap=0)
     sizes = plan_placement(layers, probe).sizes
     candidates = sum(1 for s in sizes if s.streamable_bytes)
-    best = min(
+    return min(
         range(candidates + 1),
         key=lambda n: abs(plan_placement(layers, probe.replace(blocks_to_swap=n)).streamed_bytes / GiB - gib),
     )
-    return best
 
 
-def gpu_details() -> dict:
-    try:
-        out = subprocess.run(
-            [
-                "nvidia-smi",
-                "--query-gpu=name,pcie.link.gen.current,pcie.link.width.current,driver_version",
-                "--format=csv,noheader",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
-        name, gen, width, driver = (x.strip() for x in out.stdout.strip().split(","))
-        return {"gpu": name, "pcie_gen": gen, "pcie_width": width, "driver": driver}
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return {}
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="tiny model on CPU/GPU: a smoke test")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--prefetch", type=int, default=2)
-    parser.add_argument("--methods", default="all", help="comma list: resident,dgls,naive,options or all")
-    parser.add_argument("--shares", default="0,0.25,0.5,0.75,1", help="shares of blocks streamed")
-    parser.add_argument("--gib", default="9.6,19", help="also stream about this many GiB")
-    parser.add_argument("--name", default="flux_dev")
-    parser.add_argument("--rewrite", action="store_true", help="re-render <name>.md/.png from <name>.json")
-    args = parser.parse_args()
-    if args.rewrite:
-        write_reports(json.loads((RESULTS / f"{args.name}.json").read_text()), args.name)
-        return
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(False)  # broken backward on the lent H100 image
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg, side, text_tokens = (TINY, 8, 8) if args.tiny else (FLUX_DEV, 64, 512)
-    methods = {"resident", "dgls", "naive"} if args.methods == "all" else set(args.methods.split(","))
-    options = []
-    if "options" in methods:  # the engine options, at the last --gib target
-        options = [(p, t, b) for p in (1, 2, 4) for t in (False, True) for b in (False, True)]
-
-    t0 = time.perf_counter()
-    layers = build_layers(cfg, dtype, device)
-    build_s = time.perf_counter() - t0
-    inputs, target = make_inputs(cfg, side, text_tokens, device, dtype)
-    block_count = cfg["num_layers"] + cfg["num_single_layers"]
-    bandwidth = pinned_bandwidth(device)
-    rows = []
-
-    def record(name, times, extra):
-        row = {"method": name, "median_step_s": statistics.median(times), "steps": len(times), **extra}
-        if device.type == "cuda":
-            row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GiB
-            row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GiB
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-
-    def reset():
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-
-    if "resident" in methods:
-        for layer in layers:
-            layer.to(device)
-        reset()
-        record("all-resident", measure(layers, inputs, target, device, args.steps, args.warmup), {"streamed_gib": 0})
-        for layer in layers:
-            layer.to("cpu")
-    runs = []
-    if "dgls" in methods:
-        counts = {f"{float(s):.0%} of blocks": round(float(s) * block_count) for s in args.shares.split(",") if s}
-        for gib in (g for g in args.gib.split(",") if g):
-            counts[f"~{gib} GiB"] = blocks_to_swap_for(layers, float(gib))
-        runs += [(label, SwapConfig(blocks_to_swap=n, prefetch=args.prefetch)) for label, n in counts.items()]
-    if options:
-        target_gib = args.gib.split(",")[-1]
-        n = blocks_to_swap_for(layers, float(target_gib))
-        on = {False: "off", True: "on"}
-        runs += [
-            (
-                f"~{target_gib} GiB threading={on[t]} batch_move={on[b]}",
-                SwapConfig(blocks_to_swap=n, prefetch=p, threading=t, batch_move=b),
-            )
-            for p, t, b in options
-        ]
-    for label, swap_cfg in runs:
-        reset()
-        swapper = LayerSwapper(layers, swap_cfg, device=device, log=None)
-        times = measure(layers, inputs, target, device, args.steps, args.warmup)
-        swapper.step_stats()
-        optimizer = torch.optim.AdamW([p for la in layers for p in la.parameters() if p.requires_grad], lr=0)
-        train_step(layers, inputs, target, optimizer)
-        stats = swapper.step_stats()
-        extra = {
-            "blocks_to_swap": swap_cfg.blocks_to_swap,
-            "prefetch": swap_cfg.prefetch,
-            "threading": swap_cfg.threading,
-            "batch_move": swap_cfg.batch_move,
-            "streamed_gib": swapper.placement.streamed_bytes / GiB,
-            "predicted_weights_pool_gib": swapper.placement.predicted_device_bytes / GiB,
-            "bytes_per_step": stats.bytes_moved,
-            "copy_gbps": stats.gbps,
-            "wait_ms": stats.wait_ms,
-            "hit_rate": stats.hit_rate,
-        }
-        record(f"DGLS {label} (blocks_to_swap={swap_cfg.blocks_to_swap}, prefetch={swap_cfg.prefetch})", times, extra)
-        swapper.remove()
-    if "naive" in methods:
-        n = blocks_to_swap_for(layers, float(args.gib.split(",")[-1]))
-        from utils.dgls.placement import plan_placement
-
-        placement = plan_placement(layers, SwapConfig(blocks_to_swap=n))
-        reset()
-        naive = NaiveSwap(layers, set(placement.streamed), device)
-        times = measure(layers, inputs, target, device, max(2, args.steps // 4), 1)
-        record(f"naive .to() swap (blocks_to_swap={n})", times, {"streamed_gib": placement.streamed_bytes / GiB})
-        naive.remove(layers)
-
-    result = {
-        "benchmark": "flux_dev_lora_step",
-        "config": cfg,
-        "image_tokens": side * side,
-        "text_tokens": text_tokens,
-        "dtype": str(dtype),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "pinned_h2d_gbps": bandwidth,
-        "model_build_s": build_s,
-        **gpu_details(),
-        "rows": rows,
-    }
-    write_reports(result, args.name)
-
-
-def derive(result: dict) -> None:
-    """Ratios and floors, from the figures measured in the run."""
-    rows, bandwidth = result["rows"], result["pinned_h2d_gbps"]
-    resident = next((r["median_step_s"] for r in rows if r["method"] == "all-resident"), None)
-    for r in rows:
-        if not resident:
-            continue
-        r["vs_resident"] = r["median_step_s"] / resident
-        if bandwidth and r.get("bytes_per_step") is not None:
-            # What was really copied (layers kept across the forward/backward turnaround are copied once) ...
-            r["floor_s"] = max(resident, r["bytes_per_step"] / bandwidth / 1e9)
-            r["vs_floor"] = r["median_step_s"] / r["floor_s"]
-            # ... and the issue's definition: every streamed byte twice a step.
-            r["floor_2x_s"] = max(resident, 2 * r["streamed_gib"] * GiB / bandwidth / 1e9)
-            r["vs_floor_2x"] = r["median_step_s"] / r["floor_2x_s"]
-
-
-def write_reports(result: dict, name: str) -> None:
-    """JSON with every figure, a Markdown table and (with matplotlib) a plot."""
-    derive(result)
-    rows = result["rows"]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))
-    lines = [
-        f"Flux-dev-size LoRA training step on {result.get('gpu', 'cpu')} "
-        f"(PCIe gen {result.get('pcie_gen', '?')} x{result.get('pcie_width', '?')}, torch {result['torch']}): "
-        f"{result['image_tokens']} image + {result['text_tokens']} text tokens, batch 1, LoRA r16, "
-        f"non-reentrant checkpointing per block; pinned host-to-device {result['pinned_h2d_gbps']:.1f} GB/s.",
-        "",
-        "| method | streamed GiB | step (s) | vs resident | vs floor (copied) | vs floor (2x streamed) "
-        "| copied/step GiB | copy GB/s | compute waited (ms) | peak alloc GiB | peak reserved GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['method']} | {r.get('streamed_gib', 0):.1f} | {r['median_step_s']:.3f} "
-            f"| {r.get('vs_resident', 0):.2f}x | {r.get('vs_floor', 0):.2f}x | {r.get('vs_floor_2x', 0):.2f}x "
-            f"| {r.get('bytes_per_step', 0) / GiB:.1f} | {r.get('copy_gbps', 0):.1f} | {r.get('wait_ms', 0):.0f} "
-            f"| {r.get('peak_allocated_gib', 0):.2f} | {r.get('peak_reserved_gib', 0):.2f} |"
-        )
-    lines += [
-        "",
-        "floor (copied) = max(all-resident step, bytes copied per step / pinned bandwidth); floor (2x streamed) = "
-        "max(all-resident step, 2 x streamed bytes / pinned bandwidth); all measured in this run.",
-    ]
-    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 4.8))
-        for r in rows:
-            ax.scatter(r.get("peak_allocated_gib", 0), r["median_step_s"], label=r["method"])
-        ax.set_yscale("log")
-        ax.set_xlabel("peak allocated VRAM (GiB)")
-        ax.set_ylabel("median step (s, log scale)")
-        ax.set_title("Flux-dev LoRA step: time vs VRAM (lower left is better)")
-        ax.legend(fontsize=6)
-        fig.tight_layout()
-        fig.savefig(RESULTS / f"{name}.png", dpi=120)
-    except ImportError:
-        print("matplotlib not installed: no plot written (pip install matplotlib)")
+def main(argv=None) -> None:
+    common.main(sys.argv[1:] if argv is None else argv, {"flux": flux_bench}, "flux", __doc__)
 
 
 if __name__ == "__main__":

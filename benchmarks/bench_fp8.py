@@ -26,10 +26,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_flux  # noqa: E402
+from common import results_dir  # noqa: E402
 
 from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
 
-RESULTS = bench_flux.RESULTS
 GiB = bench_flux.GiB
 FORMATS = {"e4m3": "f8_e4m3", "e5m2": "f8_e5m2"}
 
@@ -79,7 +79,8 @@ def main() -> None:
     parser.add_argument("--rewrite", action="store_true", help="re-render <name>.md from <name>.json")
     args = parser.parse_args()
     if args.rewrite:
-        write_reports(json.loads((RESULTS / f"{args.name}.json").read_text()), args.name)
+        out = results_dir(args.tiny)
+        write_reports(json.loads((out / f"{args.name}.json").read_text()), args.name, out)
         return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
@@ -189,10 +190,10 @@ def main() -> None:
         **bench_flux.gpu_details(),
         "rows": rows,
     }
-    write_reports(result, args.name)
+    write_reports(result, args.name, results_dir(args.tiny))
 
 
-def write_reports(result: dict, name: str) -> None:
+def write_reports(result: dict, name: str, out: Path) -> None:
     """JSON with every figure and a Markdown table."""
     rows = result["rows"]
     resident = next((r["median_step_s"] for r in rows if r["method"] == "all-resident"), None)
@@ -200,8 +201,8 @@ def write_reports(result: dict, name: str) -> None:
     for r in rows:
         r["vs_resident"] = r["median_step_s"] / resident if resident else 0
         r["vs_bf16_storage"] = r["median_step_s"] / bf16 if bf16 else 0
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
     lines = [
         f"fp8 weight storage, Flux-dev-size LoRA training step on {result.get('gpu', 'cpu')} "
         f"(PCIe gen {result.get('pcie_gen', '?')} x{result.get('pcie_width', '?')}, torch {result['torch']}): "
@@ -228,7 +229,7 @@ def write_reports(result: dict, name: str) -> None:
         "masters in pageable RAM (staged through pinned buffers: see their copy GB/s): a stand-in for a slower "
         "host link, where copies rather than compute set the step time.",
     ]
-    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

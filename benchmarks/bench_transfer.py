@@ -24,9 +24,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import pinned_bandwidth, results_dir  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
 
 
 class Block(nn.Module):
@@ -72,23 +73,6 @@ def timed_steps(layers, x, steps: int, warmup: int, device) -> list[float]:
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return times
-
-
-def pinned_bandwidth(device, nbytes: int) -> float:
-    """GB/s of one large pinned host-to-device copy (median of 5)."""
-    if device.type != "cuda":
-        return 0.0
-    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    rates = []
-    for _ in range(6):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dev.copy_(host, non_blocking=True)
-        b.record()
-        b.synchronize()
-        rates.append(nbytes / a.elapsed_time(b) / 1e6)
-    return statistics.median(rates[1:])
 
 
 def run_config(name, cfg: SwapConfig | None, shape, x, args, device, dtype) -> dict:
@@ -172,8 +156,9 @@ def main() -> None:
         "steps": args.steps,
         "rows": rows,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2))
+    out = results_dir(args.tiny)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=2))
     lines = [
         f"Transfer benchmark on {result['device']} (torch {result['torch']}, CUDA {result['cuda']}): "
         f"{big[0]} blocks of {result['block_mib']:.0f} MiB, {streamed} streamed, {tokens} tokens, "
@@ -195,7 +180,7 @@ def main() -> None:
         "floor = max(resident step, bytes copied per step / pinned bandwidth). The last two rows use blocks "
         "made of 65 params (same bytes, slower compute): compare them with each other, not with resident.",
     ]
-    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -1,5 +1,6 @@
 """dgls_train.py: the demo end to end through DeepSpeed, and one-line errors for user mistakes."""
 
+import os
 import subprocess
 import sys
 
@@ -14,8 +15,16 @@ from utils.dgls.launch import build_parser
 
 
 def run_cli(*args, cwd=ROOT):
+    # In-process demo runs leave this process's group (and its MASTER_PORT) alive: a child must pick its own.
+    dist_keys = ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in dist_keys}
     return subprocess.run(
-        [sys.executable, str(ROOT / "dgls_train.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=600
+        [sys.executable, str(ROOT / "dgls_train.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
 
 
@@ -48,7 +57,9 @@ def test_demo_trains_loss_goes_down_and_saves_lora(tmp_path):
         ('[model]\ntype = "dgls_demo"\n[dgls]\nprefetch = -3\n', "prefetch must be"),
     ],
 )
-def test_user_errors_are_one_line(tmp_path, toml_text, message):
+def test_user_errors_are_one_line(tmp_path, monkeypatch, toml_text, message):
+    monkeypatch.delenv("DGLS_DIFFUSION_PIPE", raising=False)  # the flux case expects no checkout to be found
+    monkeypatch.chdir(tmp_path)
     path = tmp_path / "x.toml"
     if toml_text is not None:
         path.write_text(toml_text)

@@ -15,24 +15,27 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
 RUNNER = FIXTURES / "run_dp_train.py"
 ENV = "DGLS_DIFFUSION_PIPE"
 STEPS = 3
+# float32 on CPU (bitwise repeatable with MKL_CBWR); bf16 on a GPU, as users train (cuDNN attention off
+# in the runner, so GPU runs are bitwise repeatable too).
+DTYPE = "bfloat16" if torch.cuda.is_available() else "float32"
 
 pytestmark = pytest.mark.skipif(
     not os.environ.get(ENV), reason=f"opt-in, slow: set {ENV} to a diffusion-pipe checkout to run train.py for real"
 )
 
-# What train.py and its imports need beyond DGLS's own requirements.
+# What train.py and its imports need beyond DGLS's own requirements (wandb: the runner has a stand-in).
 DP_IMPORTS = [
     "deepspeed",
     "diffusers",
     "transformers",
     "peft",
-    "wandb",
     "multiprocess",
     "datasets",
     "imageio",
@@ -84,22 +87,34 @@ def _only_run_dir(output_dir):
     return runs[0]
 
 
+def _eval_runs(tmp_path, names, model_kw=None, **config_kw) -> dict:
+    """A tiny Flux, a 4-image dataset and a 1-image eval set; one config per name, each with its own output dir."""
+    tiny = _load_fixture("tiny_flux")
+    model = tiny.build_tiny_flux(tmp_path / "model", seed=0, **(model_kw or {}))
+    data = tiny.write_dataset(tmp_path / "data", n=4, size=64, seed=0)
+    eval_data = tiny.write_dataset(tmp_path / "eval_data", n=1, size=64, seed=0, offset=4)
+    return {
+        name: tiny.write_configs(
+            tmp_path / f"cfg_{name}",
+            model,
+            data,
+            tmp_path / f"out_{name}",
+            eval_data_dir=eval_data,
+            max_steps=STEPS,
+            dtype=DTYPE,
+            **config_kw,
+        )
+        for name in names
+    }
+
+
 def test_plain_train_py_runs_and_is_repeatable(checkout, tmp_path):
     """--cache_only, then two seeded training runs reading that cache: both reach
     TRAINING COMPLETE!, save step LoRAs, a DeepSpeed checkpoint and TensorBoard events,
     and their LoRAs are bitwise equal."""
     from safetensors.torch import load_file
 
-    tiny = _load_fixture("tiny_flux")
-    model = tiny.build_tiny_flux(tmp_path / "model", seed=0)
-    data = tiny.write_dataset(tmp_path / "data", n=4, size=64, seed=0)
-    eval_data = tiny.write_dataset(tmp_path / "eval_data", n=1, size=64, seed=0, offset=4)
-    configs = {
-        name: tiny.write_configs(
-            tmp_path / f"cfg_{name}", model, data, tmp_path / f"out_{name}", eval_data_dir=eval_data, max_steps=STEPS
-        )
-        for name in ("a", "b")
-    }
+    configs = _eval_runs(tmp_path, ("a", "b"))
 
     cache_log = _run(checkout, configs["a"], tmp_path / "cache.log", "--cache_only")
     assert "TRAINING COMPLETE!" not in cache_log
@@ -131,22 +146,9 @@ def test_dgls_train_matches_plain_train_py(checkout, tmp_path, checkpointing):
     without DGLS, and the LoRA bitwise equal to the plain run's (same seed, shared cache)."""
     from safetensors.torch import load_file
 
-    tiny = _load_fixture("tiny_flux")
-    model = tiny.build_tiny_flux(tmp_path / "model", seed=0, num_double=3, num_single=3)
-    data = tiny.write_dataset(tmp_path / "data", n=4, size=64, seed=0)
-    eval_data = tiny.write_dataset(tmp_path / "eval_data", n=1, size=64, seed=0, offset=4)
-    configs = {
-        name: tiny.write_configs(
-            tmp_path / f"cfg_{name}",
-            model,
-            data,
-            tmp_path / f"out_{name}",
-            eval_data_dir=eval_data,
-            max_steps=STEPS,
-            activation_checkpointing=checkpointing,
-        )
-        for name in ("plain", "dgls")
-    }
+    configs = _eval_runs(
+        tmp_path, ("plain", "dgls"), dict(num_double=3, num_single=3), activation_checkpointing=checkpointing
+    )
     _run(checkout, configs["plain"], tmp_path / "cache.log", "--cache_only")
     _run(checkout, configs["plain"], tmp_path / "plain.log")
     log = _run(checkout, configs["dgls"], tmp_path / "dgls.log", dgls="--blocks_to_swap 5 --prefetch 1 --verbose")
@@ -176,7 +178,7 @@ def test_dgls_resume_matches_plain_resume(checkout, tmp_path):
     finals, logs = {}, {}
     for name, dgls in (("plain", None), ("dgls", "--blocks_to_swap 5 --prefetch 1")):
         out = tmp_path / f"out_{name}"
-        common = dict(activation_checkpointing=True, eval_every_n_steps=None, eval_before_first_step=False)
+        common = dict(activation_checkpointing=True, eval_every_n_steps=None, eval_before_first_step=False, dtype=DTYPE)
         first = tiny.write_configs(tmp_path / f"cfg1_{name}", model, data, out, max_steps=2, **common)
         second = tiny.write_configs(tmp_path / f"cfg2_{name}", model, data, out, max_steps=4, **common)
         if name == "plain":

@@ -1,12 +1,21 @@
 """The VRAM-budget planner: its choices on synthetic layers and timings, live re-placement, errors."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import assert_bitwise_equal, make_layers, train
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
+from utils.dgls.autoplan import (
+    PEAK_MARGIN,
+    PEAK_MARGIN_SHARE,
+    REFINE_MARGIN,
+    REFINE_MARGIN_SHARE,
+    SHORTLIST,
+    AutoPlanner,
+)
 from utils.dgls.placement import LayerSizes, plan_placement
 from utils.dgls.planner import (
     GiB,
@@ -15,6 +24,7 @@ from utils.dgls.planner import (
     minimum_bytes,
     plan_for_budget,
     predict_peak,
+    shortlist,
     simulate,
 )
 
@@ -109,8 +119,9 @@ def test_apply_placement_between_steps_keeps_training_exact():
 
 
 def test_auto_plan_on_cpu_probes_plans_and_stays_exact():
+    steps = 40  # probe (2) + up to 4 shortlisted plans visited A B C D D C B A + a refinement round A B B A
     layers, trainable = make_layers()
-    reference = train(layers, trainable, CPU, "nonreentrant", steps=6)
+    reference = train(layers, trainable, CPU, "nonreentrant", steps=steps)
     layers, trainable = make_layers()
     sizes = plan_placement(layers, SwapConfig(gpu_layers=[])).sizes
     middle = (minimum_bytes(sizes, None) + sum(s.streamable_bytes + s.fixed_bytes for s in sizes)) / 2
@@ -118,9 +129,15 @@ def test_auto_plan_on_cpu_probes_plans_and_stays_exact():
     config = SwapConfig(vram_budget_gb=middle / GiB)
     with LayerSwapper(layers, config, device=CPU, log=lines.append) as swapper:
         assert len(swapper.streamed_layers) == sum(1 for s in sizes if s.streamable_bytes)  # probe: all stream
-        got = train(layers, trainable, CPU, "nonreentrant", steps=6, on_step=lambda step: swapper.step_stats())
-        plan = swapper.autoplanner.plan
-        assert swapper.autoplanner.done
+        got = train(layers, trainable, CPU, "nonreentrant", steps=steps, on_step=lambda step: swapper.step_stats())
+        planner = swapper.autoplanner
+        plan = planner.plan
+        assert planner.done
+        trials = planner.trials
+        assert len(trials) > 1, "a budget in the middle leaves several plans to measure"
+        assert all(len(t.samples_ms) == 2 and t.wall_ms > 0 for t in trials)  # every plan visited twice
+        assert plan is min(planner._round, key=lambda t: t.wall_ms).plan  # the fastest of the last round
+        assert any(line.startswith("DGLS: chose") for line in lines)
     assert_bitwise_equal(reference, got)
     assert plan is not None and plan.predicted_peak <= middle
     assert 0 < len(plan.streamed) < len(sizes)
@@ -145,3 +162,122 @@ def test_budget_below_the_static_minimum_stops_before_step_one():
 def test_bad_budget_values(value):
     with pytest.raises(DGLSUserError, match="vram_budget"):
         SwapConfig(vram_budget_gb=value)
+
+
+def test_fp8_storage_is_planned_with_its_copy_and_slot_bytes():
+    """cast_target fp8: copies move half the bytes (faster predicted steps), slots stay in the compute dtype,
+    and the landing buffer and scales count towards the peak."""
+    sizes, profile = flux_like()
+    fp8 = [
+        LayerSizes(
+            s.index,
+            s.class_name,
+            s.streamable_bytes,
+            s.fixed_bytes,
+            cast_slot_bytes=s.streamable_bytes or None,
+            cast_copy_bytes=s.streamable_bytes // 2 or None,
+            landing_bytes=s.streamable_bytes // 2,
+            scale_bytes=MiB if s.streamable_bytes else 0,
+        )
+        for s in sizes
+    ]
+    streamed = range(1, 58)
+    assert simulate(fp8, profile, streamed, 2) < simulate(sizes, profile, streamed, 2)
+    extra = fp8[1].landing_bytes + 57 * MiB  # one copy stream's landing buffer + every streamed layer's scales
+    assert predict_peak(fp8, profile, streamed, 2) == predict_peak(sizes, profile, streamed, 2) + extra
+    assert predict_peak(fp8, profile, streamed, 2, copy_streams=2) == predict_peak(fp8, profile, streamed, 2) + (
+        fp8[1].landing_bytes
+    )
+    budget = 12 * GiB
+    assert plan_for_budget(fp8, profile, budget).predicted_ms <= plan_for_budget(sizes, profile, budget).predicted_ms
+
+
+def test_shortlist_is_distinct_close_and_led_by_the_plan():
+    sizes, profile = flux_like()
+    for budget in (8 * GiB, 12 * GiB, 16 * GiB):
+        plans = shortlist(sizes, profile, budget, count=3)
+        assert plans[0] == plan_for_budget(sizes, profile, budget)
+        assert 1 <= len(plans) <= 3
+        assert len({(p.streamed, p.prefetch) for p in plans}) == len(plans)
+        assert all(p.predicted_peak <= budget for p in plans)
+        assert all(p.predicted_ms <= plans[0].predicted_ms * 1.15 for p in plans)
+
+
+class FakeSwapper:
+    """What AutoPlanner touches of a LayerSwapper: the sizes, the config, apply_placement."""
+
+    def __init__(self, sizes):
+        self.placement = SimpleNamespace(sizes=sizes, streamed=[s.index for s in sizes if s.streamable_bytes])
+        self.config = SimpleNamespace(prefetch=1, cuda_streams=1)
+        self.applied: list[tuple[tuple[int, ...], int]] = []
+
+    def apply_placement(self, streamed, prefetch):
+        self.applied.append((tuple(streamed), prefetch))
+        self.placement.streamed = list(streamed)
+
+
+class ScriptedPlanner(AutoPlanner):
+    """Step times and peaks come from functions of the plan in force instead of clocks."""
+
+    def __init__(self, budget, profile, wall, peak):
+        super().__init__(budget, torch.device("cuda"), log=None)  # "cuda": peaks count; no CUDA call is made
+        self.probe_profile, self.wall, self.peak = profile, wall, peak
+        self.log = lambda line: None
+
+    def _start_timing(self, record):
+        pass
+
+    def _stop_timing(self, swapper, stats, steps):
+        if self._phase == "probe":
+            self.profile, self._wall_ms, self._peak_reserved = self.probe_profile, 1000.0, 0
+        else:
+            self._wall_ms, self._peak_reserved = self.wall(self.plan), self.peak(self.plan)
+
+
+def drive(planner, swapper, limit=100):
+    steps = 0
+    while not planner.done and steps < limit:
+        planner.step_done(swapper, None)
+        steps += 1
+    assert planner.done, f"not settled after {limit} steps"
+    return steps
+
+
+def test_trials_visit_a_to_z_and_back_then_refine_with_the_measured_peak_error():
+    sizes, profile = flux_like()
+    budget = 12 * GiB
+    planner = ScriptedPlanner(budget, profile, wall=lambda p: p.predicted_ms, peak=lambda p: p.predicted_peak)
+    swapper = FakeSwapper(sizes)
+    steps = drive(planner, swapper)
+    first_round = planner.trials[:-2]
+    assert len(first_round) >= 2 and all(len(t.samples_ms) == 2 for t in planner.trials)
+    # A B .. Z Z .. B A: the last plan is visited twice in a row without re-applying it
+    order = [(tuple(t.plan.streamed), t.plan.prefetch) for t in first_round]
+    assert swapper.applied[: 2 * len(order) - 1] == order + order[::-1][1:]
+    # the peaks were predicted exactly, so the refined plan may use most of the margin, and is faster
+    assert planner.refined and len(planner.trials) == len(first_round) + 2
+    refined = max(planner.trials[-2:], key=lambda t: t.plan.predicted_peak).plan
+    assert refined.predicted_peak > budget - max(PEAK_MARGIN, PEAK_MARGIN_SHARE * budget)
+    assert refined.predicted_peak <= budget - max(REFINE_MARGIN, REFINE_MARGIN_SHARE * budget)
+    assert planner.plan is refined and refined.predicted_ms < min(t.plan.predicted_ms for t in first_round)
+    assert steps < 50
+
+
+def test_a_measured_peak_error_near_the_margin_means_no_refinement():
+    sizes, profile = flux_like()
+    error = int(0.45 * GiB)  # within the up-front margin (0.5 GiB), so nothing goes over, but no room is left
+    planner = ScriptedPlanner(12 * GiB, profile, wall=lambda p: p.predicted_ms, peak=lambda p: p.predicted_peak + error)
+    drive(planner, FakeSwapper(sizes))
+    assert not planner.replanned and len(planner.trials) <= SHORTLIST
+    assert planner.plan is min(planner.trials, key=lambda t: t.wall_ms).plan
+    assert all(t.peak_reserved <= 12 * GiB for t in planner.trials)
+
+
+def test_trials_all_over_budget_replan_once_then_fall_back_to_all_streamed():
+    sizes, profile = flux_like()
+    swapper = FakeSwapper(sizes)
+    planner = ScriptedPlanner(12 * GiB, profile, wall=lambda p: p.predicted_ms, peak=lambda p: 13 * GiB)
+    drive(planner, swapper)
+    assert planner.replanned
+    streamed, prefetch = swapper.applied[-1]
+    assert prefetch == 1 and len(streamed) == sum(1 for s in sizes if s.streamable_bytes)

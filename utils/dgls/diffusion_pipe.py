@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,9 @@ from typing import Any
 import torch
 
 from .errors import DGLSUserError
+from .monitor import MemoryMonitor, MemoryReading
 from .options import swap_config
+from .stats import StepStats, StepWindow
 from .swapper import LayerSwapper
 
 ENV_CHECKOUT = "DGLS_DIFFUSION_PIPE"
@@ -104,8 +107,10 @@ class PipelineInterception:
 
     * ``ManualPipelineModule.__init__``: give the layer list a LayerSwapper before DeepSpeed
       moves the module to the GPU;
-    * ``PipelineEngine.train_batch``: after each step, read the swap stats, print them with
-      ``verbose`` and write them to diffusion-pipe's TensorBoard run dir;
+    * ``PipelineEngine.train_batch``: after each step, read the swap stats and memory, print
+      them with ``verbose`` (plus a windowed summary every ``verbose_every`` steps; no ETA, as
+      the run length depends on the dataset), warn once when host RAM runs short, and write
+      them to diffusion-pipe's TensorBoard run dir;
     * ``SummaryWriter.__init__`` (if tensorboard is installed): remember train.py's writer,
       so the stats land next to its loss.
     """
@@ -114,6 +119,8 @@ class PipelineInterception:
         self.values = values
         self.log = log
         self.swapper: LayerSwapper | None = None
+        self.monitor: MemoryMonitor | None = None
+        self.window = StepWindow(values["verbose_every"])
         self.writer = None
         self.patches = Patches()
 
@@ -151,9 +158,12 @@ class PipelineInterception:
 
     def _wrap_train_batch(self, original):
         def train_batch_with_stats(engine, *args, **kwargs):
+            start = time.perf_counter()
             loss = original(engine, *args, **kwargs)
             if self.swapper is not None:
-                self.report(self.swapper.step_stats(), getattr(engine, "global_steps", 0))
+                reading = self.monitor.read()  # before step_stats() resets the VRAM peak
+                stats = self.swapper.step_stats()
+                self.report(stats, getattr(engine, "global_steps", 0), time.perf_counter() - start, reading)
                 if self.swapper.plan_finished:
                     self.log("DGLS: --plan: stopping after the probe steps; nothing was saved")
                     raise SystemExit(0)
@@ -169,12 +179,28 @@ class PipelineInterception:
 
         return init_and_remember
 
-    def report(self, stats, step: int) -> None:
+    def report(
+        self, stats: StepStats, step: int, seconds: float | None = None, reading: MemoryReading | None = None
+    ) -> None:
         if self.values["verbose"]:
             self.log(f"dgls step {step}: {stats.line(self.swapper.device.type)}")
+            if seconds is not None and (text := self.window.add(seconds, stats)):
+                self.log(f"dgls {text}" + (f"\ndgls {reading.line()}" if reading is not None else ""))
+        if reading is not None:
+            for warning in self.monitor.warnings(reading):
+                self.log(warning)
         if self.writer is not None:
             for key, value in stats.as_dict().items():
                 self.writer.add_scalar(f"dgls/{key}", value, step)
+            for key, value in (reading.scalars() if reading is not None else {}).items():
+                self.writer.add_scalar(f"dgls/memory/{key}", value, step)
+
+    def finish(self) -> None:
+        """After train.py: summarise the last, partial window and put the layers back."""
+        if self.values["verbose"] and (text := self.window.flush()):
+            self.log(f"dgls {text}")
+        if self.swapper is not None:
+            self.swapper.remove()
 
     def install(self, layers) -> None:
         if self.swapper is not None:
@@ -186,6 +212,9 @@ class PipelineInterception:
             )
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         self.swapper = LayerSwapper(list(layers), swap_config(self.values), device=device, log=self.log)
+        swapper = self.swapper
+        self.monitor = MemoryMonitor(swapper.device, lambda: swapper.store.pinned_bytes)
+        self.window.device_type = swapper.device.type
 
     def __exit__(self, *exc) -> None:
         self.patches.restore()
@@ -216,6 +245,8 @@ def with_lazy_lora_steps(config: dict[str, Any], config_path: str, steps: int) -
 def run_train_py(checkout: Path, config_path: str, train_args: list[str], values: dict[str, Any]) -> None:
     """Run the checkout's train.py as ``__main__`` with DGLS installed (or not, if swapping is off)."""
     config_path = str(Path(config_path).resolve())
+    if values.get("profile"):  # a relative --profile path means where the command ran, not the checkout
+        values = {**values, "profile": str(Path(values["profile"]).resolve())}
     if str(checkout) not in sys.path:
         sys.path.insert(0, str(checkout))
     os.chdir(checkout)
@@ -225,5 +256,4 @@ def run_train_py(checkout: Path, config_path: str, train_args: list[str], values
         return
     with PipelineInterception(values) as interception:
         runpy.run_path(str(checkout / "train.py"), run_name="__main__")
-        if interception.swapper is not None:
-            interception.swapper.remove()
+        interception.finish()

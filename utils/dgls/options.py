@@ -148,7 +148,8 @@ OPTIONS: tuple[Option, ...] = (
         "plan",
         bool,
         False,
-        "with vram_budget: run the 2 probe steps, print the plan, and exit without saving anything",
+        "with vram_budget: run the 2 probe steps, print the predicted plan and its runners-up, "
+        "and exit without saving anything",
         "see what fits before a long run",
     ),
     Option(

@@ -8,7 +8,9 @@ layer at a time, each copy issued ``prefetch`` streamed uses ahead and into the 
 the use ``prefetch + 1`` streamed uses earlier has finished with. ``plan_for_budget``
 searches which layers stay resident (which ones, not only how many: resident layers
 spread between streamed ones give the copies compute to hide behind) and the prefetch
-depth, and keeps the placement with the lowest predicted step time that fits.
+depth, and keeps the placement with the lowest predicted step time that fits;
+``shortlist`` also returns the best plans of other families predicted close to it, which
+the swapper measures on real steps before it settles (see autoplan.py).
 """
 
 from __future__ import annotations
@@ -79,26 +81,34 @@ def _ranges(indices: Iterable[int]) -> str:
 
 
 # ---------------------------------------------------------------- memory
-def pool_bytes(sizes: Sequence[LayerSizes], streamed: Iterable[int], prefetch: int) -> int:
+def pool_bytes(sizes: Sequence[LayerSizes], streamed: Iterable[int], prefetch: int, copy_streams: int = 1) -> int:
+    """The device slots (``prefetch + 1`` of the largest streamed layer, in compute dtypes) plus,
+    with fp8 storage, each copy stream's landing buffer and the streamed layers' fp8 scales."""
     streamed = list(streamed)
     if not streamed:
         return 0
-    return min(len(streamed), prefetch + 1) * max(sizes[i].streamable_bytes for i in streamed)
+    slots = min(len(streamed), prefetch + 1) * max(sizes[i].slot_bytes for i in streamed)
+    landing = copy_streams * max(sizes[i].landing_bytes for i in streamed)
+    return slots + landing + sum(sizes[i].scale_bytes for i in streamed)
 
 
-def predict_peak(sizes: Sequence[LayerSizes], profile: StepProfile, streamed: Iterable[int], prefetch: int) -> int:
+def predict_peak(
+    sizes: Sequence[LayerSizes], profile: StepProfile, streamed: Iterable[int], prefetch: int, copy_streams: int = 1
+) -> int:
     """Peak reserved bytes: resident weights and buffers, the pool, activations, allocator slack."""
     streamed = set(streamed)
     weights = sum(s.fixed_bytes + (0 if s.index in streamed else s.streamable_bytes) for s in sizes)
-    return weights + pool_bytes(sizes, streamed, prefetch) + profile.activation_bytes + profile.reserved_overhead
+    pool = pool_bytes(sizes, streamed, prefetch, copy_streams)
+    return weights + pool + profile.activation_bytes + profile.reserved_overhead
 
 
-def minimum_bytes(sizes: Sequence[LayerSizes], profile: StepProfile | None, prefetch: int = 1) -> int:
+def minimum_bytes(
+    sizes: Sequence[LayerSizes], profile: StepProfile | None, prefetch: int = 1, copy_streams: int = 1
+) -> int:
     """The smallest footprint: every streamable layer streamed, ``prefetch + 1`` slots."""
     streamed = [s.index for s in sizes if s.streamable_bytes]
-    fixed = sum(s.fixed_bytes for s in sizes) + sum(s.streamable_bytes for s in sizes if not s.streamable_bytes)
     extra = (profile.activation_bytes + profile.reserved_overhead) if profile else 0
-    return fixed + pool_bytes(sizes, streamed, prefetch) + extra
+    return sum(s.fixed_bytes for s in sizes) + pool_bytes(sizes, streamed, prefetch, copy_streams) + extra
 
 
 # ---------------------------------------------------------------- time
@@ -122,7 +132,7 @@ def simulate(
         continues = k > 0 and sequence[k - 1].layer == use.layer
         if use.layer in streamed and not continues:
             issue = hold_end[-slots] if len(hold_end) >= slots else 0.0
-            copy_free = max(issue, copy_free) + sizes[use.layer].streamable_bytes / profile.bytes_per_ms
+            copy_free = max(issue, copy_free) + sizes[use.layer].copy_bytes / profile.bytes_per_ms
             t = max(t, copy_free)
             hold_end.append(0.0)
         t += use.compute_ms
@@ -145,59 +155,90 @@ def _patterns(candidates: list[int], resident_count: int) -> dict[str, list[int]
     }
 
 
-def plan_for_budget(
-    sizes: Sequence[LayerSizes],
-    profile: StepProfile,
-    budget: int,
-    prefetch_choices: Sequence[int] = PREFETCH_CHOICES,
-) -> Plan:
-    """The fitting placement with the lowest predicted step time (ties: fewer bytes streamed).
-
-    Tries resident sets of every size in three patterns, then improves the best one
-    greedily: while a streamed layer can become resident within the budget, make resident
-    the one that lowers the predicted time most.
-    """
-    need = minimum_bytes(sizes, profile, min(prefetch_choices))
+def _check_minimum(sizes, profile, budget, prefetch_choices, copy_streams) -> None:
+    need = minimum_bytes(sizes, profile, min(prefetch_choices), copy_streams)
     if need > budget:
         raise DGLSUserError(
             f"VRAM budget {budget / GiB:.2f} GiB is below the minimum {need / GiB:.2f} GiB (resident essentials "
             f"+ 2 x the largest layer + {profile.activation_bytes / GiB:.2f} GiB of activations): raise "
             "--vram_budget, or lower the activations (activation_checkpointing, smaller batch or resolution)"
         )
+
+
+def shortlist(
+    sizes: Sequence[LayerSizes],
+    profile: StepProfile,
+    budget: int,
+    count: int = 3,
+    prefetch_choices: Sequence[int] = PREFETCH_CHOICES,
+    copy_streams: int = 1,
+    within: float = 0.15,
+) -> list[Plan]:
+    """The best fitting plan of each (pattern, prefetch) family, fastest first: the planner's
+    choice (improved greedily) and up to ``count - 1`` runners-up predicted within ``within``
+    of it, distinct in pattern or prefetch, for the swapper to measure (the model ranks
+    near-equal plans less reliably than one real step does)."""
+    _check_minimum(sizes, profile, budget, prefetch_choices, copy_streams)
     candidates = [s.index for s in sizes if s.streamable_bytes]
-    best: Plan | None = None
-
-    def consider(streamed: set[int], prefetch: int, pattern: str) -> None:
-        nonlocal best
-        peak = predict_peak(sizes, profile, streamed, prefetch)
-        if peak > budget:
-            return
-        ms = simulate(sizes, profile, streamed, prefetch)
-        plan = Plan(tuple(sorted(streamed)), prefetch, ms, peak, budget, pattern)
-        if best is None or _better(plan, best, sizes):
-            best = plan
-
+    families: dict[tuple[str, int], Plan] = {}
     for prefetch in prefetch_choices:
         for k in range(len(candidates) + 1):
             for name, resident in _patterns(candidates, k).items():
-                consider(set(candidates) - set(resident), prefetch, name)
-    assert best is not None  # the minimum fits, so "everything streamed" was considered
+                streamed = set(candidates) - set(resident)
+                peak = predict_peak(sizes, profile, streamed, prefetch, copy_streams)
+                if peak > budget:
+                    continue
+                ms = simulate(sizes, profile, streamed, prefetch)
+                plan = Plan(tuple(sorted(streamed)), prefetch, ms, peak, budget, name)
+                best = families.get((name, prefetch))
+                if best is None or _better(plan, best, sizes):
+                    families[(name, prefetch)] = plan
+    assert families  # the minimum fits, so "everything streamed" was considered
+    ranked = sorted(families.values(), key=lambda p: (p.predicted_ms, sum(sizes[i].copy_bytes for i in p.streamed)))
+    first = _improve(sizes, profile, ranked[0], copy_streams)
+    picks = [first]
+    for plan in ranked[1:]:
+        if len(picks) == count or plan.predicted_ms > first.predicted_ms * (1 + within):
+            break
+        if all(plan.streamed != p.streamed or plan.prefetch != p.prefetch for p in picks):
+            picks.append(plan)
+    return picks
+
+
+def plan_for_budget(
+    sizes: Sequence[LayerSizes],
+    profile: StepProfile,
+    budget: int,
+    prefetch_choices: Sequence[int] = PREFETCH_CHOICES,
+    copy_streams: int = 1,
+) -> Plan:
+    """The fitting placement with the lowest predicted step time (ties: fewer bytes streamed).
+
+    Tries resident sets of every size in three patterns and each prefetch depth, then
+    improves the best one greedily (see ``_improve``).
+    """
+    return shortlist(sizes, profile, budget, 1, prefetch_choices, copy_streams)[0]
+
+
+def _improve(sizes: Sequence[LayerSizes], profile: StepProfile, best: Plan, copy_streams: int) -> Plan:
+    """While a streamed layer can become resident within the budget, make resident the one
+    that lowers the predicted time most."""
     streamed = set(best.streamed)
     while True:
         options = []
         for i in sorted(streamed):
             trial = streamed - {i}
-            if predict_peak(sizes, profile, trial, best.prefetch) <= budget:
-                options.append((simulate(sizes, profile, trial, best.prefetch), -sizes[i].streamable_bytes, i))
+            if predict_peak(sizes, profile, trial, best.prefetch, copy_streams) <= best.budget:
+                options.append((simulate(sizes, profile, trial, best.prefetch), -sizes[i].copy_bytes, i))
         if not options:
-            break
+            return best
         ms, _, i = min(options)
         if ms > best.predicted_ms * 0.999:
-            break
+            return best
         streamed.discard(i)
-        peak = predict_peak(sizes, profile, streamed, best.prefetch)
-        best = Plan(tuple(sorted(streamed)), best.prefetch, ms, peak, budget, best.pattern + "+greedy")
-    return best
+        peak = predict_peak(sizes, profile, streamed, best.prefetch, copy_streams)
+        pattern = best.pattern if best.pattern.endswith("+greedy") else best.pattern + "+greedy"
+        best = Plan(tuple(sorted(streamed)), best.prefetch, ms, peak, best.budget, pattern)
 
 
 def _better(a: Plan, b: Plan, sizes: Sequence[LayerSizes]) -> bool:
@@ -206,6 +247,6 @@ def _better(a: Plan, b: Plan, sizes: Sequence[LayerSizes]) -> bool:
         return True
     if a.predicted_ms > b.predicted_ms * 1.001:
         return False
-    bytes_a = sum(sizes[i].streamable_bytes for i in a.streamed)
-    bytes_b = sum(sizes[i].streamable_bytes for i in b.streamed)
+    bytes_a = sum(sizes[i].copy_bytes for i in a.streamed)
+    bytes_b = sum(sizes[i].copy_bytes for i in b.streamed)
     return (bytes_a, a.predicted_peak) < (bytes_b, b.predicted_peak)

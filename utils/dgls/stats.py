@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -88,3 +89,85 @@ class StatsCollector:
             if reset_peak:
                 torch.cuda.reset_peak_memory_stats(self.device)
         return stats
+
+
+def clock(seconds: float) -> str:
+    """h:mm:ss (or m:ss under an hour) for an ETA."""
+    s = max(0, round(seconds))
+    h, rest = divmod(s, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+@dataclass(frozen=True)
+class WindowSummary:
+    """The steps of one window together: a per-step line is too noisy to read trends from."""
+
+    first_step: int
+    last_step: int
+    median_s: float
+    mean_s: float
+    gbps: float  # bytes copied / time the copy streams spent copying, over the window
+    wait_ms: float  # total time compute waited on copies in the window
+    hit_rate: float
+    peak_vram_bytes: int
+    eta_s: float | None  # steps left x median step time; None when the run length is unknown
+
+    def line(self, device_type: str = "cuda") -> str:
+        text = (
+            f"steps {self.first_step}-{self.last_step}: median {self.median_s * 1000:.0f} ms, "
+            f"mean {self.mean_s * 1000:.0f} ms, hits {self.hit_rate:.0%}"
+        )
+        if device_type == "cuda":
+            text += (
+                f", copies {self.gbps:.1f} GB/s, compute waited {self.wait_ms:.0f} ms, "
+                f"peak VRAM {human_bytes(self.peak_vram_bytes)}"
+            )
+        if self.eta_s:  # None: run length unknown; 0: nothing left
+            text += f"; ETA {clock(self.eta_s)}"
+        return text
+
+
+@dataclass
+class StepWindow:
+    """Collects step times and stats; every ``every`` steps gives a summary of that window
+    (with an ETA when ``total_steps`` is known)."""
+
+    every: int
+    total_steps: int | None = None
+    device_type: str = "cuda"
+    steps_done: int = 0
+    last: WindowSummary | None = None  # the latest summary
+    _seconds: list[float] = field(default_factory=list, init=False)
+    _stats: list[StepStats] = field(default_factory=list, init=False)
+
+    def add(self, seconds: float, stats: StepStats | None = None) -> str | None:
+        """Record one step; return the window's summary line when the window is full."""
+        self._seconds.append(seconds)
+        if stats is not None:
+            self._stats.append(stats)
+        self.steps_done += 1
+        return self.flush() if len(self._seconds) >= self.every else None
+
+    def flush(self) -> str | None:
+        """Summarise the steps collected so far (a partial window at the end of a run) and start anew."""
+        if not self._seconds:
+            return None
+        seconds, stats = self._seconds, self._stats
+        self._seconds, self._stats = [], []
+        median = statistics.median(seconds)
+        copy_ms = sum(s.copy_ms for s in stats)
+        uses = sum(s.uses for s in stats)
+        left = None if self.total_steps is None else max(0, self.total_steps - self.steps_done)
+        self.last = WindowSummary(
+            first_step=self.steps_done - len(seconds) + 1,
+            last_step=self.steps_done,
+            median_s=median,
+            mean_s=statistics.fmean(seconds),
+            gbps=sum(s.bytes_moved for s in stats) / copy_ms / 1e6 if copy_ms > 0 else 0.0,
+            wait_ms=sum(s.wait_ms for s in stats),
+            hit_rate=1.0 - sum(s.misses for s in stats) / uses if uses else 1.0,
+            peak_vram_bytes=max((s.peak_vram_bytes for s in stats), default=0),
+            eta_s=None if left is None else left * median,
+        )
+        return self.last.line(self.device_type)

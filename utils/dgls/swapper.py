@@ -28,8 +28,10 @@ from .config import SwapConfig
 from .device_pool import DevicePool, Slot
 from .errors import DGLSUserError
 from .host_store import GiB, HostLayer, HostStore, ParamSlot, default_pinned_budget
+from .monitor import check_pinned_budget
 from .placement import MB, Placement, plan_placement, shared_param_ids
 from .precision import CastRules, autocast_context, cast_trainable, check_device_support, describe
+from .profiler import Profiler
 from .schedule import Use, UsePredictor, current_phase
 from .stats import StatsCollector, StepStats
 from .transfer import CopyEngine, Fetch
@@ -102,7 +104,7 @@ class LayerSwapper:
             self.config = self._start_autoplanner()
         self.placement: Placement = plan_placement(self.layers, self.config)
         if self.autoplanner is not None:
-            self.autoplanner.check_static_minimum(self.placement.sizes)
+            self.autoplanner.check_static_minimum(self.placement.sizes, self.config.cuda_streams)
         self._home: dict[int, tuple[torch.Tensor, torch.device]] = {}  # where each tensor came from
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self._streamed: dict[int, StreamedLayer] = {}
@@ -134,6 +136,12 @@ class LayerSwapper:
         )
         self.predictor = UsePredictor(len(self.layers))
         self.stats = StatsCollector(self.device)
+        self.profiler: Profiler | None = None  # only with profile_path: costs nothing otherwise
+        if self.config.profile_path:
+            c = self.config
+            self.profiler = Profiler(
+                c.profile_path, self.device, c.profile_warmup_steps, c.profile_steps, c.cuda_streams, self._log
+            )
         self._install_hooks()
         self._compiled: set[int] = set()
         self._compile_resident()
@@ -163,6 +171,8 @@ class LayerSwapper:
         threshold = int(self.config.selective_packing * MB)
         store = HostStore(self.device, budget, threshold)
         store.check_ram(total, on_cpu)
+        if store.use_pinning and (note := check_pinned_budget(min(total, budget), freed_bytes=on_cpu)):
+            self._log(note)
         self.store = store
         for idx, named in streamed_params.items():
             self._stream_layer(idx, named)
@@ -186,7 +196,8 @@ class LayerSwapper:
         self.autoplanner = AutoPlanner(budget, self.device, self._log, plan_only=config.plan_only)
         self._log(
             f"DGLS: planning for a {budget / GiB:.2f} GiB VRAM budget: steps 1-2 run with every layer streamed "
-            "(warm-up, then the probe), then the plan is applied and checked on steps 3-4"
+            "(warm-up, then the probe); then the best predicted plans are measured on the next steps (about 30), "
+            "and the fastest that fits is kept"
         )
         return config.replace(gpu_layers=[], prefetch=1)
 
@@ -360,6 +371,8 @@ class LayerSwapper:
             self.predictor.observe(use)
             if self.autoplanner is not None and self.autoplanner.recorder is not None:
                 self.autoplanner.recorder.use_started(idx, phase)
+            if self.profiler is not None:
+                self.profiler.use_started(idx, phase, idx in self._streamed)
             if self._current != idx:
                 self._release_current()
                 self._current = idx
@@ -403,7 +416,11 @@ class LayerSwapper:
                     self.stats.waited(before, after)
                     if self.autoplanner is not None and self.autoplanner.recorder is not None:
                         self.autoplanner.recorder.waited(before, after)
+                    if self.profiler is not None:
+                        self.profiler.waited(sl.index, before, after)
             self.stats.fetched(fetch.nbytes, fetch.demand, fetch.start, fetch.ready)
+            if self.profiler is not None:
+                self.profiler.fetched(fetch)
             sl.waited = True
         if not sl.bound:
             self._bind(sl)
@@ -496,6 +513,8 @@ class LayerSwapper:
         if self.config.sync_each_step and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         stats = self.stats.take(self.store.pinned_bytes, reset_peak)
+        if self.profiler is not None:
+            self.profiler.step_done()
         if self.autoplanner is not None:
             self.autoplanner.step_done(self, stats)
         return stats
@@ -524,7 +543,8 @@ class LayerSwapper:
             sizes = self.placement.sizes
             order = tuple(sorted(self._streamed))
             slot_bytes = max((sl.host.nbytes for sl in self._streamed.values()), default=0)
-            self.placement = Placement(sizes, order, min(len(order), prefetch + 1), slot_bytes)
+            landing = self.copies.landing_bytes * self.config.cuda_streams
+            self.placement = Placement(sizes, order, min(len(order), prefetch + 1), slot_bytes, landing)
             self.pool.release()
             self.pool = DevicePool(self.device, self.placement.slot_count, slot_bytes)
             self.store.ensure_staging(2, slot_bytes)
@@ -552,6 +572,8 @@ class LayerSwapper:
         if self._removed:
             return
         self._removed = True
+        if self.profiler is not None:
+            self.profiler.close()
         self.copies.close()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

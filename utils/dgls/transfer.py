@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,8 @@ class Fetch:
     start: torch.cuda.Event | None = None
     issued: threading.Event = field(default_factory=threading.Event)
     demand: bool = False  # issued because compute needed it now (a prefetch miss)
+    stream: int = 0  # index of the copy stream it was issued on
+    host_span: tuple[float, float] | None = None  # CPU: perf_counter() around the (synchronous) copy
 
     @property
     def nbytes(self) -> int:
@@ -149,9 +152,11 @@ class CopyEngine:
     def _issue(self, fetches: list[Fetch]) -> None:
         if not self.cuda:
             for f in fetches:
+                began = time.perf_counter()
                 for src, dst in f.host.copies(f.slot.buffer, None):
                     dst.copy_(src)
                 f.host.upcast(f.slot.buffer, None)
+                f.host_span = (began, time.perf_counter())
                 f.issued.set()
             return
         k = self._next_stream
@@ -159,6 +164,7 @@ class CopyEngine:
         self._next_stream = (self._next_stream + 1) % len(self.streams)
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             for f in fetches:
+                f.stream = k
                 for event in f.wait_for:
                     if self.event_sync:
                         stream.wait_event(event)

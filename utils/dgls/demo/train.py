@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DGLSUserError
+from ..monitor import MemoryMonitor
 from ..options import swap_config
-from ..stats import human_bytes
+from ..stats import StepWindow, human_bytes
 from ..swapper import LayerSwapper
 from .data import SyntheticLatents
 from .model import BLOCK_CLASSES, DemoModelConfig, add_lora, build_layers
@@ -112,6 +113,8 @@ def run_demo(train_config: dict, options: dict, log=print, progress: bool = True
     from safetensors.torch import save_file
     from tqdm import tqdm
 
+    if progress and log is print:
+        log = tqdm.write  # lines printed during training (the profile, the planner) keep the bar intact
     demo = demo_settings(train_config)
     device = pick_device(demo, options["gpu_id"])
     if device.type == "cuda":
@@ -158,9 +161,13 @@ def run_demo(train_config: dict, options: dict, log=print, progress: bool = True
 
     result = DemoResult()
     bar = tqdm(range(demo["steps"]), desc="demo", unit="step", disable=not progress, dynamic_ncols=True)
+    say = bar.write if progress else log
+    monitor = MemoryMonitor(device, lambda: swapper.store.pinned_bytes if swapper is not None else 0)
+    window = StepWindow(options["verbose_every"], demo["steps"], device.type)
     for step in bar:
         start = time.perf_counter()
         loss = engine.train_batch(data_iter=batches).item()
+        reading = monitor.read()  # before step_stats() resets the VRAM peak
         stats = swapper.step_stats() if swapper is not None else None
         if swapper is not None and swapper.plan_finished:
             log("DGLS: --plan: stopping after the probe; nothing was saved")
@@ -175,10 +182,13 @@ def run_demo(train_config: dict, options: dict, log=print, progress: bool = True
             result.pinned_bytes = stats.pinned_bytes
             line += "; " + (stats.line(device.type) if options["verbose"] else stats.short())
         bar.set_postfix(loss=f"{loss:.4f}")
-        if progress:
-            bar.write(line)
-        else:
-            log(line)
+        say(line)
+        for warning in monitor.warnings(reading):
+            say(warning)
+        if options["verbose"] and (text := window.add(result.step_seconds[-1], stats)):
+            say(f"DGLS {text}\nDGLS {reading.line()}")
+    if options["verbose"] and (text := window.flush()):
+        say(f"DGLS {text}")
     if device.type == "cuda" and swapper is None:
         result.peak_vram_bytes = torch.cuda.max_memory_allocated(device)
 

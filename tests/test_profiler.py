@@ -1,0 +1,166 @@
+"""--profile: the trace holds every use and copy of the profiled steps, and changes nothing else."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+from helpers import assert_bitwise_equal, make_layers, train
+
+from utils.dgls import LayerSwapper, SwapConfig
+
+CPU = torch.device("cpu")
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def profiled_run(tmp_path, device=CPU, steps=4, dtype=torch.float32, **config):
+    """Train with a profile; return the trace, the stats of each step and the uses each step saw."""
+    layers, trainable = make_layers(dtype)
+    config = {"prefetch": 2, "profile_path": str(tmp_path / "trace.json"), **config}
+    per_step, uses, lines = [], [[]], []
+    with LayerSwapper(layers, SwapConfig(**config), device=device, log=lines.append) as swapper:
+        observe = swapper.predictor.observe
+
+        def spy(use):  # called once per use, independently of the profiler
+            uses[-1].append(use)
+            observe(use)
+
+        swapper.predictor.observe = spy
+
+        def on_step(_):
+            per_step.append(swapper.step_stats())
+            uses.append([])
+
+        record = train(layers, trainable, device, "nonreentrant", steps=steps, dtype=dtype, on_step=on_step)
+    path = tmp_path / "trace.json"
+    trace = json.loads(path.read_text()) if path.exists() else None
+    return trace, per_step, uses, lines, record
+
+
+def lanes(trace):
+    return {e["args"]["name"]: e["tid"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+
+
+def spans(trace, cat, step=None):
+    return [
+        e
+        for e in trace["traceEvents"]
+        if e["ph"] == "X" and e["cat"] == cat and (step is None or e["args"]["step"] == step)
+    ]
+
+
+def check_complete(trace, per_step, uses, warmup, steps):
+    """Every use and every copy of the profiled steps is in the trace, in order, on its lane."""
+    assert trace["otherData"]["steps"] == list(range(warmup + 1, warmup + steps + 1))
+    assert len(spans(trace, "step")) == steps
+    lane = lanes(trace)
+    assert {"steps", "compute", "waits"} <= lane.keys() and any(name.startswith("copy") for name in lane)
+    for step in trace["otherData"]["steps"]:
+        stats = per_step[step - 1]
+        compute = spans(trace, "compute", step)
+        assert [(e["args"]["layer"], e["name"].split()[-1]) for e in compute] == uses[step - 1]
+        assert sum(e["args"]["streamed"] for e in compute) == stats.uses > 0
+        copies = spans(trace, "copy", step)
+        assert len(copies) == stats.fetches > 0
+        assert sum(e["args"]["bytes"] for e in copies) == stats.bytes_moved
+        assert all(e["tid"] >= lane["copy" if "copy" in lane else "copy 0"] for e in copies)
+        assert all(e["tid"] == lane["compute"] for e in compute)
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X":
+            assert e["ts"] >= 0 and e["dur"] >= 0 and e["pid"] == 1
+    starts = [e["ts"] for e in spans(trace, "compute")]
+    assert starts == sorted(starts)
+
+
+@pytest.mark.parametrize("threading_on", [False, True], ids=["inline", "thread"])
+def test_profile_holds_every_use_and_copy_of_the_profiled_steps(tmp_path, threading_on):
+    trace, per_step, uses, lines, _ = profiled_run(
+        tmp_path, profile_warmup_steps=1, profile_steps=2, threading=threading_on
+    )
+    check_complete(trace, per_step, uses, warmup=1, steps=2)
+    assert trace["otherData"]["clock"] == "time.perf_counter" and trace["otherData"]["notes"]
+    (line,) = [x for x in lines if x.startswith("DGLS profile:")]
+    assert f"steps 2-3 written to {tmp_path / 'trace.json'}" in line and "ui.perfetto.dev" in line
+    assert (tmp_path / "trace.png").exists() == HAS_MATPLOTLIB
+
+
+def test_profile_changes_no_numerics(tmp_path):
+    *_, profiled = profiled_run(tmp_path, steps=3, profile_warmup_steps=0, profile_steps=2)
+    layers, trainable = make_layers()
+    with LayerSwapper(layers, SwapConfig(prefetch=2), device=CPU, log=None):
+        plain = train(layers, trainable, CPU, "nonreentrant", steps=3)
+    assert_bitwise_equal(plain, profiled)
+
+
+def test_a_run_shorter_than_the_profile_writes_what_it_has(tmp_path):
+    trace, per_step, uses, _, _ = profiled_run(tmp_path, steps=3, profile_warmup_steps=1, profile_steps=5)
+    assert trace["otherData"]["steps"] == [2, 3]
+    assert any("ended after 2 of 5" in note for note in trace["otherData"]["notes"])
+
+
+def test_without_matplotlib_only_the_json_is_written(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails as if not installed
+    trace, _, _, lines, _ = profiled_run(tmp_path, steps=2, profile_warmup_steps=0, profile_steps=1)
+    assert trace is not None and not (tmp_path / "trace.png").exists()
+    assert any("pip install matplotlib" in x for x in lines)
+
+
+def test_demo_cli_profile_and_verbose(tmp_path):
+    config = (ROOT / "toml" / "demo.toml").read_text()
+    config = config.replace('output_dir = "output/demo"', f'output_dir = "{tmp_path}"').replace(
+        "steps = 30", "steps = 5"
+    )
+    (tmp_path / "demo.toml").write_text(config)
+    trace_path = tmp_path / "prof" / "trace.json"
+    dist_keys = ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by in-process demo runs
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "dgls_train.py"), "--config", str(tmp_path / "demo.toml")]
+        + ["--profile", str(trace_path), "--verbose", "--verbose_every", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={k: v for k, v in os.environ.items() if k not in dist_keys},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert f"DGLS profile: steps 3-5 written to {trace_path}" in out
+    assert "DGLS steps 1-2: median" in out and "ETA" in out and "DGLS memory: pinned" in out
+    assert "DGLS steps 5-5: median" in out  # the partial window at the end
+    trace = json.loads(trace_path.read_text())
+    assert trace["otherData"]["steps"] == [3, 4, 5] and len(spans(trace, "step")) == 3
+    assert {"compute", "copy"} <= lanes(trace).keys()
+    for step in (3, 4, 5):  # the demo streams its 8 blocks: each is used in forward and backward
+        streamed = {e["args"]["layer"] for e in spans(trace, "compute", step) if e["args"]["streamed"]}
+        assert streamed == set(range(1, 9))
+        assert spans(trace, "copy", step)
+    assert (trace_path.with_suffix(".png")).exists() == HAS_MATPLOTLIB
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("streams", [1, 2])
+def test_cuda_profile_has_copies_waits_and_every_use(tmp_path, streams):
+    device = torch.device("cuda", torch.cuda.current_device())
+    trace, per_step, uses, _, _ = profiled_run(
+        tmp_path,
+        device=device,
+        dtype=torch.bfloat16,
+        profile_warmup_steps=1,
+        profile_steps=2,
+        cuda_streams=streams,
+        prefetch=1,
+    )
+    check_complete(trace, per_step, uses, warmup=1, steps=2)
+    assert trace["otherData"]["clock"] == "cuda events"
+    copies = spans(trace, "copy")
+    assert copies and all(e["dur"] > 0 and e["args"]["bytes"] > 0 for e in copies)
+    assert {e["tid"] for e in copies} == {lanes(trace)["copy" if streams == 1 else f"copy {k}"] for k in range(streams)}
+    waits = spans(trace, "wait")
+    assert len(waits) == sum(s.fetches for s in per_step[1:3])  # one wait per fetch the compute stream waited on
+    step_ms = [trace["otherData"]["summary"][str(s)]["ms"] for s in (2, 3)]
+    assert all(ms > 0 for ms in step_ms)
+    assert (tmp_path / "trace.png").exists() == HAS_MATPLOTLIB

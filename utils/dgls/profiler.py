@@ -1,0 +1,286 @@
+"""Profiler: a timeline of layer copies, layer compute and the waits between them, for a few steps.
+
+Step stats say *how much* compute waited; the timeline says *where*: which layer's copy was
+late, and what ran while it copied. The swapper reports each layer use (marked on the compute
+stream with a CUDA event, like the planner's UseRecorder), each copy (its fetch's start/ready
+events; it ends after the fp8 upcast where there is one), each wait (the events around the
+compute stream's wait) and each step end. Only steps
+``warmup_steps + 1 .. warmup_steps + steps`` are kept; then the events are resolved (one
+device synchronize, after the step has been read anyway) and written as a Chrome trace, plus
+a PNG timeline when matplotlib is installed. Recording events never touches tensors, so a
+profiled run computes exactly what an unprofiled one does; without ``--profile`` there is no
+profiler at all.
+
+On CPU there are no streams: copies are synchronous memcpys timed with ``perf_counter`` on the
+thread that issues them (inline, inside the use that prefetched them), and no waits exist.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .transfer import Fetch
+
+PHASES = {"F": "forward", "B": "backward", "N": "forward (no grad)"}
+LANES = {"steps": 1, "compute": 2, "waits": 3}
+COPY_LANE = 10  # copy stream k is lane COPY_LANE + k
+
+
+@dataclass
+class _Use:
+    layer: int
+    phase: str
+    streamed: bool
+    step: int
+    at: Any  # a CUDA event or a perf_counter() value
+
+
+@dataclass
+class _Copy:
+    layer: int
+    step: int
+    nbytes: int
+    demand: bool
+    stream: int
+    start: Any
+    end: Any
+
+
+@dataclass
+class _Wait:
+    layer: int
+    step: int
+    start: Any
+    end: Any
+
+
+def png_path(path: Path) -> Path:
+    return path.with_suffix(".png") if path.suffix == ".json" else path.with_name(path.name + ".png")
+
+
+class Profiler:
+    """Records steps ``warmup_steps + 1 .. warmup_steps + steps`` (1-based), then writes ``path``."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        device: torch.device | str,
+        warmup_steps: int = 2,
+        steps: int = 3,
+        copy_streams: int = 1,
+        log=print,
+    ) -> None:
+        self.path = Path(path)
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.warmup_steps = warmup_steps
+        self.steps = steps
+        self.copy_streams = copy_streams
+        self.log = log or (lambda *_: None)
+        self.steps_done = 0
+        self.done = False
+        self.notes: list[str] = []
+        self._origin = self._now()
+        self._uses: list[_Use] = []
+        self._copies: list[_Copy] = []
+        self._waits: list[_Wait] = []
+        self._boundaries: list[Any] = []  # start of the first recorded step, then the end of each
+        self._mark_boundary()
+
+    # ---------------------------------------------------------------- recording (called by the swapper)
+    @property
+    def recording(self) -> bool:
+        return not self.done and self.warmup_steps <= self.steps_done < self.warmup_steps + self.steps
+
+    def _now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _mark_boundary(self) -> None:
+        if self.warmup_steps <= self.steps_done <= self.warmup_steps + self.steps:
+            self._boundaries.append(self._now())
+
+    def use_started(self, layer: int, phase: str, streamed: bool) -> None:
+        if self.recording:
+            self._uses.append(_Use(layer, phase, streamed, self.steps_done + 1, self._now()))
+
+    def waited(self, layer: int, before, after) -> None:
+        if self.recording:
+            self._waits.append(_Wait(layer, self.steps_done + 1, before, after))
+
+    def fetched(self, fetch: Fetch) -> None:
+        """A fetch whose copy the current use waits on (reported once, as the step stats count it)."""
+        if not self.recording:
+            return
+        start, end = (fetch.start, fetch.ready) if self.cuda else (fetch.host_span or (None, None))
+        if start is None:
+            note = "copy timing is off (collect_timing=False): no copy or wait events"
+            if note not in self.notes:
+                self.notes.append(note)
+            return
+        step = self.steps_done + 1
+        self._copies.append(_Copy(fetch.layer, step, fetch.nbytes, fetch.demand, fetch.stream, start, end))
+
+    def step_done(self) -> None:
+        if self.done:
+            return
+        self.steps_done += 1
+        self._mark_boundary()
+        if self.steps_done == self.warmup_steps + self.steps:
+            self.write()
+
+    def close(self) -> None:
+        """At the end of a run: write what was recorded if the run ended before the last profiled step."""
+        if not self.done and len(self._boundaries) > 1:
+            self.notes.append(f"the run ended after {len(self._boundaries) - 1} of {self.steps} profiled steps")
+            self.write()
+        self.done = True
+
+    # ---------------------------------------------------------------- output
+    def _us(self, stamp) -> float:
+        if self.cuda:
+            return self._origin.elapsed_time(stamp) * 1000.0
+        return (stamp - self._origin) * 1e6
+
+    def trace(self) -> dict:
+        """The Chrome-trace dict (``traceEvents``, ``X`` events in µs); resolves the events."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        bounds = [self._us(b) for b in self._boundaries]
+        recorded = list(range(self.warmup_steps + 1, self.warmup_steps + len(bounds)))
+        events: list[dict] = []
+
+        def add(name: str, cat: str, lane: int, start: float, end: float, args: dict) -> None:
+            span = {"ts": start, "dur": max(0.0, end - start)}
+            events.append({"name": name, "cat": cat, "ph": "X", **span, "pid": 1, "tid": lane, "args": args})
+
+        uses = [(u, self._us(u.at)) for u in self._uses]
+        for k, (u, start) in enumerate(uses):
+            step_end = bounds[u.step - self.warmup_steps] if u.step - self.warmup_steps < len(bounds) else start
+            nxt = uses[k + 1] if k + 1 < len(uses) else None
+            end = nxt[1] if nxt is not None and nxt[0].step == u.step else step_end
+            args = {"layer": u.layer, "phase": PHASES.get(u.phase, u.phase), "streamed": u.streamed, "step": u.step}
+            add(f"layer {u.layer} {u.phase}", "compute", LANES["compute"], start, end, args)
+        for w in self._waits:
+            start, end = self._us(w.start), self._us(w.end)
+            add(f"wait layer {w.layer}", "wait", LANES["waits"], start, end, {"layer": w.layer, "step": w.step})
+        for c in self._copies:
+            start, end = self._us(c.start), self._us(c.end)
+            args = {"layer": c.layer, "bytes": c.nbytes, "demand": c.demand, "stream": c.stream, "step": c.step}
+            args["GB/s"] = round(c.nbytes / (end - start) / 1e3, 2) if end > start else None
+            add(f"copy layer {c.layer}", "copy", COPY_LANE + c.stream, start, end, args)
+        summary = {}
+        for i, step in enumerate(recorded):
+            mine = [e for e in events if e["args"]["step"] == step]
+            row = {
+                "ms": round((bounds[i + 1] - bounds[i]) / 1000, 3),
+                "uses": sum(e["cat"] == "compute" for e in mine),
+                "streamed_uses": sum(e["cat"] == "compute" and e["args"]["streamed"] for e in mine),
+                "copies": sum(e["cat"] == "copy" for e in mine),
+                "bytes": sum(e["args"]["bytes"] for e in mine if e["cat"] == "copy"),
+                "copy_ms": round(sum(e["dur"] for e in mine if e["cat"] == "copy") / 1000, 3),
+                "wait_ms": round(sum(e["dur"] for e in mine if e["cat"] == "wait") / 1000, 3),
+            }
+            summary[str(step)] = row
+        for i, step in enumerate(recorded):
+            add(f"step {step}", "step", LANES["steps"], bounds[i], bounds[i + 1], {"step": step, **summary[str(step)]})
+        origin = min((e["ts"] for e in events), default=0.0)
+        for e in events:
+            e["ts"] = round(e["ts"] - origin, 3)
+            e["dur"] = round(e["dur"], 3)
+        events.sort(key=lambda e: (e["tid"], e["ts"]))
+        lanes = {**LANES, **{self._copy_lane_name(k): COPY_LANE + k for k in range(self.copy_streams)}}
+        meta = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": f"DGLS on {self.device}"}}]
+        for name, lane in lanes.items():
+            meta.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": lane, "args": {"name": name}})
+            meta.append({"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": lane, "args": {"sort_index": lane}})
+        notes = list(self.notes)
+        if not self.cuda:
+            notes.append(
+                "CPU: copies are synchronous memcpys on the thread that issues them, timed with time.perf_counter "
+                "(a use that prefetched a layer includes that copy); there are no waits"
+            )
+        other = {
+            "tool": "DGLS profiler",
+            "device": str(self.device),
+            "clock": "cuda events" if self.cuda else "time.perf_counter",
+            "warmup_steps": self.warmup_steps,
+            "profile_steps": self.steps,
+            "steps": recorded,
+            "lanes": lanes,
+            "summary": summary,
+            "notes": notes,
+        }
+        return {"traceEvents": meta + events, "displayTimeUnit": "ms", "otherData": other}
+
+    def _copy_lane_name(self, k: int) -> str:
+        return "copy" if self.copy_streams == 1 else f"copy {k}"
+
+    def write(self) -> None:
+        """Write the JSON (and the PNG if matplotlib imports); print one line saying where."""
+        self.done = True
+        trace = self.trace()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(trace))
+        steps = trace["otherData"]["steps"]
+        span = f"{steps[0]}-{steps[-1]}" if steps else "none"
+        png = png_path(self.path)
+        try:
+            draw_timeline(trace, png)
+            where = f"timeline {png}"
+        except ImportError:
+            where = "pip install matplotlib for a PNG timeline"
+        self.log(
+            f"DGLS profile: steps {span} written to {self.path} (open in ui.perfetto.dev or chrome://tracing); {where}"
+        )
+        self._uses, self._copies, self._waits, self._boundaries = [], [], [], []
+
+
+def draw_timeline(trace: dict, path: Path) -> None:
+    """A PNG of the trace: one row per copy stream, compute (by phase) and waits (red). Raises
+    ImportError without matplotlib (an optional dependency)."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    other = trace["otherData"]
+    lanes = sorted(other["lanes"].items(), key=lambda kv: -kv[1])  # copies on top, steps at the bottom
+    rows = {lane: y for y, (_, lane) in enumerate(lanes)}
+    colors = {"forward": "#4C72B0", "backward": "#DD8452", "forward (no grad)": "#8C8C8C"}
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    fig = Figure(figsize=(14, 1.2 + 0.5 * len(rows)))
+    ax = fig.add_subplot()
+    for e in events:
+        y, start, width = rows[e["tid"]], e["ts"] / 1000, e["dur"] / 1000
+        if e["cat"] == "compute":
+            color, alpha = colors.get(e["args"]["phase"], "#8C8C8C"), 1.0 if e["args"]["streamed"] else 0.45
+        elif e["cat"] == "copy":
+            color, alpha = "#C44E52" if e["args"]["demand"] else "#55A868", 1.0
+        elif e["cat"] == "wait":
+            color, alpha = "#D62728", 1.0
+        else:
+            color, alpha = "#DDDDDD", 1.0
+            ax.axvline(start, color="#999999", linewidth=0.6, linestyle="--")
+        edge = "white" if e["cat"] in ("compute", "step") else color  # narrow copies and waits stay visible
+        ax.broken_barh([(start, width)], (y - 0.4, 0.8), facecolors=color, alpha=alpha, edgecolor=edge, lw=0.4)
+        if e["cat"] == "step":
+            ax.text(start + width / 2, y, e["name"], ha="center", va="center", fontsize=7)
+    ax.set_yticks(list(range(len(lanes))), [name for name, _ in lanes])
+    ax.set_xlabel("ms")
+    ax.set_ylim(-0.6, len(lanes) - 0.4)
+    steps = other["steps"]
+    ax.set_title(f"DGLS timeline on {other['device']}, steps {steps[0]}-{steps[-1]}" if steps else "DGLS timeline")
+    legend = [Patch(color=c, label=f"compute {p}") for p, c in colors.items()]
+    legend += [Patch(color="#55A868", label="copy (prefetch)"), Patch(color="#C44E52", label="copy (on demand)")]
+    legend += [Patch(color="#D62728", label="compute waits on a copy")]
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=6, fontsize=7, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
