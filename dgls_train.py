@@ -41,8 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         check_known_type(kind, None)  # a typo reads better as "unknown model type" than "no checkout"
         raise
     check_known_type(kind, checkout)
+    diffusion_pipe.check_dataset_files(config, args.config, checkout)
     if values["dynamic_swapping"]:
         diffusion_pipe.check_train_config(config, args.config)
+        for note in diffusion_pipe.startup_notes(config):
+            print(note)
     config_path = diffusion_pipe.with_lazy_lora_steps(config, args.config, values["lazy_lora_steps"])
     diffusion_pipe.run_train_py(checkout, config_path, rest, values)
     return 0

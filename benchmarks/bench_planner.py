@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -69,9 +70,21 @@ def main() -> None:
     parser.add_argument("--name", default="planner")
     parser.add_argument("--rounds", type=int, default=3, help="A/B rounds of auto vs the best hand config")
     parser.add_argument(
+        "--from_log",
+        type=Path,
+        help="rebuild the results files from the JSON lines this benchmark printed (a run whose files were lost)",
+    )
+    parser.add_argument(
         "--merge", action="store_true", help="keep the other budgets' rows of an earlier run (one call per budget pair)"
     )
     args = parser.parse_args()
+    if args.from_log:
+        rows, env = rows_from_log(args.from_log)
+        env["rebuilt_from_log"] = args.from_log.name
+        kept = earlier_rows(args, sorted({r["budget_gib"] for r in rows if r["budget_gib"] is not None}))
+        print(report(save(args, kept + rows, rows[0]["step_s"], env)))
+        return
+    print(json.dumps({"env": environment()}), flush=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)  # broken backward on the lent H100 image
@@ -207,9 +220,38 @@ def earlier_rows(args, budgets: list[float]) -> list[dict]:
     return [r for r in json.loads(earlier.read_text())["rows"] if r["budget_gib"] not in (None, *budgets)]
 
 
-def save(args, rows: list[dict], resident_s: float) -> dict:
+def environment() -> dict:
+    return {**gpu_details(), "torch": torch.__version__, "cuda": torch.version.cuda}
+
+
+REPORT_HEADER = re.compile(r"^VRAM-budget planner, Flux-dev-size LoRA step \((.+), torch (\S+)\)")
+
+
+def rows_from_log(path: Path) -> tuple[list[dict], dict]:
+    """The rows (A/B figures merged into their auto row) and the environment a run printed.
+    Runs before the ``env`` line existed name the GPU and torch in their report's first line."""
+    rows: list[dict] = []
+    env: dict = {}
+    for line in path.read_text().splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            if "env" in record:
+                env = record["env"]
+            elif "method" in record:
+                rows.append(record)
+            elif "ab_ratio" in record:
+                budget = record["budget_gib"]
+                next(r for r in rows if r["budget_gib"] == budget and r["method"] == "auto").update(record)
+        elif not env and (match := REPORT_HEADER.match(line)):
+            env = {"gpu": match[1], "torch": match[2]}
+    if not rows or rows[0]["method"] != "all-resident":
+        raise SystemExit(f"{path}: no rows of this benchmark (the all-resident row comes first)")
+    return rows, env
+
+
+def save(args, rows: list[dict], resident_s: float, env: dict | None = None) -> dict:
     result = {"config": "flux-dev" if not args.tiny else "tiny", "resident_s": resident_s, "rows": rows}
-    result.update(gpu_details(), torch=torch.__version__, cuda=torch.version.cuda)
+    result.update(env if env is not None else environment())
     out = results_dir(args.tiny)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))

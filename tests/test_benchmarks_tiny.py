@@ -43,7 +43,13 @@ def test_json_has_every_figure(results, model):
     by_kind = {}
     for r in rows:
         by_kind.setdefault(r["kind"], []).append(r)
-    assert set(by_kind) == {"resident", "dgls", "dp", "auto", "naive"}
+    assert set(by_kind) == {"resident", "dgls", "ab", "dp", "auto", "naive"}
+    if model == "flux":  # resident and DGLS in alternation, one row per step-time target
+        ab = by_kind["ab"]
+        assert len(ab) == 2 and all(r["vs_resident"] == r["median_step_s"] / r["ab_resident_s"] for r in ab)
+        assert all(r["steps"] == 3 * 4 and len(r["ab_resident_times_s"]) == 3 * 4 for r in ab)
+    else:
+        assert all("skipped" in r for r in by_kind["ab"])
     for r in rows:
         if "skipped" not in r:
             assert all(k in r for k in TIMED), (r["method"], [k for k in TIMED if k not in r])

@@ -16,7 +16,13 @@ from conftest import ROOT
 from safetensors.torch import load_file
 
 import dgls_train
-from utils.dgls.diffusion_pipe import ENV_CHECKOUT, check_train_config, find_checkout
+from utils.dgls.diffusion_pipe import (
+    ENV_CHECKOUT,
+    check_dataset_files,
+    check_train_config,
+    find_checkout,
+    startup_notes,
+)
 from utils.dgls.errors import DGLSUserError
 
 FAKE = ROOT / "tests" / "fixtures" / "fake_checkout"
@@ -52,6 +58,32 @@ def test_refusals(change, message):
         check_train_config(config, "x.toml")
 
 
+def test_dataset_files_are_checked_relative_to_the_checkout(tmp_path):
+    checkout = tmp_path / "dp"
+    (checkout / "data" / "images").mkdir(parents=True)
+    (checkout / "data" / "ds.toml").write_text('[[directory]]\npath = "data/images"\n')
+    (checkout / "data" / "bad.toml").write_text('[[directory]]\npath = "data/missing"\n')
+    (checkout / "data" / "broken.toml").write_text("[[directory]\n")
+    evals = [{"name": "e", "config": "data/ds.toml"}]
+    check_dataset_files({"dataset": "data/ds.toml", "eval_datasets": evals}, "x", checkout)
+    cases = [
+        ({}, "sets no dataset"),
+        ({"dataset": "data/nope.toml"}, "dataset = 'data/nope.toml' not found"),
+        ({"dataset": "data/ds.toml", "eval_datasets": ["data/nope.toml"]}, "eval_datasets\\[0\\] = 'data/nope.toml'"),
+        ({"dataset": "data/bad.toml"}, "path 'data/missing' is not a folder"),
+        ({"dataset": "data/broken.toml"}, "is not valid TOML"),
+    ]
+    for config, message in cases:
+        with pytest.raises(DGLSUserError, match=message):
+            check_dataset_files(config, "x.toml", checkout)
+
+
+def test_disable_block_swap_for_eval_says_what_it_means_under_dgls():
+    assert startup_notes({}) == []
+    (note,) = startup_notes({"disable_block_swap_for_eval": True})
+    assert "forward-only schedule" in note
+
+
 def test_unknown_type_and_missing_checkout_are_one_line_errors(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV_CHECKOUT, raising=False)
     monkeypatch.chdir(tmp_path)
@@ -67,9 +99,11 @@ def run_fake(tmp_path, *extra):
     out = tmp_path / "out"
     out.mkdir(parents=True, exist_ok=True)
     config = tmp_path / "train.toml"
+    (tmp_path / "images").mkdir(exist_ok=True)
+    (tmp_path / "dataset.toml").write_text(f'[[directory]]\npath = "{tmp_path / "images"}"\n')
     config.write_text(
-        f'output_dir = "{out}"\npipeline_stages = 1\nactivation_checkpointing = true\n'
-        '[model]\ntype = "flux"\n[adapter]\ntype = "lora"\nrank = 4\n'
+        f'output_dir = "{out}"\ndataset = "{tmp_path / "dataset.toml"}"\npipeline_stages = 1\n'
+        'activation_checkpointing = true\n[model]\ntype = "flux"\n[adapter]\ntype = "lora"\nrank = 4\n'
     )
     env = {k: v for k, v in os.environ.items() if k not in (ENV_CHECKOUT, "MASTER_PORT")}
     env["MASTER_PORT"] = str(29500 + os.getpid() % 1000 + len(extra))

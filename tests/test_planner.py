@@ -19,6 +19,7 @@ from utils.dgls.autoplan import (
 from utils.dgls.placement import LayerSizes, plan_placement
 from utils.dgls.planner import (
     GiB,
+    Plan,
     StepProfile,
     UseTiming,
     minimum_bytes,
@@ -281,3 +282,13 @@ def test_trials_all_over_budget_replan_once_then_fall_back_to_all_streamed():
     assert planner.replanned
     streamed, prefetch = swapper.applied[-1]
     assert prefetch == 1 and len(streamed) == sum(1 for s in sizes if s.streamable_bytes)
+
+
+def test_plans_that_run_alike_are_measured_once():
+    sizes, profile = flux_like()
+    everything = sum(s.streamable_bytes + s.fixed_bytes for s in sizes) + 10 * GiB
+    plans = shortlist(sizes, profile, everything, count=4)
+    assert len(plans) == 1 and plans[0].streamed == ()  # all resident: prefetch depths do not differ
+    a = Plan((3, 4), 1, 1.0, 0, 0, "x")
+    assert a.runs_like(Plan((3, 4), 4, 1.0, 0, 0, "y")) and not a.runs_like(Plan((3, 5), 1, 1.0, 0, 0, "x"))
+    assert not Plan((3, 4, 5), 1, 1.0, 0, 0, "x").runs_like(Plan((3, 4, 5), 2, 1.0, 0, 0, "x"))

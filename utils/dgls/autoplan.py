@@ -259,7 +259,7 @@ class AutoPlanner:
         if aim <= self._planning_budget(sizes) or minimum_bytes(sizes, self.profile) > aim:
             return None
         plan = plan_for_budget(sizes, self.profile, aim, copy_streams=swapper.config.cuda_streams)
-        if any(plan.streamed == t.plan.streamed and plan.prefetch == t.plan.prefetch for t in self.trials):
+        if any(plan.runs_like(t.plan) for t in self.trials):
             return None
         if plan.predicted_ms >= best.predicted_ms:
             return None
@@ -334,6 +334,12 @@ class AutoPlanner:
             if stats.copy_ms > 0:
                 bytes_per_ms = stats.bytes_moved / stats.copy_ms
         self.profile = StepProfile(uses, activation + other, overhead, bytes_per_ms)
+        if cuda:
+            self.log(
+                f"DGLS probe: activations {activation / GiB:.2f} GiB, allocator slack {overhead / GiB:.2f} GiB, "
+                f"other allocations {other / GiB:.2f} GiB (device memory DGLS does not manage: it counts against "
+                f"the budget), copies {bytes_per_ms / 1e6:.1f} GB/s"
+            )
 
     def _apply(self, swapper, plan: Plan, quiet: bool = False) -> None:
         self.plan = plan

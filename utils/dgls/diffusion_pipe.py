@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+import toml
+
 from .errors import DGLSUserError
 from .monitor import MemoryMonitor, MemoryReading
 from .options import swap_config
@@ -81,6 +83,45 @@ def check_train_config(config: dict[str, Any], path: str) -> None:
     ckpt = config.get("activation_checkpointing", False)
     if ckpt not in (True, False, "unsloth"):
         raise DGLSUserError(f"{path}: activation_checkpointing must be true, false or 'unsloth', got {ckpt!r}")
+
+
+def check_dataset_files(config: dict[str, Any], path: str, checkout: Path) -> None:
+    """The dataset TOMLs the config names, and the directories they list, must exist; relative
+    paths resolve against the checkout, where train.py runs. A missing one would otherwise
+    surface as a traceback after the model has loaded."""
+    if "dataset" not in config:
+        raise DGLSUserError(f"{path} sets no dataset: add dataset = 'path/to/dataset.toml'")
+    named = [("dataset", config["dataset"])]
+    for i, entry in enumerate(config.get("eval_datasets", [])):
+        named.append((f"eval_datasets[{i}]", entry["config"] if isinstance(entry, dict) else entry))
+    for key, value in named:
+        dataset = checkout / value  # an absolute value stays itself
+        if not dataset.is_file():
+            raise DGLSUserError(
+                f"{path}: {key} = {value!r} not found (relative paths start at the checkout {checkout})"
+            )
+        try:
+            directories = toml.loads(dataset.read_text()).get("directory", [])
+        except toml.TomlDecodeError as exc:
+            raise DGLSUserError(f"{dataset} (the {key} of {path}) is not valid TOML: {exc}") from None
+        for directory in directories:
+            folder = checkout / str(directory.get("path", ""))
+            if not folder.is_dir():
+                raise DGLSUserError(
+                    f"{dataset}: [[directory]] path {directory.get('path')!r} is not a folder "
+                    f"(relative paths start at the checkout {checkout})"
+                )
+
+
+def startup_notes(config: dict[str, Any]) -> list[str]:
+    """What diffusion-pipe settings that DGLS takes over mean under DGLS."""
+    notes = []
+    if config.get("disable_block_swap_for_eval"):
+        notes.append(
+            "DGLS: disable_block_swap_for_eval applies to diffusion-pipe's own block swap, which DGLS replaces: "
+            "eval passes stream with DGLS's forward-only schedule (keep more layers resident to make them faster)"
+        )
+    return notes
 
 
 class Patches:

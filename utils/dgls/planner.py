@@ -59,6 +59,12 @@ class Plan:
     budget: int
     pattern: str
 
+    def runs_like(self, other: Plan) -> bool:
+        """Same streamed layers, and a prefetch depth that makes no difference (deeper than the
+        streamed layers, it changes nothing: there are no more slots to fill)."""
+        depth = max(len(self.streamed) - 1, 0)
+        return self.streamed == other.streamed and min(self.prefetch, depth) == min(other.prefetch, depth)
+
     def describe(self, sizes: Sequence[LayerSizes]) -> str:
         resident = [s.index for s in sizes if s.streamable_bytes and s.index not in set(self.streamed)]
         return (
@@ -200,7 +206,7 @@ def shortlist(
     for plan in ranked[1:]:
         if len(picks) == count or plan.predicted_ms > first.predicted_ms * (1 + within):
             break
-        if all(plan.streamed != p.streamed or plan.prefetch != p.prefetch for p in picks):
+        if not any(plan.runs_like(p) for p in picks):
             picks.append(plan)
     return picks
 

@@ -196,7 +196,7 @@ class LayerSwapper:
         self.autoplanner = AutoPlanner(budget, self.device, self._log, plan_only=config.plan_only)
         self._log(
             f"DGLS: planning for a {budget / GiB:.2f} GiB VRAM budget: steps 1-2 run with every layer streamed "
-            "(warm-up, then the probe); then the best predicted plans are measured on the next steps (about 30), "
+            "(warm-up, then the probe); then the best predicted plans are measured on the next steps (about 35), "
             "and the fastest that fits is kept"
         )
         return config.replace(gpu_layers=[], prefetch=1)
