@@ -29,7 +29,7 @@ from bench_flux import FLUX_DEV, TINY, build_layers, gpu_details, make_inputs, t
 from common import planner_trials, results_dir  # noqa: E402
 
 from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
-from utils.dgls.planner import _patterns, predict_peak  # noqa: E402
+from utils.dgls.planner import predict_peak, resident_patterns  # noqa: E402
 
 GiB = 2**30
 
@@ -158,11 +158,10 @@ def main() -> None:
                 fitting = [
                     k
                     for k in range(len(candidates) + 1)
-                    if predict_peak(sizes, profile, set(candidates) - set(_patterns(candidates, k)[pattern]), prefetch)
-                    <= budget * GiB
+                    if predict_peak(sizes, profile, streamed_by(candidates, k, pattern), prefetch) <= budget * GiB
                 ]
                 for k in sorted({max(fitting), max(max(fitting) - 1, 0)}) if fitting else []:
-                    streamed = sorted(set(candidates) - set(_patterns(candidates, k)[pattern]))
+                    streamed = sorted(streamed_by(candidates, k, pattern))
                     swapper.apply_placement(streamed, prefetch)
                     reset(device)
                     times = timed_steps(layers, inputs, target, optimizer, swapper, device, args.warmup + args.steps)
@@ -210,6 +209,10 @@ def interleave(args, rows, budget, plan, swapper, layers, inputs, target, optimi
     auto["ab_hand"] = f"{best['pattern']}, {best['streamed']} streamed, prefetch {best['prefetch']}"
     auto["ab_ratio"] = auto["ab_auto_s"] / auto["ab_hand_s"]
     print(json.dumps({k: auto[k] for k in ("budget_gib", "ab_auto_s", "ab_hand_s", "ab_ratio", "ab_hand")}), flush=True)
+
+
+def streamed_by(candidates: list[int], resident_count: int, pattern: str) -> set[int]:
+    return set(candidates) - set(resident_patterns(candidates, resident_count)[pattern])
 
 
 def earlier_rows(args, budgets: list[float]) -> list[dict]:

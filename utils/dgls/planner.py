@@ -149,7 +149,7 @@ def simulate(
 
 
 # ---------------------------------------------------------------- search
-def _patterns(candidates: list[int], resident_count: int) -> dict[str, list[int]]:
+def resident_patterns(candidates: list[int], resident_count: int) -> dict[str, list[int]]:
     """Resident sets of a given size: at both ends, spread evenly, or all at the start."""
     k, m = resident_count, len(candidates)
     head = (k + 1) // 2
@@ -189,7 +189,7 @@ def shortlist(
     families: dict[tuple[str, int], Plan] = {}
     for prefetch in prefetch_choices:
         for k in range(len(candidates) + 1):
-            for name, resident in _patterns(candidates, k).items():
+            for name, resident in resident_patterns(candidates, k).items():
                 streamed = set(candidates) - set(resident)
                 peak = predict_peak(sizes, profile, streamed, prefetch, copy_streams)
                 if peak > budget:
