@@ -292,3 +292,12 @@ def test_plans_that_run_alike_are_measured_once():
     a = Plan((3, 4), 1, 1.0, 0, 0, "x")
     assert a.runs_like(Plan((3, 4), 4, 1.0, 0, 0, "y")) and not a.runs_like(Plan((3, 5), 1, 1.0, 0, 0, "x"))
     assert not Plan((3, 4, 5), 1, 1.0, 0, 0, "x").runs_like(Plan((3, 4, 5), 2, 1.0, 0, 0, "x"))
+
+
+def test_a_model_far_off_the_measurement_is_reported():
+    sizes, profile = flux_like()
+    lines = []
+    planner = ScriptedPlanner(12 * GiB, profile, wall=lambda p: 1.5 * p.predicted_ms, peak=lambda p: p.predicted_peak)
+    planner.log = lines.append
+    drive(planner, FakeSwapper(sizes))
+    assert any("slower than the planner's model predicts" in line for line in lines)
