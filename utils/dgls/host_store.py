@@ -206,12 +206,6 @@ class HostStore:
         packed = host_nbytes >= self.packing_threshold
         buffer = _page_aligned_empty(host_nbytes) if self.use_pinning else torch.empty(host_nbytes, dtype=torch.uint8)
         layer = HostLayer(slots, nbytes, buffer[:host_nbytes], False, packed, host_nbytes, direct)
-        if pin:  # before filling it: a layer that was resident on the device then copies out at pinned speed
-            layer.registered = _register(buffer)
-            layer.pinned = True
-            self.pinned_bytes += buffer.numel()
-        elif self.use_pinning:
-            self.pageable_layers.append(index)
         with torch.no_grad():
             for p in slots:
                 if p.scaled:
@@ -220,6 +214,12 @@ class HostStore:
                     layer.master_view(p).copy_(q)
                 else:
                     layer.master_view(p).copy_(p.param.data)
+        if pin:
+            layer.registered = _register(buffer)
+            layer.pinned = True
+            self.pinned_bytes += buffer.numel()
+        elif self.use_pinning:
+            self.pageable_layers.append(index)
         self.layers[index] = layer
         return layer
 
