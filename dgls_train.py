@@ -12,11 +12,28 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
-from utils.dgls import options  # noqa: E402
-from utils.dgls.errors import DGLSUserError  # noqa: E402
-from utils.dgls.launch import DEMO_MODEL_TYPE, build_parser, check_known_type, load_toml, model_type  # noqa: E402
+try:
+    from utils.dgls import options
+    from utils.dgls.errors import DGLSUserError
+    from utils.dgls.launch import DEMO_MODEL_TYPE, build_parser, check_known_type, load_toml, model_type
+except ModuleNotFoundError as exc:  # an incomplete copy into a checkout, or a package not installed
+    missing = exc.name or str(exc)
+    if missing.split(".")[0] == "utils":
+        path = missing.replace(".", "/") + (".py" if missing.count(".") >= 2 else "/")
+        print(
+            f"dgls: error: {path} is missing next to {Path(__file__).name} in {HERE}: "
+            "copy the whole utils/dgls folder along with dgls_train.py (see the README)",
+            file=sys.stderr,
+        )
+    else:
+        print(
+            f"dgls: error: the Python package {missing!r} is not installed: pip install -r requirements.txt",
+            file=sys.stderr,
+        )
+    sys.exit(2)
 
 
 def main(argv: list[str] | None = None) -> int:

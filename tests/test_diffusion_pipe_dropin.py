@@ -7,6 +7,7 @@ train.py is checked where an environment variable points at a checkout.
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -159,3 +160,62 @@ def test_real_train_py_still_has_the_interception_points():
     assert "model.to_layers()" in train, "train.py no longer builds layers with model.to_layers()"
     assert re.search(r"ManualPipelineModule\(\s*layers=layers", train), "ManualPipelineModule call changed"
     assert "class ManualPipelineModule(PipelineModule)" in pipeline
+
+
+def _copy_checkout(tmp_path, pipeline_text=None):
+    checkout = tmp_path / "dp"
+    shutil.copytree(FAKE, checkout)
+    if pipeline_text is not None:
+        (checkout / "utils" / "pipeline.py").write_text(pipeline_text)
+    return checkout
+
+
+@pytest.mark.parametrize(
+    "pipeline_text, message",
+    [
+        (
+            "class ManualPipelineModule:\n    pass\n",
+            "no ManualPipelineModule.__init__: this checkout is too old or too new",
+        ),
+        ("import a_module_this_checkout_lacks\n", "cannot import diffusion-pipe's utils/pipeline.py"),
+    ],
+    ids=["interception-point-gone", "pipeline-does-not-import"],
+)
+def test_a_checkout_the_interception_does_not_fit_is_one_line(tmp_path, pipeline_text, message):
+    checkout = _copy_checkout(tmp_path, pipeline_text)
+    proc = _run_dgls_train(ROOT / "dgls_train.py", tmp_path, "--diffusion_pipe", str(checkout))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert re.search(message, proc.stderr.strip().splitlines()[-1]), proc.stderr[-2000:]
+
+
+def test_an_incomplete_copy_into_a_checkout_names_what_is_missing(tmp_path):
+    checkout = _copy_checkout(tmp_path)
+    shutil.copy(ROOT / "dgls_train.py", checkout)
+    proc = _run_dgls_train(checkout / "dgls_train.py", tmp_path)
+    assert proc.returncode == 2 and "utils/dgls/ is missing next to dgls_train.py" in proc.stderr, proc.stderr
+    shutil.copytree(ROOT / "utils" / "dgls", checkout / "utils" / "dgls")
+    (checkout / "utils" / "dgls" / "launch.py").unlink()
+    proc = _run_dgls_train(checkout / "dgls_train.py", tmp_path)
+    assert proc.returncode == 2 and "utils/dgls/launch.py is missing" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def _run_dgls_train(script, tmp_path, *extra):
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    (tmp_path / "images").mkdir(exist_ok=True)
+    (tmp_path / "dataset.toml").write_text(f'[[directory]]\npath = "{tmp_path / "images"}"\n')
+    config = tmp_path / "train.toml"
+    config.write_text(
+        f'output_dir = "{out}"\ndataset = "{tmp_path / "dataset.toml"}"\n'
+        '[model]\ntype = "flux"\n[adapter]\ntype = "lora"\nrank = 4\n'
+    )
+    env = {k: v for k, v in os.environ.items() if k not in (ENV_CHECKOUT, "MASTER_PORT")}
+    return subprocess.run(
+        [sys.executable, str(script), "--config", str(config), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
