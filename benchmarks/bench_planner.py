@@ -26,7 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_flux import FLUX_DEV, TINY, build_layers, gpu_details, make_inputs, train_step  # noqa: E402
-from common import planner_trials, results_dir  # noqa: E402
+from common import peaks as common_peaks  # noqa: E402
+from common import planner_trials, reset_peaks, results_dir, sync  # noqa: E402
 
 from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
 from utils.dgls.planner import predict_peak, resident_patterns  # noqa: E402
@@ -37,28 +38,19 @@ GiB = 2**30
 def timed_steps(layers, inputs, target, optimizer, swapper, device, count: int) -> list[float]:
     times = []
     for _ in range(count):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         start = time.perf_counter()
         train_step(layers, inputs, target, optimizer)
         swapper.step_stats(reset_peak=False)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         times.append(time.perf_counter() - start)
     return times
 
 
 def peaks(device) -> tuple[float, float]:
-    if device.type != "cuda":
-        return 0.0, 0.0
-    return torch.cuda.max_memory_allocated(device) / GiB, torch.cuda.max_memory_reserved(device) / GiB
-
-
-def reset(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    """Peak allocated and reserved GiB (0 on CPU)."""
+    figures = common_peaks(device)
+    return figures.get("peak_allocated_gib", 0.0), figures.get("peak_reserved_gib", 0.0)
 
 
 def main() -> None:
@@ -103,7 +95,7 @@ def main() -> None:
     for layer in layers:
         layer.to(device)
     optimizer = torch.optim.AdamW(trainable, lr=1e-5)
-    reset(device)
+    reset_peaks(device)
     from bench_flux import measure
 
     times = measure(layers, inputs, target, device, args.steps, args.warmup)
@@ -115,7 +107,7 @@ def main() -> None:
     print(json.dumps(rows[-1]), flush=True)
     for layer in layers:
         layer.to("cpu")
-    reset(device)
+    reset_peaks(device)
 
     for budget in budgets:
         lines: list[str] = []
@@ -127,7 +119,7 @@ def main() -> None:
         plan = swapper.autoplanner.plan
         trials = planner_trials(swapper.autoplanner)
         profile_note = [line for line in lines if line.startswith(("DGLS", "  "))]
-        reset(device)
+        reset_peaks(device)
         times = timed_steps(layers, inputs, target, optimizer, swapper, device, args.warmup + args.steps)[args.warmup :]
         alloc, reserved = peaks(device)
         rows.append(
@@ -163,7 +155,7 @@ def main() -> None:
                 for k in sorted({max(fitting), max(max(fitting) - 1, 0)}) if fitting else []:
                     streamed = sorted(streamed_by(candidates, k, pattern))
                     swapper.apply_placement(streamed, prefetch)
-                    reset(device)
+                    reset_peaks(device)
                     times = timed_steps(layers, inputs, target, optimizer, swapper, device, args.warmup + args.steps)
                     alloc, reserved = peaks(device)
                     rows.append(
@@ -183,7 +175,7 @@ def main() -> None:
                     print(json.dumps(rows[-1]), flush=True)
         interleave(args, rows, budget, plan, swapper, layers, inputs, target, optimizer, device)
         swapper.remove()
-        reset(device)
+        reset_peaks(device)
 
         save(args, kept + rows, resident_s)  # after every budget: a run cut short keeps what it measured
     print(report(save(args, kept + rows, resident_s)))

@@ -571,22 +571,19 @@ class Runner:
     # -------------------------------------------------------- methods
     def run(self) -> dict:
         self.result["pinned_h2d_gbps"] = pinned_bandwidth(self.device)
-        m = self.args.method_set
         place(self.bench.layers, self.device)
-        if "resident" in m:
-            self.guarded("resident", "all-resident", self.resident)
-        if "dgls" in m:
-            self.guarded("dgls", "DGLS", self.dgls)
-        if "ab" in m:
-            self.guarded("ab", "A/B", self.ab)
-        if "options" in m:
-            self.guarded("options", "DGLS options", self.options)
-        if "dp" in m:
-            self.guarded("dp", "diffusion-pipe built-in", self.dp)
-        if "auto" in m:
-            self.guarded("auto", "DGLS vram_budget", self.auto)
-        if "naive" in m:
-            self.guarded("naive", "naive .to() swap", self.naive)
+        methods = (
+            ("resident", "all-resident", self.resident),
+            ("dgls", "DGLS", self.dgls),
+            ("ab", "A/B", self.ab),
+            ("options", "DGLS options", self.options),
+            ("dp", "diffusion-pipe built-in", self.dp),
+            ("auto", "DGLS vram_budget", self.auto),
+            ("naive", "naive .to() swap", self.naive),
+        )
+        for kind, label, method in methods:
+            if kind in self.args.method_set:
+                self.guarded(kind, label, method)
         self.result["elapsed_s"] = time.perf_counter() - self.started
         write_reports(self.result, self.bench.name, self.results_dir, echo=True)
         return self.result

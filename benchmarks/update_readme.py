@@ -42,7 +42,7 @@ def render(text: str) -> str:
     text = NAMED.sub(fill, text)
     stems = sorted(md.stem for md in RESULTS.glob("*.md") if md.stem not in named)
     stems = [s for s in FIRST if s in stems] + [s for s in stems if s not in FIRST]
-    parts = [f"From `benchmarks/results/{s}.md`:\n\n{(RESULTS / f'{s}.md').read_text().strip()}\n" for s in stems]
+    parts = [quote(s) for s in stems]
     head, rest = text.split(BEGIN, 1)
     tail = rest.split(END, 1)[1]
     return f"{head}{BEGIN}\n{chr(10).join(parts)}{END}{tail}"

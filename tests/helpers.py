@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,15 @@ from torch.utils.checkpoint import checkpoint
 
 from utils.dgls.demo.data import SyntheticLatents
 from utils.dgls.demo.model import BLOCK_CLASSES, DemoModelConfig, add_lora, build_layers
+
+DIST_KEYS = ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def child_env(*drop: str) -> dict[str, str]:
+    """This process's environment for a child process, less the torch.distributed settings (an
+    in-process demo run sets them, and its group still holds MASTER_PORT) and ``drop``."""
+    return {k: v for k, v in os.environ.items() if k not in DIST_KEYS and k not in drop}
+
 
 SMALL = DemoModelConfig(hidden=32, heads=2, double_blocks=3, single_blocks=3, text_dim=16, latent_channels=8)
 

@@ -1,11 +1,11 @@
 """dgls_train.py: the demo end to end through DeepSpeed, and one-line errors for user mistakes."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 from conftest import ROOT
+from helpers import child_env
 from safetensors.torch import load_file
 
 import dgls_train
@@ -15,16 +15,13 @@ from utils.dgls.launch import build_parser
 
 
 def run_cli(*args, cwd=ROOT):
-    # In-process demo runs leave this process's group (and its MASTER_PORT) alive: a child must pick its own.
-    dist_keys = ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")
-    env = {k: v for k, v in os.environ.items() if k not in dist_keys}
     return subprocess.run(
         [sys.executable, str(ROOT / "dgls_train.py"), *args],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=600,
-        env=env,
+        env=child_env(),
     )
 
 

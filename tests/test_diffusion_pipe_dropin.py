@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
+from helpers import child_env
 from safetensors.torch import load_file
 
 import dgls_train
@@ -106,7 +107,7 @@ def run_fake(tmp_path, *extra):
         f'output_dir = "{out}"\ndataset = "{tmp_path / "dataset.toml"}"\npipeline_stages = 1\n'
         'activation_checkpointing = true\n[model]\ntype = "flux"\n[adapter]\ntype = "lora"\nrank = 4\n'
     )
-    env = {k: v for k, v in os.environ.items() if k not in (ENV_CHECKOUT, "MASTER_PORT")}
+    env = child_env(ENV_CHECKOUT)
     env["MASTER_PORT"] = str(29500 + os.getpid() % 1000 + len(extra))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "dgls_train.py"), "--config", str(config), "--diffusion_pipe", str(FAKE), *extra],
@@ -210,7 +211,7 @@ def _run_dgls_train(script, tmp_path, *extra):
         f'output_dir = "{out}"\ndataset = "{tmp_path / "dataset.toml"}"\n'
         '[model]\ntype = "flux"\n[adapter]\ntype = "lora"\nrank = 4\n'
     )
-    env = {k: v for k, v in os.environ.items() if k not in (ENV_CHECKOUT, "MASTER_PORT")}
+    env = child_env(ENV_CHECKOUT)
     return subprocess.run(
         [sys.executable, str(script), "--config", str(config), *extra],
         capture_output=True,

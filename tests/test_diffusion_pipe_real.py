@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -64,7 +65,7 @@ def checkout():
 
 
 def _run(checkout, config, log, *extra, seed=0, dgls=None):
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = child_env()
     # MKL's float32 results on CPU depend on the memory alignment of the operands. Weights loaded
     # from safetensors sit at arbitrary offsets, DGLS's packed copies at aligned ones, so without
     # this the two runs differ in the last bits (about 1e-6); with it they are bitwise equal.

@@ -2,14 +2,13 @@
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 from conftest import ROOT
-from helpers import assert_bitwise_equal, make_layers, train
+from helpers import assert_bitwise_equal, child_env, make_layers, train
 
 from utils.dgls import LayerSwapper, SwapConfig
 
@@ -116,7 +115,6 @@ def test_demo_cli_profile_and_verbose(tmp_path):
     )
     (tmp_path / "demo.toml").write_text(config)
     trace_path = tmp_path / "prof" / "trace.json"
-    dist_keys = ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by in-process demo runs
     proc = subprocess.run(
         [sys.executable, str(ROOT / "dgls_train.py"), "--config", str(tmp_path / "demo.toml")]
         + ["--profile", str(trace_path), "--verbose", "--verbose_every", "2"],
@@ -124,7 +122,7 @@ def test_demo_cli_profile_and_verbose(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env={k: v for k, v in os.environ.items() if k not in dist_keys},
+        env=child_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr

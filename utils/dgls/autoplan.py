@@ -26,7 +26,7 @@ import torch
 
 from .errors import DGLSUserError
 from .planner import GiB, Plan, StepProfile, UseTiming, minimum_bytes, plan_for_budget, shortlist, simulate
-from .stats import StepStats
+from .stats import StepStats, elapsed_ms, timestamp
 
 AUTO_MARGIN = 1 * GiB  # kept free under "auto": CUDA context growth, other processes, fragmentation
 CPU_BYTES_PER_MS = 10e6  # no copies to time on CPU: a nominal 10 GB/s
@@ -44,39 +44,28 @@ class UseRecorder:
     """Marks the start of every layer use (and the waits inside it) on the compute stream."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
         self.device = device
         self._marks: list[tuple[int, str, object]] = []
         self._waits: list[list[tuple[object, object]]] = []
 
-    def _now(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def _ms(self, a, b) -> float:
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1000.0
-
     def use_started(self, layer: int, phase: str) -> None:
-        self._marks.append((layer, phase, self._now()))
+        self._marks.append((layer, phase, timestamp(self.device)))
         self._waits.append([])
 
     def waited(self, before, after) -> None:
-        if self._waits and self.cuda:
+        if self._waits:
             self._waits[-1].append((before, after))
 
     def finish(self) -> tuple[UseTiming, ...]:
         """Each use's compute time: until the next use began (or now), less its waits."""
-        end = self._now()
-        if self.cuda:
+        end = timestamp(self.device)
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         stamps = [m[2] for m in self._marks] + [end]
         uses = []
         for k, (layer, phase, _) in enumerate(self._marks):
-            waited = sum(self._ms(a, b) for a, b in self._waits[k])
-            uses.append(UseTiming(layer, phase, max(0.0, self._ms(stamps[k], stamps[k + 1]) - waited)))
+            waited = sum(elapsed_ms(a, b) for a, b in self._waits[k])
+            uses.append(UseTiming(layer, phase, max(0.0, elapsed_ms(stamps[k], stamps[k + 1]) - waited)))
         return tuple(uses)
 
 
@@ -160,7 +149,7 @@ class AutoPlanner:
             return
         if self._phase == "warm":
             self._phase, self._timed = self._next, 0
-            self._start_timing(record=self._phase in ("probe", "check"))
+            self._start_timing(record=self._phase == "probe")
             return
         self._timed += 1
         if self._phase == "trial" and self._timed < TRIAL_STEPS:
@@ -323,13 +312,13 @@ class AutoPlanner:
 
     def _stop_timing(self, swapper, stats: StepStats, steps: int) -> None:
         uses = self._recorder.finish() if self._recorder is not None else None
-        if self.device.type == "cuda":
+        cuda = self.device.type == "cuda"
+        if cuda:
             torch.cuda.synchronize(self.device)
         self._wall_ms = (time.perf_counter() - self._started) * 1000.0 / steps
         self._recorder = None
-        cuda = self.device.type == "cuda"
         self._peak_reserved = torch.cuda.max_memory_reserved(self.device) if cuda else 0
-        if uses is None or self._phase != "probe":
+        if uses is None:  # only the probe records uses
             return
         activation = overhead = other = 0
         bytes_per_ms = CPU_BYTES_PER_MS

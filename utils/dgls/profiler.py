@@ -18,13 +18,13 @@ thread that issues them (inline, inside the use that prefetched them), and no wa
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .stats import elapsed_ms, timestamp
 from .transfer import Fetch
 
 PHASES = {"F": "forward", "B": "backward", "N": "forward (no grad)"}
@@ -86,7 +86,7 @@ class Profiler:
         self.steps_done = 0
         self.done = False
         self.notes: list[str] = []
-        self._origin = self._now()
+        self._origin = timestamp(self.device)
         self._uses: list[_Use] = []
         self._copies: list[_Copy] = []
         self._waits: list[_Wait] = []
@@ -98,20 +98,13 @@ class Profiler:
     def recording(self) -> bool:
         return not self.done and self.warmup_steps <= self.steps_done < self.warmup_steps + self.steps
 
-    def _now(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
     def _mark_boundary(self) -> None:
         if self.warmup_steps <= self.steps_done <= self.warmup_steps + self.steps:
-            self._boundaries.append(self._now())
+            self._boundaries.append(timestamp(self.device))
 
     def use_started(self, layer: int, phase: str, streamed: bool) -> None:
         if self.recording:
-            self._uses.append(_Use(layer, phase, streamed, self.steps_done + 1, self._now()))
+            self._uses.append(_Use(layer, phase, streamed, self.steps_done + 1, timestamp(self.device)))
 
     def waited(self, layer: int, before, after) -> None:
         if self.recording:
@@ -147,9 +140,7 @@ class Profiler:
 
     # ---------------------------------------------------------------- output
     def _us(self, stamp) -> float:
-        if self.cuda:
-            return self._origin.elapsed_time(stamp) * 1000.0
-        return (stamp - self._origin) * 1e6
+        return elapsed_ms(self._origin, stamp) * 1000.0
 
     def trace(self) -> dict:
         """The Chrome-trace dict (``traceEvents``, ``X`` events in µs); resolves the events."""

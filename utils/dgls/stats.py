@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -11,6 +12,20 @@ import torch
 def human_bytes(n: float) -> str:
     """GiB for large amounts, MiB for small ones (the demo moves a few MiB)."""
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def timestamp(device: torch.device):
+    """Now, as seen by the compute stream: a recorded CUDA event, or ``perf_counter()`` on the CPU."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def elapsed_ms(start, end) -> float:
+    """Milliseconds between two ``timestamp`` values (CUDA events must have completed)."""
+    return start.elapsed_time(end) if isinstance(start, torch.cuda.Event) else (end - start) * 1000.0
 
 
 @dataclass

@@ -161,7 +161,6 @@ def run_demo(train_config: dict, options: dict, log=print, progress: bool = True
 
     result = DemoResult()
     bar = tqdm(range(demo["steps"]), desc="demo", unit="step", disable=not progress, dynamic_ncols=True)
-    say = bar.write if progress else log
     monitor = MemoryMonitor(device, lambda: swapper.store.pinned_bytes if swapper is not None else 0)
     window = StepWindow(options["verbose_every"], demo["steps"], device.type)
     for step in bar:
@@ -182,13 +181,13 @@ def run_demo(train_config: dict, options: dict, log=print, progress: bool = True
             result.pinned_bytes = stats.pinned_bytes
             line += "; " + (stats.line(device.type) if options["verbose"] else stats.short())
         bar.set_postfix(loss=f"{loss:.4f}")
-        say(line)
+        log(line)
         for warning in monitor.warnings(reading):
-            say(warning)
+            log(warning)
         if options["verbose"] and (text := window.add(result.step_seconds[-1], stats)):
-            say(f"DGLS {text}\nDGLS {reading.line()}")
+            log(f"DGLS {text}\nDGLS {reading.line()}")
     if options["verbose"] and (text := window.flush()):
-        say(f"DGLS {text}")
+        log(f"DGLS {text}")
     if device.type == "cuda" and swapper is None:
         result.peak_vram_bytes = torch.cuda.max_memory_allocated(device)
 
