@@ -48,7 +48,7 @@ def test_json_has_every_figure(results, model):
     if model == "flux":  # resident and DGLS in alternation, one row per step-time target
         ab = by_kind["ab"]
         assert len(ab) == 4 and all(r["vs_resident"] == r["median_step_s"] / r["ab_resident_s"] for r in ab)
-        assert all(r["steps"] == 2 * 4 and len(r["ab_resident_times_s"]) == 2 * 4 for r in ab)
+        assert all(r["steps"] == 2 * 5 and len(r["ab_resident_times_s"]) == 2 * 5 for r in ab)  # >= 10
         assert sum("spread" in r["method"] for r in ab) == 2  # both placements per target
     else:
         assert all("skipped" in r for r in by_kind["ab"])
@@ -121,3 +121,19 @@ def test_bench_flux_keeps_its_command_line(tmp_path):
     result = json.loads((tmp_path / "flux_dev.json").read_text())
     assert [r["kind"] for r in result["rows"]] == ["resident", "dgls", "dgls"]
     assert (tmp_path / "flux_dev.md").exists()
+
+
+def test_overlap_splits_the_step_per_arm(tmp_path):
+    """bench_overlap --tiny: three arms, the same resident block uses compared across them."""
+    import bench_overlap
+
+    bench_overlap.main(["--tiny", "--rounds", "1", "--steps", "2", "--results_dir", str(tmp_path)])
+    result = json.loads((tmp_path / "overlap.json").read_text())
+    rows = {r["arm"]: r for r in result["rows"]}
+    assert list(rows) == ["resident", "spread", "ends"]
+    assert rows["resident"]["streamed_layers"] == 0 and rows["spread"]["streamed_layers"] > 0
+    assert rows["ends"]["streamed_layers"] > 0 and rows["resident"]["vs_resident"] == 1.0
+    assert all(
+        r["shared_uses"] > 0 and r["shared_layers_ms"] > 0 and len(r["step_times_s"]) == 2 for r in rows.values()
+    )
+    assert "TINY" in (tmp_path / "overlap.md").read_text()

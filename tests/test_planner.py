@@ -284,6 +284,24 @@ def test_trials_all_over_budget_replan_once_then_fall_back_to_all_streamed():
     assert prefetch == 1 and len(streamed) == sum(1 for s in sizes if s.streamable_bytes)
 
 
+def test_a_replan_adds_the_measured_peak_error_and_keeps_the_margin():
+    """Wan at 12 GiB on the H100: every trial peaked ~0.8 GiB above its prediction, 0.2 GiB over the
+    budget. The re-plan must correct by the error, not the overshoot, or it lands on the budget's edge."""
+    sizes, profile = flux_like()
+    budget, error = 12 * GiB, int(0.8 * GiB)
+
+    def real_peak(plan):  # what the GPU would show: independent of the planner's corrected model
+        return predict_peak(sizes, profile, set(plan.streamed), plan.prefetch) + error
+
+    planner = ScriptedPlanner(budget, profile, wall=lambda p: p.predicted_ms, peak=real_peak)
+    swapper = FakeSwapper(sizes)
+    drive(planner, swapper)
+    assert planner.replanned
+    everything = sum(1 for s in sizes if s.streamable_bytes)
+    assert len(planner.plan.streamed) < everything  # the re-plan fitted: no fall-back to all streamed
+    assert real_peak(planner.plan) <= budget - PEAK_MARGIN // 2
+
+
 def test_plans_that_run_alike_are_measured_once():
     sizes, profile = flux_like()
     everything = sum(s.streamable_bytes + s.fixed_bytes for s in sizes) + 10 * GiB

@@ -102,7 +102,7 @@ class AutoPlanner:
     Every step is a real training step (placement never changes the numerics). A plan is
     applied between steps; the step after a switch warms it up (allocations, first
     copies) and the next ``TRIAL_STEPS`` are timed. If no shortlisted plan stayed within
-    the budget, DGLS re-plans once with the overshoot added to its memory model, and
+    the budget, DGLS re-plans once with the measured peak error added to its memory model, and
     checks that plan; if that one too goes over, it falls back to the probe's placement
     (everything streamed, prefetch 1), which the probe showed fits.
     """
@@ -219,7 +219,8 @@ class AutoPlanner:
             )
         fitting = [t for t in self._round if t.fits(self.budget)]
         if not fitting:
-            self._replan(swapper, min(t.peak_reserved for t in self._round) - self.budget)
+            over = min(t.peak_reserved for t in self._round) - self.budget
+            self._replan(swapper, over, max(t.peak_reserved - t.plan.predicted_peak for t in self._round))
             return
         best = min(fitting, key=lambda t: t.wall_ms)
         if not self.refined:
@@ -274,18 +275,20 @@ class AutoPlanner:
         if over <= 0:
             self.done = True
         elif not self.replanned:
-            self._replan(swapper, over)
+            self._replan(swapper, over, self._peak_reserved - self.plan.predicted_peak)
         else:
             streamed = [s.index for s in swapper.placement.sizes if s.streamable_bytes]
             self.log("DGLS: still over budget after re-planning: using the probe's placement (everything streamed)")
             swapper.apply_placement(streamed, 1)
             self.done = True
 
-    def _replan(self, swapper, over: int) -> None:
-        """Re-plan once, with the measured overshoot added to the allocator slack."""
+    def _replan(self, swapper, over: int, error: int) -> None:
+        """Re-plan once, with the measured peak error (measured less predicted) added to the
+        allocator slack: the new plan then keeps the whole margin. Adding only the overshoot past
+        the budget would spend the margin on the error, and a later step's fragmentation went over."""
         profile, sizes = self.profile, swapper.placement.sizes
         self.profile = StepProfile(
-            profile.uses, profile.activation_bytes, profile.reserved_overhead + max(over, 0), profile.bytes_per_ms
+            profile.uses, profile.activation_bytes, profile.reserved_overhead + max(error, 0), profile.bytes_per_ms
         )
         self.replanned = True
         self.log(f"DGLS: the plan went {over / GiB:.2f} GiB over the budget; re-planning once")
