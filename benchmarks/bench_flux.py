@@ -23,18 +23,15 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from common import (  # noqa: E402, F401  (re-exported: bench_planner.py and bench_fp8.py import them from here)
-    RESULTS,
+from common import (  # noqa: E402, F401  (GiB, gpu_details, pinned_bandwidth: bench_fp8/bench_planner use them from here)
     Bench,
     DPGroup,
     GiB,
-    NaiveSwap,
     add_lora,
     gpu_details,
     materialize,
     params_on_meta,
     pinned_bandwidth,
-    write_reports,
 )
 
 FLUX_DEV = dict(

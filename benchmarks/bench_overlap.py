@@ -4,11 +4,12 @@ The Flux A/B runs put DGLS's spread placement at ~9.6 GiB streamed within 1.04-1
 all-resident while compute waited on copies for almost no time. This benchmark splits that
 gap. Three arms alternate in rounds (drift cancels): "resident" (a swapper that streams
 nothing: the same hooks, no copies), "spread" and "ends" (blocks_to_swap's placement) at the
-target. Each arm runs under DGLS's profiler (a CUDA event at the start of every layer use), so
-each step splits into: time in layer uses (less waits), time compute waited on copies, and time
-outside the layers (loss, optimizer, launches). The layer uses that are resident in every arm
-are compared one by one: if they run slower while copies stream beside them, the copies
-interfere with compute itself (memory bandwidth, clocks), which no schedule can hide.
+target. Each arm runs under DGLS's profiler (a CUDA event at the start of every layer use).
+Per arm it reports the step time, the time compute waited on copies, and the compute-stream
+time of the layer uses that are resident in every arm, compared one by one: if they run slower
+while copies stream beside them, the copies interfere with compute itself (memory bandwidth,
+clocks), which no schedule can hide. What is neither waiting nor that slow-down is host time
+or the streamed layers' own uses.
 
     python3 benchmarks/bench_overlap.py [--gib 9.6] [--rounds 2] [--steps 3] [--tiny]
 
@@ -22,7 +23,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -30,20 +30,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
-import torch  # noqa: E402
 from bench_flux import flux_bench  # noqa: E402
+from common import GiB  # noqa: E402
 
 from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
 
-GiB = 1024**3
-
 
 def arms(bench, gib: float, prefetch: int) -> dict[str, SwapConfig]:
-    spread = set(bench.spread_for_gib(gib))
-    resident = [s.index for s in bench.sizes if s.streamable_bytes and s.index not in spread]
     return {
         "resident": SwapConfig(blocks_to_swap=0, prefetch=prefetch),
-        "spread": SwapConfig(gpu_layers=resident, prefetch=prefetch),
+        "spread": bench.spread_config(gib, prefetch)[1],
         "ends": SwapConfig(blocks_to_swap=bench.blocks_to_swap_for_gib(gib), prefetch=prefetch),
     }
 
@@ -52,40 +48,41 @@ def profiled_steps(bench, device, config: SwapConfig, trace: Path, steps: int) -
     """One warm-up step then ``steps`` profiled ones; their wall times, the trace, the streamed set."""
     common.place(bench.layers, device)
     config = config.replace(profile_path=str(trace), profile_warmup_steps=1, profile_steps=steps)
-    optimizer = bench.optimizer()
-    walls = []
     with LayerSwapper(bench.layers, config, device, log=None) as swapper:
+        times, _ = common.run_steps(bench, device, 1, steps, after=swapper.step_stats)
         streamed = set(swapper.placement.streamed)
-        for _ in range(1 + steps):
-            common.sync(device)
-            start = time.perf_counter()
-            common.train_step(bench.layers, bench.inputs, bench.target, optimizer, bench.checkpointed)
-            common.sync(device)
-            walls.append(time.perf_counter() - start)
-            swapper.step_stats()
-    return walls[1:], json.loads(trace.read_text()), streamed
+    return times, json.loads(trace.read_text()), streamed
 
 
-def split_steps(trace: dict) -> tuple[dict[int, dict], dict[tuple, list[float]]]:
-    """Per profiled step: ms waited on copies; and each use's compute ms (less its waits),
-    keyed by (layer, phase, n-th use of that layer and phase in its step)."""
-    per_step: dict[int, dict] = defaultdict(lambda: {"waited_ms": 0.0})  # per profiled step
-    waits: dict[tuple, float] = defaultdict(float)
+def use_spans(trace: dict) -> dict[tuple, list[float]]:
+    """Each layer use's ms on the compute stream, keyed by (layer, phase, n-th such use in its step).
+
+    Left out per step: the last forward use (its span holds the loss) and the last use (its span
+    runs to the step's end: the optimizer). A streamed layer's span also holds its wait; only
+    layers resident in every arm are compared, and those never wait.
+    """
+    by_step: dict[int, list[dict]] = defaultdict(list)
     for e in trace["traceEvents"]:
-        if e.get("cat") == "wait":
-            waits[(e["args"]["step"], e["args"]["layer"])] += e["dur"] / 1000
-            per_step[e["args"]["step"]]["waited_ms"] += e["dur"] / 1000
-    uses: dict[tuple, list[float]] = defaultdict(list)
-    seen: dict[tuple, int] = defaultdict(int)
-    for e in sorted((e for e in trace["traceEvents"] if e.get("cat") == "compute"), key=lambda e: e["ts"]):
-        a = e["args"]
-        # a wait happens at the start of its layer's use: it is inside that use's interval
-        ms = e["dur"] / 1000 - waits.pop((a["step"], a["layer"]), 0.0)
-        per_step.setdefault(a["step"], {"waited_ms": 0.0})
-        key = (a["layer"], a["phase"], seen[(a["step"], a["layer"], a["phase"])])
-        seen[(a["step"], a["layer"], a["phase"])] += 1
-        uses[key].append(ms)
-    return dict(per_step), uses
+        if e.get("cat") == "compute":
+            by_step[e["args"]["step"]].append(e)
+    spans: dict[tuple, list[float]] = defaultdict(list)
+    for events in by_step.values():
+        events.sort(key=lambda e: e["ts"])
+        forward = [e for e in events if e["args"]["phase"] == "forward"]
+        dropped = {id(events[-1])} | ({id(forward[-1])} if forward else set())
+        seen: dict[tuple, int] = defaultdict(int)
+        for e in events:
+            a = e["args"]
+            n = seen[(a["layer"], a["phase"])]
+            seen[(a["layer"], a["phase"])] += 1
+            if id(e) not in dropped:
+                spans[(a["layer"], a["phase"], n)].append(e["dur"] / 1000)
+    return spans
+
+
+def waited_ms(trace: dict) -> list[float]:
+    """Per profiled step: the time compute waited on copies (the profiler's own summary)."""
+    return [row["wait_ms"] for row in trace["otherData"]["summary"].values()]
 
 
 def main(argv=None) -> None:
@@ -103,7 +100,7 @@ def main(argv=None) -> None:
     gib = sum(s.streamable_bytes for s in bench.sizes) / 2 / GiB if args.tiny else args.gib
     configs = arms(bench, gib, args.prefetch)
     walls: dict[str, list[float]] = defaultdict(list)
-    parts: dict[str, list[dict]] = defaultdict(list)
+    waits: dict[str, list[float]] = defaultdict(list)
     uses: dict[str, dict[tuple, list[float]]] = defaultdict(lambda: defaultdict(list))
     streamed_sets: dict[str, set] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,19 +108,15 @@ def main(argv=None) -> None:
             for name, config in configs.items():
                 trace_path = Path(tmp) / f"{name}_{r}.json"
                 times, trace, streamed_sets[name] = profiled_steps(bench, device, config, trace_path, args.steps)
-                per_step, arm_uses = split_steps(trace)
                 walls[name] += times
-                parts[name] += [per_step[s] for s in sorted(per_step)]
-                for key, values in arm_uses.items():
+                waits[name] += waited_ms(trace)
+                for key, values in use_spans(trace).items():
                     uses[name][key] += values
     resident_everywhere = set(range(len(bench.layers))) - set().union(*streamed_sets.values())
-    # blocks only: the first and last layer's uses also hold the loss and the optimizer step
-    shared = resident_everywhere & set(bench.blocks)
-    common_keys = [k for k in uses["resident"] if k[0] in shared and all(k in uses[a] for a in uses)]
+    common_keys = [k for k in uses["resident"] if k[0] in resident_everywhere and all(k in uses[a] for a in uses)]
     rows = []
     for name in configs:
         wall_ms = statistics.median(walls[name]) * 1000
-        waited_ms = statistics.median(p["waited_ms"] for p in parts[name])
         shared_ms = sum(statistics.median(uses[name][k]) for k in common_keys)
         rows.append(
             dict(
@@ -132,8 +125,7 @@ def main(argv=None) -> None:
                 streamed_gib=bench.streamed_bytes(streamed_sets[name]) / GiB,
                 step_ms=wall_ms,
                 step_times_s=walls[name],
-                waited_ms=waited_ms,
-                shared_uses=len(common_keys),
+                waited_ms=statistics.median(waits[name]),
                 shared_layers_ms=shared_ms,
             )
         )
@@ -144,13 +136,14 @@ def main(argv=None) -> None:
         row["shared_vs_resident"] = row["shared_layers_ms"] / max(base["shared_layers_ms"], 1e-9)
     result = {
         "title": "Where the swapped step's time goes (Flux-dev size, DGLS profiler)",
-        "env": {**common.gpu_details(), "torch": torch.__version__, "cuda": torch.version.cuda},
+        "env": common.environment(),
         "tiny": args.tiny,
         "gib": gib,
         "rounds": args.rounds,
         "steps_per_round": args.steps,
         "prefetch": args.prefetch,
         "resident_in_every_arm": sorted(resident_everywhere),
+        "shared_uses": len(common_keys),
         "rows": rows,
     }
     out = args.results_dir or common.results_dir(args.tiny)
@@ -175,12 +168,13 @@ def report(result: dict) -> str:
         lines.append(
             f"| {r['arm']} | {r['streamed_layers']} | {r['step_ms']:.0f} | {r['vs_resident']:.2f}x | "
             f"{r['extra_ms']:+.0f} | {r['waited_ms']:.0f} | "
-            f"{r['shared_layers_ms']:.0f} ({r['shared_uses']} uses) | {r['shared_vs_resident']:.3f}x |"
+            f"{r['shared_layers_ms']:.0f} ({result['shared_uses']} uses) | {r['shared_vs_resident']:.3f}x |"
         )
     lines += [
         "",
-        "A use's time runs on the compute stream from its start to the next use's start, less the waits "
-        "inside it. The last two columns compare the same uses of the blocks resident in all three arms: "
+        "A use's time runs on the compute stream from its start to the next use's start. The last two "
+        "columns compare the same uses of the layers resident in all three arms (not the last forward use, "
+        "which holds the loss, nor the step's last use, which holds the optimizer): "
         "above 1.00x, that compute ran slower while copies streamed beside it. Extra time neither waited "
         "nor explained by that slow-down is host-side (hooks, launches) or in the streamed layers' own uses."
         + (" TINY config on the CPU (copies run inline there): the figures mean nothing." if result["tiny"] else ""),

@@ -25,9 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_flux import FLUX_DEV, TINY, build_layers, gpu_details, make_inputs, train_step  # noqa: E402
+from bench_flux import FLUX_DEV, TINY, build_layers, make_inputs, train_step  # noqa: E402
+from common import environment, planner_trials, reset_peaks, results_dir, setup_device, sync  # noqa: E402
 from common import peaks as common_peaks  # noqa: E402
-from common import planner_trials, reset_peaks, results_dir, sync  # noqa: E402
 
 from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
 from utils.dgls.planner import predict_peak, resident_patterns  # noqa: E402
@@ -77,10 +77,7 @@ def main() -> None:
         print(report(save(args, kept + rows, rows[0]["step_s"], env)))
         return
     print(json.dumps({"env": environment()}), flush=True)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(False)  # broken backward on the lent H100 image
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = setup_device()  # (cuDNN attention off: its backward is broken on the lent H100 image)
     cfg, side, text_tokens = (TINY, 8, 8) if args.tiny else (FLUX_DEV, 64, 512)
     budgets = [float(b) for b in args.budgets.split(",")]
     if args.tiny:
@@ -213,10 +210,6 @@ def earlier_rows(args, budgets: list[float]) -> list[dict]:
     if not (args.merge and earlier.exists()):
         return []
     return [r for r in json.loads(earlier.read_text())["rows"] if r["budget_gib"] not in (None, *budgets)]
-
-
-def environment() -> dict:
-    return {**gpu_details(), "torch": torch.__version__, "cuda": torch.version.cuda}
 
 
 REPORT_HEADER = re.compile(r"^VRAM-budget planner, Flux-dev-size LoRA step \((.+), torch (\S+)\)")

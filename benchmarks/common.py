@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -110,6 +110,11 @@ def pinned_bandwidth(device, n: int = GiB) -> float:
     del host, dev
     release_host_cache()
     return statistics.median(rates[1:])
+
+
+def environment() -> dict:
+    """The GPU, PCIe link, driver, torch and CUDA versions of this run."""
+    return {**gpu_details(), "torch": torch.__version__, "cuda": torch.version.cuda}
 
 
 def release_host_cache() -> None:
@@ -250,6 +255,12 @@ class Bench:
             options.append(tuple(i for i in candidates if i not in resident))
         return min(options, key=lambda streamed: abs(self.streamed_bytes(streamed) / GiB - gib))
 
+    def spread_config(self, gib: float, prefetch: int) -> tuple[tuple[int, ...], SwapConfig]:
+        """The spread placement streaming about ``gib``: its streamed layers and its SwapConfig."""
+        spread = self.spread_for_gib(gib)
+        resident = [s.index for s in self.sizes if s.streamable_bytes and s.index not in spread]
+        return spread, SwapConfig(gpu_layers=resident, prefetch=prefetch)
+
     def optimizer(self) -> torch.optim.Optimizer:
         params = [p for layer in self.layers for p in layer.parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=1e-5)
@@ -305,26 +316,30 @@ def peaks(device) -> dict:
 class NaiveSwap:
     """The lower bound: move a block's frozen weights in with .to() before it runs, out after.
 
-    A checkpointed block's weights go out right after each forward (its recompute brings them
-    back for backward). A block without checkpointing keeps them until the step ends: its
-    backward uses the params themselves, which ``.data =`` would have moved away. That last move
-    out runs after the timed step (counted in the waited figure, not in the step time), which
-    flatters the naive swap slightly.
+    A checkpointed block's weights go out right after each forward, its recompute included: run
+    the steps under ``set_checkpoint_early_stop(False)``, or non-reentrant checkpointing stops
+    the recompute before the forward hook and the weights stay on the device through backward.
+    A block without checkpointing keeps them until the step ends: its backward uses the params
+    themselves, which ``.data =`` would have moved away. That last move out runs after the timed
+    step (counted in the waited figure, not in the step time), which flatters the naive swap
+    slightly.
     """
 
     def __init__(self, layers, streamed, device, checkpointed):
         self.device = device
         self.bytes = 0
-        self.seconds = 0.0
+        self.seconds = 0.0  # in and out
+        self.seconds_in = 0.0
         self.handles = []
-        self.held_to_step_end = []
+        self.inside: set[int] = set()  # id() of the frozen-param lists now on the device
+        self.held_to_step_end: list[list[torch.Tensor]] = []
         for i in streamed:
             frozen = [p for p in layers[i].parameters() if not p.requires_grad]
             self.handles.append(layers[i].register_forward_pre_hook(lambda m, a, f=frozen: self.move(f, True)))
             if i in checkpointed:
                 self.handles.append(layers[i].register_forward_hook(lambda m, a, o, f=frozen: self.move(f, False)))
             else:
-                self.held_to_step_end += frozen
+                self.held_to_step_end.append(frozen)
         for i, layer in enumerate(layers):
             for p in layer.parameters():
                 target = device if i not in streamed or p.requires_grad else "cpu"
@@ -334,23 +349,33 @@ class NaiveSwap:
 
     def move(self, params, inward: bool):
         """In: host to device (the bytes counted); out: back to the host."""
+        if (id(params) in self.inside) == inward:  # already there (on CPU: what a GPU run would move)
+            return
+        if inward:
+            self.inside.add(id(params))
+        else:
+            self.inside.discard(id(params))
         start = time.perf_counter()
         for p in params:
             if inward:
                 self.bytes += p.numel() * p.element_size()
             p.data = p.data.to(self.device if inward else "cpu")
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.seconds += time.perf_counter() - start
+        sync(self.device)
+        elapsed = time.perf_counter() - start
+        self.seconds += elapsed
+        if inward:
+            self.seconds_in += elapsed
 
-    def take(self) -> tuple[int, float]:
-        """After a step: the uncheckpointed blocks' weights go out; this step's moves are returned."""
-        self.move(self.held_to_step_end, False)
-        out = (self.bytes, self.seconds)
-        self.bytes, self.seconds = 0, 0.0
+    def take(self) -> tuple[int, float, float]:
+        """After a step: the uncheckpointed blocks' weights go out; this step's bytes moved in, seconds
+        moving both ways, and seconds moving in."""
+        for params in self.held_to_step_end:
+            self.move(params, False)
+        out = (self.bytes, self.seconds, self.seconds_in)
+        self.bytes, self.seconds, self.seconds_in = 0, 0.0, 0.0
         return out
 
-    def remove(self, layers, device="cpu"):
+    def remove(self, layers, device):
         for h in self.handles:
             h.remove()
         for layer in layers:
@@ -422,12 +447,6 @@ class DPSwap:
                 )
             off.prepare_block_devices_before_forward()  # ... then the swapped blocks' weights go to the CPU
             self.offloaders.append(off)
-        self.streamed_bytes = sum(
-            w.numel() * w.element_size()
-            for off in self.offloaders
-            for b in off.blocks[off.num_blocks - off.blocks_to_swap :]
-            for w in dp_weights(b)
-        )
 
     def _instrument(self, off) -> None:
         original_swap = off.swap_weight_devices
@@ -514,7 +533,7 @@ class Runner:
         self.deadline = started + args.deadline_s
         self.rows: list[dict] = []
         self.result = {
-            "benchmark": f"{bench.name}_lora_step",
+            "benchmark": f"{bench.model}_lora_step",
             "model": bench.model,
             "title": bench.title,
             "shape": bench.shape,
@@ -685,14 +704,10 @@ class Runner:
         prefetch = self.args.prefetch
         for t in targets:
             n = self.bench.blocks_to_swap_for_gib(t["streamed_gib"])
-            spread = self.bench.spread_for_gib(t["streamed_gib"])
-            resident = [s.index for s in self.bench.sizes if s.streamable_bytes and s.index not in spread]
+            spread, spread_config = self.bench.spread_config(t["streamed_gib"], prefetch)
             placements = [
                 (f"blocks_to_swap={n}, prefetch={prefetch}", SwapConfig(blocks_to_swap=n, prefetch=prefetch)),
-                (
-                    f"spread, {len(spread)} streamed, prefetch={prefetch}",
-                    SwapConfig(gpu_layers=resident, prefetch=prefetch),
-                ),
+                (f"spread, {len(spread)} streamed, prefetch={prefetch}", spread_config),
             ]
             for label, config in placements:
                 name = f"A/B: DGLS ~{t['streamed_gib']:g} GiB ({label})"
@@ -742,15 +757,7 @@ class Runner:
                         log=None,
                     )
                     try:
-                        reset_peaks(self.device)
-                        times, stats = run_steps(
-                            bench,
-                            self.device,
-                            self.args.warmup,
-                            self.args.steps,
-                            after=lambda s=swapper: s.step_stats(reset_peak=False),
-                            deadline=self.deadline,
-                        )
+                        times, stats = self.time_placement(swapper)
                         self.record(self.timed_row("options", name, times, self.swap_extra(swapper, stats)))
                     finally:
                         swapper.remove()
@@ -768,7 +775,7 @@ class Runner:
         spec = self.args.dp_swaps or bench.defaults.get("dp_swaps", "0.5,max")
         for label, n, gib in resolve_swaps(bench, spec, bench.dp_max):
             if n is None:  # a GiB target: the blocks_to_swap whose swapped weights come closest
-                n = min(range(1, bench.dp_max + 1), key=lambda k: abs(self.dp_bytes(k) / GiB - gib))
+                n = min(range(1, bench.dp_max + 1), key=lambda k: abs(self.dp_bytes(k) / GiB - gib), default=0)
             if n < 1:  # diffusion-pipe: blocks_to_swap 0 means no block swap at all
                 self.skip("dp", f"diffusion-pipe built-in {label}", "blocks_to_swap 0 is no block swap")
                 continue
@@ -802,7 +809,7 @@ class Runner:
             extra = {
                 "blocks_to_swap": n,
                 "dp_groups": [{"kind": g.kind, "blocks": len(g.layers), "swapped": g.swap} for g in groups],
-                "streamed_gib": swap.streamed_bytes / GiB,
+                "streamed_gib": self.dp_bytes(n) / GiB,
                 "bytes_per_step": med["h2d"],
                 "d2h_bytes_per_step": med["d2h"],
                 "copy_gbps": gbps,
@@ -886,23 +893,23 @@ class Runner:
             return
         naive = NaiveSwap(bench.layers, streamed, self.device, bench.checkpointed)
         try:
-            reset_peaks(self.device)
-            # one warm-up step, then as many timed steps as the deadline leaves (3 to --steps)
-            first, _ = run_steps(bench, self.device, 0, 1, after=naive.take)
-            fit = int((self.left() - 5) / max(first[0], 1e-3))
-            steps = max(3, min(self.args.steps, fit))
-            times, figures = run_steps(bench, self.device, 0, steps, after=naive.take, deadline=self.deadline)
-            moved = statistics.median(f[0] for f in figures)
-            seconds = statistics.median(f[1] for f in figures)
-            extra = {
-                "blocks_to_swap": n,
-                "streamed_gib": bench.streamed_bytes(streamed) / GiB,
-                "bytes_per_step": moved,
-                "copy_gbps": moved / seconds / 1e9 if seconds > 0 and self.device.type == "cuda" else 0.0,
-                "wait_ms": seconds * 1000,
-                "warmup_steps": 1,
-            }
-            self.record(self.timed_row("naive", name, times, extra))
+            with set_checkpoint_early_stop(False):
+                reset_peaks(self.device)
+                # one warm-up step, then as many timed steps as the deadline leaves (3 to --steps)
+                first, _ = run_steps(bench, self.device, 0, 1, after=naive.take)
+                fit = int((self.left() - 5) / max(first[0], 1e-3))
+                steps = max(3, min(self.args.steps, fit))
+                times, figures = run_steps(bench, self.device, 0, steps, after=naive.take, deadline=self.deadline)
+                moved, seconds, seconds_in = (statistics.median(f[k] for f in figures) for k in range(3))
+                extra = {
+                    "blocks_to_swap": n,
+                    "streamed_gib": bench.streamed_bytes(streamed) / GiB,
+                    "bytes_per_step": moved,
+                    "copy_gbps": moved / seconds_in / 1e9 if seconds_in > 0 and self.device.type == "cuda" else 0.0,
+                    "wait_ms": seconds * 1000,
+                    "warmup_steps": 1,
+                }
+                self.record(self.timed_row("naive", name, times, extra))
         finally:
             naive.remove(bench.layers, self.device)
 
@@ -1022,10 +1029,11 @@ def derive(result: dict) -> None:
     rows, bandwidth = result["rows"], result.get("pinned_h2d_gbps", 0)
     resident = next((r["median_step_s"] for r in rows if r["method"] == "all-resident" and "median_step_s" in r), None)
     for r in rows:
-        if not resident or "median_step_s" not in r:
-            continue
         # A/B rows have their own resident reference, measured in alternation with them
-        r["vs_resident"] = r["median_step_s"] / r.get("ab_resident_s", resident)
+        reference = r.get("ab_resident_s", resident)
+        if not reference or "median_step_s" not in r:
+            continue
+        r["vs_resident"] = r["median_step_s"] / reference
         if bandwidth and r.get("bytes_per_step") is not None:
             # What was really copied host-to-device (layers kept across the forward/backward turnaround
             # are copied once) ...

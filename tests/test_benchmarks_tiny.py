@@ -133,7 +133,25 @@ def test_overlap_splits_the_step_per_arm(tmp_path):
     assert list(rows) == ["resident", "spread", "ends"]
     assert rows["resident"]["streamed_layers"] == 0 and rows["spread"]["streamed_layers"] > 0
     assert rows["ends"]["streamed_layers"] > 0 and rows["resident"]["vs_resident"] == 1.0
-    assert all(
-        r["shared_uses"] > 0 and r["shared_layers_ms"] > 0 and len(r["step_times_s"]) == 2 for r in rows.values()
-    )
+    assert result["shared_uses"] > 0
+    assert all(r["shared_layers_ms"] > 0 and len(r["step_times_s"]) == 2 for r in rows.values())
     assert "TINY" in (tmp_path / "overlap.md").read_text()
+
+
+def test_overlap_use_spans_leave_out_the_loss_and_the_optimizer():
+    """Repeated uses of a layer stay apart (forward, recompute, backward); the last forward use (the
+    loss) and the step's last use (the optimizer) are not compared."""
+    import bench_overlap
+
+    def use(ts, dur, layer, phase, step=2):
+        return {"cat": "compute", "ts": ts, "dur": dur, "args": {"layer": layer, "phase": phase, "step": step}}
+
+    events = [use(0, 1000, 0, "forward"), use(1000, 2000, 1, "forward"), use(3000, 9000, 2, "forward")]
+    events += [use(12000, 3000, 1, "backward"), use(15000, 4000, 1, "backward"), use(19000, 8000, 0, "backward")]
+    spans = bench_overlap.use_spans({"traceEvents": events + [{"cat": "wait", "dur": 5, "args": {"step": 2}}]})
+    assert spans == {
+        (0, "forward", 0): [1.0],
+        (1, "forward", 0): [2.0],
+        (1, "backward", 0): [3.0],
+        (1, "backward", 1): [4.0],
+    }

@@ -111,6 +111,7 @@ class AutoPlanner:
     device: torch.device
     log: object = print
     plan_only: bool = False  # --plan: stop after planning
+    copy_streams: int = 1  # each stream has its own fp8 landing buffer: counted in every plan's peak
     plan: Plan | None = None  # the plan in force
     profile: StepProfile | None = None  # the probe's
     trials: list[Trial] = field(default_factory=list)  # every measured plan, refinement round included
@@ -134,9 +135,9 @@ class AutoPlanner:
     def recorder(self) -> UseRecorder | None:
         return self._recorder
 
-    def check_static_minimum(self, sizes, copy_streams: int = 1) -> None:
+    def check_static_minimum(self, sizes) -> None:
         """Before step 1: the budget must hold the essentials and two slots."""
-        need = minimum_bytes(sizes, None, copy_streams=copy_streams)
+        need = minimum_bytes(sizes, None, copy_streams=self.copy_streams)
         if need > self.budget:
             raise DGLSUserError(
                 f"VRAM budget {self.budget / GiB:.2f} GiB is below the minimum {need / GiB:.2f} GiB even before "
@@ -172,7 +173,7 @@ class AutoPlanner:
             profile,
             self._planning_budget(sizes),
             count=SHORTLIST,
-            copy_streams=swapper.config.cuda_streams,
+            copy_streams=self.copy_streams,
             within=SHORTLIST_WITHIN,
         )
         if self.plan_only or len(plans) == 1:
@@ -253,9 +254,12 @@ class AutoPlanner:
         measured = self.device.type == "cuda"
         error = max((t.peak_reserved - t.plan.predicted_peak if measured else 0) for t in self.trials)
         aim = self.budget - max(error, 0) - max(REFINE_MARGIN, int(REFINE_MARGIN_SHARE * self.budget))
-        if aim <= self._planning_budget(sizes) or minimum_bytes(sizes, self.profile) > aim:
+        if (
+            aim <= self._planning_budget(sizes)
+            or minimum_bytes(sizes, self.profile, copy_streams=self.copy_streams) > aim
+        ):
             return None
-        plan = plan_for_budget(sizes, self.profile, aim, copy_streams=swapper.config.cuda_streams)
+        plan = plan_for_budget(sizes, self.profile, aim, copy_streams=self.copy_streams)
         if any(plan.runs_like(t.plan) for t in self.trials):
             return None
         if plan.predicted_ms >= best.predicted_ms:
@@ -292,9 +296,7 @@ class AutoPlanner:
         )
         self.replanned = True
         self.log(f"DGLS: the plan went {over / GiB:.2f} GiB over the budget; re-planning once")
-        plan = plan_for_budget(
-            sizes, self.profile, self._planning_budget(sizes), copy_streams=swapper.config.cuda_streams
-        )
+        plan = plan_for_budget(sizes, self.profile, self._planning_budget(sizes), copy_streams=self.copy_streams)
         self.trials.append(Trial(plan))
         self._apply(swapper, plan)
         self._phase, self._next = "warm", "check"
@@ -302,7 +304,7 @@ class AutoPlanner:
     def _planning_budget(self, sizes) -> int:
         """The budget less the margin, unless that would refuse a budget the minimum fits."""
         aim = self.budget - max(PEAK_MARGIN, int(PEAK_MARGIN_SHARE * self.budget))
-        return aim if minimum_bytes(sizes, self.profile) <= aim else self.budget
+        return aim if minimum_bytes(sizes, self.profile, copy_streams=self.copy_streams) <= aim else self.budget
 
     # ---------------------------------------------------------------- measuring
     def _start_timing(self, record: bool) -> None:

@@ -81,14 +81,9 @@ class MemoryReading:
     swap_used: int
     cuda: bool = True
 
-    def as_dict(self) -> dict[str, float]:
-        d = asdict(self)
-        d.pop("cuda")
-        return d
-
     def scalars(self) -> dict[str, float]:
         """For TensorBoard: sizes in GiB (``*_gib``), RAM use in percent."""
-        d = {f"{k}_gib": v / GiB for k, v in self.as_dict().items() if k != "ram_percent"}
+        d = {f"{k}_gib": v / GiB for k, v in asdict(self).items() if k not in ("ram_percent", "cuda")}
         d["ram_percent"] = self.ram_percent
         return d
 
@@ -140,9 +135,6 @@ class MemoryMonitor:
             swap_used=psutil.swap_memory().used,
             cuda=cuda,
         )
-
-    def line(self) -> str:
-        return self.read().line()
 
     def warnings(self, reading: MemoryReading) -> list[str]:
         """Warnings for this reading whose kind was not given before (so a run prints each once)."""

@@ -104,7 +104,7 @@ class LayerSwapper:
             self.config = self._start_autoplanner()
         self.placement: Placement = plan_placement(self.layers, self.config)
         if self.autoplanner is not None:
-            self.autoplanner.check_static_minimum(self.placement.sizes, self.config.cuda_streams)
+            self.autoplanner.check_static_minimum(self.placement.sizes)
         self._home: dict[int, tuple[torch.Tensor, torch.device]] = {}  # where each tensor came from
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self._streamed: dict[int, StreamedLayer] = {}
@@ -193,7 +193,9 @@ class LayerSwapper:
             )
             return config
         budget = resolve_budget(config.vram_budget_gb, self.device)
-        self.autoplanner = AutoPlanner(budget, self.device, self._log, plan_only=config.plan_only)
+        self.autoplanner = AutoPlanner(
+            budget, self.device, self._log, plan_only=config.plan_only, copy_streams=config.cuda_streams
+        )
         self._log(
             f"DGLS: planning for a {budget / GiB:.2f} GiB VRAM budget: steps 1-2 run with every layer streamed "
             "(warm-up, then the probe); then the best predicted plans are measured on the next steps (about 35), "
