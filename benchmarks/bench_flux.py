@@ -15,7 +15,6 @@ issue's targets) and (with matplotlib) .png. Same as ``bench_models.py --model f
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -198,15 +197,7 @@ def train_step(layers, inputs, target, optimizer):
 
 def measure(layers, inputs, target, device, steps, warmup) -> list[float]:
     optimizer = torch.optim.AdamW([p for layer in layers for p in layer.parameters() if p.requires_grad], lr=1e-5)
-    times = []
-    for i in range(warmup + steps):
-        common.sync(device)
-        start = time.perf_counter()
-        train_step(layers, inputs, target, optimizer)
-        common.sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+    return common.time_steps(lambda: train_step(layers, inputs, target, optimizer), device, warmup, steps)[0]
 
 
 def blocks_to_swap_for(layers, gib: float) -> int:

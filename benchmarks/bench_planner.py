@@ -18,7 +18,6 @@ import json
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_flux import FLUX_DEV, TINY, build_layers, make_inputs, train_step  # noqa: E402
-from common import environment, planner_trials, reset_peaks, results_dir, setup_device, sync  # noqa: E402
+from common import environment, planner_trials, reset_peaks, results_dir, setup_device, time_steps  # noqa: E402
 from common import peaks as common_peaks  # noqa: E402
 
 from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
@@ -36,15 +35,13 @@ GiB = 2**30
 
 
 def timed_steps(layers, inputs, target, optimizer, swapper, device, count: int) -> list[float]:
-    times = []
-    for _ in range(count):
-        sync(device)
-        start = time.perf_counter()
+    """``count`` steps, each closed with the swapper's step (its peaks kept for the run's figure)."""
+
+    def step() -> None:
         train_step(layers, inputs, target, optimizer)
         swapper.step_stats(reset_peak=False)
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return times
+
+    return time_steps(step, device, 0, count)[0]
 
 
 def peaks(device) -> tuple[float, float]:
@@ -53,7 +50,7 @@ def peaks(device) -> tuple[float, float]:
     return figures.get("peak_allocated_gib", 0.0), figures.get("peak_reserved_gib", 0.0)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--budgets", default="8,12,16,24")
@@ -69,7 +66,9 @@ def main() -> None:
     parser.add_argument(
         "--merge", action="store_true", help="keep the other budgets' rows of an earlier run (one call per budget pair)"
     )
-    args = parser.parse_args()
+    parser.add_argument("--results_dir", type=Path, default=None, help="default: results/ (results/tiny/ with --tiny)")
+    args = parser.parse_args(argv)
+    args.results_dir = args.results_dir or results_dir(args.tiny)
     if args.from_log:
         rows, env = rows_from_log(args.from_log)
         env["rebuilt_from_log"] = args.from_log.name
@@ -206,7 +205,7 @@ def streamed_by(candidates: list[int], resident_count: int, pattern: str) -> set
 
 def earlier_rows(args, budgets: list[float]) -> list[dict]:
     """With --merge: the rows of budgets this run does not measure, from the last results file."""
-    earlier = results_dir(args.tiny) / f"{args.name}.json"
+    earlier = args.results_dir / f"{args.name}.json"
     if not (args.merge and earlier.exists()):
         return []
     return [r for r in json.loads(earlier.read_text())["rows"] if r["budget_gib"] not in (None, *budgets)]
@@ -240,7 +239,7 @@ def rows_from_log(path: Path) -> tuple[list[dict], dict]:
 def save(args, rows: list[dict], resident_s: float, env: dict | None = None) -> dict:
     result = {"config": "flux-dev" if not args.tiny else "tiny", "resident_s": resident_s, "rows": rows}
     result.update(env if env is not None else environment())
-    out = results_dir(args.tiny)
+    out = args.results_dir
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
     (out / f"{args.name}.md").write_text(report(result))

@@ -276,15 +276,24 @@ def train_step(layers, inputs, target, optimizer, checkpointed) -> None:
 
 
 def run_steps(bench: Bench, device, warmup: int, steps: int, after=None, deadline: float | None = None, min_steps=3):
-    """``warmup`` + ``steps`` training steps, the host synchronised around each; returns the timed
+    """``warmup`` + ``steps`` training steps of ``bench``; see ``time_steps``."""
+    optimizer = bench.optimizer()
+
+    def step() -> None:
+        train_step(bench.layers, bench.inputs, bench.target, optimizer, bench.checkpointed)
+
+    return time_steps(step, device, warmup, steps, after, deadline, min_steps)
+
+
+def time_steps(step, device, warmup: int, steps: int, after=None, deadline: float | None = None, min_steps=3):
+    """``warmup`` + ``steps`` calls of ``step()``, the host synchronised around each; returns the timed
     steps' seconds and what ``after()`` returned for each (called outside the timing). Past
     ``deadline`` (perf_counter) it stops once ``min_steps`` are timed."""
-    optimizer = bench.optimizer()
     times, extras = [], []
     for i in range(warmup + steps):
         sync(device)
         start = time.perf_counter()
-        train_step(bench.layers, bench.inputs, bench.target, optimizer, bench.checkpointed)
+        step()
         sync(device)
         elapsed = time.perf_counter() - start
         extra = after() if after is not None else None
@@ -313,15 +322,20 @@ def peaks(device) -> dict:
 
 
 # ---------------------------------------------------------------- naive swap (lower bound)
+Held = tuple[int, list[torch.Tensor]]  # a block and its frozen params
+
+
 class NaiveSwap:
     """The lower bound: move a block's frozen weights in with .to() before it runs, out after.
 
-    A checkpointed block's weights go out right after each forward, its recompute included: run
+    A checkpointed block's weights go out right after its forward. Its recompute in backward
+    moves them in again, and they go out when the next block's recompute starts (its backward is
+    done by then), not at the recompute's forward hook: the recompute saves some weights
+    themselves (a conv's, a norm's) for the backward, and ``.data =`` would move those too. Run
     the steps under ``set_checkpoint_early_stop(False)``, or non-reentrant checkpointing stops
-    the recompute before the forward hook and the weights stay on the device through backward.
-    A block without checkpointing keeps them until the step ends: its backward uses the params
-    themselves, which ``.data =`` would have moved away. That last move out runs after the timed
-    step (counted in the waited figure, not in the step time), which flatters the naive swap
+    the recompute before the forward hook. A block without checkpointing keeps its weights until
+    the step ends: its backward uses the params themselves. The moves out after the timed step
+    are counted in the waited figure, not in the step time, which flatters the naive swap
     slightly.
     """
 
@@ -332,14 +346,17 @@ class NaiveSwap:
         self.seconds_in = 0.0
         self.handles = []
         self.inside: set[int] = set()  # id() of the frozen-param lists now on the device
-        self.held_to_step_end: list[list[torch.Tensor]] = []
+        self.runs: dict[int, int] = {}  # this step's forward runs per block (the second is the recompute)
+        self.after_backward: list[Held] = []  # recomputed: out once their backward is done
+        self.held_to_step_end: list[Held] = []
+        self.moves: list[tuple[int, bool]] = []  # (block, inward), for the tests
         for i in streamed:
             frozen = [p for p in layers[i].parameters() if not p.requires_grad]
-            self.handles.append(layers[i].register_forward_pre_hook(lambda m, a, f=frozen: self.move(f, True)))
+            self.handles.append(layers[i].register_forward_pre_hook(lambda m, a, i=i, f=frozen: self.before(i, f)))
             if i in checkpointed:
-                self.handles.append(layers[i].register_forward_hook(lambda m, a, o, f=frozen: self.move(f, False)))
+                self.handles.append(layers[i].register_forward_hook(lambda m, a, o, i=i, f=frozen: self.after(i, f)))
             else:
-                self.held_to_step_end.append(frozen)
+                self.held_to_step_end.append((i, frozen))
         for i, layer in enumerate(layers):
             for p in layer.parameters():
                 target = device if i not in streamed or p.requires_grad else "cpu"
@@ -347,7 +364,23 @@ class NaiveSwap:
             for b in layer.buffers():
                 b.data = b.data.to(device)
 
-    def move(self, params, inward: bool):
+    def before(self, block: int, params: list[torch.Tensor]) -> None:
+        self.release(self.after_backward)
+        self.move(block, params, True)
+
+    def after(self, block: int, params: list[torch.Tensor]) -> None:
+        self.runs[block] = self.runs.get(block, 0) + 1
+        if self.runs[block] == 1:
+            self.move(block, params, False)
+        else:
+            self.after_backward.append((block, params))
+
+    def release(self, pending: list[Held]) -> None:
+        for block, params in pending:
+            self.move(block, params, False)
+        pending.clear()
+
+    def move(self, block: int, params: list[torch.Tensor], inward: bool) -> None:
         """In: host to device (the bytes counted); out: back to the host."""
         if (id(params) in self.inside) == inward:  # already there (on CPU: what a GPU run would move)
             return
@@ -355,6 +388,7 @@ class NaiveSwap:
             self.inside.add(id(params))
         else:
             self.inside.discard(id(params))
+        self.moves.append((block, inward))
         start = time.perf_counter()
         for p in params:
             if inward:
@@ -367,10 +401,12 @@ class NaiveSwap:
             self.seconds_in += elapsed
 
     def take(self) -> tuple[int, float, float]:
-        """After a step: the uncheckpointed blocks' weights go out; this step's bytes moved in, seconds
-        moving both ways, and seconds moving in."""
-        for params in self.held_to_step_end:
-            self.move(params, False)
+        """After a step: the last recomputed block's and the uncheckpointed blocks' weights go out;
+        this step's bytes moved in, seconds moving both ways, and seconds moving in."""
+        self.release(self.after_backward)
+        for block, params in self.held_to_step_end:
+            self.move(block, params, False)
+        self.runs.clear()
         out = (self.bytes, self.seconds, self.seconds_in)
         self.bytes, self.seconds, self.seconds_in = 0, 0.0, 0.0
         return out
@@ -978,9 +1014,15 @@ def nearest_dgls(rows, gib: float) -> dict | None:
     return min(cands, key=lambda r: abs(r["streamed_gib"] - gib), default=None)
 
 
-def best_ab(rows, gib: float) -> dict | None:
-    """The fastest A/B row (against its own resident steps) streaming within 10% of ``gib``."""
+def best_ab(rows, gib: float, max_peak_gib: float | None = None) -> dict | None:
+    """The fastest A/B row (against its own resident steps) streaming within 10% of ``gib``.
+
+    With ``max_peak_gib``, rows within that peak allocation come first: a target that bounds
+    both time and memory is judged on a row that can meet both, not on a faster one that
+    cannot."""
     cands = [r for r in rows if kind_of(r) == "ab" and "vs_resident" in r and abs(r["streamed_gib"] - gib) <= 0.1 * gib]
+    if max_peak_gib is not None:
+        cands = [r for r in cands if r.get("peak_allocated_gib", 0) <= max_peak_gib] or cands
     return min(cands, key=lambda r: r["vs_resident"], default=None)
 
 
@@ -1002,7 +1044,7 @@ def evaluate_targets(result: dict) -> list[dict]:
                 ev.update(met=worst >= t["min_copy_share"], margin=f"{(worst - t['min_copy_share']) * 100:+.0f} points")
             out.append(ev)
             continue
-        row = best_ab(rows, t["streamed_gib"]) or nearest_dgls(rows, t["streamed_gib"])
+        row = best_ab(rows, t["streamed_gib"], t.get("max_peak_allocated_gib")) or nearest_dgls(rows, t["streamed_gib"])
         if row is None or "vs_resident" not in row:
             ev.update(status="not measured")
             out.append(ev)

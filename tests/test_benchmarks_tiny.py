@@ -155,3 +155,55 @@ def test_overlap_use_spans_leave_out_the_loss_and_the_optimizer():
         (1, "backward", 0): [3.0],
         (1, "backward", 1): [4.0],
     }
+
+
+def test_the_naive_swap_keeps_a_recomputed_blocks_weights_until_its_backward_is_done():
+    """A recompute saves some weights themselves (a conv's): moving them out at the recompute's
+    forward hook broke SDXL's backward on the GPU. They go out when the next recompute starts."""
+    import common
+    import torch
+
+    layers = torch.nn.ModuleList(torch.nn.Conv2d(2, 2, 3, padding=1) for _ in range(3))
+    for layer in layers:
+        layer.weight.requires_grad_(False)  # frozen, streamed; the bias trains
+    naive = common.NaiveSwap(layers, {0, 1, 2}, torch.device("cpu"), checkpointed={0, 1, 2})
+    for i, layer in enumerate(layers):  # the block's backward, in the same log
+        layer.bias.register_hook(lambda grad, i=i: naive.moves.append((i, "backward")))
+    optimizer = torch.optim.SGD([p for p in layers.parameters() if p.requires_grad], lr=0.1)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        common.train_step(layers, torch.randn(1, 2, 4, 4), torch.zeros(1, 2, 4, 4), optimizer, {0, 1, 2})
+        naive.take()
+    forward = [(0, True), (0, False), (1, True), (1, False), (2, True), (2, False)]
+    backward = [(i, step) for i in (2, 1, 0) for step in (True, "backward", False)]
+    assert naive.moves == forward + backward
+    assert not naive.inside and not naive.runs
+    naive.remove(layers, torch.device("cpu"))
+
+
+def test_the_planner_benchmark_runs_tiny_rebuilds_from_its_log_and_merges(tmp_path, capsys):
+    import argparse
+
+    import bench_planner
+
+    bench_planner.main(["--tiny", "--steps", "1", "--warmup", "0", "--rounds", "1", "--results_dir", str(tmp_path)])
+    printed = capsys.readouterr().out
+    result = json.loads((tmp_path / "planner.json").read_text())
+    rows = result["rows"]
+    assert rows[0]["method"] == "all-resident"
+    autos = [r for r in rows if r["method"] == "auto"]
+    assert [r["budget_gib"] for r in autos] == [0.002, 0.004] and all(r["trials"] for r in autos)
+    assert "| 0.002 |" in (tmp_path / "planner.md").read_text()
+
+    # --from_log: a run whose files were lost is rebuilt from the JSON lines it printed
+    log = tmp_path / "run.log"
+    log.write_text(printed)
+    bench_planner.main(["--tiny", "--from_log", str(log), "--results_dir", str(tmp_path / "rebuilt")])
+    rebuilt = json.loads((tmp_path / "rebuilt" / "planner.json").read_text())
+    assert rebuilt["rows"] == rows and rebuilt["rebuilt_from_log"] == "run.log"
+
+    # --merge: the rows of budgets this run does not measure are kept from the last file
+    earlier = dict(result, rows=rows + [dict(autos[0], budget_gib=99.0)])
+    (tmp_path / "planner.json").write_text(json.dumps(earlier))
+    args = argparse.Namespace(merge=True, results_dir=tmp_path, name="planner")
+    assert [r["budget_gib"] for r in bench_planner.earlier_rows(args, [0.002, 0.004])] == [99.0]
+    assert bench_planner.earlier_rows(argparse.Namespace(**{**vars(args), "merge": False}), [0.002]) == []
