@@ -105,16 +105,18 @@ class SdxlDown(nn.Module):
         return h, emb, context, (*skips, h)
 
 
-class SdxlDownsample(nn.Module):
-    def __init__(self, downsamplers):
+class SdxlResample(nn.Module):
+    """A down block's downsampler (its output joins the skips) or an up block's upsampler."""
+
+    def __init__(self, samplers, joins_skips: bool):
         super().__init__()
-        self.downsamplers = downsamplers
+        self.samplers, self.joins_skips = samplers, joins_skips
 
     def forward(self, inputs):
         h, emb, context, skips = inputs
-        for down in self.downsamplers:
-            h = down(h)
-        return h, emb, context, (*skips, h)
+        for sampler in self.samplers:
+            h = sampler(h)
+        return h, emb, context, ((*skips, h) if self.joins_skips else skips)
 
 
 class SdxlMid(nn.Module):
@@ -146,18 +148,6 @@ class SdxlUp(nn.Module):
         return h, emb, context, skips[:-1]
 
 
-class SdxlUpsample(nn.Module):
-    def __init__(self, upsamplers):
-        super().__init__()
-        self.upsamplers = upsamplers
-
-    def forward(self, inputs):
-        h, emb, context, skips = inputs
-        for up in self.upsamplers:
-            h = up(h)
-        return h, emb, context, skips
-
-
 class SdxlOut(nn.Module):
     def __init__(self, unet):
         super().__init__()
@@ -178,7 +168,7 @@ def sdxl_layers(unet) -> tuple[list[nn.Module], set[int]]:
             inner.add(len(layers))
             layers.append(SdxlDown(resnet, attn))
         if block.downsamplers is not None:
-            layers.append(SdxlDownsample(block.downsamplers))
+            layers.append(SdxlResample(block.downsamplers, joins_skips=True))
     mid = unet.mid_block
     inner.add(len(layers))
     layers.append(SdxlMid(None, mid.resnets[0]))
@@ -191,7 +181,7 @@ def sdxl_layers(unet) -> tuple[list[nn.Module], set[int]]:
             inner.add(len(layers))
             layers.append(SdxlUp(resnet, attn))
         if block.upsamplers is not None:
-            layers.append(SdxlUpsample(block.upsamplers))
+            layers.append(SdxlResample(block.upsamplers, joins_skips=False))
     layers.append(SdxlOut(unet))
     return layers, inner
 
