@@ -25,11 +25,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_flux import FLUX_DEV, TINY, build_layers, make_inputs, train_step  # noqa: E402
-from common import environment, planner_trials, reset_peaks, results_dir, setup_device, time_steps  # noqa: E402
+from common import environment, planner_trials, reset_peaks, results_dir, setup_device, streamed_by, time_steps  # noqa: E402
 from common import peaks as common_peaks  # noqa: E402
 
 from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
-from utils.dgls.planner import predict_peak, resident_patterns  # noqa: E402
+from utils.dgls.planner import predict_peak  # noqa: E402
 
 GiB = 2**30
 
@@ -197,10 +197,6 @@ def interleave(args, rows, budget, plan, swapper, layers, inputs, target, optimi
     auto["ab_hand"] = f"{best['pattern']}, {best['streamed']} streamed, prefetch {best['prefetch']}"
     auto["ab_ratio"] = auto["ab_auto_s"] / auto["ab_hand_s"]
     print(json.dumps({k: auto[k] for k in ("budget_gib", "ab_auto_s", "ab_hand_s", "ab_ratio", "ab_hand")}), flush=True)
-
-
-def streamed_by(candidates: list[int], resident_count: int, pattern: str) -> set[int]:
-    return set(candidates) - set(resident_patterns(candidates, resident_count)[pattern])
 
 
 def earlier_rows(args, budgets: list[float]) -> list[dict]:

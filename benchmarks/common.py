@@ -249,10 +249,7 @@ class Bench:
         """The streamed layers of the "spread" pattern (resident layers evenly between streamed ones,
         as the planner places them) whose bytes come closest to ``gib``."""
         candidates = [s.index for s in self.sizes if s.streamable_bytes]
-        options = []
-        for k in range(len(candidates) + 1):
-            resident = set(resident_patterns(candidates, k)["spread"])
-            options.append(tuple(i for i in candidates if i not in resident))
+        options = [tuple(sorted(streamed_by(candidates, k, "spread"))) for k in range(len(candidates) + 1)]
         return min(options, key=lambda streamed: abs(self.streamed_bytes(streamed) / GiB - gib))
 
     def spread_config(self, gib: float, prefetch: int) -> tuple[tuple[int, ...], SwapConfig]:
@@ -264,6 +261,11 @@ class Bench:
     def optimizer(self) -> torch.optim.Optimizer:
         params = [p for layer in self.layers for p in layer.parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=1e-5)
+
+
+def streamed_by(candidates: list[int], resident_count: int, pattern: str) -> set[int]:
+    """The streamed layers of one of the planner's resident patterns ("ends", "spread", "first")."""
+    return set(candidates) - set(resident_patterns(candidates, resident_count)[pattern])
 
 
 def train_step(layers, inputs, target, optimizer, checkpointed) -> None:
@@ -349,7 +351,6 @@ class NaiveSwap:
         self.runs: dict[int, int] = {}  # this step's forward runs per block (the second is the recompute)
         self.after_backward: list[Held] = []  # recomputed: out once their backward is done
         self.held_to_step_end: list[Held] = []
-        self.moves: list[tuple[int, bool]] = []  # (block, inward), for the tests
         for i in streamed:
             frozen = [p for p in layers[i].parameters() if not p.requires_grad]
             self.handles.append(layers[i].register_forward_pre_hook(lambda m, a, i=i, f=frozen: self.before(i, f)))
@@ -388,7 +389,6 @@ class NaiveSwap:
             self.inside.add(id(params))
         else:
             self.inside.discard(id(params))
-        self.moves.append((block, inward))
         start = time.perf_counter()
         for p in params:
             if inward:
