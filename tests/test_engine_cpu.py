@@ -229,3 +229,24 @@ def test_compile_wraps_resident_layers_only_and_stays_exact(references):
         assert "forward" not in vars(layers[0]) and "forward" in vars(layers[1])
     assert not any("forward" in vars(layer) for layer in layers)
     assert_bitwise_equal(references("nonreentrant"), got)
+
+
+def _concat(inputs):
+    """A plain function between blocks, as diffusion-pipe's Chroma/HunyuanVideo to_layers() have one."""
+    img, txt, vec = inputs
+    return (img * 1.0, txt, vec)
+
+
+@pytest.mark.parametrize("mode", ["none", "nonreentrant", "reentrant"])
+def test_plain_functions_in_the_layer_list_are_kept_and_not_streamed(mode):
+    def with_function():
+        layers, trainable = make_layers()
+        return layers[:4] + [_concat] + layers[4:], trainable
+
+    reference = train(*with_function(), CPU, mode)
+    layers, trainable = with_function()
+    with LayerSwapper(layers, SwapConfig(prefetch=1), device=CPU, log=None) as swapper:
+        assert 4 not in swapper.streamed_layers and len(swapper.placement.sizes) == len(layers)
+        assert "_concat" in swapper.placement_table()
+        got = train(layers, trainable, CPU, mode)
+    assert_bitwise_equal(reference, got)

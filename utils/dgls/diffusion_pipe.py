@@ -246,7 +246,9 @@ class PipelineInterception:
     def install(self, layers) -> None:
         if self.swapper is not None:
             raise DGLSUserError("train.py built a second pipeline module; DGLS supports one model per run")
-        if layers is None or not all(isinstance(layer, torch.nn.Module) for layer in layers):
+        # Plain functions between blocks (Chroma's concatenate_hidden_states) are fine: no weights, no hooks.
+        # DeepSpeed LayerSpecs are neither modules nor callables: they are built later, after placement.
+        if layers is None or not all(isinstance(layer, torch.nn.Module) or callable(layer) for layer in layers):
             raise DGLSUserError(
                 "ManualPipelineModule received no list of built layers (LayerSpecs?): this diffusion-pipe version "
                 "builds layers differently from what DGLS expects; please report its commit"

@@ -130,11 +130,17 @@ def measure_layer(index: int, layer: nn.Module, shared: set[int], rules: CastRul
     return LayerSizes(index, type(layer).__name__, streamable, fixed, slot, copy, landing, scales)
 
 
-def shared_param_ids(layers: list[nn.Module]) -> set[int]:
+def modules_of(layers: list) -> list[tuple[int, nn.Module]]:
+    """(index, module) of the entries that are modules: a layer list may hold plain functions between
+    blocks (diffusion-pipe's Chroma and HunyuanVideo concatenate streams in one); they have no weights."""
+    return [(i, layer) for i, layer in enumerate(layers) if isinstance(layer, nn.Module)]
+
+
+def shared_param_ids(layers: list) -> set[int]:
     """Params that appear in more than one layer (tied weights) must stay resident."""
     owner: dict[int, int] = {}
     shared: set[int] = set()
-    for i, layer in enumerate(layers):
+    for i, layer in modules_of(layers):
         for p in layer.parameters():
             if owner.setdefault(id(p), i) != i:
                 shared.add(id(p))
@@ -172,7 +178,12 @@ def plan_placement(layers: list[nn.Module], config: SwapConfig) -> Placement:
     """Measure the layers and decide placement and pool size."""
     shared = shared_param_ids(layers)
     rules = CastRules.from_config(config)
-    sizes = [measure_layer(i, layer, shared, rules) for i, layer in enumerate(layers)]
+    sizes = [
+        measure_layer(i, layer, shared, rules)
+        if isinstance(layer, nn.Module)
+        else LayerSizes(i, getattr(layer, "__name__", type(layer).__name__), 0, 0)
+        for i, layer in enumerate(layers)
+    ]
     streamed = choose_streamed(sizes, config)
     slot_bytes = max((sizes[i].slot_bytes for i in streamed), default=0)
     slot_count = min(len(streamed), config.prefetch + 1)

@@ -29,7 +29,7 @@ from .device_pool import DevicePool, Slot
 from .errors import DGLSUserError
 from .host_store import GiB, HostLayer, HostStore, ParamSlot, default_pinned_budget
 from .monitor import check_pinned_budget
-from .placement import MB, Placement, plan_placement, shared_param_ids
+from .placement import MB, Placement, modules_of, plan_placement, shared_param_ids
 from .precision import CastRules, autocast_context, cast_trainable, check_device_support, describe
 from .profiler import Profiler
 from .schedule import Use, UsePredictor, current_phase
@@ -98,7 +98,7 @@ class LayerSwapper:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._log = log or (lambda *_: None)
-        self._trainable_cast = cast_trainable(self.layers, self.config.mixed_precision)
+        self._trainable_cast = cast_trainable([m for _, m in modules_of(self.layers)], self.config.mixed_precision)
         self.autoplanner: AutoPlanner | None = None
         if self.config.vram_budget_gb is not None:
             self.config = self._start_autoplanner()
@@ -250,7 +250,7 @@ class LayerSwapper:
         streamed = {id(ps.param) for sl in self._streamed.values() for ps in sl.host.params}
         seen: set[int] = set()
         with torch.no_grad():
-            for layer in self.layers:
+            for _, layer in modules_of(self.layers):
                 for t in list(layer.parameters()) + list(layer.buffers()):
                     if id(t) in streamed or id(t) in seen:
                         continue
@@ -259,7 +259,7 @@ class LayerSwapper:
                     t.data = t.data.to(self.device)
 
     def _install_hooks(self) -> None:
-        for idx, layer in enumerate(self.layers):
+        for idx, layer in modules_of(self.layers):
             self._handles.append(layer.register_forward_pre_hook(partial(self._pre_forward, idx)))
             self._handles.append(layer.register_forward_hook(partial(self._post_forward, idx), always_call=True))
 
@@ -269,7 +269,7 @@ class LayerSwapper:
         layers stay eager because their weights move between slots."""
         if not self.config.compile_resident:
             return
-        for idx, layer in enumerate(self.layers):
+        for idx, layer in modules_of(self.layers):
             if idx in self._streamed and idx in self._compiled:
                 del layer.forward
                 self._compiled.discard(idx)
@@ -538,7 +538,7 @@ class LayerSwapper:
             for idx in sorted(set(self._streamed) - wanted):
                 self._unstream_layer(self._streamed[idx])
             for idx in sorted(wanted - set(self._streamed)):
-                named = self._streamable(idx, shared)
+                named = self._streamable(idx, shared) if isinstance(self.layers[idx], nn.Module) else []
                 if named:
                     self._stream_layer(idx, named)
             self.config = self.config.replace(prefetch=prefetch)
