@@ -12,6 +12,9 @@ sys.path.insert(0, str(ROOT))
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    # The CPU tests run tiny tensors: intra-op threads only add hand-off latency, and on a loaded 2-core
+    # machine (CI) they made a 40 ms training run take 2-20 s.
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

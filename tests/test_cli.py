@@ -106,7 +106,7 @@ def test_plan_prints_the_plan_and_exits_without_saving(tmp_path):
     proc = run_cli("--config", str(_demo_toml(tmp_path)), "--vram_budget", "0.05", "--plan")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
-    assert "planning for a 0.05 GiB VRAM budget" in out
+    assert "planning for a 51.2 MiB VRAM budget" in out
     assert "DGLS plan (" in out and "predicted step" in out
     assert "nothing was saved" in out
     assert not (tmp_path / "adapter_model.safetensors").exists()

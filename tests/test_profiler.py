@@ -10,34 +10,38 @@ import torch
 from conftest import ROOT
 from helpers import assert_bitwise_equal, child_env, make_layers, train
 
-from utils.dgls import LayerSwapper, SwapConfig
+from utils.dgls import LayerSwapper, Listener, SwapConfig
 
 CPU = torch.device("cpu")
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
+class Recorder(Listener):
+    """Each pass's uses and stats, as the engine reports them (independently of the profiler)."""
+
+    def __init__(self, swapper):
+        self.swapper, self.uses, self.per_step = swapper, [[]], []
+
+    def use_started(self, layer, phase, streamed, missed):
+        self.uses[-1].append((layer, phase.value))
+
+    def pass_ended(self):
+        self.per_step.append(self.swapper.step_stats())
+        self.uses.append([])
+
+
 def profiled_run(tmp_path, device=CPU, steps=4, dtype=torch.float32, **config):
-    """Train with a profile; return the trace, the stats of each step and the uses each step saw."""
+    """Train with a profile (one backward per step); return the trace, each step's stats and uses."""
     layers, trainable = make_layers(dtype)
     config = {"prefetch": 2, "profile_path": str(tmp_path / "trace.json"), **config}
-    per_step, uses, lines = [], [[]], []
+    lines = []
     with LayerSwapper(layers, SwapConfig(**config), device=device, log=lines.append) as swapper:
-        observe = swapper.predictor.observe
-
-        def spy(use):  # called once per use, independently of the profiler
-            uses[-1].append(use)
-            observe(use)
-
-        swapper.predictor.observe = spy
-
-        def on_step(_):
-            per_step.append(swapper.step_stats())
-            uses.append([])
-
-        record = train(layers, trainable, device, "nonreentrant", steps=steps, dtype=dtype, on_step=on_step)
+        recorder = Recorder(swapper)
+        swapper.add_listener(recorder)
+        record = train(layers, trainable, device, "nonreentrant", steps=steps, accumulate=1, dtype=dtype)
     path = tmp_path / "trace.json"
     trace = json.loads(path.read_text()) if path.exists() else None
-    return trace, per_step, uses, lines, record
+    return trace, recorder.per_step, recorder.uses, lines, record
 
 
 def lanes(trace):
@@ -91,7 +95,7 @@ def test_profile_changes_no_numerics(tmp_path):
     *_, profiled = profiled_run(tmp_path, steps=3, profile_warmup_steps=0, profile_steps=2)
     layers, trainable = make_layers()
     with LayerSwapper(layers, SwapConfig(prefetch=2), device=CPU, log=None):
-        plain = train(layers, trainable, CPU, "nonreentrant", steps=3)
+        plain = train(layers, trainable, CPU, "nonreentrant", steps=3, accumulate=1)
     assert_bitwise_equal(plain, profiled)
 
 

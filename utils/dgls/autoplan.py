@@ -1,5 +1,9 @@
 """Automatic placement from a VRAM budget: probe, shortlist, measure, refine, settle.
 
+:class:`PlacementDriver` listens to the engine: it times uses during the probe and acts at the
+end of each backward pass (the step boundary the hooks detect), re-placing layers between passes
+with ``apply_placement``. Nothing else drives it; reading stats never changes what it does.
+
 Step 1 runs with every layer streamed (the smallest footprint) and warms up; step 2 is
 the probe: each layer use's compute time, the copy bandwidth, the activation peak. The
 planner (planner.py) predicts every candidate placement and shortlists the best of each
@@ -24,9 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .copier import Wait
 from .errors import DGLSUserError
+from .listener import Listener
 from .planner import GiB, Plan, StepProfile, UseTiming, minimum_bytes, plan_for_budget, shortlist, simulate
-from .stats import StepStats, elapsed_ms, timestamp
+from .schedule import Phase
+from .stats import StepStats, elapsed_ms, human_bytes, timestamp
 
 AUTO_MARGIN = 1 * GiB  # kept free under "auto": CUDA context growth, other processes, fragmentation
 CPU_BYTES_PER_MS = 10e6  # no copies to time on CPU: a nominal 10 GB/s
@@ -45,10 +52,10 @@ class UseRecorder:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._marks: list[tuple[int, str, object]] = []
+        self._marks: list[tuple[int, Phase, object]] = []
         self._waits: list[list[tuple[object, object]]] = []
 
-    def use_started(self, layer: int, phase: str) -> None:
+    def use_started(self, layer: int, phase: Phase) -> None:
         self._marks.append((layer, phase, timestamp(self.device)))
         self._waits.append([])
 
@@ -96,7 +103,7 @@ class Trial:
 
 
 @dataclass
-class AutoPlanner:
+class PlacementDriver(Listener):
     """Drives probe -> shortlist -> measure each -> refine -> keep the fastest that fits.
 
     Every step is a real training step (placement never changes the numerics). A plan is
@@ -131,21 +138,36 @@ class AutoPlanner:
     _wall_ms: float = 0.0
     _peak_reserved: int = 0
 
-    @property
-    def recorder(self) -> UseRecorder | None:
-        return self._recorder
+    _engine: object = None
+
+    def attach(self, engine) -> None:
+        """The swapper this driver places layers for."""
+        self._engine = engine
 
     def check_static_minimum(self, sizes) -> None:
         """Before step 1: the budget must hold the essentials and two slots."""
         need = minimum_bytes(sizes, None, copy_streams=self.copy_streams)
         if need > self.budget:
             raise DGLSUserError(
-                f"VRAM budget {self.budget / GiB:.2f} GiB is below the minimum {need / GiB:.2f} GiB even before "
+                f"VRAM budget {human_bytes(self.budget)} is below the minimum {human_bytes(need)} even before "
                 "activations (resident essentials + 2 x the largest layer): raise --vram_budget"
             )
 
+    # ---------------------------------------------------------------- listener
+    def use_started(self, layer: int, phase: Phase, streamed: bool, missed: bool) -> None:
+        if self._recorder is not None:
+            self._recorder.use_started(layer, phase)
+
+    def waited(self, wait: Wait) -> None:
+        if self._recorder is not None:
+            self._recorder.waited(wait.before, wait.after)
+
+    def pass_ended(self) -> None:
+        if not self.done:
+            self.step_done(self._engine, self._engine.step_stats(sync=True))
+
     def step_done(self, swapper, stats: StepStats) -> None:
-        """Called at the end of every step (``step_stats``); acts until the plan is settled."""
+        """At the end of every pass, until the plan is settled."""
         if self.done:
             return
         if self._phase == "warm":

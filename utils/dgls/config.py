@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import DGLSUserError
 from .precision import validate_autocast, validate_cast_target, validate_mixed_precision
+
+PLACEMENT_KEYS = ("gpu_layers", "blocks_to_swap", "initial_gpu_layers", "final_gpu_layers")
 
 
 @dataclass
@@ -48,7 +50,6 @@ class SwapConfig:
     profile_path: str | None = None  # Chrome-trace JSON (+ PNG) of copies and compute after warm-up
     profile_warmup_steps: int = 2
     profile_steps: int = 3
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -97,6 +98,11 @@ class SwapConfig:
                 "blocks_to_swap chooses the resident layers itself: use either blocks_to_swap or "
                 "initial_gpu_layers/final_gpu_layers, not both"
             )
+
+    @property
+    def explicit_placement(self) -> list[str]:
+        """The placement settings given (they win over a VRAM budget)."""
+        return [name for name in PLACEMENT_KEYS if getattr(self, name) is not None]
 
     def replace(self, **changes) -> SwapConfig:
         """A validated copy with some fields changed."""

@@ -1,7 +1,8 @@
-"""Device pool: fixed slots that streamed layers occupy while resident.
+"""Device pool: the fixed slots that streamed layers occupy while they are on the device.
 
-Allocated once, sized from the real layer sizes, so there is no allocation per swap
-and the pool's share of peak memory is known before step 1.
+Allocated once, sized from the layouts of the streamed layers, so no allocation happens per
+fetch and the pool's share of peak memory is known before step 1. A slot only holds bytes and
+says which layer owns them; the ordering of writes and reads on it is the copier's job.
 """
 
 from __future__ import annotations
@@ -11,41 +12,41 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass
+@dataclass(eq=False)
 class Slot:
-    """One reusable device buffer and what it holds now."""
+    """One reusable device buffer (uint8) and the streamed layer that owns it, if any."""
 
     index: int
-    buffer: torch.Tensor  # uint8 on the device
-    layer: int | None = None
-    # Compute-stream event behind the last kernel that read the current contents.
-    released: torch.cuda.Event | None = None
-    # Copy-stream event behind the last write into this slot.
-    written: torch.cuda.Event | None = None
-    last_used: int = 0
+    buffer: torch.Tensor
+    owner: int | None = None
+    last_used: int = 0  # the swapper's use clock when the owner was last in use or protected
 
 
 class DevicePool:
-    """The slots, and the map from storage pointers back to slots (for saved-tensor refs)."""
+    """The slots, and the map from storage pointers back to slots (for saved-tensor references)."""
 
     def __init__(self, device: torch.device, count: int, nbytes: int) -> None:
         self.device = device
+        self.slot_bytes = nbytes
         self.slots = [Slot(i, torch.empty(nbytes, dtype=torch.uint8, device=device)) for i in range(count)]
-        self.by_pointer = {s.buffer.untyped_storage().data_ptr(): s for s in self.slots}
-        self.nbytes = count * nbytes
+        self._by_pointer = {s.buffer.untyped_storage().data_ptr(): s for s in self.slots}
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.slots) * self.slot_bytes
 
     def slot_of(self, tensor: torch.Tensor) -> Slot | None:
         """The slot whose memory this tensor views, if any."""
         if tensor.device != self.device or tensor.layout != torch.strided:
             return None
         try:
-            return self.by_pointer.get(tensor.untyped_storage().data_ptr())
+            return self._by_pointer.get(tensor.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):
             return None
 
     def free_slot(self) -> Slot | None:
-        return next((s for s in self.slots if s.layer is None), None)
+        return next((s for s in self.slots if s.owner is None), None)
 
     def release(self) -> None:
         self.slots.clear()
-        self.by_pointer.clear()
+        self._by_pointer.clear()

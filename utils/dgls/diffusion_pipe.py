@@ -200,10 +200,13 @@ class PipelineInterception:
     def _wrap_train_batch(self, original):
         def train_batch_with_stats(engine, *args, **kwargs):
             start = time.perf_counter()
+            before = self.swapper.total_stats() if self.swapper is not None else None
             loss = original(engine, *args, **kwargs)
             if self.swapper is not None:
-                reading = self.monitor.read()  # before step_stats() resets the VRAM peak
-                stats = self.swapper.step_stats()
+                reading = self.monitor.read()
+                stats = self.swapper.total_stats().since(before)  # this optimizer step's micro-batches
+                if self.swapper.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(self.swapper.device)  # the next step reports its own peak
                 self.report(stats, getattr(engine, "global_steps", 0), time.perf_counter() - start, reading)
                 if self.swapper.plan_finished:
                     self.log("DGLS: --plan: stopping after the probe steps; nothing was saved")

@@ -1,156 +1,107 @@
-"""Host store: the CPU masters of streamed layers, packed and (where the budget allows) pinned.
+"""Host store: the CPU masters of streamed layers, packed as :mod:`.layout` says and (within budget) pinned.
 
-Each streamed layer's frozen params live in one contiguous byte buffer, so a layer
-travels as one large copy instead of hundreds of small ones. Buffers are allocated
-as plain memory and page-locked with ``cudaHostRegister`` in chunks, which avoids
-the power-of-two rounding of PyTorch's pinned caching allocator. Layers past the
-pinned-RAM budget stay pageable and are staged through a few pinned buffers.
+Each layer's streamable params live in one contiguous byte buffer, so a layer travels as one
+large copy instead of hundreds of small ones. Buffers are plain page-aligned memory,
+page-locked with ``cudaHostRegister`` in chunks under 2 GiB; that avoids the power-of-two
+rounding of PyTorch's pinned caching allocator. Layers past the pinned-RAM budget stay
+pageable; the copier stages them through pinned bounce buffers.
+
+fp8 storage: a master holds fp8 bytes, with fp32 scales (one per output row) kept both on the
+swapper's device (for the upcast) and on the CPU (for state dicts). Scales are computed on the
+swapper's device, the same device that upcasts, so a layer's values are bitwise the same
+whether it streams or stays resident.
+
+Hazard handled here: memory registered with CUDA must be unregistered before it is freed. The
+registrations live in a :class:`_Registrations` object that a ``weakref.finalize`` also holds,
+so a store dropped without :meth:`HostStore.release` still unregisters before its buffers go.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import psutil
 import torch
 
 from .errors import DGLSUserError
-from .placement import aligned
-from .precision import ParamCast, dequantize, quantize
+from .layout import GiB, LayerLayout
+from .precision import dequantize, quantize
 
-GiB = 1024**3
 PAGE = 4096
 REGISTER_CHUNK = 1 * GiB  # registrations above 2 GiB are reported to fail; stay well under
 COPY_CHUNK = REGISTER_CHUNK
 
 
 @dataclass
-class ParamSlot:
-    """Where one frozen param lives: ``offset``/``nbytes`` in the device slot (``dtype``, what the
-    layer computes with), ``host_offset``/``host_nbytes`` in the host master (``stored``, what is copied).
-    The two differ only for fp8 storage, which also keeps fp32 ``scale``s (per row) on the device."""
-
-    param: torch.nn.Parameter
-    offset: int
-    nbytes: int
-    dtype: torch.dtype
-    shape: torch.Size
-    original_device: torch.device
-    stored: torch.dtype
-    host_offset: int
-    host_nbytes: int
-    scale: torch.Tensor | None = None  # fp32, on the swapper's device (fp8 storage only)
-    scale_host: torch.Tensor | None = None  # the same scales on the CPU, for state dicts
-
-    @property
-    def scaled(self) -> bool:
-        return self.stored != self.dtype
-
-
-@dataclass
 class HostLayer:
-    """One streamed layer's master bytes and how they are copied to a device slot.
+    """One layer's master bytes (``buffer``, uint8 on the CPU) laid out as ``layout`` says."""
 
-    Layout: params copied as they are come first, at the same offsets in the host buffer and
-    in the slot (``direct_bytes`` of them), so they travel straight into the slot. fp8-stored
-    params follow; on CUDA their bytes land in a per-stream landing buffer and are upcast
-    into the slot on the copy stream (:meth:`upcast`), on the CPU they are upcast from the master.
-    """
-
-    params: list[ParamSlot]
-    nbytes: int  # slot bytes: every param in its compute dtype
-    buffer: torch.Tensor  # uint8, CPU: host_nbytes of stored bytes
+    layout: LayerLayout
+    buffer: torch.Tensor
     pinned: bool
-    packed: bool
-    host_nbytes: int  # bytes copied per fetch
-    direct_bytes: int  # the prefix copied straight into the slot
-    registered: list[int] = field(default_factory=list)  # base pointers registered with CUDA
+    packed: bool  # copied as one block (else param by param: selective_packing)
+    scales: dict[int, torch.Tensor] = field(default_factory=dict)  # param position -> fp32 scales on the device
+    scales_host: dict[int, torch.Tensor] = field(default_factory=dict)  # the same on the CPU
 
     @property
-    def landing_bytes(self) -> int:
-        """Stored bytes that are upcast on the device (0 without fp8 storage)."""
-        return self.host_nbytes - self.direct_bytes
+    def index(self) -> int:
+        return self.layout.index
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes copied per fetch."""
+        return self.layout.host_bytes
+
+    def master_view(self, k: int) -> torch.Tensor:
+        """Param ``k``'s stored bytes as a typed view into host memory (fp8 for fp8-stored params)."""
+        p = self.layout.params[k]
+        return self.buffer[p.host_offset : p.host_offset + p.host_nbytes].view(p.stored).view(p.shape)
+
+    def value(self, k: int, device: torch.device | None = None) -> torch.Tensor:
+        """Param ``k``'s true value in its compute dtype: a view of the master, or its dequantized copy
+        (computed on ``device`` with the device scales, the same way the copier upcasts into a slot)."""
+        p = self.layout.params[k]
+        if not p.scaled:
+            return self.master_view(k)
+        if device is None or device.type == "cpu":
+            return dequantize(self.master_view(k), self.scales_host[k], p.dtype)
+        return dequantize(self.master_view(k).to(device), self.scales[k], p.dtype)
+
+    def store_value(self, k: int, value: torch.Tensor) -> None:
+        """Write a new value into the master (re-quantized for fp8 storage, scales updated)."""
+        p = self.layout.params[k]
+        with torch.no_grad():
+            if not p.scaled:
+                self.master_view(k).copy_(value)
+                return
+            q, scale = quantize(value.to(self.scales[k].device, p.dtype), p.stored)
+            self.master_view(k).copy_(q)
+            self.scales[k].copy_(scale)
+            self.scales_host[k].copy_(scale)
 
     def copies(self, slot: torch.Tensor, landing: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(host bytes, device bytes) pairs to copy: chunks when packed, per param if not.
-
-        Without ``landing`` the fp8-stored part is not copied (the CPU upcasts from the master).
-        """
-        pairs = []
+        """(host bytes, device bytes) pairs to copy: chunks when packed, per param if not. fp8-stored
+        bytes go to ``landing`` (for the upcast), or are left out without one (the CPU upcasts from here)."""
+        layout, pairs = self.layout, []
         if self.packed:
-            for o in range(0, self.direct_bytes, COPY_CHUNK):
-                end = min(o + COPY_CHUNK, self.direct_bytes)
+            for o in range(0, layout.direct_bytes, COPY_CHUNK):
+                end = min(o + COPY_CHUNK, layout.direct_bytes)
                 pairs.append((self.buffer[o:end], slot[o:end]))
             if landing is not None:
-                for o in range(self.direct_bytes, self.host_nbytes, COPY_CHUNK):
-                    end = min(o + COPY_CHUNK, self.host_nbytes)
-                    pairs.append((self.buffer[o:end], landing[o - self.direct_bytes : end - self.direct_bytes]))
+                for o in range(layout.direct_bytes, layout.host_bytes, COPY_CHUNK):
+                    end = min(o + COPY_CHUNK, layout.host_bytes)
+                    base = o - layout.direct_bytes
+                    pairs.append((self.buffer[o:end], landing[base : base + end - o]))
             return pairs
-        for p in self.params:
+        for p in layout.params:
             src = self.buffer[p.host_offset : p.host_offset + p.host_nbytes]
             if not p.scaled:
                 pairs.append((src, slot[p.offset : p.offset + p.nbytes]))
             elif landing is not None:
-                start = p.host_offset - self.direct_bytes
-                pairs.append((src, landing[start : start + p.host_nbytes]))
+                base = p.host_offset - layout.direct_bytes
+                pairs.append((src, landing[base : base + p.host_nbytes]))
         return pairs
-
-    def upcast(self, slot: torch.Tensor, landing: torch.Tensor | None) -> None:
-        """Write the fp8-stored params into the slot in their compute dtype (times their scales)."""
-        for p in self.params:
-            if not p.scaled:
-                continue
-            if landing is not None:
-                start = p.host_offset - self.direct_bytes
-                source = landing[start : start + p.host_nbytes]
-            else:
-                source = self.buffer[p.host_offset : p.host_offset + p.host_nbytes]
-            out = slot[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape)
-            dequantize(source.view(p.stored).view(p.shape), p.scale, p.dtype, out=out)
-
-    def master_view(self, p: ParamSlot) -> torch.Tensor:
-        """The stored bytes as a typed view into host memory (fp8 for fp8-stored params)."""
-        return self.buffer[p.host_offset : p.host_offset + p.host_nbytes].view(p.stored).view(p.shape)
-
-    def value(self, p: ParamSlot) -> torch.Tensor:
-        """The param's true value in its compute dtype: the master itself, or its dequantized copy."""
-        if not p.scaled:
-            return self.master_view(p)
-        return dequantize(self.master_view(p), p.scale_host, p.dtype)
-
-    def store_value(self, p: ParamSlot, value: torch.Tensor) -> None:
-        """Write a new value into the master (re-quantized for fp8 storage, scales updated)."""
-        with torch.no_grad():
-            if not p.scaled:
-                self.master_view(p).copy_(value)
-                return
-            q, scale = quantize(value.to(p.scale.device, p.dtype), p.stored)
-            self.master_view(p).copy_(q)
-            p.scale.copy_(scale)
-            p.scale_host.copy_(scale)
-
-
-def layout_params(
-    params: list[torch.nn.Parameter], casts: dict[int, ParamCast] | None = None
-) -> tuple[list[ParamSlot], int, int, int]:
-    """Aligned offsets for a layer's frozen params: (slots, slot bytes, host bytes, direct bytes)."""
-    casts = casts or {}
-    direct = [p for p in params if not (id(p) in casts and casts[id(p)].scaled)]
-    scaled = [p for p in params if id(p) in casts and casts[id(p)].scaled]
-    slots, offset = [], 0
-    for p in direct:
-        dtype = casts[id(p)].dtype if id(p) in casts else p.dtype
-        nbytes = p.numel() * dtype.itemsize
-        slots.append(ParamSlot(p, offset, nbytes, dtype, p.shape, p.device, dtype, offset, nbytes))
-        offset += aligned(nbytes)
-    direct_bytes = host_offset = offset
-    for p in scaled:
-        cast = casts[id(p)]
-        nbytes, host_nbytes = p.numel() * cast.dtype.itemsize, p.numel() * cast.stored.itemsize
-        slots.append(ParamSlot(p, offset, nbytes, cast.dtype, p.shape, p.device, cast.stored, host_offset, host_nbytes))
-        offset += aligned(nbytes)
-        host_offset += aligned(host_nbytes)
-    return slots, offset, host_offset, direct_bytes
 
 
 def _page_aligned_empty(nbytes: int) -> torch.Tensor:
@@ -162,15 +113,44 @@ def _page_aligned_empty(nbytes: int) -> torch.Tensor:
 
 
 def default_pinned_budget(streamable_on_cpu: int) -> int:
-    """What can be page-locked without starving the host: available RAM, plus the RAM
-    the original CPU params give back as they are packed, less a reserve."""
+    """What can be page-locked without starving the host: available RAM, plus the RAM the
+    original CPU params give back as they are packed, less a reserve."""
     vm = psutil.virtual_memory()
     reserve = max(2 * GiB, vm.total // 10)
     return max(0, vm.available + streamable_on_cpu - reserve)
 
 
+def check_ram(new_bytes: int) -> None:
+    """Fail before packing if the host cannot hold the masters at all."""
+    available = psutil.virtual_memory().available
+    if new_bytes > available:
+        raise DGLSUserError(
+            f"too little RAM to hold the streamed layers: need {new_bytes / GiB:.1f} GiB more, "
+            f"{available / GiB:.1f} GiB available; stream fewer layers (blocks_to_swap) or free RAM"
+        )
+
+
+class _Registrations:
+    """CUDA host registrations and the buffers they pin (kept alive until unregistered)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, tuple[torch.Tensor, list[int]]] = {}  # key -> (buffer, registered pointers)
+
+    def add(self, key: int, buffer: torch.Tensor) -> None:
+        self.entries[key] = (buffer, _register(buffer))
+
+    def drop(self, key: int) -> None:
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            _unregister(entry[1])
+
+    def drop_all(self) -> None:
+        for key in list(self.entries):
+            self.drop(key)
+
+
 class HostStore:
-    """Owns the packed host masters, the pinned registrations and the staging buffers."""
+    """Owns the packed host masters, their pinned registrations and the staging buffers."""
 
     def __init__(self, device: torch.device, pinned_budget: int | None, packing_threshold: int) -> None:
         self.device = device
@@ -179,79 +159,71 @@ class HostStore:
         self.packing_threshold = packing_threshold
         self.layers: dict[int, HostLayer] = {}
         self.pinned_bytes = 0
-        self.pageable_layers: list[int] = []
         self.staging: list[torch.Tensor] = []
-        self._registered_staging: list[int] = []
+        self._registrations = _Registrations()
+        self._finalizer = weakref.finalize(self, _Registrations.drop_all, self._registrations)
 
-    def check_ram(self, total_bytes: int, streamable_on_cpu: int) -> None:
-        """Fail before packing if the host can't hold the streamed layers at all."""
-        vm = psutil.virtual_memory()
-        need = total_bytes - streamable_on_cpu  # bytes that are not yet in RAM
-        if need > vm.available:
-            raise DGLSUserError(
-                f"too little RAM to hold the streamed layers: need {need / GiB:.1f} GiB more, "
-                f"{vm.available / GiB:.1f} GiB available; stream fewer layers (blocks_to_swap) or free RAM"
-            )
+    @property
+    def pageable_layers(self) -> list[int]:
+        return [i for i, h in self.layers.items() if self.use_pinning and not h.pinned]
 
-    def add_layer(
-        self, index: int, params: list[torch.nn.Parameter], casts: dict[int, ParamCast] | None = None
-    ) -> HostLayer:
-        """Pack one layer's frozen params into host memory (cast as ``casts`` says) and pin it while the budget lasts.
-
-        fp8 scales are computed on the swapper's device (fast, and the same device reproduces them).
-        """
-        slots, nbytes, host_nbytes, direct = layout_params(params, casts)
+    def add_layer(self, layout: LayerLayout, values: list[torch.Tensor] | None = None) -> HostLayer:
+        """Pack one layer's streamable params (their current data, or ``values`` in layout order),
+        cast as the layout says, and pin the buffer while the budget lasts."""
+        nbytes = layout.host_bytes
         budget = self.pinned_budget
-        pin = self.use_pinning and (budget is None or self.pinned_bytes + host_nbytes <= budget)
-        packed = host_nbytes >= self.packing_threshold
-        buffer = _page_aligned_empty(host_nbytes) if self.use_pinning else torch.empty(host_nbytes, dtype=torch.uint8)
-        layer = HostLayer(slots, nbytes, buffer[:host_nbytes], False, packed, host_nbytes, direct)
+        pin = self.use_pinning and (budget is None or self.pinned_bytes + _whole_pages(nbytes) <= budget)
+        buffer = _page_aligned_empty(nbytes) if self.use_pinning else torch.empty(nbytes, dtype=torch.uint8)
+        layer = HostLayer(layout, buffer[:nbytes], pin, nbytes >= self.packing_threshold)
         with torch.no_grad():
-            for p in slots:
+            for k, p in enumerate(layout.params):
+                value = values[k] if values is not None else p.param.data
                 if p.scaled:
-                    q, p.scale = quantize(p.param.data.to(self.device), p.stored)
-                    p.scale_host = p.scale.cpu()
-                    layer.master_view(p).copy_(q)
+                    q, scale = quantize(value.to(self.device), p.stored)
+                    layer.scales[k], layer.scales_host[k] = scale, scale.cpu()
+                    layer.master_view(k).copy_(q)
                 else:
-                    layer.master_view(p).copy_(p.param.data)
+                    layer.master_view(k).copy_(value)
         if pin:
-            layer.registered = _register(buffer)
-            layer.pinned = True
+            self._registrations.add(layout.index, buffer)
             self.pinned_bytes += buffer.numel()
-        elif self.use_pinning:
-            self.pageable_layers.append(index)
-        self.layers[index] = layer
+        self.layers[layout.index] = layer
         return layer
 
     def remove_layer(self, index: int) -> None:
-        """Unpin and drop one layer's master (it became resident; the device copy is the weight now)."""
+        """Unpin and drop one layer's master (it became resident: the device copy is the weight now)."""
         layer = self.layers.pop(index)
-        _unregister(layer.registered)
         if layer.pinned:
-            self.pinned_bytes -= (layer.host_nbytes + PAGE - 1) // PAGE * PAGE  # as _page_aligned_empty sized it
-        if index in self.pageable_layers:
-            self.pageable_layers.remove(index)
+            self._registrations.drop(index)
+            self.pinned_bytes -= _whole_pages(layer.nbytes)
 
     def ensure_staging(self, count: int, nbytes: int) -> None:
-        """Pinned bounce buffers for pageable layers (only if some layer is pageable)."""
-        if not self.pageable_layers or self.staging:
+        """Pinned bounce buffers for pageable layers, each ``nbytes`` (made or grown only if some layer is pageable)."""
+        if not self.pageable_layers or (self.staging and self.staging[0].numel() >= nbytes):
             return
-        for _ in range(count):
+        self._drop_staging()
+        for k in range(count):
             buf = _page_aligned_empty(nbytes)
-            self._registered_staging += _register(buf)
+            self._registrations.add(-1 - k, buf)
             self.staging.append(buf)
             self.pinned_bytes += buf.numel()
 
+    def _drop_staging(self) -> None:
+        for k, buf in enumerate(self.staging):
+            self._registrations.drop(-1 - k)
+            self.pinned_bytes -= buf.numel()
+        self.staging = []
+
     def release(self) -> None:
         """Unpin and drop every buffer (masters must have been copied out first)."""
-        for layer in self.layers.values():
-            _unregister(layer.registered)
-            layer.registered = []
-        _unregister(self._registered_staging)
-        self._registered_staging = []
+        self._registrations.drop_all()
         self.layers.clear()
         self.staging.clear()
         self.pinned_bytes = 0
+
+
+def _whole_pages(nbytes: int) -> int:
+    return (nbytes + PAGE - 1) // PAGE * PAGE
 
 
 def _register(buffer: torch.Tensor) -> list[int]:

@@ -1,58 +1,29 @@
-"""Placement: which layers stay resident on the device and which stream, in bytes."""
+"""Placement: which layers stay resident and which stream, from the settings, in bytes.
+
+:func:`choose_streamed` applies the explicit settings (``gpu_layers``, ``blocks_to_swap``,
+``initial_gpu_layers``/``final_gpu_layers``); with a VRAM budget the planner (``autoplan.py``)
+chooses instead. A :class:`Placement` derives every device figure from the layout's memory model
+(:mod:`.layout`), the same one the planner predicts with.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-
-from torch import nn
 
 from .config import SwapConfig
 from .errors import DGLSUserError
-from .precision import CastRules, scale_count
-
-MB = 1024 * 1024
-ALIGN = 256  # bytes: every packed param starts on this boundary (safe for any dtype view)
-
-
-def aligned(nbytes: int) -> int:
-    """Round up to the packing alignment."""
-    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
-
-
-@dataclass(frozen=True)
-class LayerSizes:
-    """Byte sizes of one layer, measured from its tensors (layers are never assumed equal)."""
-
-    index: int
-    class_name: str
-    streamable_bytes: int  # frozen params owned by this layer alone (as they are: what a resident layer holds)
-    fixed_bytes: int  # trainable params, buffers and shared params: always resident
-    # When streamed with cast_target (None: no cast, same as streamable_bytes):
-    cast_slot_bytes: int | None = None  # the slot it needs (params in their compute dtypes)
-    cast_copy_bytes: int | None = None  # bytes copied per fetch (stored dtypes: fp8 halves bf16)
-    landing_bytes: int = 0  # fp8 bytes that land in a copy-stream buffer before their upcast
-    scale_bytes: int = 0  # fp32 fp8 scales, resident on the device
-
-    @property
-    def slot_bytes(self) -> int:
-        """Device slot bytes of this layer when it streams."""
-        return self.streamable_bytes if self.cast_slot_bytes is None else self.cast_slot_bytes
-
-    @property
-    def copy_bytes(self) -> int:
-        """Bytes moved host-to-device per fetch when it streams."""
-        return self.streamable_bytes if self.cast_copy_bytes is None else self.cast_copy_bytes
+from .layout import MB, LayerSizes, device_bytes, pool_bytes, resident_bytes, slot_count
 
 
 @dataclass(frozen=True)
 class Placement:
-    """The result of planning: resident and streamed layer indices plus the pool size."""
+    """Resident and streamed layers, the prefetch depth, and what that costs on the device."""
 
     sizes: tuple[LayerSizes, ...]
     streamed: tuple[int, ...]
-    slot_count: int
-    slot_bytes: int
-    landing_bytes: int = 0  # all copy streams' fp8 landing buffers together
+    prefetch: int
+    copy_streams: int = 1
 
     @property
     def resident(self) -> tuple[int, ...]:
@@ -60,24 +31,40 @@ class Placement:
         return tuple(s.index for s in self.sizes if s.index not in streamed)
 
     @property
+    def slot_count(self) -> int:
+        return slot_count(len(self.streamed), self.prefetch)
+
+    @property
+    def slot_bytes(self) -> int:
+        return max((self.sizes[i].slot_bytes for i in self.streamed), default=0)
+
+    @property
+    def landing_bytes(self) -> int:
+        """One copy stream's fp8 landing buffer."""
+        return max((self.sizes[i].landing_bytes for i in self.streamed), default=0)
+
+    @property
     def resident_weight_bytes(self) -> int:
-        streamed = set(self.streamed)
-        weights = sum(s.fixed_bytes + (0 if s.index in streamed else s.streamable_bytes) for s in self.sizes)
-        return weights + sum(self.sizes[i].scale_bytes for i in self.streamed)
+        return resident_bytes(self.sizes, self.streamed)
 
     @property
     def pool_bytes(self) -> int:
-        return self.slot_count * self.slot_bytes
+        return pool_bytes(self.sizes, self.streamed, self.prefetch, self.copy_streams)
 
     @property
     def streamed_bytes(self) -> int:
-        """Bytes copied to fetch every streamed layer once (after cast_target)."""
+        """Bytes copied to fetch every streamed layer once (fp8 storage copies fewer)."""
         return sum(self.sizes[i].copy_bytes for i in self.streamed)
 
     @property
+    def saved_bytes(self) -> int:
+        """Device bytes this placement saves against keeping every layer resident (negative: it costs)."""
+        return sum(self.sizes[i].streamable_bytes for i in self.streamed) - self.pool_bytes
+
+    @property
     def predicted_device_bytes(self) -> int:
-        """Weights + buffers + pool (+ fp8 landing buffers): known before step 1 (activations come on top)."""
-        return self.resident_weight_bytes + self.pool_bytes + self.landing_bytes
+        """Weights, buffers and the pool: known before step 1 (activations come on top)."""
+        return device_bytes(self.sizes, self.streamed, self.prefetch, self.copy_streams)
 
     def table(self) -> str:
         """The start-up placement table: index, class, MB, where it lives."""
@@ -89,66 +76,37 @@ class Placement:
                 where = "streamed"
                 if s.fixed_bytes:
                     where += f" ({s.fixed_bytes / MB:.1f} MB trainable/buffers resident)"
+            elif not s.streamable_bytes and not s.fixed_bytes:
+                where = "no weights"
             else:
                 where = "resident"
             lines.append(f"{s.index:>4}  {s.class_name[:28]:<28} {total:>9.1f}  {where}")
         lines.append(
             f"resident weights+buffers {self.resident_weight_bytes / MB:.1f} MB + pool "
-            f"{self.slot_count} x {self.slot_bytes / MB:.1f} MB = {self.predicted_device_bytes / MB:.1f} MB "
-            f"on the device before activations; {len(self.streamed)} layers "
-            f"({self.streamed_bytes / MB:.1f} MB) stream"
+            f"{self.slot_count} x {self.slot_bytes / MB:.1f} MB"
+            + (
+                f" (+ fp8 landing/scales {(self.pool_bytes - self.slot_count * self.slot_bytes) / MB:.1f} MB)"
+                if self.pool_bytes > self.slot_count * self.slot_bytes
+                else ""
+            )
+            + f" = {self.predicted_device_bytes / MB:.1f} MB on the device before activations; "
+            f"{len(self.streamed)} layers ({self.streamed_bytes / MB:.1f} MB) stream"
         )
         return "\n".join(lines)
 
-
-def measure_layer(index: int, layer: nn.Module, shared: set[int], rules: CastRules | None = None) -> LayerSizes:
-    """Split a layer's bytes into what can stream (frozen, unshared params) and what stays;
-    with ``rules`` also what it takes when streamed after cast_target (as host_store lays it out)."""
-    streamable = fixed = slot = copy = landing = scales = 0
-    casts = rules.plan(layer) if rules else {}
-    for p in layer.parameters():
-        nbytes = p.numel() * p.element_size()
-        if p.requires_grad or id(p) in shared:
-            fixed += nbytes
-            continue
-        streamable += aligned(nbytes)
-        cast = casts.get(id(p))
-        if cast is None:
-            slot += aligned(nbytes)
-            copy += aligned(nbytes)
-            continue
-        stored = aligned(p.numel() * cast.stored.itemsize)
-        slot += aligned(p.numel() * cast.dtype.itemsize)
-        copy += stored
-        if cast.scaled:
-            landing += stored
-            scales += 4 * scale_count(p.shape)
-    for b in layer.buffers():
-        fixed += b.numel() * b.element_size()
-    if not casts:
-        return LayerSizes(index, type(layer).__name__, streamable, fixed)
-    return LayerSizes(index, type(layer).__name__, streamable, fixed, slot, copy, landing, scales)
+    def notes(self) -> list[str]:
+        """Start-up warnings about this placement."""
+        if self.streamed and self.saved_bytes <= 0:
+            return [
+                f"DGLS: streaming {len(self.streamed)} layers with prefetch {self.prefetch} needs a pool of "
+                f"{self.pool_bytes / MB:.1f} MB, {-self.saved_bytes / MB:.1f} MB more than keeping them resident: "
+                "stream more layers or lower --prefetch (or stream none: --no-dynamic_swapping)"
+            ]
+        return []
 
 
-def modules_of(layers: list) -> list[tuple[int, nn.Module]]:
-    """(index, module) of the entries that are modules: a layer list may hold plain functions between
-    blocks (diffusion-pipe's Chroma and HunyuanVideo concatenate streams in one); they have no weights."""
-    return [(i, layer) for i, layer in enumerate(layers) if isinstance(layer, nn.Module)]
-
-
-def shared_param_ids(layers: list) -> set[int]:
-    """Params that appear in more than one layer (tied weights) must stay resident."""
-    owner: dict[int, int] = {}
-    shared: set[int] = set()
-    for i, layer in modules_of(layers):
-        for p in layer.parameters():
-            if owner.setdefault(id(p), i) != i:
-                shared.add(id(p))
-    return shared
-
-
-def choose_streamed(sizes: list[LayerSizes], config: SwapConfig) -> list[int]:
-    """Apply the placement settings to the measured layers; raise on settings that don't fit."""
+def choose_streamed(sizes: Sequence[LayerSizes], config: SwapConfig) -> list[int]:
+    """Apply the explicit placement settings to the measured layers; raise on settings that don't fit."""
     n = len(sizes)
     candidates = [s.index for s in sizes if s.streamable_bytes > 0]
     if config.gpu_layers is not None:
@@ -174,18 +132,9 @@ def choose_streamed(sizes: list[LayerSizes], config: SwapConfig) -> list[int]:
     return [i for i in candidates if initial <= i < n - final]
 
 
-def plan_placement(layers: list[nn.Module], config: SwapConfig) -> Placement:
-    """Measure the layers and decide placement and pool size."""
-    shared = shared_param_ids(layers)
-    rules = CastRules.from_config(config)
-    sizes = [
-        measure_layer(i, layer, shared, rules)
-        if isinstance(layer, nn.Module)
-        else LayerSizes(i, getattr(layer, "__name__", type(layer).__name__), 0, 0)
-        for i, layer in enumerate(layers)
-    ]
-    streamed = choose_streamed(sizes, config)
-    slot_bytes = max((sizes[i].slot_bytes for i in streamed), default=0)
-    slot_count = min(len(streamed), config.prefetch + 1)
-    landing = max((sizes[i].landing_bytes for i in streamed), default=0) * config.cuda_streams
-    return Placement(tuple(sizes), tuple(streamed), slot_count, slot_bytes, landing)
+def plan_placement(sizes: Sequence[LayerSizes], config: SwapConfig) -> Placement:
+    """The placement the explicit settings give (everything streamed under a VRAM budget: the probe)."""
+    if config.vram_budget_gb is not None and not config.explicit_placement:
+        streamed = [s.index for s in sizes if s.streamable_bytes > 0]
+        return Placement(tuple(sizes), tuple(streamed), 1, config.cuda_streams)
+    return Placement(tuple(sizes), tuple(choose_streamed(sizes, config)), config.prefetch, config.cuda_streams)

@@ -19,9 +19,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .errors import DGLSUserError
-from .placement import LayerSizes
+from .layout import GiB, LayerSizes, device_bytes
+from .schedule import Phase
+from .stats import human_bytes
 
-GiB = 1024**3
 PREFETCH_CHOICES = (1, 2, 3, 4)
 
 
@@ -30,7 +31,7 @@ class UseTiming:
     """One use of a layer in the probe step: its phase and the compute time it took."""
 
     layer: int
-    phase: str
+    phase: Phase
     compute_ms: float
 
 
@@ -87,25 +88,12 @@ def _ranges(indices: Iterable[int]) -> str:
 
 
 # ---------------------------------------------------------------- memory
-def pool_bytes(sizes: Sequence[LayerSizes], streamed: Iterable[int], prefetch: int, copy_streams: int = 1) -> int:
-    """The device slots (``prefetch + 1`` of the largest streamed layer, in compute dtypes) plus,
-    with fp8 storage, each copy stream's landing buffer and the streamed layers' fp8 scales."""
-    streamed = list(streamed)
-    if not streamed:
-        return 0
-    slots = min(len(streamed), prefetch + 1) * max(sizes[i].slot_bytes for i in streamed)
-    landing = copy_streams * max(sizes[i].landing_bytes for i in streamed)
-    return slots + landing + sum(sizes[i].scale_bytes for i in streamed)
-
-
 def predict_peak(
     sizes: Sequence[LayerSizes], profile: StepProfile, streamed: Iterable[int], prefetch: int, copy_streams: int = 1
 ) -> int:
     """Peak reserved bytes: resident weights and buffers, the pool, activations, allocator slack."""
-    streamed = set(streamed)
-    weights = sum(s.fixed_bytes + (0 if s.index in streamed else s.streamable_bytes) for s in sizes)
-    pool = pool_bytes(sizes, streamed, prefetch, copy_streams)
-    return weights + pool + profile.activation_bytes + profile.reserved_overhead
+    placed = device_bytes(sizes, streamed, prefetch, copy_streams)
+    return placed + profile.activation_bytes + profile.reserved_overhead
 
 
 def minimum_bytes(
@@ -114,7 +102,7 @@ def minimum_bytes(
     """The smallest footprint: every streamable layer streamed, ``prefetch + 1`` slots."""
     streamed = [s.index for s in sizes if s.streamable_bytes]
     extra = (profile.activation_bytes + profile.reserved_overhead) if profile else 0
-    return sum(s.fixed_bytes for s in sizes) + pool_bytes(sizes, streamed, prefetch, copy_streams) + extra
+    return device_bytes(sizes, streamed, prefetch, copy_streams) + extra
 
 
 # ---------------------------------------------------------------- time
@@ -165,8 +153,8 @@ def _check_minimum(sizes, profile, budget, prefetch_choices, copy_streams) -> No
     need = minimum_bytes(sizes, profile, min(prefetch_choices), copy_streams)
     if need > budget:
         raise DGLSUserError(
-            f"VRAM budget {budget / GiB:.2f} GiB is below the minimum {need / GiB:.2f} GiB (resident essentials "
-            f"+ 2 x the largest layer + {profile.activation_bytes / GiB:.2f} GiB of activations): raise "
+            f"VRAM budget {human_bytes(budget)} is below the minimum {human_bytes(need)} (resident essentials "
+            f"+ 2 x the largest layer + {human_bytes(profile.activation_bytes)} of activations): raise "
             "--vram_budget, or lower the activations (activation_checkpointing, smaller batch or resolution)"
         )
 

@@ -1,6 +1,7 @@
-"""Precision: dtype names, which streamed params ``cast_target`` casts, fp8 scaling, autocast, grad clipping.
+"""Precision: dtype names, which frozen params ``cast_target`` casts, fp8 scaling, autocast.
 
-Rules for ``cast_target FROM TO`` (applied at start-up to streamed layers only):
+Rules for ``cast_target FROM TO`` (applied at start-up to every layer, wherever it lives, so that
+placement never changes the numbers):
 
 - a frozen param whose dtype is FROM is cast to TO; trainable params (``requires_grad``)
   never are, and params of norm layers (``LayerNorm``, ``RMSNorm``, ``GroupNorm``, any class
@@ -281,37 +282,3 @@ def describe(rules: CastRules | None, autocast: str | None, mixed_precision: str
     if mixed_precision != "auto":
         parts.append(f"trainable params {mixed_precision} ({trainable_cast} cast)")
     return "DGLS precision: " + ("; ".join(parts) if parts else "unchanged")
-
-
-# ---------------------------------------------------------------- gradient clipping
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, eps: float = 1e-6) -> torch.Tensor:
-    """Scale all grads so their global 2-norm is at most ``max_norm``; return the norm before clipping.
-
-    One norm over every grad wherever it lives: each device sums squares in fp32 (fp8, int
-    and half grads are converted first), the partial sums meet on one device (the first
-    non-CPU one, else the CPU), and grads are scaled in place in their own dtype. No host
-    sync: the scale factor stays a tensor (multiplying by exactly 1 leaves grads unchanged).
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    sums: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        g = g.detach()
-        if g.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-            part = torch.linalg.vector_norm(g, 2, dtype=torch.float32 if g.dtype != torch.float64 else None)
-            part = part.float().square()
-        else:
-            part = g.float().square().sum()
-        sums.setdefault(g.device, []).append(part)
-    home = next((d for d in sums if d.type != "cpu"), torch.device("cpu"))
-    total = torch.stack([torch.stack(v).sum().to(home) for v in sums.values()]).sum().sqrt()
-    coef = (max_norm / (total + eps)).clamp(max=1.0)
-    with torch.no_grad():
-        for g in grads:
-            c = coef.to(g.device)
-            if g.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-                g.mul_(c.to(g.dtype) if g.dtype == torch.float64 else c)
-            else:
-                g.copy_(g.float() * c)
-    return total

@@ -1,18 +1,18 @@
 """Profiler: a timeline of layer copies, layer compute and the waits between them, for a few steps.
 
 Step stats say *how much* compute waited; the timeline says *where*: which layer's copy was
-late, and what ran while it copied. The swapper reports each layer use (marked on the compute
-stream with a CUDA event, like the planner's UseRecorder), each copy (its fetch's start/ready
-events; it ends after the fp8 upcast where there is one), each wait (the events around the
-compute stream's wait) and each step end. Only steps
+late, and what ran while it copied. As a listener of the engine it gets each layer use (marked
+on the compute stream with a CUDA event, like the planner's UseRecorder), each copy (its token's
+start/ready events; it ends after the fp8 upcast where there is one), each wait (the events
+around the compute stream's wait) and each end of a backward pass (a "step"). Only steps
 ``warmup_steps + 1 .. warmup_steps + steps`` are kept; then the events are resolved (one
 device synchronize, after the step has been read anyway) and written as a Chrome trace, plus
 a PNG timeline when matplotlib is installed. Recording events never touches tensors, so a
 profiled run computes exactly what an unprofiled one does; without ``--profile`` there is no
 profiler at all.
 
-On CPU there are no streams: copies are synchronous memcpys timed with ``perf_counter`` on the
-thread that issues them (inline, inside the use that prefetched them), and no waits exist.
+On CPU there are no streams: a copy is a memcpy done when its layer is acquired (or on the copier
+thread), timed with ``perf_counter``, and no waits exist.
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ from typing import Any
 
 import torch
 
+from .copier import Token, Wait
+from .listener import Listener
+from .schedule import Phase
 from .stats import elapsed_ms, timestamp
-from .transfer import Fetch
 
-PHASES = {"F": "forward", "B": "backward", "N": "forward (no grad)"}
+PHASES = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.NO_GRAD: "forward (no grad)"}
 LANES = {"steps": 1, "compute": 2, "waits": 3}
 COPY_LANE = 10  # copy stream k is lane COPY_LANE + k
 
@@ -35,7 +37,7 @@ COPY_LANE = 10  # copy stream k is lane COPY_LANE + k
 @dataclass
 class _Use:
     layer: int
-    phase: str
+    phase: Phase
     streamed: bool
     step: int
     at: Any  # a CUDA event or a perf_counter() value
@@ -64,7 +66,7 @@ def png_path(path: Path) -> Path:
     return path.with_suffix(".png") if path.suffix == ".json" else path.with_name(path.name + ".png")
 
 
-class Profiler:
+class Profiler(Listener):
     """Records steps ``warmup_steps + 1 .. warmup_steps + steps`` (1-based), then writes ``path``."""
 
     def __init__(
@@ -102,19 +104,20 @@ class Profiler:
         if self.warmup_steps <= self.steps_done <= self.warmup_steps + self.steps:
             self._boundaries.append(timestamp(self.device))
 
-    def use_started(self, layer: int, phase: str, streamed: bool) -> None:
+    def use_started(self, layer: int, phase: Phase, streamed: bool, missed: bool) -> None:
         if self.recording:
             self._uses.append(_Use(layer, phase, streamed, self.steps_done + 1, timestamp(self.device)))
 
-    def waited(self, layer: int, before, after) -> None:
+    def waited(self, wait: Wait) -> None:
         if self.recording:
-            self._waits.append(_Wait(layer, self.steps_done + 1, before, after))
+            self._waits.append(_Wait(wait.token.layer, self.steps_done + 1, wait.before, wait.after))
 
-    def fetched(self, fetch: Fetch) -> None:
-        """A fetch whose copy the current use waits on (reported once, as the step stats count it)."""
+    def fetched(self, token: Token) -> None:
+        """A copy the current use acquired (reported once, as the step stats count it)."""
         if not self.recording:
             return
-        start, end = (fetch.start, fetch.ready) if self.cuda else (fetch.host_span or (None, None))
+        fetch = token
+        start, end = (fetch.start, fetch.ready) if self.cuda else (fetch.span or (None, None))
         if start is None:
             note = "copy timing is off (collect_timing=False): no copy or wait events"
             if note not in self.notes:
@@ -123,7 +126,7 @@ class Profiler:
         step = self.steps_done + 1
         self._copies.append(_Copy(fetch.layer, step, fetch.nbytes, fetch.demand, fetch.stream, start, end))
 
-    def step_done(self) -> None:
+    def pass_ended(self) -> None:
         if self.done:
             return
         self.steps_done += 1
@@ -159,8 +162,8 @@ class Profiler:
             step_end = bounds[u.step - self.warmup_steps] if u.step - self.warmup_steps < len(bounds) else start
             nxt = uses[k + 1] if k + 1 < len(uses) else None
             end = nxt[1] if nxt is not None and nxt[0].step == u.step else step_end
-            args = {"layer": u.layer, "phase": PHASES.get(u.phase, u.phase), "streamed": u.streamed, "step": u.step}
-            add(f"layer {u.layer} {u.phase}", "compute", LANES["compute"], start, end, args)
+            args = {"layer": u.layer, "phase": PHASES[u.phase], "streamed": u.streamed, "step": u.step}
+            add(f"layer {u.layer} {u.phase.value}", "compute", LANES["compute"], start, end, args)
         for w in self._waits:
             start, end = self._us(w.start), self._us(w.end)
             add(f"wait layer {w.layer}", "wait", LANES["waits"], start, end, {"layer": w.layer, "step": w.step})
@@ -197,8 +200,8 @@ class Profiler:
         notes = list(self.notes)
         if not self.cuda:
             notes.append(
-                "CPU: copies are synchronous memcpys on the thread that issues them, timed with time.perf_counter "
-                "(a use that prefetched a layer includes that copy); there are no waits"
+                "CPU: a copy is a memcpy done when its layer is acquired (or on the copier thread), timed with "
+                "time.perf_counter; there are no waits"
             )
         other = {
             "tool": "DGLS profiler",
@@ -237,7 +240,8 @@ class Profiler:
 
 
 def draw_timeline(trace: dict, path: Path) -> None:
-    """A PNG of the trace: one row per copy stream, compute (by phase) and waits (red). Raises
+    """A PNG of the trace: one row per copy stream, compute (by phase; resident layers faded) and waits,
+    layer numbers on bars wide enough to hold them, and the per-step summary under the title. Raises
     ImportError without matplotlib (an optional dependency)."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -247,7 +251,8 @@ def draw_timeline(trace: dict, path: Path) -> None:
     rows = {lane: y for y, (_, lane) in enumerate(lanes)}
     colors = {"forward": "#4C72B0", "backward": "#DD8452", "forward (no grad)": "#8C8C8C"}
     events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    fig = Figure(figsize=(14, 1.2 + 0.5 * len(rows)))
+    span = max((e["ts"] + e["dur"] for e in events), default=1.0) / 1000
+    fig = Figure(figsize=(14, 1.8 + 0.5 * len(rows)))
     ax = fig.add_subplot()
     for e in events:
         y, start, width = rows[e["tid"]], e["ts"] / 1000, e["dur"] / 1000
@@ -264,14 +269,33 @@ def draw_timeline(trace: dict, path: Path) -> None:
         ax.broken_barh([(start, width)], (y - 0.4, 0.8), facecolors=color, alpha=alpha, edgecolor=edge, lw=0.4)
         if e["cat"] == "step":
             ax.text(start + width / 2, y, e["name"], ha="center", va="center", fontsize=7)
+        elif e["cat"] in ("compute", "copy") and width > span / 150:  # label bars wide enough for a number
+            ax.text(start + width / 2, y, str(e["args"]["layer"]), ha="center", va="center", fontsize=5, color="white")
     ax.set_yticks(list(range(len(lanes))), [name for name, _ in lanes])
     ax.set_xlabel("ms")
     ax.set_ylim(-0.6, len(lanes) - 0.4)
     steps = other["steps"]
-    ax.set_title(f"DGLS timeline on {other['device']}, steps {steps[0]}-{steps[-1]}" if steps else "DGLS timeline")
-    legend = [Patch(color=c, label=f"compute {p}") for p, c in colors.items()]
+    title = f"DGLS timeline on {other['device']}, steps {steps[0]}-{steps[-1]}" if steps else "DGLS timeline"
+    ax.set_title(title + "\n" + summary_line(other["summary"]), fontsize=9)
+    legend = [Patch(color=c, label=f"compute {p} (streamed layer)") for p, c in colors.items()]
+    legend += [Patch(color=colors["forward"], alpha=0.45, label="faded: resident layer")]
     legend += [Patch(color="#55A868", label="copy (prefetch)"), Patch(color="#C44E52", label="copy (on demand)")]
     legend += [Patch(color="#D62728", label="compute waits on a copy")]
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=6, fontsize=7, frameon=False)
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=7, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def summary_line(summary: dict) -> str:
+    """The recorded steps together: time, copies, bytes, copy bandwidth, time compute waited."""
+    rows = list(summary.values())
+    if not rows:
+        return "no steps recorded"
+    ms = sum(r["ms"] for r in rows)
+    copy_ms = sum(r["copy_ms"] for r in rows)
+    nbytes = sum(r["bytes"] for r in rows)
+    gbps = f"{nbytes / copy_ms / 1e6:.1f} GB/s" if copy_ms > 0 else "n/a"
+    return (
+        f"{len(rows)} steps, {ms / len(rows):.1f} ms per step; {sum(r['copies'] for r in rows)} copies, "
+        f"{nbytes / 2**30:.2f} GiB at {gbps}; compute waited {sum(r['wait_ms'] for r in rows):.1f} ms in total"
+    )

@@ -1,28 +1,36 @@
-"""Schedule: predict which layers are used next, from the order observed so far.
+"""Schedule: the phase of a layer use, and which uses come next, learned from the order observed.
 
-A use is ``(layer, phase)`` with phase ``F`` (forward with grad), ``N`` (forward without
-grad: eval, sampling, or a reentrant checkpoint's first pass) or ``B`` (inside backward:
-checkpoint recompute, saved-tensor unpack, or the gradient reaching the layer's output).
-The predictor remembers, for each pair of consecutive uses, what came next; that covers
-forward/backward turnarounds, checkpoint recompute, eval passes and any layer layout
-without guessing from call stacks. Before anything was observed it falls back to
-"forward goes up, backward goes down".
+A use is ``(layer, phase)``. The predictor remembers, for each pair of consecutive uses, what came
+next; that covers forward/backward turnarounds, checkpoint recompute, eval passes and any layer
+layout (UNet skips, double/single blocks) without guessing from call stacks. Before anything was
+observed it falls back to "forward goes up, backward goes down".
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from enum import Enum
 
 import torch
 
-Use = tuple[int, str]
+
+class Phase(Enum):
+    FORWARD = "F"  # forward with grad
+    NO_GRAD = "N"  # forward without grad: eval, sampling, or a reentrant checkpoint's first pass
+    BACKWARD = "B"  # inside backward: checkpoint recompute, saved-tensor unpack, or the output's gradient
+
+    def __str__(self) -> str:
+        return self.name.lower().replace("_", " ")
 
 
-def current_phase() -> str:
-    """The phase of a use happening now (never walks Python frames)."""
+Use = tuple[int, Phase]
+
+
+def current_phase() -> Phase:
+    """The phase of a use happening now, from autograd's state (never from Python frames)."""
     if torch._C._current_autograd_node() is not None:
-        return "B"
-    return "F" if torch.is_grad_enabled() else "N"
+        return Phase.BACKWARD
+    return Phase.FORWARD if torch.is_grad_enabled() else Phase.NO_GRAD
 
 
 class UsePredictor:
@@ -61,8 +69,8 @@ class UsePredictor:
     def _guess(self, use: Use) -> Use | None:
         layer, phase = use
         last = self.layer_count - 1
-        if phase == "B":
-            return (layer - 1, "B") if layer > 0 else None
+        if phase is Phase.BACKWARD:
+            return (layer - 1, phase) if layer > 0 else None
         if layer < last:
             return (layer + 1, phase)
-        return (last, "B") if phase == "F" else (0, "N")
+        return (last, Phase.BACKWARD) if phase is Phase.FORWARD else (0, Phase.NO_GRAD)

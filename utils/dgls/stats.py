@@ -1,12 +1,25 @@
-"""Per-step swap statistics, gathered from CUDA events without stalling the step."""
+"""Swap statistics per backward pass, from counters and CUDA events, read without stalling the device.
+
+A *pass* runs from the end of one backward to the end of the next (so it holds a forward, its
+backward, and any forward-only passes in between). Reads are pure: :meth:`StatsCollector.last_pass`
+is the most recent finished pass and :meth:`StatsCollector.total` everything so far; a caller that
+wants per-optimizer-step figures takes the difference of two totals (:meth:`StepStats.since`).
+Copy and wait times come from CUDA events that are resolved once they have completed
+(``event.query()``), so a read never synchronises the device unless it passes ``sync=True``.
+"""
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
+
+from .copier import Token, Wait
+from .listener import Listener
+from .schedule import Phase
 
 
 def human_bytes(n: float) -> str:
@@ -30,15 +43,17 @@ def elapsed_ms(start, end) -> float:
 
 @dataclass
 class StepStats:
-    """What swapping cost in one step (or since the last call to ``step_stats``)."""
+    """What swapping cost in one pass (or since some earlier point: see :meth:`since`)."""
 
+    passes: int = 0  # backward passes finished
     uses: int = 0  # streamed-layer uses
-    fetches: int = 0
-    misses: int = 0  # uses whose layer had not been prefetched
+    fetches: int = 0  # copies the compute side used
+    misses: int = 0  # uses whose layer had no copy on its way
     bytes_moved: int = 0
-    copy_ms: float = 0.0  # time the copy streams spent copying
-    wait_ms: float = 0.0  # time the compute stream waited on copies
-    peak_vram_bytes: int = 0
+    copy_ms: float = 0.0  # time the copy streams spent copying (resolved copies only)
+    wait_ms: float = 0.0  # time the compute stream waited on copies (resolved waits only)
+    pending: int = 0  # copies and waits whose timing is not resolved yet
+    peak_vram_bytes: int = 0  # torch's max_memory_allocated at the end of the pass (DGLS never resets it)
     pinned_bytes: int = 0
 
     @property
@@ -48,6 +63,19 @@ class StepStats:
     @property
     def hit_rate(self) -> float:
         return 1.0 - self.misses / self.uses if self.uses else 1.0
+
+    def since(self, earlier: StepStats) -> StepStats:
+        """The counters accumulated after ``earlier`` (both totals); peak and pinned are the latest."""
+        return replace(
+            self,
+            passes=self.passes - earlier.passes,
+            uses=self.uses - earlier.uses,
+            fetches=self.fetches - earlier.fetches,
+            misses=self.misses - earlier.misses,
+            bytes_moved=self.bytes_moved - earlier.bytes_moved,
+            copy_ms=self.copy_ms - earlier.copy_ms,
+            wait_ms=self.wait_ms - earlier.wait_ms,
+        )
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -68,42 +96,94 @@ class StepStats:
 
 
 @dataclass
-class StatsCollector:
-    """Accumulates counters and event pairs; resolves the timings when a step is read."""
+class _Window:
+    """One pass's stats and its event pairs not yet resolved."""
 
-    device: torch.device
-    current: StepStats = field(default_factory=StepStats)
-    _copy_events: list = field(default_factory=list)
-    _wait_events: list = field(default_factory=list)
+    stats: StepStats = field(default_factory=StepStats)
+    copies: list = field(default_factory=list)  # (start, ready) CUDA events
+    waits: list = field(default_factory=list)  # (before, after) CUDA events
 
-    def fetched(self, nbytes: int, demand: bool, start, end) -> None:
-        self.current.fetches += 1
-        self.current.bytes_moved += nbytes
-        if start is not None:
-            self._copy_events.append((start, end))
+    def resolve(self, sync: bool) -> tuple[float, float]:
+        """Add the timings whose events completed (all of them with ``sync``); return the ms added."""
+        added = [0.0, 0.0]
+        for k, pairs in enumerate((self.copies, self.waits)):
+            left = []
+            for start, end in pairs:
+                if sync or end.query():  # the end completing implies the start did (same stream)
+                    added[k] += start.elapsed_time(end)
+                else:
+                    left.append((start, end))
+            pairs[:] = left
+        self.stats.copy_ms += added[0]
+        self.stats.wait_ms += added[1]
+        self.stats.pending = len(self.copies) + len(self.waits)
+        return added[0], added[1]
 
-    def used(self, missed: bool) -> None:
-        self.current.uses += 1
-        self.current.misses += int(missed)
 
-    def waited(self, before, after) -> None:
-        self._wait_events.append((before, after))
+class StatsCollector(Listener):
+    """Counts uses, copies and waits per pass; keeps the last finished pass and the running total."""
 
-    def take(self, pinned_bytes: int, reset_peak: bool) -> StepStats:
-        """Close the step: read the event timings (waits for them) and start a new one."""
-        stats, self.current = self.current, StepStats()
-        if self._copy_events or self._wait_events:
+    def __init__(self, device: torch.device, pinned_bytes: Callable[[], int]) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._pinned_bytes = pinned_bytes
+        self._open = _Window()
+        self._last = _Window()
+        self._total = StepStats()
+        self._unresolved: list[_Window] = []
+
+    # ---------------------------------------------------------------- listener
+    def use_started(self, layer: int, phase: Phase, streamed: bool, missed: bool) -> None:
+        if streamed:
+            self._open.stats.uses += 1
+            self._open.stats.misses += missed
+            self._total.uses += 1
+            self._total.misses += missed
+
+    def fetched(self, token: Token) -> None:
+        s = self._open.stats
+        s.fetches += 1
+        s.bytes_moved += token.nbytes
+        self._total.fetches += 1
+        self._total.bytes_moved += token.nbytes
+        if token.start is not None:
+            self._open.copies.append((token.start, token.ready))
+
+    def waited(self, wait: Wait) -> None:
+        self._open.waits.append((wait.before, wait.after))
+
+    def pass_ended(self) -> None:
+        window, self._open = self._open, _Window()
+        window.stats.passes = 1
+        self._total.passes += 1
+        if self.cuda:
+            window.stats.peak_vram_bytes = torch.cuda.max_memory_allocated(self.device)
+            self._total.peak_vram_bytes = max(self._total.peak_vram_bytes, window.stats.peak_vram_bytes)
+        if window.copies or window.waits:
+            self._unresolved.append(window)
+        self._last = window
+
+    # ---------------------------------------------------------------- reads
+    def _resolve(self, sync: bool) -> None:
+        if sync and self.cuda and (self._unresolved or self._open.copies or self._open.waits):
             torch.cuda.synchronize(self.device)
-        stats.copy_ms = sum(a.elapsed_time(b) for a, b in self._copy_events)
-        stats.wait_ms = sum(a.elapsed_time(b) for a, b in self._wait_events)
-        self._copy_events.clear()
-        self._wait_events.clear()
-        stats.pinned_bytes = pinned_bytes
-        if self.device.type == "cuda":
-            stats.peak_vram_bytes = torch.cuda.max_memory_allocated(self.device)
-            if reset_peak:
-                torch.cuda.reset_peak_memory_stats(self.device)
-        return stats
+        for window in [*self._unresolved, self._open]:
+            copy_ms, wait_ms = window.resolve(sync)
+            self._total.copy_ms += copy_ms
+            self._total.wait_ms += wait_ms
+        self._unresolved = [w for w in self._unresolved if w.copies or w.waits]
+
+    def last_pass(self, sync: bool = False) -> StepStats:
+        """The most recent finished pass (all zeros before the first one)."""
+        self._resolve(sync)
+        return replace(self._last.stats, pinned_bytes=self._pinned_bytes())
+
+    def total(self, sync: bool = False) -> StepStats:
+        """Everything so far, the pass in progress included."""
+        self._resolve(sync)
+        pending = sum(len(w.copies) + len(w.waits) for w in [*self._unresolved, self._open])
+        peak = torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
+        return replace(self._total, pending=pending, peak_vram_bytes=peak, pinned_bytes=self._pinned_bytes())
 
 
 def clock(seconds: float) -> str:

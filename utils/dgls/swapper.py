@@ -1,96 +1,84 @@
-"""LayerSwapper: the public entry point that streams a list of layers through a device pool.
+"""LayerSwapper: keep some layers of a list resident on the device and stream the others in just before use.
 
-Per streamed layer the frozen params are rebound (``param.data``) to one of three
-places: an empty placeholder while evicted (any use fails loudly, on CPU too), a view
-into a device slot while resident, or a view into the host master while a state dict is
-written. Parameter objects are never replaced, so optimizers and PEFT keep working.
+Layout
+    Host: one packed master per streamed layer (:mod:`.host_store`, laid out by :mod:`.layout`).
+    Device: the resident layers' weights, the trainable params and buffers of every layer, and
+    ``prefetch + 1`` slots of the largest streamed layer (:mod:`.device_pool`), plus fp8 landing
+    buffers (:mod:`.copier`). Every streamed param points at an empty placeholder, or at a view of
+    its layer's slot while the layer is on the device (:mod:`.residency`).
 
-Ordering rule behind eviction: a layer stays pinned from the moment its use begins
-(forward pre-hook, checkpoint recompute, saved-tensor unpack, or the gradient reaching
-its output) until another layer's use begins. By then every kernel that reads it has
-been enqueued (forward is sequential; the autograd engine runs one device's nodes in
-decreasing sequence number), so an event recorded at that moment on the compute stream
-is behind its last reader, and the copy stream waits on that event before reusing the slot.
+Mechanics
+    :mod:`.hooks` calls :meth:`LayerSwapper.use` when a layer's use begins (forward, recompute,
+    backward, saved-tensor unpack) and :meth:`LayerSwapper.pass_end` when a backward finishes.
+    ``use(i)`` releases the layer used before (the copier puts a marker behind its kernels), makes
+    layer ``i`` resident (a demand copy if no copy was on its way), then prefetches: it walks the
+    uses the predictor (:mod:`.schedule`) expects and starts copies of the next ``prefetch``
+    streamed layers, each into a free slot or else the least recently used slot that no protected
+    layer (the current one and those being prefetched) holds. ``pass_end`` hands the step boundary
+    to the listeners: stats (:mod:`.stats`), the profiler, and the VRAM-budget planner
+    (:mod:`.autoplan`), which may re-place layers there, between passes.
+
+Hazards handled
+    - Slot reuse. A layer's use lasts from its start until another layer's use begins. By then every
+      kernel that reads it is enqueued (forward runs layers in order; the autograd engine runs one
+      device's nodes in decreasing sequence number), so the release marker is behind its last
+      reader, and the copier writes the slot only after that marker (and refuses to write a slot
+      that was not released: :class:`~.copier.OrderingError`).
+    - Saved tensors of layers that are not checkpointed would keep views of a slot: :mod:`.hooks`
+      swaps them for references that are re-resolved in backward.
+    - State dicts read and write the host masters (true weights wherever a layer lives);
+      ``load_state_dict(assign=True)`` new Parameter objects are adopted, not silently dropped.
+    - ``cast_target`` applies wherever a layer lives (fp8-stored layers keep their fp8 master even
+      while resident), so placement, and re-placement by the planner, never changes the numbers.
+    - :meth:`remove` puts every param and buffer back on its original device in its original dtype
+      (fp8-stored values come back dequantized: the full-precision originals are not kept).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 from torch import nn
 
-from .autoplan import AutoPlanner, resolve_budget
+from .autoplan import PlacementDriver, resolve_budget
 from .config import SwapConfig
+from .copier import CudaCopier, DeferredCopier
 from .device_pool import DevicePool, Slot
 from .errors import DGLSUserError
-from .host_store import GiB, HostLayer, HostStore, ParamSlot, default_pinned_budget
+from .forward_patches import ForwardPatches
+from .hooks import HookAdapter, SlotRef
+from .host_store import HostStore, check_ram, default_pinned_budget
+from .layout import MB, LayerLayout, measure, measure_layer, modules_of
+from .listener import Listener
 from .monitor import check_pinned_budget
-from .placement import MB, Placement, modules_of, plan_placement, shared_param_ids
-from .precision import CastRules, autocast_context, cast_trainable, check_device_support, describe
+from .placement import Placement, plan_placement
+from .precision import CastRules, cast_trainable, check_device_support, describe, name_of
 from .profiler import Profiler
-from .schedule import Use, UsePredictor, current_phase
-from .stats import StatsCollector, StepStats
-from .transfer import CopyEngine, Fetch
-
-
-@dataclass
-class StreamedLayer:
-    """Per-layer state of one streamed layer."""
-
-    index: int
-    module: nn.Module
-    host: HostLayer
-    names: dict[str, ParamSlot]  # state-dict names (relative to the layer) of streamed params
-    slot: Slot | None = None
-    fetch: Fetch | None = None
-    waited: bool = False  # the compute stream already waits on the fetch
-    bound: bool = False  # params point into the slot
-    handles: list = field(default_factory=list)  # its state-dict hooks
-
-
-@dataclass(frozen=True)
-class SlotRef:
-    """What autograd keeps instead of a view into a slot: enough to rebuild it later."""
-
-    layer: int
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-
-
-def _tensors(value) -> Iterable[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
+from .residency import Residency, StreamedLayer
+from .schedule import Phase, UsePredictor, current_phase
+from .stats import StatsCollector, StepStats, human_bytes
 
 
 class LayerSwapper:
     """Keep some layers resident on ``device`` and stream the others in just before use.
 
-    ``layers`` run one after another (a ``to_layers()`` list, an ``nn.Sequential``, a list
-    of blocks). Pass them on the CPU (or anywhere): frozen params of streamed layers move
-    to host memory, everything else moves to ``device``. Call :meth:`remove` (or use the
-    swapper as a context manager) to put the modules back as they were.
+    ``layers`` run one after another (a ``to_layers()`` list, an ``nn.Sequential``, a list of
+    blocks; plain functions between them are fine). Pass them on the CPU (or anywhere): frozen
+    params of streamed layers move to host memory, everything else moves to ``device``. Call
+    :meth:`remove` (or use the swapper as a context manager) to put the modules back.
     """
 
     def __init__(
         self,
-        layers: Iterable[nn.Module],
+        layers: Iterable,
         config: SwapConfig | None = None,
         device: torch.device | str | None = None,
         log=print,
     ) -> None:
-        self.layers: list[nn.Module] = list(layers)
+        self.layers: list = list(layers)
         if not self.layers:
             raise DGLSUserError("no layers to place: the layer list is empty")
         self.config = config or SwapConfig()
@@ -98,147 +86,158 @@ class LayerSwapper:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._log = log or (lambda *_: None)
+        self._removed = False
+        self._home = {
+            id(t): (t, t.device, t.dtype)
+            for _, module in modules_of(self.layers)
+            for t in (*module.parameters(), *module.buffers())
+        }
         self._trainable_cast = cast_trainable([m for _, m in modules_of(self.layers)], self.config.mixed_precision)
-        self.autoplanner: AutoPlanner | None = None
-        if self.config.vram_budget_gb is not None:
-            self.config = self._start_autoplanner()
-        self.placement: Placement = plan_placement(self.layers, self.config)
-        if self.autoplanner is not None:
-            self.autoplanner.check_static_minimum(self.placement.sizes)
-        self._home: dict[int, tuple[torch.Tensor, torch.device]] = {}  # where each tensor came from
+        cast_rules = CastRules.from_config(self.config)
+        check_device_support(self.device, cast_rules)
+        self.layouts: list[LayerLayout] = measure(self.layers, cast_rules)
+        self._check_casts_match(cast_rules)
+        sizes = tuple(layout.sizes for layout in self.layouts)
+        self.driver = self._start_driver()
+        self.placement: Placement = plan_placement(sizes, self.config)
+        if self.driver is not None:
+            self.driver.check_static_minimum(sizes)
+
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self._streamed: dict[int, StreamedLayer] = {}
-        self._handles: list = []
-        self._saved_hooks: list = []
-        self._autocasts: list = []  # autocast contexts entered by forward pre-hooks, exited by post hooks
-        self._cast_rules = CastRules.from_config(self.config)
-        check_device_support(self.device, self._cast_rules)
-        self._current: int | None = None
-        self._last_use: Use | None = None
-        self._clock = 0
-        self._lock = threading.RLock()
-        self._removed = False
-
-        self.store: HostStore
-        self._build_host_store()
-        self._move_resident_parts()
-        slot_bytes = max((sl.host.nbytes for sl in self._streamed.values()), default=0)
-        self.pool = DevicePool(self.device, self.placement.slot_count, slot_bytes)
-        self.store.ensure_staging(2, slot_bytes)
-        self.copies = CopyEngine(
-            self.device,
-            self.store,
-            streams=self.config.cuda_streams,
-            event_sync=self.config.event_sync,
-            use_thread=self.config.threading,
-            timing=self.config.collect_timing,
-            landing_bytes=max((sl.host.landing_bytes for sl in self._streamed.values()), default=0),
-        )
+        self._state_dict_handles: dict[int, list] = {}
+        self.store = self._make_store()
+        for layout in self.layouts:
+            if layout.index in self.placement.streamed or _has_fp8(layout):
+                self.store.add_layer(layout)
+        for idx in self.placement.streamed:
+            self._stream(idx)
+        self._place_resident_parts()
+        for idx in self.store.layers:
+            self._add_state_dict_hooks(idx)
+        self.pool = DevicePool(self.device, self.placement.slot_count, self.placement.slot_bytes)
+        self.store.ensure_staging(2, self.placement.slot_bytes)
+        if self.device.type == "cuda":
+            self.copier = CudaCopier(
+                self.device,
+                self.store,
+                streams=self.config.cuda_streams,
+                event_sync=self.config.event_sync,
+                use_thread=self.config.threading,
+                timing=self.config.collect_timing,
+                landing_bytes=self.placement.landing_bytes,
+            )
+        else:
+            self.copier = DeferredCopier(self.store, use_thread=self.config.threading)
         self.predictor = UsePredictor(len(self.layers))
-        self.stats = StatsCollector(self.device)
-        self.profiler: Profiler | None = None  # only with profile_path: costs nothing otherwise
+        self.stats = StatsCollector(self.device, lambda: self.store.pinned_bytes)
+        self.profiler: Profiler | None = None
+        self._listeners: list[Listener] = [self.stats]
         if self.config.profile_path:
             c = self.config
             self.profiler = Profiler(
                 c.profile_path, self.device, c.profile_warmup_steps, c.profile_steps, c.cuda_streams, self._log
             )
-        self._install_hooks()
-        self._compiled: set[int] = set()
-        self._compile_resident()
-        self._log(self.placement.table())
-        if self._cast_rules or self.config.autocast or self.config.mixed_precision != "auto":
-            config = self.config
-            self._log(describe(self._cast_rules, config.autocast, config.mixed_precision, self._trainable_cast))
-        if self.store.pageable_layers:
-            self._log(
-                f"DGLS: the pinned-RAM budget ({self.store.pinned_budget / GiB:.1f} GiB) covers "
-                f"{len(self._streamed) - len(self.store.pageable_layers)} of {len(self._streamed)} streamed "
-                f"layers; the other {len(self.store.pageable_layers)} stay pageable and are staged through "
-                "2 pinned buffers (slower): free RAM or raise pinned_ram_budget_gb"
-            )
+            self._listeners.append(self.profiler)
+        if self.driver is not None:
+            self.driver.attach(self)
+            self._listeners.append(self.driver)
+        self._current: int | None = None
+        self._last_use: tuple[int, Phase] | None = None
+        self._clock = 0
+        self._lock = threading.RLock()
+        self._hooks = HookAdapter(self.layers, self)
+        self._hooks.install()
+        compile_backend = self.config.compile_backend if self.config.compile_resident else None
+        self._patches = ForwardPatches(self.layers, self.device, self.config.autocast, compile_backend)
+        self._patches.placement_changed(self.is_streamed)
+        self._report_start(cast_rules)
 
     # ---------------------------------------------------------------- set-up
-    def _build_host_store(self) -> HostStore:
-        shared = shared_param_ids(self.layers)
-        streamed_params = {idx: self._streamable(idx, shared) for idx in self.placement.streamed}
-        on_cpu = total = 0
-        for named in streamed_params.values():
-            for _, p in {id(p): (n, p) for n, p in named}.values():
-                total += p.numel() * p.element_size()
-                on_cpu += p.numel() * p.element_size() if p.device.type == "cpu" else 0
-        budget = self.config.pinned_ram_budget_gb
-        budget = int(budget * GiB) if budget is not None else default_pinned_budget(on_cpu)
-        threshold = int(self.config.selective_packing * MB)
-        store = HostStore(self.device, budget, threshold)
-        store.check_ram(total, on_cpu)
-        if store.use_pinning and (note := check_pinned_budget(min(total, budget), freed_bytes=on_cpu)):
-            self._log(note)
-        self.store = store
-        for idx, named in streamed_params.items():
-            self._stream_layer(idx, named)
-        return store
-
-    def _start_autoplanner(self) -> SwapConfig:
-        """Explicit placement wins over a budget; otherwise start with everything streamed."""
+    def _start_driver(self) -> PlacementDriver | None:
         config = self.config
-        explicit = [
-            name
-            for name in ("gpu_layers", "blocks_to_swap", "initial_gpu_layers", "final_gpu_layers")
-            if getattr(config, name) is not None
-        ]
-        if explicit:
+        if config.vram_budget_gb is None:
+            return None
+        if config.explicit_placement:
             self._log(
-                f"DGLS: {', '.join(explicit)} given: explicit placement wins over vram_budget {config.vram_budget_gb}"
-                " (the planner is off)"
+                f"DGLS: {', '.join(config.explicit_placement)} given: explicit placement wins over vram_budget "
+                f"{config.vram_budget_gb} (the planner is off)"
             )
-            return config
+            return None
         budget = resolve_budget(config.vram_budget_gb, self.device)
-        self.autoplanner = AutoPlanner(
-            budget, self.device, self._log, plan_only=config.plan_only, copy_streams=config.cuda_streams
-        )
         self._log(
-            f"DGLS: planning for a {budget / GiB:.2f} GiB VRAM budget: steps 1-2 run with every layer streamed "
+            f"DGLS: planning for a {human_bytes(budget)} VRAM budget: steps 1-2 run with every layer streamed "
             "(warm-up, then the probe); then the best predicted plans are measured on the next steps (about 35), "
             "and the fastest that fits is kept"
         )
-        return config.replace(gpu_layers=[], prefetch=1)
+        return PlacementDriver(
+            budget, self.device, self._log, plan_only=config.plan_only, copy_streams=config.cuda_streams
+        )
 
-    def _streamable(self, idx: int, shared: set[int]) -> list[tuple[str, nn.Parameter]]:
-        """(name, param) of the frozen, unshared params of one layer: what can stream."""
-        return [
-            (n, p)
-            for n, p in self.layers[idx].named_parameters(remove_duplicate=False)
-            if not p.requires_grad and id(p) not in shared
-        ]
+    def _check_casts_match(self, rules: CastRules | None) -> None:
+        """Refuse a cast_target pair that casts nothing: never report a cast that does not happen."""
+        if rules is None:
+            return
+        cast_from = {p.param.dtype for layout in self.layouts for p in layout.params if p.stored != p.param.dtype}
+        unused = [(a, b) for a, b in rules.pairs if a not in cast_from]
+        if unused:
+            present = sorted({name_of(p.param.dtype) for layout in self.layouts for p in layout.params})
+            pairs = ", ".join(f"{name_of(a)} {name_of(b)}" for a, b in unused)
+            raise DGLSUserError(
+                f"cast_target {pairs} casts nothing: no frozen param of a layer is {name_of(unused[0][0])} (they are "
+                f"{', '.join(present) or 'absent'}; norm layers only count with --cast_norms): drop the pair"
+            )
 
-    def _stream_layer(self, idx: int, named: list[tuple[str, nn.Parameter]]) -> None:
-        """Pack a layer's frozen params into the host store and point them at placeholders."""
-        unique = list({id(p): p for _, p in named}.values())
-        for p in unique:
-            self._home.setdefault(id(p), (p, p.device))
-        casts = self._cast_rules.plan(self.layers[idx]) if self._cast_rules else None
-        host = self.store.add_layer(idx, unique, casts)
-        by_param = {id(ps.param): ps for ps in host.params}
-        names = {n: by_param[id(p)] for n, p in named}
-        for ps in host.params:
-            ps.param.data = self._placeholder(ps.dtype)
-        sl = StreamedLayer(idx, self.layers[idx], host, names)
-        sl.handles = [
-            sl.module.register_state_dict_post_hook(partial(self._state_dict_post, sl)),
-            sl.module.register_load_state_dict_pre_hook(partial(self._load_pre, sl)),
-            sl.module.register_load_state_dict_post_hook(partial(self._load_post, sl)),
-        ]
-        self._streamed[idx] = sl
+    def _make_store(self) -> HostStore:
+        hosted = [lay for lay in self.layouts if lay.index in self.placement.streamed or _has_fp8(lay)]
+        on_cpu = sum(
+            lay.sizes.streamable_bytes for lay in hosted if all(p.param.device.type == "cpu" for p in lay.params)
+        )
+        total = sum(lay.host_bytes for lay in hosted)
+        budget = self.config.pinned_ram_budget_gb
+        budget = int(budget * 1024**3) if budget is not None else default_pinned_budget(on_cpu)
+        store = HostStore(self.device, budget, int(self.config.selective_packing * MB))
+        check_ram(total - on_cpu)
+        if store.use_pinning and (note := check_pinned_budget(min(total, budget), freed_bytes=on_cpu)):
+            self._log(note)
+        return store
 
-    def _unstream_layer(self, sl: StreamedLayer) -> None:
-        """Make a streamed layer resident: its params get device copies of their masters."""
-        for handle in sl.handles:
-            handle.remove()
+    def _stream(self, idx: int) -> None:
+        """Make a layer streamed: its master is in the store; its params now point at placeholders."""
+        layer = StreamedLayer(self.layers[idx], self.store.layers[idx], self._placeholder)
+        self._streamed[idx] = layer
+
+    def _unstream(self, idx: int) -> None:
+        """Make a streamed layer resident: its params get device copies of the master's values."""
+        layer = self._streamed.pop(idx)
+        host = layer.host
         with torch.no_grad():
-            for ps in sl.host.params:
-                ps.param.data = sl.host.value(ps).to(self.device, copy=True)
-        self.store.remove_layer(sl.index)
-        del self._streamed[sl.index]
+            for k, param in enumerate(layer.params):
+                param.data = host.value(k, self.device).to(self.device, copy=True)
+        if not _has_fp8(host.layout):  # the device copy is exact: give the host memory back
+            self._remove_state_dict_hooks(idx)
+            self.store.remove_layer(idx)
+
+    def _place_resident_parts(self) -> None:
+        """Every param and buffer that does not stream goes to the device; the streamable params of
+        resident layers take their cast (fp8 ones the values of their master)."""
+        streamed = {id(p) for layer in self._streamed.values() for p in layer.params}
+        cast = {
+            id(p.param): (layout.index, k, p)
+            for layout in self.layouts
+            if layout.index not in self._streamed
+            for k, p in enumerate(layout.params)
+        }
+        with torch.no_grad():
+            for t, _, _ in self._home.values():
+                if id(t) in streamed:
+                    continue
+                if id(t) in cast:
+                    idx, k, p = cast[id(t)]
+                    host = self.store.layers.get(idx)
+                    t.data = host.value(k, self.device).clone() if host is not None else t.data.to(self.device, p.dtype)
+                else:
+                    t.data = t.data.to(self.device)
 
     def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
         """An empty tensor: an evicted param points here, so any use of it fails."""
@@ -246,250 +245,217 @@ class LayerSwapper:
             self._placeholders[dtype] = torch.empty(0, dtype=dtype, device=self.device)
         return self._placeholders[dtype]
 
-    def _move_resident_parts(self) -> None:
-        streamed = {id(ps.param) for sl in self._streamed.values() for ps in sl.host.params}
-        seen: set[int] = set()
-        with torch.no_grad():
-            for _, layer in modules_of(self.layers):
-                for t in list(layer.parameters()) + list(layer.buffers()):
-                    if id(t) in streamed or id(t) in seen:
-                        continue
-                    seen.add(id(t))
-                    self._home.setdefault(id(t), (t, t.device))
-                    t.data = t.data.to(self.device)
+    def _report_start(self, cast_rules: CastRules | None) -> None:
+        self._log(self.placement.table())
+        for note in self.placement.notes():
+            self._log(note)
+        config = self.config
+        if cast_rules or config.autocast or config.mixed_precision != "auto":
+            self._log(describe(cast_rules, config.autocast, config.mixed_precision, self._trainable_cast))
+        pageable = self.store.pageable_layers
+        if pageable:
+            self._log(
+                f"DGLS: the pinned-RAM budget ({human_bytes(self.store.pinned_budget)}) covers "
+                f"{len(self.store.layers) - len(pageable)} of {len(self.store.layers)} streamed layers; the other "
+                f"{len(pageable)} stay pageable and are staged through 2 pinned buffers (slower): free RAM or raise "
+                "pinned_ram_budget_gb"
+            )
 
-    def _install_hooks(self) -> None:
-        for idx, layer in modules_of(self.layers):
-            self._handles.append(layer.register_forward_pre_hook(partial(self._pre_forward, idx)))
-            self._handles.append(layer.register_forward_hook(partial(self._post_forward, idx), always_call=True))
-
-    def _compile_resident(self) -> None:
-        """``compile_resident``: compile the forward of resident layers only (an instance attribute
-        over the class's forward, deleted again when the layer streams or on remove()); streamed
-        layers stay eager because their weights move between slots."""
-        if not self.config.compile_resident:
-            return
-        for idx, layer in modules_of(self.layers):
-            if idx in self._streamed and idx in self._compiled:
-                del layer.forward
-                self._compiled.discard(idx)
-            elif idx not in self._streamed and idx not in self._compiled:
-                layer.forward = torch.compile(layer.forward, backend=self.config.compile_backend)
-                self._compiled.add(idx)
-
-    # ---------------------------------------------------------------- hooks
-    def _pre_forward(self, idx: int, module: nn.Module, args) -> None:
-        self._use(idx, current_phase())
-        # Entered here, exited in the post hook: a checkpoint's recompute calls the hooks again.
-        autocast = autocast_context(self.device, self.config.autocast)
-        if autocast is not None:
-            autocast.__enter__()
-        self._autocasts.append(autocast)
-        hooks = None
-        if (
-            idx in self._streamed
-            and torch.is_grad_enabled()
-            and torch._C._autograd._top_saved_tensors_default_hooks(True) is None
-        ):
-            # Not under a checkpoint: autograd would keep views of the slot for backward.
-            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            hooks.__enter__()
-        self._saved_hooks.append(hooks)
-
-    def _post_forward(self, idx: int, module: nn.Module, args, output) -> None:
-        hooks = self._saved_hooks.pop() if self._saved_hooks else None
-        if hooks is not None:
-            hooks.__exit__(None, None, None)
-        autocast = self._autocasts.pop() if self._autocasts else None
-        if autocast is not None:
-            autocast.__exit__(None, None, None)
-        if output is None:
-            return
-        if idx in self._streamed:
-            for t in _tensors(output):
-                if self.pool.slot_of(t) is not None:
-                    raise DGLSUserError(
-                        f"layer {idx} ({type(module).__name__}) returns a view of its own weights, which "
-                        f"would be overwritten when it is evicted: keep it resident (add {idx} to gpu_layers)"
-                    )
-        if torch.is_grad_enabled() and current_phase() != "B":
-            for t in _tensors(output):
-                if t.requires_grad:
-                    t.register_hook(partial(self._on_output_grad, idx))
-                    break
-
-    def _on_output_grad(self, idx: int, grad: torch.Tensor) -> None:
-        self._use(idx, "B")
-
-    def _pack(self, tensor: torch.Tensor):
-        slot = self.pool.slot_of(tensor)
-        if slot is None or slot.layer is None:
-            return tensor
-        return SlotRef(slot.layer, tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()), tensor.dtype)
-
-    def _unpack(self, packed):
-        if not isinstance(packed, SlotRef):
-            return packed
-        self._use(packed.layer, current_phase())
-        slot = self._streamed[packed.layer].slot
-        with torch.no_grad():
-            view = torch.empty(0, dtype=packed.dtype, device=self.device)
-            view.set_(slot.buffer.untyped_storage(), packed.offset, packed.size, packed.stride)
-        return view
-
-    def _state_dict_post(self, sl: StreamedLayer, module, state_dict, prefix, local_metadata) -> None:
-        """Write the true weights (the host masters, dequantized if fp8), not the placeholder or a slot view."""
-        for name, ps in sl.names.items():
-            if prefix + name in state_dict:
-                state_dict[prefix + name] = sl.host.value(ps)
-
-    def _load_pre(self, sl: StreamedLayer, module, state_dict, prefix, *args) -> None:
-        """Point the params at their host masters so the loader writes the true weights."""
-        self.copies.drain()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        for ps in sl.host.params:
-            ps.param.data = sl.host.value(ps)  # fp8 storage: a dequantized copy, re-quantized after loading
-
-    def _load_post(self, sl: StreamedLayer, module, incompatible_keys) -> None:
-        for ps in sl.host.params:
-            if ps.scaled:
-                sl.host.store_value(ps, ps.param.data)
-        if sl.slot is not None:
-            self._evict(sl)
-        for ps in sl.host.params:
-            ps.param.data = self._placeholder(ps.dtype)
-        sl.bound = False
-
-    # ---------------------------------------------------------------- scheduling
-    def _use(self, idx: int, phase: str) -> None:
-        """A use of layer ``idx`` begins: pin it, make it resident, prefetch what follows."""
+    # ---------------------------------------------------------------- what the hooks call
+    def use(self, idx: int, phase: Phase) -> None:
+        """A use of layer ``idx`` begins: release the previous one, make this one resident, prefetch."""
         with self._lock:
-            self.copies.check()
-            use = (idx, phase)
-            if use == self._last_use:
+            self.copier.check()
+            if (idx, phase) == self._last_use:
                 return
-            self._last_use = use
-            self.predictor.observe(use)
-            if self.autoplanner is not None and self.autoplanner.recorder is not None:
-                self.autoplanner.recorder.use_started(idx, phase)
-            if self.profiler is not None:
-                self.profiler.use_started(idx, phase, idx in self._streamed)
-            if self._current != idx:
+            self._last_use = (idx, phase)
+            self.predictor.observe((idx, phase))
+            if idx != self._current:
                 self._release_current()
                 self._current = idx
                 self._clock += 1
-            sl = self._streamed.get(idx)
-            if sl is not None:
-                self.stats.used(missed=sl.slot is None)
-                self._make_resident(sl)
+            layer = self._streamed.get(idx)
+            missed = layer is not None and layer.state is Residency.HOST
+            for listener in self._listeners:
+                listener.use_started(idx, phase, layer is not None, missed)
+            if layer is not None:
+                self._make_resident(layer)
             self._prefetch()
 
-    def _release_current(self) -> None:
-        """Every kernel reading the current layer is enqueued: mark its slot reusable after them."""
-        sl = self._streamed.get(self._current) if self._current is not None else None
-        if sl is None or sl.slot is None:
-            return
-        if self.device.type == "cuda" and sl.waited:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            sl.slot.released = event
-        sl.slot.last_used = self._clock
+    def pass_end(self) -> None:
+        """A backward pass finished: the listeners' step boundary (the planner may re-place here)."""
+        with self._lock:
+            if self.config.sync_each_step and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            for listener in list(self._listeners):
+                listener.pass_ended()
 
-    def _make_resident(self, sl: StreamedLayer) -> None:
-        if sl.slot is None:
-            fetch = self._new_fetch(sl, self._claim_slot(protected={sl.index}), demand=True)
-            self.copies.submit([fetch])
-        if not sl.waited:
-            fetch = sl.fetch
-            self.copies.wait_issued(fetch)
-            if self.device.type == "cuda":
-                compute = torch.cuda.current_stream(self.device)
-                timing = self.config.collect_timing
-                if timing:
-                    before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    before.record(compute)
-                if self.config.event_sync:
-                    compute.wait_event(fetch.ready)
-                else:
-                    fetch.ready.synchronize()
-                if timing:
-                    after.record(compute)
-                    self.stats.waited(before, after)
-                    if self.autoplanner is not None and self.autoplanner.recorder is not None:
-                        self.autoplanner.recorder.waited(before, after)
-                    if self.profiler is not None:
-                        self.profiler.waited(sl.index, before, after)
-            self.stats.fetched(fetch.nbytes, fetch.demand, fetch.start, fetch.ready)
-            if self.profiler is not None:
-                self.profiler.fetched(fetch)
-            sl.waited = True
-        if not sl.bound:
-            self._bind(sl)
+    def is_streamed(self, idx: int) -> bool:
+        return idx in self._streamed
+
+    def slot_ref(self, tensor: torch.Tensor) -> SlotRef | None:
+        slot = self.pool.slot_of(tensor)
+        if slot is None or slot.owner is None:
+            return None
+        return SlotRef(slot.owner, tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()), tensor.dtype)
+
+    def view_of(self, ref: SlotRef) -> torch.Tensor:
+        """A saved view, rebuilt in its layer's current slot (making the layer resident first)."""
+        self.use(ref.layer, current_phase())
+        buffer = self._streamed[ref.layer].slot.buffer.view(ref.dtype)
+        with torch.no_grad():
+            return torch.as_strided(buffer, ref.size, ref.stride, ref.offset)
+
+    # ---------------------------------------------------------------- slot policy
+    def _release_current(self) -> None:
+        layer = self._streamed.get(self._current) if self._current is not None else None
+        if layer is not None and layer.state is Residency.IN_USE:
+            layer.release(self.copier)
+            layer.slot.last_used = self._clock
+
+    def _make_resident(self, layer: StreamedLayer) -> None:
+        if layer.state is Residency.IN_USE:  # the same layer again in another phase (the turnaround)
+            return
+        if layer.state is Residency.HOST:
+            self._fetch([(layer, self._claim_slot(layer.index, {layer.index}))], demand=True)
+        first = layer.state is Residency.FETCHING
+        wait = layer.acquire(self.copier)
+        for listener in self._listeners:
+            if first:
+                listener.fetched(layer.token)
+            if wait is not None:
+                listener.waited(wait)
 
     def _prefetch(self) -> None:
-        depth = self.config.prefetch
+        depth = self.placement.prefetch
         if depth == 0 or not self._streamed:
             return
         wanted: list[int] = []
         seen = {self._current}
-        for layer, _ in self.predictor.upcoming(limit=2 * len(self.layers) + 2):
-            if layer in seen:
+        for idx, _ in self.predictor.upcoming(limit=2 * len(self.layers) + 2):
+            if idx in seen:
                 continue
-            seen.add(layer)
-            if layer in self._streamed:
-                wanted.append(layer)
+            seen.add(idx)
+            if idx in self._streamed:
+                wanted.append(idx)
                 if len(wanted) == depth:
                     break
         protected = set(wanted) | {self._current}
-        batch = []
-        for layer in wanted:
-            sl = self._streamed[layer]
-            if sl.slot is None:
-                slot = self._claim_slot(protected)
-                if slot is None:
-                    break
-                batch.append(self._new_fetch(sl, slot, demand=False))
-            sl.slot.last_used = self._clock
-        if not batch:
-            return
+        requests = []
+        for idx in wanted:
+            layer = self._streamed[idx]
+            if layer.state is not Residency.HOST:
+                layer.slot.last_used = self._clock
+                continue
+            slot = self._claim_slot(idx, protected)
+            if slot is None:
+                break
+            requests.append((layer, slot))
         if self.config.batch_move:
-            self.copies.submit(batch)
+            self._fetch(requests, demand=False)
         else:
-            for fetch in batch:
-                self.copies.submit([fetch])
+            for request in requests:
+                self._fetch([request], demand=False)
 
-    def _claim_slot(self, protected: set[int]) -> Slot | None:
-        """A free slot, or the least recently used one outside ``protected`` (evicting it)."""
+    def _claim_slot(self, idx: int, protected: set[int]) -> Slot | None:
+        """A free slot, or the victim among slots whose layer is neither protected nor in use (evicted
+        now); reserved for layer ``idx``."""
         slot = self.pool.free_slot()
-        if slot is not None:
-            return slot
-        candidates = [s for s in self.pool.slots if s.layer not in protected and s.layer != self._current]
-        if not candidates:
-            return None
-        slot = min(candidates, key=lambda s: s.last_used)
-        self._evict(self._streamed[slot.layer])
+        if slot is None:
+            candidates = [
+                s
+                for s in self.pool.slots
+                if s.owner not in protected and self._streamed[s.owner].state is not Residency.IN_USE
+            ]
+            if not candidates:
+                return None
+            slot = self._victim(candidates)
+            self._streamed[slot.owner].evict()
+        slot.owner = idx
+        slot.last_used = self._clock
         return slot
 
-    def _new_fetch(self, sl: StreamedLayer, slot: Slot, demand: bool) -> Fetch:
-        fetch = self.copies.new_fetch(sl.index, sl.host, slot, demand)
-        slot.layer = sl.index
-        slot.last_used = self._clock
-        sl.slot, sl.fetch, sl.waited, sl.bound = slot, fetch, False, False
-        return fetch
+    def _victim(self, candidates: list[Slot]) -> Slot:
+        """The least recently used slot (tests replace this to vary slot assignment)."""
+        return min(candidates, key=lambda s: s.last_used)
 
-    def _evict(self, sl: StreamedLayer) -> None:
-        """Drop the device copy: frozen weights never travel back, the host master is still valid."""
-        for ps in sl.host.params:
-            ps.param.data = self._placeholder(ps.dtype)
-        sl.slot.layer = None
-        sl.slot, sl.fetch, sl.waited, sl.bound = None, None, False, False
+    def _fetch(self, requests: list[tuple[StreamedLayer, Slot]], demand: bool) -> None:
+        if not requests:
+            return
+        tokens = self.copier.submit([(slot, layer.host, demand) for layer, slot in requests])
+        for (layer, slot), token in zip(requests, tokens):
+            layer.fetch(slot, token)
 
-    def _bind(self, sl: StreamedLayer) -> None:
-        buffer = sl.slot.buffer
-        for ps in sl.host.params:
-            ps.param.data = buffer[ps.offset : ps.offset + ps.nbytes].view(ps.dtype).view(ps.shape)
-        sl.bound = True
+    # ---------------------------------------------------------------- state dicts
+    def _add_state_dict_hooks(self, idx: int) -> None:
+        module = self.layers[idx]
+        self._state_dict_handles[idx] = [
+            module.register_state_dict_post_hook(partial(self._state_dict_post, idx)),
+            module.register_load_state_dict_pre_hook(partial(self._load_pre, idx)),
+            module.register_load_state_dict_post_hook(partial(self._load_post, idx)),
+        ]
+
+    def _remove_state_dict_hooks(self, idx: int) -> None:
+        for handle in self._state_dict_handles.pop(idx, []):
+            handle.remove()
+
+    def _state_dict_post(self, idx: int, module, state_dict, prefix, local_metadata) -> None:
+        """Write the true weights (the masters, dequantized if fp8), not a placeholder or a slot view."""
+        host = self.store.layers[idx]
+        for k, p in enumerate(host.layout.params):
+            for name in p.names:
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = host.value(k)
+
+    def _load_pre(self, idx: int, module, state_dict, prefix, *args) -> None:
+        """Point a streamed layer's params at its master values, so the loader writes the true weights."""
+        self.evict_all()
+        layer = self._streamed.get(idx)
+        if layer is not None:
+            for k, param in enumerate(layer.params):
+                param.data = layer.host.value(k)  # fp8 storage: a dequantized copy, re-quantized after loading
+
+    def _load_post(self, idx: int, module, incompatible_keys) -> None:
+        """Write what was loaded into the master; adopt Parameter objects ``assign=True`` put in."""
+        host = self.store.layers[idx]
+        replaced = any(module.get_parameter(p.names[0]) is not p.param for p in host.layout.params)
+        if replaced:
+            self._adopt_assigned(idx)
+            return
+        for k, p in enumerate(host.layout.params):
+            if p.scaled or idx not in self._streamed:
+                host.store_value(k, p.param.data)
+        with torch.no_grad():
+            if idx in self._streamed:
+                self._streamed[idx]._unbind()
+            else:  # a resident fp8-stored layer: the device copy takes the re-quantized value
+                for k, p in enumerate(host.layout.params):
+                    p.param.data = host.value(k, self.device).clone()
+
+    def _adopt_assigned(self, idx: int) -> None:
+        """``load_state_dict(assign=True)`` replaced Parameter objects: re-measure the layer and pack the
+        new ones (otherwise the layer would silently stop streaming while its copies continue)."""
+        module, streamed = self.layers[idx], idx in self._streamed
+        for p in self.layouts[idx].params:
+            if module.get_parameter(p.names[0]).requires_grad:
+                raise DGLSUserError(
+                    f"load_state_dict(assign=True) made {p.names[0]} of layer {idx} trainable while it is stored "
+                    "by DGLS: load without assign=True, or remove the swapper first"
+                )
+        self._remove_state_dict_hooks(idx)
+        self._streamed.pop(idx, None)
+        self.store.remove_layer(idx)
+        for t in (*module.parameters(), *module.buffers()):
+            self._home.setdefault(id(t), (t, t.device, t.dtype))
+        self.layouts[idx] = measure_layer(self.layers, idx, CastRules.from_config(self.config))
+        self.store.add_layer(self.layouts[idx])
+        if streamed:
+            self._stream(idx)
+        else:
+            with torch.no_grad():
+                for k, p in enumerate(self.layouts[idx].params):
+                    p.param.data = self.store.layers[idx].value(k, self.device).clone()
+        self._add_state_dict_hooks(idx)
 
     # ---------------------------------------------------------------- public
     @property
@@ -498,104 +464,102 @@ class LayerSwapper:
 
     @property
     def plan_finished(self) -> bool:
-        """True once a ``plan_only`` run has printed its plan: the caller should stop training."""
-        return self.autoplanner is not None and self.autoplanner.plan_only and self.autoplanner.done
+        """True once a ``plan_only`` run has shown its plan: the caller should stop (an explicit
+        placement is shown at construction, so there is nothing to train for)."""
+        if not self.config.plan_only:
+            return False
+        return self.driver is None or self.driver.done
 
     def placement_table(self) -> str:
         return self.placement.table()
 
-    def step_stats(self, reset_peak: bool = True) -> StepStats:
-        """Stats since the last call; resets the counters. Call it once per optimizer step: with a
-        VRAM budget, the planner probes, plans and checks at these calls.
+    def step_stats(self, sync: bool = False) -> StepStats:
+        """The most recent finished backward pass (a pure read). Timings of copies still in flight are
+        left out (``pending``) unless ``sync`` waits for the device."""
+        return self.stats.last_pass(sync)
 
-        Synchronises the device (to read this step's copy timings). ``peak_vram_bytes`` is
-        torch's process-wide peak; with ``reset_peak`` (the default) that peak is reset so the
-        next call reports one step, so pass False if you read ``max_memory_allocated`` yourself.
-        """
-        if self.config.sync_each_step and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        stats = self.stats.take(self.store.pinned_bytes, reset_peak)
-        if self.profiler is not None:
-            self.profiler.step_done()
-        if self.autoplanner is not None:
-            self.autoplanner.step_done(self, stats)
-        return stats
+    def total_stats(self, sync: bool = False) -> StepStats:
+        """Everything since construction (a pure read); ``later.since(earlier)`` gives a stretch."""
+        return self.stats.total(sync)
+
+    def add_listener(self, listener: Listener) -> None:
+        self._listeners.append(listener)
 
     def apply_placement(self, streamed: Iterable[int], prefetch: int) -> None:
-        """Change which layers stream and the prefetch depth, between steps.
+        """Change which layers stream and the prefetch depth, between passes.
 
-        Layers that become resident get device copies of their masters (and give their
-        host memory back); layers that become streamed are packed into host memory. The
-        pool is rebuilt for the new largest streamed layer and ``prefetch + 1`` slots.
+        Layers that become resident get device copies of their masters; layers that become streamed
+        are packed into host memory (fp8-stored ones already are). The pool, the fp8 landing
+        buffers and the staging buffers are sized anew from the layouts.
         """
         with self._lock:
             wanted = set(streamed)
-            shared = shared_param_ids(self.layers)
             bad = [i for i in wanted if not 0 <= i < len(self.layers)]
             if bad:
                 raise DGLSUserError(f"layers {bad} out of range: the model has {len(self.layers)} layers")
+            wanted = {i for i in wanted if self.layouts[i].sizes.streamable_bytes}
             self.evict_all()
             for idx in sorted(set(self._streamed) - wanted):
-                self._unstream_layer(self._streamed[idx])
+                self._unstream(idx)
             for idx in sorted(wanted - set(self._streamed)):
-                named = self._streamable(idx, shared) if isinstance(self.layers[idx], nn.Module) else []
-                if named:
-                    self._stream_layer(idx, named)
+                if idx not in self.store.layers:
+                    self.store.add_layer(self.layouts[idx])
+                    self._add_state_dict_hooks(idx)
+                self._stream(idx)
+            sizes = tuple(layout.sizes for layout in self.layouts)
+            self.placement = Placement(sizes, tuple(sorted(self._streamed)), prefetch, self.config.cuda_streams)
             self.config = self.config.replace(prefetch=prefetch)
-            sizes = self.placement.sizes
-            order = tuple(sorted(self._streamed))
-            slot_bytes = max((sl.host.nbytes for sl in self._streamed.values()), default=0)
-            landing = self.copies.landing_bytes * self.config.cuda_streams
-            self.placement = Placement(sizes, order, min(len(order), prefetch + 1), slot_bytes, landing)
             self.pool.release()
-            self.pool = DevicePool(self.device, self.placement.slot_count, slot_bytes)
-            self.store.ensure_staging(2, slot_bytes)
-            self._compile_resident()
+            self.pool = DevicePool(self.device, self.placement.slot_count, self.placement.slot_bytes)
+            self.copier.forget_slots()
+            self.copier.resize(self.placement.landing_bytes)
+            self.store.ensure_staging(2, self.placement.slot_bytes)
+            for layer in self._streamed.values():
+                layer.forget_views()
+            self._patches.placement_changed(self.is_streamed)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
     def evict_all(self) -> None:
-        """Drop every streamed layer from the device (between steps, e.g. before sampling)."""
+        """Drop every streamed layer from the device (between passes, e.g. before sampling)."""
         with self._lock:
-            self.copies.drain()
+            self.copier.drain()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            for sl in self._streamed.values():
-                if sl.slot is not None:
-                    self._evict(sl)
-            for slot in self.pool.slots:
-                slot.released = slot.written = None
+            self._release_current()
+            for layer in self._streamed.values():
+                if layer.state is not Residency.HOST:
+                    layer.evict()
             self._current = None
             self._last_use = None
 
     def remove(self) -> None:
-        """Restore every module as it was (params back on their original devices); free
-        the pool, the pinned memory, the hooks and the worker thread."""
+        """Put every module back as it was (params and buffers on their original devices, in their
+        original dtypes); free the pool, the pinned memory, the hooks and the copier thread."""
         if self._removed:
             return
         self._removed = True
         if self.profiler is not None:
             self.profiler.close()
-        self.copies.close()
+        self.copier.close()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        for idx in self._compiled:
-            del self.layers[idx].forward
-        self._compiled.clear()
+        self._hooks.remove()
+        self._patches.remove()
+        for idx in list(self._state_dict_handles):
+            self._remove_state_dict_hooks(idx)
         with torch.no_grad():
-            for sl in list(self._streamed.values()):
-                for handle in sl.handles:
-                    handle.remove()
-                for ps in sl.host.params:
-                    # fp8-stored params come back dequantized in their compute dtype (lossy)
-                    ps.param.data = sl.host.value(ps).to(self._home[id(ps.param)][1], copy=True)
-            for t, device in self._home.values():
-                if t.device != device:
-                    t.data = t.data.to(device)
-        self._home.clear()
+            streamed = set()
+            for layer in self._streamed.values():
+                for k, param in enumerate(layer.params):
+                    _, device, dtype = self._home[id(param)]
+                    param.data = layer.host.value(k).to(device, dtype, copy=True)
+                    streamed.add(id(param))
+            for t, device, dtype in self._home.values():
+                if id(t) not in streamed and (t.device != device or t.dtype != dtype):
+                    t.data = t.data.to(device, dtype)
+                if isinstance(t, nn.Parameter) and t.grad is not None and t.grad.dtype != dtype:
+                    t.grad = t.grad.to(dtype)
         self._streamed.clear()
         self.pool.release()
         self.store.release()
@@ -605,3 +569,7 @@ class LayerSwapper:
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+
+def _has_fp8(layout: LayerLayout) -> bool:
+    return any(p.scaled for p in layout.params)

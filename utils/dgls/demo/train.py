@@ -165,9 +165,12 @@ def run_demo(train_config: dict, options: dict, log=print, progress: bool = True
     window = StepWindow(options["verbose_every"], demo["steps"], device.type)
     for step in bar:
         start = time.perf_counter()
+        before = swapper.total_stats() if swapper is not None else None
         loss = engine.train_batch(data_iter=batches).item()
-        reading = monitor.read()  # before step_stats() resets the VRAM peak
-        stats = swapper.step_stats() if swapper is not None else None
+        reading = monitor.read()
+        stats = swapper.total_stats().since(before) if swapper is not None else None  # this optimizer step
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)  # so the next step reports its own peak
         if swapper is not None and swapper.plan_finished:
             log("DGLS: --plan: stopping after the probe; nothing was saved")
             swapper.remove()

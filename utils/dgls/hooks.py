@@ -1,0 +1,215 @@
+"""Hooks: turn PyTorch's module and autograd events into ``use(layer, phase)`` and ``pass_end()``.
+
+What counts as the start of a layer's use:
+
+- its forward pre-hook (forward, eval, and a checkpoint's recompute inside backward);
+- the gradient reaching its output (a hook on the first output that requires grad): its backward
+  is about to run;
+- autograd unpacking a tensor it saved from the layer's weights (see below).
+
+The end of a backward pass is detected here, not by the caller: at the first backward use of a
+pass, a callback is queued on the autograd engine (``queue_callback``, as FSDP2 does), and it
+calls ``pass_end()`` once the whole backward has finished. So the step boundary does not depend
+on anyone calling a getter.
+
+Saved tensors. A layer that streams and is not checkpointed has views of its slot saved by
+autograd for backward; by then the slot may hold another layer. While such a layer runs, its
+saved tensors go through ``pack``: a view of a slot is replaced by a :class:`SlotRef`, and
+``unpack`` makes the layer resident again and rebuilds the view in its current slot. The cases:
+
+- no saved-tensor hooks active: DGLS's hooks are pushed for the layer's forward;
+- torch's non-reentrant checkpoint is active (its hooks keep nothing: the forward's tensors are
+  recomputed in backward, while the layer is in use): nothing to do, if the checkpoint region
+  holds one layer. A region spanning several layers, or selective checkpointing (which caches op
+  outputs across the forward), would keep views of a streamed layer's slot past its use:
+  refused with a message;
+- any other hooks (the user's own, ``save_on_cpu``): DGLS's hooks are pushed on top of them and
+  hand every tensor that is not a slot view to the outer hooks, so both keep working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+
+from .errors import DGLSUserError
+from .layout import modules_of
+from .schedule import Phase, current_phase
+
+
+@dataclass(frozen=True)
+class SlotRef:
+    """What autograd keeps instead of a view into a slot: enough to rebuild it in the layer's current slot."""
+
+    layer: int
+    offset: int  # in elements of ``dtype``
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class Engine(Protocol):
+    """What the hooks call (implemented by :class:`~.swapper.LayerSwapper`)."""
+
+    def use(self, index: int, phase: Phase) -> None: ...
+    def pass_end(self) -> None: ...
+    def is_streamed(self, index: int) -> bool: ...
+    def slot_ref(self, tensor: torch.Tensor) -> SlotRef | None: ...
+    def view_of(self, ref: SlotRef) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class _Outer:
+    """A tensor packed by outer saved-tensor hooks that DGLS's hooks sit on top of."""
+
+    value: Any
+
+
+def tensors_in(value) -> Iterable[torch.Tensor]:
+    """Every tensor in a nest of tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from tensors_in(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from tensors_in(v)
+
+
+def _is_torch_checkpoint(hooks) -> bool:
+    return getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
+
+
+def _under_selective_checkpoint() -> bool:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(type(m).__name__ == "_CachingTorchDispatchMode" for m in _get_current_dispatch_mode_stack())
+
+
+class HookAdapter:
+    """Installs the hooks on every module of a layer list; :meth:`remove` takes them all off."""
+
+    def __init__(self, layers: list, engine: Engine) -> None:
+        self.layers = layers
+        self.engine = engine
+        self._handles: list = []
+        self._saved_hooks: list = []  # pushed in a pre-hook, popped in the post hook (recompute nests them)
+        self._queued = False
+        # (pack hook, layers, any streamed) of the checkpoint region the last checkpointed forward ran in
+        self._region: tuple[Any, set[int], bool] | None = None
+
+    def install(self) -> None:
+        for idx, module in modules_of(self.layers):
+            self._handles.append(module.register_forward_pre_hook(partial(self._pre_forward, idx)))
+            self._handles.append(module.register_forward_hook(partial(self._post_forward, idx), always_call=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # ---------------------------------------------------------------- module hooks
+    def _pre_forward(self, idx: int, module: nn.Module, args) -> None:
+        phase = current_phase()
+        self.engine.use(idx, phase)
+        if phase is Phase.BACKWARD:
+            self._queue_pass_end()
+        pushed = None
+        if torch.is_grad_enabled():
+            outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
+            streamed = self.engine.is_streamed(idx)
+            if outer is not None and _is_torch_checkpoint(outer):
+                if phase is not Phase.BACKWARD:
+                    self._check_checkpoint_region(idx, outer, streamed)
+            elif streamed:
+                pushed = self._push_saved_tensor_hooks(outer)
+        self._saved_hooks.append(pushed)
+
+    def _post_forward(self, idx: int, module: nn.Module, args, output) -> None:
+        pushed = self._saved_hooks.pop() if self._saved_hooks else None
+        if pushed is not None:
+            pushed.__exit__(None, None, None)
+        if output is None:
+            return
+        if self.engine.is_streamed(idx):
+            for t in tensors_in(output):
+                if self.engine.slot_ref(t) is not None:
+                    raise DGLSUserError(
+                        f"layer {idx} ({type(module).__name__}) returns a view of its own weights, which would be "
+                        f"overwritten when it is evicted: keep it resident (add {idx} to gpu_layers)"
+                    )
+        if torch.is_grad_enabled() and current_phase() is not Phase.BACKWARD:
+            for t in tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(partial(self._on_output_grad, idx))
+                    break
+
+    def _on_output_grad(self, idx: int, grad: torch.Tensor) -> None:
+        self.engine.use(idx, Phase.BACKWARD)
+        self._queue_pass_end()
+
+    # ---------------------------------------------------------------- end of backward
+    def _queue_pass_end(self) -> None:
+        if not self._queued:
+            Variable._execution_engine.queue_callback(self._on_backward_end)
+            self._queued = True
+
+    def _on_backward_end(self) -> None:
+        self._queued = False
+        self.engine.pass_end()
+
+    # ---------------------------------------------------------------- saved tensors
+    def _push_saved_tensor_hooks(self, outer):
+        """DGLS's hooks for one streamed layer's forward, on top of ``outer`` hooks if there are any."""
+        if outer is None:
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        else:
+            hooks = torch.autograd.graph.saved_tensors_hooks(
+                partial(self._pack_over, outer), partial(self._unpack_over, outer)
+            )
+        hooks.__enter__()
+        return hooks
+
+    def _check_checkpoint_region(self, idx: int, outer, streamed: bool) -> None:
+        """A layer's forward under torch's non-reentrant checkpoint: refuse what would keep views of a
+        streamed layer's slot past its use (its recomputed tensors are read after the next layer's use
+        began when the region spans several layers)."""
+        if streamed and _under_selective_checkpoint():
+            raise DGLSUserError(
+                f"layer {idx} streams under selective activation checkpointing, which caches op outputs (views of "
+                "its weights among them) until backward: use plain checkpointing or keep it resident (gpu_layers)"
+            )
+        pack = outer[0]
+        if self._region is None or self._region[0] is not pack:
+            self._region = (pack, {idx}, streamed)
+            return
+        _, members, any_streamed = self._region
+        members.add(idx)
+        self._region = (pack, members, any_streamed or streamed)
+        if len(members) > 1 and (any_streamed or streamed):
+            raise DGLSUserError(
+                f"layers {sorted(members)} share one activation-checkpoint region and one of them streams: its "
+                "recomputed tensors would outlive its use. Checkpoint each layer on its own (as diffusion-pipe "
+                "does: interval 1) or keep these layers resident (gpu_layers)"
+            )
+
+    def _pack(self, tensor: torch.Tensor):
+        ref = self.engine.slot_ref(tensor)
+        return tensor if ref is None else ref
+
+    def _unpack(self, packed):
+        return self.engine.view_of(packed) if isinstance(packed, SlotRef) else packed
+
+    def _pack_over(self, outer, tensor: torch.Tensor):
+        ref = self.engine.slot_ref(tensor)
+        return _Outer(outer[0](tensor)) if ref is None else ref
+
+    def _unpack_over(self, outer, packed):
+        return self.engine.view_of(packed) if isinstance(packed, SlotRef) else outer[1](packed.value)

@@ -1,0 +1,130 @@
+"""Residency: where one streamed layer's weights are, as an explicit state with one method per transition.
+
+States and transitions (each method asserts the state it starts from)::
+
+             fetch(slot, token)            acquire(copier)
+    HOST ─────────────────────► FETCHING ─────────────────► IN_USE ◄──┐
+     ▲                             │                          │        │ acquire(copier)
+     │          evict()            │        release(copier)   ▼        │
+     └─────────────────────────────┴──────────────────────── RELEASED ─┘
+                                     evict()
+
+- HOST: no device copy. Every streamed param points at an empty placeholder, so any use of it
+  fails loudly (on CPU too) instead of reading stale memory.
+- FETCHING: a copy into ``slot`` is submitted (``token``); params still point at placeholders.
+- IN_USE: the compute stream waits for the copy, and the params are bound to views of the slot.
+  The layer's use is the current one: it is never evicted in this state.
+- RELEASED: another layer's use began, so every kernel that reads this one is enqueued; the
+  copier has a release marker behind them. The slot may be reclaimed (evict), or the layer used
+  again without a copy (acquire).
+
+Binding costs one ``param.data =`` per param: the views of a layer in a slot are built the first
+time it lands there and kept (``views``), and placeholders are shared per dtype. Parameter
+objects are never replaced, so optimizers, PEFT and state dicts keep working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum
+
+import torch
+from torch import nn
+
+from .copier import Copier, Token, Wait
+from .device_pool import Slot
+from .host_store import HostLayer
+
+
+class Residency(Enum):
+    HOST = "host"
+    FETCHING = "fetching"
+    IN_USE = "in use"
+    RELEASED = "released"
+
+
+class StreamedLayer:
+    """One streamed layer: its module, its host master and its residency."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        host: HostLayer,
+        placeholder: Callable[[torch.dtype], torch.Tensor],
+        on_transition: Callable[[StreamedLayer, str], None] | None = None,
+    ) -> None:
+        self.module = module
+        self.host = host
+        self.params = [p.param for p in host.layout.params]
+        self._placeholders = [placeholder(p.dtype) for p in host.layout.params]
+        self._views: dict[int, list[torch.Tensor]] = {}  # slot index -> views in that slot
+        self._on_transition = on_transition
+        self.state = Residency.HOST
+        self.slot: Slot | None = None
+        self.token: Token | None = None
+        self.handles: list = []  # state-dict hooks, removed with the layer
+        self._unbind()
+
+    @property
+    def index(self) -> int:
+        return self.host.index
+
+    def fetch(self, slot: Slot, token: Token) -> None:
+        """HOST -> FETCHING: the copier has a write of this layer into ``slot``."""
+        self._expect(Residency.HOST)
+        slot.owner = self.index
+        self.slot, self.token = slot, token
+        self._enter(Residency.FETCHING, "fetch")
+
+    def acquire(self, copier: Copier) -> Wait | None:
+        """FETCHING or RELEASED -> IN_USE: the compute stream waits for the copy; params bound."""
+        self._expect(Residency.FETCHING, Residency.RELEASED)
+        waited = copier.acquire(self.token)
+        if self.state is Residency.FETCHING:
+            self._bind()
+        self._enter(Residency.IN_USE, "acquire")
+        return waited
+
+    def release(self, copier: Copier) -> None:
+        """IN_USE -> RELEASED: a later use began; the slot is free after the reads enqueued so far."""
+        self._expect(Residency.IN_USE)
+        copier.release(self.slot)
+        self._enter(Residency.RELEASED, "release")
+
+    def evict(self) -> None:
+        """FETCHING or RELEASED -> HOST: drop the device copy (frozen weights never travel back)."""
+        self._expect(Residency.FETCHING, Residency.RELEASED)
+        self._unbind()
+        self.slot.owner = None
+        self.slot, self.token = None, None
+        self._enter(Residency.HOST, "evict")
+
+    def forget_views(self) -> None:
+        """The pool was rebuilt: views into the old slots must not be reused."""
+        self._views.clear()
+
+    # ---------------------------------------------------------------- internals
+    def _bind(self) -> None:
+        views = self._views.get(self.slot.index)
+        if views is None:
+            buffer = self.slot.buffer
+            views = [
+                buffer[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape) for p in self.host.layout.params
+            ]
+            self._views[self.slot.index] = views
+        for param, view in zip(self.params, views):
+            param.data = view
+
+    def _unbind(self) -> None:
+        for param, placeholder in zip(self.params, self._placeholders):
+            param.data = placeholder
+
+    def _expect(self, *states: Residency) -> None:
+        if self.state not in states:
+            allowed = " or ".join(s.value for s in states)
+            raise AssertionError(f"layer {self.index} is {self.state.value}, expected {allowed}")
+
+    def _enter(self, state: Residency, transition: str) -> None:
+        self.state = state
+        if self._on_transition is not None:
+            self._on_transition(self, transition)
