@@ -134,14 +134,10 @@ def planner_trials(planner) -> list[dict]:
 
 
 class Methods:
-    """The seven methods on one bench, their timed loops stopped early past ``deadline``; copy shares are
-    relative to ``bandwidth`` (GB/s, measured in the run)."""
+    """The seven methods on one bench, their timed loops stopped early past ``deadline``."""
 
-    def __init__(
-        self, bench: Bench, options: Options, device: torch.device, deadline: Deadline, bandwidth: float
-    ) -> None:
-        self.bench, self.options, self.device = bench, options, device
-        self.deadline, self.bandwidth = deadline, bandwidth
+    def __init__(self, bench: Bench, options: Options, device: torch.device, deadline: Deadline) -> None:
+        self.bench, self.options, self.device, self.deadline = bench, options, device, deadline
 
     def cases(self, kind: str) -> Iterator[Case]:
         """The cases of method ``kind`` (a key of METHODS)."""
@@ -170,8 +166,6 @@ class Methods:
 
     def swap_figures(self, swapper: LayerSwapper, stats: list) -> dict:
         placement = swapper.placement
-        bandwidth = self.bandwidth
-        gbps = statistics.median(s.gbps for s in stats) if stats else 0.0
         return {
             "blocks_to_swap": len(placement.streamed),
             "prefetch": swapper.config.prefetch,
@@ -181,8 +175,7 @@ class Methods:
             "streamed_gib": placement.streamed_bytes / GiB,
             "predicted_weights_pool_gib": placement.predicted_device_bytes / GiB,
             "bytes_per_step": statistics.median(s.bytes_moved for s in stats) if stats else 0,
-            "copy_gbps": gbps,
-            "copy_share_of_pinned": gbps / bandwidth if bandwidth else None,
+            "copy_gbps": statistics.median(s.gbps for s in stats) if stats else 0.0,
             "wait_ms": statistics.median(s.wait_ms for s in stats) if stats else 0.0,
             "hit_rate": min(s.hit_rate for s in stats) if stats else 1.0,
             "misses_per_step": statistics.median(s.misses for s in stats) if stats else 0,
@@ -321,7 +314,6 @@ class Methods:
         finally:
             swap.remove()
         med = {k: statistics.median(f[k] for f in figures) for k in figures[0]}
-        bandwidth = self.bandwidth
         moved = med["h2d"] + med["d2h"]
         gbps = moved / med["swap_s"] / 1e9 if med["swap_s"] > 0 and self.device.type == "cuda" else 0.0
         return times, {
@@ -331,7 +323,6 @@ class Methods:
             "bytes_per_step": med["h2d"],
             "d2h_bytes_per_step": med["d2h"],
             "copy_gbps": gbps,
-            "copy_share_of_pinned": gbps / bandwidth if bandwidth else None,
             "swap_ms": med["swap_s"] * 1000,
             "wait_ms": med["wait_s"] * 1000,
             **row_peaks,

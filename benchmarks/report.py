@@ -268,7 +268,8 @@ def index(results: dict[str, dict], out: Path) -> str:
         "the table, notes, the command that produced it, and the plot.",
         "",
     ]
-    lines += [f"- [{name}](#{name}): {r['title']} ({where(r['environment'])})" for name, r in results.items()]
+    for name, result in results.items():
+        lines.append(f"- [{name}](#{name}): {result['title']} ({result['environment'].get('gpu') or 'CPU'})")
     for name, result in results.items():
         lines += ["", f"## {name}", "", render(result).rstrip("\n"), ""]
         files = [f"[{name}.json]({name}.json)", f"[{name}.md]({name}.md)"]

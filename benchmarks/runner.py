@@ -39,10 +39,12 @@ def describe(result: dict) -> str:
 
 
 def derive(result: dict) -> None:
-    """Ratios and floors of every timed row, from the figures measured in the run."""
+    """Ratios, copy shares and floors of every timed row, from the figures measured in the run."""
     rows, bandwidth = result["rows"], result["pinned_h2d_gbps"]
     resident = next((r["median_step_s"] for r in rows if r["kind"] == "resident" and "median_step_s" in r), None)
     for r in rows:
+        if bandwidth and r.get("copy_gbps") is not None:
+            r["copy_share_of_pinned"] = r["copy_gbps"] / bandwidth
         reference = r.get("ab_resident_s", resident)  # A/B rows: the resident steps of their own rounds
         if not reference or "median_step_s" not in r:
             continue
@@ -112,7 +114,7 @@ class Runner:
             NOTES[k] for k in METHODS if k in self.options.methods and k in NOTES
         ]
         place(self.bench.layers, self.device)
-        methods = Methods(self.bench, self.options, self.device, self.deadline, self.result["pinned_h2d_gbps"])
+        methods = Methods(self.bench, self.options, self.device, self.deadline)
         for kind, label in METHODS.items():
             if kind in self.options.methods:
                 self.attempt(kind, label, self.run_cases, partial(methods.cases, kind))
