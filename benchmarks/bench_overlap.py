@@ -26,17 +26,27 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import common  # noqa: E402
-from bench_flux import flux_bench  # noqa: E402
-from common import GiB  # noqa: E402
+import flux  # noqa: E402
+import machine  # noqa: E402
+from models import Bench, place  # noqa: E402
+from report import command_line, results_dir, write_result  # noqa: E402
+from timing import time_steps  # noqa: E402
+from units import GiB  # noqa: E402
 
 from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
 
+NOTE = (
+    "A use's time runs on the compute stream from its start to the next use's start. The last two columns "
+    "compare the same uses of the layers resident in all three arms (not the last forward use, which holds the "
+    "loss, nor the step's last use, which holds the optimizer): above 1.00x, that compute ran slower while "
+    "copies streamed beside it. Extra time neither waited nor explained by that slow-down is host-side (hooks, "
+    "launches) or in the streamed layers' own uses."
+)
 
-def arms(bench, gib: float, prefetch: int) -> dict[str, SwapConfig]:
+
+def arms(bench: Bench, gib: float, prefetch: int) -> dict[str, SwapConfig]:
     return {
         "resident": SwapConfig(blocks_to_swap=0, prefetch=prefetch),
         "spread": bench.spread_config(gib, prefetch)[1],
@@ -44,12 +54,12 @@ def arms(bench, gib: float, prefetch: int) -> dict[str, SwapConfig]:
     }
 
 
-def profiled_steps(bench, device, config: SwapConfig, trace: Path, steps: int) -> tuple[list[float], dict, set]:
+def profiled_steps(bench: Bench, device, config: SwapConfig, trace: Path, steps: int) -> tuple[list[float], dict, set]:
     """One warm-up step then ``steps`` profiled ones; their wall times, the trace, the streamed set."""
-    common.place(bench.layers, device)
+    place(bench.layers, device)
     config = config.replace(profile_path=str(trace), profile_warmup_steps=1, profile_steps=steps)
     with LayerSwapper(bench.layers, config, device, log=None) as swapper:
-        times, _ = common.run_steps(bench, device, 1, steps, after=swapper.step_stats)
+        times, _ = time_steps(bench.training_step(), device, 1, steps, after=swapper.step_stats)
         streamed = set(swapper.placement.streamed)
     return times, json.loads(trace.read_text()), streamed
 
@@ -85,20 +95,47 @@ def waited_ms(trace: dict) -> list[float]:
     return [row["wait_ms"] for row in trace["otherData"]["summary"].values()]
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=9.6, help="streamed GiB of the spread and ends arms")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3, help="profiled steps per arm and round")
     parser.add_argument("--prefetch", type=int, default=2)
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--results_dir", type=Path, default=None)
+    parser.add_argument("--results_dir", type=Path, default=None, help="default: results/ (results/tiny/ with --tiny)")
     args = parser.parse_args(argv)
-    device, dtype = common.setup_device()
-    bench = flux_bench(args.tiny, device, dtype)
-    # tiny: half the streamable bytes (its layers are KiB, not GiB)
-    gib = sum(s.streamable_bytes for s in bench.sizes) / 2 / GiB if args.tiny else args.gib
-    configs = arms(bench, gib, args.prefetch)
+    with machine.session(args.tiny) as (device, dtype):
+        bench = flux.build(args.tiny, device, dtype)
+        # tiny: half the streamable bytes (its layers are KiB, not GiB)
+        gib = sum(s.streamable_bytes for s in bench.sizes) / 2 / GiB if args.tiny else args.gib
+        rows, resident_everywhere, shared_uses = measure(bench, device, arms(bench, gib, args.prefetch), args)
+        result = {
+            "benchmark": "overlap",
+            "title": "Where the swapped step's time goes (Flux-dev size, DGLS profiler)",
+            "description": (
+                f"~{gib:g} GiB streamed, prefetch {args.prefetch}; arms alternate in {args.rounds} rounds of "
+                f"{args.steps} profiled steps; medians."
+                + (" TINY config on the CPU (copies run inline there): the figures mean nothing." if args.tiny else "")
+            ),
+            "command": command_line(__file__, argv),
+            "environment": machine.environment(device),
+            "tiny": args.tiny,
+            "notes": [NOTE],
+            "gib": gib,
+            "rounds": args.rounds,
+            "steps_per_round": args.steps,
+            "prefetch": args.prefetch,
+            "resident_in_every_arm": resident_everywhere,
+            "shared_uses": shared_uses,
+            "rows": rows,
+        }
+    write_result(result, "overlap", args.results_dir or results_dir(args.tiny), echo=True)
+    return result
+
+
+def measure(bench: Bench, device, configs: dict[str, SwapConfig], args) -> tuple[list[dict], list[int], int]:
+    """The arms' rows, the layers resident in every arm, and how many of their uses are compared."""
     walls: dict[str, list[float]] = defaultdict(list)
     waits: dict[str, list[float]] = defaultdict(list)
     uses: dict[str, dict[tuple, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -116,17 +153,15 @@ def main(argv=None) -> None:
     common_keys = [k for k in uses["resident"] if k[0] in resident_everywhere and all(k in uses[a] for a in uses)]
     rows = []
     for name in configs:
-        wall_ms = statistics.median(walls[name]) * 1000
-        shared_ms = sum(statistics.median(uses[name][k]) for k in common_keys)
         rows.append(
             dict(
                 arm=name,
                 streamed_layers=len(streamed_sets[name]),
                 streamed_gib=bench.streamed_bytes(streamed_sets[name]) / GiB,
-                step_ms=wall_ms,
+                step_ms=statistics.median(walls[name]) * 1000,
                 step_times_s=walls[name],
                 waited_ms=statistics.median(waits[name]),
-                shared_layers_ms=shared_ms,
+                shared_layers_ms=sum(statistics.median(uses[name][k]) for k in common_keys),
             )
         )
     base = rows[0]
@@ -134,53 +169,7 @@ def main(argv=None) -> None:
         row["vs_resident"] = row["step_ms"] / base["step_ms"]
         row["extra_ms"] = row["step_ms"] - base["step_ms"]
         row["shared_vs_resident"] = row["shared_layers_ms"] / max(base["shared_layers_ms"], 1e-9)
-    result = {
-        "title": "Where the swapped step's time goes (Flux-dev size, DGLS profiler)",
-        "env": common.environment(),
-        "tiny": args.tiny,
-        "gib": gib,
-        "rounds": args.rounds,
-        "steps_per_round": args.steps,
-        "prefetch": args.prefetch,
-        "resident_in_every_arm": sorted(resident_everywhere),
-        "shared_uses": len(common_keys),
-        "rows": rows,
-    }
-    out = args.results_dir or common.results_dir(args.tiny)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "overlap.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "overlap.md").write_text(report(result))
-    print(report(result))
-
-
-def report(result: dict) -> str:
-    env = result["env"]
-    lines = [
-        f"{result['title']} on {env.get('gpu', 'CPU')} (torch {env['torch']}), "
-        f"~{result['gib']:g} GiB streamed, prefetch {result['prefetch']}; arms alternate in "
-        f"{result['rounds']} rounds of {result['steps_per_round']} profiled steps; medians.",
-        "",
-        "| arm | streamed layers | step (ms) | vs resident | extra vs resident (ms) | waited on copies (ms) "
-        "| block uses resident in every arm (ms) | those vs resident arm |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['arm']} | {r['streamed_layers']} | {r['step_ms']:.0f} | {r['vs_resident']:.2f}x | "
-            f"{r['extra_ms']:+.0f} | {r['waited_ms']:.0f} | "
-            f"{r['shared_layers_ms']:.0f} ({result['shared_uses']} uses) | {r['shared_vs_resident']:.3f}x |"
-        )
-    lines += [
-        "",
-        "A use's time runs on the compute stream from its start to the next use's start. The last two "
-        "columns compare the same uses of the layers resident in all three arms (not the last forward use, "
-        "which holds the loss, nor the step's last use, which holds the optimizer): "
-        "above 1.00x, that compute ran slower while copies streamed beside it. Extra time neither waited "
-        "nor explained by that slow-down is host-side (hooks, launches) or in the streamed layers' own uses."
-        + (" TINY config on the CPU (copies run inline there): the figures mean nothing." if result["tiny"] else ""),
-        "",
-    ]
-    return "\n".join(lines)
+    return rows, sorted(resident_everywhere), len(common_keys)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,21 @@
 """VRAM-budget planner on the Flux-dev-size model: the automatic plan against a hand grid.
 
-For each budget, DGLS plans from its probe steps (``vram_budget_gb``), then the same
-swapper is switched (``apply_placement``) through a grid of hand configurations: resident
-layers at both ends or spread evenly, prefetch 1-3, the largest resident count the
-planner's memory model says fits (and one fewer). Every configuration is measured in this
-one process on the same model and inputs; a configuration whose real peak goes over the
-budget is marked as not fitting. Writes benchmarks/results/planner.{json,md}.
+For each budget, DGLS plans from its probe steps (``vram_budget_gb``), then the same swapper is
+switched (``apply_placement``) through a grid of hand configurations: resident layers at both ends
+or spread evenly, prefetch 1-3, the largest resident count the planner's memory model says fits
+(and one fewer). Every configuration is measured in this one process on the same model and inputs;
+a configuration whose real peak goes over the budget is marked as not fitting. Four budgets take
+more than one 10-minute device call: run two per call, the second with --merge.
 
-    python benchmarks/bench_planner.py                # H100: about 7 minutes
-    python benchmarks/bench_planner.py --tiny         # smoke test on CPU
+    python benchmarks/bench_planner.py --budgets 8,12                 # H100: about 7 minutes
+    python benchmarks/bench_planner.py --budgets 16,24 --merge        # keeps the 8 and 12 GiB rows
+    python benchmarks/bench_planner.py --tiny                         # smoke test on CPU
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -23,34 +23,47 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_flux import FLUX_DEV, TINY, build_layers, make_inputs, train_step  # noqa: E402
-from common import environment, planner_trials, reset_peaks, results_dir, setup_device, streamed_by, time_steps  # noqa: E402
-from common import peaks as common_peaks  # noqa: E402
+
+import flux  # noqa: E402
+import machine  # noqa: E402
+from methods import planner_trials  # noqa: E402
+from models import Bench, place, streamed_by  # noqa: E402
+from report import command_line, results_dir, write_result  # noqa: E402
+from timing import peaks, reset_peaks, time_steps  # noqa: E402
+from units import GiB  # noqa: E402
 
 from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
 from utils.dgls.planner import predict_peak  # noqa: E402
 
-GiB = 2**30
+NOTE = (
+    "Each budget's rows (and its all-resident reference) come from one process. A/B: the auto plan and the "
+    "sweep's best hand config re-measured alternately in rounds right after the sweep (step times drift by "
+    "10% over minutes on the lent H100)."
+)
 
 
-def timed_steps(layers, inputs, target, optimizer, swapper, device, count: int) -> list[float]:
-    """``count`` steps, each closed with the swapper's step (its peaks kept for the run's figure)."""
+class Measure:
+    """Steps of one bench, each closed with the swapper's step (its peaks kept for the run's figure)."""
 
-    def step() -> None:
-        train_step(layers, inputs, target, optimizer)
-        swapper.step_stats(reset_peak=False)
+    def __init__(self, bench: Bench, device: torch.device) -> None:
+        self.bench, self.device = bench, device
+        self.step = bench.training_step()
 
-    return time_steps(step, device, 0, count)[0]
+    def times(self, swapper: LayerSwapper | None, count: int) -> list[float]:
+        def after() -> None:
+            if swapper is not None:
+                swapper.step_stats(reset_peak=False)
+
+        return time_steps(self.step, self.device, 0, count, after)[0]
+
+    def peaks(self) -> tuple[float, float]:
+        """Peak allocated and reserved GiB since the last reset (0 on CPU)."""
+        figures = peaks(self.device)
+        return figures.get("peak_allocated_gib", 0.0), figures.get("peak_reserved_gib", 0.0)
 
 
-def peaks(device) -> tuple[float, float]:
-    """Peak allocated and reserved GiB (0 on CPU)."""
-    figures = common_peaks(device)
-    return figures.get("peak_allocated_gib", 0.0), figures.get("peak_reserved_gib", 0.0)
-
-
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--budgets", default="8,12,16,24")
@@ -59,87 +72,93 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="planner")
     parser.add_argument("--rounds", type=int, default=3, help="A/B rounds of auto vs the best hand config")
     parser.add_argument(
-        "--from_log",
-        type=Path,
-        help="rebuild the results files from the JSON lines this benchmark printed (a run whose files were lost)",
-    )
-    parser.add_argument(
         "--merge", action="store_true", help="keep the other budgets' rows of an earlier run (one call per budget pair)"
     )
     parser.add_argument("--results_dir", type=Path, default=None, help="default: results/ (results/tiny/ with --tiny)")
     args = parser.parse_args(argv)
     args.results_dir = args.results_dir or results_dir(args.tiny)
-    if args.from_log:
-        rows, env = rows_from_log(args.from_log)
-        env["rebuilt_from_log"] = args.from_log.name
-        kept = earlier_rows(args, sorted({r["budget_gib"] for r in rows if r["budget_gib"] is not None}))
-        print(report(save(args, kept + rows, rows[0]["step_s"], env)))
-        return
-    print(json.dumps({"env": environment()}), flush=True)
-    device, dtype = setup_device()  # (cuDNN attention off: its backward is broken on the lent H100 image)
-    cfg, side, text_tokens = (TINY, 8, 8) if args.tiny else (FLUX_DEV, 64, 512)
-    budgets = [float(b) for b in args.budgets.split(",")]
-    if args.tiny:
-        budgets = [0.002, 0.004]
-    kept = earlier_rows(args, budgets)
-    layers = build_layers(cfg, dtype, device)  # random init on the GPU (minutes on the CPU), weights end on the CPU
-    inputs, target = make_inputs(cfg, side, text_tokens, device, dtype)
-    trainable = [p for layer in layers for p in layer.parameters() if p.requires_grad]
-    rows = []
-
-    # all-resident reference, if it fits
-    for layer in layers:
-        layer.to(device)
-    optimizer = torch.optim.AdamW(trainable, lr=1e-5)
-    reset_peaks(device)
-    from bench_flux import measure
-
-    times = measure(layers, inputs, target, device, args.steps, args.warmup)
-    resident_s = statistics.median(times)
-    alloc, reserved = peaks(device)
-    rows.append(
-        dict(budget_gib=None, method="all-resident", step_s=resident_s, peak_alloc=alloc, peak_reserved=reserved)
-    )
-    print(json.dumps(rows[-1]), flush=True)
-    for layer in layers:
-        layer.to("cpu")
-    reset_peaks(device)
-
-    for budget in budgets:
-        lines: list[str] = []
-        swapper = LayerSwapper(layers, SwapConfig(vram_budget_gb=budget), device=device, log=lines.append)
-        optimizer = torch.optim.AdamW(trainable, lr=1e-5)
-        planning = []
-        while not swapper.autoplanner.done and len(planning) < 80:
-            planning += timed_steps(layers, inputs, target, optimizer, swapper, device, 1)
-        plan = swapper.autoplanner.plan
-        trials = planner_trials(swapper.autoplanner)
-        profile_note = [line for line in lines if line.startswith(("DGLS", "  "))]
+    with machine.session(args.tiny) as (device, dtype):
+        bench = flux.build(args.tiny, device, dtype)  # random init on the device, then the weights go to the CPU
+        tight = bench.tight_budget_gib()
+        budgets = [tight, 1.5 * tight] if args.tiny else [float(b) for b in args.budgets.split(",")]
+        earlier = earlier_result(args, budgets)
+        measure = Measure(bench, device)
+        place(bench.layers, device)  # the all-resident reference
         reset_peaks(device)
-        times = timed_steps(layers, inputs, target, optimizer, swapper, device, args.warmup + args.steps)[args.warmup :]
-        alloc, reserved = peaks(device)
-        rows.append(
-            dict(
-                budget_gib=budget,
-                method="auto",
-                pattern=plan.pattern,
-                streamed=len(plan.streamed),
-                prefetch=plan.prefetch,
-                predicted_s=plan.predicted_ms / 1000,
-                step_s=statistics.median(times),
-                planning_steps_s=planning,
-                trials=trials,
-                resident_s=resident_s,
-                peak_alloc=alloc,
-                peak_reserved=reserved,
-                fits=reserved <= budget,
-                replanned=swapper.autoplanner.replanned,
-                log=profile_note,
-            )
-        )
+        resident_s = statistics.median(measure.times(None, args.warmup + args.steps)[args.warmup :])
+        alloc, reserved = measure.peaks()
+        rows = [
+            dict(budget_gib=None, method="all-resident", step_s=resident_s, peak_alloc=alloc, peak_reserved=reserved)
+        ]
         print(json.dumps(rows[-1]), flush=True)
-        sizes = swapper.placement.sizes
-        profile = swapper.autoplanner.profile
+        place(bench.layers, "cpu")
+        reset_peaks(device)
+        command = command_line(__file__, argv)
+        if earlier is not None:
+            command = f"{earlier['command']} && {command}"
+        kept = earlier["rows"] if earlier is not None else []
+
+        def save() -> dict:  # after every budget: a run cut short keeps what it measured
+            result = {
+                "benchmark": "planner",
+                "title": "VRAM-budget planner, Flux-dev-size LoRA step",
+                "description": (
+                    "automatic plan vs the best fitting hand configuration of a grid (resident at both ends or "
+                    "spread, prefetch 1-3, largest fitting resident count and one fewer), same process, same inputs."
+                    + (" TINY config (smoke test): the figures mean nothing." if args.tiny else "")
+                ),
+                "command": command,
+                "environment": machine.environment(device),
+                "tiny": args.tiny,
+                "notes": [NOTE],
+                "config": "tiny" if args.tiny else "flux-dev",
+                "resident_s": resident_s,
+                "rows": rows[:1] + kept + rows[1:],
+            }
+            result["budgets"] = summarize(result["rows"], resident_s)
+            write_result(result, args.name, args.results_dir, echo=True)
+            return result
+
+        for budget in budgets:
+            rows += plan_and_sweep(bench, measure, args, budget, resident_s)
+            result = save()
+    return result
+
+
+def plan_and_sweep(bench: Bench, measure: Measure, args, budget: float, resident_s: float) -> list[dict]:
+    """The auto plan at ``budget``, the hand grid, and the A/B of auto against the best fitting hand row."""
+    device = measure.device
+    lines: list[str] = []
+    rows = []
+    with LayerSwapper(bench.layers, SwapConfig(vram_budget_gb=budget), device=device, log=lines.append) as swapper:
+        planner = swapper.autoplanner
+        planning = []
+        while not planner.done and len(planning) < 80:
+            planning += measure.times(swapper, 1)
+        plan = planner.plan
+        reset_peaks(device)
+        times = measure.times(swapper, args.warmup + args.steps)[args.warmup :]
+        alloc, reserved = measure.peaks()
+        auto = dict(
+            budget_gib=budget,
+            method="auto",
+            pattern=plan.pattern,
+            streamed=len(plan.streamed),
+            prefetch=plan.prefetch,
+            predicted_s=plan.predicted_ms / 1000,
+            step_s=statistics.median(times),
+            planning_steps_s=planning,
+            trials=planner_trials(planner),
+            resident_s=resident_s,
+            peak_alloc=alloc,
+            peak_reserved=reserved,
+            fits=reserved <= budget,
+            replanned=planner.replanned,
+            log=[line for line in lines if line.startswith(("DGLS", "  "))],
+        )
+        rows.append(auto)
+        print(json.dumps(auto), flush=True)
+        sizes, profile = swapper.placement.sizes, planner.profile
         candidates = [s.index for s in sizes if s.streamable_bytes]
         for prefetch in (1, 2, 3):
             for pattern in ("ends", "spread"):
@@ -152,36 +171,32 @@ def main(argv: list[str] | None = None) -> None:
                     streamed = sorted(streamed_by(candidates, k, pattern))
                     swapper.apply_placement(streamed, prefetch)
                     reset_peaks(device)
-                    times = timed_steps(layers, inputs, target, optimizer, swapper, device, args.warmup + args.steps)
-                    alloc, reserved = peaks(device)
-                    rows.append(
-                        dict(
-                            budget_gib=budget,
-                            method="hand",
-                            pattern=pattern,
-                            streamed=len(streamed),
-                            prefetch=prefetch,
-                            step_s=statistics.median(times[args.warmup :]),
-                            peak_alloc=alloc,
-                            peak_reserved=reserved,
-                            fits=reserved <= budget,
-                            layers=streamed,
-                        )
+                    times = measure.times(swapper, args.warmup + args.steps)
+                    alloc, reserved = measure.peaks()
+                    hand = dict(
+                        budget_gib=budget,
+                        method="hand",
+                        pattern=pattern,
+                        streamed=len(streamed),
+                        prefetch=prefetch,
+                        step_s=statistics.median(times[args.warmup :]),
+                        peak_alloc=alloc,
+                        peak_reserved=reserved,
+                        fits=reserved <= budget,
+                        layers=streamed,
                     )
-                    print(json.dumps(rows[-1]), flush=True)
-        interleave(args, rows, budget, plan, swapper, layers, inputs, target, optimizer, device)
-        swapper.remove()
-        reset_peaks(device)
-
-        save(args, kept + rows, resident_s)  # after every budget: a run cut short keeps what it measured
-    print(report(save(args, kept + rows, resident_s)))
+                    rows.append(hand)
+                    print(json.dumps(hand), flush=True)
+        interleave(args, rows, plan, swapper, measure)
+    reset_peaks(device)
+    return rows
 
 
-def interleave(args, rows, budget, plan, swapper, layers, inputs, target, optimizer, device) -> None:
+def interleave(args, rows: list[dict], plan, swapper: LayerSwapper, measure: Measure) -> None:
     """Auto against the best fitting hand config once more, alternating A/B/A/B/A/B in one stretch:
-    step times here drift by 10% or more over minutes, more than the 5% being judged."""
-    auto = next(r for r in rows if r["budget_gib"] == budget and r["method"] == "auto")
-    hands = [r for r in rows if r["budget_gib"] == budget and r["method"] == "hand" and r["fits"]]
+    step times drift by 10% or more over minutes, more than near-equal plans differ."""
+    auto = rows[0]
+    hands = [r for r in rows if r["method"] == "hand" and r["fits"]]
     if not hands:
         return
     best = min(hands, key=lambda r: r["step_s"])
@@ -192,97 +207,55 @@ def interleave(args, rows, budget, plan, swapper, layers, inputs, target, optimi
             ("hand", best["layers"], best["prefetch"]),
         ):
             swapper.apply_placement(streamed, prefetch)
-            times[name] += timed_steps(layers, inputs, target, optimizer, swapper, device, 1 + args.steps)[1:]
+            times[name] += measure.times(swapper, 1 + args.steps)[1:]
     auto["ab_auto_s"], auto["ab_hand_s"] = statistics.median(times["auto"]), statistics.median(times["hand"])
     auto["ab_hand"] = f"{best['pattern']}, {best['streamed']} streamed, prefetch {best['prefetch']}"
     auto["ab_ratio"] = auto["ab_auto_s"] / auto["ab_hand_s"]
     print(json.dumps({k: auto[k] for k in ("budget_gib", "ab_auto_s", "ab_hand_s", "ab_ratio", "ab_hand")}), flush=True)
 
 
-def earlier_rows(args, budgets: list[float]) -> list[dict]:
-    """With --merge: the rows of budgets this run does not measure, from the last results file."""
+def earlier_result(args, budgets: list[float]) -> dict | None:
+    """With --merge: the last results file, its rows less its all-resident reference and the budgets this
+    run measures again (each budget's auto row keeps the resident step of its own process)."""
     earlier = args.results_dir / f"{args.name}.json"
     if not (args.merge and earlier.exists()):
-        return []
-    return [r for r in json.loads(earlier.read_text())["rows"] if r["budget_gib"] not in (None, *budgets)]
-
-
-REPORT_HEADER = re.compile(r"^VRAM-budget planner, Flux-dev-size LoRA step \((.+), torch (\S+)\)")
-
-
-def rows_from_log(path: Path) -> tuple[list[dict], dict]:
-    """The rows (A/B figures merged into their auto row) and the environment a run printed.
-    Runs before the ``env`` line existed name the GPU and torch in their report's first line."""
-    rows: list[dict] = []
-    env: dict = {}
-    for line in path.read_text().splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            if "env" in record:
-                env = record["env"]
-            elif "method" in record:
-                rows.append(record)
-            elif "ab_ratio" in record:
-                budget = record["budget_gib"]
-                next(r for r in rows if r["budget_gib"] == budget and r["method"] == "auto").update(record)
-        elif not env and (match := REPORT_HEADER.match(line)):
-            env = {"gpu": match[1], "torch": match[2]}
-    if not rows or rows[0]["method"] != "all-resident":
-        raise SystemExit(f"{path}: no rows of this benchmark (the all-resident row comes first)")
-    return rows, env
-
-
-def save(args, rows: list[dict], resident_s: float, env: dict | None = None) -> dict:
-    result = {"config": "flux-dev" if not args.tiny else "tiny", "resident_s": resident_s, "rows": rows}
-    result.update(env if env is not None else environment())
-    out = args.results_dir
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
-    (out / f"{args.name}.md").write_text(report(result))
+        return None
+    result = json.loads(earlier.read_text())
+    result["rows"] = [r for r in result["rows"] if r["budget_gib"] not in (None, *budgets)]
     return result
 
 
-def report(result: dict) -> str:
-    rows = result["rows"]
-    out = [
-        f"VRAM-budget planner, Flux-dev-size LoRA step ({result.get('gpu', 'CPU')}, torch {result['torch']}): "
-        "automatic plan vs the best fitting hand configuration of a grid (resident at both ends or spread, "
-        "prefetch 1-3, largest fitting resident count and one fewer), same process, same inputs.",
-        "",
-        "| budget GiB | auto plan | predicted (s) | auto step (s) | best hand config (sweep) | hand step (s) | "
-        "auto / hand (sweep) | auto / hand (A/B) | auto peak reserved GiB | highest trial peak GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+def summarize(rows: list[dict], resident_s: float) -> list[dict]:
+    """A line per budget: the auto plan, the best fitting hand config of the sweep, and their A/B."""
+    out = []
     for budget in sorted({r["budget_gib"] for r in rows if r["budget_gib"] is not None}):
         auto = next(r for r in rows if r["budget_gib"] == budget and r["method"] == "auto")
         hands = [r for r in rows if r["budget_gib"] == budget and r["method"] == "hand" and r["fits"]]
-        best = min(hands, key=lambda r: r["step_s"]) if hands else None
-        hand_text = (
-            f"{best['pattern']}, {best['streamed']} streamed, prefetch {best['prefetch']}" if best else "none fits"
-        )
-        ratio = f"{auto['step_s'] / best['step_s']:.3f}" if best else "-"
-        ab = (
-            f"{auto['ab_ratio']:.3f} ({auto['ab_auto_s']:.3f} / {auto['ab_hand_s']:.3f} s)"
-            if "ab_ratio" in auto
-            else "-"
-        )
-        resident = auto.get("resident_s", result["resident_s"])  # measured in the same process as this budget
-        trial_peak = max((t["peak_reserved_gib"] for t in auto.get("trials", [])), default=float("nan"))
-        over = "" if auto["fits"] else " (OVER)"
+        best = min(hands, key=lambda r: r["step_s"], default=None)
+        trial_peaks = [t["peak_reserved_gib"] for t in auto.get("trials", [])]
         out.append(
-            f"| {budget:g} | {auto['pattern']}, {auto['streamed']} streamed, prefetch {auto['prefetch']} | "
-            f"{auto['predicted_s']:.3f} | {auto['step_s']:.3f} ({auto['step_s'] / resident:.2f}x resident) | "
-            f"{hand_text} | {best['step_s'] if best else float('nan'):.3f} | {ratio} | {ab} | "
-            f"{auto['peak_reserved']:.2f}{over} | {trial_peak:.2f} |"
+            {
+                "budget_gib": budget,
+                "auto_plan": f"{auto['pattern']}, {auto['streamed']} streamed, prefetch {auto['prefetch']}",
+                "predicted_s": auto["predicted_s"],
+                "step_s": auto["step_s"],
+                "vs_resident": auto["step_s"] / auto.get("resident_s", resident_s),  # resident of its own process
+                "best_hand": (
+                    f"{best['pattern']}, {best['streamed']} streamed, prefetch {best['prefetch']}"
+                    if best
+                    else "none fits"
+                ),
+                "hand_step_s": best["step_s"] if best else None,
+                "auto_vs_hand": auto["step_s"] / best["step_s"] if best else None,
+                "ab_ratio": auto.get("ab_ratio"),
+                "ab_auto_s": auto.get("ab_auto_s"),
+                "ab_hand_s": auto.get("ab_hand_s"),
+                "peak_reserved_gib": auto["peak_reserved"],
+                "fits": auto["fits"],
+                "highest_trial_peak_gib": max(trial_peaks, default=None),
+            }
         )
-    out += [
-        "",
-        "Each budget's rows (and its all-resident reference) come from one process. "
-        "A/B: the auto plan and the sweep's best hand config re-measured alternately in "
-        "rounds right after the sweep (step times drift by 10% over minutes here). "
-        "Target: auto within 5% of the best hand config, never over budget.",
-    ]
-    return "\n".join(out) + "\n"
+    return out
 
 
 if __name__ == "__main__":

@@ -11,11 +11,9 @@ Writes benchmarks/results/transfer.json and transfer.md.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,10 +22,18 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import pinned_bandwidth, results_dir  # noqa: E402
+
+import machine  # noqa: E402
+from report import command_line, results_dir, write_result  # noqa: E402
+from timing import peaks, reset_peaks, time_steps  # noqa: E402
+from units import MiB  # noqa: E402
 
 from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
+
+NOTE = (
+    "floor = max(resident step, bytes copied per step / pinned bandwidth). The last two rows use blocks made of "
+    "65 params (same bytes, slower compute): compare them with each other, not with resident."
+)
 
 
 class Block(nn.Module):
@@ -54,28 +60,15 @@ def build(blocks: int, dim: int, pieces: int, dtype, device) -> list[nn.Module]:
     return layers
 
 
-def step(layers, x, ckpt=True):
+def step(layers: list[nn.Module], x: torch.Tensor) -> None:
     h = x
     for layer in layers:
-        h = checkpoint(layer, h, use_reentrant=False) if ckpt else layer(h)
+        h = checkpoint(layer, h, use_reentrant=False)
     h.float().pow(2).mean().backward()
 
 
-def timed_steps(layers, x, steps: int, warmup: int, device) -> list[float]:
-    times = []
-    for i in range(warmup + steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        step(layers, x)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
-
-
-def run_config(name, cfg: SwapConfig | None, shape, x, args, device, dtype) -> dict:
+def run_config(name: str, cfg: SwapConfig | None, shape, x, args, device, dtype) -> dict:
+    """One configuration's row: all-resident (``cfg`` None) or DGLS with ``cfg``, on fresh layers."""
     layers = build(*shape, dtype=dtype, device=device)
     swapper = None
     if cfg is None:
@@ -83,12 +76,9 @@ def run_config(name, cfg: SwapConfig | None, shape, x, args, device, dtype) -> d
             layer.to(device)
     else:
         swapper = LayerSwapper(layers, cfg, device=device, log=None)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = timed_steps(layers, x, args.steps, args.warmup, device)
-    row = {"name": name, "median_step_s": statistics.median(times)}
-    if device.type == "cuda":
-        row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    reset_peaks(device)
+    times, _ = time_steps(partial(step, layers, x), device, args.warmup, args.steps)
+    row = {"method": name, "median_step_s": statistics.median(times), **peaks(device)}
     if swapper is not None:
         swapper.step_stats()
         step(layers, x)
@@ -102,86 +92,74 @@ def run_config(name, cfg: SwapConfig | None, shape, x, args, device, dtype) -> d
         )
         swapper.remove()
     del layers
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    machine.release_host_cache()
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--name", default="transfer")
-    args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if args.tiny:
-        big, small, tokens, args.steps, args.warmup = (8, 256, 1), (8, 256, 32), 64, 2, 1
-    else:
-        big, small, tokens = (24, 4096, 1), (24, 4096, 64), 4096  # 24 x 64 MiB blocks; same bytes in 65 params
-    x = torch.randn(tokens, big[1], device=device, dtype=dtype)
-    rows = [run_config("resident", None, big, x, args, device, dtype)]
-    streamed = big[0] - 2
-    for prefetch in (1, 2, 4):
-        for threading in (False, True):
-            for batch in (False, True):
-                on = {False: "off", True: "on"}
-                name = f"prefetch={prefetch} threading={on[threading]} batch_move={on[batch]}"
-                cfg = SwapConfig(blocks_to_swap=streamed, prefetch=prefetch, threading=threading, batch_move=batch)
-                rows.append(run_config(name, cfg, big, x, args, device, dtype))
-    for label, packing in (("65 params/layer, packed", 0.0), ("65 params/layer, param by param", 1e6)):
-        cfg = SwapConfig(blocks_to_swap=streamed, prefetch=2, selective_packing=packing)
-        rows.append(run_config(label, cfg, small, x, args, device, dtype))
+    parser.add_argument("--results_dir", type=Path, default=None, help="default: results/ (results/tiny/ with --tiny)")
+    args = parser.parse_args(argv)
+    with machine.session(args.tiny) as (device, dtype):
+        if args.tiny:
+            big, small, tokens, args.steps, args.warmup = (8, 256, 1), (8, 256, 32), 64, 2, 1
+        else:
+            big, small, tokens = (24, 4096, 1), (24, 4096, 64), 4096  # 24 x 64 MiB blocks; same bytes in 65 params
+        x = torch.randn(tokens, big[1], device=device, dtype=dtype)
+        rows = [run_config("resident", None, big, x, args, device, dtype)]
+        streamed = big[0] - 2
+        on = {False: "off", True: "on"}
+        for prefetch in (1, 2, 4):
+            for threading in (False, True):
+                for batch in (False, True):
+                    name = f"prefetch={prefetch} threading={on[threading]} batch_move={on[batch]}"
+                    cfg = SwapConfig(blocks_to_swap=streamed, prefetch=prefetch, threading=threading, batch_move=batch)
+                    rows.append(run_config(name, cfg, big, x, args, device, dtype))
+        for label, packing in (("65 params/layer, packed", 0.0), ("65 params/layer, param by param", 1e6)):
+            cfg = SwapConfig(blocks_to_swap=streamed, prefetch=2, selective_packing=packing)
+            rows.append(run_config(label, cfg, small, x, args, device, dtype))
+        bandwidth = machine.pinned_bandwidth(device, 1 << 30 if not args.tiny else 1 << 20)
+        derive(rows, bandwidth)
+        block_mib = big[1] * big[1] * 2 * torch.finfo(dtype).bits / 8 / MiB
+        result = {
+            "benchmark": "transfer",
+            "title": "Transfer benchmark",
+            "description": (
+                f"{big[0]} blocks of {block_mib:.0f} MiB, {streamed} streamed, {tokens} tokens, non-reentrant "
+                f"checkpointing; pinned host-to-device {bandwidth:.1f} GB/s "
+                f"(one {'1 MiB' if args.tiny else '1 GiB'} copy)."
+                + (" TINY config (smoke test): the figures mean nothing." if args.tiny else "")
+            ),
+            "command": command_line(__file__, argv),
+            "environment": machine.environment(device),
+            "tiny": args.tiny,
+            "notes": [NOTE],
+            "pinned_h2d_gbps": bandwidth,
+            "blocks": big[0],
+            "block_mib": block_mib,
+            "tokens": tokens,
+            "steps": args.steps,
+            "rows": rows,
+        }
+    write_result(result, args.name, args.results_dir or results_dir(args.tiny), echo=True)
+    return result
+
+
+def derive(rows: list[dict], bandwidth: float) -> None:
+    """Each row against resident, and against its floor: the step can't beat the larger of the compute
+    and the time to move its bytes."""
     resident = rows[0]["median_step_s"]
-    bandwidth = pinned_bandwidth(device, 1 << 30 if not args.tiny else 1 << 20)
     for row in rows:
         row["vs_resident"] = row["median_step_s"] / resident
         if bandwidth and row.get("copy_gbps"):
-            row["copy_vs_pinned_bandwidth"] = row["copy_gbps"] / bandwidth
-            # The step can't beat the larger of the compute and the time to move its bytes.
+            row["copy_share_of_pinned"] = row["copy_gbps"] / bandwidth
             row["floor_s"] = max(resident, row["bytes_per_step"] / bandwidth / 1e9)
             row["vs_floor"] = row["median_step_s"] / row["floor_s"]
-    result = {
-        "benchmark": "transfer",
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "pinned_h2d_gbps": bandwidth,
-        "blocks": big[0],
-        "block_mib": big[1] * big[1] * 2 * torch.finfo(dtype).bits / 8 / 2**20,
-        "tokens": tokens,
-        "steps": args.steps,
-        "rows": rows,
-    }
-    out = results_dir(args.tiny)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(result, indent=2))
-    lines = [
-        f"Transfer benchmark on {result['device']} (torch {result['torch']}, CUDA {result['cuda']}): "
-        f"{big[0]} blocks of {result['block_mib']:.0f} MiB, {streamed} streamed, {tokens} tokens, "
-        f"non-reentrant checkpointing; pinned host-to-device {bandwidth:.1f} GB/s (one 1 GiB copy).",
-        "",
-        "| configuration | step (ms) | vs resident | floor (ms) | vs floor | copy GB/s | copy / pinned "
-        "| compute waited (ms) | peak GiB |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['name']} | {r['median_step_s'] * 1000:.1f} | {r['vs_resident']:.2f}x | "
-            f"{r.get('floor_s', 0) * 1000:.1f} | {r.get('vs_floor', 0):.2f}x | "
-            f"{r.get('copy_gbps', 0):.1f} | {r.get('copy_vs_pinned_bandwidth', 0):.0%} | {r.get('wait_ms', 0):.1f} | "
-            f"{r.get('peak_allocated_gib', 0):.2f} |"
-        )
-    lines += [
-        "",
-        "floor = max(resident step, bytes copied per step / pinned bandwidth). The last two rows use blocks "
-        "made of 65 params (same bytes, slower compute): compare them with each other, not with resident.",
-    ]
-    (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":

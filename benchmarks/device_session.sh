@@ -2,7 +2,8 @@
 # One device call: install the carried wheels, run the GPU tests and the demo on CUDA, then
 # (optionally) benchmarks. Logs and results go to $OUT so they come back.
 #   usage on the device: bash benchmarks/device_session.sh [tests] [dptests[:PYTEST_K]] [demo] [bench:SCRIPT.py[:ARG...]] ...
-#   e.g. bench:bench_flux.py   bench:bench_models.py:--model=sdxl   bench:bench_models.py:--model=wan:--steps=10
+#   e.g. bench:bench_models.py:--model=flux   bench:bench_models.py:--model=wan:--steps=10   bench:bench_fp8.py
+# A bench writes its results and the results index (README.md) to benchmarks/results/; what it wrote is copied to $OUT.
 # A diffusion-pipe checkout carried as .dp (git-ignored) becomes DGLS_DIFFUSION_PIPE unless that is set.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}

@@ -1,71 +1,72 @@
-"""The model benchmarks' --tiny mode end to end (CPU, seconds): every method runs and the reports
-carry the expected figures. With DGLS_DIFFUSION_PIPE set, diffusion-pipe's built-in block swap
-(its utils/offloading.py, imported from the checkout) is measured too; without it that row says why."""
+"""The benchmarks' --tiny modes end to end on the CPU: each writes its JSON, Markdown (and plot) with
+the rows its methods promise; the Markdown and the results index re-render from the JSONs alone.
+With DGLS_DIFFUSION_PIPE set, diffusion-pipe's built-in block swap (its utils/offloading.py,
+imported from the checkout) is measured too; without it that row says why."""
 
 import json
 import os
 import sys
 
 import pytest
+import torch
 from conftest import ROOT
 
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import bench_flux  # noqa: E402
+import bench_fp8  # noqa: E402
 import bench_models  # noqa: E402
+import bench_overlap  # noqa: E402
+import bench_planner  # noqa: E402
+import bench_transfer  # noqa: E402
+import report  # noqa: E402
+from baselines import NaiveSwap  # noqa: E402
 
 FILES = {"flux": "flux_dev", "sdxl": "sdxl", "wan": "wan"}
+KINDS = {"resident", "dgls", "ab", "dp", "auto", "naive"}
 TIMED = ("median_step_s", "steps", "step_times_s", "streamed_gib", "vs_resident")
+TINY = ["--tiny", "--strict"]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    """Every tiny benchmark, writing into one folder (as they do into benchmarks/results/)."""
     out = tmp_path_factory.mktemp("results")
     for model in FILES:
-        methods = "resident,dgls,ab,dp,auto,naive"  # ab is on request only (GPU time): here it is requested
-        bench_models.main(["--model", model, "--tiny", "--strict", "--results_dir", str(out), "--methods", methods])
+        methods = ["--methods", ",".join(sorted(KINDS)), "--ab_rounds", "1", "--ab_steps", "2"]
+        gib = ["--gib", "0.0001"] if model == "flux" else []  # A/B at a size the tiny model has
+        bench_models.main(["--model", model, *TINY, *methods, *gib, "--results_dir", str(out)])
+    bench_fp8.main(["--tiny", "--steps", "2", "--warmup", "1", "--results_dir", str(out)])
+    bench_transfer.main(["--tiny", "--results_dir", str(out)])
+    bench_overlap.main(["--tiny", "--rounds", "1", "--steps", "2", "--results_dir", str(out)])
+    bench_planner.main(["--tiny", "--steps", "1", "--warmup", "0", "--rounds", "1", "--results_dir", str(out)])
     return out
 
 
-def load(results, model):
-    return json.loads((results / f"{FILES[model]}.json").read_text())
+def load(results, name):
+    return json.loads((results / f"{name}.json").read_text())
 
 
 @pytest.mark.parametrize("model", list(FILES))
-def test_json_has_every_figure(results, model):
-    result = load(results, model)
-    for key in ("model", "title", "shape", "config", "torch", "cuda", "pinned_h2d_gbps", "layers", "blocks", "rows"):
-        assert key in result, key
-    assert result["model"] == model and result["tiny"]
+def test_a_model_benchmark_records_every_method(results, model):
+    result = load(results, FILES[model])
+    assert result["benchmark"] == "models" and result["model"] == model and result["tiny"]
+    assert result["command"].startswith(f"python benchmarks/bench_models.py --model {model} --tiny")
+    assert result["environment"]["torch"] == torch.__version__ and result["notes"]
     rows = result["rows"]
-    assert not [r for r in rows if "error" in r], [r["error"] for r in rows if "error" in r]
+    assert not [r for r in rows if "error" in r]
     by_kind = {}
     for r in rows:
         by_kind.setdefault(r["kind"], []).append(r)
-    assert set(by_kind) == {"resident", "dgls", "ab", "dp", "auto", "naive"}
-    if model == "flux":  # resident and DGLS in alternation, one row per step-time target
-        ab = by_kind["ab"]
-        assert len(ab) == 4 and all(r["vs_resident"] == r["median_step_s"] / r["ab_resident_s"] for r in ab)
-        assert all(r["steps"] == 2 * 5 and len(r["ab_resident_times_s"]) == 2 * 5 for r in ab)  # >= 10
-        assert sum("spread" in r["method"] for r in ab) == 2  # both placements per target
-    else:
-        assert all("skipped" in r for r in by_kind["ab"])
+    assert set(by_kind) == KINDS
     for r in rows:
         if "skipped" not in r:
             assert all(k in r for k in TIMED), (r["method"], [k for k in TIMED if k not in r])
             assert r["steps"] >= 2 and r["median_step_s"] > 0
-    resident = by_kind["resident"][0]
-    assert resident["vs_resident"] == 1.0
+    assert by_kind["resident"][0]["vs_resident"] == 1.0
     dgls = by_kind["dgls"]
-    assert [r["method"].split(" of blocks")[0] for r in dgls] == [
-        "DGLS 0%",
-        "DGLS 25%",
-        "DGLS 50%",
-        "DGLS 75%",
-        "DGLS 100%",
-    ]
+    assert [r["method"].split(" of blocks")[0] for r in dgls] == [f"DGLS {p}%" for p in (0, 25, 50, 75, 100)]
     streamed = [r["streamed_gib"] for r in dgls]
     assert streamed == sorted(streamed) and streamed[0] == 0 and streamed[-1] > 0
     # (with fewer streamed layers than pool slots nothing is copied after the first step)
@@ -74,13 +75,12 @@ def test_json_has_every_figure(results, model):
     auto = {r["method"]: r for r in by_kind["auto"]}
     assert "vram_budget auto needs a CUDA device" in auto["DGLS vram_budget=auto"]["skipped"]
     fixed = [r for r in by_kind["auto"] if "skipped" not in r]
-    assert len(fixed) == 1 and fixed[0]["plan_log"] and fixed[0]["planning_steps_s"]
+    assert len(fixed) == 1 and fixed[0]["plan_log"] and fixed[0]["planning_steps_s"] and fixed[0]["streamed_gib"]
     naive = by_kind["naive"][0]
-    assert naive["steps"] >= 3 and naive["bytes_per_step"] > 0 and naive["streamed_gib"] > 0
+    assert naive["steps"] >= 2 and naive["bytes_per_step"] > 0 and naive["streamed_gib"] > 0
     dp = by_kind["dp"]
     if model == "sdxl":
-        assert dp == [{"kind": "dp", "method": "diffusion-pipe built-in", "skipped": dp[0]["skipped"]}]
-        assert "no block swap for SDXL" in dp[0]["skipped"] or not os.environ.get("DGLS_DIFFUSION_PIPE")
+        assert [r["method"] for r in dp] == ["diffusion-pipe built-in"] and "no block swap for SDXL" in dp[0]["skipped"]
     elif os.environ.get("DGLS_DIFFUSION_PIPE"):
         assert dp and all("skipped" not in r for r in dp)
         for r in dp:
@@ -90,18 +90,26 @@ def test_json_has_every_figure(results, model):
         assert dp[0]["skipped"].startswith("DGLS_DIFFUSION_PIPE is not set")
 
 
+def test_ab_alternates_resident_and_dgls_at_each_size(results):
+    """Two placements (blocks_to_swap's and spread) per --gib size, each against its own resident steps."""
+    ab = [r for r in load(results, "flux_dev")["rows"] if r["kind"] == "ab"]
+    assert len(ab) == 2 and sum("spread" in r["method"] for r in ab) == 1
+    for r in ab:
+        assert r["steps"] == 2 and len(r["ab_resident_times_s"]) == 2 and r["streamed_gib"] > 0
+        assert r["vs_resident"] == pytest.approx(r["median_step_s"] / r["ab_resident_s"])
+    sdxl_ab = [r for r in load(results, "sdxl")["rows"] if r["kind"] == "ab"]
+    assert [r["skipped"] for r in sdxl_ab] == ["no --gib to stream"]
+
+
 @pytest.mark.parametrize("model", list(FILES))
-def test_markdown_and_plot(results, model):
-    result = load(results, model)
+def test_a_model_benchmark_writes_markdown_and_a_plot(results, model):
+    result = load(results, FILES[model])
     md = (results / f"{FILES[model]}.md").read_text()
-    assert "| method | steps | streamed GiB | step (s) | vs resident |" in md
+    assert md.startswith(f"{result['title']} on the CPU") and "TINY config" in md
+    assert "| method | steps | streamed GiB | step (s) | vs resident |" in md and "floor (2x streamed)" in md
     for r in result["rows"]:
         assert r["method"] in md
-    assert "floor (2x streamed)" in md and "TINY config" in md
-    if model == "flux":
-        assert "diffusion-pipe built-in (earlier run) | 9.6 | 1.65x | 15.6" in md
-        assert "| 19 GiB streamed: step <= 1.25x resident at <= 8 GiB peak allocated |" in md
-        assert len(result["target_results"]) == 3
+    assert f"Command: `{result['command']}`" in md
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -109,39 +117,98 @@ def test_markdown_and_plot(results, model):
     assert (results / f"{FILES[model]}.png").stat().st_size > 0
 
 
-def test_rewrite_renders_from_json(results):
-    md = results / "sdxl.md"
-    md.write_text("stale")
-    bench_models.main(["--model", "sdxl", "--rewrite", "--results_dir", str(results)])
-    assert md.read_text().startswith("SDXL-UNet LoRA training step")
+def test_fp8_storage_rows_and_their_errors(results):
+    rows = {r["method"].split(" (")[0]: r for r in load(results, "fp8")["rows"]}
+    assert list(rows) == [
+        "all-resident",
+        "DGLS bf16 storage",
+        "DGLS fp8 e4m3 storage",
+        "DGLS fp8 e5m2 storage",
+        "DGLS bf16 storage, pageable",
+        "DGLS fp8 e4m3 storage, pageable",
+    ]
+    assert rows["DGLS bf16 storage"]["loss_rel_err"] == 0 and rows["DGLS bf16 storage"]["vs_bf16_storage"] == 1
+    fp8 = rows["DGLS fp8 e4m3 storage"]
+    assert 0 < fp8["block_rel_err_mean"] < 0.1 and fp8["bytes_per_step"] < rows["DGLS bf16 storage"]["bytes_per_step"]
+    assert "| DGLS fp8 e5m2 storage" in (results / "fp8.md").read_text()
 
 
-def test_bench_flux_keeps_its_command_line(tmp_path):
-    bench_flux.main(["--tiny", "--methods", "resident,dgls", "--shares", "0,1", "--results_dir", str(tmp_path)])
-    result = json.loads((tmp_path / "flux_dev.json").read_text())
-    assert [r["kind"] for r in result["rows"]] == ["resident", "dgls", "dgls"]
-    assert (tmp_path / "flux_dev.md").exists()
+def test_transfer_rows(results):
+    rows = load(results, "transfer")["rows"]
+    assert [r["method"] for r in rows[:2]] == ["resident", "prefetch=1 threading=off batch_move=off"]
+    assert len(rows) == 1 + 12 + 2 and all(r["bytes_per_step"] > 0 for r in rows[1:])
 
 
-def test_overlap_splits_the_step_per_arm(tmp_path):
-    """bench_overlap --tiny: three arms, the same resident block uses compared across them."""
-    import bench_overlap
-
-    bench_overlap.main(["--tiny", "--rounds", "1", "--steps", "2", "--results_dir", str(tmp_path)])
-    result = json.loads((tmp_path / "overlap.json").read_text())
+def test_overlap_splits_the_step_per_arm(results):
+    """Three arms, the same resident block uses compared across them."""
+    result = load(results, "overlap")
     rows = {r["arm"]: r for r in result["rows"]}
     assert list(rows) == ["resident", "spread", "ends"]
     assert rows["resident"]["streamed_layers"] == 0 and rows["spread"]["streamed_layers"] > 0
     assert rows["ends"]["streamed_layers"] > 0 and rows["resident"]["vs_resident"] == 1.0
     assert result["shared_uses"] > 0
     assert all(r["shared_layers_ms"] > 0 and len(r["step_times_s"]) == 2 for r in rows.values())
-    assert "TINY" in (tmp_path / "overlap.md").read_text()
+
+
+def test_the_planner_benchmark_compares_auto_with_the_hand_grid(results):
+    result = load(results, "planner")
+    rows = result["rows"]
+    assert rows[0]["method"] == "all-resident"
+    autos = [r for r in rows if r["method"] == "auto"]
+    assert len(autos) == 2 and all(r["trials"] and r["streamed"] > 0 for r in autos[:1])
+    assert [b["budget_gib"] for b in result["budgets"]] == [r["budget_gib"] for r in autos]
+    assert all(b["best_hand"] and b["auto_plan"] for b in result["budgets"])
+    assert f"| {autos[0]['budget_gib']:g} |" in (results / "planner.md").read_text()
+
+
+def test_the_planner_merge_keeps_the_budgets_it_does_not_measure(tmp_path):
+    earlier = {"command": "first", "rows": [{"budget_gib": None}, {"budget_gib": 8.0}, {"budget_gib": 16.0}]}
+    (tmp_path / "planner.json").write_text(json.dumps(earlier))
+
+    class Args:
+        merge, results_dir, name = True, tmp_path, "planner"
+
+    assert bench_planner.earlier_result(Args, [16.0])["rows"] == [{"budget_gib": 8.0}]
+    Args.merge = False
+    assert bench_planner.earlier_result(Args, [16.0]) is None
+
+
+def test_re_rendering_from_the_json_reproduces_every_page(results):
+    """The JSON is the record: the Markdown pages and the index are rendered from it alone."""
+    pages = {path.name: path.read_text() for path in results.glob("*.md")}
+    assert set(pages) == {f"{name}.md" for name in report.load_results(results)} | {"README.md"}
+    for path in results.glob("*.md"):
+        path.write_text("stale")
+    report.main(["--results_dir", str(results)])
+    assert {path.name: path.read_text() for path in results.glob("*.md")} == pages
+
+
+def test_the_index_has_a_section_per_result_file(results, tmp_path):
+    index = (results / "README.md").read_text()
+    names = sorted(path.stem for path in results.glob("*.json"))
+    assert len(names) == 3 + 4
+    assert [line[3:] for line in index.splitlines() if line.startswith("## ")] == names
+    for name in names:
+        result = load(results, name)
+        assert f"[{name}.json]({name}.json)" in index and result["command"] in index and result["title"] in index
+    assert "![flux_dev: step time vs peak VRAM](flux_dev.png)" in index or not (results / "flux_dev.png").exists()
+    # only the JSONs present: a folder with one result lists that one
+    (tmp_path / "fp8.json").write_text((results / "fp8.json").read_text())
+    report.main(["--results_dir", str(tmp_path), "--index"])
+    assert [line for line in (tmp_path / "README.md").read_text().splitlines() if line.startswith("## ")] == ["## fp8"]
+
+
+def test_no_method_starts_past_the_deadline(tmp_path):
+    result = bench_models.main(
+        ["--model", "wan", *TINY, "--methods", "resident,dgls", "--deadline_s", "0", "--results_dir", str(tmp_path)]
+    )
+    assert [r["kind"] for r in result["rows"]] == ["resident"] + ["dgls"] * 5
+    assert all(r["skipped"] == "out of time (--deadline_s)" for r in result["rows"])
 
 
 def test_overlap_use_spans_leave_out_the_loss_and_the_optimizer():
     """Repeated uses of a layer stay apart (forward, recompute, backward); the last forward use (the
     loss) and the step's last use (the optimizer) are not compared."""
-    import bench_overlap
 
     def use(ts, dur, layer, phase, step=2):
         return {"cat": "compute", "ts": ts, "dur": dur, "args": {"layer": layer, "phase": phase, "step": step}}
@@ -160,13 +227,10 @@ def test_overlap_use_spans_leave_out_the_loss_and_the_optimizer():
 def test_the_naive_swap_keeps_a_recomputed_blocks_weights_until_its_backward_is_done():
     """A recompute saves some weights themselves (a conv's): moving them out at the recompute's
     forward hook broke SDXL's backward on the GPU. They go out when the next recompute starts."""
-    import common
-    import torch
-
     layers = torch.nn.ModuleList(torch.nn.Conv2d(2, 2, 3, padding=1) for _ in range(3))
     for layer in layers:
         layer.weight.requires_grad_(False)  # frozen, streamed; the bias trains
-    naive = common.NaiveSwap(layers, {0, 1, 2}, torch.device("cpu"), checkpointed={0, 1, 2})
+    naive = NaiveSwap(list(layers), {0, 1, 2}, torch.device("cpu"), checkpointed=frozenset({0, 1, 2}))
     moves, move = [], naive.move
 
     def logged_move(block, params, inward):  # the real moves (on the CPU they move nothing)
@@ -177,62 +241,14 @@ def test_the_naive_swap_keeps_a_recomputed_blocks_weights_until_its_backward_is_
     naive.move = logged_move
     for i, layer in enumerate(layers):  # the block's backward, in the same log
         layer.bias.register_hook(lambda grad, i=i: moves.append((i, "backward")))
-    optimizer = torch.optim.SGD([p for p in layers.parameters() if p.requires_grad], lr=0.1)
     with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-        common.train_step(layers, torch.randn(1, 2, 4, 4), torch.zeros(1, 2, 4, 4), optimizer, {0, 1, 2})
+        h = torch.randn(1, 2, 4, 4)
+        for layer in layers:
+            h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)
+        h.pow(2).mean().backward()
         naive.take()
     forward = [(0, True), (0, False), (1, True), (1, False), (2, True), (2, False)]
     backward = [(i, step) for i in (2, 1, 0) for step in (True, "backward", False)]
     assert moves == forward + backward
     assert not naive.inside and not naive.runs
-    naive.remove(layers, torch.device("cpu"))
-
-
-def test_the_planner_benchmark_runs_tiny_rebuilds_from_its_log_and_merges(tmp_path, capsys):
-    import argparse
-
-    import bench_planner
-
-    bench_planner.main(["--tiny", "--steps", "1", "--warmup", "0", "--rounds", "1", "--results_dir", str(tmp_path)])
-    printed = capsys.readouterr().out
-    result = json.loads((tmp_path / "planner.json").read_text())
-    rows = result["rows"]
-    assert rows[0]["method"] == "all-resident"
-    autos = [r for r in rows if r["method"] == "auto"]
-    assert [r["budget_gib"] for r in autos] == [0.002, 0.004] and all(r["trials"] for r in autos)
-    assert "| 0.002 |" in (tmp_path / "planner.md").read_text()
-
-    # --from_log: a run whose files were lost is rebuilt from the JSON lines it printed
-    log = tmp_path / "run.log"
-    log.write_text(printed)
-    bench_planner.main(["--tiny", "--from_log", str(log), "--results_dir", str(tmp_path / "rebuilt")])
-    rebuilt = json.loads((tmp_path / "rebuilt" / "planner.json").read_text())
-    assert rebuilt["rows"] == rows and rebuilt["rebuilt_from_log"] == "run.log"
-
-    # --merge: the rows of budgets this run does not measure are kept from the last file
-    earlier = dict(result, rows=rows + [dict(autos[0], budget_gib=99.0)])
-    (tmp_path / "planner.json").write_text(json.dumps(earlier))
-    args = argparse.Namespace(merge=True, results_dir=tmp_path, name="planner")
-    assert [r["budget_gib"] for r in bench_planner.earlier_rows(args, [0.002, 0.004])] == [99.0]
-    assert bench_planner.earlier_rows(argparse.Namespace(**{**vars(args), "merge": False}), [0.002]) == []
-
-
-def test_a_target_bounding_the_peak_is_judged_on_a_row_within_it():
-    """At ~19 GiB the faster A/B row peaked over 8 GiB; the target is met by the one under it."""
-    import common
-
-    def ab(ratio, peak):
-        return {
-            "kind": "ab",
-            "method": f"A/B {ratio}",
-            "streamed_gib": 19.0,
-            "vs_resident": ratio,
-            "peak_allocated_gib": peak,
-        }
-
-    result = {"rows": [ab(1.15, 8.2), ab(1.18, 7.9)], "targets": [common.FLUX_TARGETS[1]]}
-    [target] = common.evaluate_targets(result)
-    assert target["met"] and target["row"] == "A/B 1.18"
-    result["rows"] = [ab(1.15, 8.2)]  # no row within the bound: judged on the fastest, and missed
-    [target] = common.evaluate_targets(result)
-    assert not target["met"] and target["row"] == "A/B 1.15"
+    naive.remove(list(layers), torch.device("cpu"))

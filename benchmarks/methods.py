@@ -1,0 +1,406 @@
+"""The model benchmark's methods: what each measures, one result row per case.
+
+- ``resident``: every layer on the GPU, no hooks (the reference);
+- ``dgls``: DGLS streaming shares of the blocks (and ~N GiB targets), one swapper switched between
+  placements with ``apply_placement``;
+- ``ab``: all-resident and DGLS alternating in rounds at each ~N GiB target, two placements each;
+- ``options``: a prefetch/threading/batch_move grid at the last ~N GiB target (fresh swappers);
+- ``dp``: diffusion-pipe's built-in block swap (baselines.DPSwap);
+- ``auto``: DGLS with ``vram_budget`` ("auto" and fixed GiB), timed after its planning steps;
+- ``naive``: synchronous ``.to()`` of a block's frozen weights around its use (baselines.NaiveSwap).
+
+Each method is a generator of :class:`Case`: set-up before its first case, teardown in its
+``finally``. Deciding whether a case runs is the runner's job (runner.py), not a method's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from baselines import DPSwap, NaiveSwap, dp_checkout, dp_streamed_bytes, load_dp_offloading
+from machine import release_host_cache
+from models import Bench, place
+from timing import Deadline, peaks, reset_peaks, sync, time_steps
+from torch.utils.checkpoint import set_checkpoint_early_stop
+from units import GiB
+
+from utils.dgls import LayerSwapper, SwapConfig
+
+METHODS = {
+    "resident": "all-resident",
+    "dgls": "DGLS",
+    "ab": "A/B",
+    "options": "DGLS options",
+    "dp": "diffusion-pipe built-in",
+    "auto": "DGLS vram_budget",
+    "naive": "naive .to() swap",
+}
+DEFAULT_METHODS = ("resident", "dgls", "dp", "auto", "naive")  # ab and options on request: they take long
+
+# How to read the table: written into each result (its "notes"), for the methods it ran.
+NOTES = {
+    "floors": (
+        "floor (copied) = max(all-resident step, host-to-device bytes copied per step / pinned bandwidth); "
+        "floor (2x streamed) = max(all-resident step, 2 x streamed bytes / pinned bandwidth); all measured in "
+        "this run, medians over the timed steps after warm-up."
+    ),
+    "dgls": "DGLS rows: one swapper, its placement switched with `apply_placement` between rows.",
+    "ab": (
+        "A/B rows alternate all-resident and DGLS steps in rounds, and their 'vs resident' is against the "
+        "resident steps of those rounds: step times drift over a run by more than placements differ. Two "
+        "placements per size: blocks_to_swap's (resident layers at both ends) and the planner's spread "
+        "(resident layers between streamed ones)."
+    ),
+    "options": "Options rows: a fresh swapper per prefetch/threading/batch_move combination.",
+    "dp": (
+        "diffusion-pipe built-in: its `utils/offloading.py` ModelOffloader imported from the checkout and "
+        "measured in this run; streamed = weights of its swapped blocks (it moves only `.weight`, both ways), "
+        "copy GB/s = (host-to-device + device-to-host bytes) / time inside its exchanges, waited = host time "
+        "blocked on them."
+    ),
+    "auto": "vram_budget rows are timed after the planner's probe, trial and check steps.",
+    "naive": "naive: waited = time inside the synchronous moves (both ways).",
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    """What to run and how long: the model benchmark's command line after per-model defaults."""
+
+    tiny: bool
+    methods: tuple[str, ...]
+    steps: int
+    warmup: int
+    prefetch: int
+    shares: str  # DGLS: shares of the blocks streamed (comma list)
+    gib: str  # DGLS, A/B and options: ~GiB streamed (comma list)
+    budgets: str  # vram_budget values: auto and/or GiB
+    dp_swaps: str  # diffusion-pipe blocks_to_swap: shares, NGiB targets or max
+    naive: str  # naive swap: a share of the blocks or an NGiB target
+    ab_rounds: int
+    ab_steps: int
+    strict: bool  # a failing method fails the run (tests)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One result row to measure: ``measure()`` returns the timed steps and the row's other figures.
+    A case with ``skipped`` set is recorded as skipped, with that reason."""
+
+    kind: str
+    method: str
+    measure: Callable[[], tuple[list[float], dict]] | None = None
+    skipped: str = ""
+
+
+def parse_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def resolve_swaps(bench: Bench, spec: str, limit: int) -> list[tuple[str, int | None, float | None]]:
+    """(label, blocks_to_swap, GiB target) per item: '0.5' -> 50% of the blocks, '9.6GiB' -> a GiB
+    target (the count is chosen by the caller, which knows what is measured), 'max' -> ``limit``."""
+    out = []
+    for item in parse_list(spec):
+        if item == "max":
+            out.append(("largest", limit, None))
+        elif item.lower().endswith("gib"):
+            out.append((f"~{item[:-3]} GiB", None, float(item[:-3])))
+        else:
+            out.append((f"{float(item):.0%} of blocks", min(limit, round(float(item) * len(bench.blocks))), None))
+    return out
+
+
+def planner_trials(planner) -> list[dict]:
+    """The plans DGLS's planner measured before settling, its predictions next to the measurements."""
+    return [
+        {
+            "pattern": t.plan.pattern,
+            "streamed": len(t.plan.streamed),
+            "prefetch": t.plan.prefetch,
+            "predicted_s": t.plan.predicted_ms / 1000,
+            "measured_s": t.wall_ms / 1000,
+            "visits_s": [ms / 1000 for ms in t.samples_ms],
+            "predicted_peak_gib": t.plan.predicted_peak / GiB,
+            "peak_reserved_gib": t.peak_reserved / GiB,
+        }
+        for t in planner.trials
+    ]
+
+
+class Methods:
+    """The seven methods on one bench, their timed loops stopped early past ``deadline``."""
+
+    def __init__(self, bench: Bench, options: Options, device: torch.device, deadline: Deadline) -> None:
+        self.bench, self.options, self.device, self.deadline = bench, options, device, deadline
+
+    def cases(self, kind: str) -> Iterator[Case]:
+        """The cases of method ``kind`` (a key of METHODS)."""
+        generators = {
+            "resident": self.resident,
+            "dgls": self.dgls,
+            "ab": self.ab,
+            "options": self.options_grid,
+            "dp": self.dp,
+            "auto": self.auto,
+            "naive": self.naive,
+        }
+        return generators[kind]()
+
+    # -------------------------------------------------------- shared steps
+    def time_bench(self, warmup: int | None = None, after: Callable | None = None) -> tuple[list[float], list]:
+        """--warmup (or ``warmup``) and --steps training steps, stopped early past the deadline."""
+        warmup = self.options.warmup if warmup is None else warmup
+        return time_steps(self.bench.training_step(), self.device, warmup, self.options.steps, after, self.deadline)
+
+    def time_placement(self, swapper: LayerSwapper) -> tuple[list[float], list]:
+        """Step times and per-step swap stats of the placement in force, peaks counted from here."""
+        swapper.step_stats()
+        reset_peaks(self.device)
+        return self.time_bench(after=partial(swapper.step_stats, reset_peak=False))
+
+    def swap_figures(self, swapper: LayerSwapper, stats: list) -> dict:
+        placement = swapper.placement
+        return {
+            "blocks_to_swap": len(placement.streamed),
+            "prefetch": swapper.config.prefetch,
+            "threading": swapper.config.threading,
+            "batch_move": swapper.config.batch_move,
+            "streamed_layers": list(placement.streamed),
+            "streamed_gib": placement.streamed_bytes / GiB,
+            "predicted_weights_pool_gib": placement.predicted_device_bytes / GiB,
+            "bytes_per_step": statistics.median(s.bytes_moved for s in stats) if stats else 0,
+            "copy_gbps": statistics.median(s.gbps for s in stats) if stats else 0.0,
+            "wait_ms": statistics.median(s.wait_ms for s in stats) if stats else 0.0,
+            "hit_rate": min(s.hit_rate for s in stats) if stats else 1.0,
+            "misses_per_step": statistics.median(s.misses for s in stats) if stats else 0,
+            **peaks(self.device),
+        }
+
+    def blocks_to_swap(self, spec: str) -> tuple[str, int]:
+        """The label and blocks_to_swap of a share ('0.5') or a GiB target ('19GiB')."""
+        label, n, gib = resolve_swaps(self.bench, spec, len(self.bench.blocks))[0]
+        return label, (self.bench.blocks_to_swap_for_gib(gib) if n is None else n)
+
+    # -------------------------------------------------------- methods
+    def resident(self) -> Iterator[Case]:
+        def measure():
+            place(self.bench.layers, self.device)
+            reset_peaks(self.device)
+            return self.time_bench()[0], {"streamed_gib": 0.0, **peaks(self.device)}
+
+        yield Case("resident", "all-resident", measure)
+
+    def dgls(self) -> Iterator[Case]:
+        """Growing streamed sets on one swapper: each switch packs only the newly streamed layers."""
+        spec = ",".join(parse_list(self.options.shares) + [f"{g}GiB" for g in parse_list(self.options.gib)])
+        labels: dict[int, list[str]] = {}
+        for item in parse_list(spec):
+            label, n = self.blocks_to_swap(item)
+            if n == len(self.bench.blocks) and "of blocks" in label:
+                label += " (largest)"
+            labels.setdefault(n, []).append(label)
+        prefetch = self.options.prefetch
+        place(self.bench.layers, self.device)
+        config = SwapConfig(blocks_to_swap=min(labels), prefetch=prefetch)
+        swapper = LayerSwapper(self.bench.layers, config, self.device, log=None)
+        try:
+            for n in sorted(labels):
+                name = f"DGLS {' = '.join(labels[n])} (blocks_to_swap={n}, prefetch={prefetch})"
+                yield Case("dgls", name, partial(self.measure_dgls, swapper, n))
+        finally:
+            swapper.remove()
+
+    def measure_dgls(self, swapper: LayerSwapper, blocks_to_swap: int):
+        streamed = self.bench.streamed_for(blocks_to_swap)
+        if tuple(swapper.placement.streamed) != streamed:
+            swapper.apply_placement(streamed, self.options.prefetch)
+        times, stats = self.time_placement(swapper)
+        return times, self.swap_figures(swapper, stats)
+
+    def ab(self) -> Iterator[Case]:
+        gibs = parse_list(self.options.gib)
+        if not gibs:
+            yield Case("ab", "A/B resident vs DGLS", skipped="no --gib to stream")
+        prefetch = self.options.prefetch
+        for gib in gibs:
+            n = self.bench.blocks_to_swap_for_gib(float(gib))
+            spread, spread_config = self.bench.spread_config(float(gib), prefetch)
+            placements = (
+                (f"blocks_to_swap={n}, prefetch={prefetch}", SwapConfig(blocks_to_swap=n, prefetch=prefetch)),
+                (f"spread, {len(spread)} streamed, prefetch={prefetch}", spread_config),
+            )
+            for label, config in placements:
+                yield Case("ab", f"A/B: DGLS ~{gib} GiB ({label})", partial(self.measure_ab, config))
+
+    def measure_ab(self, config: SwapConfig):
+        """Rounds of resident steps then DGLS steps; the peaks are the highest of the DGLS arms."""
+        rounds, steps = self.options.ab_rounds, self.options.ab_steps
+        resident: list[float] = []
+        swapped: list[float] = []
+        stats: list = []
+        peak: dict = {}
+        for _ in range(rounds):
+            place(self.bench.layers, self.device)
+            resident += time_steps(self.bench.training_step(), self.device, 1, steps)[0]
+            with LayerSwapper(self.bench.layers, config, self.device, log=None) as swapper:
+                swapper.step_stats()
+                reset_peaks(self.device)
+                after = partial(swapper.step_stats, reset_peak=False)
+                times, round_stats = time_steps(self.bench.training_step(), self.device, 1, steps, after)
+                swapped += times
+                stats += round_stats
+                figures = self.swap_figures(swapper, stats)  # peaks taken before leaving, which puts weights back
+            peak = {
+                k: max(figures[k], peak.get(k, 0.0))
+                for k in ("peak_allocated_gib", "peak_reserved_gib")
+                if k in figures
+            }
+        ab = {"ab_resident_s": statistics.median(resident), "ab_rounds": rounds, "ab_resident_times_s": resident}
+        return swapped, {**figures, **peak, **ab}
+
+    def options_grid(self) -> Iterator[Case]:
+        gibs = parse_list(self.options.gib)
+        n = self.bench.blocks_to_swap_for_gib(float(gibs[-1])) if gibs else len(self.bench.blocks) // 2
+        where = f"~{gibs[-1]} GiB" if gibs else "50% of blocks"
+        on = {False: "off", True: "on"}
+        place(self.bench.layers, self.device)
+        for p in (1, 2, 4):
+            for t in (False, True):
+                for b in (False, True):
+                    name = f"DGLS {where} threading={on[t]} batch_move={on[b]} (blocks_to_swap={n}, prefetch={p})"
+                    config = SwapConfig(blocks_to_swap=n, prefetch=p, threading=t, batch_move=b)
+                    yield Case("options", name, partial(self.measure_fresh, config))
+
+    def measure_fresh(self, config: SwapConfig):
+        with LayerSwapper(self.bench.layers, config, self.device, log=None) as swapper:
+            times, stats = self.time_placement(swapper)
+            return times, self.swap_figures(swapper, stats)
+
+    def dp(self) -> Iterator[Case]:
+        bench, label = self.bench, "diffusion-pipe built-in"
+        checkout = dp_checkout()
+        if bench.dp_split is None:
+            yield Case("dp", label, skipped=bench.dp_note or "diffusion-pipe has no block swap for it")
+            return
+        if checkout is None:
+            yield Case("dp", label, skipped="DGLS_DIFFUSION_PIPE is not set (a diffusion-pipe checkout)")
+            return
+        offloading = load_dp_offloading(checkout)
+        for size, n, gib in resolve_swaps(bench, self.options.dp_swaps, bench.dp_max):
+            if n is None:  # a GiB target: the blocks_to_swap whose swapped weights come closest
+                candidates = range(1, bench.dp_max + 1)
+                n = min(candidates, key=lambda k: abs(dp_streamed_bytes(bench, k) / GiB - gib), default=0)
+            if n < 1:  # diffusion-pipe: blocks_to_swap 0 means no block swap at all
+                yield Case("dp", f"{label} {size}", skipped="blocks_to_swap 0 is no block swap")
+                continue
+            groups = bench.dp_split(n)
+            split = ", ".join(f"{g.swap} of {len(g.layers)} {g.kind}" for g in groups)
+            name = f"{label} {size} (blocks_to_swap={n}: {split})"
+            yield Case("dp", name, partial(self.measure_dp, offloading, n))
+
+    def measure_dp(self, offloading, blocks_to_swap: int):
+        groups = self.bench.dp_split(blocks_to_swap)
+        swap = DPSwap(self.bench, offloading, groups, self.device)
+        try:
+            reset_peaks(self.device)
+            times, figures = self.time_bench(after=swap.take)
+            row_peaks = peaks(self.device)
+        finally:
+            swap.remove()
+        med = {k: statistics.median(f[k] for f in figures) for k in figures[0]}
+        moved = med["h2d"] + med["d2h"]
+        gbps = moved / med["swap_s"] / 1e9 if med["swap_s"] > 0 and self.device.type == "cuda" else 0.0
+        return times, {
+            "blocks_to_swap": blocks_to_swap,
+            "dp_groups": [{"kind": g.kind, "blocks": len(g.layers), "swapped": g.swap} for g in groups],
+            "streamed_gib": dp_streamed_bytes(self.bench, blocks_to_swap) / GiB,
+            "bytes_per_step": med["h2d"],
+            "d2h_bytes_per_step": med["d2h"],
+            "copy_gbps": gbps,
+            "swap_ms": med["swap_s"] * 1000,
+            "wait_ms": med["wait_s"] * 1000,
+            **row_peaks,
+        }
+
+    def auto(self) -> Iterator[Case]:
+        """Each swapper starts from the weights on the CPU, as in a real run (diffusion-pipe loads to the
+        CPU): starting from the GPU once gave a 10 GiB Flux budget an inflated minimum."""
+        bench = self.bench
+        place(bench.layers, torch.device("cpu"))
+        release_host_cache()
+        try:
+            for spec in parse_list(self.options.budgets):
+                if spec == "auto":
+                    skipped = "" if self.device.type == "cuda" else "vram_budget auto needs a CUDA device"
+                    yield Case("auto", "DGLS vram_budget=auto", partial(self.measure_auto, "auto"), skipped)
+                    continue
+                budget = bench.tight_budget_gib() if self.options.tiny else float(spec)
+                yield Case("auto", f"DGLS vram_budget={budget:.3g} GiB", partial(self.measure_auto, budget))
+        finally:
+            place(bench.layers, self.device)
+
+    def measure_auto(self, budget: float | str):
+        lines: list[str] = []
+        reset_peaks(self.device)
+        before = torch.cuda.memory_allocated(self.device) / GiB if self.device.type == "cuda" else 0.0
+        config = SwapConfig(vram_budget_gb=budget)
+        with LayerSwapper(self.bench.layers, config, self.device, log=lines.append) as swapper:
+            planner = swapper.autoplanner
+            planning = []
+            step = self.bench.training_step()
+            while not planner.done and len(planning) < 80:  # probe, trials, check: not timed
+                sync(self.device)
+                start = time.perf_counter()
+                step()
+                swapper.step_stats(reset_peak=False)
+                planning.append(time.perf_counter() - start)
+            plan = planner.plan
+            times, stats = self.time_placement(swapper)
+            figures = self.swap_figures(swapper, stats)
+            if "peak_reserved_gib" in figures:
+                figures["fits_budget"] = figures["peak_reserved_gib"] * GiB <= planner.budget
+            return times, {
+                **figures,
+                "budget_gib": planner.budget / GiB,
+                "allocated_before_gib": before,
+                "plan_pattern": plan.pattern if plan else None,
+                "plan_predicted_s": plan.predicted_ms / 1000 if plan else None,
+                "replanned": planner.replanned,
+                "planning_steps_s": [round(t, 4) for t in planning],
+                "plan_log": [line.strip() for line in lines if line.startswith(("DGLS", "  "))],
+                "trials": planner_trials(planner),
+            }
+
+    def naive(self) -> Iterator[Case]:
+        label, n = self.blocks_to_swap(self.options.naive)
+        yield Case("naive", f"naive .to() swap {label} (blocks_to_swap={n})", partial(self.measure_naive, n))
+
+    def measure_naive(self, blocks_to_swap: int):
+        """One warm-up step, then timed steps until --steps or the deadline (3 at least). Early stop is off:
+        otherwise non-reentrant checkpointing stops the recompute before the block's forward hook."""
+        bench = self.bench
+        streamed = set(bench.streamed_for(blocks_to_swap))
+        naive = NaiveSwap(bench.layers, streamed, self.device, bench.checkpointed)
+        try:
+            with set_checkpoint_early_stop(False):
+                reset_peaks(self.device)
+                times, figures = self.time_bench(warmup=1, after=naive.take)
+                row_peaks = peaks(self.device)
+        finally:
+            naive.remove(bench.layers, self.device)
+        moved, seconds, seconds_in = (statistics.median(f[k] for f in figures) for k in range(3))
+        return times, {
+            "blocks_to_swap": blocks_to_swap,
+            "streamed_gib": bench.streamed_bytes(streamed) / GiB,
+            "bytes_per_step": moved,
+            "copy_gbps": moved / seconds_in / 1e9 if seconds_in > 0 and self.device.type == "cuda" else 0.0,
+            "wait_ms": seconds * 1000,
+            "warmup_steps": 1,
+            **row_peaks,
+        }

@@ -1,0 +1,298 @@
+"""Result files: NAME.json (every figure), NAME.md (its table), NAME.png (model benchmarks) and README.md.
+
+The JSON is the record. The Markdown, the plot and the results index (README.md beside them) are
+rendered from the JSONs, so they can be rewritten at any time and are never edited by hand. A result
+carries its own words, written by the benchmark that measured it: ``title``, ``description`` (what
+was measured), ``environment`` (where), ``command`` (what produced it) and ``notes`` (how to read
+it). This module only lays them out around the table of the result's ``benchmark`` (the script:
+models, fp8, planner, overlap, transfer). It imports no torch, so re-rendering is quick.
+
+    python benchmarks/report.py           # rewrite every NAME.md, NAME.png and README.md from the JSONs
+    python benchmarks/report.py --index   # only README.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from units import GiB
+
+RESULTS = Path(__file__).resolve().parent / "results"
+INDEX = "README.md"
+
+
+def results_dir(tiny: bool) -> Path:
+    """Where a run writes: results/, or results/tiny/ (git-ignored) for a --tiny smoke run."""
+    return RESULTS / "tiny" if tiny else RESULTS
+
+
+def command_line(script: str, argv: list[str]) -> str:
+    """The command that runs ``script`` (a benchmarks/ file) with ``argv``, for the result to record."""
+    return shlex.join(["python", f"benchmarks/{Path(script).name}", *argv])
+
+
+# ---------------------------------------------------------------- tables
+Cell = Callable[[dict, dict], str]  # (row, result) -> the cell's text
+
+
+@dataclass(frozen=True)
+class Table:
+    """The columns of one benchmark's table, and which of its records are the table's rows."""
+
+    columns: tuple[tuple[str, Cell], ...]
+    rows: Callable[[dict], list[dict]] = lambda result: result["rows"]
+
+
+def _f(value, fmt: str, suffix: str = "") -> str:
+    """``value`` formatted, or "-" where it was not measured."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, fmt) + suffix
+
+
+def _key(key: str, fmt: str, suffix: str = "", scale: float = 1.0) -> Cell:
+    def cell(row: dict, _result: dict) -> str:
+        value = row.get(key)
+        return _f(value * scale if isinstance(value, (int, float)) else value, fmt, suffix)
+
+    return cell
+
+
+def _text(key: str) -> Cell:
+    return lambda row, _result: str(row.get(key, "-"))
+
+
+PEAK_ALLOC = ("peak alloc GiB", _key("peak_allocated_gib", ".2f"))
+COPY_GBPS = ("copy GB/s", _key("copy_gbps", ".1f"))
+COPIED = ("copied/step GiB", _key("bytes_per_step", ".1f", scale=1 / GiB))
+COPY_SHARE = ("copy / pinned", _key("copy_share_of_pinned", ".0%"))
+VS_RESIDENT = ("vs resident", _key("vs_resident", ".2f", "x"))
+
+TABLES: dict[str, Table] = {
+    "models": Table(
+        columns=(
+            ("method", _text("method")),
+            ("steps", _text("steps")),
+            ("streamed GiB", _key("streamed_gib", ".1f")),
+            ("step (s)", _key("median_step_s", ".3f")),
+            VS_RESIDENT,
+            ("vs floor (copied)", _key("vs_floor", ".2f", "x")),
+            ("vs floor (2x streamed)", _key("vs_floor_2x", ".2f", "x")),
+            COPIED,
+            COPY_GBPS,
+            COPY_SHARE,
+            ("compute waited (ms)", _key("wait_ms", ".0f")),
+            PEAK_ALLOC,
+            ("peak reserved GiB", _key("peak_reserved_gib", ".2f")),
+        ),
+        rows=lambda result: [r for r in result["rows"] if "median_step_s" in r],
+    ),
+    "fp8": Table(
+        columns=(
+            ("method", _text("method")),
+            ("copied per pass GiB", _key("streamed_gib", ".1f")),
+            ("step (s)", _key("median_step_s", ".3f")),
+            VS_RESIDENT,
+            ("vs bf16 storage", _key("vs_bf16_storage", ".2f", "x")),
+            COPIED,
+            COPY_GBPS,
+            ("compute waited (ms)", _key("wait_ms", ".0f")),
+            PEAK_ALLOC,
+            ("loss rel err", _key("loss_rel_err", ".2e")),
+            ("block out rel err mean", _key("block_rel_err_mean", ".2e")),
+            ("block out rel err max", _key("block_rel_err_max", ".2e")),
+        )
+    ),
+    "planner": Table(
+        columns=(
+            ("budget GiB", _key("budget_gib", "g")),
+            ("auto plan", _text("auto_plan")),
+            ("predicted (s)", _key("predicted_s", ".3f")),
+            ("auto step (s)", _key("step_s", ".3f")),
+            ("auto vs resident", VS_RESIDENT[1]),
+            ("best hand config (sweep)", _text("best_hand")),
+            ("hand step (s)", _key("hand_step_s", ".3f")),
+            ("auto / hand (sweep)", _key("auto_vs_hand", ".3f")),
+            ("auto / hand (A/B)", _key("ab_ratio", ".3f")),
+            (
+                "A/B auto / hand step (s)",
+                lambda r, _: f"{_f(r.get('ab_auto_s'), '.3f')} / {_f(r.get('ab_hand_s'), '.3f')}",
+            ),
+            (
+                "auto peak reserved GiB",
+                lambda r, _: _f(r["peak_reserved_gib"], ".2f") + ("" if r["fits"] else " (OVER)"),
+            ),
+            ("highest trial peak GiB", _key("highest_trial_peak_gib", ".2f")),
+        ),
+        rows=lambda result: result["budgets"],
+    ),
+    "overlap": Table(
+        columns=(
+            ("arm", _text("arm")),
+            ("streamed layers", _text("streamed_layers")),
+            ("step (ms)", _key("step_ms", ".0f")),
+            VS_RESIDENT,
+            ("extra vs resident (ms)", _key("extra_ms", "+.0f")),
+            ("waited on copies (ms)", _key("waited_ms", ".0f")),
+            (
+                "block uses resident in every arm (ms)",
+                lambda r, result: f"{r['shared_layers_ms']:.0f} ({result['shared_uses']} uses)",
+            ),
+            ("those vs resident arm", _key("shared_vs_resident", ".3f", "x")),
+        )
+    ),
+    "transfer": Table(
+        columns=(
+            ("configuration", _text("method")),
+            ("step (ms)", _key("median_step_s", ".1f", scale=1000)),
+            VS_RESIDENT,
+            ("floor (ms)", _key("floor_s", ".1f", scale=1000)),
+            ("vs floor", _key("vs_floor", ".2f", "x")),
+            COPY_GBPS,
+            COPY_SHARE,
+            ("compute waited (ms)", _key("wait_ms", ".1f")),
+            PEAK_ALLOC,
+        )
+    ),
+}
+
+
+# ---------------------------------------------------------------- Markdown
+def where(environment: dict) -> str:
+    """The device a result was measured on, in words."""
+    if not environment.get("gpu"):
+        return f"the CPU (torch {environment.get('torch', '?')})"
+    link = f"PCIe gen {environment['pcie_gen']} x{environment['pcie_width']}, " if "pcie_gen" in environment else ""
+    return f"{environment['gpu']} ({link}torch {environment.get('torch')}, CUDA {environment.get('cuda')})"
+
+
+def table(result: dict) -> list[str]:
+    spec = TABLES[result["benchmark"]]
+    lines = [
+        "| " + " | ".join(header for header, _ in spec.columns) + " |",
+        "|" + "---|" * len(spec.columns),
+    ]
+    for row in spec.rows(result):
+        lines.append("| " + " | ".join(cell(row, result) for _, cell in spec.columns) + " |")
+    return lines
+
+
+def row_notes(result: dict) -> list[str]:
+    """A line per row that was skipped, failed, or carries the planner's log."""
+    notes = []
+    for r in result["rows"]:
+        name = r.get("method") or r.get("arm")
+        if "skipped" in r:
+            notes.append(f"- {name}: skipped: {r['skipped']}")
+        elif "error" in r:
+            notes.append(f"- {name}: failed: {r['error']}")
+        elif r.get("plan_log"):
+            fits = {True: " (peak reserved within the budget)", False: " (peak reserved OVER the budget)"}
+            notes.append(f"- {name}: {' / '.join(r['plan_log'])}{fits.get(r.get('fits_budget'), '')}")
+    return notes
+
+
+def render(result: dict) -> str:
+    """NAME.md: what was measured and where, the table, the notes, the command."""
+    lines = [f"{result['title']} on {where(result['environment'])}: {result['description']}", "", *table(result)]
+    for note in result.get("notes", []):
+        lines += ["", note]
+    footnotes = row_notes(result)
+    if footnotes:
+        lines += ["", *footnotes]
+    lines += ["", f"Command: `{result['command']}`"]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- plot
+MARKERS = {"resident": "*", "dgls": "o", "ab": "P", "options": ".", "auto": "D", "dp": "s", "naive": "x"}
+
+
+def plot(result: dict, path: Path) -> bool:
+    """Step time against peak allocated VRAM, a point per timed row (model benchmarks); False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    timed = [r for r in result["rows"] if "median_step_s" in r]
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for r in timed:
+        marker = MARKERS.get(r["kind"], "o")
+        ax.scatter(r.get("peak_allocated_gib", 0), r["median_step_s"], label=r["method"], marker=marker)
+    ax.set_yscale("log")
+    ax.set_xlabel("peak allocated VRAM (GiB)")
+    ax.set_ylabel("median step (s, log scale)")
+    ax.set_title(f"{result['title']}: time vs VRAM (lower left is better)", fontsize=9)
+    if timed:
+        ax.legend(fontsize=5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------- files
+def write_result(result: dict, name: str, out: Path, plot_it: bool = True, echo: bool = False) -> None:
+    """NAME.json, NAME.md and (model benchmarks, with matplotlib) NAME.png in ``out``; then its index."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    md = render(result)
+    (out / f"{name}.md").write_text(md)
+    if echo:
+        print(md)
+    if plot_it and result["benchmark"] == "models" and not plot(result, out / f"{name}.png") and echo:
+        print("matplotlib not installed: no plot written (pip install matplotlib)")
+    write_index(out)
+
+
+def load_results(out: Path) -> dict[str, dict]:
+    return {path.stem: json.loads(path.read_text()) for path in sorted(out.glob("*.json"))}
+
+
+def index(results: dict[str, dict], out: Path) -> str:
+    """README.md of a results folder: a contents list, then each result's page and links to its files."""
+    lines = [
+        "# Benchmark results",
+        "",
+        "Generated by `python benchmarks/report.py --index` from the JSON files in this folder (every benchmark "
+        "run rewrites it): do not edit. Each section is one result file: what was measured and on which device, "
+        "the table, notes, the command that produced it, and the plot.",
+        "",
+    ]
+    for name, result in results.items():
+        lines.append(f"- [{name}](#{name}): {result['title']} ({result['environment'].get('gpu') or 'CPU'})")
+    for name, result in results.items():
+        lines += ["", f"## {name}", "", render(result).rstrip("\n"), ""]
+        files = [f"[{name}.json]({name}.json)", f"[{name}.md]({name}.md)"]
+        lines.append("Files: " + ", ".join(files))
+        if (out / f"{name}.png").exists():
+            lines += ["", f"![{name}: step time vs peak VRAM]({name}.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def write_index(out: Path) -> None:
+    (out / INDEX).write_text(index(load_results(out), out))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results_dir", type=Path, default=RESULTS)
+    parser.add_argument("--index", action="store_true", help="only rewrite README.md")
+    args = parser.parse_args(argv)
+    if not args.index:
+        for name, result in load_results(args.results_dir).items():
+            write_result(result, name, args.results_dir)
+    write_index(args.results_dir)
+
+
+if __name__ == "__main__":
+    main()
