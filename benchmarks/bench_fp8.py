@@ -17,7 +17,6 @@ import json
 import statistics
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,7 +28,7 @@ import flux  # noqa: E402
 import machine  # noqa: E402
 from models import Bench, place  # noqa: E402
 from report import command_line, results_dir, write_result  # noqa: E402
-from timing import peaks, reset_peaks, time_steps  # noqa: E402
+from timing import SwapStepReader, peaks, reset_peaks, time_steps  # noqa: E402
 from units import GiB  # noqa: E402
 
 from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
@@ -145,9 +144,7 @@ def measure(args, device: torch.device, dtype: torch.dtype, command: str) -> dic
             setup_s = time.perf_counter() - t0
             probes.append(probe(bench))
             steps, warmup = (args.steps, args.warmup) if "pageable" not in label else (max(2, args.steps // 2), 1)
-            swapper.step_stats()
-            after = partial(swapper.step_stats, reset_peak=False)
-            times, stats = time_steps(bench.training_step(), device, warmup, steps, after)
+            times, stats = time_steps(bench.training_step(), device, warmup, steps, SwapStepReader(swapper))
             placement = swapper.placement
             extra = {
                 "blocks_to_swap": n,

@@ -59,7 +59,7 @@ def profiled_steps(bench: Bench, device, config: SwapConfig, trace: Path, steps:
     place(bench.layers, device)
     config = config.replace(profile_path=str(trace), profile_warmup_steps=1, profile_steps=steps)
     with LayerSwapper(bench.layers, config, device, log=None) as swapper:
-        times, _ = time_steps(bench.training_step(), device, 1, steps, after=swapper.step_stats)
+        times, _ = time_steps(bench.training_step(), device, 1, steps)
         streamed = set(swapper.placement.streamed)
     return times, json.loads(trace.read_text()), streamed
 

@@ -50,11 +50,7 @@ class Measure:
         self.step = bench.training_step()
 
     def times(self, swapper: LayerSwapper | None, count: int) -> list[float]:
-        def after() -> None:
-            if swapper is not None:
-                swapper.step_stats(reset_peak=False)
-
-        return time_steps(self.step, self.device, 0, count, after)[0]
+        return time_steps(self.step, self.device, 0, count)[0]
 
     def peaks(self) -> tuple[float, float]:
         """Peak allocated and reserved GiB since the last reset (0 on CPU)."""
@@ -131,7 +127,7 @@ def plan_and_sweep(bench: Bench, measure: Measure, args, budget: float, resident
     lines: list[str] = []
     rows = []
     with LayerSwapper(bench.layers, SwapConfig(vram_budget_gb=budget), device=device, log=lines.append) as swapper:
-        planner = swapper.autoplanner
+        planner = swapper.driver
         planning = []
         while not planner.done and len(planning) < 80:
             planning += measure.times(swapper, 1)

@@ -25,7 +25,7 @@ import torch
 from baselines import DPSwap, NaiveSwap, dp_checkout, dp_streamed_bytes, load_dp_offloading
 from machine import release_host_cache
 from models import Bench, place
-from timing import Deadline, peaks, reset_peaks, sync, time_steps
+from timing import Deadline, SwapStepReader, peaks, reset_peaks, sync, time_steps
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from units import GiB
 
@@ -160,9 +160,8 @@ class Methods:
 
     def time_placement(self, swapper: LayerSwapper) -> tuple[list[float], list]:
         """Step times and per-step swap stats of the placement in force, peaks counted from here."""
-        swapper.step_stats()
         reset_peaks(self.device)
-        return self.time_bench(after=partial(swapper.step_stats, reset_peak=False))
+        return self.time_bench(after=SwapStepReader(swapper))
 
     def swap_figures(self, swapper: LayerSwapper, stats: list) -> dict:
         placement = swapper.placement
@@ -249,9 +248,8 @@ class Methods:
             place(self.bench.layers, self.device)
             resident += time_steps(self.bench.training_step(), self.device, 1, steps)[0]
             with LayerSwapper(self.bench.layers, config, self.device, log=None) as swapper:
-                swapper.step_stats()
                 reset_peaks(self.device)
-                after = partial(swapper.step_stats, reset_peak=False)
+                after = SwapStepReader(swapper)
                 times, round_stats = time_steps(self.bench.training_step(), self.device, 1, steps, after)
                 swapped += times
                 stats += round_stats
@@ -351,14 +349,13 @@ class Methods:
         before = torch.cuda.memory_allocated(self.device) / GiB if self.device.type == "cuda" else 0.0
         config = SwapConfig(vram_budget_gb=budget)
         with LayerSwapper(self.bench.layers, config, self.device, log=lines.append) as swapper:
-            planner = swapper.autoplanner
+            planner = swapper.driver
             planning = []
             step = self.bench.training_step()
             while not planner.done and len(planning) < 80:  # probe, trials, check: not timed
                 sync(self.device)
                 start = time.perf_counter()
                 step()
-                swapper.step_stats(reset_peak=False)
                 planning.append(time.perf_counter() - start)
             plan = planner.plan
             times, stats = self.time_placement(swapper)

@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 from units import GiB
 
 from utils.dgls import SwapConfig
-from utils.dgls.placement import LayerSizes, choose_streamed, plan_placement
+from utils.dgls.layout import LayerSizes, measure  # noqa: E402
+from utils.dgls.placement import choose_streamed
 from utils.dgls.planner import resident_patterns
 
 LORA_RANK = 16
@@ -125,7 +126,7 @@ class Bench:
     sizes: tuple[LayerSizes, ...] = ()
 
     def __post_init__(self) -> None:
-        self.sizes = plan_placement(self.layers, SwapConfig(blocks_to_swap=0)).sizes
+        self.sizes = tuple(layout.sizes for layout in measure(self.layers))
 
     def training_step(self, lr: float = 1e-5) -> Callable[[], None]:
         """One LoRA training step (forward, backward, AdamW) per call, with a fresh optimizer."""
