@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from functools import partial
 
 import torch
 from torch import nn
@@ -50,10 +49,9 @@ from .device_pool import DevicePool, Slot
 from .errors import DGLSUserError
 from .forward_patches import ForwardPatches
 from .hooks import HookAdapter, SlotRef
-from .host_store import HostStore, check_ram, default_pinned_budget
-from .layout import MB, LayerLayout, measure, measure_layer, modules_of
+from .layout import LayerLayout, measure, modules_of
 from .listener import Listener
-from .monitor import check_pinned_budget
+from .masters import Masters
 from .placement import Placement, plan_placement
 from .precision import CastRules, cast_trainable, check_device_support, describe, name_of
 from .profiler import Profiler
@@ -105,16 +103,15 @@ class LayerSwapper:
 
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self._streamed: dict[int, StreamedLayer] = {}
-        self._state_dict_handles: dict[int, list] = {}
-        self.store = self._make_store()
-        for layout in self.layouts:
-            if layout.index in self.placement.streamed or _has_fp8(layout):
-                self.store.add_layer(layout)
+        self.masters = Masters(self.layers, self.layouts, self.placement.streamed, self.device, self.config, self._log)
+        self.store = self.masters.store
         for idx in self.placement.streamed:
             self._stream(idx)
         self._place_resident_parts()
+        self.masters.evict_all, self.masters.is_streamed = self.evict_all, self.is_streamed
+        self.masters.placeholder, self.masters.on_adopted = self._placeholder, self._adopted
         for idx in self.store.layers:
-            self._add_state_dict_hooks(idx)
+            self.masters.install_hooks(idx)
         self.pool = DevicePool(self.device, self.placement.slot_count, self.placement.slot_bytes)
         self.store.ensure_staging(2, self.placement.slot_bytes)
         if self.device.type == "cuda":
@@ -188,35 +185,29 @@ class LayerSwapper:
                 f"{', '.join(present) or 'absent'}; norm layers only count with --cast_norms): drop the pair"
             )
 
-    def _make_store(self) -> HostStore:
-        hosted = [lay for lay in self.layouts if lay.index in self.placement.streamed or _has_fp8(lay)]
-        on_cpu = sum(
-            lay.sizes.streamable_bytes for lay in hosted if all(p.param.device.type == "cpu" for p in lay.params)
-        )
-        total = sum(lay.host_bytes for lay in hosted)
-        budget = self.config.pinned_ram_budget_gb
-        budget = int(budget * 1024**3) if budget is not None else default_pinned_budget(on_cpu)
-        store = HostStore(self.device, budget, int(self.config.selective_packing * MB))
-        check_ram(total - on_cpu)
-        if store.use_pinning and (note := check_pinned_budget(min(total, budget), freed_bytes=on_cpu)):
-            self._log(note)
-        return store
-
     def _stream(self, idx: int) -> None:
         """Make a layer streamed: its master is in the store; its params now point at placeholders."""
-        layer = StreamedLayer(self.layers[idx], self.store.layers[idx], self._placeholder)
+        layer = StreamedLayer(self.layers[idx], self.masters.host(idx), self._placeholder)
         self._streamed[idx] = layer
 
     def _unstream(self, idx: int) -> None:
         """Make a streamed layer resident: its params get device copies of the master's values."""
         layer = self._streamed.pop(idx)
-        host = layer.host
         with torch.no_grad():
             for k, param in enumerate(layer.params):
-                param.data = host.value(k, self.device).to(self.device, copy=True)
-        if not _has_fp8(host.layout):  # the device copy is exact: give the host memory back
-            self._remove_state_dict_hooks(idx)
-            self.store.remove_layer(idx)
+                param.data = self.masters.device_value(idx, k)
+        self.masters.became_resident(idx)
+
+    def _adopted(self, idx: int) -> None:
+        """``load_state_dict(assign=True)`` replaced a layer's Parameter objects (see :mod:`.masters`)."""
+        for t in (*self.layers[idx].parameters(), *self.layers[idx].buffers()):
+            self._home.setdefault(id(t), (t, t.device, t.dtype))
+        if self._streamed.pop(idx, None) is not None:
+            self._stream(idx)
+        else:
+            with torch.no_grad():
+                for k, p in enumerate(self.layouts[idx].params):
+                    p.param.data = self.masters.device_value(idx, k)
 
     def _place_resident_parts(self) -> None:
         """Every param and buffer that does not stream goes to the device; the streamable params of
@@ -234,8 +225,8 @@ class LayerSwapper:
                     continue
                 if id(t) in cast:
                     idx, k, p = cast[id(t)]
-                    host = self.store.layers.get(idx)
-                    t.data = host.value(k, self.device).clone() if host is not None else t.data.to(self.device, p.dtype)
+                    has = self.masters.has(idx)
+                    t.data = self.masters.device_value(idx, k) if has else t.data.to(self.device, p.dtype)
                 else:
                     t.data = t.data.to(self.device)
 
@@ -386,77 +377,6 @@ class LayerSwapper:
         for (layer, slot), token in zip(requests, tokens):
             layer.fetch(slot, token)
 
-    # ---------------------------------------------------------------- state dicts
-    def _add_state_dict_hooks(self, idx: int) -> None:
-        module = self.layers[idx]
-        self._state_dict_handles[idx] = [
-            module.register_state_dict_post_hook(partial(self._state_dict_post, idx)),
-            module.register_load_state_dict_pre_hook(partial(self._load_pre, idx)),
-            module.register_load_state_dict_post_hook(partial(self._load_post, idx)),
-        ]
-
-    def _remove_state_dict_hooks(self, idx: int) -> None:
-        for handle in self._state_dict_handles.pop(idx, []):
-            handle.remove()
-
-    def _state_dict_post(self, idx: int, module, state_dict, prefix, local_metadata) -> None:
-        """Write the true weights (the masters, dequantized if fp8), not a placeholder or a slot view."""
-        host = self.store.layers[idx]
-        for k, p in enumerate(host.layout.params):
-            for name in p.names:
-                if prefix + name in state_dict:
-                    state_dict[prefix + name] = host.value(k)
-
-    def _load_pre(self, idx: int, module, state_dict, prefix, *args) -> None:
-        """Point a streamed layer's params at its master values, so the loader writes the true weights."""
-        self.evict_all()
-        layer = self._streamed.get(idx)
-        if layer is not None:
-            for k, param in enumerate(layer.params):
-                param.data = layer.host.value(k)  # fp8 storage: a dequantized copy, re-quantized after loading
-
-    def _load_post(self, idx: int, module, incompatible_keys) -> None:
-        """Write what was loaded into the master; adopt Parameter objects ``assign=True`` put in."""
-        host = self.store.layers[idx]
-        replaced = any(module.get_parameter(p.names[0]) is not p.param for p in host.layout.params)
-        if replaced:
-            self._adopt_assigned(idx)
-            return
-        for k, p in enumerate(host.layout.params):
-            if p.scaled or idx not in self._streamed:
-                host.store_value(k, p.param.data)
-        with torch.no_grad():
-            if idx in self._streamed:
-                self._streamed[idx]._unbind()
-            else:  # a resident fp8-stored layer: the device copy takes the re-quantized value
-                for k, p in enumerate(host.layout.params):
-                    p.param.data = host.value(k, self.device).clone()
-
-    def _adopt_assigned(self, idx: int) -> None:
-        """``load_state_dict(assign=True)`` replaced Parameter objects: re-measure the layer and pack the
-        new ones (otherwise the layer would silently stop streaming while its copies continue)."""
-        module, streamed = self.layers[idx], idx in self._streamed
-        for p in self.layouts[idx].params:
-            if module.get_parameter(p.names[0]).requires_grad:
-                raise DGLSUserError(
-                    f"load_state_dict(assign=True) made {p.names[0]} of layer {idx} trainable while it is stored "
-                    "by DGLS: load without assign=True, or remove the swapper first"
-                )
-        self._remove_state_dict_hooks(idx)
-        self._streamed.pop(idx, None)
-        self.store.remove_layer(idx)
-        for t in (*module.parameters(), *module.buffers()):
-            self._home.setdefault(id(t), (t, t.device, t.dtype))
-        self.layouts[idx] = measure_layer(self.layers, idx, CastRules.from_config(self.config))
-        self.store.add_layer(self.layouts[idx])
-        if streamed:
-            self._stream(idx)
-        else:
-            with torch.no_grad():
-                for k, p in enumerate(self.layouts[idx].params):
-                    p.param.data = self.store.layers[idx].value(k, self.device).clone()
-        self._add_state_dict_hooks(idx)
-
     # ---------------------------------------------------------------- public
     @property
     def streamed_layers(self) -> tuple[int, ...]:
@@ -502,9 +422,8 @@ class LayerSwapper:
             for idx in sorted(set(self._streamed) - wanted):
                 self._unstream(idx)
             for idx in sorted(wanted - set(self._streamed)):
-                if idx not in self.store.layers:
-                    self.store.add_layer(self.layouts[idx])
-                    self._add_state_dict_hooks(idx)
+                if not self.masters.has(idx):
+                    self.masters.add(idx)
                 self._stream(idx)
             sizes = tuple(layout.sizes for layout in self.layouts)
             self.placement = Placement(sizes, tuple(sorted(self._streamed)), prefetch, self.config.cuda_streams)
@@ -546,8 +465,6 @@ class LayerSwapper:
             torch.cuda.synchronize(self.device)
         self._hooks.remove()
         self._patches.remove()
-        for idx in list(self._state_dict_handles):
-            self._remove_state_dict_hooks(idx)
         with torch.no_grad():
             streamed = set()
             for layer in self._streamed.values():
@@ -562,14 +479,10 @@ class LayerSwapper:
                     t.grad = t.grad.to(dtype)
         self._streamed.clear()
         self.pool.release()
-        self.store.release()
+        self.masters.release()
 
     def __enter__(self) -> LayerSwapper:
         return self
 
     def __exit__(self, *exc) -> None:
         self.remove()
-
-
-def _has_fp8(layout: LayerLayout) -> bool:
-    return any(p.scaled for p in layout.params)
