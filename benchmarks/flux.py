@@ -111,10 +111,12 @@ def dp_split(double: list[int], single: list[int]):
     return split, max((n for n in range(1, len(double) + len(single)) if valid(n)), default=0)
 
 
-def build(tiny: bool, device, dtype, args=None) -> Bench:
+def build(tiny: bool, device, dtype, args=None, side: int | None = None) -> Bench:
+    """``side``: latent side (64: 1024x1024, the default; 32: 512x512)."""
     from diffusers import FluxTransformer2DModel
 
-    cfg, side, text_tokens = (TINY, 8, 8) if tiny else (FLUX_DEV, 64, 512)
+    cfg, default_side, text_tokens = (TINY, 8, 8) if tiny else (FLUX_DEV, 64, 512)
+    side = side or default_side
     with params_on_meta():
         model = FluxTransformer2DModel(**cfg)
     layers = [

@@ -147,6 +147,14 @@ TABLES: dict[str, Table] = {
             ("those vs resident arm", _key("shared_vs_resident", ".3f", "x")),
         )
     ),
+    "host": Table(
+        columns=(
+            ("method", _text("method")),
+            ("step (s)", _key("median_step_s", ".3f")),
+            VS_RESIDENT,
+            ("host ms per step in DGLS", _key("host_ms", ".1f")),
+        )
+    ),
     "transfer": Table(
         columns=(
             ("configuration", _text("method")),

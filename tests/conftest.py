@@ -1,5 +1,6 @@
 """Shared test set-up: repo root on sys.path, the ``gpu`` marker, cuDNN attention off on GPUs."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -7,6 +8,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# Deterministic cuBLAS (the GPU ordering tests compare bitwise): must be set before CUDA starts.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 sys.path.insert(0, str(ROOT))
 
 

@@ -16,6 +16,7 @@ pytest.importorskip("peft")
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_fp8  # noqa: E402
+import bench_host  # noqa: E402
 import bench_models  # noqa: E402
 import bench_overlap  # noqa: E402
 import bench_planner  # noqa: E402
@@ -41,6 +42,7 @@ def results(tmp_path_factory):
     bench_transfer.main(["--tiny", "--results_dir", str(out)])
     bench_overlap.main(["--tiny", "--rounds", "1", "--steps", "2", "--results_dir", str(out)])
     bench_planner.main(["--tiny", "--steps", "1", "--warmup", "0", "--rounds", "1", "--results_dir", str(out)])
+    bench_host.main(["--tiny", "--rounds", "1", "--steps", "2", "--warmup", "1", "--results_dir", str(out)])
     return out
 
 
@@ -139,6 +141,13 @@ def test_transfer_rows(results):
     assert len(rows) == 1 + 12 + 2 and all(r["bytes_per_step"] > 0 for r in rows[1:])
 
 
+def test_host_time_is_measured_for_the_engine_only(results):
+    rows = {r["method"]: r for r in load(results, "host")["rows"]}
+    assert list(rows) == ["all-resident", "DGLS (this engine)"]
+    assert rows["all-resident"]["host_ms"] is None and rows["all-resident"]["vs_resident"] == 1.0
+    assert rows["DGLS (this engine)"]["host_ms"] > 0 and len(rows["DGLS (this engine)"]["step_times_s"]) == 2
+
+
 def test_overlap_splits_the_step_per_arm(results):
     """Three arms, the same resident block uses compared across them."""
     result = load(results, "overlap")
@@ -186,7 +195,7 @@ def test_re_rendering_from_the_json_reproduces_every_page(results):
 def test_the_index_has_a_section_per_result_file(results, tmp_path):
     index = (results / "README.md").read_text()
     names = sorted(path.stem for path in results.glob("*.json"))
-    assert len(names) == 3 + 4
+    assert len(names) == 3 + 5  # three models, fp8, transfer, overlap, planner, host
     assert [line[3:] for line in index.splitlines() if line.startswith("## ")] == names
     for name in names:
         result = load(results, name)

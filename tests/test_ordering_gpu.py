@@ -1,0 +1,179 @@
+"""Ordering on CUDA at Flux block width, with delays injected on both streams.
+
+Blocks of Flux-dev's width (hidden 3072: a double block is about 680 MB in bf16, a single block about
+280 MB), a few of them, tiny token counts: copies dominate. ``torch.cuda._sleep`` runs on the copy
+stream before every copy and on the compute stream at the start of every layer use, so a missing
+wait, an early slot reuse or a stale binding reads the wrong bytes. With deterministic kernels and
+math attention, every mode must give losses, gradients, LoRA weights and eval outputs bitwise equal
+to all-resident training; two canaries with a protection patched out must differ.
+"""
+
+import copy
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal, make_layers, train
+
+from utils.dgls import LayerSwapper, Listener, SwapConfig
+from utils.dgls.copier import CudaCopier
+from utils.dgls.demo.model import DemoModelConfig
+from utils.dgls.precision import CastRules, fake_quantize
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+FLUX_WIDTH = DemoModelConfig(hidden=3072, heads=24, double_blocks=2, single_blocks=2, text_dim=64, latent_channels=16)
+MS = 2_000_000  # torch.cuda._sleep cycles per millisecond at ~2 GHz (the H100's and H200's boost clock)
+MODES = ["none", "nonreentrant", "reentrant"]
+FP8 = [("bf16", "f8_e4m3")]
+
+
+def device():
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def deterministic():
+    flags = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled())
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cuda.enable_flash_sdp(flags[0])
+    torch.backends.cuda.enable_mem_efficient_sdp(flags[1])
+
+
+@pytest.fixture(scope="module")
+def template():
+    """The model, built once on the CPU (random init at this width takes seconds); runs take copies."""
+    return make_layers(BF16, FLUX_WIDTH)[0]
+
+
+def fresh(template, fp8_rounding=False):
+    layers = copy.deepcopy(template)
+    if fp8_rounding:  # the reference for fp8 storage: every cast param rounded as DGLS rounds it
+        rules = CastRules.from_config(SwapConfig(cast_target=FP8))
+        with torch.no_grad():
+            for layer in layers:
+                casts = rules.plan(layer)
+                for p in layer.parameters():
+                    if id(p) in casts:
+                        p.copy_(fake_quantize(p.to(device()), casts[id(p)].stored).cpu())
+    trainable = [p for layer in layers for p in layer.parameters() if p.requires_grad]
+    return layers, trainable
+
+
+class ComputeDelay(Listener):
+    """Sleep on the compute stream at the start of every layer use (forward, recompute, backward)."""
+
+    def __init__(self, ms: float) -> None:
+        self.cycles = int(ms * MS)
+
+    def use_started(self, layer, phase, streamed, missed):
+        torch.cuda._sleep(self.cycles)
+
+
+def delay_copies(monkeypatch, ms: float) -> None:
+    original = CudaCopier._copy
+
+    def slow_copy(self, token, stream, landing):  # runs with the copy stream current
+        torch.cuda._sleep(int(ms * MS))
+        original(self, token, stream, landing)
+
+    monkeypatch.setattr(CudaCopier, "_copy", slow_copy)
+
+
+def resident_run(template, mode, fp8_rounding=False):
+    layers, trainable = fresh(template, fp8_rounding)
+    for layer in layers:
+        layer.to(device())
+    return train(layers, trainable, device(), mode, dtype=BF16, cfg=FLUX_WIDTH)
+
+
+def swapped_run(template, mode, config, copy_ms=20.0, compute_ms=5.0, monkeypatch=None, expect_waits=True):
+    if copy_ms and monkeypatch is not None:
+        delay_copies(monkeypatch, copy_ms)
+    layers, trainable = fresh(template)
+    with LayerSwapper(layers, config, device=device(), log=None) as swapper:
+        if compute_ms:
+            swapper.add_listener(ComputeDelay(compute_ms))
+        record = train(layers, trainable, device(), mode, dtype=BF16, cfg=FLUX_WIDTH)
+        stats = swapper.total_stats(sync=True)
+    assert stats.fetches > 0 and (stats.wait_ms > 0 or not expect_waits), "the delays should make compute wait"
+    return record
+
+
+@pytest.fixture(scope="module")
+def references(template):
+    cache = {}
+
+    def get(mode, fp8=False):
+        if (mode, fp8) not in cache:
+            first, second = resident_run(template, mode, fp8), resident_run(template, mode, fp8)
+            assert_bitwise_equal(first, second)  # deterministic kernels, or this test cannot judge
+            cache[(mode, fp8)] = first
+        return cache[(mode, fp8)]
+
+    return get
+
+
+CONFIGS = {
+    "pf0": SwapConfig(prefetch=0),
+    "pf1": SwapConfig(prefetch=1),
+    "pf2": SwapConfig(prefetch=2),
+    "pf3": SwapConfig(prefetch=3),
+    "thread": SwapConfig(prefetch=2, threading=True),
+    "batch-2streams": SwapConfig(prefetch=2, batch_move=True, cuda_streams=2),
+    "pageable": SwapConfig(prefetch=2, pinned_ram_budget_gb=0.0),
+    "fp8": SwapConfig(prefetch=2, cast_target=FP8),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_delayed_copies_and_compute_stay_bitwise_equal(template, references, monkeypatch, name, mode):
+    got = swapped_run(template, mode, CONFIGS[name], monkeypatch=monkeypatch)
+    assert_bitwise_equal(references(mode, fp8=name == "fp8"), got)
+
+
+def test_fp8_landing_buffers_grow_when_a_larger_layer_starts_streaming(template, references, monkeypatch):
+    """Re-placement sizes the landing buffers anew (streaming only single blocks first, then a double)."""
+    layers, trainable = fresh(template)
+    config = SwapConfig(gpu_layers=[0, 1, 2, 5], prefetch=1, cast_target=FP8)
+    with LayerSwapper(layers, config, device=device(), log=None) as s:
+        small = s.copier.landing_bytes
+
+        def replace(step):
+            s.apply_placement([1, 2, 3, 4], prefetch=2)
+
+        record = train(layers, trainable, device(), "nonreentrant", dtype=BF16, cfg=FLUX_WIDTH, on_step=replace)
+        assert s.copier.landing_bytes > small
+    assert_bitwise_equal(references("nonreentrant", fp8=True), record)
+
+
+def test_canary_without_the_compute_side_wait_differs(template, references, monkeypatch):
+    def no_wait(self, token):
+        self._wait_issued(token)  # the copy is issued, but compute does not wait for it
+
+    monkeypatch.setattr(CudaCopier, "_wait", no_wait)
+    config = SwapConfig(prefetch=1)
+    got = swapped_run(template, "nonreentrant", config, compute_ms=0, monkeypatch=monkeypatch, expect_waits=False)
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(references("nonreentrant"), got)
+
+
+def test_canary_without_the_release_gate_differs(template, references, monkeypatch):
+    original = CudaCopier._issue
+
+    def ungated(self, tokens):
+        for token in tokens:
+            token.gates = []  # copies no longer wait for the kernels that read their slot
+        original(self, tokens)
+
+    monkeypatch.setattr(CudaCopier, "_issue", ungated)
+    layers, trainable = fresh(template)
+    with LayerSwapper(layers, SwapConfig(prefetch=1), device=device(), log=None) as swapper:
+        swapper.add_listener(ComputeDelay(50))  # slow compute: the next copies land while it still reads
+        got = train(layers, trainable, device(), "nonreentrant", dtype=BF16, cfg=FLUX_WIDTH)
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(references("nonreentrant"), got)
