@@ -335,7 +335,7 @@ class CudaCopier(Copier):
         k = self._next_stream
         self._next_stream = (k + 1) % len(self.streams)
         stream = self.streams[k]
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+        with torch.cuda.stream(stream):  # also makes the stream's device current
             for token in tokens:
                 token.stream = k
                 for gate in token.gates:

@@ -29,6 +29,7 @@ saved tensors go through ``pack``: a view of a slot is replaced by a :class:`Slo
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -102,8 +103,8 @@ class HookAdapter:
         self._handles: list = []
         self._saved_hooks: list = []  # pushed in a pre-hook, popped in the post hook (recompute nests them)
         self._queued = False
-        # (pack hook, layers, any streamed) of the checkpoint region the last checkpointed forward ran in
-        self._region: tuple[Any, set[int], bool] | None = None
+        # (weak ref to the pack hook, layers, any streamed) of the region the last checkpointed forward ran in
+        self._region: tuple[weakref.ref, set[int], bool] | None = None
 
     def install(self) -> None:
         for idx, module in modules_of(self.layers):
@@ -187,12 +188,12 @@ class HookAdapter:
                 "its weights among them) until backward: use plain checkpointing or keep it resident (gpu_layers)"
             )
         pack = outer[0]
-        if self._region is None or self._region[0] is not pack:
-            self._region = (pack, {idx}, streamed)
+        if self._region is None or self._region[0]() is not pack:  # a weak reference: torch frees its frame
+            self._region = (weakref.ref(pack), {idx}, streamed)
             return
-        _, members, any_streamed = self._region
+        ref, members, any_streamed = self._region
         members.add(idx)
-        self._region = (pack, members, any_streamed or streamed)
+        self._region = (ref, members, any_streamed or streamed)
         if len(members) > 1 and (any_streamed or streamed):
             raise DGLSUserError(
                 f"layers {sorted(members)} share one activation-checkpoint region and one of them streams: its "

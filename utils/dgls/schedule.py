@@ -42,12 +42,16 @@ class UsePredictor:
         self._after_one: dict[Use, Use] = {}
         self.previous: Use | None = None
         self.current: Use | None = None
+        self.version = 0  # grows whenever a prediction changes: what was derived from the tables is stale
 
     def observe(self, use: Use) -> None:
         if self.current is not None:
-            self._after_one[self.current] = use
-            if self.previous is not None:
+            if self._after_one.get(self.current) != use:
+                self._after_one[self.current] = use
+                self.version += 1
+            if self.previous is not None and self._after_pair.get((self.previous, self.current)) != use:
                 self._after_pair[(self.previous, self.current)] = use
+                self.version += 1
         self.previous, self.current = self.current, use
 
     def upcoming(self, limit: int) -> Iterator[Use]:

@@ -141,6 +141,8 @@ class LayerSwapper:
             self._listeners.append(self.driver)
         self._current: int | None = None
         self._last_use: tuple[int, Phase] | None = None
+        self._plans: dict[tuple, tuple[int, ...]] = {}  # prefetch targets per (previous, current) use
+        self._plans_version = -1
         self._clock = 0
         self._lock = threading.RLock()
         self._hooks = HookAdapter(self.layers, self)
@@ -321,16 +323,7 @@ class LayerSwapper:
         depth = self.placement.prefetch
         if depth == 0 or not self._streamed:
             return
-        wanted: list[int] = []
-        seen = {self._current}
-        for idx, _ in self.predictor.upcoming(limit=2 * len(self.layers) + 2):
-            if idx in seen:
-                continue
-            seen.add(idx)
-            if idx in self._streamed:
-                wanted.append(idx)
-                if len(wanted) == depth:
-                    break
+        wanted = self._wanted(depth)
         protected = set(wanted) | {self._current}
         requests = []
         for idx in wanted:
@@ -347,6 +340,28 @@ class LayerSwapper:
         else:
             for request in requests:
                 self._fetch([request], demand=False)
+
+    def _wanted(self, depth: int) -> tuple[int, ...]:
+        """The next ``depth`` streamed layers the predictor expects after the current use, cached per
+        (previous, current) use until the predictor learns something new (a table lookup per use)."""
+        predictor = self.predictor
+        if self._plans_version != predictor.version:
+            self._plans.clear()
+            self._plans_version = predictor.version
+        key = (predictor.previous, predictor.current)
+        wanted = self._plans.get(key)
+        if wanted is None:
+            found: list[int] = []
+            seen = {self._current}
+            for idx, _ in predictor.upcoming(limit=2 * len(self.layers) + 2):
+                if idx not in seen:
+                    seen.add(idx)
+                    if idx in self._streamed:
+                        found.append(idx)
+                        if len(found) == depth:
+                            break
+            wanted = self._plans[key] = tuple(found)
+        return wanted
 
     def _claim_slot(self, idx: int, protected: set[int]) -> Slot | None:
         """A free slot, or the victim among slots whose layer is neither protected nor in use (evicted
@@ -428,6 +443,7 @@ class LayerSwapper:
             sizes = tuple(layout.sizes for layout in self.layouts)
             self.placement = Placement(sizes, tuple(sorted(self._streamed)), prefetch, self.config.cuda_streams)
             self.config = self.config.replace(prefetch=prefetch)
+            self._plans.clear()
             self.pool.release()
             self.pool = DevicePool(self.device, self.placement.slot_count, self.placement.slot_bytes)
             self.copier.forget_slots()
