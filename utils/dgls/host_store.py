@@ -26,6 +26,7 @@ import torch
 
 from .errors import DGLSUserError
 from .layout import GiB, LayerLayout
+from .peers import Peers
 from .precision import dequantize, quantize
 
 PAGE = 4096
@@ -152,8 +153,11 @@ class _Registrations:
 class HostStore:
     """Owns the packed host masters, their pinned registrations and the staging buffers."""
 
-    def __init__(self, device: torch.device, pinned_budget: int | None, packing_threshold: int) -> None:
+    def __init__(
+        self, device: torch.device, pinned_budget: int | None, packing_threshold: int, peers: Peers | None = None
+    ) -> None:
         self.device = device
+        self.peers = peers or Peers()
         self.use_pinning = device.type == "cuda"
         self.pinned_budget = pinned_budget
         self.packing_threshold = packing_threshold
@@ -167,23 +171,29 @@ class HostStore:
     def pageable_layers(self) -> list[int]:
         return [i for i, h in self.layers.items() if self.use_pinning and not h.pinned]
 
-    def add_layer(self, layout: LayerLayout, values: list[torch.Tensor] | None = None) -> HostLayer:
-        """Pack one layer's streamable params (their current data, or ``values`` in layout order),
-        cast as the layout says, and pin the buffer while the budget lasts."""
+    def add_layer(self, layout: LayerLayout, memory: str = "private") -> HostLayer:
+        """Pack one layer's streamable params (their current data), cast as the layout says, and pin the
+        buffer while the budget lasts. ``memory``: "private"; "create", a shared segment this process fills
+        (the leader of :mod:`.peers`); or "attach", the leader's segment, already filled (fp8 scales are
+        still computed here: they live on this process's device)."""
         nbytes = layout.host_bytes
         budget = self.pinned_budget
         pin = self.use_pinning and (budget is None or self.pinned_bytes + _whole_pages(nbytes) <= budget)
-        buffer = _page_aligned_empty(nbytes) if self.use_pinning else torch.empty(nbytes, dtype=torch.uint8)
+        if memory == "private":
+            buffer = _page_aligned_empty(nbytes) if self.use_pinning else torch.empty(nbytes, dtype=torch.uint8)
+        else:
+            make = self.peers.create if memory == "create" else self.peers.attach
+            buffer = make(layout.index, _whole_pages(nbytes))
         layer = HostLayer(layout, buffer[:nbytes], pin, nbytes >= self.packing_threshold)
         with torch.no_grad():
             for k, p in enumerate(layout.params):
-                value = values[k] if values is not None else p.param.data
                 if p.scaled:
-                    q, scale = quantize(value.to(self.device), p.stored)
+                    q, scale = quantize(p.param.data.to(self.device), p.stored)
                     layer.scales[k], layer.scales_host[k] = scale, scale.cpu()
-                    layer.master_view(k).copy_(q)
-                else:
-                    layer.master_view(k).copy_(value)
+                    if memory != "attach":
+                        layer.master_view(k).copy_(q)
+                elif memory != "attach":
+                    layer.master_view(k).copy_(p.param.data)
         if pin:
             self._registrations.add(layout.index, buffer)
             self.pinned_bytes += buffer.numel()

@@ -31,6 +31,7 @@ from .errors import DGLSUserError
 from .host_store import HostLayer, HostStore, check_ram, default_pinned_budget
 from .layout import MB, LayerLayout, measure_layer
 from .monitor import check_pinned_budget
+from .peers import Peers, remove_orphans
 from .precision import CastRules
 
 GiB = 1024**3
@@ -60,12 +61,13 @@ class Masters:
         total = sum(lay.host_bytes for lay in hosted)
         budget = config.pinned_ram_budget_gb
         budget = int(budget * GiB) if budget is not None else default_pinned_budget(on_cpu)
-        self.store = HostStore(device, budget, int(config.selective_packing * MB))
-        check_ram(total - on_cpu)
-        if self.store.use_pinning and (note := check_pinned_budget(min(total, budget), freed_bytes=on_cpu)):
-            log(note)
-        for layout in hosted:
-            self.store.add_layer(layout)
+        self.peers = Peers.discover()
+        self.store = HostStore(device, budget, int(config.selective_packing * MB), self.peers)
+        if self.peers.leader:
+            check_ram(total - on_cpu)
+            if self.store.use_pinning and (note := check_pinned_budget(min(total, budget), freed_bytes=on_cpu)):
+                log(note)
+        self._pack(hosted, log)
         self._handles: dict[int, list] = {}
         # Set by the engine: evict every streamed layer, say whether a layer streams, give a placeholder,
         # and rebuild a streamed layer whose Parameter objects were replaced.
@@ -73,6 +75,30 @@ class Masters:
         self.is_streamed: Callable[[int], bool] = lambda idx: False
         self.placeholder: Callable[[torch.dtype], torch.Tensor] = lambda dtype: torch.empty(0, dtype=dtype)
         self.on_adopted: Callable[[int], None] = lambda idx: None
+
+    def _pack(self, hosted: list[LayerLayout], log: Callable[[str], None]) -> None:
+        """Pack the hosted layers: privately, or once per machine into shared segments (:mod:`.peers`)."""
+        peers = self.peers
+        if not peers.shared:
+            for layout in hosted:
+                self.store.add_layer(layout)
+            return
+        if peers.leader:
+            remove_orphans()
+            for layout in hosted:
+                self.store.add_layer(layout, memory="create")
+        peers.barrier()
+        if not peers.leader:
+            for layout in hosted:
+                self.store.add_layer(layout, memory="attach")
+        peers.barrier()
+        if peers.leader:
+            peers.unlink_created()
+            total = sum(layout.host_bytes for layout in hosted)
+            log(
+                f"DGLS host memory: {total / GiB:.2f} GiB of masters, one copy shared by the {peers.local_ranks} "
+                f"processes on this machine ({peers.local_ranks * total / GiB:.2f} GiB if each kept its own)"
+            )
 
     def host(self, idx: int) -> HostLayer:
         return self.store.layers[idx]
@@ -92,8 +118,9 @@ class Masters:
 
     def became_resident(self, idx: int) -> None:
         """The layer's params now hold device copies: drop the master unless it is fp8 (an exact copy
-        needs no master; an fp8 one is kept so that re-streaming never quantizes again)."""
-        if not has_fp8(self.layouts[idx]):
+        needs no master; an fp8 one is kept so that re-streaming never quantizes again) or shared (the
+        other processes of the machine may still stream it)."""
+        if not has_fp8(self.layouts[idx]) and not self.peers.shared:
             self.remove_hooks(idx)
             self.store.remove_layer(idx)
 
@@ -154,3 +181,4 @@ class Masters:
         for idx in list(self._handles):
             self.remove_hooks(idx)
         self.store.release()
+        self.peers.close()
