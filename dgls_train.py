@@ -35,6 +35,9 @@ except ModuleNotFoundError as exc:  # an incomplete copy into a checkout, or a p
             file=sys.stderr,
         )
     sys.exit(2)
+except KeyboardInterrupt:  # Ctrl-C while torch loads
+    print("dgls: interrupted before training started; nothing was saved", file=sys.stderr)
+    sys.exit(130)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -170,6 +170,16 @@ CASES = [
         demo(dgls={"blocks_to_swap": 3, "initial_gpu_layers": 1}),
         "[dgls] initial_gpu_layers in",
     ),
+    Case(
+        "budget-and-prefetch",
+        demo("--vram_budget", "1", "--prefetch", "3"),
+        "choose the prefetch depth: drop --prefetch",
+    ),
+    Case(
+        "budget-and-prefetch-toml",
+        demo(dgls={"vram_budget": 1, "prefetch": 3}),
+        "lets the planner choose the prefetch depth: drop [dgls] prefetch in",
+    ),
     Case("lazy-steps-0", demo("--lazy_lora_steps", "0"), "--lazy_lora_steps must be a whole number >= 1"),
     Case("dp-local-rank-no-launcher", dp("--local_rank=1"), "--local_rank is the deepspeed launcher's"),
     # missing pieces

@@ -82,9 +82,10 @@ def test_placement_on_the_command_line_replaces_the_tomls(tmp_path, user_env, fl
     assert getattr(run.swap, field) == value
     assert run.swap.initial_gpu_layers is None and run.swap.final_gpu_layers is None
     (note,) = run.notes
-    assert note == (
-        f"DGLS: {flags[0]} {flags[1]} on the command line replaces initial_gpu_layers = 1, final_gpu_layers = 1 "
-        f"from {ROOT / 'toml' / 'demo.toml'}"
+    replaced = "initial_gpu_layers = 1, final_gpu_layers = 1" + (", prefetch = 2" if field == "vram_budget_gb" else "")
+    assert (
+        note
+        == f"DGLS: {flags[0]} {flags[1]} on the command line replaces {replaced} from {ROOT / 'toml' / 'demo.toml'}"
     )
 
 

@@ -428,6 +428,8 @@ def resolve(table: Any, cli: argparse.Namespace, where: str = "the config") -> R
     cli_styles = {PLACEMENT_STYLE[k] for k in from_cli if k in PLACEMENT_STYLE}
     if cli_styles:
         dropped = [k for k in from_toml if k in PLACEMENT_STYLE and PLACEMENT_STYLE[k] not in cli_styles]
+        if "vram_budget" in cli_styles and "prefetch" in from_toml and "prefetch" not in from_cli:
+            dropped.append("prefetch")  # the planner picks the prefetch depth
         if dropped:
             given = ", ".join(f"--{k} {_shown(from_cli[k])}" for k in from_cli if k in PLACEMENT_STYLE)
             replaced = ", ".join(f"{k} = {_shown(from_toml.pop(k))}" for k in dropped)
@@ -448,6 +450,9 @@ def resolve(table: Any, cli: argparse.Namespace, where: str = "the config") -> R
             f"{named} both choose which layers stay resident: keep one placement style "
             "(gpu_layers, blocks_to_swap, initial/final_gpu_layers or vram_budget)"
         )
+    if "vram_budget" in styles and resolved.given("prefetch"):
+        budget, prefetch = resolved.label("vram_budget"), resolved.label("prefetch")
+        raise DGLSUserError(f"{budget} lets the planner choose the prefetch depth: drop {prefetch}")
     return resolved
 
 
