@@ -196,3 +196,19 @@ def test_main_raises_user_errors_for_callers():
 
     with pytest.raises(DGLSUserError, match=re.escape("config file not found")):
         dgls_train.main(["--config", "/nonexistent/x.toml"])
+
+
+def test_quick_start_commands_are_what_ci_runs():
+    """The README's Quick start: two set-up commands, the demo command and the test command, each a
+    line .ci/run (or, for the demo, its slow test) runs as written."""
+    readme = (ROOT / "README.md").read_text()
+    quick = readme.split("## Quick start")[1].split("\n## ")[0]
+    blocks = [b.split("```")[0].strip().splitlines() for b in quick.split("```bash\n")[1:]]
+    assert [len(b) for b in blocks] == [2, 1, 1], blocks
+    (setup, (demo,), (tests,)) = blocks
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    for line in [*setup, tests]:
+        assert line in ci, f"{line!r} is not a line of .ci/run"
+    assert demo == "python3 dgls_train.py --config toml/demo.toml"
+    launch_tests = (ROOT / "tests" / "test_launch_lines.py").read_text()
+    assert '[sys.executable, "dgls_train.py", "--config", "toml/demo.toml"]' in launch_tests
