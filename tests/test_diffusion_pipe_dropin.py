@@ -260,12 +260,30 @@ def test_a_run_too_short_for_the_profile_says_so():
     from utils.dgls.diffusion_pipe import PipelineInterception
 
     lines = []
-    interception = PipelineInterception(
-        {"verbose": False, "verbose_every": 10}, log=lines.append, swap=SwapConfig(profile_path="/tmp/t.json")
-    )
+    values = {"verbose": False, "verbose_every": 10, "plan": False}
+    interception = PipelineInterception(values, log=lines.append, swap=SwapConfig(profile_path="/tmp/t.json"))
     interception.swapper, interception.steps = object(), 2
     interception.finish()
     assert lines == [
         "DGLS: --profile: train.py ran 2 training step(s), fewer than the 3 the profile starts at: "
         "no trace was written to /tmp/t.json"
     ]
+
+
+@pytest.mark.parametrize("steps", [3, pytest.param(1, marks=pytest.mark.slow)], ids=["probe-done", "run-too-short"])
+def test_plan_in_the_drop_in_saves_nothing(tmp_path, steps):
+    """--plan stops after the probe; if train.py ends first, it says so. Either way no LoRA, no
+    checkpoint and no run folder stay behind (diffusion-pipe's Saver does nothing under --plan)."""
+    config = fake_config(tmp_path / "cfg", top=f"max_steps = {steps}\ncheckpoint_every_n_steps = 1")
+    proc = run_user_command(
+        python_cmd("--config", str(config), "--diffusion_pipe", str(FAKE), "--vram_budget", "1", "--plan"), tmp_path
+    )
+    if steps == 3:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert (
+            "DGLS plan (" in proc.stdout and "--plan: stopping after the probe steps; nothing was saved" in proc.stdout
+        )
+    else:
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+        assert "--plan: train.py stopped after 1 training step(s), before the planner had measured" in proc.stderr
+    assert list((tmp_path / "cfg" / "out").iterdir()) == []

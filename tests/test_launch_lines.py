@@ -76,11 +76,15 @@ def test_ctrl_c_in_the_demo_is_one_line_and_cleans_up(tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_in_the_drop_in_is_one_line_and_cleans_up(tmp_path):
-    config = fake_config(tmp_path / "cfg", top="max_steps = 1000")
+    config = fake_config(tmp_path / "cfg", top="max_steps = 1000\ncheckpoint_every_n_steps = 1")
     cmd = [sys.executable, "-u", *python_cmd("--config", str(config), "--diffusion_pipe", str(FAKE), "--verbose")[1:]]
     code, out, err, pid = _interrupt(cmd, tmp_path, "dgls step 2:")
     assert code == 130, err
-    assert err == "dgls: interrupted: nothing was saved\n", err
+    run_dir = only_run_dir(tmp_path / "cfg" / "out")
+    assert err == (
+        f"dgls: interrupted: diffusion-pipe's run folder is {run_dir} (no LoRA saved yet); to go on from its last "
+        "checkpoint, run the same command with --resume_from_checkpoint\n"
+    ), err
     assert not psutil.pid_exists(pid)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import runpy
+import shutil
 import sys
 import tempfile
 import time
@@ -70,7 +71,9 @@ class PipelineInterception:
       the run length depends on the dataset), warn once when host RAM runs short, and write
       them to diffusion-pipe's TensorBoard run dir;
     * ``SummaryWriter.__init__`` (if tensorboard is installed): remember train.py's writer,
-      so the stats land next to its loss.
+      so the stats land next to its loss;
+    * with ``--plan`` only, ``utils.saver.Saver.save_model`` and ``save_checkpoint``: do nothing,
+      so the probe steps never leave a LoRA or a checkpoint behind, however the run is saved.
     """
 
     def __init__(
@@ -101,6 +104,10 @@ class PipelineInterception:
             )
         from deepspeed.runtime.pipe.engine import PipelineEngine
 
+        saver = self._saver_for_plan() if self.values["plan"] else None
+        if saver is not None:
+            for name in ("save_model", "save_checkpoint"):
+                self.patches.replace(saver, name, lambda original: lambda *args, **kwargs: None)
         self.patches.replace(cls, "__init__", self._wrap_pipeline_init)
         self.patches.replace(PipelineEngine, "train_batch", self._wrap_train_batch)
         try:
@@ -110,6 +117,20 @@ class PipelineInterception:
         if SummaryWriter is not None:
             self.patches.replace(SummaryWriter, "__init__", self._wrap_writer_init)
         return self
+
+    @staticmethod
+    def _saver_for_plan():
+        try:
+            import utils.saver as dp_saver
+        except ImportError:
+            dp_saver = None
+        saver = getattr(dp_saver, "Saver", None)
+        if saver is None or not all(name in saver.__dict__ for name in ("save_model", "save_checkpoint")):
+            raise DGLSUserError(
+                "--plan: this checkout's utils/saver.py has no Saver.save_model/save_checkpoint, so DGLS cannot "
+                "keep the probe steps from being saved; run without --plan, or report the checkout's commit"
+            )
+        return saver
 
     def _wrap_pipeline_init(self, original):
         def init_with_dgls(module, *args, **kwargs):
@@ -160,9 +181,14 @@ class PipelineInterception:
 
     def finish(self) -> None:
         """After train.py ran to its end: summarise the last, partial window; say if the run was too
-        short for --profile (the number of steps is not known before diffusion-pipe runs)."""
+        short for --plan or --profile (the number of steps is not known before diffusion-pipe runs)."""
         if self.values["verbose"] and (text := self.window.flush()):
             self.log(f"dgls {text}")
+        if self.values["plan"]:
+            raise DGLSUserError(
+                f"--plan: train.py stopped after {self.steps} training step(s), before the planner had measured "
+                "its probe (2 steps); nothing was saved: let the run go longer (epochs, max_steps)"
+            )
         if self.swapper is None or not self.swap.profile_path:
             return
         first = self.swap.profile_warmup_steps + 1
@@ -257,3 +283,14 @@ def run_drop_in(run: DropInRun) -> None:
                 interception.finish()
         except KeyboardInterrupt:
             raise RunInterrupted(_what_was_saved(output_dir, started)) from None
+        finally:
+            if values["plan"]:
+                _discard_plan_run_dir(output_dir, started)
+
+
+def _discard_plan_run_dir(output_dir: Path, started: float) -> None:
+    """--plan saves nothing: remove the run folder train.py made for it (it holds only the copies of the
+    TOMLs and TensorBoard events made at start; a folder with anything saved in it stays)."""
+    for run_dir in run_dirs(output_dir):
+        if run_dir.stat().st_mtime >= started and all(p.is_file() for p in run_dir.iterdir()):
+            shutil.rmtree(run_dir)
