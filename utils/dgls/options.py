@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .config import SwapConfig
@@ -505,7 +506,7 @@ def swap_config(values: dict[str, Any]) -> SwapConfig:
         "verbose_every",
     )
     config = {k: values[k] for k in keys}
-    config["profile_path"] = values["profile"]
+    config["profile_path"] = str(Path(values["profile"]).expanduser()) if values["profile"] else None
     config["vram_budget_gb"] = values["vram_budget"]
     config["plan_only"] = values["plan"]
     config["event_sync"] = values["event_sync"] and values["device_sync_mode"] != "layer"
