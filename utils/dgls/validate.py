@@ -20,11 +20,12 @@ from .distributed import DistEnv, dist_env, option_value
 from .errors import DGLSUserError
 from .launch import DEMO_MODEL_TYPE, build_parser, check_known_type, load_toml, model_type
 from .paths import check_output_dir, check_output_file
-from .precision import is_fp8
+from .precision import dtype_of, is_fp8, name_of
 
 # Arguments the deepspeed launcher adds (--local_rank=N) or its users write (--deepspeed): the demo takes them.
 LAUNCHER_ARGS = ("--local_rank", "--deepspeed")
 SAFETENSORS_HEADER = 64 << 10  # room for a LoRA file's header, beyond its tensors
+AUTOCAST_NAME = {"f32": "fp32", "f16": "fp16", "bf16": "bf16"}  # a cast_target TO -> the --autocast that computes in it
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,9 @@ def _cuda_count() -> int:
 def check_gpu_id(resolved: options.Resolved, dist: DistEnv, wanted: str = "auto") -> None:
     """--gpu_id names a visible GPU in a one-process run, or is not given."""
     gpu_id, label = resolved.values["gpu_id"], resolved.label("gpu_id")
-    count = _cuda_count()
     if dist.launched or not resolved.given("gpu_id"):
         return
+    count = _cuda_count()
     if wanted == "cpu":
         raise DGLSUserError(f"{label} {gpu_id} has no effect: the config sets device = 'cpu'; drop one of them")
     if count == 0:
@@ -99,18 +100,12 @@ def check_precision(swap: SwapConfig, dtypes: set[str], trainer_autocasts: bool,
                 f"cast_target {source} {target} casts nothing: the model's weights are {', '.join(sorted(dtypes))} "
                 f"({where}); use cast_target {sorted(dtypes)[0]} {target}"
             )
-        if not is_fp8(_dtype(target)) and not trainer_autocasts and swap.autocast is None:
+        if not is_fp8(dtype_of(target, "cast_target")) and not trainer_autocasts and swap.autocast is None:
             raise DGLSUserError(
                 f"cast_target {source} {target} makes the streamed weights {target} while the inputs stay {source}: "
-                f"add --autocast {options.AUTOCAST_MODES[('f32', 'f16', 'bf16').index(target)]}, or store as fp8 "
-                f"(cast_target {source} f8_e4m3), which computes in {source}"
+                f"add --autocast {AUTOCAST_NAME[target]}, or store as fp8 (cast_target {source} f8_e4m3), which "
+                f"computes in {source}"
             )
-
-
-def _dtype(name: str) -> torch.dtype:
-    from .precision import dtype_of
-
-    return dtype_of(name, "cast_target")
 
 
 def _split_launcher_args(rest: list[str]) -> list[str]:
@@ -168,14 +163,8 @@ def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, 
         lora_bytes = lora_param_count(settings.model, settings.lora_rank) * 4 + SAFETENSORS_HEADER
         check_output_dir(settings.output_dir, f"[demo] output_dir = '{settings.output_dir}' in {path}", lora_bytes)
     if values["dynamic_swapping"]:
-        check_precision(swap, {_cast_name(settings.dtype)}, False, f"[model] dtype = '{settings.dtype_name}'")
+        check_precision(swap, {name_of(settings.dtype)}, False, f"[model] dtype = '{settings.dtype_name}'")
     return DemoRun(path, settings, values, swap, device, dist, tuple(notes))
-
-
-def _cast_name(dtype: torch.dtype) -> str:
-    from .precision import name_of
-
-    return name_of(dtype)
 
 
 def _demo_device(wanted: str, resolved: options.Resolved, dist: DistEnv) -> torch.device:
