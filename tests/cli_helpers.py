@@ -74,9 +74,15 @@ def run_in_process(argv: list[str], capsys) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+def user_env() -> dict[str, str]:
+    """The environment of a user's shell: no torch.distributed variables, no DGLS_DIFFUSION_PIPE
+    (the launch lines find the checkout from --diffusion_pipe or the current folder)."""
+    return child_env("DGLS_DIFFUSION_PIPE")
+
+
 def run_user_command(cmd: list[str], cwd: Path, env_extra: dict[str, str] | None = None, timeout: int = 600):
-    """A command as a user types it: no torch.distributed variables in the environment."""
-    env = child_env()
+    """A command as a user types it (see user_env)."""
+    env = user_env()
     env.update(env_extra or {})
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 

@@ -287,3 +287,14 @@ def test_plan_in_the_drop_in_saves_nothing(tmp_path, steps):
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
         assert "--plan: train.py stopped after 1 training step(s), before the planner had measured" in proc.stderr
     assert list((tmp_path / "cfg" / "out").iterdir()) == []
+
+
+def test_a_package_train_py_needs_but_is_missing_is_one_line(tmp_path):
+    checkout = _copy_checkout(tmp_path)
+    train = checkout / "train.py"
+    train.write_text("import a_package_nobody_has  # noqa\n" + train.read_text())
+    proc = _run_dgls_train(ROOT / "dgls_train.py", tmp_path, "--diffusion_pipe", str(checkout))
+    assert proc.returncode == 2 and proc.stderr == (
+        "dgls: error: diffusion-pipe's train.py needs the Python package 'a_package_nobody_has', which is not "
+        f"installed: pip install -r {checkout / 'requirements.txt'}\n"
+    ), proc.stderr[-2000:]

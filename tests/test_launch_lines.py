@@ -17,9 +17,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from cli_helpers import FAKE, demo_toml, fake_config, python_cmd, run_user_command
+from cli_helpers import FAKE, demo_toml, fake_config, python_cmd, run_user_command, user_env
 from conftest import ROOT
-from helpers import child_env
 
 
 def deepspeed_cmd(*args: str) -> list[str]:
@@ -54,7 +53,7 @@ def _interrupt(cmd: list[str], cwd: Path, after: str) -> tuple[int, str, str, in
     """Start ``cmd``, send SIGINT (Ctrl-C) once a stdout line starts with ``after``.
 
     Returns (exit code, stdout, stderr, pid)."""
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=user_env())
     seen = []
     for line in proc.stdout:
         seen.append(line)

@@ -283,6 +283,11 @@ def run_drop_in(run: DropInRun) -> None:
                 interception.finish()
         except KeyboardInterrupt:
             raise RunInterrupted(_what_was_saved(output_dir, started)) from None
+        except ModuleNotFoundError as exc:  # train.py's own dependencies (wandb, diffusers ...)
+            raise DGLSUserError(
+                f"diffusion-pipe's train.py needs the Python package {exc.name!r}, which is not installed: "
+                f"pip install -r {run.checkout / 'requirements.txt'}"
+            ) from None
         finally:
             if values["plan"]:
                 _discard_plan_run_dir(output_dir, started)
