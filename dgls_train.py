@@ -3,8 +3,10 @@
 
     python dgls_train.py --config toml/demo.toml
     python dgls_train.py --config my_flux.toml --blocks_to_swap 30 --prefetch 2
+    deepspeed --num_gpus=1 dgls_train.py --deepspeed --config my_flux.toml --blocks_to_swap 30
 
-User mistakes end with one line on stderr and exit code 2; bugs keep their traceback.
+Every input is checked before anything slow starts; a user mistake ends with one line on
+stderr and exit code 2, Ctrl-C with one line and 130; bugs keep their traceback.
 """
 
 from __future__ import annotations
@@ -16,9 +18,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 try:
-    from utils.dgls import options
-    from utils.dgls.errors import DGLSUserError
-    from utils.dgls.launch import DEMO_MODEL_TYPE, build_parser, check_known_type, load_toml, model_type
+    from utils.dgls.launch import entry
+    from utils.dgls.validate import DemoRun, prepare
 except ModuleNotFoundError as exc:  # an incomplete copy into a checkout, or a package not installed
     missing = exc.name or str(exc)
     if missing.split(".")[0] == "utils":
@@ -34,43 +35,26 @@ except ModuleNotFoundError as exc:  # an incomplete copy into a checkout, or a p
             file=sys.stderr,
         )
     sys.exit(2)
+except KeyboardInterrupt:  # Ctrl-C while torch loads
+    print("dgls: interrupted before training started; nothing was saved", file=sys.stderr)
+    sys.exit(130)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, rest = build_parser().parse_known_args(argv)
-    config = load_toml(args.config)
-    values = options.resolve(config.get("dgls"), args)
-    for note in options.startup_notes(values):
+    """Check everything, say how the settings were combined, then run the demo or train.py."""
+    run = prepare(argv, HERE)
+    for note in run.notes:
         print(note)
-    kind = model_type(config, args.config)
-    if kind == DEMO_MODEL_TYPE:
-        if rest:
-            raise DGLSUserError(f"unknown argument(s) for the demo: {' '.join(rest)}")
+    if isinstance(run, DemoRun):
         from utils.dgls.demo.train import run_demo
 
-        run_demo(config, values)
-        return 0
-    from utils.dgls import diffusion_pipe
+        run_demo(run)
+    else:
+        from utils.dgls.diffusion_pipe import run_drop_in
 
-    try:
-        checkout = diffusion_pipe.find_checkout(args.diffusion_pipe, Path(__file__).resolve().parent)
-    except DGLSUserError:
-        check_known_type(kind, None)  # a typo reads better as "unknown model type" than "no checkout"
-        raise
-    check_known_type(kind, checkout)
-    diffusion_pipe.check_dataset_files(config, args.config, checkout)
-    if values["dynamic_swapping"]:
-        diffusion_pipe.check_train_config(config, args.config)
-        for note in diffusion_pipe.startup_notes(config):
-            print(note)
-    config_path = diffusion_pipe.with_lazy_lora_steps(config, args.config, values["lazy_lora_steps"])
-    diffusion_pipe.run_train_py(checkout, config_path, rest, values)
+        run_drop_in(run)
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except DGLSUserError as exc:
-        print(f"dgls: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(entry(main))

@@ -1,89 +1,116 @@
-"""dgls_train.py: the demo end to end through DeepSpeed, and one-line errors for user mistakes."""
+"""dgls_train.py: the demo end to end through DeepSpeed, how flags and the TOML combine, --plan,
+--help, the README's flag table, and what the output looks like in a log file.
 
-import subprocess
-import sys
+Bad inputs are in test_bad_inputs.py, the launch lines and Ctrl-C in test_launch_lines.py.
+"""
+
+import os
+import re
 
 import pytest
+from cli_helpers import demo_toml, python_cmd, run_in_process, run_user_command
 from conftest import ROOT
-from helpers import child_env
 from safetensors.torch import load_file
 
 import dgls_train
 from utils.dgls import options
-from utils.dgls.errors import DGLSUserError
+from utils.dgls.demo.settings import demo_settings
+from utils.dgls.distributed import DEFAULT_PORT, dist_env
 from utils.dgls.launch import build_parser
+from utils.dgls.validate import prepare
 
 
-def run_cli(*args, cwd=ROOT):
-    return subprocess.run(
-        [sys.executable, str(ROOT / "dgls_train.py"), *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=child_env(),
-    )
+@pytest.fixture
+def user_env(tmp_path, monkeypatch):
+    """A user's environment (no torch.distributed variables), the test's folder as the current
+    one; os.environ is restored afterwards, as an in-process run sets the one-process job's."""
+    saved = dict(os.environ)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DGLS_DIFFUSION_PIPE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(tmp_path)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
-def test_demo_trains_loss_goes_down_and_saves_lora(tmp_path):
-    config = (
-        (ROOT / "toml" / "demo.toml").read_text().replace('output_dir = "output/demo"', f'output_dir = "{tmp_path}"')
-    )
-    (tmp_path / "demo.toml").write_text(config)
-    proc = run_cli("--config", str(tmp_path / "demo.toml"), "--verbose")
+def run_dirs(folder):
+    return sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+
+
+def test_demo_trains_saves_lora_and_writes_a_clean_log(tmp_path):
+    """The README's demo command (6 steps, the output elsewhere), stdout and stderr to a file. The
+    exact command, 30 steps with the loss going down, is in test_launch_lines.py (slow)."""
+    proc = run_user_command(python_cmd("--config", str(demo_toml(tmp_path, steps=6)), "--verbose"), ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert "placement" in out and "streamed" in out  # placement table
-    assert "step 30: loss" in out and "swap:" in out  # per-step lines
+    assert "step 6: loss" in out and "swap:" in out  # per-step lines
     summary = next(line for line in out.splitlines() if line.startswith("DGLS demo finished"))
-    start, end = (float(x) for x in summary.split("loss ")[1].split(" over")[0].split(" -> "))
-    assert end < 0.9 * start, summary
-    lora = load_file(str(tmp_path / "adapter_model.safetensors"))
+    (run_dir,) = run_dirs(tmp_path / "out")
+    assert summary.endswith(f"LoRA saved to {run_dir / 'adapter_model.safetensors'}")
+    lora = load_file(str(run_dir / "adapter_model.safetensors"))
     assert lora and all("lora_" in k for k in lora)
-
-
-@pytest.mark.parametrize(
-    "toml_text, message",
-    [
-        (None, "config file not found"),
-        ("[model\ntype=", "is not valid TOML"),
-        ('[model]\ntype = "dgls_demo"\n[dgls]\nprefetc = 2\n', "unknown [dgls] key 'prefetc'"),
-        ('[model]\ntype = "dgls_demo"\n[dgls]\nthreading = "yes"\n', "threading must be true or false"),
-        ('[model]\ntype = "flux"\n', "diffusion-pipe"),
-        ("[adapter]\nrank = 4\n", "no [model] type"),
-        ('[model]\ntype = "dgls_demo"\n[dgls]\nprefetch = -3\n', "prefetch must be"),
-    ],
-)
-def test_user_errors_are_one_line(tmp_path, monkeypatch, toml_text, message):
-    monkeypatch.delenv("DGLS_DIFFUSION_PIPE", raising=False)  # the flux case expects no checkout to be found
-    monkeypatch.chdir(tmp_path)
-    path = tmp_path / "x.toml"
-    if toml_text is not None:
-        path.write_text(toml_text)
-    with pytest.raises(DGLSUserError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        dgls_train.main(["--config", str(path)])
-
-
-def test_user_error_exits_2_without_traceback(tmp_path):
-    proc = run_cli("--config", str(tmp_path / "missing.toml"))
-    assert proc.returncode == 2
-    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
-    assert proc.stderr.startswith("dgls: error: config file not found")
+    # not a terminal: no progress-bar fragments; DeepSpeed's start-up chatter is not shown
+    assert "\r" not in out and "step/s" not in out and "it/s" not in out
+    for chatter in ("SEED_LAYERS", "Using topology", "stage=0 layers", "[WARNING]", "[INFO]", "built successfully"):
+        assert chatter not in out, chatter
+    assert proc.stderr == ""
 
 
 def test_command_line_overrides_toml():
     args, _ = build_parser().parse_known_args(["--config", "x", "--prefetch", "4", "--no-threading"])
-    values = options.resolve({"prefetch": 1, "threading": True, "gpu_layers": [0, 5]}, args)
+    resolved = options.resolve({"prefetch": 1, "threading": True, "gpu_layers": [0, 5]}, args, "x.toml")
+    values = resolved.values
     assert values["prefetch"] == 4 and values["threading"] is False and values["gpu_layers"] == [0, 5]
+    assert resolved.sources["prefetch"] == "command line" and resolved.sources["gpu_layers"] == "x.toml"
     config = options.swap_config(values)
     assert config.prefetch == 4 and config.gpu_layers == [0, 5]
+
+
+@pytest.mark.parametrize(
+    "flags, field, value",
+    [
+        (["--blocks_to_swap", "3"], "blocks_to_swap", 3),
+        (["--gpu_layers", "0,1"], "gpu_layers", [0, 1]),
+        (["--vram_budget", "1"], "vram_budget_gb", 1.0),
+    ],
+)
+def test_placement_on_the_command_line_replaces_the_tomls(tmp_path, user_env, flags, field, value):
+    """toml/demo.toml keeps the ends resident (initial/final_gpu_layers); a placement style given on
+    the command line replaces that before anything is built, and start-up says so."""
+    run = prepare(["--config", str(ROOT / "toml" / "demo.toml"), *flags], ROOT)
+    assert getattr(run.swap, field) == value
+    assert run.swap.initial_gpu_layers is None and run.swap.final_gpu_layers is None
+    (note,) = run.notes
+    replaced = "initial_gpu_layers = 1, final_gpu_layers = 1" + (", prefetch = 2" if field == "vram_budget_gb" else "")
+    assert (
+        note
+        == f"DGLS: {flags[0]} {flags[1]} on the command line replaces {replaced} from {ROOT / 'toml' / 'demo.toml'}"
+    )
+
+
+def test_same_style_on_the_command_line_keeps_the_tomls_other_end(tmp_path, user_env):
+    run = prepare(["--config", str(ROOT / "toml" / "demo.toml"), "--initial_gpu_layers", "3"], ROOT)
+    assert (run.swap.initial_gpu_layers, run.swap.final_gpu_layers) == (3, 1) and run.notes == ()
 
 
 def test_gpu_layers_flag_parses_lists():
     args, _ = build_parser().parse_known_args(["--config", "x", "--gpu_layers", "0,1, 9"])
     assert args.gpu_layers == [0, 1, 9]
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["--config", "x", "--gpu_layers", "a,b"])
+
+
+def test_help_shows_defaults_choices_groups_and_where_other_flags_go(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "how many streamed layers ahead to copy; the pool holds prefetch+1 layers (default: 2)" in text
+    assert "--device_sync_mode {none,step,layer}" in text and "--autocast {fp32,fp16,bf16,f8_e4m3,f8_e5m2}" in text
+    assert "--threading, --no-threading issue copies" in text and "(default: off)" in text
+    for group in ("DGLS placement:", "DGLS streaming:", "DGLS precision:", "DGLS output:"):
+        assert group in text
+    assert "Arguments dgls_train.py does not know are passed to diffusion-pipe's train.py" in text
+    assert "sync_only_on_resume" not in text and "async_zero_grad" not in text
 
 
 def test_readme_flag_table_is_current():
@@ -91,64 +118,97 @@ def test_readme_flag_table_is_current():
     assert options.markdown_table() in readme, "regenerate the README flag table from options.markdown_table()"
 
 
-def _demo_toml(tmp_path, extra=""):
-    config = (
-        (ROOT / "toml" / "demo.toml").read_text().replace('output_dir = "output/demo"', f'output_dir = "{tmp_path}"')
-    )
-    config = config.replace("steps = 30", "steps = 4").replace("[dgls]\n", "[dgls]\n" + extra)
-    lines = [line for line in config.splitlines() if not line.startswith(("initial_gpu_layers", "final_gpu_layers"))]
-    path = tmp_path / "demo.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+def test_plan_with_explicit_placement_in_the_toml_plans_and_never_trains(tmp_path, user_env, capsys):
+    """toml/demo.toml places the ends explicitly; --vram_budget on the command line replaces that,
+    and --plan prints the plan after the probe and stops: no training past it, nothing saved."""
+    config = demo_toml(tmp_path, steps=30)
+    code, out, err = run_in_process(["--config", str(config), "--vram_budget", "1", "--plan"], capsys)
+    assert code == 0, err
+    assert "replaces initial_gpu_layers = 1, final_gpu_layers = 1" in out
+    assert "planning for a 1.00 GiB VRAM budget" in out and "DGLS plan (" in out and "predicted step" in out
+    assert "nothing was saved" in out and "step 3:" not in out and "the planner is off" not in out
+    assert not (tmp_path / "out").exists()
 
 
-def test_plan_prints_the_plan_and_exits_without_saving(tmp_path):
-    proc = run_cli("--config", str(_demo_toml(tmp_path)), "--vram_budget", "0.05", "--plan")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout + proc.stderr
-    assert "planning for a 51.2 MiB VRAM budget" in out
-    assert "DGLS plan (" in out and "predicted step" in out
-    assert "nothing was saved" in out
-    assert not (tmp_path / "adapter_model.safetensors").exists()
+def test_a_second_run_keeps_the_first_and_tilde_means_home(tmp_path, user_env, capsys, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    config = demo_toml(tmp_path, steps=1, output_dir="~/loras/demo")
+    first = second = None
+    for _ in range(2):
+        code, out, err = run_in_process(["--config", str(config), "--lazy_lora_steps", "2"], capsys)
+        assert code == 0, err
+        second, first = out.split("LoRA saved to ")[1].strip(), second
+    assert first != second and os.path.isfile(first) and os.path.isfile(second)
+    assert [str(p / "adapter_model.safetensors") for p in run_dirs(tmp_path / "home" / "loras" / "demo")] == [
+        first,
+        second,
+    ]
+    assert not (tmp_path / "~").exists()
 
 
-def test_compatibility_flags_say_what_they_map_to_and_lazy_steps_accumulate(tmp_path):
-    proc = run_cli(
-        "--config", str(_demo_toml(tmp_path)), "--async_zero_grad", "--sync_only_on_resume", "--lazy_lora_steps", "2"
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout + proc.stderr
-    assert "--async_zero_grad has nothing to do here: trainable (LoRA) params are always resident" in out
-    assert "--sync_only_on_resume has nothing to do here" in out
-    assert "step 4: loss" in out
+def test_demo_settings_expand_home_and_fill_defaults(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    settings = demo_settings({"demo": {"output_dir": "~/x"}, "adapter": {"rank": 3}}, "c.toml")
+    assert settings.output_dir == tmp_path / "x" and settings.lora_rank == 3 and settings.steps == 30
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--plan"], "--plan needs --vram_budget"),
-        (["--lazy_lora_steps", "0"], "lazy_lora_steps must be"),
-    ],
-)
-def test_flag_errors(tmp_path, args, message):
-    with pytest.raises(DGLSUserError, match=message):
-        dgls_train.main(["--config", str(_demo_toml(tmp_path)), *args])
+def test_one_process_job_gets_a_free_port_unless_one_was_chosen():
+    job = dist_env({}, gpu_id=1, gpu_id_given=True)
+    assert not job.launched and job.port != DEFAULT_PORT
+    assert job.env == {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(job.port),
+    }
+    assert dist_env({"MASTER_PORT": str(DEFAULT_PORT)}, 0, False).port != DEFAULT_PORT
+    assert dist_env({"MASTER_PORT": "12345"}, 0, False).port == 12345
+    assert dist_env({}, 0, False, train_port="2222").port == 2222
+    launched = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_PORT": str(DEFAULT_PORT)}
+    one = dist_env(launched, 0, False)
+    assert one.launched and one.port != DEFAULT_PORT and "RANK" not in one.env
+    two = dist_env({**launched, "WORLD_SIZE": "2"}, 0, False)
+    assert two.port == DEFAULT_PORT  # every process of a larger job must agree on the launcher's port
 
 
-@pytest.mark.parametrize("value, message", [("fast", "device_sync_mode"), ("lots", "vram_budget")])
-def test_bad_choice_values_in_toml(tmp_path, value, message):
-    key = "device_sync_mode" if message == "device_sync_mode" else "vram_budget"
-    path = _demo_toml(tmp_path, f'{key} = "{value}"\n')
-    with pytest.raises(DGLSUserError, match=message):
-        dgls_train.main(["--config", str(path)])
-
-
-def test_lazy_lora_steps_multiplies_gradient_accumulation(tmp_path):
+def test_lazy_lora_steps_config_is_temporary_and_keeps_the_file_name(tmp_path):
     import toml
-    from utils.dgls.diffusion_pipe import with_lazy_lora_steps
+    from utils.dgls.diffusion_pipe import config_for_train_py
 
+    original = tmp_path / "my_flux.toml"
     config = {"gradient_accumulation_steps": 2, "dataset": "d.toml", "dgls": {"prefetch": 1}}
-    path = with_lazy_lora_steps(config, "orig.toml", 3)
-    written = toml.load(path)
+    original.write_text(toml.dumps(config))
+    run = type("Run", (), {"values": {"lazy_lora_steps": 3}, "config": config, "config_path": str(original)})
+    with config_for_train_py(run) as path:
+        written = toml.load(path)
+        assert os.path.basename(path) == "my_flux.toml" and path != str(original)
     assert written["gradient_accumulation_steps"] == 6 and written["dataset"] == "d.toml" and "dgls" not in written
-    assert with_lazy_lora_steps(config, "orig.toml", 1) == "orig.toml"
+    assert not os.path.exists(os.path.dirname(path))
+    run.values = {"lazy_lora_steps": 1}
+    with config_for_train_py(run) as path:
+        assert path == str(original)
+
+
+def test_main_raises_user_errors_for_callers():
+    """dgls_train.main raises; only the program's entry point prints the one line."""
+    from utils.dgls.errors import DGLSUserError
+
+    with pytest.raises(DGLSUserError, match=re.escape("config file not found")):
+        dgls_train.main(["--config", "/nonexistent/x.toml"])
+
+
+def test_quick_start_commands_are_what_ci_runs():
+    """The README's Quick start: two set-up commands, the demo command and the test command, each a
+    line .ci/run (or, for the demo, its slow test) runs as written."""
+    readme = (ROOT / "README.md").read_text()
+    quick = readme.split("## Quick start")[1].split("\n## ")[0]
+    blocks = [b.split("```")[0].strip().splitlines() for b in quick.split("```bash\n")[1:]]
+    assert [len(b) for b in blocks] == [2, 1, 1], blocks
+    (setup, (demo,), (tests,)) = blocks
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    for line in [*setup, tests]:
+        assert line in ci, f"{line!r} is not a line of .ci/run"
+    assert demo == "python3 dgls_train.py --config toml/demo.toml"
+    launch_tests = (ROOT / "tests" / "test_launch_lines.py").read_text()
+    assert '[sys.executable, "dgls_train.py", "--config", "toml/demo.toml"]' in launch_tests

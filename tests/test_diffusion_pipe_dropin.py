@@ -13,12 +13,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import FAKE, fake_config, python_cmd, run_user_command
 from conftest import ROOT
 from helpers import child_env
 from safetensors.torch import load_file
 
 import dgls_train
-from utils.dgls.diffusion_pipe import (
+from utils.dgls.distributed import DEFAULT_PORT
+from utils.dgls.dp_config import (
     ENV_CHECKOUT,
     check_dataset_files,
     check_train_config,
@@ -26,9 +28,17 @@ from utils.dgls.diffusion_pipe import (
     startup_notes,
 )
 from utils.dgls.errors import DGLSUserError
+from utils.dgls.launch import build_parser
 
-FAKE = ROOT / "tests" / "fixtures" / "fake_checkout"
-BASE = {"adapter": {"type": "lora", "rank": 4}, "pipeline_stages": 1, "activation_checkpointing": True}
+BASE = {
+    "output_dir": "out",
+    "model": {"type": "flux", "dtype": "bfloat16"},
+    "optimizer": {"type": "adamw"},
+    "save_every_n_epochs": 1,
+    "adapter": {"type": "lora", "rank": 4},
+    "pipeline_stages": 1,
+    "activation_checkpointing": True,
+}
 
 
 def test_find_checkout_explicit_env_and_errors(tmp_path, monkeypatch):
@@ -57,7 +67,7 @@ def test_refusals(change, message):
     config = {**BASE, **change}
     config = {k: v for k, v in config.items() if v is not None}
     with pytest.raises(DGLSUserError, match=message):
-        check_train_config(config, "x.toml")
+        check_train_config(config, "x.toml", swapping=True)
 
 
 def test_dataset_files_are_checked_relative_to_the_checkout(tmp_path):
@@ -71,7 +81,11 @@ def test_dataset_files_are_checked_relative_to_the_checkout(tmp_path):
     cases = [
         ({}, "sets no dataset"),
         ({"dataset": "data/nope.toml"}, "dataset = 'data/nope.toml' not found"),
-        ({"dataset": "data/ds.toml", "eval_datasets": ["data/nope.toml"]}, "eval_datasets\\[0\\] = 'data/nope.toml'"),
+        (
+            {"dataset": "data/ds.toml", "eval_datasets": ["data/ds.toml"]},
+            "eval_datasets\\[0\\] = 'data/ds.toml' must be",
+        ),
+        ({"dataset": "data/ds.toml", "eval_datasets": [{"name": "e", "config": "n.toml"}]}, "'n.toml' not found"),
         ({"dataset": "data/bad.toml"}, "path 'data/missing' is not a folder"),
         ({"dataset": "data/broken.toml"}, "is not valid TOML"),
     ]
@@ -97,45 +111,47 @@ def test_unknown_type_and_missing_checkout_are_one_line_errors(tmp_path, monkeyp
         dgls_train.main(["--config", str(tmp_path / "flux.toml")])
 
 
-def run_fake(tmp_path, *extra):
-    out = tmp_path / "out"
-    out.mkdir(parents=True, exist_ok=True)
-    config = tmp_path / "train.toml"
-    (tmp_path / "images").mkdir(exist_ok=True)
-    (tmp_path / "dataset.toml").write_text(f'[[directory]]\npath = "{tmp_path / "images"}"\n')
-    config.write_text(
-        f'output_dir = "{out}"\ndataset = "{tmp_path / "dataset.toml"}"\npipeline_stages = 1\n'
-        'activation_checkpointing = true\n[model]\ntype = "flux"\n[adapter]\ntype = "lora"\nrank = 4\n'
-    )
-    env = child_env(ENV_CHECKOUT)
-    env["MASTER_PORT"] = str(29500 + os.getpid() % 1000 + len(extra))
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "dgls_train.py"), "--config", str(config), "--diffusion_pipe", str(FAKE), *extra],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        env=env,
-    )
+def _copy_checkout(tmp_path, pipeline_text=None):
+    checkout = tmp_path / "dp"
+    shutil.copytree(FAKE, checkout)
+    if pipeline_text is not None:
+        (checkout / "utils" / "pipeline.py").write_text(pipeline_text)
+    return checkout
+
+
+def _facts(proc):
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("FAKE_TRAIN "))
-    return json.loads(line[len("FAKE_TRAIN ") :]), load_file(str(out / "lora.safetensors")), proc.stdout
+    return json.loads(line[len("FAKE_TRAIN ") :])
 
 
 def test_interception_streams_layers_and_matches_plain_run(tmp_path):
-    swapped, lora_swapped, stdout = run_fake(tmp_path / "a", "--blocks_to_swap", "6", "--prefetch", "1")
-    plain, lora_plain, _ = run_fake(tmp_path / "b", "--no-dynamic_swapping")
-    assert "streamed" in stdout  # the placement table
+    """The README's launch line from inside a checkout, with none of the torch.distributed variables
+    set (as on a user's machine; the stand-in train.py, like diffusion-pipe's, sets only MASTER_ADDR
+    and MASTER_PORT): DGLS makes it a one-process job. The LoRA equals a plain train.py run's."""
+    checkout = _copy_checkout(tmp_path)
+    swapped_cfg, plain_cfg = fake_config(tmp_path / "a"), fake_config(tmp_path / "b")
+    proc = run_user_command(
+        python_cmd("--config", str(swapped_cfg), "--blocks_to_swap", "6", "--prefetch", "2"), checkout
+    )
+    swapped = _facts(proc)
+    assert "streamed" in proc.stdout  # the placement table
+    plain = _facts(run_user_command(python_cmd("--config", str(plain_cfg), "--no-dynamic_swapping"), checkout))
     assert swapped["placeholders"] > 0 and plain["placeholders"] == 0
     assert swapped["losses"] == plain["losses"]
+    lora_swapped, lora_plain = (load_file(str(tmp_path / x / "out" / "lora.safetensors")) for x in "ab")
     assert lora_swapped.keys() == lora_plain.keys()
     for key in lora_plain:
         assert (lora_swapped[key] == lora_plain[key]).all(), key
-    assert Path(swapped["cwd"]).resolve() == FAKE.resolve()
+    assert Path(swapped["cwd"]).resolve() == checkout.resolve()
+    job = swapped["env"]
+    assert (job["RANK"], job["WORLD_SIZE"], job["LOCAL_RANK"], job["MASTER_ADDR"]) == ("0", "1", "0", "127.0.0.1")
+    assert job["MASTER_PORT"] != str(DEFAULT_PORT)  # a free port: two runs on one machine do not collide
+    assert swapped["argv"][-3:] == ["--master_port", job["MASTER_PORT"], "--local_rank=0"]
 
 
 def test_train_py_arguments_pass_through():
-    args, rest = dgls_train.build_parser().parse_known_args(
+    args, rest = build_parser().parse_known_args(
         [
             "--config",
             "c.toml",
@@ -161,14 +177,6 @@ def test_real_train_py_still_has_the_interception_points():
     assert "model.to_layers()" in train, "train.py no longer builds layers with model.to_layers()"
     assert re.search(r"ManualPipelineModule\(\s*layers=layers", train), "ManualPipelineModule call changed"
     assert "class ManualPipelineModule(PipelineModule)" in pipeline
-
-
-def _copy_checkout(tmp_path, pipeline_text=None):
-    checkout = tmp_path / "dp"
-    shutil.copytree(FAKE, checkout)
-    if pipeline_text is not None:
-        (checkout / "utils" / "pipeline.py").write_text(pipeline_text)
-    return checkout
 
 
 @pytest.mark.parametrize(
@@ -199,18 +207,25 @@ def test_an_incomplete_copy_into_a_checkout_names_what_is_missing(tmp_path):
     proc = _run_dgls_train(checkout / "dgls_train.py", tmp_path)
     assert proc.returncode == 2 and "utils/dgls/launch.py is missing" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+    shutil.copy(ROOT / "utils" / "dgls" / "launch.py", checkout / "utils" / "dgls")
+    shutil.rmtree(checkout / "utils" / "dgls" / "demo")  # the drop-in runs without it; the demo names it
+    demo = subprocess.run(
+        [sys.executable, str(checkout / "dgls_train.py"), "--config", str(ROOT / "toml" / "demo.toml")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=child_env(),
+    )
+    assert demo.returncode == 2, demo.stderr
+    assert demo.stderr == (
+        "dgls: error: utils/dgls/demo/settings.py is missing next to dgls_train.py: copy the whole utils/dgls "
+        "folder along with dgls_train.py (see the README)\n"
+    )
 
 
 def _run_dgls_train(script, tmp_path, *extra):
-    out = tmp_path / "out"
-    out.mkdir(exist_ok=True)
-    (tmp_path / "images").mkdir(exist_ok=True)
-    (tmp_path / "dataset.toml").write_text(f'[[directory]]\npath = "{tmp_path / "images"}"\n')
-    config = tmp_path / "train.toml"
-    config.write_text(
-        f'output_dir = "{out}"\ndataset = "{tmp_path / "dataset.toml"}"\n'
-        '[model]\ntype = "flux"\n[adapter]\ntype = "lora"\nrank = 4\n'
-    )
+    config = fake_config(tmp_path / "cfg")
     env = child_env(ENV_CHECKOUT)
     return subprocess.run(
         [sys.executable, str(script), "--config", str(config), *extra],
@@ -220,3 +235,66 @@ def _run_dgls_train(script, tmp_path, *extra):
         cwd=tmp_path,
         env=env,
     )
+
+
+def test_gpu_id_selects_the_device_of_a_one_process_run(tmp_path, monkeypatch):
+    """--gpu_id 1 on a two-GPU machine: train.py gets --local_rank=1 (it calls torch.cuda.set_device with
+    it) and LOCAL_RANK=1 (DeepSpeed's PipelineModule places the module by it)."""
+    import torch
+
+    from utils.dgls.validate import prepare
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    config = fake_config(tmp_path)
+    run = prepare(["--config", str(config), "--diffusion_pipe", str(FAKE), "--gpu_id", "1"], ROOT)
+    assert run.train_args[-1] == "--local_rank=1" and run.dist.env["LOCAL_RANK"] == "1"
+    with pytest.raises(DGLSUserError, match="--gpu_id 2 but only 2 CUDA device"):
+        prepare(["--config", str(config), "--diffusion_pipe", str(FAKE), "--gpu_id", "2"], ROOT)
+
+
+def test_a_run_too_short_for_the_profile_says_so():
+    from utils.dgls import SwapConfig
+    from utils.dgls.diffusion_pipe import PipelineInterception
+
+    lines = []
+    values = {"verbose": False, "verbose_every": 10, "plan": False}
+    interception = PipelineInterception(values, log=lines.append, swap=SwapConfig(profile_path="/tmp/t.json"))
+    interception.swapper, interception.steps = object(), 2
+    interception.finish()
+    assert lines == [
+        "DGLS: --profile: train.py ran 2 training step(s), fewer than the 3 the profile starts at: "
+        "no trace was written to /tmp/t.json"
+    ]
+
+
+@pytest.mark.parametrize("steps", [3, pytest.param(1, marks=pytest.mark.slow)], ids=["probe-done", "run-too-short"])
+def test_plan_in_the_drop_in_saves_nothing(tmp_path, steps):
+    """--plan stops after the probe; if train.py ends first, it says so. Either way no LoRA, no
+    checkpoint and no run folder stay behind (diffusion-pipe's Saver does nothing under --plan)."""
+    config = fake_config(tmp_path / "cfg", top=f"max_steps = {steps}\ncheckpoint_every_n_steps = 1")
+    proc = run_user_command(
+        python_cmd("--config", str(config), "--diffusion_pipe", str(FAKE), "--vram_budget", "1", "--plan"), tmp_path
+    )
+    if steps == 3:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert (
+            "DGLS plan (" in proc.stdout and "--plan: stopping after the probe steps; nothing was saved" in proc.stdout
+        )
+    else:
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+        assert "--plan: train.py stopped after 1 training step(s), before the planner had measured" in proc.stderr
+    assert list((tmp_path / "cfg" / "out").iterdir()) == []
+
+
+def test_a_package_train_py_needs_but_is_missing_is_one_line(tmp_path):
+    checkout = _copy_checkout(tmp_path)
+    train = checkout / "train.py"
+    train.write_text("import a_package_nobody_has  # noqa\n" + train.read_text())
+    proc = _run_dgls_train(ROOT / "dgls_train.py", tmp_path, "--diffusion_pipe", str(checkout))
+    assert proc.returncode == 2 and proc.stderr == (
+        "dgls: error: diffusion-pipe's train.py needs the Python package 'a_package_nobody_has', which is not "
+        f"installed: pip install -r {checkout / 'requirements.txt'}\n"
+    ), proc.stderr[-2000:]

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from .errors import DGLSUserError
 from .precision import validate_autocast, validate_cast_target, validate_mixed_precision
 
 PLACEMENT_KEYS = ("gpu_layers", "blocks_to_swap", "initial_gpu_layers", "final_gpu_layers")
+
+
+def _finite(value) -> bool:
+    """A real number: not a bool, not NaN, not infinite (NaN passes every ``< 0`` check)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -34,7 +40,7 @@ class SwapConfig:
     pinned_ram_budget_gb: float | None = None
     vram_budget_gb: float | str | None = None  # GiB, or "auto": the planner chooses placement and prefetch
     plan_only: bool = False  # stop after planning (``--plan``)
-    sync_each_step: bool = False  # the host waits for the device at every step_stats()
+    sync_each_step: bool = False  # the host waits for the device at the end of every backward pass
     compile_resident: bool = False  # torch.compile the forward of resident layers
     compile_backend: str = "inductor"
     # Precision (utils/dgls/precision.py has the rules): cast streamed frozen params FROM -> TO
@@ -70,17 +76,18 @@ class SwapConfig:
             raise DGLSUserError(f"profile_warmup_steps must be a whole number >= 0, got {self.profile_warmup_steps!r}")
         if not isinstance(self.cuda_streams, int) or self.cuda_streams < 1:
             raise DGLSUserError(f"cuda_streams must be a whole number >= 1, got {self.cuda_streams!r}")
-        if not isinstance(self.selective_packing, (int, float)) or self.selective_packing < 0:
+        if not _finite(self.selective_packing) or self.selective_packing < 0:
             raise DGLSUserError(f"selective_packing is a size in MB >= 0, got {self.selective_packing!r}")
-        if self.pinned_ram_budget_gb is not None and self.pinned_ram_budget_gb < 0:
-            raise DGLSUserError(f"pinned_ram_budget_gb must be >= 0, got {self.pinned_ram_budget_gb!r}")
+        budget = self.pinned_ram_budget_gb
+        if budget is not None and (not _finite(budget) or budget < 0):
+            raise DGLSUserError(f"pinned_ram_budget_gb must be a number of GiB >= 0, got {budget!r}")
         if self.cast_target is not None:
             self.cast_target = validate_cast_target(self.cast_target) or None
         self.autocast = validate_autocast(self.autocast)
         self.mixed_precision = validate_mixed_precision(self.mixed_precision)
         budget = self.vram_budget_gb
         if budget is not None and budget != "auto":
-            if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
+            if not _finite(budget) or budget <= 0:
                 raise DGLSUserError(f"vram_budget must be a number of GiB > 0 or 'auto', got {budget!r}")
         if self.gpu_layers is not None:
             if not all(isinstance(i, int) and not isinstance(i, bool) for i in self.gpu_layers):

@@ -1,6 +1,6 @@
 """diffusion-pipe drop-in: run a checkout's own, unmodified train.py with DGLS placing its layers.
 
-Nothing of diffusion-pipe is copied. ``run_train_py`` puts the checkout on ``sys.path``,
+Nothing of diffusion-pipe is copied. ``run_drop_in`` puts the checkout on ``sys.path``,
 changes into it, sets ``sys.argv`` to train.py's own arguments and runs train.py with
 ``runpy`` as ``__main__``. The interceptions (see :class:`PipelineInterception`) are
 installed for the run and removed after it. The main one wraps
@@ -11,16 +11,20 @@ device placeholders, so that move (and the one in ``deepspeed.initialize``) copi
 resident weights.
 
 If the checkout lacks what the interception needs, the run stops before training with a
-message naming the file or function.
+message naming the file or function. Every other input was checked before this runs
+(``utils/dgls/validate.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
+import shutil
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,100 +32,14 @@ import torch
 
 import toml
 
-from .errors import DGLSUserError
+from .config import SwapConfig
+from .dp_config import run_dirs
+from .errors import DGLSUserError, RunInterrupted
 from .monitor import MemoryMonitor, MemoryReading
 from .options import swap_config
 from .stats import StepStats, StepWindow
 from .swapper import LayerSwapper
-
-ENV_CHECKOUT = "DGLS_DIFFUSION_PIPE"
-REQUIRED_FILES = ("train.py", "utils/pipeline.py", "models/base.py")
-
-
-def _is_checkout(path: Path) -> bool:
-    return all((path / f).is_file() for f in REQUIRED_FILES)
-
-
-def find_checkout(explicit: str | None, script_dir: Path) -> Path:
-    """The diffusion-pipe checkout: --diffusion_pipe, then $DGLS_DIFFUSION_PIPE, then the current
-    folder, then the folder dgls_train.py was copied into."""
-    for source, value in (("--diffusion_pipe", explicit), (ENV_CHECKOUT, os.environ.get(ENV_CHECKOUT))):
-        if value:
-            path = Path(value).expanduser().resolve()
-            missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
-            if missing:
-                raise DGLSUserError(f"{source} {value} is not a diffusion-pipe checkout: it has no {missing[0]}")
-            return path
-    for path in (Path.cwd(), script_dir):
-        if _is_checkout(path):
-            return path.resolve()
-    raise DGLSUserError(
-        "this config needs diffusion-pipe: run dgls_train.py from inside a diffusion-pipe checkout, "
-        f"pass --diffusion_pipe PATH, or set {ENV_CHECKOUT}"
-    )
-
-
-def check_train_config(config: dict[str, Any], path: str) -> None:
-    """Refuse settings DGLS cannot run correctly yet, before anything is loaded."""
-    if config.get("blocks_to_swap"):
-        raise DGLSUserError(
-            f"{path} sets diffusion-pipe's own blocks_to_swap; DGLS replaces it: remove it from the TOML and "
-            "pass --blocks_to_swap to dgls_train.py instead (or run with --no-dynamic_swapping)"
-        )
-    if "adapter" not in config:
-        raise DGLSUserError(
-            f"{path} has no [adapter]: DGLS streams frozen weights, so it trains LoRAs for now; full "
-            "fine-tuning (streaming weights, grads and optimizer state) is planned. Add an [adapter] table or "
-            "run with --no-dynamic_swapping"
-        )
-    stages = config.get("pipeline_stages", 1)
-    if stages != 1:
-        raise DGLSUserError(
-            f"{path} sets pipeline_stages = {stages}: DGLS supports one pipeline stage (one GPU) for now; "
-            "set pipeline_stages = 1 or run with --no-dynamic_swapping"
-        )
-    ckpt = config.get("activation_checkpointing", False)
-    if ckpt not in (True, False, "unsloth"):
-        raise DGLSUserError(f"{path}: activation_checkpointing must be true, false or 'unsloth', got {ckpt!r}")
-
-
-def check_dataset_files(config: dict[str, Any], path: str, checkout: Path) -> None:
-    """The dataset TOMLs the config names, and the directories they list, must exist; relative
-    paths resolve against the checkout, where train.py runs. A missing one would otherwise
-    surface as a traceback after the model has loaded."""
-    if "dataset" not in config:
-        raise DGLSUserError(f"{path} sets no dataset: add dataset = 'path/to/dataset.toml'")
-    named = [("dataset", config["dataset"])]
-    for i, entry in enumerate(config.get("eval_datasets", [])):
-        named.append((f"eval_datasets[{i}]", entry["config"] if isinstance(entry, dict) else entry))
-    for key, value in named:
-        dataset = checkout / value  # an absolute value stays itself
-        if not dataset.is_file():
-            raise DGLSUserError(
-                f"{path}: {key} = {value!r} not found (relative paths start at the checkout {checkout})"
-            )
-        try:
-            directories = toml.loads(dataset.read_text()).get("directory", [])
-        except toml.TomlDecodeError as exc:
-            raise DGLSUserError(f"{dataset} (the {key} of {path}) is not valid TOML: {exc}") from None
-        for directory in directories:
-            folder = checkout / str(directory.get("path", ""))
-            if not folder.is_dir():
-                raise DGLSUserError(
-                    f"{dataset}: [[directory]] path {directory.get('path')!r} is not a folder "
-                    f"(relative paths start at the checkout {checkout})"
-                )
-
-
-def startup_notes(config: dict[str, Any]) -> list[str]:
-    """What diffusion-pipe settings that DGLS takes over mean under DGLS."""
-    notes = []
-    if config.get("disable_block_swap_for_eval"):
-        notes.append(
-            "DGLS: disable_block_swap_for_eval applies to diffusion-pipe's own block swap, which DGLS replaces: "
-            "eval passes stream with DGLS's forward-only schedule (keep more layers resident to make them faster)"
-        )
-    return notes
+from .validate import DropInRun
 
 
 class Patches:
@@ -153,12 +71,18 @@ class PipelineInterception:
       the run length depends on the dataset), warn once when host RAM runs short, and write
       them to diffusion-pipe's TensorBoard run dir;
     * ``SummaryWriter.__init__`` (if tensorboard is installed): remember train.py's writer,
-      so the stats land next to its loss.
+      so the stats land next to its loss;
+    * with ``--plan`` only, ``utils.saver.Saver.save_model`` and ``save_checkpoint``: do nothing,
+      so the probe steps never leave a LoRA or a checkpoint behind, however the run is saved.
     """
 
-    def __init__(self, values: dict[str, Any], log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self, values: dict[str, Any], log: Callable[[str], None] = print, swap: SwapConfig | None = None
+    ) -> None:
         self.values = values
+        self.swap = swap  # None: built from values when the layers arrive
         self.log = log
+        self.steps = 0
         self.swapper: LayerSwapper | None = None
         self.monitor: MemoryMonitor | None = None
         self.window = StepWindow(values["verbose_every"])
@@ -180,6 +104,10 @@ class PipelineInterception:
             )
         from deepspeed.runtime.pipe.engine import PipelineEngine
 
+        saver = self._saver_for_plan() if self.values["plan"] else None
+        if saver is not None:
+            for name in ("save_model", "save_checkpoint"):
+                self.patches.replace(saver, name, lambda original: lambda *args, **kwargs: None)
         self.patches.replace(cls, "__init__", self._wrap_pipeline_init)
         self.patches.replace(PipelineEngine, "train_batch", self._wrap_train_batch)
         try:
@@ -189,6 +117,20 @@ class PipelineInterception:
         if SummaryWriter is not None:
             self.patches.replace(SummaryWriter, "__init__", self._wrap_writer_init)
         return self
+
+    @staticmethod
+    def _saver_for_plan():
+        try:
+            import utils.saver as dp_saver
+        except ImportError:
+            dp_saver = None
+        saver = getattr(dp_saver, "Saver", None)
+        if saver is None or not all(name in saver.__dict__ for name in ("save_model", "save_checkpoint")):
+            raise DGLSUserError(
+                "--plan: this checkout's utils/saver.py has no Saver.save_model/save_checkpoint, so DGLS cannot "
+                "keep the probe steps from being saved; run without --plan, or report the checkout's commit"
+            )
+        return saver
 
     def _wrap_pipeline_init(self, original):
         def init_with_dgls(module, *args, **kwargs):
@@ -202,6 +144,7 @@ class PipelineInterception:
             start = time.perf_counter()
             before = self.swapper.total_stats() if self.swapper is not None else None
             loss = original(engine, *args, **kwargs)
+            self.steps += 1
             if self.swapper is not None:
                 reading = self.monitor.read()
                 stats = self.swapper.total_stats().since(before)  # this optimizer step's micro-batches
@@ -240,11 +183,23 @@ class PipelineInterception:
                 self.writer.add_scalar(f"dgls/memory/{key}", value, step)
 
     def finish(self) -> None:
-        """After train.py: summarise the last, partial window and put the layers back."""
+        """After train.py ran to its end: summarise the last, partial window; say if the run was too
+        short for --plan or --profile (the number of steps is not known before diffusion-pipe runs)."""
         if self.values["verbose"] and (text := self.window.flush()):
             self.log(f"dgls {text}")
-        if self.swapper is not None:
-            self.swapper.remove()
+        if self.values["plan"]:
+            raise DGLSUserError(
+                f"--plan: train.py stopped after {self.steps} training step(s), before the planner had measured "
+                "its probe (2 steps); nothing was saved: let the run go longer (epochs, max_steps)"
+            )
+        if self.swapper is None or not self.swap.profile_path:
+            return
+        first = self.swap.profile_warmup_steps + 1
+        if self.steps < first:
+            self.log(
+                f"DGLS: --profile: train.py ran {self.steps} training step(s), fewer than the {first} the profile "
+                f"starts at: no trace was written to {self.swap.profile_path}"
+            )
 
     def install(self, layers) -> None:
         if self.swapper is not None:
@@ -257,49 +212,93 @@ class PipelineInterception:
                 "builds layers differently from what DGLS expects; please report its commit"
             )
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        self.swapper = LayerSwapper(list(layers), swap_config(self.values), device=device, log=self.log)
+        if self.swap is None:
+            self.swap = swap_config(self.values)
+        self.swapper = LayerSwapper(list(layers), self.swap, device=device, log=self.log)
         swapper = self.swapper
         self.monitor = MemoryMonitor(swapper.device, lambda: swapper.store.pinned_bytes)
         self.window.device_type = swapper.device.type
 
     def __exit__(self, *exc) -> None:
+        """Always, also after an error or Ctrl-C: the layers back, the worker thread and pinned memory freed."""
         self.patches.restore()
+        if self.swapper is not None:
+            self.swapper.remove()
 
 
-def with_lazy_lora_steps(config: dict[str, Any], config_path: str, steps: int) -> str:
-    """``lazy_lora_steps N``: the same TOML with gradient_accumulation_steps multiplied by N, written
-    to a temporary file next to nothing the user owns; returns the path train.py should read."""
+@contextlib.contextmanager
+def config_for_train_py(run: DropInRun) -> Iterator[str]:
+    """The TOML path train.py should read. ``lazy_lora_steps N``: the same TOML with
+    gradient_accumulation_steps multiplied by N and no [dgls] table, under the user's file name
+    (train.py copies it into its run folder) in a temporary folder removed after the run."""
+    steps = run.values["lazy_lora_steps"]
     if steps == 1:
-        return config_path
-    import tempfile
-
-    import toml
-
-    before = int(config.get("gradient_accumulation_steps", 1))
-    changed = dict(config, gradient_accumulation_steps=before * steps)
-    changed.pop("dgls", None)
-    handle, path = tempfile.mkstemp(prefix="dgls_", suffix=".toml")
-    with os.fdopen(handle, "w") as f:
-        toml.dump(changed, f)
-    print(
-        f"DGLS: lazy_lora_steps {steps}: gradient_accumulation_steps {before} -> {before * steps} "
-        f"(the optimizer runs every {before * steps} micro-batches; config written to {path})"
-    )
-    return path
-
-
-def run_train_py(checkout: Path, config_path: str, train_args: list[str], values: dict[str, Any]) -> None:
-    """Run the checkout's train.py as ``__main__`` with DGLS installed (or not, if swapping is off)."""
-    config_path = str(Path(config_path).resolve())
-    if values.get("profile"):  # a relative --profile path means where the command ran, not the checkout
-        values = {**values, "profile": str(Path(values["profile"]).resolve())}
-    if str(checkout) not in sys.path:
-        sys.path.insert(0, str(checkout))
-    os.chdir(checkout)
-    sys.argv = [str(checkout / "train.py"), "--config", config_path, *train_args]
-    if not values["dynamic_swapping"]:
-        runpy.run_path(str(checkout / "train.py"), run_name="__main__")
+        yield str(Path(run.config_path).resolve())
         return
-    with PipelineInterception(values) as interception:
-        runpy.run_path(str(checkout / "train.py"), run_name="__main__")
-        interception.finish()
+    before = int(run.config.get("gradient_accumulation_steps", 1))
+    changed = {k: v for k, v in run.config.items() if k != "dgls"}
+    changed["gradient_accumulation_steps"] = before * steps
+    with tempfile.TemporaryDirectory(prefix="dgls_") as folder:
+        path = Path(folder) / Path(run.config_path).name
+        path.write_text(toml.dumps(changed))
+        print(
+            f"DGLS: lazy_lora_steps {steps}: gradient_accumulation_steps {before} -> {before * steps} "
+            f"(the optimizer runs every {before * steps} micro-batches)"
+        )
+        yield str(path)
+
+
+def _what_was_saved(output_dir: Path, started: float) -> str:
+    """For the interrupt line: the run folder train.py wrote in (diffusion-pipe names them by time),
+    what it holds, and whether it can be resumed."""
+    runs = [p for p in run_dirs(output_dir) if p.stat().st_mtime >= started]
+    if not runs:
+        return "nothing was saved"
+    run_dir = runs[-1]
+    saves = sorted(p.name for p in run_dir.iterdir() if p.is_dir() and not p.name.startswith("global_step"))
+    text = f"diffusion-pipe's run folder is {run_dir}"
+    text += f" (saved: {', '.join(saves)})" if saves else " (no LoRA saved yet)"
+    if (run_dir / "latest").is_file():
+        return text + "; to go on from its last checkpoint, run the same command with --resume_from_checkpoint"
+    return text + "; it has no checkpoint to resume from yet"
+
+
+def run_drop_in(run: DropInRun) -> None:
+    """Run the checkout's train.py as ``__main__`` with DGLS installed (or not, if swapping is off)."""
+    values = run.values
+    swap = run.swap
+    if swap.profile_path:  # a relative --profile path means where the command ran, not the checkout
+        swap = swap.replace(profile_path=str(Path(swap.profile_path).expanduser().resolve()))
+    output_dir = run.checkout / str(run.config["output_dir"])
+    started = time.time()
+    os.environ.update(run.dist.env)
+    if str(run.checkout) not in sys.path:
+        sys.path.insert(0, str(run.checkout))
+    with config_for_train_py(run) as config_path:
+        os.chdir(run.checkout)
+        sys.argv = [str(run.checkout / "train.py"), "--config", config_path, *run.train_args]
+        try:
+            if not values["dynamic_swapping"]:
+                runpy.run_path(str(run.checkout / "train.py"), run_name="__main__")
+                return
+            with PipelineInterception(values, swap=swap) as interception:
+                runpy.run_path(str(run.checkout / "train.py"), run_name="__main__")
+                interception.finish()
+        except KeyboardInterrupt:
+            raise RunInterrupted(_what_was_saved(output_dir, started)) from None
+        except ModuleNotFoundError as exc:  # train.py's own dependencies (wandb, diffusers ...)
+            raise DGLSUserError(
+                f"diffusion-pipe's train.py needs the Python package {exc.name!r}, which is not installed: "
+                f"pip install -r {run.checkout / 'requirements.txt'}"
+            ) from None
+        finally:
+            if values["plan"]:
+                _discard_plan_run_dir(output_dir, started)
+
+
+def _discard_plan_run_dir(output_dir: Path, started: float) -> None:
+    """--plan saves nothing: remove the run folder train.py made for it (it holds only the copies of the
+    TOMLs and TensorBoard events made at start; a folder with anything saved in it stays)."""
+    for run_dir in run_dirs(output_dir):
+        if run_dir.stat().st_mtime >= started and all(p.is_file() for p in run_dir.iterdir()):
+            shutil.rmtree(run_dir)

@@ -1,12 +1,16 @@
 """Error types that separate user mistakes from bugs.
 
-``dgls_train.py`` prints a :class:`DGLSUserError` as one line and exits; any other
-exception is a bug and keeps its traceback.
+``dgls_train.py`` prints a :class:`DGLSUserError` or a :class:`RunInterrupted` as one line
+and exits; any other exception is a bug and keeps its traceback.
 """
 
 
 class DGLSUserError(Exception):
     """A setting, file or machine limit the user can fix; the message says how."""
+
+
+class RunInterrupted(Exception):
+    """The user stopped a run (Ctrl-C) after clean-up ran; the message says what was saved and how to resume."""
 
 
 class SwapWorkerError(RuntimeError):

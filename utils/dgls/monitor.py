@@ -72,7 +72,7 @@ class MemoryReading:
 
     vram_allocated: int
     vram_reserved: int
-    vram_peak: int  # torch's peak since its last reset (DGLS resets it at every step_stats())
+    vram_peak: int  # torch's peak since its last reset (the demo and the drop-in reset it after each step)
     pinned: int  # page-locked host RAM held by DGLS (masters and staging buffers)
     rss: int  # this process's resident set
     ram_used: int

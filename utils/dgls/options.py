@@ -1,24 +1,43 @@
-"""The DGLS settings users can give: one table drives the CLI flags, the ``[dgls]`` TOML keys
-and the README's flag table, so the three cannot drift apart."""
+"""The DGLS settings users can give: one table drives the CLI flags, the ``[dgls]`` TOML keys,
+``--help`` and the README's flag table, so they cannot drift apart.
+
+Values come from the defaults, then the TOML's ``[dgls]`` table, then the command line. A
+placement style given on the command line (``gpu_layers``, ``blocks_to_swap``,
+``initial_gpu_layers``/``final_gpu_layers`` or ``vram_budget``) replaces the TOML's keys of
+the other styles, so ``--blocks_to_swap 3`` works with a TOML that keeps the ends resident;
+two styles from one place are a conflict, reported with where each value came from.
+"""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .config import SwapConfig
 from .errors import DGLSUserError
 
+SYNC_MODES = ("none", "step", "layer")
+AUTOCAST_MODES = ("fp32", "fp16", "bf16", "f8_e4m3", "f8_e5m2")
+MIXED_PRECISION_MODES = ("auto", "f32", "bf16", "f16")
 
-def _int_list(text: str) -> list[int]:
+COMMAND_LINE = "command line"
+
+
+def parse_int_list(text: str) -> list[int]:
+    """'0,1, 40' -> [0, 1, 40]; ValueError on anything else."""
+    return [int(x) for x in str(text).replace(" ", "").split(",") if x]
+
+
+def _cli_int_list(text: str) -> list[int]:
     try:
-        return [int(x) for x in str(text).replace(" ", "").split(",") if x]
+        return parse_int_list(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer indices like 0,1,40, got {text!r}") from None
 
 
-def _budget(text: str) -> float | str:
+def _cli_budget(text: str) -> float | str:
     if str(text).strip().lower() == "auto":
         return "auto"
     try:
@@ -27,269 +46,442 @@ def _budget(text: str) -> float | str:
         raise argparse.ArgumentTypeError(f"expected a number of GiB or 'auto', got {text!r}") from None
 
 
-def _choice(*names: str):
-    def parse(text: str) -> str:
-        if text not in names:
-            raise argparse.ArgumentTypeError(f"expected one of {', '.join(names)}, got {text!r}")
-        return text
-
-    parse.__name__ = "/".join(names)
-    return parse
+def _cli_float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
-SYNC_MODES = _choice("none", "step", "layer")
-AUTOCAST_MODES = _choice("fp32", "fp16", "bf16", "f8_e4m3", "f8_e5m2")
-MIXED_PRECISION_MODES = _choice("auto", "f32", "bf16", "f16")
-
-
-def _cast_pairs(value: Any) -> list[list[str]]:
-    """TOML form of ``cast_target``: one [FROM, TO] pair or a list of them (the CLI repeats the flag)."""
-    if isinstance(value, list) and len(value) == 2 and all(isinstance(x, str) for x in value):
-        return [value]
-    return value
+def _cli_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
 
 
 @dataclass(frozen=True)
 class Option:
     name: str
-    kind: Any  # int, float, bool, or a parser function
+    kind: str  # bool | int | float | str | budget | int_list | cast_pairs | choice
     default: Any
     meaning: str
     when: str
+    group: str
+    choices: tuple[str, ...] = ()
 
     @property
     def flag(self) -> str:
         return f"--{self.name}"
 
+    def shown_default(self) -> str:
+        if self.default is None:
+            return "-"
+        if isinstance(self.default, bool):
+            return "on" if self.default else "off"
+        return str(self.default)
+
+
+GROUPS = {
+    "placement": "which layers stay resident: one style of gpu_layers, blocks_to_swap, initial/final_gpu_layers, "
+    "vram_budget; a style given here replaces the TOML's",
+    "streaming": "how streamed layers are copied",
+    "precision": "dtypes of streamed weights and compute",
+    "training": "training loop",
+    "output": "what the run prints and writes",
+}
 
 OPTIONS: tuple[Option, ...] = (
     Option(
         "dynamic_swapping",
-        bool,
+        "bool",
         True,
         "stream layers with DGLS; off runs the trainer unchanged",
         "turn off to compare against the plain trainer",
+        "placement",
     ),
-    Option("gpu_id", int, 0, "CUDA device index DGLS places layers on", "multi-GPU machines"),
+    Option(
+        "gpu_id",
+        "int",
+        0,
+        "CUDA device index to train on, in a one-process run (the deepspeed launcher picks GPUs itself)",
+        "multi-GPU machines",
+        "placement",
+    ),
     Option(
         "initial_gpu_layers",
-        int,
+        "int",
         None,
         "keep the first N layers resident (default 1)",
         "more VRAM left over: keep more of the ends resident",
+        "placement",
     ),
-    Option("final_gpu_layers", int, None, "keep the last N layers resident (default 1)", "as above"),
+    Option(
+        "final_gpu_layers",
+        "int",
+        None,
+        "keep the last N layers resident (default 1)",
+        "as above",
+        "placement",
+    ),
     Option(
         "gpu_layers",
-        _int_list,
+        "int_list",
         None,
         "explicit comma-separated list of resident layer indices",
         "full control over placement",
+        "placement",
     ),
     Option(
         "blocks_to_swap",
-        int,
+        "int",
         None,
         "stream this many layers; the rest stay resident, split between both ends",
         "the knob kohya and diffusion-pipe users know",
-    ),
-    Option(
-        "prefetch",
-        int,
-        2,
-        "how many streamed layers ahead to copy; the pool holds prefetch+1 layers",
-        "raise if compute waits on copies and VRAM allows; 0 copies on demand",
-    ),
-    Option(
-        "threading",
-        bool,
-        False,
-        "issue copies (and stage pageable memory) from a background thread",
-        "pageable fallback in use; see Performance for measurements",
-    ),
-    Option(
-        "batch_move",
-        bool,
-        False,
-        "issue the copies of several upcoming layers as one batch",
-        "see Performance for measurements",
-    ),
-    Option("cuda_streams", int, 1, "number of copy streams, used round-robin", "one stream saturates PCIe"),
-    Option(
-        "selective_packing",
-        float,
-        0.0,
-        "layers smaller than this many MB are copied param by param instead of as one packed block",
-        "leave at 0 (pack everything) unless measuring",
-    ),
-    Option(
-        "event_sync",
-        bool,
-        True,
-        "order copies with CUDA events; off makes the host wait for every copy",
-        "turn off only to debug a suspected ordering problem",
-    ),
-    Option(
-        "pinned_ram_budget_gb",
-        float,
-        None,
-        "most host RAM to page-lock (default: available RAM less a reserve)",
-        "WSL, or machines shared with other jobs",
+        "placement",
     ),
     Option(
         "vram_budget",
-        _budget,
+        "budget",
         None,
         "GiB of VRAM DGLS may use, or `auto` (free VRAM less 1 GiB): it picks which layers stay resident "
         "and the prefetch depth from a probe of the first steps",
-        "you don't want to guess blocks_to_swap; explicit placement flags override it",
+        "you don't want to guess blocks_to_swap",
+        "placement",
     ),
     Option(
         "plan",
-        bool,
+        "bool",
         False,
         "with vram_budget: run the 2 probe steps, print the predicted plan and its runners-up, "
         "and exit without saving anything",
         "see what fits before a long run",
+        "placement",
+    ),
+    Option(
+        "prefetch",
+        "int",
+        2,
+        "how many streamed layers ahead to copy; the pool holds prefetch+1 layers",
+        "raise if compute waits on copies and VRAM allows; 0 copies on demand",
+        "streaming",
+    ),
+    Option(
+        "threading",
+        "bool",
+        False,
+        "issue copies (and stage pageable memory) from a background thread",
+        "pageable fallback in use; see Performance for measurements",
+        "streaming",
+    ),
+    Option(
+        "batch_move",
+        "bool",
+        False,
+        "issue the copies of several upcoming layers as one batch",
+        "see Performance for measurements",
+        "streaming",
+    ),
+    Option(
+        "cuda_streams", "int", 1, "number of copy streams, used round-robin", "one stream saturates PCIe", "streaming"
+    ),
+    Option(
+        "selective_packing",
+        "float",
+        0.0,
+        "layers smaller than this many MB are copied param by param instead of as one packed block",
+        "leave at 0 (pack everything) unless measuring",
+        "streaming",
+    ),
+    Option(
+        "event_sync",
+        "bool",
+        True,
+        "order copies with CUDA events; off makes the host wait for every copy",
+        "turn off only to debug a suspected ordering problem",
+        "streaming",
     ),
     Option(
         "device_sync_mode",
-        SYNC_MODES,
+        "choice",
         "none",
         "where the host waits for the GPU: none (CUDA events only), step (once per step), layer (after every copy, "
         "= --no-event_sync)",
         "step: exact step timings and errors reported at the step that caused them; layer: debugging",
+        "streaming",
+        SYNC_MODES,
     ),
     Option(
-        "sync_only_on_resume",
-        bool,
-        False,
-        "accepted for compatibility: DGLS already synchronises only where correctness needs it (loading a "
-        "checkpoint into the host masters, evicting before sampling)",
-        "never needed",
-    ),
-    Option(
-        "async_zero_grad",
-        bool,
-        False,
-        "accepted for compatibility: trainable (LoRA) params are always resident and the trainer frees their "
-        "gradients (set to None), so there is no zeroing to overlap",
-        "never needed",
-    ),
-    Option(
-        "lazy_lora_steps",
-        int,
-        1,
-        "apply the optimizer every N micro-batches, with gradients accumulated in between (multiplies "
-        "gradient_accumulation_steps by N)",
-        "larger effective batch at the same VRAM; the streamed bytes per optimizer step grow N-fold",
+        "pinned_ram_budget_gb",
+        "float",
+        None,
+        "most host RAM to page-lock (default: available RAM less a reserve)",
+        "WSL, or machines shared with other jobs",
+        "streaming",
     ),
     Option(
         "compile",
-        bool,
+        "bool",
         False,
         "torch.compile the forward of resident layers (streamed layers stay eager: their weights move)",
         "many layers resident and a working compiler toolchain",
+        "streaming",
     ),
     Option(
         "cast_target",
-        _cast_pairs,
+        "cast_pairs",
         None,
         "FROM TO (f32, bf16, f16, f8_e4m3, f8_e5m2): store streamed frozen params of dtype FROM as TO; an fp8 TO "
         "is copied as fp8 and upcast to FROM on the GPU just before use; repeat the flag for more pairs",
         "copies limit the step (PCIe gen3/4, pageable memory, little RAM): fp8 halves the bytes",
+        "precision",
     ),
     Option(
         "cast_norms",
-        bool,
+        "bool",
         False,
         "let cast_target cast norm layers too (they are left alone by default)",
         "rarely: norm weights are tiny",
+        "precision",
     ),
     Option(
         "autocast",
-        AUTOCAST_MODES,
+        "choice",
         None,
         "run every layer's forward under torch.autocast with this dtype; fp8 modes are refused (torch.autocast "
         "has no fp8 compute) with the cast_target alternative",
         "the trainer does not autocast itself (diffusion-pipe does)",
+        "precision",
+        AUTOCAST_MODES,
     ),
     Option(
         "mixed_precision",
-        MIXED_PRECISION_MODES,
+        "choice",
         "auto",
         "dtype of the trainable params (auto: leave them); DGLS's gradient clipping is one global norm in "
         "float32 over params of any dtype",
         "force float32 LoRA params under a bf16 model",
+        "precision",
+        MIXED_PRECISION_MODES,
+    ),
+    Option(
+        "lazy_lora_steps",
+        "int",
+        1,
+        "apply the optimizer every N micro-batches, with gradients accumulated in between (multiplies "
+        "gradient_accumulation_steps by N)",
+        "larger effective batch at the same VRAM; the streamed bytes per optimizer step grow N-fold",
+        "training",
     ),
     Option(
         "profile",
-        str,
+        "str",
         None,
         "write a Chrome-trace JSON (and a PNG timeline if matplotlib is installed) of per-layer copies and compute "
         "for a few steps after warm-up to this path",
         "see where compute waits on copies",
+        "output",
     ),
-    Option("verbose", bool, False, "print swap stats every step, and a windowed summary with ETA", "tuning"),
-    Option("verbose_every", int, 10, "steps per windowed summary under --verbose", "long runs"),
+    Option(
+        "verbose", "bool", False, "print swap stats every step, and a windowed summary with ETA", "tuning", "output"
+    ),
+    Option("verbose_every", "int", 10, "steps per windowed summary under --verbose", "long runs", "output"),
 )
-
-# Flags that have nothing left to do in this design: start-up says what they map to.
-COMPATIBILITY_ONLY = ("sync_only_on_resume", "async_zero_grad")
 
 OPTION_BY_NAME = {o.name: o for o in OPTIONS}
 
+# Flags of earlier versions that had nothing left to do: refused with what DGLS does instead.
+RETIRED = {
+    "sync_only_on_resume": "DGLS synchronises only where correctness needs it (loading a checkpoint into the host "
+    "masters, evicting before sampling)",
+    "async_zero_grad": "trainable (LoRA) params are always resident and the trainer frees their gradients (sets "
+    "them to None), so there is no zeroing to overlap",
+}
+
+# Which placement style each placement key belongs to.
+PLACEMENT_STYLE = {
+    "gpu_layers": "gpu_layers",
+    "blocks_to_swap": "blocks_to_swap",
+    "initial_gpu_layers": "initial/final_gpu_layers",
+    "final_gpu_layers": "initial/final_gpu_layers",
+    "vram_budget": "vram_budget",
+}
+
+# Options that mean something with --no-dynamic_swapping; the rest only steer DGLS's streaming.
+USED_WITHOUT_SWAPPING = frozenset({"dynamic_swapping", "gpu_id", "lazy_lora_steps"})
+
+_CLI_TYPES = {"int": _cli_int, "float": _cli_float, "str": str, "budget": _cli_budget, "int_list": _cli_int_list}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add every option as a flag whose default is None, so given flags can be told apart."""
-    group = parser.add_argument_group("DGLS")
+    """Every option as a flag whose default is None (so given flags can be told apart); the help
+    line carries the default and the choices."""
+    groups = {name: parser.add_argument_group(f"DGLS {name}", text) for name, text in GROUPS.items()}
     for o in OPTIONS:
-        if o.kind is bool:
-            group.add_argument(o.flag, action=argparse.BooleanOptionalAction, default=None, help=o.meaning)
-        elif o.kind is _cast_pairs:
-            group.add_argument(o.flag, nargs=2, action="append", metavar=("FROM", "TO"), default=None, help=o.meaning)
+        group = groups[o.group]
+        text = o.meaning.replace("%", "%%") + (f" (default: {o.shown_default()})" if o.default is not None else "")
+        if o.kind == "bool":
+            group.add_argument(o.flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif o.kind == "cast_pairs":
+            group.add_argument(o.flag, nargs=2, action="append", metavar=("FROM", "TO"), default=None, help=text)
+        elif o.kind == "choice":
+            group.add_argument(o.flag, choices=o.choices, default=None, help=text)
         else:
-            group.add_argument(o.flag, type=o.kind, default=None, help=o.meaning)
+            metavar = {"int_list": "I,J,..", "budget": "GIB|auto", "str": "PATH"}.get(o.kind, o.kind.upper())
+            group.add_argument(o.flag, type=_CLI_TYPES[o.kind], default=None, metavar=metavar, help=text)
 
 
-def _coerce(option: Option, value: Any) -> Any:
-    if option.kind is bool:
+def refuse_retired(args: list[str], where: str = COMMAND_LINE) -> None:
+    """A retired flag (or [dgls] key) stops the run with what DGLS does instead."""
+    for arg in args:
+        name = arg.split("=", 1)[0].removeprefix("--").removeprefix("no-")
+        if arg.startswith("--") and name in RETIRED:
+            shown = f"--{name}" if where == COMMAND_LINE else f"[dgls] {name} in {where}"
+            raise DGLSUserError(f"{shown} was removed, as it had nothing to do: {RETIRED[name]}; drop it")
+
+
+def _coerce(option: Option, value: Any, where: str) -> Any:
+    """A [dgls] value in the option's type, or one line saying what the key needs."""
+    label = f"[dgls] {option.name} in {where}"
+
+    def fail(expected: str) -> DGLSUserError:
+        return DGLSUserError(f"{label} must be {expected}, got {value!r}")
+
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if option.kind == "bool":
         if not isinstance(value, bool):
-            raise DGLSUserError(f"[dgls] {option.name} must be true or false, got {value!r}")
+            raise fail("true or false")
         return value
-    if option.kind is _int_list:
-        if isinstance(value, str):
-            return _int_list(value)
-        if not isinstance(value, list):
-            raise DGLSUserError(f"[dgls] {option.name} must be a list of layer indices, got {value!r}")
+    if option.kind == "int":
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise fail("a whole number")
         return value
-    if option.kind is float and isinstance(value, int) and not isinstance(value, bool):
+    if option.kind == "float":
+        if not is_number:
+            raise fail("a number")
         return float(value)
-    if option.kind is _cast_pairs:
-        return value  # SwapConfig validates the pairs
-    if option.kind in (_budget, SYNC_MODES, AUTOCAST_MODES, MIXED_PRECISION_MODES):
-        try:
-            return option.kind(value if isinstance(value, str) else str(value))
-        except argparse.ArgumentTypeError as exc:
-            raise DGLSUserError(f"[dgls] {option.name}: {exc}") from None
-    if not isinstance(value, option.kind) or isinstance(value, bool):
-        raise DGLSUserError(f"[dgls] {option.name} must be {option.kind.__name__}, got {value!r}")
+    if option.kind == "str":
+        if not isinstance(value, str) or not value:
+            raise fail("a path in quotes")
+        return value
+    if option.kind == "choice":
+        if value not in option.choices:
+            raise fail(f"one of {', '.join(option.choices)}")
+        return value
+    if option.kind == "budget":
+        if value == "auto" or is_number:
+            return value if value == "auto" else float(value)
+        raise fail("a number of GiB or 'auto'")
+    if option.kind == "int_list":
+        if isinstance(value, str):
+            try:
+                return parse_int_list(value)
+            except ValueError:
+                raise fail("layer indices like [0, 1, 40] or '0,1,40'") from None
+        if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+            raise fail("a list of layer indices like [0, 1, 40]")
+        return value
+    # cast_pairs: one [FROM, TO] pair or a list of them; SwapConfig checks the names
+    if isinstance(value, list) and len(value) == 2 and all(isinstance(x, str) for x in value):
+        return [value]
     return value
 
 
-def resolve(table: dict[str, Any] | None, cli: argparse.Namespace) -> dict[str, Any]:
-    """Defaults, then the TOML ``[dgls]`` table, then the command line."""
-    values = {o.name: o.default for o in OPTIONS}
-    for key, value in (table or {}).items():
+@dataclass
+class Resolved:
+    """Option values, where each came from, and start-up lines about how they were combined."""
+
+    values: dict[str, Any]
+    sources: dict[str, str]  # name -> 'default' | 'command line' | the TOML path
+    notes: list[str] = field(default_factory=list)
+
+    def given(self, name: str) -> bool:
+        return self.sources[name] != "default"
+
+    def label(self, name: str) -> str:
+        """How the user wrote this setting: '--prefetch' or '[dgls] prefetch in x.toml'."""
+        if self.sources[name] in (COMMAND_LINE, "default"):
+            return OPTION_BY_NAME[name].flag
+        return f"[dgls] {name} in {self.sources[name]}"
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def resolve(table: Any, cli: argparse.Namespace, where: str = "the config") -> Resolved:
+    """Defaults, then the TOML ``[dgls]`` table (``where`` names it), then the command line."""
+    if table is None:
+        table = {}
+    if not isinstance(table, dict):
+        raise DGLSUserError(f"{where}: dgls = {table!r} must be a [dgls] table of DGLS settings")
+    refuse_retired([f"--{k}" for k in table], where)
+    from_toml = {}
+    for key, value in table.items():
         if key not in OPTION_BY_NAME:
             known = ", ".join(sorted(OPTION_BY_NAME))
-            raise DGLSUserError(f"unknown [dgls] key '{key}' (known keys: {known})")
-        values[key] = _coerce(OPTION_BY_NAME[key], value)
-    for o in OPTIONS:
-        given = getattr(cli, o.name, None)
-        if given is not None:
-            values[o.name] = given
-    return values
+            raise DGLSUserError(f"unknown [dgls] key '{key}' in {where} (known keys: {known})")
+        from_toml[key] = _coerce(OPTION_BY_NAME[key], value, where)
+    from_cli = {o.name: getattr(cli, o.name) for o in OPTIONS if getattr(cli, o.name, None) is not None}
+    notes = []
+    cli_styles = {PLACEMENT_STYLE[k] for k in from_cli if k in PLACEMENT_STYLE}
+    if cli_styles:
+        dropped = [k for k in from_toml if k in PLACEMENT_STYLE and PLACEMENT_STYLE[k] not in cli_styles]
+        if "vram_budget" in cli_styles and "prefetch" in from_toml and "prefetch" not in from_cli:
+            dropped.append("prefetch")  # the planner picks the prefetch depth
+        if dropped:
+            given = ", ".join(f"--{k} {_shown(from_cli[k])}" for k in from_cli if k in PLACEMENT_STYLE)
+            replaced = ", ".join(f"{k} = {_shown(from_toml.pop(k))}" for k in dropped)
+            notes.append(f"DGLS: {given} on the command line replaces {replaced} from {where}")
+    values = {o.name: o.default for o in OPTIONS}
+    sources = dict.fromkeys(values, "default")
+    for source, given in ((where, from_toml), (COMMAND_LINE, from_cli)):
+        values.update(given)
+        sources.update(dict.fromkeys(given, source))
+    resolved = Resolved(values, sources, notes)
+    styles: dict[str, list[str]] = {}
+    for key, style in PLACEMENT_STYLE.items():
+        if values[key] is not None:
+            styles.setdefault(style, []).append(resolved.label(key))
+    if len(styles) > 1:
+        named = " and ".join(labels[0] for labels in styles.values())
+        raise DGLSUserError(
+            f"{named} both choose which layers stay resident: keep one placement style "
+            "(gpu_layers, blocks_to_swap, initial/final_gpu_layers or vram_budget)"
+        )
+    if "vram_budget" in styles and resolved.given("prefetch"):
+        budget, prefetch = resolved.label("vram_budget"), resolved.label("prefetch")
+        raise DGLSUserError(f"{budget} lets the planner choose the prefetch depth: drop {prefetch}")
+    return resolved
+
+
+def check(resolved: Resolved) -> None:
+    """Settings that make no sense together, or that would be ignored, stop the run here."""
+    v, label = resolved.values, resolved.label
+    for name in ("gpu_id", "lazy_lora_steps"):
+        low = 0 if name == "gpu_id" else 1
+        if v[name] < low:
+            raise DGLSUserError(f"{label(name)} must be a whole number >= {low}, got {v[name]}")
+    if not v["dynamic_swapping"]:
+        unused = [label(o.name) for o in OPTIONS if o.name not in USED_WITHOUT_SWAPPING and resolved.given(o.name)]
+        cli_unused = [x for x in unused if x.startswith("--")]
+        if cli_unused:
+            raise DGLSUserError(
+                f"{', '.join(cli_unused)} {'has' if len(cli_unused) == 1 else 'have'} no effect with "
+                "--no-dynamic_swapping (the trainer runs unchanged): drop them, or drop --no-dynamic_swapping"
+            )
+        if unused:
+            resolved.notes.append(f"DGLS: dynamic swapping is off: {', '.join(unused)} not used")
+    if v["plan"]:
+        if v["vram_budget"] is None:
+            raise DGLSUserError(f"{label('plan')} plans from a VRAM budget: add --vram_budget (GiB, or auto)")
+        if v["profile"] is not None:
+            raise DGLSUserError(
+                f"{label('plan')} stops after the probe steps, before {label('profile')} records anything: "
+                "drop one of them"
+            )
 
 
 def swap_config(values: dict[str, Any]) -> SwapConfig:
@@ -314,7 +506,7 @@ def swap_config(values: dict[str, Any]) -> SwapConfig:
         "verbose_every",
     )
     config = {k: values[k] for k in keys}
-    config["profile_path"] = values["profile"]
+    config["profile_path"] = str(Path(values["profile"]).expanduser()) if values["profile"] else None
     config["vram_budget_gb"] = values["vram_budget"]
     config["plan_only"] = values["plan"]
     config["event_sync"] = values["event_sync"] and values["device_sync_mode"] != "layer"
@@ -323,27 +515,11 @@ def swap_config(values: dict[str, Any]) -> SwapConfig:
     return SwapConfig(**config)
 
 
-def startup_notes(values: dict[str, Any]) -> list[str]:
-    """What the compatibility-only flags map to, and other settings worth a line at start-up."""
-    notes = []
-    for name in COMPATIBILITY_ONLY:
-        if values[name]:
-            notes.append(f"DGLS: --{name} has nothing to do here: {OPTION_BY_NAME[name].meaning.split(': ', 1)[1]}")
-    if values["lazy_lora_steps"] < 1:
-        raise DGLSUserError(f"lazy_lora_steps must be a whole number >= 1, got {values['lazy_lora_steps']}")
-    if values["plan"] and values["vram_budget"] is None:
-        raise DGLSUserError("--plan needs --vram_budget (a number of GiB, or auto)")
-    return notes
-
-
 def markdown_table() -> str:
     """The README's flag table."""
     rows = ["| flag / `[dgls]` key | default | meaning | when to use |", "|---|---|---|---|"]
     for o in OPTIONS:
-        default = (
-            {True: "on", False: "off", None: "-"}.get(o.default, o.default)
-            if not isinstance(o.default, (int, float)) or isinstance(o.default, bool)
-            else o.default
-        )
-        rows.append(f"| `{o.flag}` | {default} | {o.meaning} | {o.when} |")
+        listed = all(c in o.meaning for c in o.choices)
+        choices = f" ({', '.join(o.choices)})" if o.choices and not listed else ""
+        rows.append(f"| `{o.flag}` | {o.shown_default()} | {o.meaning}{choices} | {o.when} |")
     return "\n".join(rows)

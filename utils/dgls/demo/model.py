@@ -144,6 +144,15 @@ class FinalLayer(nn.Module):
 BLOCK_CLASSES = ("DoubleBlock", "SingleBlock")
 
 
+def lora_param_count(cfg: DemoModelConfig, rank: int) -> int:
+    """Params :func:`add_lora` adds (rank x (in + out) per targeted Linear), known before anything is
+    built: the demo checks the output folder has room for them before training."""
+    h, m = cfg.hidden, cfg.hidden * cfg.mlp_ratio
+    double = 2 * ((h + 3 * h) + (h + h) + (h + m) + (m + h))  # qkv, proj, mlp.0, mlp.2 of both streams
+    single = (h + 3 * h + m) + (h + m + h)  # linear1, linear2
+    return rank * (cfg.double_blocks * double + cfg.single_blocks * single)
+
+
 def build_layers(cfg: DemoModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> list[nn.Module]:
     """The model as an ordered layer list, deterministic for a seed, all params frozen."""
     gen_state = torch.random.get_rng_state()

@@ -2,15 +2,20 @@
 
 ``PipelineModule`` from a layer list, ``deepspeed.initialize``, ``train_batch``: the same
 path diffusion-pipe takes, so the demo exercises the real DeepSpeed integration,
-including keeping DeepSpeed from moving streamed layers to the device.
+including keeping DeepSpeed from moving streamed layers to the device. Every setting was
+checked before this runs (``utils/dgls/validate.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
-import socket
 import statistics
+import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -18,32 +23,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..errors import DGLSUserError
+from ..errors import RunInterrupted
 from ..monitor import MemoryMonitor
-from ..options import swap_config
+from ..paths import new_run_dir
 from ..stats import StepWindow, human_bytes
 from ..swapper import LayerSwapper
+from ..validate import DemoRun
 from .data import SyntheticLatents
-from .model import BLOCK_CLASSES, DemoModelConfig, add_lora, build_layers
+from .model import BLOCK_CLASSES, add_lora, build_layers
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEMO_KEYS = {
-    "steps",
-    "batch_size",
-    "lr",
-    "seed",
-    "output_dir",
-    "activation_checkpointing",
-    "device",
-    "samples",
-    "image_tokens",
-    "text_tokens",
-    "lora_rank",
-    "hidden",
-    "heads",
-    "double_blocks",
-    "single_blocks",
-}
+PLAN_STEP_LIMIT = 100  # --plan stops when the planner has its plan (after the probe); never trains past this
 
 
 @dataclass
@@ -57,81 +46,107 @@ class DemoResult:
     lora: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def quiet_deepspeed() -> Iterator[io.StringIO]:
+    """DeepSpeed's start-up chatter (its accelerator warning, PipelineModule's layer listing, the
+    topology) says nothing a demo user needs: it goes to a buffer, replayed on stderr if
+    something fails inside. Its logger is held at ERROR for the block."""
+    logger = logging.getLogger("DeepSpeed")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    muted = _BelowError()
+    logger.addFilter(muted)  # DeepSpeed sets its level again when it is first imported; a filter stays
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            yield buffer
+    except BaseException:
+        sys.stderr.write(buffer.getvalue())
+        raise
+    finally:
+        logger.removeFilter(muted)
+        logger.setLevel(level)
 
 
-def _init_distributed(device: torch.device) -> None:
-    """A single-process group, as the deepspeed launcher would set up."""
+class _BelowError(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
+def _init_distributed(run: DemoRun) -> None:
+    """A one-process group (or the launcher's), with the environment checked in validate."""
     import deepspeed
 
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.update(run.dist.env)
     if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+        backend = "nccl" if run.device.type == "cuda" else "gloo"
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
 
 
-def demo_settings(train_config: dict) -> dict:
-    demo = dict(train_config.get("demo", {}))
-    unknown = set(demo) - DEMO_KEYS
-    if unknown:
-        raise DGLSUserError(f"unknown [demo] key(s) {sorted(unknown)} (known: {', '.join(sorted(DEMO_KEYS))})")
-    dtype_name = train_config.get("model", {}).get("dtype", "float32")
-    if dtype_name not in DTYPES:
-        raise DGLSUserError(f"[model] dtype must be one of {', '.join(DTYPES)}, got {dtype_name!r}")
-    demo.setdefault("steps", 30)
-    demo.setdefault("batch_size", 4)
-    demo.setdefault("lr", 2e-3)
-    demo.setdefault("seed", 0)
-    demo.setdefault("activation_checkpointing", True)
-    demo.setdefault("output_dir", "output/demo")
-    demo.setdefault("lora_rank", train_config.get("adapter", {}).get("rank", 8))
-    demo["dtype"] = DTYPES[dtype_name]
-    if demo["activation_checkpointing"] not in (True, False, "reentrant"):
-        raise DGLSUserError("[demo] activation_checkpointing must be true, false or 'reentrant'")
-    return demo
+def _close_distributed() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
-def pick_device(demo: dict, gpu_id: int) -> torch.device:
-    wanted = demo.get("device", "auto")
-    if wanted == "cpu" or (wanted == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise DGLSUserError("[demo] device = 'cuda' but no CUDA device is visible: use device = 'auto' or 'cpu'")
-    if gpu_id >= torch.cuda.device_count():
-        raise DGLSUserError(f"--gpu_id {gpu_id} but only {torch.cuda.device_count()} CUDA device(s) are visible")
-    return torch.device("cuda", gpu_id)
-
-
-def run_demo(train_config: dict, options: dict, log=print, progress: bool = True) -> DemoResult:
-    """Build, place, train and save; returns the losses and figures for the summary."""
-    import deepspeed
-    from deepspeed.pipe import PipelineModule
-    from safetensors.torch import save_file
+def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | None = None) -> DemoResult:
+    """Build, place, train and save; returns the losses and figures for the summary.
+    ``progress``: show a progress bar (default: when stderr is a terminal)."""
     from tqdm import tqdm
 
+    if progress is None:
+        progress = sys.stderr.isatty()
     if progress and log is print:
         log = tqdm.write  # lines printed during training (the profile, the planner) keep the bar intact
-    demo = demo_settings(train_config)
-    device = pick_device(demo, options["gpu_id"])
+    s, device = run.settings, run.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    _init_distributed(device)
-    model_cfg = DemoModelConfig(
-        **{k: demo[k] for k in ("hidden", "heads", "double_blocks", "single_blocks") if k in demo}
-    )
-    torch.manual_seed(demo["seed"])
-    layers = build_layers(model_cfg, seed=demo["seed"], dtype=demo["dtype"])
-    trainable = add_lora(layers, rank=demo["lora_rank"], seed=demo["seed"])
+    with quiet_deepspeed():
+        _init_distributed(run)
     swapper = None
-    if options["dynamic_swapping"]:
-        swapper = LayerSwapper(layers, swap_config(options), device=device, log=log)
-    else:
-        log("DGLS: dynamic swapping off; every layer is resident")
-    ckpt = demo["activation_checkpointing"]
+    result = DemoResult()
+    try:
+        torch.manual_seed(s.seed)
+        layers = build_layers(s.model, seed=s.seed, dtype=s.dtype)
+        trainable = add_lora(layers, rank=s.lora_rank, seed=s.seed)
+        if run.values["dynamic_swapping"]:
+            swapper = LayerSwapper(layers, run.swap, device=device, log=log)
+        else:
+            log("DGLS: dynamic swapping off; every layer is resident")
+        with quiet_deepspeed():
+            engine = _engine(run, layers, trainable)
+        _train(run, engine, swapper, result, log, progress)
+        if swapper is not None and run.values["plan"]:
+            return result
+        result.lora = {
+            f"layers.{i}.{name}": p.detach().to("cpu", torch.float32).contiguous()
+            for i, layer in enumerate(layers)
+            for name, p in layer.named_parameters()
+            if p.requires_grad
+        }
+    except KeyboardInterrupt:
+        done = len(result.losses)
+        raise RunInterrupted(
+            f"stopped at step {done} of {s.steps}; nothing was saved (the demo saves its LoRA at the end, "
+            "and has no checkpoint to resume from)"
+        ) from None
+    finally:
+        if swapper is not None:
+            swapper.remove()
+        _close_distributed()
+    from safetensors.torch import save_file
+
+    result.lora_path = new_run_dir(s.output_dir) / "adapter_model.safetensors"
+    save_file(result.lora, str(result.lora_path))
+    log(summary(result))
+    return result
+
+
+def _engine(run: DemoRun, layers, trainable):
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    s = run.settings
+    ckpt = s.activation_checkpointing
     pipeline = PipelineModule(
         layers=layers,
         num_stages=1,
@@ -142,27 +157,31 @@ def run_demo(train_config: dict, options: dict, log=print, progress: bool = True
         checkpointable_layers=list(BLOCK_CLASSES),
     )
     ds_config = {
-        "train_micro_batch_size_per_gpu": demo["batch_size"],
-        "gradient_accumulation_steps": options["lazy_lora_steps"],
+        "train_micro_batch_size_per_gpu": s.batch_size,
+        "gradient_accumulation_steps": run.values["lazy_lora_steps"],
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
-        "bf16": {"enabled": demo["dtype"] == torch.bfloat16},
+        "bf16": {"enabled": s.dtype == torch.bfloat16},
     }
-    optimizer = torch.optim.AdamW(trainable, lr=demo["lr"], weight_decay=0.0)
+    optimizer = torch.optim.AdamW(trainable, lr=s.lr, weight_decay=0.0)
     engine, _, _, _ = deepspeed.initialize(model=pipeline, optimizer=optimizer, config=ds_config)
-    data = SyntheticLatents(
-        model_cfg,
-        samples=demo.get("samples", 16),
-        image_tokens=demo.get("image_tokens", 64),
-        text_tokens=demo.get("text_tokens", 16),
-        seed=demo["seed"],
-    )
-    batches = data.batches(demo["batch_size"], demo["dtype"], device)
+    return engine
 
-    result = DemoResult()
-    bar = tqdm(range(demo["steps"]), desc="demo", unit="step", disable=not progress, dynamic_ncols=True)
+
+def _train(run: DemoRun, engine, swapper, result: DemoResult, log, progress: bool) -> None:
+    """The step loop; with --plan it runs until the planner has printed its plan, and no further."""
+    from tqdm import tqdm
+
+    s, device, values = run.settings, run.device, run.values
+    plan = swapper is not None and values["plan"]
+    data = SyntheticLatents(
+        s.model, samples=s.samples, image_tokens=s.image_tokens, text_tokens=s.text_tokens, seed=s.seed
+    )
+    batches = data.batches(s.batch_size, s.dtype, device)
+    steps = PLAN_STEP_LIMIT if plan else s.steps
+    bar = tqdm(range(steps), desc="demo", unit="step", disable=not progress or plan, dynamic_ncols=True)
     monitor = MemoryMonitor(device, lambda: swapper.store.pinned_bytes if swapper is not None else 0)
-    window = StepWindow(options["verbose_every"], demo["steps"], device.type)
+    window = StepWindow(values["verbose_every"], s.steps, device.type)
     for step in bar:
         start = time.perf_counter()
         before = swapper.total_stats() if swapper is not None else None
@@ -171,10 +190,11 @@ def run_demo(train_config: dict, options: dict, log=print, progress: bool = True
         stats = swapper.total_stats().since(before) if swapper is not None else None  # this optimizer step
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)  # so the next step reports its own peak
-        if swapper is not None and swapper.plan_finished:
-            log("DGLS: --plan: stopping after the probe; nothing was saved")
-            swapper.remove()
-            return result
+        if plan:
+            if swapper.plan_finished:
+                log("DGLS: --plan: stopping after the probe; nothing was saved")
+                return
+            continue
         result.step_seconds.append(time.perf_counter() - start)
         result.losses.append(loss)
         line = f"step {step + 1}: loss {loss:.4f}, {result.step_seconds[-1] * 1000:.0f} ms"
@@ -182,32 +202,19 @@ def run_demo(train_config: dict, options: dict, log=print, progress: bool = True
             result.bytes_streamed += stats.bytes_moved
             result.peak_vram_bytes = max(result.peak_vram_bytes, stats.peak_vram_bytes)
             result.pinned_bytes = stats.pinned_bytes
-            line += "; " + (stats.line(device.type) if options["verbose"] else stats.short())
+            line += "; " + (stats.line(device.type) if values["verbose"] else stats.short())
         bar.set_postfix(loss=f"{loss:.4f}")
         log(line)
         for warning in monitor.warnings(reading):
             log(warning)
-        if options["verbose"] and (text := window.add(result.step_seconds[-1], stats)):
+        if values["verbose"] and (text := window.add(result.step_seconds[-1], stats)):
             log(f"DGLS {text}\nDGLS {reading.line()}")
-    if options["verbose"] and (text := window.flush()):
+    if plan:
+        raise RuntimeError(f"the planner gave no plan in {PLAN_STEP_LIMIT} steps")
+    if values["verbose"] and (text := window.flush()):
         log(f"DGLS {text}")
     if device.type == "cuda" and swapper is None:
         result.peak_vram_bytes = torch.cuda.max_memory_allocated(device)
-
-    out_dir = Path(demo["output_dir"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result.lora = {
-        f"layers.{i}.{name}": p.detach().to("cpu", torch.float32).contiguous()
-        for i, layer in enumerate(layers)
-        for name, p in layer.named_parameters()
-        if p.requires_grad
-    }
-    result.lora_path = out_dir / "adapter_model.safetensors"
-    save_file(result.lora, str(result.lora_path))
-    if swapper is not None:
-        swapper.remove()
-    log(summary(result))
-    return result
 
 
 def summary(r: DemoResult) -> str:

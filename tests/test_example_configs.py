@@ -1,0 +1,62 @@
+"""The example configs in toml/: each passes dgls_train.py's checks, and every figure their
+comments quote stands in the benchmark results file they cite."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import torch
+from cli_helpers import FAKE
+from conftest import ROOT
+
+from utils.dgls.validate import DemoRun, DropInRun, prepare
+
+FLUX_CONFIGS = sorted(p.name for p in (ROOT / "toml").glob("flux_*.toml"))
+
+
+def cited_figures(text: str) -> list[tuple[str, str]]:
+    """(results file, figure) for every 'N GiB' and 'N.NNx' in the comments, each under the last
+    benchmarks/results/ file a comment named."""
+    figures, source = [], None
+    for line in text.splitlines():
+        if "#" not in line:
+            continue
+        comment = line.split("#", 1)[1]
+        if match := re.search(r"benchmarks/results/[\w.]+\.md", comment):
+            source = match.group(0)
+            comment = comment[match.end() :]
+        for figure in re.findall(r"(\d+(?:\.\d+)?) GiB|(\d+\.\d+x)", comment):
+            value = figure[0] or figure[1]
+            if source is not None:
+                figures.append((source, value))
+    return figures
+
+
+@pytest.mark.parametrize("name", FLUX_CONFIGS)
+def test_flux_config_passes_the_checks(name, tmp_path, monkeypatch):
+    """On a checkout with the dataset the config names, on a (pretended) one-GPU machine."""
+    checkout = tmp_path / "dp"
+    shutil.copytree(FAKE, checkout)
+    (checkout / "examples").mkdir()
+    (checkout / "images").mkdir()
+    (checkout / "examples" / "dataset.toml").write_text('[[directory]]\npath = "images"\n')
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    run = prepare(["--config", str(ROOT / "toml" / name), "--diffusion_pipe", str(checkout)], ROOT)
+    assert isinstance(run, DropInRun) and run.swap.vram_budget_gb is not None
+
+
+def test_demo_config_passes_the_checks():
+    assert isinstance(prepare(["--config", str(ROOT / "toml" / "demo.toml")], ROOT), DemoRun)
+
+
+@pytest.mark.parametrize("name", FLUX_CONFIGS)
+def test_every_quoted_figure_is_in_the_results_it_cites(name):
+    figures = cited_figures((ROOT / "toml" / name).read_text())
+    assert len(figures) >= 6, figures
+    for source, figure in figures:
+        assert figure in (ROOT / source).read_text(), f"{name} quotes {figure} from {source}, which does not have it"

@@ -1,0 +1,131 @@
+"""The launch lines users type, run as they type them: no RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR or MASTER_PORT in the environment (CI has no mpi4py either, so a launch that
+leaves DeepSpeed to discover an MPI job fails here as it would on a user's machine), and
+Ctrl-C in the middle of a run.
+
+The deepspeed launcher and the README's exact demo command take 20-60 s each on 2 cores: they
+are marked slow (``python3 -m pytest -m slow tests``; .ci/run runs them).
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from cli_helpers import FAKE, demo_toml, fake_config, python_cmd, run_user_command, user_env
+from conftest import ROOT
+
+
+def deepspeed_cmd(*args: str) -> list[str]:
+    """``deepspeed ...``: the launcher script installed with deepspeed (beside this Python, or on PATH)."""
+    script = Path(sys.executable).parent / "deepspeed"
+    found = str(script) if script.is_file() else shutil.which("deepspeed")
+    assert found, "the deepspeed launcher script is not installed"
+    return [found, *args]
+
+
+def only_run_dir(folder: Path) -> Path:
+    (run_dir,) = [p for p in folder.iterdir() if p.is_dir()]
+    return run_dir
+
+
+def fake_facts(proc) -> dict:
+    import json
+
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("FAKE_TRAIN "))
+    return json.loads(line[len("FAKE_TRAIN ") :])
+
+
+def test_user_error_from_the_real_entry_point_is_one_line_exit_2(tmp_path):
+    proc = run_user_command(python_cmd("--config", str(tmp_path / "missing.toml"), "--prefetch", "x"), tmp_path)
+    assert proc.returncode == 2
+    assert proc.stdout == "" and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("dgls: error: argument --prefetch: expected a whole number, got 'x'")
+
+
+def _interrupt(cmd: list[str], cwd: Path, after: str) -> tuple[int, str, str, int]:
+    """Start ``cmd``, send SIGINT (Ctrl-C) once a stdout line starts with ``after``.
+
+    Returns (exit code, stdout, stderr, pid)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=user_env())
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith(after):
+            proc.send_signal(signal.SIGINT)
+            break
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, "".join(seen) + out, err, proc.pid
+
+
+def test_ctrl_c_in_the_demo_is_one_line_and_cleans_up(tmp_path):
+    cmd = [sys.executable, "-u", *python_cmd("--config", str(demo_toml(tmp_path, steps=30)), "--threading")[1:]]
+    code, out, err, pid = _interrupt(cmd, ROOT, "step 2:")
+    assert code == 130, err
+    assert err.count("\n") == 1 and err.startswith("dgls: interrupted: stopped at step "), err
+    assert "of 30; nothing was saved (the demo saves its LoRA at the end" in err
+    assert not psutil.pid_exists(pid) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_the_drop_in_is_one_line_and_cleans_up(tmp_path):
+    config = fake_config(tmp_path / "cfg", top="max_steps = 1000\ncheckpoint_every_n_steps = 1")
+    cmd = [sys.executable, "-u", *python_cmd("--config", str(config), "--diffusion_pipe", str(FAKE), "--verbose")[1:]]
+    code, out, err, pid = _interrupt(cmd, tmp_path, "dgls step 2:")
+    assert code == 130, err
+    run_dir = only_run_dir(tmp_path / "cfg" / "out")
+    assert err == (
+        f"dgls: interrupted: diffusion-pipe's run folder is {run_dir} (no LoRA saved yet); to go on from its last "
+        "checkpoint, run the same command with --resume_from_checkpoint\n"
+    ), err
+    assert not psutil.pid_exists(pid)
+
+
+@pytest.mark.slow
+def test_readme_demo_command_exactly_as_written():
+    """`python3 dgls_train.py --config toml/demo.toml` from the repository: 30 steps, the loss goes
+    down, a new run folder under output/demo (removed afterwards)."""
+    before = set((ROOT / "output" / "demo").glob("*"))
+    proc = run_user_command([sys.executable, "dgls_train.py", "--config", "toml/demo.toml"], ROOT)
+    made = set((ROOT / "output" / "demo").glob("*")) - before
+    try:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        summary = next(line for line in proc.stdout.splitlines() if line.startswith("DGLS demo finished"))
+        start, end = (float(x) for x in summary.split("loss ")[1].split(" over")[0].split(" -> "))
+        assert end < 0.9 * start and "over 30 steps" in summary, summary
+        (run_dir,) = made
+        assert summary.endswith(f"LoRA saved to output/demo/{run_dir.name}/adapter_model.safetensors")
+        assert proc.stderr == ""
+    finally:
+        for path in made:
+            shutil.rmtree(path)
+
+
+@pytest.mark.slow
+def test_demo_under_the_deepspeed_launcher(tmp_path):
+    """diffusion-pipe's launch convention; the launcher adds --local_rank=0 and sets the job's variables."""
+    config = demo_toml(tmp_path, steps=3)
+    proc = run_user_command(
+        deepspeed_cmd("--num_gpus=1", "dgls_train.py", "--deepspeed", "--config", str(config)), ROOT
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "step 3: loss" in proc.stdout and "DGLS demo finished" in proc.stdout
+    assert (only_run_dir(tmp_path / "out") / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_drop_in_under_the_deepspeed_launcher_from_inside_a_checkout(tmp_path):
+    checkout = tmp_path / "dp"
+    shutil.copytree(FAKE, checkout)
+    config = fake_config(tmp_path / "cfg")
+    cmd = deepspeed_cmd("--num_gpus=1", str(ROOT / "dgls_train.py"), "--deepspeed", "--config", str(config))
+    facts = fake_facts(run_user_command([*cmd, "--blocks_to_swap", "6"], checkout))
+    assert facts["placeholders"] > 0 and Path(facts["cwd"]).resolve() == checkout.resolve()
+    assert facts["env"]["WORLD_SIZE"] == "1" and "--local_rank=0" in facts["argv"] and "--deepspeed" in facts["argv"]
+    assert facts["env"]["MASTER_PORT"] != "29500"  # a one-process job gets a free port, not the launcher's default

@@ -1,0 +1,124 @@
+"""The demo's settings from the training TOML (``[demo]``, ``[model]``, ``[adapter]``), checked
+in full before anything is built, so a bad value is one line instead of a traceback minutes in
+(or, for ``output_dir``, after every step has run)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import DGLSUserError
+from .model import DemoModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _whole(low: int) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+        return None if ok else f"a whole number >= {low}"
+
+    return check
+
+
+def _positive_number(value: Any) -> str | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return None if ok else "a number > 0"
+
+
+def _one_of(*allowed: Any) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        ok = any(value is a if isinstance(a, bool) else value == a for a in allowed)
+        return (
+            None if ok else "one of " + ", ".join(repr(a).lower() if isinstance(a, bool) else repr(a) for a in allowed)
+        )
+
+    return check
+
+
+def _path(value: Any) -> str | None:
+    return None if isinstance(value, str) and value.strip() else "a folder path in quotes"
+
+
+# key -> (default, check); a check returns what the value must be, or None if it is fine.
+DEMO_KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
+    "steps": (30, _whole(1)),
+    "batch_size": (4, _whole(1)),
+    "lr": (2e-3, _positive_number),
+    "seed": (0, _whole(0)),
+    "output_dir": ("output/demo", _path),
+    "activation_checkpointing": (True, _one_of(True, False, "reentrant")),
+    "device": ("auto", _one_of("auto", "cpu", "cuda")),
+    "samples": (16, _whole(1)),
+    "image_tokens": (64, _whole(1)),
+    "text_tokens": (16, _whole(1)),
+    "lora_rank": (8, _whole(1)),
+    "hidden": (DemoModelConfig.hidden, _whole(2)),
+    "heads": (DemoModelConfig.heads, _whole(1)),
+    "double_blocks": (DemoModelConfig.double_blocks, _whole(0)),
+    "single_blocks": (DemoModelConfig.single_blocks, _whole(0)),
+}
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    steps: int
+    batch_size: int
+    lr: float
+    seed: int
+    output_dir: Path  # '~' expanded
+    activation_checkpointing: bool | str
+    device: str
+    samples: int
+    image_tokens: int
+    text_tokens: int
+    lora_rank: int
+    model: DemoModelConfig
+    dtype: torch.dtype
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def _table(config: dict[str, Any], name: str, path: str) -> dict[str, Any]:
+    table = config.get(name, {})
+    if not isinstance(table, dict):
+        raise DGLSUserError(f"{path}: {name} = {table!r} must be a [{name}] table")
+    return table
+
+
+def demo_settings(config: dict[str, Any], path: str) -> DemoSettings:
+    """Every demo setting, checked; one line naming the key and what it needs otherwise."""
+    demo = _table(config, "demo", path)
+    unknown = sorted(set(demo) - set(DEMO_KEYS))
+    if unknown:
+        raise DGLSUserError(f"{path}: unknown [demo] key(s) {unknown} (known: {', '.join(DEMO_KEYS)})")
+    adapter = _table(config, "adapter", path)
+    values = {key: default for key, (default, _) in DEMO_KEYS.items()}
+    if "rank" in adapter:
+        values["lora_rank"] = adapter["rank"]
+    values.update(demo)
+    for key, (_, check) in DEMO_KEYS.items():
+        if (expected := check(values[key])) is not None:
+            where = "[adapter] rank" if key == "lora_rank" and "lora_rank" not in demo else f"[demo] {key}"
+            raise DGLSUserError(f"{path}: {where} must be {expected}, got {values[key]!r}")
+    if values["hidden"] % 2 or values["hidden"] % values["heads"]:
+        raise DGLSUserError(
+            f"{path}: [demo] hidden = {values['hidden']} must be even and divisible by heads = {values['heads']}"
+        )
+    if values["double_blocks"] + values["single_blocks"] < 1:
+        raise DGLSUserError(
+            f"{path}: [demo] double_blocks + single_blocks must be at least 1 (the blocks hold the LoRA)"
+        )
+    dtype_name = _table(config, "model", path).get("dtype", "float32")
+    if dtype_name not in DTYPES:
+        raise DGLSUserError(f"{path}: [model] dtype must be one of {', '.join(DTYPES)}, got {dtype_name!r}")
+    model = DemoModelConfig(**{k: values.pop(k) for k in ("hidden", "heads", "double_blocks", "single_blocks")})
+    values["output_dir"] = Path(values["output_dir"]).expanduser()
+    return DemoSettings(**values, model=model, dtype=DTYPES[dtype_name])

@@ -1,0 +1,105 @@
+"""The torch.distributed environment of a run: what a launcher set, or a one-process job.
+
+DeepSpeed's ``init_distributed()`` needs RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT; without all of them it falls into MPI discovery, which fails where mpi4py is
+not installed (most machines). The deepspeed launcher sets them and adds
+``--local_rank=N`` to the script's arguments. ``python dgls_train.py ...`` has no launcher,
+so DGLS fills in a one-process job itself: rank 0 of 1 on the GPU ``--gpu_id`` names.
+
+diffusion-pipe's train.py overwrites MASTER_PORT with its own ``--master_port`` flag
+(default 29500, the deepspeed launcher's default too), so two one-process runs on one
+machine would collide there. A one-process run therefore gets a free port unless one was
+chosen (train.py's ``--master_port``, or a MASTER_PORT other than 29500), and train.py is
+told the port the run uses.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .errors import DGLSUserError
+
+LAUNCHER_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+DEFAULT_PORT = 29500  # the deepspeed launcher's and diffusion-pipe's train.py's default
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job, and the environment to set before the trainer starts."""
+
+    launched: bool  # started by a launcher (deepspeed, torchrun): RANK/WORLD_SIZE/LOCAL_RANK were set
+    rank: int
+    world_size: int
+    local_rank: int
+    port: int
+    env: dict[str, str] = field(default_factory=dict)  # to put into os.environ
+
+
+def _int_var(environ: Mapping[str, str], key: str) -> int:
+    try:
+        return int(environ[key])
+    except ValueError:
+        raise DGLSUserError(f"the environment variable {key}={environ[key]!r} is not a whole number") from None
+
+
+def option_value(args: list[str], name: str) -> str | None:
+    """The value of ``--name V`` or ``--name=V`` in an argument list, or None."""
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def dist_env(environ: Mapping[str, str], gpu_id: int, gpu_id_given: bool, train_port: str | None = None) -> DistEnv:
+    """The job this process belongs to. ``train_port``: train.py's ``--master_port`` if the user gave one."""
+    given = [k for k in LAUNCHER_KEYS if k in environ]
+    if given and len(given) < len(LAUNCHER_KEYS):
+        missing = [k for k in LAUNCHER_KEYS if k not in environ]
+        raise DGLSUserError(
+            f"{', '.join(given)} set in the environment but not {', '.join(missing)}: start dgls_train.py with a "
+            "launcher (deepspeed --num_gpus=1 ...) or unset them for a one-process run"
+        )
+    port = None
+    if train_port is not None:
+        try:
+            port = int(train_port)
+        except ValueError:
+            raise DGLSUserError(f"--master_port {train_port!r} is not a port number") from None
+    if given:
+        if gpu_id_given:
+            raise DGLSUserError(
+                "--gpu_id does nothing under the deepspeed launcher, which gives each process its GPU: choose GPUs "
+                "with the launcher (deepspeed --include localhost:N ...) and drop --gpu_id"
+            )
+        world_size, local_rank = _int_var(environ, "WORLD_SIZE"), _int_var(environ, "LOCAL_RANK")
+        env_port = int(environ["MASTER_PORT"]) if environ.get("MASTER_PORT", "").isdigit() else None
+        if port is None and world_size > 1:
+            port = env_port or DEFAULT_PORT  # every process must agree: the launcher's port
+        elif port is None:
+            port = env_port if env_port not in (None, DEFAULT_PORT) else free_port()
+        env = {"MASTER_PORT": str(port)}
+        if "MASTER_ADDR" not in environ:
+            env["MASTER_ADDR"] = "127.0.0.1"
+        return DistEnv(True, _int_var(environ, "RANK"), world_size, local_rank, port, env)
+    if port is None:
+        env_port = environ.get("MASTER_PORT", "")
+        port = int(env_port) if env_port.isdigit() and int(env_port) != DEFAULT_PORT else free_port()
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": str(gpu_id),
+        "MASTER_ADDR": environ.get("MASTER_ADDR", "127.0.0.1"),
+        "MASTER_PORT": str(port),
+    }
+    return DistEnv(False, 0, 1, gpu_id, port, env)

@@ -1,0 +1,192 @@
+"""diffusion-pipe's side of the checks before a drop-in run: the checkout, the training TOML's
+keys that train.py reads unconditionally, and the dataset TOMLs it names.
+
+Each mistake here would otherwise surface as a traceback from train.py (a KeyError, an
+AssertionError, a UnicodeDecodeError), often after the model has loaded. Relative paths
+resolve against the checkout, where train.py runs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from .errors import DGLSUserError
+from .launch import read_toml
+
+ENV_CHECKOUT = "DGLS_DIFFUSION_PIPE"
+REQUIRED_FILES = ("train.py", "utils/pipeline.py", "models/base.py")
+# diffusion-pipe's utils/common.py DTYPE_MAP, with the DGLS cast_target name of each dtype.
+DP_DTYPES = {
+    "float32": "f32",
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "float8": "f8_e4m3",
+    "float8_e4m3fn": "f8_e4m3",
+    "float8_e5m2": "f8_e5m2",
+}
+SAVE_KEYS = ("save_every_n_epochs", "save_every_n_steps", "save_every_n_examples")
+
+
+def _is_checkout(path: Path) -> bool:
+    return all((path / f).is_file() for f in REQUIRED_FILES)
+
+
+def find_checkout(explicit: str | None, script_dir: Path) -> Path:
+    """The diffusion-pipe checkout: --diffusion_pipe, then $DGLS_DIFFUSION_PIPE, then the current
+    folder, then the folder dgls_train.py was copied into."""
+    for source, value in (("--diffusion_pipe", explicit), (ENV_CHECKOUT, os.environ.get(ENV_CHECKOUT))):
+        if value:
+            path = Path(value).expanduser().resolve()
+            missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
+            if missing:
+                raise DGLSUserError(f"{source} {value} is not a diffusion-pipe checkout: it has no {missing[0]}")
+            return path
+    for path in (Path.cwd(), script_dir):
+        if _is_checkout(path):
+            return path.resolve()
+    raise DGLSUserError(
+        "this config needs diffusion-pipe: run dgls_train.py from inside a diffusion-pipe checkout, "
+        f"pass --diffusion_pipe PATH, or set {ENV_CHECKOUT}"
+    )
+
+
+def _table(config: dict[str, Any], key: str, path: str) -> dict[str, Any]:
+    value = config.get(key)
+    if not isinstance(value, dict):
+        article = "an" if key[0] in "aeiou" else "a"
+        raise DGLSUserError(f"{path}: {key} = {value!r} must be {article} [{key}] table")
+    return value
+
+
+def _path_value(value: Any, key: str, path: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise DGLSUserError(f"{path}: {key} = {value!r} must be a path in quotes")
+    if value.startswith("~"):
+        raise DGLSUserError(
+            f"{path}: {key} = {value!r}: diffusion-pipe does not expand '~'; write the full path "
+            f"{os.path.expanduser(value)!r}"
+        )
+    return value
+
+
+def check_train_config(config: dict[str, Any], path: str, swapping: bool) -> None:
+    """The keys train.py reads before it checks anything itself; with swapping, what DGLS cannot run yet."""
+    _path_value(config.get("output_dir"), "output_dir", path)
+    model = _table(config, "model", path)
+    for key in ("dtype", "transformer_dtype"):
+        if (key in model or key == "dtype") and model.get(key) not in DP_DTYPES:
+            raise DGLSUserError(f"{path}: [model] {key} must be one of {', '.join(DP_DTYPES)}, got {model.get(key)!r}")
+    _table(config, "optimizer", path)
+    if not any(key in config for key in SAVE_KEYS):
+        raise DGLSUserError(f"{path} says when to save nothing: set one of {', '.join(SAVE_KEYS)}")
+    if "adapter" in config:
+        adapter = _table(config, "adapter", path)
+        if adapter.get("type") not in ("lora", "lokr"):
+            raise DGLSUserError(f"{path}: [adapter] type must be 'lora' or 'lokr', got {adapter.get('type')!r}")
+        rank = adapter.get("rank")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            raise DGLSUserError(f"{path}: [adapter] rank must be a whole number >= 1, got {rank!r}")
+        if "alpha" in adapter:
+            raise DGLSUserError(f"{path}: [adapter] alpha: diffusion-pipe sets alpha = rank itself; remove alpha")
+    ckpt = config.get("activation_checkpointing", False)
+    if ckpt not in (True, False, "unsloth"):
+        raise DGLSUserError(f"{path}: activation_checkpointing must be true, false or 'unsloth', got {ckpt!r}")
+    if not swapping:
+        return
+    if config.get("blocks_to_swap"):
+        raise DGLSUserError(
+            f"{path} sets diffusion-pipe's own blocks_to_swap; DGLS replaces it: remove it from the TOML and "
+            "pass --blocks_to_swap to dgls_train.py instead (or run with --no-dynamic_swapping)"
+        )
+    if "adapter" not in config:
+        raise DGLSUserError(
+            f"{path} has no [adapter]: DGLS streams frozen weights, so it trains LoRAs for now; full "
+            "fine-tuning (streaming weights, grads and optimizer state) is planned. Add an [adapter] table or "
+            "run with --no-dynamic_swapping"
+        )
+    stages = config.get("pipeline_stages", 1)
+    if stages != 1:
+        raise DGLSUserError(
+            f"{path} sets pipeline_stages = {stages}: DGLS supports one pipeline stage (one GPU) for now; "
+            "set pipeline_stages = 1 or run with --no-dynamic_swapping"
+        )
+
+
+def model_dtypes(config: dict[str, Any]) -> set[str]:
+    """cast_target names of the dtypes the model's weights load in ([model] dtype, transformer_dtype)."""
+    model = config.get("model", {})
+    return {DP_DTYPES[model[k]] for k in ("dtype", "transformer_dtype") if model.get(k) in DP_DTYPES}
+
+
+def check_dataset_files(config: dict[str, Any], path: str, checkout: Path) -> None:
+    """The dataset TOMLs the config names, and the directories they list, must exist and parse."""
+    if "dataset" not in config:
+        raise DGLSUserError(f"{path} sets no dataset: add dataset = 'path/to/dataset.toml'")
+    named = [("dataset", _path_value(config["dataset"], "dataset", path))]
+    evals = config.get("eval_datasets", [])
+    if not isinstance(evals, list):
+        raise DGLSUserError(f"{path}: eval_datasets must be a list of {{name = ..., config = ...}} tables")
+    for i, entry in enumerate(evals):
+        key = f"eval_datasets[{i}]"
+        if not isinstance(entry, dict) or "config" not in entry or "name" not in entry:
+            raise DGLSUserError(
+                f"{path}: {key} = {entry!r} must be a table like {{name = 'eval', config = 'eval_dataset.toml'}}"
+            )
+        named.append((key, _path_value(entry["config"], f"{key} config", path)))
+    for key, value in named:
+        dataset = checkout / value  # an absolute value stays itself
+        if not dataset.is_file():
+            raise DGLSUserError(
+                f"{path}: {key} = {value!r} not found (relative paths start at the checkout {checkout})"
+            )
+        label = f"{key} of {path}"
+        directories = read_toml(dataset, f"{dataset} (the {label})").get("directory")
+        if not isinstance(directories, list) or not directories:
+            raise DGLSUserError(f"{dataset} (the {label}) needs [[directory]] tables, each with a path")
+        for directory in directories:
+            folder = directory.get("path") if isinstance(directory, dict) else None
+            if not isinstance(folder, str) or not (checkout / folder).is_dir():
+                shown = folder if isinstance(directory, dict) else directory
+                raise DGLSUserError(
+                    f"{dataset}: [[directory]] path {shown!r} is not a folder "
+                    f"(relative paths start at the checkout {checkout})"
+                )
+
+
+def run_dirs(output_dir: Path) -> list[Path]:
+    """diffusion-pipe's run folders under output_dir, oldest first (it names them by UTC time)."""
+    return sorted(p for p in output_dir.glob("*") if p.is_dir()) if output_dir.is_dir() else []
+
+
+def check_resume(config: dict[str, Any], path: str, train_args: list[str], checkout: Path) -> None:
+    """``--resume_from_checkpoint`` needs a run folder to resume from."""
+    resume = config.get("resume_from_checkpoint", False)
+    for i, arg in enumerate(train_args):
+        if arg == "--resume_from_checkpoint":
+            nxt = train_args[i + 1] if i + 1 < len(train_args) else None
+            resume = nxt if nxt is not None and not nxt.startswith("--") else True
+        elif arg.startswith("--resume_from_checkpoint="):
+            resume = arg.split("=", 1)[1]
+    if not resume:
+        return
+    output_dir = checkout / str(config["output_dir"])
+    runs = run_dirs(output_dir)
+    if resume is True and not runs:
+        raise DGLSUserError(
+            f"--resume_from_checkpoint: {output_dir} has no earlier run to resume (output_dir in {path})"
+        )
+    if isinstance(resume, str) and not (output_dir / resume).is_dir():
+        raise DGLSUserError(f"--resume_from_checkpoint {resume}: no run folder {output_dir / resume}")
+
+
+def startup_notes(config: dict[str, Any]) -> list[str]:
+    """What diffusion-pipe settings that DGLS takes over mean under DGLS."""
+    notes = []
+    if config.get("disable_block_swap_for_eval"):
+        notes.append(
+            "DGLS: disable_block_swap_for_eval applies to diffusion-pipe's own block swap, which DGLS replaces: "
+            "eval passes stream with DGLS's forward-only schedule (keep more layers resident to make them faster)"
+        )
+    return notes

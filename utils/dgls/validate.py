@@ -1,0 +1,229 @@
+"""One pass over every input before anything slow starts: flags, the TOML, files, paths, the
+machine. It returns a complete description of the run, or stops with one line that says what
+to change. Nothing here imports DeepSpeed, builds a model or writes a file (a probe file to
+test that a folder is writable is removed at once).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import options
+from .config import SwapConfig
+from .distributed import DistEnv, dist_env, option_value
+from .errors import DGLSUserError
+from .launch import DEMO_MODEL_TYPE, build_parser, check_known_type, load_toml, model_type
+from .paths import check_output_dir, check_output_file
+from .precision import dtype_of, is_fp8, name_of
+
+# Arguments the deepspeed launcher adds (--local_rank=N) or its users write (--deepspeed): the demo takes them.
+LAUNCHER_ARGS = ("--local_rank", "--deepspeed")
+SAFETENSORS_HEADER = 64 << 10  # room for a LoRA file's header, beyond its tensors
+AUTOCAST_NAME = {"f32": "fp32", "f16": "fp16", "bf16": "bf16"}  # a cast_target TO -> the --autocast that computes in it
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """The built-in demo, checked."""
+
+    config_path: str
+    settings: Any  # demo.settings.DemoSettings (imported only for the demo)
+    values: dict[str, Any]
+    swap: SwapConfig
+    device: torch.device
+    dist: DistEnv
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DropInRun:
+    """diffusion-pipe's train.py in a checkout, checked."""
+
+    config_path: str
+    config: dict[str, Any]
+    checkout: Path
+    train_args: tuple[str, ...]  # what train.py receives after --config
+    values: dict[str, Any]
+    swap: SwapConfig
+    dist: DistEnv
+    notes: tuple[str, ...]
+
+
+def require_modules(names: tuple[str, ...], why: str) -> None:
+    """Each module must be importable (found without importing it)."""
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ModuleNotFoundError, ValueError):
+            found = False
+        if found:
+            continue
+        if name.startswith("utils."):
+            folder = "/".join(name.split(".")[:-1])
+            raise DGLSUserError(
+                f"{folder}/{name.rsplit('.', 1)[1]}.py is missing next to dgls_train.py: copy the whole utils/dgls "
+                "folder along with dgls_train.py (see the README)"
+            )
+        raise DGLSUserError(f"the Python package {name!r} is not installed ({why}): pip install -r requirements.txt")
+
+
+def _cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_gpu_id(resolved: options.Resolved, dist: DistEnv, wanted: str = "auto") -> None:
+    """--gpu_id names a visible GPU in a one-process run, or is not given."""
+    gpu_id, label = resolved.values["gpu_id"], resolved.label("gpu_id")
+    if dist.launched or not resolved.given("gpu_id"):
+        return
+    count = _cuda_count()
+    if wanted == "cpu":
+        raise DGLSUserError(f"{label} {gpu_id} has no effect: the config sets device = 'cpu'; drop one of them")
+    if count == 0:
+        raise DGLSUserError(f"{label} {gpu_id} but no CUDA device is visible: drop {label}")
+    if gpu_id >= count:
+        raise DGLSUserError(f"{label} {gpu_id} but only {count} CUDA device(s) are visible (0-{count - 1})")
+
+
+def check_precision(swap: SwapConfig, dtypes: set[str], trainer_autocasts: bool, where: str) -> None:
+    """Refuse casts that match no weights (they would be reported but do nothing) and, where the
+    trainer does not autocast, casts that would leave inputs and weights in different dtypes."""
+    for source, target in swap.cast_target or ():
+        if dtypes and source not in dtypes:
+            raise DGLSUserError(
+                f"cast_target {source} {target} casts nothing: the model's weights are {', '.join(sorted(dtypes))} "
+                f"({where}); use cast_target {sorted(dtypes)[0]} {target}"
+            )
+        if not is_fp8(dtype_of(target, "cast_target")) and not trainer_autocasts and swap.autocast is None:
+            raise DGLSUserError(
+                f"cast_target {source} {target} makes the streamed weights {target} while the inputs stay {source}: "
+                f"add --autocast {AUTOCAST_NAME[target]}, or store as fp8 (cast_target {source} f8_e4m3), which "
+                f"computes in {source}"
+            )
+
+
+def _split_launcher_args(rest: list[str]) -> list[str]:
+    """The demo's leftover arguments less the deepspeed launcher's."""
+    out, skip = [], False
+    for i, arg in enumerate(rest):
+        if skip:
+            skip = False
+            continue
+        if arg.split("=", 1)[0] in LAUNCHER_ARGS:
+            skip = arg == "--local_rank" and i + 1 < len(rest) and not rest[i + 1].startswith("--")
+            continue
+        out.append(arg)
+    return out
+
+
+def _check_profile(resolved: options.Resolved, notes: list[str]) -> None:
+    path = resolved.values["profile"]
+    if path is None or not resolved.values["dynamic_swapping"]:
+        return
+    if (note := check_output_file(Path(path).expanduser(), f"{resolved.label('profile')} {path}")) is not None:
+        notes.append(note)
+
+
+def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, swap: SwapConfig, cli_dp: str | None):
+    require_modules(("utils.dgls.demo.settings", "utils.dgls.demo.train"), "")
+    from .demo.model import lora_param_count
+    from .demo.settings import demo_settings
+
+    if cli_dp is not None:
+        raise DGLSUserError(f"--diffusion_pipe has no effect: {path} is the built-in demo ([model] type = 'dgls_demo')")
+    unknown = _split_launcher_args(rest)
+    if unknown:
+        raise DGLSUserError(
+            f"unknown argument(s) for the demo: {' '.join(unknown)} (dgls_train.py --help lists the flags)"
+        )
+    settings = demo_settings(config, path)
+    require_modules(("deepspeed", "peft", "safetensors", "tqdm"), "the demo needs it")
+    values, notes = resolved.values, list(resolved.notes)
+    dist = dist_env(os.environ, values["gpu_id"], resolved.given("gpu_id"))
+    if dist.world_size > 1:
+        raise DGLSUserError(f"the demo trains on one GPU, not {dist.world_size}: launch it with --num_gpus=1")
+    device = _demo_device(settings.device, resolved, dist)
+    if values["vram_budget"] == "auto" and device.type != "cuda":
+        raise DGLSUserError(f"{resolved.label('vram_budget')} auto measures free VRAM: give a number of GiB on CPU")
+    if values["profile"] is not None and values["dynamic_swapping"] and not values["plan"]:
+        last = swap.profile_warmup_steps + swap.profile_steps
+        if settings.steps < last:
+            raise DGLSUserError(
+                f"{resolved.label('profile')} records steps {swap.profile_warmup_steps + 1}-{last}, but [demo] steps = "
+                f"{settings.steps} in {path}: raise steps to {last} or more, or drop the profile"
+            )
+    _check_profile(resolved, notes)
+    if not values["plan"]:
+        lora_bytes = lora_param_count(settings.model, settings.lora_rank) * 4 + SAFETENSORS_HEADER
+        check_output_dir(settings.output_dir, f"[demo] output_dir = '{settings.output_dir}' in {path}", lora_bytes)
+    if values["dynamic_swapping"]:
+        check_precision(swap, {name_of(settings.dtype)}, False, f"[model] dtype = '{settings.dtype_name}'")
+    return DemoRun(path, settings, values, swap, device, dist, tuple(notes))
+
+
+def _demo_device(wanted: str, resolved: options.Resolved, dist: DistEnv) -> torch.device:
+    check_gpu_id(resolved, dist, wanted)
+    count = _cuda_count()
+    if wanted == "cpu" or (wanted == "auto" and count == 0):
+        return torch.device("cpu")
+    if count == 0:
+        raise DGLSUserError("[demo] device = 'cuda' but no CUDA device is visible: use device = 'auto' or 'cpu'")
+    return torch.device("cuda", dist.local_rank)
+
+
+def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolved, swap: SwapConfig, cli_dp, here):
+    from . import dp_config
+
+    kind = model_type(config, path)
+    try:
+        checkout = dp_config.find_checkout(cli_dp, here)
+    except DGLSUserError:
+        check_known_type(kind, None)  # a typo reads better as "unknown model type" than "no checkout"
+        raise
+    check_known_type(kind, checkout)
+    values, notes = resolved.values, list(resolved.notes)
+    swapping = values["dynamic_swapping"]
+    dp_config.check_train_config(config, path, swapping)
+    dp_config.check_dataset_files(config, path, checkout)
+    dp_config.check_resume(config, path, rest, checkout)
+    output_dir = config["output_dir"]
+    check_output_dir(checkout / output_dir, f"output_dir = '{output_dir}' in {path}")
+    require_modules(("deepspeed",), "diffusion-pipe's train.py needs it")
+    if option_value(rest, "--local_rank") is not None and "LOCAL_RANK" not in os.environ:
+        raise DGLSUserError(
+            "--local_rank is the deepspeed launcher's: for a one-process run choose the GPU with --gpu_id"
+        )
+    dist = dist_env(os.environ, values["gpu_id"], resolved.given("gpu_id"), option_value(rest, "--master_port"))
+    check_gpu_id(resolved, dist)
+    if values["vram_budget"] == "auto" and _cuda_count() == 0:
+        raise DGLSUserError(f"{resolved.label('vram_budget')} auto measures free VRAM: give a number of GiB on CPU")
+    _check_profile(resolved, notes)
+    if swapping:
+        # diffusion-pipe autocasts each layer's forward to [model] dtype itself
+        check_precision(swap, dp_config.model_dtypes(config), True, "[model] dtype/transformer_dtype")
+        notes += dp_config.startup_notes(config)
+    train_args = list(rest)
+    if option_value(rest, "--master_port") is None:
+        train_args += ["--master_port", str(dist.port)]
+    if not dist.launched:
+        train_args.append(f"--local_rank={dist.local_rank}")
+    return DropInRun(path, config, checkout, tuple(train_args), values, swap, dist, tuple(notes))
+
+
+def prepare(argv: list[str] | None, here: Path) -> DemoRun | DropInRun:
+    """Every check, in the order a user would fix them; ``here`` is the folder of dgls_train.py."""
+    args, rest = build_parser().parse_known_args(argv)
+    options.refuse_retired(rest)
+    config = load_toml(args.config)
+    resolved = options.resolve(config.get("dgls"), args, args.config)
+    swap = options.swap_config(resolved.values)  # every engine setting, checked by SwapConfig
+    options.check(resolved)
+    if model_type(config, args.config) == DEMO_MODEL_TYPE:
+        return _demo(args.config, config, rest, resolved, swap, args.diffusion_pipe)
+    return _drop_in(args.config, config, rest, resolved, swap, args.diffusion_pipe, here)
