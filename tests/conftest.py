@@ -1,8 +1,7 @@
 """Shared test set-up: repo root on sys.path, the ``gpu`` and ``slow`` markers, cuDNN attention off on GPUs.
 
 ``slow`` (declared in pytest.ini, deselected by default there; ``python3 -m pytest -m slow tests``
-runs them, as .ci/run does) marks end-to-end runs of 20 s or more on 2 cores. Tests in this
-folder carry it themselves; SLOW_ELSEWHERE lists the ones whose files do not carry it yet.
+runs them, as .ci/run does) marks end-to-end runs of 20 s or more on 2 cores; the tests carry it.
 """
 
 import os
@@ -18,12 +17,6 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 sys.path.insert(0, str(ROOT))
 
 # file -> test function names (None: the whole file) that are slow end-to-end runs
-SLOW_ELSEWHERE = {
-    "test_benchmarks_tiny.py": None,  # the model benchmarks end to end in --tiny mode (about 80 s)
-    "test_planner.py": {"test_auto_plan_on_cpu_probes_plans_and_stays_exact"},  # about 40 s of planning steps
-}
-
-
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
     # The CPU tests run tiny tensors: intra-op threads only add hand-off latency, and on a loaded 2-core
@@ -31,18 +24,7 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
-def _slow_elsewhere(item) -> bool:
-    if item.path.name not in SLOW_ELSEWHERE:
-        return False
-    names = SLOW_ELSEWHERE[item.path.name]
-    return names is None or item.originalname in names
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest's -m selection, so the markers added here count
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if _slow_elsewhere(item):
-            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         # cuDNN's attention backward is broken on the lent H100 image (NaN or mha_graph.execute errors).
         torch.backends.cuda.enable_cudnn_sdp(False)

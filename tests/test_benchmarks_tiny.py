@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import ROOT
 
+pytestmark = pytest.mark.slow  # every tiny benchmark end to end: about 30 s on 2 cores
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 sys.path.insert(0, str(ROOT / "benchmarks"))

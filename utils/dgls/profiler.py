@@ -139,6 +139,11 @@ class Profiler(Listener):
         if not self.done and len(self._boundaries) > 1:
             self.notes.append(f"the run ended after {len(self._boundaries) - 1} of {self.steps} profiled steps")
             self.write()
+        elif not self.done:
+            self.log(
+                f"DGLS profile: nothing written to {self.path}: the run ended after {self.steps_done} steps, before "
+                f"the first profiled one ({self.warmup_steps + 1}); profile a longer run"
+            )
         self.done = True
 
     # ---------------------------------------------------------------- output
