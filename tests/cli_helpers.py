@@ -87,6 +87,17 @@ def run_user_command(cmd: list[str], cwd: Path, env_extra: dict[str, str] | None
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def deepspeed_cmd(*args: str) -> list[str]:
+    """``deepspeed ...``: the launcher script installed with deepspeed (beside this Python, or on PATH)."""
+    import shutil
+    import sys
+
+    script = Path(sys.executable).parent / "deepspeed"
+    found = str(script) if script.is_file() else shutil.which("deepspeed")
+    assert found, "the deepspeed launcher script is not installed"
+    return [found, *args]
+
+
 def python_cmd(*args: str) -> list[str]:
     return [sys.executable, str(ROOT / "dgls_train.py"), *args]
 

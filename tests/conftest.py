@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 sys.path.insert(0, str(ROOT))
 
+
 # file -> test function names (None: the whole file) that are slow end-to-end runs
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")

@@ -59,7 +59,6 @@ def test_find_checkout_explicit_env_and_errors(tmp_path, monkeypatch):
     [
         ({"blocks_to_swap": 10}, "own blocks_to_swap"),
         ({"adapter": None}, "has no \\[adapter\\]"),
-        ({"pipeline_stages": 2}, "pipeline_stages = 2"),
         ({"activation_checkpointing": "sometimes"}, "activation_checkpointing must be"),
     ],
 )

@@ -17,16 +17,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from cli_helpers import FAKE, demo_toml, fake_config, python_cmd, run_user_command, user_env
+from cli_helpers import FAKE, deepspeed_cmd, demo_toml, fake_config, python_cmd, run_user_command, user_env
 from conftest import ROOT
-
-
-def deepspeed_cmd(*args: str) -> list[str]:
-    """``deepspeed ...``: the launcher script installed with deepspeed (beside this Python, or on PATH)."""
-    script = Path(sys.executable).parent / "deepspeed"
-    found = str(script) if script.is_file() else shutil.which("deepspeed")
-    assert found, "the deepspeed launcher script is not installed"
-    return [found, *args]
 
 
 def only_run_dir(folder: Path) -> Path:

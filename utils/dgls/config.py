@@ -111,6 +111,14 @@ class SwapConfig:
         """The placement settings given (they win over a VRAM budget)."""
         return [name for name in PLACEMENT_KEYS if getattr(self, name) is not None]
 
+    def for_stage(self, start: int, stop: int) -> SwapConfig:
+        """The settings of a pipeline stage holding layers ``start..stop-1``: ``gpu_layers`` name layers of
+        the whole list, so a stage keeps those in its range (as its own indices); the other placement
+        settings (blocks_to_swap, the ends, a VRAM budget) apply to each stage's own layers."""
+        if self.gpu_layers is None or (start == 0 and all(i < stop for i in self.gpu_layers)):
+            return self
+        return self.replace(gpu_layers=[i - start for i in self.gpu_layers if start <= i < stop])
+
     def replace(self, **changes) -> SwapConfig:
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **changes)

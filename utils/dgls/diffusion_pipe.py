@@ -3,12 +3,13 @@
 Nothing of diffusion-pipe is copied. ``run_drop_in`` puts the checkout on ``sys.path``,
 changes into it, sets ``sys.argv`` to train.py's own arguments and runs train.py with
 ``runpy`` as ``__main__``. The interceptions (see :class:`PipelineInterception`) are
-installed for the run and removed after it. The main one wraps
-``utils.pipeline.ManualPipelineModule.__init__`` so that the layer list train.py built with
-``model.to_layers()`` gets a :class:`LayerSwapper` before DeepSpeed's
-``PipelineModule.__init__`` moves the module to the GPU. Streamed params then point at
-device placeholders, so that move (and the one in ``deepspeed.initialize``) copies only
-resident weights.
+installed for the run and removed after it. The main one (:mod:`.pipeline_hook`) gives the
+layers train.py built with ``model.to_layers()`` a :class:`LayerSwapper` as soon as DeepSpeed's
+``PipelineModule`` has built this process's pipeline stage, before it moves the module to the
+GPU. Streamed params then point at device placeholders, so that move (and the one in
+``deepspeed.initialize``) copies only resident weights. Under the deepspeed launcher every
+process does this for its own GPU and its own stage; the step lines and TensorBoard get the
+stats of every process together, from rank 0.
 
 If the checkout lacks what the interception needs, the run stops before training with a
 message naming the file or function. Every other input was checked before this runs
@@ -37,39 +38,27 @@ from .dp_config import run_dirs
 from .errors import DGLSUserError, RunInterrupted
 from .monitor import MemoryMonitor, MemoryReading
 from .options import swap_config
-from .stats import StepStats, StepWindow
+from .patches import Patches
+from .pipeline_hook import Stage, StageHook
+from .stats import StepStats, StepWindow, across_ranks
 from .swapper import LayerSwapper
 from .validate import DropInRun
 
 
-class Patches:
-    """Attributes replaced for one run and put back afterwards (each documented where installed)."""
-
-    def __init__(self) -> None:
-        self._saved: list[tuple[Any, str, Any]] = []
-
-    def replace(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
-        original = owner.__dict__[name]
-        replacement = make(original)
-        replacement.__wrapped__ = original
-        self._saved.append((owner, name, original))
-        setattr(owner, name, replacement)
-
-    def restore(self) -> None:
-        while self._saved:
-            owner, name, original = self._saved.pop()
-            setattr(owner, name, original)
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class PipelineInterception:
     """DGLS inside train.py for the duration of a run (a context manager). Installs:
 
-    * ``ManualPipelineModule.__init__``: give the layer list a LayerSwapper before DeepSpeed
-      moves the module to the GPU;
-    * ``PipelineEngine.train_batch``: after each step, read the swap stats and memory, print
-      them with ``verbose`` (plus a windowed summary every ``verbose_every`` steps; no ETA, as
-      the run length depends on the dataset), warn once when host RAM runs short, and write
-      them to diffusion-pipe's TensorBoard run dir;
+    * DeepSpeed's ``PipelineModule._build`` (:class:`~.pipeline_hook.StageHook`): give this process's
+      stage of the layer list a LayerSwapper before DeepSpeed moves the module to the GPU;
+    * ``PipelineEngine.train_batch``: after each step, read the swap stats (summed over every
+      process of the job) and memory, print them on rank 0 with ``verbose`` (plus a windowed
+      summary every ``verbose_every`` steps; no ETA, as the run length depends on the dataset),
+      warn once when host RAM runs short, and write them to diffusion-pipe's TensorBoard run dir;
     * ``SummaryWriter.__init__`` (if tensorboard is installed): remember train.py's writer,
       so the stats land next to its loss;
     * with ``--plan`` only, ``utils.saver.Saver.save_model`` and ``save_checkpoint``: do nothing,
@@ -88,6 +77,7 @@ class PipelineInterception:
         self.window = StepWindow(values["verbose_every"])
         self.writer = None
         self.patches = Patches()
+        self.stage_hook = StageHook(self.install)
 
     def __enter__(self) -> PipelineInterception:
         try:
@@ -108,7 +98,7 @@ class PipelineInterception:
         if saver is not None:
             for name in ("save_model", "save_checkpoint"):
                 self.patches.replace(saver, name, lambda original: lambda *args, **kwargs: None)
-        self.patches.replace(cls, "__init__", self._wrap_pipeline_init)
+        self.stage_hook.__enter__()
         self.patches.replace(PipelineEngine, "train_batch", self._wrap_train_batch)
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -132,28 +122,26 @@ class PipelineInterception:
             )
         return saver
 
-    def _wrap_pipeline_init(self, original):
-        def init_with_dgls(module, *args, **kwargs):
-            self.install(kwargs.get("layers", args[0] if args else None))
-            return original(module, *args, **kwargs)
-
-        return init_with_dgls
-
     def _wrap_train_batch(self, original):
         def train_batch_with_stats(engine, *args, **kwargs):
+            if self.swapper is None:  # nothing may train without DGLS when the user asked for it
+                raise DGLSUserError(
+                    "train.py trains without having built a DeepSpeed PipelineModule, so DGLS placed no layers: this "
+                    "diffusion-pipe version is too new for DGLS's interception; please report its commit"
+                )
             start = time.perf_counter()
-            before = self.swapper.total_stats() if self.swapper is not None else None
+            before = self.swapper.total_stats()
             loss = original(engine, *args, **kwargs)
             self.steps += 1
-            if self.swapper is not None:
-                reading = self.monitor.read()
-                stats = self.swapper.total_stats().since(before)  # this optimizer step's micro-batches
-                if self.swapper.device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(self.swapper.device)  # the next step reports its own peak
-                self.report(stats, getattr(engine, "global_steps", 0), time.perf_counter() - start, reading)
-                if self.swapper.plan_finished:
+            reading = self.monitor.read()
+            stats = self.swapper.total_stats().since(before)  # this optimizer step's micro-batches
+            if self.swapper.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.swapper.device)  # the next step reports its own peak
+            self.report(stats, getattr(engine, "global_steps", 0), time.perf_counter() - start, reading)
+            if self.swapper.plan_finished:
+                if _rank() == 0:
                     self.log("DGLS: --plan: stopping after the probe steps; nothing was saved")
-                    raise SystemExit(0)
+                raise SystemExit(0)
             return loss
 
         return train_batch_with_stats
@@ -169,6 +157,9 @@ class PipelineInterception:
     def report(
         self, stats: StepStats, step: int, seconds: float | None = None, reading: MemoryReading | None = None
     ) -> None:
+        stats = across_ranks(stats, self.swapper.device)  # every process calls this at the same step
+        if _rank() != 0:
+            return
         if self.values["verbose"]:
             self.log(f"dgls step {step}: {stats.line(self.swapper.device.type)}")
             if seconds is not None and (text := self.window.add(seconds, stats)):
@@ -185,7 +176,7 @@ class PipelineInterception:
     def finish(self) -> None:
         """After train.py ran to its end: summarise the last, partial window; say if the run was too
         short for --plan or --profile (the number of steps is not known before diffusion-pipe runs)."""
-        if self.values["verbose"] and (text := self.window.flush()):
+        if self.values["verbose"] and _rank() == 0 and (text := self.window.flush()):
             self.log(f"dgls {text}")
         if self.values["plan"]:
             raise DGLSUserError(
@@ -201,26 +192,29 @@ class PipelineInterception:
                 f"starts at: no trace was written to {self.swap.profile_path}"
             )
 
-    def install(self, layers) -> None:
+    def install(self, stage: Stage) -> None:
+        """This process's stage of the layer list is built: place it (called by the stage hook)."""
         if self.swapper is not None:
             raise DGLSUserError("train.py built a second pipeline module; DGLS supports one model per run")
         # Plain functions between blocks (Chroma's concatenate_hidden_states) are fine: no weights, no hooks.
-        # DeepSpeed LayerSpecs are neither modules nor callables: they are built later, after placement.
-        if layers is None or not all(isinstance(layer, torch.nn.Module) or callable(layer) for layer in layers):
+        if not all(isinstance(layer, torch.nn.Module) or callable(layer) for layer in stage.layers):
             raise DGLSUserError(
-                "ManualPipelineModule received no list of built layers (LayerSpecs?): this diffusion-pipe version "
-                "builds layers differently from what DGLS expects; please report its commit"
+                "DeepSpeed's pipeline built layers that are neither modules nor functions: this diffusion-pipe "
+                "version builds layers differently from what DGLS expects; please report its commit"
             )
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         if self.swap is None:
             self.swap = swap_config(self.values)
-        self.swapper = LayerSwapper(list(layers), self.swap, device=device, log=self.log)
+        swap = self.swap.for_stage(stage.start, stage.stop)
+        log = (lambda line: self.log(stage.label + line)) if stage.data_parallel_id == 0 else (lambda line: None)
+        self.swapper = LayerSwapper(stage.layers, swap, device=device, log=log, share_group=stage.share_group)
         swapper = self.swapper
         self.monitor = MemoryMonitor(swapper.device, lambda: swapper.store.pinned_bytes)
         self.window.device_type = swapper.device.type
 
     def __exit__(self, *exc) -> None:
         """Always, also after an error or Ctrl-C: the layers back, the worker thread and pinned memory freed."""
+        self.stage_hook.__exit__(*exc)
         self.patches.restore()
         if self.swapper is not None:
             self.swapper.remove()

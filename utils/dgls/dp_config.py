@@ -106,12 +106,6 @@ def check_train_config(config: dict[str, Any], path: str, swapping: bool) -> Non
             "fine-tuning (streaming weights, grads and optimizer state) is planned. Add an [adapter] table or "
             "run with --no-dynamic_swapping"
         )
-    stages = config.get("pipeline_stages", 1)
-    if stages != 1:
-        raise DGLSUserError(
-            f"{path} sets pipeline_stages = {stages}: DGLS supports one pipeline stage (one GPU) for now; "
-            "set pipeline_stages = 1 or run with --no-dynamic_swapping"
-        )
 
 
 def model_dtypes(config: dict[str, Any]) -> set[str]:

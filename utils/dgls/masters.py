@@ -33,6 +33,7 @@ from .layout import MB, LayerLayout, measure_layer
 from .monitor import check_pinned_budget
 from .peers import Peers, remove_orphans
 from .precision import CastRules
+from .stats import human_bytes
 
 GiB = 1024**3
 
@@ -42,7 +43,11 @@ def has_fp8(layout: LayerLayout) -> bool:
 
 
 class Masters:
-    """The host store of a layer list, which layers have a master, and their state-dict hooks."""
+    """The host store of a layer list, which layers have a master, and their state-dict hooks.
+
+    ``share_group``: processes of one job that host the same layers (``""`` for every process of a
+    data-parallel job; the pipeline stage when the layers are split): their masters are one copy per
+    machine (:mod:`.peers`)."""
 
     def __init__(
         self,
@@ -52,6 +57,7 @@ class Masters:
         device: torch.device,
         config: SwapConfig,
         log: Callable[[str], None],
+        share_group: str = "",
     ) -> None:
         self.layers, self.layouts, self.device, self.config = layers, layouts, device, config
         hosted = [layout for layout in layouts if layout.index in streamed or has_fp8(layout)]
@@ -61,7 +67,8 @@ class Masters:
         total = sum(lay.host_bytes for lay in hosted)
         budget = config.pinned_ram_budget_gb
         budget = int(budget * GiB) if budget is not None else default_pinned_budget(on_cpu)
-        self.peers = Peers.discover()
+        signature = ";".join(f"{lay.index}:{lay.sizes.class_name}:{lay.host_bytes}" for lay in hosted)
+        self.peers = Peers.discover(share_group, signature)
         self.store = HostStore(device, budget, int(config.selective_packing * MB), self.peers)
         if self.peers.leader:
             check_ram(total - on_cpu)
@@ -96,8 +103,8 @@ class Masters:
             peers.unlink_created()
             total = sum(layout.host_bytes for layout in hosted)
             log(
-                f"DGLS host memory: {total / GiB:.2f} GiB of masters, one copy shared by the {peers.local_ranks} "
-                f"processes on this machine ({peers.local_ranks * total / GiB:.2f} GiB if each kept its own)"
+                f"DGLS host memory: {human_bytes(total)} of masters, one copy shared by the {peers.local_ranks} "
+                f"processes on this machine ({human_bytes(peers.local_ranks * total)} if each kept its own)"
             )
 
     def host(self, idx: int) -> HostLayer:

@@ -9,7 +9,9 @@ does not grow with the number of GPUs.
 Protocol (every rank builds its swapper in lockstep, over the same layer list):
 
 1. agree: every rank learns its machine's leader and a token that names this job's files
-   (``all_gather_object`` over the default process group);
+   (``all_gather_object`` over the default process group). Only processes that host the same layers
+   share: the same ``group`` (the pipeline stage) and the same layout signature (class names and
+   sizes of the layers they host); pipeline stages on one machine each get their own leader and files;
 2. the leader creates and fills one file per layer it hosts: ``dgls-<token>-<layer>``;
 3. barrier; the other ranks of the machine map the files;
 4. barrier; the leader unlinks them. From here on a segment lives exactly as long as a process maps
@@ -50,17 +52,18 @@ class Peers:
         return self.local_ranks > 1
 
     @classmethod
-    def discover(cls) -> Peers:
-        """The peers of a ``torch.distributed`` job (a single process when it is not initialized)."""
+    def discover(cls, group: str = "", signature: str = "") -> Peers:
+        """The processes of a ``torch.distributed`` job on this machine that host the same layers (``group``,
+        ``signature``); a single process when torch.distributed is not initialized. Every rank must call it."""
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or not SHM.is_dir():
             return cls()
-        mine = (socket.gethostname(), dist.get_rank(), os.getpid(), secrets.token_hex(4))
+        mine = (socket.gethostname(), group, signature, dist.get_rank(), os.getpid(), secrets.token_hex(4))
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
-        here = sorted((e for e in everyone if e[0] == mine[0]), key=lambda e: e[1])
+        here = sorted((e for e in everyone if e[:3] == mine[:3]), key=lambda e: e[3])
         leader = here[0]
-        return cls(local_ranks=len(here), leader=leader[1] == mine[1], token=f"{leader[2]}-{leader[3]}")
+        return cls(local_ranks=len(here), leader=leader[3] == mine[3], token=f"{leader[4]}-{leader[5]}")
 
     def barrier(self) -> None:
         if self.shared:

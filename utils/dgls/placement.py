@@ -99,8 +99,9 @@ class Placement:
         if self.streamed and self.saved_bytes <= 0:
             return [
                 f"DGLS: streaming {len(self.streamed)} layers with prefetch {self.prefetch} needs a pool of "
-                f"{self.pool_bytes / MB:.1f} MB, {-self.saved_bytes / MB:.1f} MB more than keeping them resident: "
-                "stream more layers or lower --prefetch (or stream none: --no-dynamic_swapping)"
+                f"{self.pool_bytes / MB:.1f} MB, no less than the "
+                f"{(self.pool_bytes + self.saved_bytes) / MB:.1f} MB they take resident, so it saves no VRAM: stream "
+                "more layers or lower --prefetch (or stream none: --no-dynamic_swapping)"
             ]
         return []
 

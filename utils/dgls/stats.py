@@ -120,6 +120,28 @@ class _Window:
         return added[0], added[1]
 
 
+def across_ranks(stats: StepStats, device: torch.device) -> StepStats:
+    """``stats`` summed over every process of a ``torch.distributed`` job (every GPU, every pipeline
+    stage), peak VRAM and pinned RAM the largest; unchanged in a one-process run. Every process must
+    call it at the same point (it is two collectives)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return stats
+    counters = ("passes", "uses", "fetches", "misses", "bytes_moved", "copy_ms", "wait_ms", "pending")
+    summed = torch.tensor([float(getattr(stats, k)) for k in counters], dtype=torch.float64, device=device)
+    largest = torch.tensor(
+        [float(stats.peak_vram_bytes), float(stats.pinned_bytes)], dtype=torch.float64, device=device
+    )
+    dist.all_reduce(summed)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    total = {k: v.item() for k, v in zip(counters, summed)}
+    ints = {k: int(v) for k, v in total.items() if k not in ("copy_ms", "wait_ms")}
+    peak, pinned = (int(v) for v in largest.tolist())
+    return StepStats(
+        **ints, copy_ms=total["copy_ms"], wait_ms=total["wait_ms"], peak_vram_bytes=peak, pinned_bytes=pinned
+    )
+
+
 class StatsCollector(Listener):
     """Counts uses, copies and waits per pass; keeps the last finished pass and the running total."""
 

@@ -67,6 +67,10 @@ class LayerSwapper:
     blocks; plain functions between them are fine). Pass them on the CPU (or anywhere): frozen
     params of streamed layers move to host memory, everything else moves to ``device``. Call
     :meth:`remove` (or use the swapper as a context manager) to put the modules back.
+
+    In a ``torch.distributed`` job every process builds its swapper at the same point; processes
+    that host the same layers (the same ``share_group``: pass the pipeline stage when the layers are
+    split across processes) keep one copy of the masters per machine.
     """
 
     def __init__(
@@ -75,6 +79,7 @@ class LayerSwapper:
         config: SwapConfig | None = None,
         device: torch.device | str | None = None,
         log=print,
+        share_group: str = "",
     ) -> None:
         self.layers: list = list(layers)
         if not self.layers:
@@ -103,7 +108,9 @@ class LayerSwapper:
 
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self._streamed: dict[int, StreamedLayer] = {}
-        self.masters = Masters(self.layers, self.layouts, self.placement.streamed, self.device, self.config, self._log)
+        self.masters = Masters(
+            self.layers, self.layouts, self.placement.streamed, self.device, self.config, self._log, share_group
+        )
         self.store = self.masters.store
         for idx in self.placement.streamed:
             self._stream(idx)

@@ -146,8 +146,11 @@ def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, 
     require_modules(("deepspeed", "peft", "safetensors", "tqdm"), "the demo needs it")
     values, notes = resolved.values, list(resolved.notes)
     dist = dist_env(os.environ, values["gpu_id"], resolved.given("gpu_id"))
-    if dist.world_size > 1:
-        raise DGLSUserError(f"the demo trains on one GPU, not {dist.world_size}: launch it with --num_gpus=1")
+    if dist.world_size % settings.pipeline_stages:
+        raise DGLSUserError(
+            f"{path}: [demo] pipeline_stages = {settings.pipeline_stages} must divide the {dist.world_size} processes "
+            f"the launcher started: launch with --num_gpus={settings.pipeline_stages} (or a multiple of it)"
+        )
     device = _demo_device(settings.device, resolved, dist)
     if values["vram_budget"] == "auto" and device.type != "cuda":
         raise DGLSUserError(f"{resolved.label('vram_budget')} auto measures free VRAM: give a number of GiB on CPU")

@@ -62,6 +62,7 @@ DEMO_KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     "heads": (DemoModelConfig.heads, _whole(1)),
     "double_blocks": (DemoModelConfig.double_blocks, _whole(0)),
     "single_blocks": (DemoModelConfig.single_blocks, _whole(0)),
+    "pipeline_stages": (1, _whole(1)),  # under the deepspeed launcher: split the layers over this many GPUs
 }
 
 
@@ -78,6 +79,7 @@ class DemoSettings:
     image_tokens: int
     text_tokens: int
     lora_rank: int
+    pipeline_stages: int
     model: DemoModelConfig
     dtype: torch.dtype
 

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from ..errors import RunInterrupted
 from ..monitor import MemoryMonitor
 from ..paths import new_run_dir
-from ..stats import StepWindow, human_bytes
+from ..pipeline_hook import Stage, StageHook
+from ..stats import StepWindow, across_ranks, human_bytes
 from ..swapper import LayerSwapper
 from ..validate import DemoRun
 from .data import SyntheticLatents
@@ -102,27 +103,36 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
         torch.cuda.set_device(device)
     with quiet_deepspeed():
         _init_distributed(run)
-    swapper = None
+    rank = torch.distributed.get_rank()
+    held = HeldLog(log)  # each stage's first replica prints its placement
+    if rank != 0:  # one voice for the rest: rank 0 prints the steps (stats of every process) and saves
+        log, progress = (lambda line: None), False
+    placed: dict = {}
+
+    def install(stage: Stage) -> None:
+        """This process's pipeline stage is built: place its layers (each stage's first replica speaks)."""
+        speak = held if stage.data_parallel_id == 0 else (lambda line: None)
+        swap = run.swap.for_stage(stage.start, stage.stop)
+        placed["swapper"] = LayerSwapper(
+            stage.layers, swap, device=device, log=lambda line: speak(stage.label + line), share_group=stage.share_group
+        )
+
     result = DemoResult()
     try:
         torch.manual_seed(s.seed)
         layers = build_layers(s.model, seed=s.seed, dtype=s.dtype)
-        trainable = add_lora(layers, rank=s.lora_rank, seed=s.seed)
-        if run.values["dynamic_swapping"]:
-            swapper = LayerSwapper(layers, run.swap, device=device, log=log)
-        else:
+        add_lora(layers, rank=s.lora_rank, seed=s.seed)
+        hook = StageHook(install) if run.values["dynamic_swapping"] else contextlib.nullcontext()
+        if not run.values["dynamic_swapping"]:
             log("DGLS: dynamic swapping off; every layer is resident")
-        with quiet_deepspeed():
-            engine = _engine(run, layers, trainable)
+        with quiet_deepspeed(), hook:
+            engine = _engine(run, layers)
+        held.release()  # the placement table, printed once DeepSpeed's start-up is past
+        swapper = placed.get("swapper")
         _train(run, engine, swapper, result, log, progress)
         if swapper is not None and run.values["plan"]:
             return result
-        result.lora = {
-            f"layers.{i}.{name}": p.detach().to("cpu", torch.float32).contiguous()
-            for i, layer in enumerate(layers)
-            for name, p in layer.named_parameters()
-            if p.requires_grad
-        }
+        result.lora = _gather_lora(layers, engine)
     except KeyboardInterrupt:
         done = len(result.losses)
         raise RunInterrupted(
@@ -130,9 +140,11 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
             "and has no checkpoint to resume from)"
         ) from None
     finally:
-        if swapper is not None:
-            swapper.remove()
+        if placed.get("swapper") is not None:
+            placed["swapper"].remove()
         _close_distributed()
+    if rank != 0:
+        return result
     from safetensors.torch import save_file
 
     result.lora_path = new_run_dir(s.output_dir) / "adapter_model.safetensors"
@@ -141,7 +153,39 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
     return result
 
 
-def _engine(run: DemoRun, layers, trainable):
+class HeldLog:
+    """Lines held back until :meth:`release` (while DeepSpeed's start-up output is muted), then passed on."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self.log, self.lines = log, []
+
+    def __call__(self, line: str) -> None:
+        if self.lines is None:
+            self.log(line)
+        else:
+            self.lines.append(line)
+
+    def release(self) -> None:
+        lines, self.lines = self.lines or [], None
+        for line in lines:
+            self.log(line)
+
+
+def _gather_lora(layers: list, engine) -> dict[str, torch.Tensor]:
+    """The trained LoRA, every layer's from the pipeline stage that trained it (on rank 0; {} elsewhere)."""
+    module = engine.module
+    local = {}
+    if engine.grid.get_data_parallel_id() == 0:
+        for i in range(module._local_start, module._local_stop):
+            for name, p in layers[i].named_parameters():
+                if p.requires_grad:
+                    local[f"layers.{i}.{name}"] = p.detach().to("cpu", torch.float32).contiguous()
+    parts: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, local)
+    return {k: v for part in parts for k, v in part.items()} if torch.distributed.get_rank() == 0 else {}
+
+
+def _engine(run: DemoRun, layers):
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
@@ -149,7 +193,7 @@ def _engine(run: DemoRun, layers, trainable):
     ckpt = s.activation_checkpointing
     pipeline = PipelineModule(
         layers=layers,
-        num_stages=1,
+        num_stages=s.pipeline_stages,
         loss_fn=lambda out, target: F.mse_loss(out.float(), target.float()),
         partition_method="uniform",
         activation_checkpoint_interval=1 if ckpt else 0,
@@ -163,7 +207,8 @@ def _engine(run: DemoRun, layers, trainable):
         "steps_per_print": 10**9,
         "bf16": {"enabled": s.dtype == torch.bfloat16},
     }
-    optimizer = torch.optim.AdamW(trainable, lr=s.lr, weight_decay=0.0)
+    local = [p for p in pipeline.parameters() if p.requires_grad]  # this stage's LoRA (every layer's with one)
+    optimizer = torch.optim.AdamW(local, lr=s.lr, weight_decay=0.0)
     engine, _, _, _ = deepspeed.initialize(model=pipeline, optimizer=optimizer, config=ds_config)
     return engine
 
@@ -177,7 +222,8 @@ def _train(run: DemoRun, engine, swapper, result: DemoResult, log, progress: boo
     data = SyntheticLatents(
         s.model, samples=s.samples, image_tokens=s.image_tokens, text_tokens=s.text_tokens, seed=s.seed
     )
-    batches = data.batches(s.batch_size, s.dtype, device)
+    shard = (engine.grid.get_data_parallel_id(), engine.grid.get_data_parallel_world_size())
+    batches = data.batches(s.batch_size, s.dtype, device, shard)
     steps = PLAN_STEP_LIMIT if plan else s.steps
     bar = tqdm(range(steps), desc="demo", unit="step", disable=not progress or plan, dynamic_ncols=True)
     monitor = MemoryMonitor(device, lambda: swapper.store.pinned_bytes if swapper is not None else 0)
@@ -187,7 +233,7 @@ def _train(run: DemoRun, engine, swapper, result: DemoResult, log, progress: boo
         before = swapper.total_stats() if swapper is not None else None
         loss = engine.train_batch(data_iter=batches).item()
         reading = monitor.read()
-        stats = swapper.total_stats().since(before) if swapper is not None else None  # this optimizer step
+        stats = across_ranks(swapper.total_stats().since(before), device) if swapper is not None else None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)  # so the next step reports its own peak
         if plan:

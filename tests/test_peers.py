@@ -1,4 +1,4 @@
-"""Several processes of one job on a machine keep one host copy of the masters (CPU, gloo).
+"""Several processes of one job on a machine keep one host copy of the masters (gloo; CPU, and one GPU).
 
 Each rank is a separate process (tests/fixtures/shared_masters_rank.py) that builds the same model
 and a swapper: the first packs the masters into /dev/shm, the other maps them, and the names are
@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from conftest import ROOT
 from helpers import assert_bitwise_equal, child_env, make_layers, train
@@ -41,12 +42,16 @@ def start_ranks(tmp_path, world=2, *extra):
     ]
 
 
-def test_two_ranks_map_one_copy_of_the_masters_and_train_exactly(tmp_path):
-    procs = start_ranks(tmp_path)
+def run_two_ranks(tmp_path, *extra):
+    procs = start_ranks(tmp_path, 2, *extra)
     for proc in procs:
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, out[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_two_ranks_map_one_copy_of_the_masters_and_train_exactly(tmp_path):
+    ranks = run_two_ranks(tmp_path)
     reference = train(*make_layers(), torch.device("cpu"), "nonreentrant", steps=2)
     for rank in ranks:
         assert_bitwise_equal(reference, rank["record"])
@@ -55,6 +60,15 @@ def test_two_ranks_map_one_copy_of_the_masters_and_train_exactly(tmp_path):
     masters = ranks[0]["masters"]["bytes"]
     assert all(r["masters"]["rss"] >= masters for r in ranks), [r["masters"] for r in ranks]  # each reads all ...
     assert sum(r["masters"]["pss"] for r in ranks) < 1.3 * masters  # ... but together they hold it once
+
+
+@pytest.mark.gpu
+def test_two_ranks_on_one_gpu_pin_the_same_shared_pages(tmp_path):
+    """cudaHostRegister on a shared mapping, from two processes: both copy from the one host copy."""
+    ranks = run_two_ranks(tmp_path, "--cuda")
+    assert all(rank["pinned"] for rank in ranks) and ranks[0]["maps"] == ranks[1]["maps"]
+    assert_bitwise_equal(ranks[0]["record"], ranks[1]["record"])
+    assert sum(r["masters"]["pss"] for r in ranks) < 1.3 * ranks[0]["masters"]["bytes"]
 
 
 def test_a_killed_rank_leaves_no_segment_behind(tmp_path):

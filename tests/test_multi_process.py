@@ -1,0 +1,94 @@
+"""Several processes under the deepspeed launcher, on the CPU with gloo (the launch line users type).
+
+Data parallel: N processes with per-process batch B train what one process trains with batch N x B
+(each takes its rows of the global batch; gradients are averaged). Pipeline stages: each process
+streams its own stage's layers. Either way the losses of every step are the same as one process's,
+and the LoRA is the same up to the order of summation: gradients averaged over processes, a gradient
+norm summed over stages, gradients of the tensors every block passes on (the timestep vector) summed
+on both sides of a stage boundary. Adam turns last-bit differences of near-zero gradients into
+differences of about 1e-4 of the LoRA's scale after a few steps, which is the tolerance here. Per
+step, rank 0 alone prints the stats of every process together. The one shared host copy and the
+clean-up after a killed rank are in test_peers_cpu.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from cli_helpers import FAKE, deepspeed_cmd, demo_toml, fake_config, python_cmd, run_user_command
+from conftest import ROOT
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow  # each launch starts 1-2 Python processes with torch and deepspeed: 20-60 s
+
+
+def demo_lora(folder: Path, launch: list[str], **demo) -> tuple[dict, str]:
+    config = demo_toml(folder, steps=3, **demo)
+    proc = run_user_command([*launch, "--config", str(config)], ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    (run_dir,) = [p for p in (folder / "out").iterdir() if p.is_dir()]
+    return load_file(str(run_dir / "adapter_model.safetensors")), proc.stdout
+
+
+def assert_same_training(a: dict, b: dict, a_out: str, b_out: str) -> None:
+    """The same losses at every step (as printed), and LoRAs equal up to summation order (see the module doc)."""
+    assert a.keys() == b.keys() and a
+    scale = max(v.abs().max().item() for v in b.values())
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-3 * scale
+    losses = [
+        [line.split("loss ")[1].split(",")[0] for line in out.splitlines() if line.startswith("step ")]
+        for out in (a_out, b_out)
+    ]
+    assert losses[0] == losses[1] and losses[0], losses
+
+
+def test_demo_data_parallel_trains_what_one_process_trains_with_the_global_batch(tmp_path):
+    one, one_out = demo_lora(tmp_path / "one", python_cmd(), batch_size=8)
+    two, out = demo_lora(tmp_path / "two", deepspeed_cmd("--num_gpus=2", "dgls_train.py", "--deepspeed"), batch_size=4)
+    assert_same_training(two, one, out, one_out)
+    assert out.count("step 3: loss") == 1, "rank 0 alone prints the steps"
+    assert "one copy shared by the 2 processes on this machine" in out
+
+
+def test_demo_pipeline_stages_stream_their_own_layers_and_train_exactly(tmp_path):
+    one, one_out = demo_lora(tmp_path / "one", python_cmd())
+    two, out = demo_lora(
+        tmp_path / "two", deepspeed_cmd("--num_gpus=2", "dgls_train.py", "--deepspeed"), pipeline_stages=2
+    )
+    assert_same_training(two, one, out, one_out)
+    assert "stage 1 of 2 (layers 0-4):" in out and "stage 2 of 2 (layers 5-9):" in out
+
+
+def fake_run(folder: Path, launch: list[str], top: str) -> tuple[dict, str]:
+    config = fake_config(folder, top="max_steps = 3\n" + top)
+    proc = run_user_command([*launch, "--config", str(config), "--diffusion_pipe", str(FAKE), "--verbose"], folder)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    lora = {}
+    for path in sorted((folder / "out").glob("lora*.safetensors")):
+        lora.update(load_file(str(path)))
+    return lora, proc.stdout
+
+
+def fake_losses(out: str) -> str:
+    """The stand-in's losses as lines the way the demo prints them (for assert_same_training)."""
+    facts = json.loads(next(x for x in out.splitlines() if x.startswith("FAKE_TRAIN "))[len("FAKE_TRAIN ") :])
+    return "\n".join(f"step {i}: loss {loss:.6f}, x" for i, loss in enumerate(facts["losses"], 1))
+
+
+def test_drop_in_data_parallel_and_pipeline_stages_on_the_stand_in_checkout(tmp_path):
+    dgls = str(ROOT / "dgls_train.py")
+    one, one_out = fake_run(tmp_path / "one", python_cmd(), "micro_batch_size_per_gpu = 4")
+    dp, out = fake_run(
+        tmp_path / "dp", deepspeed_cmd("--num_gpus=2", dgls, "--deepspeed"), "micro_batch_size_per_gpu = 2"
+    )
+    assert_same_training(dp, one, fake_losses(out), fake_losses(one_out))
+    assert out.count("dgls step 3:") == 1, "rank 0 alone prints the stats (of both processes)"
+    stages, out = fake_run(
+        tmp_path / "pp",
+        deepspeed_cmd("--num_gpus=2", dgls, "--deepspeed"),
+        "micro_batch_size_per_gpu = 4\npipeline_stages = 2",
+    )
+    assert_same_training(stages, one, fake_losses(out), fake_losses(one_out))
+    assert "stage 2 of 2" in out

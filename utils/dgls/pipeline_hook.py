@@ -1,0 +1,84 @@
+"""Where DGLS takes over a DeepSpeed pipeline's layers: right after a stage builds them.
+
+DeepSpeed's ``PipelineModule.__init__`` partitions the layer list across the pipeline stages,
+builds this process's stage (``_build``: its layers go into ``forward_funcs``) and then moves
+the whole module to the GPU (``self.to(...)``). For the duration of a run, :class:`StageHook`
+wraps ``PipelineModule._build`` so that as soon as a stage's layers are built, and before that
+move, ``install(stage)`` gets them: the caller builds a :class:`~.swapper.LayerSwapper` over the
+stage's layers, whose streamed weights then point at empty placeholders, so the move (and the
+one in ``deepspeed.initialize``) copies only resident weights.
+
+This works the same for one stage (every layer), for several (each process its own slice), for
+data-parallel replicas (each process its own swapper on its own GPU), and whatever the trainer
+(the demo, diffusion-pipe's ``ManualPipelineModule``): partitioning sees the real parameter counts,
+since nothing is streamed before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .patches import Patches
+
+
+@dataclass(frozen=True)
+class Stage:
+    """This process's part of a pipeline."""
+
+    layers: list  # the stage's layers in order (modules, or plain functions between them)
+    start: int  # index of its first layer in the whole layer list
+    stage_id: int
+    num_stages: int
+    data_parallel_id: int  # which replica of the stage this process is
+    data_parallel_size: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + len(self.layers)
+
+    @property
+    def share_group(self) -> str:
+        """Processes of the same stage host the same layers (their masters are shared on a machine)."""
+        return f"stage {self.stage_id}"
+
+    @property
+    def label(self) -> str:
+        """'' for one stage; 'stage 2 of 4 (layers 20-39): ' otherwise, for start-up lines."""
+        if self.num_stages == 1:
+            return ""
+        return f"stage {self.stage_id + 1} of {self.num_stages} (layers {self.start}-{self.stop - 1}): "
+
+
+class StageHook:
+    """A context manager: while it is open, each ``PipelineModule`` built calls ``install(stage)``."""
+
+    def __init__(self, install: Callable[[Stage], None]) -> None:
+        self.install = install
+        self.patches = Patches()
+
+    def __enter__(self) -> StageHook:
+        from deepspeed.runtime.pipe.module import PipelineModule
+
+        self.patches.replace(PipelineModule, "_build", self._wrap_build)
+        return self
+
+    def _wrap_build(self, original):
+        def build_then_install(module, *args, **kwargs):
+            result = original(module, *args, **kwargs)
+            grid = module._grid
+            stage = Stage(
+                list(module.forward_funcs),
+                module._local_start,
+                module.stage_id,
+                module.num_stages,
+                grid.get_data_parallel_id(),
+                grid.get_data_parallel_world_size(),
+            )
+            self.install(stage)
+            return result
+
+        return build_then_install
+
+    def __exit__(self, *exc) -> None:
+        self.patches.restore()
