@@ -205,7 +205,7 @@ CASES = [
     Case("dp-no-save", dp(top="save_every_n_epochs = DROP"), "says when to save nothing"),
     Case("dp-no-optimizer", dp(tables=FAKE_TABLES.split("[optimizer]")[0]), "optimizer = None must be an [optimizer]"),
     Case("dp-own-blocks-to-swap", dp(top="blocks_to_swap = 10"), "own blocks_to_swap"),
-    Case("dp-stages", dp(top="pipeline_stages = 2"), "pipeline_stages = 2"),
+    Case("dp-stages", dp(top="pipeline_stages = 2"), "pipeline_stages = 2, which must divide the 1 process"),
     Case("dp-resume-nothing", dp("--resume_from_checkpoint"), "has no earlier run to resume"),
     Case("dp-retired-flag", dp("--async_zero_grad"), "--async_zero_grad was removed"),
     # launcher variables
@@ -218,7 +218,13 @@ CASES = [
         "--gpu_id does nothing under the deepspeed launcher",
         env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"),
     ),
-    Case("demo-two-gpus", demo(), "the demo trains on one GPU, not 2", env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0")),
+    Case(
+        "demo-stages-not-dividing",
+        demo(pipeline_stages=3),
+        "pipeline_stages = 3 must divide the 2 processes",
+        env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"),
+    ),
+    Case("dp-stages-not-a-number", dp(top='pipeline_stages = "two"'), "pipeline_stages must be a whole number"),
     # messages: a bad flag is one line, not argparse's usage
     Case("flag-value", demo("--prefetch", "x"), "argument --prefetch: expected a whole number, got 'x'"),
     Case("flag-choice", demo("--autocast", "f64"), "argument --autocast: invalid choice: 'f64'"),

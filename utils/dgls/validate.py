@@ -204,6 +204,14 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
         )
     dist = dist_env(os.environ, values["gpu_id"], resolved.given("gpu_id"), option_value(rest, "--master_port"))
     check_gpu_id(resolved, dist)
+    stages = config.get("pipeline_stages", 1)
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        raise DGLSUserError(f"{path}: pipeline_stages must be a whole number >= 1, got {stages!r}")
+    if dist.world_size % stages:
+        raise DGLSUserError(
+            f"{path} sets pipeline_stages = {stages}, which must divide the {dist.world_size} process(es) of this "
+            f"run: launch with deepspeed --num_gpus={stages} (or a multiple of it), or set pipeline_stages = 1"
+        )
     if values["vram_budget"] == "auto" and _cuda_count() == 0:
         raise DGLSUserError(f"{resolved.label('vram_budget')} auto measures free VRAM: give a number of GiB on CPU")
     _check_profile(resolved, notes)
