@@ -1,4 +1,4 @@
-"""Shared test set-up: repo root on sys.path, the ``gpu`` marker, cuDNN attention off on GPUs."""
+"""Shared test set-up: repo root on sys.path, the ``gpu`` and ``slow`` markers, cuDNN attention off on GPUs."""
 
 import sys
 from pathlib import Path
@@ -12,6 +12,7 @@ sys.path.insert(0, str(ROOT))
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    config.addinivalue_line("markers", "slow: minutes long (diffusion-pipe's real train.py); -m 'not slow' skips it")
 
 
 def pytest_collection_modifyitems(config, items):
