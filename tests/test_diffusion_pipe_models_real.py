@@ -8,6 +8,10 @@ print a placement table that streams N layers, and save a LoRA bitwise equal to 
 run's. Activation checkpointing is on (the common setting); two types also run without it
 and with 'unsloth'.
 
+``test_float8_transformer`` runs diffusion-pipe's ``transformer_dtype = 'float8'`` (the setting
+its Flux documentation recommends): the same LoRA as plain diffusion-pipe, and DGLS streaming
+the fp8 bytes as they are, about half the bytes of the same model in bf16.
+
 Opt-in and slow (marked ``slow``): set DGLS_DIFFUSION_PIPE to a diffusion-pipe checkout. A
 type whose submodule or package is missing is skipped with the reason.
 """
@@ -22,12 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from dp_runs import DTYPE, FIXTURES, checkout_or_skip, requires_checkout, run_train, saved_lora
+import torch
+from dp_runs import DTYPE, FIXTURES, checkout_or_skip, only_run_dir, requires_checkout, run_train, saved_lora
 from helpers import child_env
 
 sys.path.insert(0, str(FIXTURES))
 from tiny_models import SPECS, ModelSpec, files  # noqa: E402
 from tiny_models.checkout import shadow_checkout  # noqa: E402
+from tiny_models.flux import build_tiny_flux  # noqa: E402
 
 pytestmark = [pytest.mark.slow, requires_checkout]
 
@@ -39,6 +45,8 @@ CASES = [pytest.param(name, True, id=f"{name}-ckpt") for name in SPECS] + [
 ]
 # A row of DGLS's placement table: index, layer class (or function) name, MB, placement.
 TABLE_ROW = re.compile(r"^\s*(\d+)\s+(\S+)\s+[\d.]+\s+(streamed|resident)", re.MULTILINE)
+# The table's last line: "...; N layers (X MB) stream".
+STREAMED_MB = re.compile(r"\d+ layers \(([\d.]+) MB\) stream")
 
 
 @dataclass(frozen=True)
@@ -148,3 +156,63 @@ def test_dgls_matches_plain_train_py(prepare, tmp_path, model_type, checkpointin
     assert len(rows["streamed"]) == swap and f"; {swap} layers (" in log, f"DGLS streamed {rows}"
     assert f"dgls step {STEPS}: swap:" in log, "no per-step DGLS stats with --verbose"
     assert_same_lora(tmp_path / "out_plain", tmp_path / "out_dgls")
+
+
+def streamed_bytes(output_dir: Path) -> list[float]:
+    """DGLS's ``dgls/bytes_moved`` per step, from the run's TensorBoard events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(only_run_dir(output_dir)))
+    events.Reload()
+    return [e.value for e in events.Scalars("dgls/bytes_moved")]
+
+
+def test_float8_transformer(checkout, tmp_path):
+    """transformer_dtype = 'float8' (Flux): diffusion-pipe stores every 2-D transformer weight outside
+    its high-precision list as float8_e4m3fn and computes through autocast. Under DGLS the LoRA is
+    bitwise plain diffusion-pipe's, and the streamed bytes are the fp8 bytes: about half of the
+    same run in bf16 (1-D params stay bf16, and every packed param starts on a 256-byte boundary).
+
+    bf16 compute: diffusion-pipe's forwards rely on ``torch.autocast('cuda')`` to meet fp8 (and bf16)
+    weights with their inputs; without CUDA the runner's ``cpu_autocast`` stand-in makes that the
+    CPU's autocast (a no-op where CUDA is present)."""
+    from safetensors.torch import load_file
+
+    model_dir = build_tiny_flux(tmp_path / "model", num_double=3, num_single=3, heads=8)  # hidden 128
+    model = {"type": "flux", "diffusers_path": str(model_dir), "timestep_sample_method": "logit_normal"}
+    data = files.write_dataset(tmp_path / "data", n=4, size=64)
+    eval_data = files.write_dataset(tmp_path / "eval_data", n=1, size=64, offset=4)
+
+    def configs(name: str, **extra) -> Path:
+        return files.write_configs(
+            tmp_path / f"cfg_{name}",
+            {**model, **extra},
+            data,
+            tmp_path / f"out_{name}",
+            eval_data_dir=eval_data,
+            max_steps=STEPS,
+            dtype="bfloat16",
+            activation_checkpointing=True,
+        )
+
+    def run(name: str, *extra: str, dgls: str | None = None, **model_extra) -> str:
+        log = tmp_path / f"{name}.log"
+        return run_train(
+            checkout, configs(name, **model_extra), log, *extra, dgls=dgls, runner_args=("--preload=cpu_autocast",)
+        )
+
+    swap = "--blocks_to_swap 6 --prefetch 1 --verbose"
+    run("fp8_plain", "--cache_only", transformer_dtype="float8")
+    assert "TRAINING COMPLETE!" in run("fp8_plain", transformer_dtype="float8")
+    fp8_log = run("fp8_dgls", dgls=swap, transformer_dtype="float8")
+    bf16_log = run("bf16_dgls", dgls=swap)
+    assert "TRAINING COMPLETE!" in fp8_log and "TRAINING COMPLETE!" in bf16_log
+    table_mb = [float(STREAMED_MB.search(log).group(1)) for log in (fp8_log, bf16_log)]
+    assert 0.45 < table_mb[0] / table_mb[1] < 0.55, f"placement tables: fp8 vs bf16 MB streamed {table_mb}"
+    assert_same_lora(tmp_path / "out_fp8_plain", tmp_path / "out_fp8_dgls")
+    fp8, bf16 = streamed_bytes(tmp_path / "out_fp8_dgls"), streamed_bytes(tmp_path / "out_bf16_dgls")
+    assert len(fp8) == len(bf16) == STEPS and all(bf16)
+    ratios = [a / b for a, b in zip(fp8, bf16)]
+    assert all(0.45 < r < 0.55 for r in ratios), f"fp8/bf16 bytes streamed per step: {ratios}"
+    lora = load_file(saved_lora(tmp_path / "out_fp8_plain", f"step{STEPS}"))
+    assert all(v.dtype == torch.bfloat16 for v in lora.values()), "the LoRA trains in bf16 next to fp8 weights"
