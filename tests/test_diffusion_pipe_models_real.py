@@ -56,6 +56,7 @@ class Prepared:
     spec: ModelSpec
     checkout: Path  # the checkout itself, or a shadow with tiny configs/
     model: dict
+    env: dict[str, str]
     data: Path
     eval_data: Path
 
@@ -72,7 +73,8 @@ class Prepared:
         )
 
     def run(self, config: Path, log: Path, *extra: str, dgls: str | None = None) -> str:
-        return run_train(self.checkout, config, log, *extra, dgls=dgls, runner_args=tuple(self.spec.runner_args()))
+        runner_args = tuple(self.spec.runner_args())
+        return run_train(self.checkout, config, log, *extra, dgls=dgls, runner_args=runner_args, env=self.env)
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +115,7 @@ def _prepare(spec: ModelSpec, checkout: Path, root: Path) -> Prepared:
         spec,
         checkout,
         built["model"],
+        built["env"],
         files.write_dataset(root / "data", n=4, size=64, seed=0),
         files.write_dataset(root / "eval_data", n=1, size=64, seed=0, offset=4),
     )
@@ -134,7 +137,8 @@ def assert_same_lora(plain_out: Path, dgls_out: Path, step: str = f"step{STEPS}"
 
     plain, dgls = load_file(saved_lora(plain_out, step)), load_file(saved_lora(dgls_out, step))
     assert plain and plain.keys() == dgls.keys()
-    assert any(v.abs().max() > 0 for k, v in plain.items() if "lora_B" in k), "LoRA B is still zero: no training step"
+    up = [v for k, v in plain.items() if "lora_B" in k or "lora_up" in k]  # PEFT / kohya (SDXL) names
+    assert up and any(v.abs().max() > 0 for v in up), "LoRA B is still zero: no training step"
     differ = {k: (dgls[k] - v).abs().max().item() for k, v in plain.items() if not (dgls[k] == v).all()}
     assert not differ, f"{len(differ)} of {len(plain)} LoRA tensors differ with DGLS (max abs diff): {differ}"
 
