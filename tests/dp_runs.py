@@ -57,13 +57,14 @@ def run_train(
     dgls: str | None = None,
     runner_args: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    unset: tuple[str, ...] = (),
 ) -> str:
     """Run train.py (through dgls_train.py with ``dgls`` flags) on ``config``; return its log.
 
     ``runner_args`` go to run_dp_train.py (``--preload``, ``--stand_in``); ``extra`` to train.py;
-    ``env`` is added to the environment.
+    ``env`` is added to the environment, ``unset`` names removed from it.
     The run gets its own process group, killed whole on timeout (caching workers included)."""
-    env = {**child_env(), **(env or {})}
+    env = {**child_env(*unset), **(env or {})}
     # MKL's float32 results on CPU depend on the memory alignment of the operands. Weights loaded
     # from safetensors sit at arbitrary offsets, DGLS's packed copies at aligned ones, so without
     # this the two runs differ in the last bits (about 1e-6); with it they are bitwise equal.

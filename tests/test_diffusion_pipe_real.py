@@ -10,9 +10,10 @@ are in test_diffusion_pipe_models_real.py.
 """
 
 import importlib.util
+from pathlib import Path
 
 import pytest
-from dp_runs import DTYPE, FIXTURES, checkout_or_skip, only_run_dir, requires_checkout, run_train
+from dp_runs import DTYPE, ENV, FIXTURES, checkout_or_skip, only_run_dir, requires_checkout, run_train
 
 STEPS = 3
 
@@ -135,3 +136,28 @@ def test_dgls_resume_matches_plain_resume(checkout, tmp_path):
     assert "streamed" in logs["dgls"], "the resumed run did not place layers with DGLS"
     for key, value in finals["plain"].items():
         assert (finals["dgls"][key] == value).all(), f"{key} differs after resuming with DGLS"
+
+
+def test_dgls_train_from_inside_the_checkout(checkout, tmp_path):
+    """The documented ``python dgls_train.py --config train.toml``, run inside a checkout with neither
+    --diffusion_pipe nor DGLS_DIFFUSION_PIPE: dgls_train.py takes the working directory as the
+    checkout and the relative config from there, and streams the layers. The checkout is a shadow of
+    the real one (symlinks; the TOMLs and data go next to them). It runs through the fixture runner,
+    which adds the CPU shims; the command in a clean environment needs a GPU machine."""
+    tiny = _load_fixture("tiny_flux")  # puts tests/fixtures (tiny_models) on sys.path
+    from tiny_models.checkout import shadow_checkout
+
+    inside = shadow_checkout(checkout, {}, tmp_path / "checkout")
+    model = tiny.build_tiny_flux(tmp_path / "model", seed=0, num_double=3, num_single=3)
+    data = tiny.write_dataset(inside / "tiny_data", n=4, size=64, seed=0)
+    tiny.write_configs(inside, model, data, tmp_path / "out", max_steps=2, dtype=DTYPE, eval_every_n_steps=None)
+    log = run_train(
+        inside,
+        Path("train.toml"),
+        tmp_path / "dgls.log",
+        dgls="--blocks_to_swap 5 --prefetch 1",
+        runner_args=("--dgls_finds_checkout",),
+        unset=(ENV,),
+    )
+    assert "TRAINING COMPLETE!" in log and "5 layers (" in log
+    assert (only_run_dir(tmp_path / "out") / "step2" / "pytorch_lora_weights.safetensors").is_file()
