@@ -17,7 +17,6 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 sys.path.insert(0, str(ROOT))
 
 
-# file -> test function names (None: the whole file) that are slow end-to-end runs
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
     # The CPU tests run tiny tensors: intra-op threads only add hand-off latency, and on a loaded 2-core

@@ -1,47 +1,23 @@
 """diffusion-pipe's real, unmodified train.py on a tiny random Flux, offline.
 
-Opt-in and slow (about 2 minutes on 2 CPU cores): set DGLS_DIFFUSION_PIPE to a
+Opt-in and slow (marked ``slow``; about 2 minutes on 2 CPU cores): set DGLS_DIFFUSION_PIPE to a
 diffusion-pipe checkout (with submodules/HunyuanVideo; ComfyUI is replaced by the
 stand-ins in tests/fixtures/dp_shims). Without it every test here is skipped.
 
 The model, data and TOMLs come from tests/fixtures/tiny_flux.py; train.py runs in a
-subprocess through tests/fixtures/run_dp_train.py (environment, seeds, shims, runpy).
+subprocess through tests/fixtures/run_dp_train.py (see dp_runs.py). The other model types
+are in test_diffusion_pipe_models_real.py.
 """
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import child_env
+from dp_runs import DTYPE, ENV, FIXTURES, checkout_or_skip, only_run_dir, requires_checkout, run_train
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT / "tests" / "fixtures"
-RUNNER = FIXTURES / "run_dp_train.py"
-ENV = "DGLS_DIFFUSION_PIPE"
 STEPS = 3
-# float32 on CPU (bitwise repeatable with MKL_CBWR); bf16 on a GPU, as users train (cuDNN attention off
-# in the runner, so GPU runs are bitwise repeatable too).
-DTYPE = "bfloat16" if torch.cuda.is_available() else "float32"
 
-pytestmark = pytest.mark.skipif(
-    not os.environ.get(ENV), reason=f"opt-in, slow: set {ENV} to a diffusion-pipe checkout to run train.py for real"
-)
-
-# What train.py and its imports need beyond DGLS's own requirements (wandb: the runner has a stand-in).
-DP_IMPORTS = [
-    "deepspeed",
-    "diffusers",
-    "transformers",
-    "peft",
-    "multiprocess",
-    "datasets",
-    "imageio",
-    "tensorboard",
-]
+pytestmark = [pytest.mark.slow, requires_checkout]
 
 
 def _load_fixture(name):
@@ -53,39 +29,7 @@ def _load_fixture(name):
 
 @pytest.fixture(scope="module")
 def checkout():
-    path = Path(os.environ[ENV]).resolve()
-    assert (path / "train.py").is_file(), f"{ENV}={path} has no train.py"
-    assert (path / "submodules" / "HunyuanVideo" / "hyvideo").is_dir(), (
-        f"{path}/submodules/HunyuanVideo is empty: utils/patches.py imports its hyvideo package"
-    )
-    for name in DP_IMPORTS:
-        if importlib.util.find_spec(name) is None:
-            pytest.skip(f"diffusion-pipe needs the Python package {name!r}")
-    return path
-
-
-def _run(checkout, config, log, *extra, seed=0, dgls=None):
-    env = child_env()
-    # MKL's float32 results on CPU depend on the memory alignment of the operands. Weights loaded
-    # from safetensors sit at arbitrary offsets, DGLS's packed copies at aligned ones, so without
-    # this the two runs differ in the last bits (about 1e-6); with it they are bitwise equal.
-    env["MKL_CBWR"] = "COMPATIBLE"
-    cmd = [sys.executable, str(RUNNER), "--checkout", str(checkout), "--seed", str(seed)]
-    if dgls is not None:
-        cmd += ["--dgls", dgls]
-    cmd += ["--"]
-    cmd += ["--config", str(config), *extra]
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(log.parent), timeout=900)
-    text = log.read_text(errors="replace")
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}; log tail:\n{text[-4000:]}"
-    return text
-
-
-def _only_run_dir(output_dir):
-    runs = [p for p in Path(output_dir).iterdir() if p.is_dir()]
-    assert len(runs) == 1, runs
-    return runs[0]
+    return checkout_or_skip()
 
 
 def _eval_runs(tmp_path, names, model_kw=None, **config_kw) -> dict:
@@ -117,17 +61,17 @@ def test_plain_train_py_runs_and_is_repeatable(checkout, tmp_path):
 
     configs = _eval_runs(tmp_path, ("a", "b"))
 
-    cache_log = _run(checkout, configs["a"], tmp_path / "cache.log", "--cache_only")
+    cache_log = run_train(checkout, configs["a"], tmp_path / "cache.log", "--cache_only")
     assert "TRAINING COMPLETE!" not in cache_log
     assert not (tmp_path / "out_a").exists() or not any((tmp_path / "out_a").iterdir())
 
     loras = {}
     for name, config in configs.items():
-        log = _run(checkout, config, tmp_path / f"train_{name}.log")
+        log = run_train(checkout, config, tmp_path / f"train_{name}.log")
         assert "TRAINING COMPLETE!" in log
         assert "Creating new shard" not in log, "the training run re-cached instead of reading the shared cache"
         assert log.count("Running eval") == 2  # before step 1 and at step 2
-        run_dir = _only_run_dir(tmp_path / f"out_{name}")
+        run_dir = only_run_dir(tmp_path / f"out_{name}")
         for sub in ("step2", f"step{STEPS}"):
             assert (run_dir / sub / "pytorch_lora_weights.safetensors").is_file(), sorted(run_dir.iterdir())
         assert (run_dir / f"global_step{STEPS}" / "mp_rank_00_model_states.pt").is_file()
@@ -150,17 +94,17 @@ def test_dgls_train_matches_plain_train_py(checkout, tmp_path, checkpointing):
     configs = _eval_runs(
         tmp_path, ("plain", "dgls"), dict(num_double=3, num_single=3), activation_checkpointing=checkpointing
     )
-    _run(checkout, configs["plain"], tmp_path / "cache.log", "--cache_only")
-    _run(checkout, configs["plain"], tmp_path / "plain.log")
-    log = _run(checkout, configs["dgls"], tmp_path / "dgls.log", dgls="--blocks_to_swap 5 --prefetch 1 --verbose")
+    run_train(checkout, configs["plain"], tmp_path / "cache.log", "--cache_only")
+    run_train(checkout, configs["plain"], tmp_path / "plain.log")
+    log = run_train(checkout, configs["dgls"], tmp_path / "dgls.log", dgls="--blocks_to_swap 5 --prefetch 1 --verbose")
     assert "TRAINING COMPLETE!" in log and log.count("Running eval") == 2
     assert "streamed" in log and "5 layers" in log, "no DGLS placement table in the log"
     assert f"dgls step {STEPS}: swap:" in log, "no per-step DGLS stats with --verbose"
-    events = b"".join(p.read_bytes() for p in _only_run_dir(tmp_path / "out_dgls").glob("events.out.tfevents.*"))
+    events = b"".join(p.read_bytes() for p in only_run_dir(tmp_path / "out_dgls").glob("events.out.tfevents.*"))
     assert b"dgls/bytes_moved" in events and b"train/loss" in events, "DGLS stats missing from TensorBoard"
     loras = {}
     for name in ("plain", "dgls"):
-        run_dir = _only_run_dir(tmp_path / f"out_{name}")
+        run_dir = only_run_dir(tmp_path / f"out_{name}")
         assert (run_dir / f"global_step{STEPS}" / "mp_rank_00_model_states.pt").is_file()
         loras[name] = load_file(run_dir / f"step{STEPS}" / "pytorch_lora_weights.safetensors")
     assert loras["plain"].keys() == loras["dgls"].keys()
@@ -183,11 +127,37 @@ def test_dgls_resume_matches_plain_resume(checkout, tmp_path):
         first = tiny.write_configs(tmp_path / f"cfg1_{name}", model, data, out, max_steps=2, **common)
         second = tiny.write_configs(tmp_path / f"cfg2_{name}", model, data, out, max_steps=4, **common)
         if name == "plain":
-            _run(checkout, first, tmp_path / "cache.log", "--cache_only")
-        _run(checkout, first, tmp_path / f"{name}_1.log", dgls=dgls)
-        logs[name] = _run(checkout, second, tmp_path / f"{name}_2.log", "--resume_from_checkpoint", seed=1, dgls=dgls)
+            run_train(checkout, first, tmp_path / "cache.log", "--cache_only")
+        run_train(checkout, first, tmp_path / f"{name}_1.log", dgls=dgls)
+        second_log = tmp_path / f"{name}_2.log"
+        logs[name] = run_train(checkout, second, second_log, "--resume_from_checkpoint", seed=1, dgls=dgls)
         assert "Resuming training from checkpoint" in logs[name]
-        finals[name] = load_file(_only_run_dir(out) / "epoch1" / "pytorch_lora_weights.safetensors")
+        finals[name] = load_file(only_run_dir(out) / "epoch1" / "pytorch_lora_weights.safetensors")
     assert "streamed" in logs["dgls"], "the resumed run did not place layers with DGLS"
     for key, value in finals["plain"].items():
         assert (finals["dgls"][key] == value).all(), f"{key} differs after resuming with DGLS"
+
+
+def test_dgls_train_from_inside_the_checkout(checkout, tmp_path):
+    """The documented ``python dgls_train.py --config train.toml``, run inside a checkout with neither
+    --diffusion_pipe nor DGLS_DIFFUSION_PIPE: dgls_train.py takes the working directory as the
+    checkout and the relative config from there, and streams the layers. The checkout is a shadow of
+    the real one (symlinks; the TOMLs and data go next to them). It runs through the fixture runner,
+    which adds the CPU shims; the command in a clean environment needs a GPU machine."""
+    tiny = _load_fixture("tiny_flux")  # puts tests/fixtures (tiny_models) on sys.path
+    from tiny_models.checkout import shadow_checkout
+
+    inside = shadow_checkout(checkout, {}, tmp_path / "checkout")
+    model = tiny.build_tiny_flux(tmp_path / "model", seed=0, num_double=3, num_single=3)
+    data = tiny.write_dataset(inside / "tiny_data", n=4, size=64, seed=0)
+    tiny.write_configs(inside, model, data, tmp_path / "out", max_steps=2, dtype=DTYPE, eval_every_n_steps=None)
+    log = run_train(
+        inside,
+        Path("train.toml"),
+        tmp_path / "dgls.log",
+        dgls="--blocks_to_swap 5 --prefetch 1",
+        runner_args=("--dgls_finds_checkout",),
+        unset=(ENV,),
+    )
+    assert "TRAINING COMPLETE!" in log and "5 layers (" in log
+    assert (only_run_dir(tmp_path / "out") / "step2" / "pytorch_lora_weights.safetensors").is_file()

@@ -1,0 +1,119 @@
+"""Running diffusion-pipe's real train.py from the tests (shared by the test_diffusion_pipe_*_real modules).
+
+train.py runs in a subprocess through tests/fixtures/run_dp_train.py (environment, seeds,
+shims, runpy); the checkout is the one $DGLS_DIFFUSION_PIPE names. Without it the tests
+that use ``checkout_or_skip`` are skipped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import child_env
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+RUNNER = FIXTURES / "run_dp_train.py"
+ENV = "DGLS_DIFFUSION_PIPE"
+# float32 on CPU (bitwise repeatable with MKL_CBWR); bf16 on a GPU, as users train (cuDNN attention off
+# in the runner, so GPU runs are bitwise repeatable too).
+DTYPE = "bfloat16" if torch.cuda.is_available() else "float32"
+RUN_TIMEOUT = 600  # seconds per train.py run; a crash in a caching worker can leave train.py waiting forever
+
+requires_checkout = pytest.mark.skipif(
+    not os.environ.get(ENV), reason=f"opt-in, slow: set {ENV} to a diffusion-pipe checkout to run train.py for real"
+)
+
+# What train.py and its imports need beyond DGLS's own requirements (wandb: the runner has a stand-in).
+DP_IMPORTS = ["deepspeed", "diffusers", "transformers", "peft", "multiprocess", "datasets", "imageio", "tensorboard"]
+
+
+def checkout_or_skip() -> Path:
+    """The checkout $DGLS_DIFFUSION_PIPE names, checked; skips when a package train.py needs is missing."""
+    path = Path(os.environ[ENV]).resolve()
+    assert (path / "train.py").is_file(), f"{ENV}={path} has no train.py"
+    assert (path / "submodules" / "HunyuanVideo" / "hyvideo").is_dir(), (
+        f"{path}/submodules/HunyuanVideo is empty: utils/patches.py imports its hyvideo package"
+    )
+    for name in DP_IMPORTS:
+        if importlib.util.find_spec(name) is None:
+            pytest.skip(f"diffusion-pipe needs the Python package {name!r}")
+    return path
+
+
+def run_train(
+    checkout: Path,
+    config: Path,
+    log: Path,
+    *extra: str,
+    seed: int = 0,
+    dgls: str | None = None,
+    runner_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    unset: tuple[str, ...] = (),
+) -> str:
+    """Run train.py (through dgls_train.py with ``dgls`` flags) on ``config``; return its log.
+
+    ``runner_args`` go to run_dp_train.py (``--preload``, ``--stand_in``); ``extra`` to train.py;
+    ``env`` is added to the environment, ``unset`` names removed from it.
+    The run gets its own process group, killed whole on timeout (caching workers included)."""
+    env = {**child_env(*unset), **(env or {})}
+    # MKL's float32 results on CPU depend on the memory alignment of the operands. Weights loaded
+    # from safetensors sit at arbitrary offsets, DGLS's packed copies at aligned ones, so without
+    # this the two runs differ in the last bits (about 1e-6); with it they are bitwise equal.
+    env["MKL_CBWR"] = "COMPATIBLE"
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
+    cmd = [sys.executable, str(RUNNER), "--checkout", str(checkout), "--seed", str(seed), *runner_args]
+    if dgls is not None:
+        cmd += ["--dgls", dgls]
+    cmd += ["--", "--config", str(config), *extra]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(log.parent), start_new_session=True
+        )
+        try:
+            proc.wait(timeout=RUN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            tail = log.read_text(errors="replace")[-4000:]
+            pytest.fail(f"{' '.join(cmd)} ran over {RUN_TIMEOUT} s; log tail:\n{tail}")
+    text = log.read_text(errors="replace")
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}; log tail:\n{text[-4000:]}"
+    return text
+
+
+def extensions_dir() -> Path:
+    """Where DeepSpeed's JIT-built ops go for these runs: one folder per DeepSpeed install.
+
+    DeepSpeed builds its CPU communication op (deepspeed_shm_comm) on first use into torch's
+    extensions folder, by name only. A DeepSpeed of another version (another virtualenv on the
+    same machine) rebuilding it there concurrently makes this one load an op that lacks what it
+    calls (``module 'deepspeed_shm_comm' has no attribute ...``)."""
+    import hashlib
+
+    spec = importlib.util.find_spec("deepspeed")
+    origin = spec.origin if spec is not None else "none"
+    tag = hashlib.sha1(origin.encode()).hexdigest()[:10]
+    return Path.home() / ".cache" / "torch_extensions" / f"dgls-tests-{tag}"
+
+
+def only_run_dir(output_dir) -> Path:
+    runs = [p for p in Path(output_dir).iterdir() if p.is_dir()]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def saved_lora(output_dir, name: str) -> Path:
+    """The adapter file train.py saved under ``name`` (step3, epoch1): diffusers-named for some
+    model types (pytorch_lora_weights.safetensors), PEFT-named for others (adapter_model.safetensors)."""
+    files = sorted((only_run_dir(output_dir) / name).glob("*.safetensors"))
+    assert len(files) == 1, f"expected one LoRA file in {name}: {files}"
+    return files[0]
