@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests and the demo on CUDA, then
 # (optionally) benchmarks. Logs and results go to $OUT so they come back.
-#   usage on the device: bash benchmarks/device_session.sh [tests] [dptests[:PYTEST_K]] [demo] [bench:SCRIPT.py[:ARG...]] ...
+#   usage on the device: bash benchmarks/device_session.sh [tests] [dptests[:PYTEST_K]] [launch] [demo] [bench:SCRIPT.py[:ARG...]] ...
 #   e.g. bench:bench_models.py:--model=flux   bench:bench_models.py:--model=wan:--steps=10   bench:bench_fp8.py
 # A bench writes its results and the results index (README.md) to benchmarks/results/; what it wrote is copied to $OUT.
 # A diffusion-pipe checkout carried as .dp (git-ignored) becomes DGLS_DIFFUSION_PIPE unless that is set.
@@ -26,7 +26,15 @@ for step in "$@"; do
     dptests*)
       # the real diffusion-pipe train.py (bf16 on the GPU), optionally narrowed with a pytest -k expression
       k=${step#dptests}; k=${k#:}
-      python3 -m pytest -q tests/test_diffusion_pipe_real.py ${k:+-k "$k"} 2>&1 | tee "$OUT/dp_tests.log" | tail -25
+      python3 -m pytest -q -m slow tests/test_diffusion_pipe_real.py tests/test_diffusion_pipe_models_real.py \
+        ${k:+-k "$k"} 2>&1 | tee "$OUT/dp_tests.log" | tail -25
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    launch)
+      # the README's launch lines as users type them: no torch.distributed variables in the environment
+      clean="env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u MASTER_ADDR -u MASTER_PORT"
+      { $clean python3 dgls_train.py --config toml/demo.toml &&
+        $clean deepspeed --num_gpus=1 dgls_train.py --deepspeed --config toml/demo.toml; } 2>&1 |
+        grep -v "it/s\]" | tee "$OUT/launch.log" | grep -E "^DGLS demo finished|error" | tail -4
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     demo)
       python3 dgls_train.py --config toml/demo.toml --verbose 2>&1 | grep -v "it/s\]" | tee "$OUT/demo_cuda.log" | tail -8
