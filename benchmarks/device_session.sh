@@ -10,7 +10,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   >"$OUT/pip.log" 2>&1 || { tail -5 "$OUT/pip.log"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH  # the wheels' scripts (deepspeed)
 if [ -z "${DGLS_DIFFUSION_PIPE:-}" ] && [ -f .dp/utils/offloading.py ]; then
   export DGLS_DIFFUSION_PIPE=$PWD/.dp
 fi
