@@ -9,7 +9,7 @@ output-gradient hooks, saved-tensor pack/unpack, end-of-backward callback), per 
 
     python3 benchmarks/bench_host.py [--side 32] [--gib 9.6] [--old .old/dgls] [--rounds 2] [--tiny]
 
-Writes benchmarks/results/host.json and host.md (results/tiny/ with --tiny).
+Writes benchmarks/results/<name>.json and .md (default name host; results/tiny/ with --tiny).
 """
 
 from __future__ import annotations
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--name", default="host", help="results file stem")
     parser.add_argument("--results_dir", type=Path, default=None, help="default: results/ (results/tiny/ with --tiny)")
     args = parser.parse_args(argv)
     engines = {"all-resident": None, "DGLS (this engine)": utils.dgls}
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
             ],
             "rows": rows,
         }
-    write_result(result, "host", args.results_dir or results_dir(args.tiny), echo=True)
+    write_result(result, args.name, args.results_dir or results_dir(args.tiny), echo=True)
     return result
 
 
