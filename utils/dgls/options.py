@@ -128,7 +128,8 @@ OPTIONS: tuple[Option, ...] = (
         "gpu_layers",
         "int_list",
         None,
-        "explicit comma-separated list of resident layer indices",
+        "explicit comma-separated list of resident layer indices (of the whole layer list, also with pipeline "
+        "stages)",
         "full control over placement",
         "placement",
     ),
@@ -144,8 +145,8 @@ OPTIONS: tuple[Option, ...] = (
         "vram_budget",
         "budget",
         None,
-        "GiB of VRAM DGLS may use, or `auto` (free VRAM less 1 GiB): it picks which layers stay resident "
-        "and the prefetch depth from a probe of the first steps",
+        "GiB of VRAM DGLS may use on each GPU, or `auto` (free VRAM less 1 GiB): it picks which layers stay "
+        "resident and the prefetch depth from a probe of the first steps",
         "you don't want to guess blocks_to_swap",
         "placement",
     ),
@@ -231,8 +232,9 @@ OPTIONS: tuple[Option, ...] = (
         "cast_target",
         "cast_pairs",
         None,
-        "FROM TO (f32, bf16, f16, f8_e4m3, f8_e5m2): store streamed frozen params of dtype FROM as TO; an fp8 TO "
-        "is copied as fp8 and upcast to FROM on the GPU just before use; repeat the flag for more pairs",
+        "FROM TO (f32, bf16, f16, f8_e4m3, f8_e5m2): store frozen params of dtype FROM as TO, in every layer (so "
+        "placement never changes the numbers); an fp8 TO is kept and copied as fp8 with per-row scales and upcast to "
+        "FROM on the GPU just before use; repeat the flag for more pairs",
         "copies limit the step (PCIe gen3/4, pageable memory, little RAM): fp8 halves the bytes",
         "precision",
     ),
@@ -258,8 +260,7 @@ OPTIONS: tuple[Option, ...] = (
         "mixed_precision",
         "choice",
         "auto",
-        "dtype of the trainable params (auto: leave them); DGLS's gradient clipping is one global norm in "
-        "float32 over params of any dtype",
+        "dtype of the trainable params (auto: leave them); they get their own dtype back when DGLS is removed",
         "force float32 LoRA params under a bf16 model",
         "precision",
         MIXED_PRECISION_MODES,
