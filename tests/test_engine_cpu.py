@@ -287,3 +287,26 @@ def test_plan_only_with_explicit_placement_never_trains():
     layers, _ = make_layers()
     with LayerSwapper(layers, SwapConfig(blocks_to_swap=2, plan_only=True), device=CPU, log=None) as swapper:
         assert swapper.plan_finished
+
+
+@pytest.mark.parametrize("where", ["host RAM", "device pool"])
+def test_a_swapper_that_fails_to_start_changes_nothing(monkeypatch, where):
+    """Failing while packing the masters, or later (the pool: after layers were streamed), leaves the
+    modules exactly as they were, dtypes included (mixed_precision is applied last)."""
+    layers, trainable = make_layers()
+    before = {id(p): (p.detach().clone(), p.dtype) for layer in layers for p in layer.parameters()}
+
+    def fail(*args, **kwargs):
+        raise DGLSUserError(f"{where} ran out (simulated)")
+
+    if where == "host RAM":
+        monkeypatch.setattr("utils.dgls.masters.check_ram", fail)
+    else:
+        monkeypatch.setattr("utils.dgls.swapper.DevicePool", fail)
+    with pytest.raises(DGLSUserError, match="ran out"):
+        LayerSwapper(layers, SwapConfig(mixed_precision="bf16", prefetch=1), device=CPU, log=None)
+    for layer in layers:
+        assert not layer._forward_pre_hooks and not layer._state_dict_hooks
+        for p in layer.parameters():
+            value, dtype = before[id(p)]
+            assert p.dtype == dtype and torch.equal(p, value)

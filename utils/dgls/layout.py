@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .precision import CastRules, scale_count
+from .precision import CastRules, dtype_of, scale_count
 
 MB = 1024 * 1024
 GiB = 1024**3
@@ -132,30 +132,34 @@ class LayerLayout:
         return self.sizes.landing_bytes
 
 
-def measure(layers: Sequence, rules: CastRules | None = None) -> list[LayerLayout]:
-    """The layout of every entry of a layer list (functions get an empty one)."""
+def measure(layers: Sequence, rules: CastRules | None = None, trainable_dtype: str = "auto") -> list[LayerLayout]:
+    """The layout of every entry of a layer list (functions get an empty one). ``trainable_dtype``: the
+    ``mixed_precision`` the trainable params will have ("auto": as they are)."""
     shared = shared_param_ids(layers)
-    return [_measure_one(i, layer, shared, rules) for i, layer in enumerate(layers)]
+    return [_measure_one(i, layer, shared, rules, trainable_dtype) for i, layer in enumerate(layers)]
 
 
 def measure_layer(layers: Sequence, index: int, rules: CastRules | None = None) -> LayerLayout:
     """The layout of one entry (after its params changed), with tied weights judged over the whole list."""
-    return _measure_one(index, layers[index], shared_param_ids(layers), rules)
+    return _measure_one(index, layers[index], shared_param_ids(layers), rules, "auto")
 
 
-def _measure_one(index: int, layer, shared: set[int], rules: CastRules | None) -> LayerLayout:
+def _measure_one(index: int, layer, shared: set[int], rules: CastRules | None, trainable_dtype: str) -> LayerLayout:
     if not isinstance(layer, nn.Module):
         name = getattr(layer, "__name__", type(layer).__name__)
         return LayerLayout(LayerSizes(index, name, 0, 0), (), 0)
     names: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
     fixed = 0
+    trainable_size = dtype_of(trainable_dtype, "mixed_precision").itemsize if trainable_dtype != "auto" else None
     for name, p in layer.named_parameters(remove_duplicate=False):
         if id(p) in names:
             names[id(p)].append(name)
             continue
         names[id(p)] = [name]
-        if p.requires_grad or id(p) in shared:
+        if p.requires_grad:
+            fixed += p.numel() * (trainable_size or p.element_size())
+        elif id(p) in shared:
             fixed += p.numel() * p.element_size()
         else:
             params[id(p)] = p

@@ -128,8 +128,7 @@ OPTIONS: tuple[Option, ...] = (
         "gpu_layers",
         "int_list",
         None,
-        "explicit comma-separated list of resident layer indices (of the whole layer list, also with pipeline "
-        "stages)",
+        "explicit comma-separated list of resident layer indices (of the whole layer list, also with pipeline stages)",
         "full control over placement",
         "placement",
     ),

@@ -95,17 +95,25 @@ class LayerSwapper:
             for _, module in modules_of(self.layers)
             for t in (*module.parameters(), *module.buffers())
         }
-        self._trainable_cast = cast_trainable([m for _, m in modules_of(self.layers)], self.config.mixed_precision)
+        # Checks first: nothing is changed before every setting is known to fit the model.
         cast_rules = CastRules.from_config(self.config)
         check_device_support(self.device, cast_rules)
-        self.layouts: list[LayerLayout] = measure(self.layers, cast_rules)
+        self.layouts: list[LayerLayout] = measure(self.layers, cast_rules, self.config.mixed_precision)
         self._check_casts_match(cast_rules)
         sizes = tuple(layout.sizes for layout in self.layouts)
         self.driver = self._start_driver()
         self.placement: Placement = plan_placement(sizes, self.config)
         if self.driver is not None:
             self.driver.check_static_minimum(sizes)
+        try:
+            self._build(share_group)
+        except BaseException:
+            self.remove()  # a half-built swapper puts back what it changed
+            raise
+        self._report_start(cast_rules)
 
+    def _build(self, share_group: str) -> None:
+        """Pack the masters, move the rest to the device, make the pool and the copier, install the hooks."""
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self._streamed: dict[int, StreamedLayer] = {}
         self.masters = Masters(
@@ -157,7 +165,8 @@ class LayerSwapper:
         compile_backend = self.config.compile_backend if self.config.compile_resident else None
         self._patches = ForwardPatches(self.layers, self.device, self.config.autocast, compile_backend)
         self._patches.placement_changed(self.is_streamed)
-        self._report_start(cast_rules)
+        # Last: a cast is lossy, and nothing after it can fail.
+        self._trainable_cast = cast_trainable([m for _, m in modules_of(self.layers)], self.config.mixed_precision)
 
     # ---------------------------------------------------------------- set-up
     def _start_driver(self) -> PlacementDriver | None:
@@ -477,20 +486,26 @@ class LayerSwapper:
 
     def remove(self) -> None:
         """Put every module back as it was (params and buffers on their original devices, in their
-        original dtypes); free the pool, the pinned memory, the hooks and the copier thread."""
+        original dtypes); free the pool, the pinned memory, the hooks and the copier thread. Also undoes
+        a swapper whose construction failed half-way (the parts it did not get to are skipped). Values
+        ``cast_target`` rounded (fp8, or a 16-bit TO) come back rounded: the originals are not kept, since
+        keeping them would double the host RAM a large model needs."""
         if self._removed:
             return
         self._removed = True
-        if self.profiler is not None:
+        built = self.__dict__
+        if built.get("profiler") is not None:
             self.profiler.close()
-        self.copier.close()
+        if "copier" in built:
+            self.copier.close()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._hooks.remove()
-        self._patches.remove()
+        for part in ("_hooks", "_patches"):
+            if part in built:
+                built[part].remove()
         with torch.no_grad():
             streamed = set()
-            for layer in self._streamed.values():
+            for layer in built.get("_streamed", {}).values():
                 for k, param in enumerate(layer.params):
                     _, device, dtype = self._home[id(param)]
                     param.data = layer.host.value(k).to(device, dtype, copy=True)
@@ -500,9 +515,11 @@ class LayerSwapper:
                     t.data = t.data.to(device, dtype)
                 if isinstance(t, nn.Parameter) and t.grad is not None and t.grad.dtype != dtype:
                     t.grad = t.grad.to(dtype)
-        self._streamed.clear()
-        self.pool.release()
-        self.masters.release()
+        built.get("_streamed", {}).clear()
+        if "pool" in built:
+            self.pool.release()
+        if "masters" in built:
+            self.masters.release()
 
     def __enter__(self) -> LayerSwapper:
         return self
