@@ -28,10 +28,11 @@ import flux  # noqa: E402
 import machine  # noqa: E402
 from models import Bench, place  # noqa: E402
 from report import command_line, results_dir, write_result  # noqa: E402
-from timing import SwapStepReader, peaks, reset_peaks, time_steps  # noqa: E402
+from timing import peaks, reset_peaks, time_steps  # noqa: E402
 from units import GiB  # noqa: E402
 
 from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
+from utils.dgls.stats import StepReader  # noqa: E402
 
 FORMATS = {"e4m3": "f8_e4m3", "e5m2": "f8_e5m2"}
 NOTE = (
@@ -144,7 +145,7 @@ def measure(args, device: torch.device, dtype: torch.dtype, command: str) -> dic
             setup_s = time.perf_counter() - t0
             probes.append(probe(bench))
             steps, warmup = (args.steps, args.warmup) if "pageable" not in label else (max(2, args.steps // 2), 1)
-            times, stats = time_steps(bench.training_step(), device, warmup, steps, SwapStepReader(swapper))
+            times, stats = time_steps(bench.training_step(), device, warmup, steps, StepReader(swapper, sync=True).end)
             placement = swapper.placement
             extra = {
                 "blocks_to_swap": n,

@@ -25,10 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import machine  # noqa: E402
 from report import command_line, results_dir, write_result  # noqa: E402
-from timing import SwapStepReader, peaks, reset_peaks, time_steps  # noqa: E402
+from timing import peaks, reset_peaks, time_steps  # noqa: E402
 from units import MiB  # noqa: E402
 
 from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
+from utils.dgls.stats import StepReader  # noqa: E402
 
 NOTE = (
     "floor = max(resident step, bytes copied per step / pinned bandwidth). The last two rows use blocks made of "
@@ -80,9 +81,9 @@ def run_config(name: str, cfg: SwapConfig | None, shape, x, args, device, dtype)
     times, _ = time_steps(partial(step, layers, x), device, args.warmup, args.steps)
     row = {"method": name, "median_step_s": statistics.median(times), **peaks(device)}
     if swapper is not None:
-        reader = SwapStepReader(swapper)
+        reader = StepReader(swapper, sync=True)
         step(layers, x)
-        stats = reader()
+        stats = reader.end()
         row.update(
             bytes_per_step=stats.bytes_moved,
             copy_gbps=stats.gbps,

@@ -25,11 +25,12 @@ import torch
 from baselines import DPSwap, NaiveSwap, dp_checkout, dp_streamed_bytes, load_dp_offloading
 from machine import release_host_cache
 from models import Bench, place
-from timing import Deadline, SwapStepReader, peaks, reset_peaks, sync, time_steps
+from timing import Deadline, peaks, reset_peaks, sync, time_steps
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from units import GiB
 
 from utils.dgls import LayerSwapper, SwapConfig
+from utils.dgls.stats import StepReader
 
 METHODS = {
     "resident": "all-resident",
@@ -161,7 +162,7 @@ class Methods:
     def time_placement(self, swapper: LayerSwapper) -> tuple[list[float], list]:
         """Step times and per-step swap stats of the placement in force, peaks counted from here."""
         reset_peaks(self.device)
-        return self.time_bench(after=SwapStepReader(swapper))
+        return self.time_bench(after=StepReader(swapper, sync=True).end)
 
     def swap_figures(self, swapper: LayerSwapper, stats: list) -> dict:
         placement = swapper.placement
@@ -249,7 +250,7 @@ class Methods:
             resident += time_steps(self.bench.training_step(), self.device, 1, steps)[0]
             with LayerSwapper(self.bench.layers, config, self.device, log=None) as swapper:
                 reset_peaks(self.device)
-                after = SwapStepReader(swapper)
+                after = StepReader(swapper, sync=True).end
                 times, round_stats = time_steps(self.bench.training_step(), self.device, 1, steps, after)
                 swapped += times
                 stats += round_stats

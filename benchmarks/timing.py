@@ -33,20 +33,6 @@ class Deadline:
         return time.perf_counter() > self.at
 
 
-class SwapStepReader:
-    """Each call returns the swap stats accumulated since the previous one (the swapper's running totals;
-    right for forward-only steps too). Pass it as ``time_steps``'s ``after``."""
-
-    def __init__(self, swapper) -> None:
-        self.swapper = swapper
-        self.mark = swapper.total_stats(sync=True)
-
-    def __call__(self):
-        now = self.swapper.total_stats(sync=True)
-        stats, self.mark = now.since(self.mark), now
-        return stats
-
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

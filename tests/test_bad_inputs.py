@@ -226,6 +226,7 @@ CASES = [
     ),
     Case("dp-stages-not-a-number", dp(top='pipeline_stages = "two"'), "pipeline_stages must be a whole number"),
     # messages: a bad flag is one line, not argparse's usage
+    Case("verbose-every-zero", demo("--verbose_every", "0"), "--verbose_every must be a whole number >= 1"),
     Case("flag-value", demo("--prefetch", "x"), "argument --prefetch: expected a whole number, got 'x'"),
     Case("flag-choice", demo("--autocast", "f64"), "argument --autocast: invalid choice: 'f64'"),
     Case("flag-unknown-demo", demo("--bogus"), "unknown argument(s) for the demo: --bogus"),

@@ -183,7 +183,7 @@ def test_real_train_py_still_has_the_interception_points():
     [
         (
             "class ManualPipelineModule:\n    pass\n",
-            "no ManualPipelineModule.__init__: this checkout is too old or too new",
+            "no ManualPipelineModule built on DeepSpeed.s PipelineModule, where DGLS takes over the layers",
         ),
         ("import a_module_this_checkout_lacks\n", "cannot import diffusion-pipe's utils/pipeline.py"),
     ],

@@ -51,8 +51,6 @@ class SwapConfig:
     autocast: str | None = None
     mixed_precision: str = "auto"
     collect_timing: bool = True
-    verbose: bool = False
-    verbose_every: int = 10  # steps per windowed summary (with ETA) under verbose
     profile_path: str | None = None  # Chrome-trace JSON (+ PNG) of copies and compute after warm-up
     profile_warmup_steps: int = 2
     profile_steps: int = 3
@@ -68,10 +66,9 @@ class SwapConfig:
                 raise DGLSUserError(f"{name} must be a whole number >= 0, got {value!r}")
         if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
             raise DGLSUserError(f"prefetch must be a whole number >= 0, got {self.prefetch!r}")
-        for name in ("verbose_every", "profile_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise DGLSUserError(f"{name} must be a whole number >= 1, got {value!r}")
+        steps = self.profile_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise DGLSUserError(f"profile_steps must be a whole number >= 1, got {steps!r}")
         if not isinstance(self.profile_warmup_steps, int) or self.profile_warmup_steps < 0:
             raise DGLSUserError(f"profile_warmup_steps must be a whole number >= 0, got {self.profile_warmup_steps!r}")
         if not isinstance(self.cuda_streams, int) or self.cuda_streams < 1:

@@ -40,7 +40,7 @@ from .monitor import MemoryMonitor, MemoryReading
 from .options import swap_config
 from .patches import Patches
 from .pipeline_hook import Stage, StageHook
-from .stats import StepStats, StepWindow, across_ranks
+from .stats import StepReader, StepStats, StepWindow
 from .swapper import LayerSwapper
 from .validate import DropInRun
 
@@ -74,6 +74,7 @@ class PipelineInterception:
         self.steps = 0
         self.swapper: LayerSwapper | None = None
         self.monitor: MemoryMonitor | None = None
+        self.reader: StepReader | None = None
         self.window = StepWindow(values["verbose_every"])
         self.writer = None
         self.patches = Patches()
@@ -86,13 +87,16 @@ class PipelineInterception:
             raise DGLSUserError(
                 f"cannot import diffusion-pipe's utils/pipeline.py ({exc}); is the checkout complete?"
             ) from None
-        cls = getattr(dp_pipeline, "ManualPipelineModule", None)
-        if cls is None or "__init__" not in cls.__dict__:
-            raise DGLSUserError(
-                "diffusion-pipe's utils/pipeline.py has no ManualPipelineModule.__init__: this checkout is too old or "
-                "too new for DGLS's interception; please report its commit"
-            )
         from deepspeed.runtime.pipe.engine import PipelineEngine
+        from deepspeed.runtime.pipe.module import PipelineModule
+
+        cls = getattr(dp_pipeline, "ManualPipelineModule", None)
+        if not (isinstance(cls, type) and issubclass(cls, PipelineModule)):
+            raise DGLSUserError(
+                "diffusion-pipe's utils/pipeline.py has no ManualPipelineModule built on DeepSpeed's PipelineModule, "
+                "where DGLS takes over the layers: this checkout is too old or too new for DGLS; please report its "
+                "commit"
+            )
 
         saver = self._saver_for_plan() if self.values["plan"] else None
         if saver is not None:
@@ -130,11 +134,11 @@ class PipelineInterception:
                     "diffusion-pipe version is too new for DGLS's interception; please report its commit"
                 )
             start = time.perf_counter()
-            before = self.swapper.total_stats()
+            self.reader.begin()  # eval passes between steps are not the step's
             loss = original(engine, *args, **kwargs)
             self.steps += 1
             reading = self.monitor.read()
-            stats = self.swapper.total_stats().since(before)  # this optimizer step's micro-batches
+            stats = self.reader.end()  # this optimizer step's micro-batches, every process's together
             if self.swapper.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.swapper.device)  # the next step reports its own peak
             self.report(stats, getattr(engine, "global_steps", 0), time.perf_counter() - start, reading)
@@ -157,7 +161,6 @@ class PipelineInterception:
     def report(
         self, stats: StepStats, step: int, seconds: float | None = None, reading: MemoryReading | None = None
     ) -> None:
-        stats = across_ranks(stats, self.swapper.device)  # every process calls this at the same step
         if _rank() != 0:
             return
         if self.values["verbose"]:
@@ -210,6 +213,7 @@ class PipelineInterception:
         self.swapper = LayerSwapper(stage.layers, swap, device=device, log=log, share_group=stage.share_group)
         swapper = self.swapper
         self.monitor = MemoryMonitor(swapper.device, lambda: swapper.store.pinned_bytes)
+        self.reader = StepReader(swapper)
         self.window.device_type = swapper.device.type
 
     def __exit__(self, *exc) -> None:

@@ -460,8 +460,7 @@ def resolve(table: Any, cli: argparse.Namespace, where: str = "the config") -> R
 def check(resolved: Resolved) -> None:
     """Settings that make no sense together, or that would be ignored, stop the run here."""
     v, label = resolved.values, resolved.label
-    for name in ("gpu_id", "lazy_lora_steps"):
-        low = 0 if name == "gpu_id" else 1
+    for name, low in (("gpu_id", 0), ("lazy_lora_steps", 1), ("verbose_every", 1)):
         if v[name] < low:
             raise DGLSUserError(f"{label(name)} must be a whole number >= {low}, got {v[name]}")
     if not v["dynamic_swapping"]:
@@ -498,12 +497,10 @@ def swap_config(values: dict[str, Any]) -> SwapConfig:
         "selective_packing",
         "event_sync",
         "pinned_ram_budget_gb",
-        "verbose",
         "cast_target",
         "cast_norms",
         "autocast",
         "mixed_precision",
-        "verbose_every",
     )
     config = {k: values[k] for k in keys}
     config["profile_path"] = str(Path(values["profile"]).expanduser()) if values["profile"] else None

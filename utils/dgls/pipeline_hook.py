@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .errors import DGLSUserError
 from .patches import Patches
 
 
@@ -60,6 +61,13 @@ class StageHook:
     def __enter__(self) -> StageHook:
         from deepspeed.runtime.pipe.module import PipelineModule
 
+        if "_build" not in PipelineModule.__dict__:
+            import deepspeed
+
+            raise DGLSUserError(
+                f"DeepSpeed {deepspeed.__version__}'s PipelineModule has no _build, where DGLS takes over a stage's "
+                "layers: use the DeepSpeed version requirements.txt names, or report this one"
+            )
         self.patches.replace(PipelineModule, "_build", self._wrap_build)
         return self
 

@@ -142,6 +142,25 @@ def across_ranks(stats: StepStats, device: torch.device) -> StepStats:
     )
 
 
+class StepReader:
+    """Swap stats per training step from a swapper's running totals: :meth:`begin` before a step (optional:
+    the end of the last step is a begin too), :meth:`end` after it. ``end`` sums over every process of a
+    ``torch.distributed`` job, so every process calls it at the same point. ``sync`` waits for the GPU
+    so that every copy and wait of the step is timed."""
+
+    def __init__(self, swapper, sync: bool = False) -> None:
+        self.swapper, self.sync = swapper, sync
+        self.begin()
+
+    def begin(self) -> None:
+        self.mark = self.swapper.total_stats(self.sync)
+
+    def end(self) -> StepStats:
+        now = self.swapper.total_stats(self.sync)
+        stats, self.mark = now.since(self.mark), now
+        return across_ranks(stats, self.swapper.device)
+
+
 class StatsCollector(Listener):
     """Counts uses, copies and waits per pass; keeps the last finished pass and the running total."""
 

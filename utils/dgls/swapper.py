@@ -49,6 +49,7 @@ from .device_pool import DevicePool, Slot
 from .errors import DGLSUserError
 from .forward_patches import ForwardPatches
 from .hooks import HookAdapter, SlotRef
+from .host_store import HostStore
 from .layout import LayerLayout, measure, modules_of
 from .listener import Listener
 from .masters import Masters
@@ -119,7 +120,6 @@ class LayerSwapper:
         self.masters = Masters(
             self.layers, self.layouts, self.placement.streamed, self.device, self.config, self._log, share_group
         )
-        self.store = self.masters.store
         for idx in self.placement.streamed:
             self._stream(idx)
         self._place_resident_parts()
@@ -167,6 +167,11 @@ class LayerSwapper:
         self._patches.placement_changed(self.is_streamed)
         # Last: a cast is lossy, and nothing after it can fail.
         self._trainable_cast = cast_trainable([m for _, m in modules_of(self.layers)], self.config.mixed_precision)
+
+    @property
+    def store(self) -> HostStore:
+        """The packed host masters of the streamed layers (owned by :attr:`masters`)."""
+        return self.masters.store
 
     # ---------------------------------------------------------------- set-up
     def _start_driver(self) -> PlacementDriver | None:

@@ -27,7 +27,7 @@ from ..errors import RunInterrupted
 from ..monitor import MemoryMonitor
 from ..paths import new_run_dir
 from ..pipeline_hook import Stage, StageHook
-from ..stats import StepWindow, across_ranks, human_bytes
+from ..stats import StepReader, StepWindow, human_bytes
 from ..swapper import LayerSwapper
 from ..validate import DemoRun
 from .data import SyntheticLatents
@@ -228,12 +228,12 @@ def _train(run: DemoRun, engine, swapper, result: DemoResult, log, progress: boo
     bar = tqdm(range(steps), desc="demo", unit="step", disable=not progress or plan, dynamic_ncols=True)
     monitor = MemoryMonitor(device, lambda: swapper.store.pinned_bytes if swapper is not None else 0)
     window = StepWindow(values["verbose_every"], s.steps, device.type)
+    reader = StepReader(swapper) if swapper is not None else None
     for step in bar:
         start = time.perf_counter()
-        before = swapper.total_stats() if swapper is not None else None
         loss = engine.train_batch(data_iter=batches).item()
         reading = monitor.read()
-        stats = across_ranks(swapper.total_stats().since(before), device) if swapper is not None else None
+        stats = reader.end() if reader is not None else None  # this step, every process's together
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)  # so the next step reports its own peak
         if plan:
