@@ -155,7 +155,9 @@ def sdxl_layers(unet) -> tuple[list[nn.Module], set[int]]:
     return layers, inner
 
 
-def build(tiny: bool, device, dtype, args=None) -> Bench:
+def build(tiny: bool, device, dtype, args=None, lora: bool = True) -> Bench:
+    """The SDXL UNet bench (LoRA on the blocks; ``lora=False``: every weight frozen, for a full fine-tune
+    to make trainable)."""
     from diffusers import UNet2DConditionModel
 
     cfg = SDXL_TINY if tiny else SDXL
@@ -164,7 +166,8 @@ def build(tiny: bool, device, dtype, args=None) -> Bench:
     layers, inner = sdxl_layers(unet)
     materialize(layers, device, dtype)
     blocks = list(range(1, len(layers) - 1))
-    add_lora(layers, blocks, dtype)
+    if lora:
+        add_lora(layers, blocks, dtype)
     side, tokens = cfg["sample_size"], (8 if tiny else 77)
     pooled_dim = cfg["projection_class_embeddings_input_dim"] - 6 * cfg["addition_time_embed_dim"]
     g = torch.Generator().manual_seed(1)

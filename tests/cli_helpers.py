@@ -18,13 +18,23 @@ from utils.dgls.launch import entry
 FAKE = ROOT / "tests" / "fixtures" / "fake_checkout"
 
 
-def demo_toml(folder: Path, steps: int = 4, dgls: Any = "keep", model: dict | None = None, **demo: Any) -> Path:
-    """toml/demo.toml with its output in ``folder/out``, ``steps`` steps and ``demo`` keys set in
-    [demo] (None removes one); ``dgls`` replaces the [dgls] table (any value: tests give bad ones),
-    ``model`` updates [model]."""
+def demo_toml(
+    folder: Path,
+    steps: int = 4,
+    dgls: Any = "keep",
+    model: dict | None = None,
+    optimizer: dict | None = None,
+    base: str = "demo.toml",
+    **demo: Any,
+) -> Path:
+    """toml/demo.toml (or ``base``, e.g. demo_full.toml) with its output in ``folder/out``, ``steps`` steps
+    and ``demo`` keys set in [demo] (None removes one); ``dgls`` replaces the [dgls] table (any value:
+    tests give bad ones), ``model`` updates [model], ``optimizer`` replaces [optimizer]."""
     import toml
 
-    config = toml.loads((ROOT / "toml" / "demo.toml").read_text())
+    config = toml.loads((ROOT / "toml" / base).read_text())
+    if optimizer is not None:
+        config["optimizer"] = optimizer
     config["demo"].update({"steps": steps, "output_dir": str(folder / "out"), **demo})
     config["demo"] = {k: v for k, v in config["demo"].items() if v is not None}
     config["model"].update(model or {})

@@ -34,6 +34,9 @@ class Case:
     setup: Callable[[Path, pytest.MonkeyPatch], None] | None = None
 
 
+FULL_TABLES = FAKE_TABLES.replace('[adapter]\ntype = "lora"\nrank = 4\n', "")  # a full fine-tune
+
+
 def demo(*flags: str, dgls="keep", model=None, **keys) -> Callable[[Path], list[str]]:
     return lambda tmp: ["--config", str(demo_toml(tmp, dgls=dgls, model=model, **keys)), *flags]
 
@@ -224,6 +227,28 @@ CASES = [
         "pipeline_stages = 3 must divide the 2 processes",
         env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"),
     ),
+    # full fine-tuning (a demo config without [adapter])
+    Case("demo-full-vram-budget", demo("--vram_budget", "4", base="demo_full.toml"), "with a full fine-tune"),
+    Case(
+        "demo-full-optimizer",
+        demo(base="demo_full.toml", optimizer={"type": "prodigy"}),
+        "type = 'prodigy' cannot run on the host",
+    ),
+    Case(
+        "demo-full-optimizer-key",
+        demo(base="demo_full.toml", optimizer={"type": "adamw", "lr": 1e-4, "kahan_sum": True}),
+        "kahan_sum cannot be passed to the host optimizer",
+    ),
+    Case("host-adam-with-lora", demo("--host_adam", "torch"), "picks the host AdamW of a full fine-tune"),
+    Case(
+        "demo-full-data-parallel",
+        demo(base="demo_full.toml"),
+        "full fine-tuning of streamed layers runs one process per stage",
+        env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"),
+    ),
+    Case("dp-full-optimizer", dp(tables=FULL_TABLES.replace('"adamw"', '"adamw8bit"')), "'adamw8bit' cannot run on"),
+    Case("dp-full-vram-budget", dp("--vram_budget", "8", tables=FULL_TABLES), "with a full fine-tune"),
+    Case("dp-full-deepspeed-config", dp("--deepspeed_config", "z.json", tables=FULL_TABLES), "ZeRO offload would"),
     Case("dp-stages-not-a-number", dp(top='pipeline_stages = "two"'), "pipeline_stages must be a whole number"),
     # messages: a bad flag is one line, not argparse's usage
     Case("verbose-every-zero", demo("--verbose_every", "0"), "--verbose_every must be a whole number >= 1"),

@@ -17,6 +17,7 @@ pytest.importorskip("peft")
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_fp8  # noqa: E402
+import bench_full  # noqa: E402
 import bench_host  # noqa: E402
 import bench_models  # noqa: E402
 import bench_overlap  # noqa: E402
@@ -44,6 +45,7 @@ def results(tmp_path_factory):
     bench_overlap.main(["--tiny", "--rounds", "1", "--steps", "2", "--results_dir", str(out)])
     bench_planner.main(["--tiny", "--steps", "1", "--warmup", "0", "--rounds", "1", "--results_dir", str(out)])
     bench_host.main(["--tiny", "--rounds", "1", "--steps", "2", "--warmup", "1", "--results_dir", str(out)])
+    bench_full.main(["--tiny", "--steps", "1", "--warmup", "0", "--results_dir", str(out)])
     return out
 
 
@@ -196,7 +198,7 @@ def test_re_rendering_from_the_json_reproduces_every_page(results):
 def test_the_index_has_a_section_per_result_file(results, tmp_path):
     index = (results / "README.md").read_text()
     names = sorted(path.stem for path in results.glob("*.json"))
-    assert len(names) == 3 + 5  # three models, fp8, transfer, overlap, planner, host
+    assert len(names) == 3 + 6  # three models, fp8, transfer, overlap, planner, host, full_sdxl
     assert [line[3:] for line in index.splitlines() if line.startswith("## ")] == names
     for name in names:
         result = load(results, name)
@@ -262,3 +264,14 @@ def test_the_naive_swap_keeps_a_recomputed_blocks_weights_until_its_backward_is_
     assert moves == forward + backward
     assert not naive.inside and not naive.runs
     naive.remove(list(layers), torch.device("cpu"))
+
+
+def test_the_full_fine_tuning_benchmark_measures_every_method_in_its_own_process(results):
+    result = load(results, "full_sdxl")
+    assert result["benchmark"] == "full" and result["tiny"]
+    rows = {r["method"]: r for r in result["rows"]}
+    assert set(rows) == set(bench_full.METHODS)
+    for name, row in rows.items():
+        assert "error" not in row and row["median_step_s"] > 0, row
+        assert ("host_update_s" in row) == name.startswith("dgls"), row
+    assert rows["dgls-deepspeed"]["host_optimizer"] == "DeepSpeedCPUAdam"

@@ -25,6 +25,7 @@ from utils.dgls.dp_config import (
     check_dataset_files,
     check_train_config,
     find_checkout,
+    host_optimizer_spec,
     startup_notes,
 )
 from utils.dgls.errors import DGLSUserError
@@ -58,7 +59,8 @@ def test_find_checkout_explicit_env_and_errors(tmp_path, monkeypatch):
     "change, message",
     [
         ({"blocks_to_swap": 10}, "own blocks_to_swap"),
-        ({"adapter": None}, "has no \\[adapter\\]"),
+        ({"adapter": None, "optimizer": {"type": "adamw_optimi", "lr": 1e-5}}, "type = 'adamw_optimi' cannot run"),
+        ({"adapter": None, "optimizer": {"type": "adamw", "gradient_release": True}}, "remove gradient_release"),
         ({"activation_checkpointing": "sometimes"}, "activation_checkpointing must be"),
     ],
 )
@@ -67,6 +69,15 @@ def test_refusals(change, message):
     config = {k: v for k, v in config.items() if v is not None}
     with pytest.raises(DGLSUserError, match=message):
         check_train_config(config, "x.toml", swapping=True)
+
+
+def test_a_full_fine_tune_maps_its_optimizer_to_the_host():
+    config = {k: v for k, v in BASE.items() if k != "adapter"}
+    config["optimizer"] = {"type": "AdamW", "lr": 2e-5, "betas": [0.9, 0.95], "weight_decay": 0.1, "eps": 1e-7}
+    check_train_config(config, "x.toml", swapping=True)
+    spec = host_optimizer_spec(config, "x.toml")
+    assert (spec.type, spec.lr, spec.betas, spec.weight_decay, spec.eps) == ("adamw", 2e-5, (0.9, 0.95), 0.1, 1e-7)
+    assert host_optimizer_spec(BASE, "x.toml") is None  # a LoRA
 
 
 def test_dataset_files_are_checked_relative_to_the_checkout(tmp_path):

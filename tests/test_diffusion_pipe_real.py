@@ -161,3 +161,72 @@ def test_dgls_train_from_inside_the_checkout(checkout, tmp_path):
     )
     assert "TRAINING COMPLETE!" in log and "5 layers (" in log
     assert (only_run_dir(tmp_path / "out") / "step2" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def _saved_model(output_dir, name: str) -> dict:
+    from safetensors.torch import load_file
+
+    files = sorted((only_run_dir(output_dir) / name).rglob("*.safetensors"))
+    assert files, f"no model saved under {name}"
+    weights = {}
+    for path in files:
+        weights.update(load_file(path))
+    return weights
+
+
+def test_dgls_full_fine_tune_matches_plain_train_py(checkout, tmp_path):
+    """No [adapter]: streamed blocks train on the host (fp32 masters, gradients summed there, torch's AdamW on
+    the CPU), the rest with train.py's own AdamW, one clipping norm over both. With ``--host_adam torch`` (the
+    kernel train.py's AdamW runs on CPU tensors) the saved model is bitwise the plain full fine-tune's on CPU;
+    on a GPU, within the rounding of its kernels against the CPU's."""
+    configs = _eval_runs(tmp_path, ("plain", "dgls"), dict(num_double=3, num_single=3), full=True)
+    run_train(checkout, configs["plain"], tmp_path / "cache.log", "--cache_only")
+    run_train(checkout, configs["plain"], tmp_path / "plain.log")
+    dgls = "--blocks_to_swap 5 --prefetch 1 --host_adam torch"
+    log = run_train(checkout, configs["dgls"], tmp_path / "dgls.log", dgls=dgls)
+    assert "TRAINING COMPLETE!" in log and "DGLS host training:" in log and "(single-tensor)" in log
+    plain, got = (
+        _saved_model(tmp_path / "out_plain", f"step{STEPS}"),
+        _saved_model(tmp_path / "out_dgls", f"step{STEPS}"),
+    )
+    _assert_same_model(plain, got)
+    first = _saved_model(tmp_path / "out_dgls", "step2")
+    assert any(not (first[k] == got[k]).all() for k in first if k.startswith("single_blocks.")), (
+        "the streamed blocks' saved weights did not change between steps 2 and 3"
+    )
+
+
+def _assert_same_model(expected: dict, got: dict) -> None:
+    assert expected.keys() == got.keys() and len(expected) > 50
+    if DTYPE == "float32":
+        for key, value in expected.items():
+            assert (got[key] == value).all(), f"{key} differs with DGLS"
+        return
+    scale = max(v.abs().max().item() for v in expected.values())
+    worst = max((expected[k].float() - got[k].float()).abs().max().item() for k in expected)
+    assert worst <= 1e-2 * scale, worst
+
+
+def test_dgls_full_fine_tune_resume_matches_plain_resume(checkout, tmp_path):
+    """Full fine-tune: 2 steps, then --resume_from_checkpoint to 4. DGLS restores the masters from the model
+    states and the host optimizer's moments from its file beside them, and ends where plain train.py's resumed
+    run ends (bitwise on CPU with --host_adam torch)."""
+    tiny = _load_fixture("tiny_flux")
+    model = tiny.build_tiny_flux(tmp_path / "model", seed=0, num_double=3, num_single=3)
+    data = tiny.write_dataset(tmp_path / "data", n=4, size=64, seed=0)
+    common = dict(
+        activation_checkpointing=True, eval_every_n_steps=None, eval_before_first_step=False, dtype=DTYPE, full=True
+    )
+    finals = {}
+    for name, dgls in (("plain", None), ("dgls", "--blocks_to_swap 5 --prefetch 1 --host_adam torch")):
+        out = tmp_path / f"out_{name}"
+        first = tiny.write_configs(tmp_path / f"cfg1_{name}", model, data, out, max_steps=2, **common)
+        second = tiny.write_configs(tmp_path / f"cfg2_{name}", model, data, out, max_steps=4, **common)
+        if name == "plain":
+            run_train(checkout, first, tmp_path / "cache.log", "--cache_only")
+        run_train(checkout, first, tmp_path / f"{name}_1.log", dgls=dgls)
+        log = run_train(checkout, second, tmp_path / f"{name}_2.log", "--resume_from_checkpoint", seed=1, dgls=dgls)
+        assert "Resuming training from checkpoint" in log
+        finals[name] = _saved_model(out, "epoch1")
+    assert list(only_run_dir(tmp_path / "out_dgls").glob("global_step2/dgls_host_optimizer_stage0.pt"))
+    _assert_same_model(finals["plain"], finals["dgls"])

@@ -36,6 +36,7 @@ def deterministic():
     flags = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled())
     torch.backends.cuda.enable_flash_sdp(False)
     torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)  # its backward is broken on the lent GPUs' image
     torch.use_deterministic_algorithms(True)
     yield
     torch.use_deterministic_algorithms(False)

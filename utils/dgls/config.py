@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from .errors import DGLSUserError
+from .host_optimizer import HostOptimizerSpec
 from .precision import validate_autocast, validate_cast_target, validate_mixed_precision
 
 PLACEMENT_KEYS = ("gpu_layers", "blocks_to_swap", "initial_gpu_layers", "final_gpu_layers")
@@ -54,6 +55,10 @@ class SwapConfig:
     profile_path: str | None = None  # Chrome-trace JSON (+ PNG) of copies and compute after warm-up
     profile_warmup_steps: int = 2
     profile_steps: int = 3
+    # Full fine-tuning: streamed layers' trainable params stream too, and this optimizer updates their fp32
+    # masters on the host (utils/dgls/host_training.py). None: trainable params stay on the device.
+    host_optimizer: HostOptimizerSpec | None = None
+    accumulation_steps: int = 1  # micro-batches per optimizer step (the host takes grad norms on the last)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -71,6 +76,9 @@ class SwapConfig:
             raise DGLSUserError(f"profile_steps must be a whole number >= 1, got {steps!r}")
         if not isinstance(self.profile_warmup_steps, int) or self.profile_warmup_steps < 0:
             raise DGLSUserError(f"profile_warmup_steps must be a whole number >= 0, got {self.profile_warmup_steps!r}")
+        steps = self.accumulation_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise DGLSUserError(f"accumulation_steps must be a whole number >= 1, got {steps!r}")
         if not isinstance(self.cuda_streams, int) or self.cuda_streams < 1:
             raise DGLSUserError(f"cuda_streams must be a whole number >= 1, got {self.cuda_streams!r}")
         if not _finite(self.selective_packing) or self.selective_packing < 0:

@@ -35,6 +35,7 @@ import toml
 
 from .config import SwapConfig
 from .dp_config import run_dirs
+from .engine_hooks import EngineHooks
 from .errors import DGLSUserError, RunInterrupted
 from .monitor import MemoryMonitor, MemoryReading
 from .options import swap_config
@@ -62,7 +63,10 @@ class PipelineInterception:
     * ``SummaryWriter.__init__`` (if tensorboard is installed): remember train.py's writer,
       so the stats land next to its loss;
     * with ``--plan`` only, ``utils.saver.Saver.save_model`` and ``save_checkpoint``: do nothing,
-      so the probe steps never leave a LoRA or a checkpoint behind, however the run is saved.
+      so the probe steps never leave a LoRA or a checkpoint behind, however the run is saved;
+    * for a full fine-tune (no [adapter]: streamed layers train on the host), DeepSpeed's optimizer step
+      and checkpoints (:class:`~.engine_hooks.EngineHooks`), and ``Saver.save_full_model``, which reads
+      params directly: it runs inside :meth:`~.swapper.LayerSwapper.true_weights`, so it saves the masters.
     """
 
     def __init__(
@@ -79,6 +83,7 @@ class PipelineInterception:
         self.writer = None
         self.patches = Patches()
         self.stage_hook = StageHook(self.install)
+        self.engine_hooks: EngineHooks | None = None
 
     def __enter__(self) -> PipelineInterception:
         try:
@@ -103,6 +108,8 @@ class PipelineInterception:
             for name in ("save_model", "save_checkpoint"):
                 self.patches.replace(saver, name, lambda original: lambda *args, **kwargs: None)
         self.stage_hook.__enter__()
+        if self.swap is not None and self.swap.host_optimizer is not None:
+            self._hook_full_fine_tune()
         self.patches.replace(PipelineEngine, "train_batch", self._wrap_train_batch)
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -111,6 +118,27 @@ class PipelineInterception:
         if SummaryWriter is not None:
             self.patches.replace(SummaryWriter, "__init__", self._wrap_writer_init)
         return self
+
+    def _hook_full_fine_tune(self) -> None:
+        import utils.saver as dp_saver
+
+        saver = getattr(dp_saver, "Saver", None)
+        if saver is None or "save_full_model" not in saver.__dict__:
+            raise DGLSUserError(
+                "this checkout's utils/saver.py has no Saver.save_full_model, which DGLS must point at the host "
+                "masters of a full fine-tune: train a LoRA, or report the checkout's commit"
+            )
+
+        def save_true_weights(original):
+            def save_full_model(saver_self, *args, **kwargs):
+                with self.swapper.true_weights():
+                    return original(saver_self, *args, **kwargs)
+
+            return save_full_model
+
+        self.patches.replace(saver, "save_full_model", save_true_weights)
+        self.engine_hooks = EngineHooks(lambda module: self.swapper.training if self.swapper is not None else None)
+        self.engine_hooks.__enter__()
 
     @staticmethod
     def _saver_for_plan():
@@ -219,6 +247,8 @@ class PipelineInterception:
     def __exit__(self, *exc) -> None:
         """Always, also after an error or Ctrl-C: the layers back, the worker thread and pinned memory freed."""
         self.stage_hook.__exit__(*exc)
+        if self.engine_hooks is not None:
+            self.engine_hooks.__exit__(*exc)
         self.patches.restore()
         if self.swapper is not None:
             self.swapper.remove()

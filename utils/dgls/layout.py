@@ -6,10 +6,11 @@ storage) and the planner (predicted peak). Nothing else measures a layer.
 
 A layer's params split three ways:
 
-- *streamable*: frozen params owned by this layer alone. These are what a streamed layer keeps
-  in host memory and copies into a device slot before each use.
-- *fixed*: trainable params, buffers, and params shared with another layer (tied weights). They
-  always stay on the device.
+- *streamable*: frozen params owned by this layer alone (and, with the optimizer on the host, its
+  trainable ones too). These are what a streamed layer keeps in host memory and copies into a
+  device slot before each use.
+- *fixed*: trainable params (unless trained on the host), buffers, and params shared with another
+  layer (tied weights). They always stay on the device.
 - Non-module entries of a layer list (plain functions between blocks, as diffusion-pipe's Chroma
   and HunyuanVideo have) have no params at all.
 
@@ -132,11 +133,14 @@ class LayerLayout:
         return self.sizes.landing_bytes
 
 
-def measure(layers: Sequence, rules: CastRules | None = None, trainable_dtype: str = "auto") -> list[LayerLayout]:
+def measure(
+    layers: Sequence, rules: CastRules | None = None, trainable_dtype: str = "auto", host_trained: bool = False
+) -> list[LayerLayout]:
     """The layout of every entry of a layer list (functions get an empty one). ``trainable_dtype``: the
-    ``mixed_precision`` the trainable params will have ("auto": as they are)."""
+    ``mixed_precision`` the trainable params will have ("auto": as they are). ``host_trained``: trainable
+    params stream too (full fine-tuning with the optimizer on the host, :mod:`.host_training`)."""
     shared = shared_param_ids(layers)
-    return [_measure_one(i, layer, shared, rules, trainable_dtype) for i, layer in enumerate(layers)]
+    return [_measure_one(i, layer, shared, rules, trainable_dtype, host_trained) for i, layer in enumerate(layers)]
 
 
 def measure_layer(layers: Sequence, index: int, rules: CastRules | None = None) -> LayerLayout:
@@ -144,20 +148,23 @@ def measure_layer(layers: Sequence, index: int, rules: CastRules | None = None) 
     return _measure_one(index, layers[index], shared_param_ids(layers), rules, "auto")
 
 
-def _measure_one(index: int, layer, shared: set[int], rules: CastRules | None, trainable_dtype: str) -> LayerLayout:
+def _measure_one(
+    index: int, layer, shared: set[int], rules: CastRules | None, trainable_dtype: str, host_trained: bool = False
+) -> LayerLayout:
     if not isinstance(layer, nn.Module):
         name = getattr(layer, "__name__", type(layer).__name__)
         return LayerLayout(LayerSizes(index, name, 0, 0), (), 0)
     names: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
     fixed = 0
-    trainable_size = dtype_of(trainable_dtype, "mixed_precision").itemsize if trainable_dtype != "auto" else None
+    trainable = dtype_of(trainable_dtype, "mixed_precision") if trainable_dtype != "auto" else None
+    trainable_size = trainable.itemsize if trainable is not None else None
     for name, p in layer.named_parameters(remove_duplicate=False):
         if id(p) in names:
             names[id(p)].append(name)
             continue
         names[id(p)] = [name]
-        if p.requires_grad:
+        if p.requires_grad and (not host_trained or id(p) in shared):
             fixed += p.numel() * (trainable_size or p.element_size())
         elif id(p) in shared:
             fixed += p.numel() * p.element_size()
@@ -170,7 +177,7 @@ def _measure_one(index: int, layer, shared: set[int], rules: CastRules | None, t
     laid: list[ParamLayout] = []
     offset = 0
     for p in direct:  # same bytes at the same offsets in host buffer and slot
-        dtype = casts[id(p)].dtype if id(p) in casts else p.dtype
+        dtype = casts[id(p)].dtype if id(p) in casts else (trainable or p.dtype) if p.requires_grad else p.dtype
         nbytes = p.numel() * dtype.itemsize
         laid.append(ParamLayout(p, tuple(names[id(p)]), offset, nbytes, dtype, p.shape, dtype, offset, nbytes))
         offset += aligned(nbytes)

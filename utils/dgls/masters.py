@@ -29,6 +29,7 @@ from torch import nn
 from .config import SwapConfig
 from .errors import DGLSUserError
 from .host_store import HostLayer, HostStore, check_ram, default_pinned_budget
+from .host_training import HostTraining
 from .layout import MB, LayerLayout, measure_layer
 from .monitor import check_pinned_budget
 from .peers import Peers, remove_orphans
@@ -82,6 +83,7 @@ class Masters:
         self.is_streamed: Callable[[int], bool] = lambda idx: False
         self.placeholder: Callable[[torch.dtype], torch.Tensor] = lambda dtype: torch.empty(0, dtype=dtype)
         self.on_adopted: Callable[[int], None] = lambda idx: None
+        self.training: HostTraining | None = None  # full fine-tuning: trainable params' fp32 masters live there
 
     def _pack(self, hosted: list[LayerLayout], log: Callable[[str], None]) -> None:
         """Pack the hosted layers: privately, or once per machine into shared segments (:mod:`.peers`)."""
@@ -144,19 +146,28 @@ class Masters:
         for handle in self._handles.pop(idx, []):
             handle.remove()
 
+    def _trained_master(self, p) -> torch.Tensor | None:
+        if self.training is None:
+            return None
+        self.training.finish()  # the latest update is written
+        return self.training.master_of(p.param)
+
     def _state_dict_post(self, idx: int, module: nn.Module, state_dict, prefix, local_metadata) -> None:
         host = self.host(idx)
         for k, p in enumerate(host.layout.params):
+            master = self._trained_master(p)
             for name in p.names:
                 if prefix + name in state_dict:
-                    state_dict[prefix + name] = host.value(k)
+                    state_dict[prefix + name] = master.detach() if master is not None else host.value(k)
 
     def _load_pre(self, idx: int, module: nn.Module, state_dict, prefix, *args) -> None:
         self.evict_all()
         if self.is_streamed(idx):
             host = self.host(idx)
             for k, p in enumerate(host.layout.params):
-                p.param.data = host.value(k)  # fp8 storage: a dequantized copy, re-quantized after loading
+                master = self._trained_master(p)  # full fine-tuning: load into the fp32 master
+                # fp8 storage: a dequantized copy, re-quantized after loading
+                p.param.data = master if master is not None else host.value(k)
 
     def _load_post(self, idx: int, module: nn.Module, incompatible_keys) -> None:
         host, streamed = self.host(idx), self.is_streamed(idx)
@@ -165,7 +176,10 @@ class Masters:
             return
         with torch.no_grad():
             for k, p in enumerate(host.layout.params):
-                if p.scaled or not streamed:  # a streamed direct param was loaded into the master itself
+                master = self._trained_master(p)
+                if master is not None and master.data_ptr() != host.master_view(k).data_ptr():
+                    host.store_value(k, master)  # the streamed copy of the loaded fp32 master
+                elif p.scaled or not streamed:  # a streamed direct param was loaded into the master itself
                     host.store_value(k, p.param.data)
                 p.param.data = self.placeholder(p.dtype) if streamed else self.device_value(idx, k)
 

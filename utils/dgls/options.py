@@ -274,6 +274,17 @@ OPTIONS: tuple[Option, ...] = (
         "training",
     ),
     Option(
+        "host_adam",
+        "choice",
+        "torch_fused",
+        "AdamW kernel of a full fine-tune's streamed layers on the CPU: torch_fused (torch.optim.AdamW(fused=True)), "
+        "deepspeed (DeepSpeedCPUAdam, built on first use; as fast in our SDXL benchmark), or torch (the single-tensor "
+        "loop torch.optim.AdamW runs on CPU tensors: bitwise what an unstreamed CPU run gives)",
+        "compare a full fine-tune with an unstreamed CPU run bitwise (torch)",
+        "training",
+        ("torch_fused", "deepspeed", "torch"),
+    ),
+    Option(
         "profile",
         "str",
         None,

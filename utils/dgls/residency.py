@@ -99,6 +99,17 @@ class StreamedLayer:
         self.slot, self.token = None, None
         self._enter(Residency.HOST, "evict")
 
+    def show(self, values: list[torch.Tensor]) -> None:
+        """HOST only: point the params at ``values`` (their true values in host memory) for code that reads
+        params directly instead of through ``state_dict``; :meth:`hide` points them back at placeholders."""
+        self._expect(Residency.HOST)
+        for param, value in zip(self.params, values):
+            param.data = value
+
+    def hide(self) -> None:
+        self._expect(Residency.HOST)
+        self._unbind()
+
     def forget_views(self) -> None:
         """The pool was rebuilt: views into the old slots must not be reused."""
         self._views.clear()

@@ -36,8 +36,9 @@ Hazards handled
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -48,8 +49,10 @@ from .copier import CudaCopier, DeferredCopier
 from .device_pool import DevicePool, Slot
 from .errors import DGLSUserError
 from .forward_patches import ForwardPatches
+from .grad_copier import CudaGradCopier, DeferredGradCopier
 from .hooks import HookAdapter, SlotRef
 from .host_store import HostStore
+from .host_training import HostTraining, check_host_training
 from .layout import LayerLayout, measure, modules_of
 from .listener import Listener
 from .masters import Masters
@@ -99,13 +102,19 @@ class LayerSwapper:
         # Checks first: nothing is changed before every setting is known to fit the model.
         cast_rules = CastRules.from_config(self.config)
         check_device_support(self.device, cast_rules)
-        self.layouts: list[LayerLayout] = measure(self.layers, cast_rules, self.config.mixed_precision)
+        host_trained = self.config.host_optimizer is not None
+        self.layouts: list[LayerLayout] = measure(
+            self.layers, cast_rules, self.config.mixed_precision, host_trained=host_trained
+        )
         self._check_casts_match(cast_rules)
         sizes = tuple(layout.sizes for layout in self.layouts)
         self.driver = self._start_driver()
         self.placement: Placement = plan_placement(sizes, self.config)
         if self.driver is not None:
             self.driver.check_static_minimum(sizes)
+        self._training_note = ""
+        if host_trained:
+            self._training_note = check_host_training(self.layouts, self.placement.streamed, self.config.host_optimizer)
         try:
             self._build(share_group)
         except BaseException:
@@ -120,11 +129,17 @@ class LayerSwapper:
         self.masters = Masters(
             self.layers, self.layouts, self.placement.streamed, self.device, self.config, self._log, share_group
         )
+        self.training: HostTraining | None = None
+        if self.config.host_optimizer is not None:
+            self._start_training(share_group)
         for idx in self.placement.streamed:
             self._stream(idx)
         self._place_resident_parts()
         self.masters.evict_all, self.masters.is_streamed = self.evict_all, self.is_streamed
         self.masters.placeholder, self.masters.on_adopted = self._placeholder, self._adopted
+        if self.training is not None:
+            self.masters.training = self.training
+            self.training.install(lambda idx: self.use(idx, current_phase()))
         for idx in self.store.layers:
             self.masters.install_hooks(idx)
         self.pool = DevicePool(self.device, self.placement.slot_count, self.placement.slot_bytes)
@@ -174,10 +189,36 @@ class LayerSwapper:
         return self.masters.store
 
     # ---------------------------------------------------------------- set-up
+    def _start_training(self, share_group: str) -> None:
+        """Full fine-tuning: fp32 masters, gradient landings and the optimizer of streamed layers on the host."""
+        if self.masters.peers.shared:
+            raise DGLSUserError(
+                "full fine-tuning of streamed layers runs one process per set of layers: data parallel "
+                "processes would each update the shared host masters; use pipeline_stages = number of GPUs, "
+                "or train a LoRA"
+            )
+        cuda = self.device.type == "cuda"
+        grads = CudaGradCopier(self.device) if cuda else DeferredGradCopier(eager=self.config.threading)
+        hosts = {idx: self.masters.host(idx) for idx in self.placement.streamed}
+        self.training = HostTraining(
+            hosts,
+            self.config.host_optimizer,
+            grads,
+            pin=cuda,
+            threaded=cuda or self.config.threading,
+            accumulation_steps=self.config.accumulation_steps,
+        )
+
     def _start_driver(self) -> PlacementDriver | None:
         config = self.config
         if config.vram_budget_gb is None:
             return None
+        if config.host_optimizer is not None and not config.explicit_placement:
+            raise DGLSUserError(
+                "full fine-tuning places layers once, at start-up (the optimizer state of a streamed layer lives "
+                "on the host), and the VRAM-budget planner re-places layers while training: give blocks_to_swap "
+                "or gpu_layers instead of vram_budget (--plan with the LoRA config shows a placement that fits)"
+            )
         if config.explicit_placement:
             self._log(
                 f"DGLS: {', '.join(config.explicit_placement)} given: explicit placement wins over vram_budget "
@@ -261,6 +302,10 @@ class LayerSwapper:
 
     def _report_start(self, cast_rules: CastRules | None) -> None:
         self._log(self.placement.table())
+        if self._training_note:
+            self._log(
+                f"{self._training_note}; optimizer of the streamed layers on the CPU: {self.training.implementation}"
+            )
         for note in self.placement.notes():
             self._log(note)
         config = self.config
@@ -297,8 +342,12 @@ class LayerSwapper:
             self._prefetch()
 
     def pass_end(self) -> None:
-        """A backward pass finished: the listeners' step boundary (the planner may re-place here)."""
+        """A backward pass finished: the listeners' step boundary (the planner may re-place here). With
+        host training, every host-trained layer is evicted: its slot copy is older than its next update."""
         with self._lock:
+            if self.training is not None:
+                self.training.backward_done()
+                self._evict(self.training.layers)
             if self.config.sync_each_step and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             for listener in list(self._listeners):
@@ -409,6 +458,9 @@ class LayerSwapper:
     def _fetch(self, requests: list[tuple[StreamedLayer, Slot]], demand: bool) -> None:
         if not requests:
             return
+        if self.training is not None:
+            for layer, _ in requests:
+                self.training.wait_update(layer.index)  # the packed copy holds the latest update
         tokens = self.copier.submit([(slot, layer.host, demand) for layer, slot in requests])
         for (layer, slot), token in zip(requests, tokens):
             layer.fetch(slot, token)
@@ -449,6 +501,10 @@ class LayerSwapper:
         buffers and the staging buffers are sized anew from the layouts.
         """
         with self._lock:
+            if self.training is not None:
+                raise DGLSUserError(
+                    "full fine-tuning places layers once: the optimizer state of streamed layers lives on the host"
+                )
             wanted = set(streamed)
             bad = [i for i in wanted if not 0 <= i < len(self.layers)]
             if bad:
@@ -482,12 +538,36 @@ class LayerSwapper:
             self.copier.drain()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self._release_current()
+            self._evict(self._streamed)
+
+    @contextlib.contextmanager
+    def true_weights(self) -> Iterator[None]:
+        """Inside the block, streamed params point at their true values in host memory (the fp32 masters of
+        host-trained params): for code that reads params directly rather than through ``state_dict`` (a
+        saver). Nothing may run the layers meanwhile."""
+        with self._lock:
+            self.evict_all()
+            if self.training is not None:
+                self.training.finish()
             for layer in self._streamed.values():
-                if layer.state is not Residency.HOST:
-                    layer.evict()
-            self._current = None
-            self._last_use = None
+                masters = [self.training.master_of(p) if self.training else None for p in layer.params]
+                layer.show([m if m is not None else layer.host.value(k) for k, m in enumerate(masters)])
+            try:
+                yield
+            finally:
+                for layer in self._streamed.values():
+                    layer.hide()
+
+    def _evict(self, indices: Iterable[int]) -> None:
+        """Release the current use and drop these layers' device copies (the release markers keep the
+        slots from being rewritten before the kernels that read them, so the host need not wait)."""
+        self._release_current()
+        for idx in indices:
+            layer = self._streamed[idx]
+            if layer.state is not Residency.HOST:
+                layer.evict()
+        self._current = None
+        self._last_use = None
 
     def remove(self) -> None:
         """Put every module back as it was (params and buffers on their original devices, in their
@@ -501,6 +581,8 @@ class LayerSwapper:
         built = self.__dict__
         if built.get("profiler") is not None:
             self.profiler.close()
+        if built.get("training") is not None:
+            self.training.close()
         if "copier" in built:
             self.copier.close()
         if self.device.type == "cuda":
@@ -510,10 +592,13 @@ class LayerSwapper:
                 built[part].remove()
         with torch.no_grad():
             streamed = set()
+            training = built.get("training")
             for layer in built.get("_streamed", {}).values():
                 for k, param in enumerate(layer.params):
                     _, device, dtype = self._home[id(param)]
-                    param.data = layer.host.value(k).to(device, dtype, copy=True)
+                    master = training.master_of(param) if training is not None else None
+                    value = master if master is not None else layer.host.value(k)
+                    param.data = value.to(device, dtype, copy=True)
                     streamed.add(id(param))
             for t, device, dtype in self._home.values():
                 if id(t) not in streamed and (t.device != device or t.dtype != dtype):

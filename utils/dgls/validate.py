@@ -6,6 +6,7 @@ test that a folder is writable is removed at once).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -132,7 +133,7 @@ def _check_profile(resolved: options.Resolved, notes: list[str]) -> None:
 
 def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, swap: SwapConfig, cli_dp: str | None):
     require_modules(("utils.dgls.demo.settings", "utils.dgls.demo.train"), "")
-    from .demo.model import lora_param_count
+    from .demo.model import lora_param_count, param_count
     from .demo.settings import demo_settings
 
     if cli_dp is not None:
@@ -162,12 +163,66 @@ def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, 
                 f"{settings.steps} in {path}: raise steps to {last} or more, or drop the profile"
             )
     _check_profile(resolved, notes)
+    if settings.full and values["dynamic_swapping"]:
+        swap = _full_fine_tune(path, settings, swap, dist, resolved)
+    elif resolved.given("host_adam") and values["dynamic_swapping"]:
+        _host_adam_unused(resolved, path)
     if not values["plan"]:
-        lora_bytes = lora_param_count(settings.model, settings.lora_rank) * 4 + SAFETENSORS_HEADER
-        check_output_dir(settings.output_dir, f"[demo] output_dir = '{settings.output_dir}' in {path}", lora_bytes)
+        count = param_count(settings.model) if settings.full else lora_param_count(settings.model, settings.lora_rank)
+        where = f"[demo] output_dir = '{settings.output_dir}' in {path}"
+        check_output_dir(settings.output_dir, where, count * 4 + SAFETENSORS_HEADER)
     if values["dynamic_swapping"]:
         check_precision(swap, {name_of(settings.dtype)}, False, f"[model] dtype = '{settings.dtype_name}'")
     return DemoRun(path, settings, values, swap, device, dist, tuple(notes))
+
+
+def _host_adam_unused(resolved: options.Resolved, path: str) -> None:
+    raise DGLSUserError(
+        f"{resolved.label('host_adam')} picks the host AdamW of a full fine-tune, and {path} trains a LoRA "
+        "([adapter]): drop it"
+    )
+
+
+def _drop_in_full_fine_tune(
+    path: str, config: dict, swap: SwapConfig, spec, dist: DistEnv, stages: int, resolved: options.Resolved, rest
+) -> SwapConfig:
+    """A diffusion-pipe config without [adapter]: streamed layers train on the host."""
+    if dist.world_size > stages:
+        raise DGLSUserError(
+            f"{path} has no [adapter] (a full fine-tune), and {dist.world_size} processes on {stages} pipeline "
+            "stage(s) would be data parallel: full fine-tuning of streamed layers runs one process per stage; set "
+            f"pipeline_stages = {dist.world_size}"
+        )
+    if swap.vram_budget_gb is not None and not swap.explicit_placement:
+        raise DGLSUserError(
+            f"{resolved.label('vram_budget')} with a full fine-tune ({path} has no [adapter]): the planner re-places "
+            "layers while training, and full fine-tuning places them once; give --blocks_to_swap or --gpu_layers"
+        )
+    if option_value(rest, "--deepspeed_config") is not None:
+        raise DGLSUserError(
+            "--deepspeed_config: DGLS keeps the streamed layers' optimizer on the host itself (ZeRO offload would "
+            "partition what DGLS replaces); drop it"
+        )
+    steps = int(config.get("gradient_accumulation_steps", 1)) * resolved.values["lazy_lora_steps"]
+    spec = dataclasses.replace(spec, implementation=resolved.values["host_adam"])
+    return swap.replace(host_optimizer=spec, accumulation_steps=steps)
+
+
+def _full_fine_tune(path: str, settings, swap: SwapConfig, dist: DistEnv, resolved: options.Resolved) -> SwapConfig:
+    """A demo config without [adapter]: streamed layers are trained on the host; what that cannot do is refused."""
+    if dist.world_size > settings.pipeline_stages:
+        raise DGLSUserError(
+            f"{path} has no [adapter] (a full fine-tune), and {dist.world_size} processes on "
+            f"{settings.pipeline_stages} pipeline stage(s) would be data parallel: full fine-tuning of streamed "
+            f"layers runs one process per stage; set [demo] pipeline_stages = {dist.world_size}"
+        )
+    if swap.vram_budget_gb is not None and not swap.explicit_placement:
+        raise DGLSUserError(
+            f"{resolved.label('vram_budget')} with a full fine-tune ({path} has no [adapter]): the planner re-places "
+            "layers while training, and full fine-tuning places them once; give --blocks_to_swap or --gpu_layers"
+        )
+    spec = dataclasses.replace(settings.optimizer, implementation=resolved.values["host_adam"])
+    return swap.replace(host_optimizer=spec, accumulation_steps=resolved.values["lazy_lora_steps"])
 
 
 def _demo_device(wanted: str, resolved: options.Resolved, dist: DistEnv) -> torch.device:
@@ -215,6 +270,10 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
     if values["vram_budget"] == "auto" and _cuda_count() == 0:
         raise DGLSUserError(f"{resolved.label('vram_budget')} auto measures free VRAM: give a number of GiB on CPU")
     _check_profile(resolved, notes)
+    if swapping and (spec := dp_config.host_optimizer_spec(config, path)) is not None:
+        swap = _drop_in_full_fine_tune(path, config, swap, spec, dist, stages, resolved, rest)
+    elif swapping and resolved.given("host_adam"):
+        _host_adam_unused(resolved, path)
     if swapping:
         # diffusion-pipe autocasts each layer's forward to [model] dtype itself
         check_precision(swap, dp_config.model_dtypes(config), True, "[model] dtype/transformer_dtype")

@@ -153,6 +153,14 @@ def lora_param_count(cfg: DemoModelConfig, rank: int) -> int:
     return rank * (cfg.double_blocks * double + cfg.single_blocks * single)
 
 
+def param_count(cfg: DemoModelConfig) -> int:
+    """Params of the whole model (a full fine-tune saves all of them), known before anything is built."""
+    with torch.device("meta"):
+        layers = [InitialLayer(cfg), DoubleBlock(cfg), SingleBlock(cfg), FinalLayer(cfg)]
+    counts = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    return counts[0] + cfg.double_blocks * counts[1] + cfg.single_blocks * counts[2] + counts[3]
+
+
 def build_layers(cfg: DemoModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> list[nn.Module]:
     """The model as an ordered layer list, deterministic for a seed, all params frozen."""
     gen_state = torch.random.get_rng_state()

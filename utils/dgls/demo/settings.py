@@ -1,6 +1,10 @@
-"""The demo's settings from the training TOML (``[demo]``, ``[model]``, ``[adapter]``), checked
-in full before anything is built, so a bad value is one line instead of a traceback minutes in
-(or, for ``output_dir``, after every step has run)."""
+"""The demo's settings from the training TOML (``[demo]``, ``[model]``, ``[adapter]``, ``[optimizer]``),
+checked in full before anything is built, so a bad value is one line instead of a traceback minutes in
+(or, for ``output_dir``, after every step has run).
+
+As in diffusion-pipe, a config with an ``[adapter]`` table trains a LoRA, and one without trains every
+weight (full fine-tuning: streamed layers are trained on the host, :mod:`utils.dgls.host_training`).
+``[optimizer]`` (type, lr, betas, weight_decay, eps) sets the optimizer of a full fine-tune."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import DGLSUserError
+from ..host_optimizer import HostOptimizerSpec
 from .model import DemoModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,6 +87,11 @@ class DemoSettings:
     pipeline_stages: int
     model: DemoModelConfig
     dtype: torch.dtype
+    optimizer: HostOptimizerSpec | None = None  # full fine-tuning (no [adapter]); None: a LoRA
+
+    @property
+    def full(self) -> bool:
+        return self.optimizer is not None
 
     @property
     def dtype_name(self) -> str:
@@ -123,4 +133,12 @@ def demo_settings(config: dict[str, Any], path: str) -> DemoSettings:
         raise DGLSUserError(f"{path}: [model] dtype must be one of {', '.join(DTYPES)}, got {dtype_name!r}")
     model = DemoModelConfig(**{k: values.pop(k) for k in ("hidden", "heads", "double_blocks", "single_blocks")})
     values["output_dir"] = Path(values["output_dir"]).expanduser()
-    return DemoSettings(**values, model=model, dtype=DTYPES[dtype_name])
+    optimizer = None
+    if "adapter" not in config:
+        table = {"type": "adamw", "lr": values["lr"], "weight_decay": 0.0, **_table(config, "optimizer", path)}
+        try:
+            optimizer = HostOptimizerSpec.from_table(table)
+        except DGLSUserError as exc:
+            raise DGLSUserError(f"{path}: {exc}") from None
+        values["lr"] = optimizer.lr
+    return DemoSettings(**values, model=model, dtype=DTYPES[dtype_name], optimizer=optimizer)

@@ -2,8 +2,10 @@
 
 ``PipelineModule`` from a layer list, ``deepspeed.initialize``, ``train_batch``: the same
 path diffusion-pipe takes, so the demo exercises the real DeepSpeed integration,
-including keeping DeepSpeed from moving streamed layers to the device. Every setting was
-checked before this runs (``utils/dgls/validate.py``).
+including keeping DeepSpeed from moving streamed layers to the device. A config without
+``[adapter]`` trains every weight: streamed layers on the host (:mod:`..host_training`), joined to
+DeepSpeed's optimizer step by :class:`~..engine_hooks.EngineHooks`. Every setting was checked before this
+runs (``utils/dgls/validate.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..engine_hooks import EngineHooks
 from ..errors import RunInterrupted
 from ..monitor import MemoryMonitor
 from ..paths import new_run_dir
@@ -43,7 +46,7 @@ class DemoResult:
     bytes_streamed: int = 0
     peak_vram_bytes: int = 0
     pinned_bytes: int = 0
-    lora_path: Path | None = None
+    lora_path: Path | None = None  # the saved weights: the LoRA, or the whole model for a full fine-tune
     lora: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -121,18 +124,24 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
     try:
         torch.manual_seed(s.seed)
         layers = build_layers(s.model, seed=s.seed, dtype=s.dtype)
-        add_lora(layers, rank=s.lora_rank, seed=s.seed)
+        if s.full:
+            for layer in layers:
+                layer.requires_grad_(True)
+        else:
+            add_lora(layers, rank=s.lora_rank, seed=s.seed)
         hook = StageHook(install) if run.values["dynamic_swapping"] else contextlib.nullcontext()
         if not run.values["dynamic_swapping"]:
             log("DGLS: dynamic swapping off; every layer is resident")
         with quiet_deepspeed(), hook:
-            engine = _engine(run, layers)
+            engine = _engine(run, layers, placed.get)
         held.release()  # the placement table, printed once DeepSpeed's start-up is past
         swapper = placed.get("swapper")
-        _train(run, engine, swapper, result, log, progress)
+        training = swapper.training if swapper is not None else None
+        with EngineHooks(lambda module: training) if training is not None else contextlib.nullcontext():
+            _train(run, engine, swapper, result, log, progress)
         if swapper is not None and run.values["plan"]:
             return result
-        result.lora = _gather_lora(layers, engine)
+        result.lora = _gather_trained(layers, engine, s.full)
     except KeyboardInterrupt:
         done = len(result.losses)
         raise RunInterrupted(
@@ -147,7 +156,8 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
         return result
     from safetensors.torch import save_file
 
-    result.lora_path = new_run_dir(s.output_dir) / "adapter_model.safetensors"
+    name = "model.safetensors" if s.full else "adapter_model.safetensors"
+    result.lora_path = new_run_dir(s.output_dir) / name
     save_file(result.lora, str(result.lora_path))
     log(summary(result))
     return result
@@ -171,21 +181,23 @@ class HeldLog:
             self.log(line)
 
 
-def _gather_lora(layers: list, engine) -> dict[str, torch.Tensor]:
-    """The trained LoRA, every layer's from the pipeline stage that trained it (on rank 0; {} elsewhere)."""
+def _gather_trained(layers: list, engine, full: bool) -> dict[str, torch.Tensor]:
+    """The trained weights (the LoRA, or every weight of a full fine-tune: state dicts, so streamed layers
+    give their host masters), each layer's from the pipeline stage that trained it (on rank 0; {} elsewhere)."""
     module = engine.module
     local = {}
     if engine.grid.get_data_parallel_id() == 0:
         for i in range(module._local_start, module._local_stop):
-            for name, p in layers[i].named_parameters():
-                if p.requires_grad:
-                    local[f"layers.{i}.{name}"] = p.detach().to("cpu", torch.float32).contiguous()
+            trainable = {name for name, p in layers[i].named_parameters() if p.requires_grad}
+            for name, value in layers[i].state_dict().items():
+                if full or name in trainable:
+                    local[f"layers.{i}.{name}"] = value.detach().to("cpu", torch.float32).contiguous()
     parts: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(parts, local)
     return {k: v for part in parts for k, v in part.items()} if torch.distributed.get_rank() == 0 else {}
 
 
-def _engine(run: DemoRun, layers):
+def _engine(run: DemoRun, layers, placed: Callable[[str], LayerSwapper | None]):
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
@@ -205,10 +217,19 @@ def _engine(run: DemoRun, layers):
         "gradient_accumulation_steps": run.values["lazy_lora_steps"],
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
-        "bf16": {"enabled": s.dtype == torch.bfloat16},
+        # A LoRA trains with DeepSpeed's bf16 optimizer (fp32 copies of the LoRA); a full fine-tune's resident
+        # params train in their own dtype, as diffusion-pipe's do, and its clipping includes the host params.
+        "bf16": {"enabled": s.dtype == torch.bfloat16 and not s.full},
     }
-    local = [p for p in pipeline.parameters() if p.requires_grad]  # this stage's LoRA (every layer's with one)
-    optimizer = torch.optim.AdamW(local, lr=s.lr, weight_decay=0.0)
+    swapper = placed("swapper")
+    training = swapper.training if swapper is not None else None
+    # This stage's LoRA (every layer's with one), or its resident params for a full fine-tune.
+    local = [p for p in pipeline.parameters() if p.requires_grad and not (training and training.owns(p))]
+    if s.full:
+        spec = s.optimizer
+        optimizer = torch.optim.AdamW(local, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(local, lr=s.lr, weight_decay=0.0)
     engine, _, _, _ = deepspeed.initialize(model=pipeline, optimizer=optimizer, config=ds_config)
     return engine
 
@@ -270,5 +291,5 @@ def summary(r: DemoResult) -> str:
         f"DGLS demo finished: loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f} over {len(r.losses)} steps; "
         f"median step {median:.0f} ms; peak VRAM {vram}; "
         f"pinned RAM {human_bytes(r.pinned_bytes)}; streamed {human_bytes(r.bytes_streamed)}; "
-        f"LoRA saved to {r.lora_path}"
+        f"{'model' if r.lora_path and r.lora_path.name == 'model.safetensors' else 'LoRA'} saved to {r.lora_path}"
     )

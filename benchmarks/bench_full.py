@@ -1,0 +1,279 @@
+"""Full fine-tuning of the SDXL UNet (2.6B params), 1024x1024, batch 1, AdamW, side by side.
+
+Every weight trains. Methods, each on the same layer list (sdxl.py, checkpointing as diffusion-pipe):
+
+- ``resident``: everything on the GPU: bf16 weights for compute, fp32 masters and AdamW (fused, on the
+  GPU) beside them, gradients summed into the masters' fp32 grads: the arithmetic DGLS keeps, all on
+  the device (about 42 GiB of masters and moments; fits an 80 GB card).
+- ``zero2-offload``: DeepSpeed ZeRO-2 with its optimizer offloaded to the CPU (bf16, DeepSpeedCPUAdam):
+  what diffusion-pipe users reach for when a full fine-tune does not fit.
+- ``dgls-torch_fused`` / ``dgls-deepspeed``: DGLS streams every layer above ``--stream_mib`` (prefetch
+  ``--prefetch``); streamed layers train on the host (fp32 masters, gradients copied home, AdamW on
+  the CPU: torch's fused kernel, or DeepSpeedCPUAdam), small resident layers with AdamW on the GPU.
+
+Each method runs in a process of its own (so no method's memory counts in another's), one after
+another on the same machine. Per method: median step, ratio to ``resident``, peak VRAM, the process's
+peak RSS, and for DGLS the share of the step the training thread spent waiting on the host optimizer (a
+fetch waiting for its layer's update, or the clip waiting for the last gradients) and the host's own
+seconds per step summing gradients and updating. Writes benchmarks/results/full_sdxl.json and .md.
+
+    python benchmarks/bench_full.py --steps 3  # H100: about 7 minutes
+    python benchmarks/bench_full.py --tiny     # smoke test on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import machine  # noqa: E402
+import sdxl  # noqa: E402
+from report import command_line, results_dir, write_result  # noqa: E402
+from timing import peaks, reset_peaks, time_steps  # noqa: E402
+from units import GiB  # noqa: E402
+
+from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
+from utils.dgls.host_optimizer import HostOptimizerSpec  # noqa: E402
+
+LR, BETAS, WD, EPS, CLIP = 1e-5, (0.9, 0.99), 0.01, 1e-8, 1.0
+METHODS = ("resident", "dgls-deepspeed", "dgls-torch_fused", "zero2-offload")
+NOTES = [
+    "Every weight trains (no LoRA). 'host optimizer wait': the share of DGLS's step the training thread spent "
+    "blocked on the host optimizer (a fetch waiting for its layer's update, or clipping waiting for the last "
+    "gradients); the rest of the host work ran beside the GPU. 'host RSS': the process's peak resident memory "
+    "since the method started (masters, gradient sums and AdamW moments live there for DGLS and ZeRO-offload).",
+]
+
+
+class PeakRss:
+    """The process's peak RSS, sampled after every step."""
+
+    def __init__(self) -> None:
+        self.process, self.peak = psutil.Process(), 0
+
+    def sample(self) -> None:
+        self.peak = max(self.peak, self.process.memory_info().rss)
+
+
+def fresh_bench(tiny: bool, device: torch.device, dtype: torch.dtype, on: torch.device):
+    bench = sdxl.build(tiny, on, dtype, lora=False)
+    for layer in bench.layers:
+        layer.requires_grad_(True)
+    bench.inputs = tuple(t.to(device) for t in bench.inputs)
+    bench.target = bench.target.to(device)
+    return bench
+
+
+def forward_backward(bench) -> None:
+    h = bench.inputs
+    for i, layer in enumerate(bench.layers):
+        h = checkpoint(layer, h, use_reentrant=False) if i in bench.checkpointed else layer(h)
+    F.mse_loss(h.float(), bench.target.float()).backward()
+
+
+def resident_step(bench) -> Callable[[], None]:
+    params = [p for layer in bench.layers for p in layer.parameters()]
+    masters = [p.detach().float() for p in params]
+    fused = {"fused": True} if params[0].is_cuda else {"foreach": False}
+    optimizer = torch.optim.AdamW(masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **fused)
+
+    def step() -> None:
+        forward_backward(bench)
+        for p, m in zip(params, masters):
+            m.grad = p.grad.float()
+            p.grad = None
+        torch.nn.utils.clip_grad_norm_(masters, CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+
+    return step
+
+
+def zero2_step(bench, device) -> tuple[Callable[[], None], object]:
+    import deepspeed
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+
+    class Stack(torch.nn.Module):  # the layers as one module for DeepSpeed; the step runs them itself
+        def __init__(self, layers):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(layers)
+
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": CLIP,
+        "bf16": {"enabled": device.type == "cuda"},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD}},
+        "steps_per_print": 10**9,
+    }
+    model = Stack(bench.layers)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+    layers = list(engine.module.layers)
+
+    def step() -> None:
+        h = bench.inputs
+        for i, layer in enumerate(layers):
+            h = checkpoint(layer, h, use_reentrant=False) if i in bench.checkpointed else layer(h)
+        loss = F.mse_loss(h.float(), bench.target.float())
+        engine.backward(loss)
+        engine.step()
+
+    return step, engine
+
+
+def dgls_step(bench, device, implementation: str, stream_mib: float, prefetch: int):
+    spec = HostOptimizerSpec(lr=LR, betas=BETAS, weight_decay=WD, eps=EPS, implementation=implementation)
+    sizes = bench.sizes  # measured before anything was trainable: streamable = every param of the layer
+    resident = [s.index for s in sizes if s.streamable_bytes < stream_mib * 2**20]
+    config = SwapConfig(gpu_layers=resident, prefetch=prefetch, host_optimizer=spec)
+    swapper = LayerSwapper(bench.layers, config, device=device, log=None)
+    training = swapper.training
+    params = [p for layer in bench.layers for p in layer.parameters()]
+    device_params = [p for p in params if not training.owns(p)]
+    fused = {"fused": True} if device.type == "cuda" else {"foreach": False}
+    trainer = (
+        torch.optim.AdamW(device_params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **fused)
+        if device_params
+        else None
+    )
+
+    def step() -> None:
+        forward_backward(bench)
+        training.clip_grad_norm_(params, CLIP)
+        if trainer is not None:
+            trainer.step()
+            trainer.zero_grad(set_to_none=True)
+        training.step()
+
+    streamed = sum(sizes[i].streamable_bytes for i in swapper.streamed_layers) / GiB
+    return step, swapper, streamed
+
+
+def measure(name: str, args, device, dtype) -> dict:
+    row: dict = {"method": name}
+    on = device if name in ("resident", "zero2-offload") else torch.device("cpu")
+    rss = PeakRss()
+    bench = fresh_bench(args.tiny, device, dtype, on)
+    cleanup: Callable[[], None] = gc.collect  # replaced by the method's own clean-up
+    training = None
+    try:
+        if name == "resident":
+            step = resident_step(bench)
+        elif name == "zero2-offload":
+            step, engine = zero2_step(bench, device)
+            cleanup = engine.destroy
+        else:
+            impl = name.split("-", 1)[1]
+            step, swapper, row["streamed_gib"] = dgls_step(bench, device, impl, args.stream_mib, args.prefetch)
+            training = swapper.training
+            cleanup = swapper.remove
+        reset_peaks(device)
+        for _ in range(1 + args.warmup):  # the first step builds optimizer state and kernels
+            step()
+        waited = training.waited_s if training is not None else 0.0
+        jobs = dict(training.job_s) if training is not None else {}
+        times, _ = time_steps(step, device, 0, args.steps, after=rss.sample)
+        if training is not None:
+            row["host_wait_share"] = (training.waited_s - waited) / sum(times)
+            for kind, seconds in training.job_s.items():
+                row[f"host_{kind}_s"] = (seconds - jobs[kind]) / len(times)
+            row["host_optimizer"] = training.implementation
+        row.update(median_step_s=statistics.median(times), step_times_s=times, steps=len(times), **peaks(device))
+        row["host_rss_gib"] = rss.peak / GiB
+    except Exception as exc:  # noqa: BLE001 - a method that cannot run is a row that says why
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    finally:
+        cleanup()
+        del bench
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="the tiny SDXL config (a CPU smoke test)")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--stream_mib", type=float, default=64.0, help="stream layers of at least this many MiB")
+    parser.add_argument("--prefetch", type=int, default=2)
+    parser.add_argument("--results_dir", type=Path, default=None)
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one method, write its row to --row
+    parser.add_argument("--row", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.stream_mib = 0.001
+    if args.one:
+        with machine.session(args.tiny) as (device, dtype):
+            args.row.write_text(json.dumps(measure(args.one, args, device, dtype)))
+        return {}
+    started = time.time()
+    rows: list[dict] = []
+    with machine.session(args.tiny) as (device, _):
+        environment = machine.environment(device)
+    own = sys.argv[1:] if argv is None else list(argv)
+    for name in args.methods.split(","):  # the result is rewritten after each method, so a cut-off run keeps some
+        rows.append(_in_subprocess(name, own))
+        result = _result(args, argv, environment, rows, started)
+        write_result(result, "full_sdxl", args.results_dir or results_dir(args.tiny), echo=True)
+    return result
+
+
+def _in_subprocess(name: str, argv: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        row = Path(folder) / "row.json"
+        cmd = [sys.executable, __file__, *argv, "--one", name, "--row", str(row)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not row.is_file():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            return {"method": name, "error": f"exit {proc.returncode}: {tail[0][:300]}"}
+        return json.loads(row.read_text())
+
+
+def _result(args, argv, environment: dict, rows: list[dict], started: float) -> dict:
+    base = next((r["median_step_s"] for r in rows if r["method"] == "resident" and "median_step_s" in r), None)
+    for r in rows:
+        if base and "median_step_s" in r:
+            r["vs_resident"] = r["median_step_s"] / base
+    return {
+        "benchmark": "full",
+        "title": "SDXL-UNet full fine-tune step" + (" (tiny)" if args.tiny else ""),
+        "description": "1024x1024 (128x128x4 latents), batch 1, AdamW, every weight trained, checkpointing as "
+        "diffusion-pipe; median of the timed steps",
+        "tiny": args.tiny,
+        "environment": environment,
+        "rows": rows,
+        "notes": NOTES,
+        "seconds": time.time() - started,
+        "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""Full fine-tuning loops: DGLS with the host optimizer, and the same training without streaming.
+
+The reference trains the same layers all resident, with the same arithmetic DGLS promises: params that
+DGLS trains on the host (those of streamed layers) get fp32 masters, their per-micro-batch grads are
+summed in fp32 (the first copied, as autograd assigns a first grad), one norm over every param in the
+order given clips host and device grads alike, and the host optimizer (the same implementation, built
+by the same spec) steps the masters, whose compute-dtype copies the next forward uses. The other params
+train with the trainer's optimizer on the device, as in DGLS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from helpers import SMALL, run_layers
+
+from utils.dgls.demo.data import SyntheticLatents
+from utils.dgls.demo.model import build_layers
+from utils.dgls.host_optimizer import HostOptimizerSpec
+
+SPEC = HostOptimizerSpec(lr=1e-2, weight_decay=0.01, implementation="torch")
+MAX_NORM = 0.05  # small enough that clipping acts on every step
+
+
+def full_layers(dtype=torch.float32, cfg=SMALL):
+    layers = build_layers(cfg, seed=0, dtype=dtype)
+    for layer in layers:
+        layer.requires_grad_(True)
+    return layers
+
+
+def params_of(layers) -> list[torch.nn.Parameter]:
+    return [p for layer in layers for p in layer.parameters()]
+
+
+@dataclass
+class FullRecord:
+    losses: list
+    weights: dict
+    evals: list
+
+
+def _batches(device, dtype, cfg=SMALL):
+    data = SyntheticLatents(cfg, samples=8, image_tokens=12, text_tokens=5, seed=3)
+    return data.batches(2, dtype, device)
+
+
+def _forward_backward(layers, inputs, target, mode):
+    if mode == "reentrant":
+        inputs = (inputs[0].requires_grad_(), *inputs[1:])
+    loss = F.mse_loss(run_layers(layers, inputs, mode).float(), target.float())
+    loss.backward()
+    return loss.detach().cpu()
+
+
+def _weights(layers) -> dict:
+    return {
+        f"{i}.{k}": v.detach().to("cpu", torch.float32).clone()
+        for i, layer in enumerate(layers)
+        for k, v in layer.state_dict().items()
+    }
+
+
+def train_dgls(
+    layers,
+    swapper,
+    device,
+    mode,
+    steps=3,
+    accumulate=2,
+    dtype=torch.float32,
+    start_step=0,
+    trainer_state=None,
+    on_step=None,
+    cfg=SMALL,
+):
+    """Train with a swapper built with ``host_optimizer=SPEC``: resident params by the trainer's optimizer.
+    ``start_step``/``trainer_state``: continue a run saved after that many steps; ``on_step(step, trainer)``
+    runs after each step."""
+    training = swapper.training
+    params = params_of(layers)
+    resident = [p for p in params if not training.owns(p)]
+    trainer = SPEC.build(resident) if resident else None
+    if trainer_state is not None:
+        trainer.load_state_dict(trainer_state)
+    batches = _batches(device, dtype, cfg)
+    for _ in range(start_step * (accumulate + 1)):
+        next(batches)
+    losses, evals = [], []
+    for step in range(start_step, start_step + steps):
+        for _ in range(accumulate):
+            inputs, target = next(batches)
+            losses.append(_forward_backward(layers, inputs, target, mode))
+        training.clip_grad_norm_(params, MAX_NORM)
+        if trainer is not None:
+            trainer.step()
+            trainer.zero_grad()
+        training.step()
+        if on_step is not None:
+            on_step(step + 1, trainer)
+        with torch.no_grad():
+            inputs, _ = next(batches)
+            evals.append(run_layers(layers, inputs, mode).cpu())
+    return FullRecord(losses, _weights(layers), evals)
+
+
+def train_reference(layers, host_names: set[str], device, mode, steps=3, accumulate=2, dtype=torch.float32, cfg=SMALL):
+    """The same training without streaming (see the module doc). ``host_names``: ``"i.name"`` of the params
+    DGLS trains on the host."""
+    named = [(f"{i}.{n}", p) for i, layer in enumerate(layers) for n, p in layer.named_parameters()]
+    host = [(n, p) for n, p in named if n in host_names]
+    masters = {id(p): p.detach().to("cpu", torch.float32, copy=True) for _, p in host}
+    acc: dict[int, torch.Tensor | None] = {id(p): None for _, p in host}
+    host_opt = SPEC.build([masters[id(p)] for _, p in host]) if host else None
+    device_params = [p for n, p in named if n not in host_names]
+    trainer = SPEC.build(device_params) if device_params else None
+    batches = _batches(device, dtype, cfg)
+    losses, evals = [], []
+    for _ in range(steps):
+        for _ in range(accumulate):
+            inputs, target = next(batches)
+            losses.append(_forward_backward(layers, inputs, target, mode))
+            for _, p in host:
+                if p.grad is None:
+                    continue
+                g = p.grad.detach().to("cpu", torch.float32)
+                acc[id(p)] = g.clone() if acc[id(p)] is None else acc[id(p)].add_(g)
+                p.grad = None
+        norms = []
+        for _, p in named:
+            if id(p) in acc:
+                if acc[id(p)] is not None:
+                    norms.append(torch.linalg.vector_norm(acc[id(p)], 2))
+            elif p.grad is not None:
+                norms.append(torch.linalg.vector_norm(p.grad.detach().float(), 2).cpu())
+        total = torch.stack(norms).square().sum().sqrt()
+        coef = torch.clamp(torch.tensor(float(MAX_NORM), dtype=torch.float32) / (total + 1e-6), max=1.0)
+        for p in device_params:
+            if p.grad is not None:
+                p.grad.detach().mul_(coef.to(p.grad.device))
+        if trainer is not None:
+            trainer.step()
+            trainer.zero_grad()
+        if host_opt is not None:
+            with torch.no_grad():
+                for _, p in host:
+                    g = acc[id(p)]
+                    masters[id(p)].grad = g.mul_(coef) if g is not None else None
+                host_opt.step()
+                for _, p in host:
+                    masters[id(p)].grad = None
+                    acc[id(p)] = None
+                    p.data.copy_(masters[id(p)])
+        with torch.no_grad():
+            inputs, _ = next(batches)
+            evals.append(run_layers(layers, inputs, mode).cpu())
+    weights = _weights(layers)
+    for n, p in host:  # the true weights are the masters
+        weights[n] = masters[id(p)].clone()
+    return FullRecord(losses, weights, evals)
+
+
+def assert_same(a: FullRecord, b: FullRecord) -> None:
+    assert len(a.losses) == len(b.losses)
+    for i, (x, y) in enumerate(zip(a.losses, b.losses)):
+        assert torch.equal(x, y), (i, x, y)
+    assert a.weights.keys() == b.weights.keys()
+    for k in a.weights:
+        assert torch.equal(a.weights[k], b.weights[k]), k
+    for x, y in zip(a.evals, b.evals):
+        assert torch.equal(x, y)
+
+
+def differs(a: FullRecord, b: FullRecord) -> bool:
+    try:
+        assert_same(a, b)
+    except AssertionError:
+        return True
+    return False

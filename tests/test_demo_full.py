@@ -1,0 +1,68 @@
+"""The demo as a full fine-tune (toml/demo_full.toml: no [adapter]), through DeepSpeed's pipeline engine.
+
+Streamed blocks train on the host and the resident ends with DeepSpeed's optimizer; one gradient norm
+covers both (utils/dgls/engine_hooks.py). The saved model matches the same run with every layer resident
+(DGLS off), up to the optimizer kernels: the host runs torch's fused CPU AdamW, DeepSpeed the trainer's
+foreach AdamW, and the clipping norms are summed in another order (tests/test_host_training_cpu.py
+checks bitwise equality with one implementation).
+"""
+
+from __future__ import annotations
+
+import pytest
+from cli_helpers import demo_toml, run_in_process
+from conftest import ROOT
+from safetensors.torch import load_file
+
+from utils.dgls.engine_hooks import EngineHooks
+from utils.dgls.errors import DGLSUserError
+from utils.dgls.validate import DemoRun, prepare
+
+
+def full_run(folder, capsys, *flags):
+    config = demo_toml(folder, steps=4, base="demo_full.toml")
+    code, out, err = run_in_process(["--config", str(config), *flags], capsys)
+    assert code == 0, err
+    (saved,) = (folder / "out").glob("*/model.safetensors")
+    return load_file(str(saved)), out
+
+
+def test_demo_full_config_passes_the_checks():
+    run = prepare(["--config", str(ROOT / "toml" / "demo_full.toml")], ROOT)
+    assert isinstance(run, DemoRun) and run.settings.full
+    assert run.swap.host_optimizer.type == "adamw" and run.swap.host_optimizer.lr == 2e-4
+    assert run.swap.host_optimizer.implementation == "torch_fused"
+
+
+def test_full_fine_tune_with_streaming_trains_what_resident_training_trains(tmp_path, capsys):
+    streamed, out = full_run(tmp_path / "dgls", capsys)
+    resident, _ = full_run(tmp_path / "plain", capsys, "--no-dynamic_swapping")
+    assert "DGLS host training:" in out and "model saved to" in out
+    assert streamed.keys() == resident.keys() and len(streamed) > 100
+    scale = max(v.abs().max().item() for v in resident.values())
+    assert max((streamed[k] - resident[k]).abs().max().item() for k in streamed) <= 1e-5 * scale
+    losses = [line.split("loss ")[1].split(",")[0] for line in out.splitlines() if line.startswith("step ")]
+    assert len(losses) == 4
+
+
+class ZeroEngine:
+    module = None
+
+    def zero_optimization(self) -> bool:
+        return True
+
+
+def test_deepspeed_zero_is_refused_with_host_training():
+    step = EngineHooks(lambda module: object())._wrap_step(lambda engine: None)
+    with pytest.raises(DGLSUserError, match="turn zero_optimization off"):
+        step(ZeroEngine())
+
+
+def test_a_checkpoint_without_the_host_optimizer_state_is_refused(tmp_path):
+    class Engine:
+        module, grid = None, None
+
+    load = EngineHooks(lambda module: object())._wrap_load(lambda engine, load_dir, tag, *a, **k: None)
+    (tmp_path / "latest").write_text("global_step2")
+    with pytest.raises(DGLSUserError, match="has no DGLS host optimizer state"):
+        load(Engine(), str(tmp_path))

@@ -1,0 +1,155 @@
+"""Full fine-tuning with streamed layers on the CPU: bitwise equal to the same training without streaming.
+
+Streamed layers' params are trained on the host (fp32 masters, gradients copied home, the host
+optimizer); the first and last layer stay resident and train with the trainer's optimizer. Every
+checkpoint mode, prefetch 0-3, with gradient accumulation, clipping and eval passes between steps.
+The deferred copiers make the two orderings this depends on fail here when removed: a gradient read
+before its copy landed, and a fetch that does not wait for its layer's update.
+"""
+
+import pytest
+import torch
+from full_ft import (
+    SPEC,
+    assert_same,
+    differs,
+    full_layers,
+    params_of,
+    train_dgls,
+    train_reference,
+)
+
+from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
+from utils.dgls.grad_copier import DeferredGradCopier
+from utils.dgls.host_training import HostTraining
+
+CPU = torch.device("cpu")
+MODES = ["none", "nonreentrant", "reentrant"]
+
+
+def config(**kw) -> SwapConfig:
+    return SwapConfig(host_optimizer=SPEC, accumulation_steps=2, **kw)
+
+
+def host_names(swapper, layers) -> set[str]:
+    return {
+        f"{i}.{n}" for i, layer in enumerate(layers) for n, p in layer.named_parameters() if swapper.training.owns(p)
+    }
+
+
+@pytest.fixture(scope="module")
+def references():
+    cache = {}
+
+    def get(mode, names):
+        key = (mode, frozenset(names))
+        if key not in cache:
+            cache[key] = train_reference(full_layers(), names, CPU, mode)
+        return cache[key]
+
+    return get
+
+
+def dgls_run(mode, **kw):
+    layers = full_layers()
+    with LayerSwapper(layers, config(**kw), device=CPU, log=None) as swapper:
+        names = host_names(swapper, layers)
+        record = train_dgls(layers, swapper, CPU, mode)
+    return record, names
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
+def test_full_fine_tuning_equals_unstreamed_training(references, mode, prefetch):
+    record, names = dgls_run(mode, prefetch=prefetch)
+    assert len(names) > 0
+    assert_same(record, references(mode, names))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_full_fine_tuning_with_worker_threads_equals_unstreamed_training(references, mode):
+    record, names = dgls_run(mode, prefetch=2, threading=True)
+    assert_same(record, references(mode, names))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bf16_compute_with_fp32_masters_equals_unstreamed_training(mode):
+    """The slots and resident params hold bf16; streamed layers' masters and gradient sums are fp32."""
+    layers = full_layers(torch.bfloat16)
+    with LayerSwapper(layers, config(prefetch=2), device=CPU, log=None) as swapper:
+        names = host_names(swapper, layers)
+        assert all(tp.master.dtype == torch.float32 for lay in swapper.training.layers.values() for tp in lay.params)
+        record = train_dgls(layers, swapper, CPU, mode, dtype=torch.bfloat16)
+    assert_same(record, train_reference(full_layers(torch.bfloat16), names, CPU, mode, dtype=torch.bfloat16))
+
+
+def test_every_layer_streamed_leaves_the_trainer_nothing(references):
+    record, names = dgls_run("nonreentrant", gpu_layers=[])
+    assert len(names) == sum(1 for p in params_of(full_layers()))
+    assert_same(record, references("nonreentrant", names))
+
+
+def test_a_gradient_read_before_its_copy_landed_fails(references, monkeypatch):
+    monkeypatch.setattr(DeferredGradCopier, "land", lambda self, batch: None)  # the mutation
+    record, names = dgls_run("nonreentrant")
+    assert differs(record, references("nonreentrant", names))
+
+
+def test_a_fetch_that_does_not_wait_for_its_update_fails(references, monkeypatch):
+    monkeypatch.setattr(HostTraining, "wait_update", lambda self, idx: None)  # the mutation
+    record, names = dgls_run("nonreentrant")
+    assert differs(record, references("nonreentrant", names))
+
+
+def test_save_and_resume_equal_an_uninterrupted_run():
+    """Two steps, save (model state dict with the true weights, host and trainer optimizer states); a new
+    model and swapper load them and run the third step: the same losses and weights as three in a row."""
+    whole, _ = dgls_run("nonreentrant")
+    saved = {}
+
+    def save(step, trainer):
+        saved["model"] = [{k: v.clone() for k, v in layer.state_dict().items()} for layer in first]
+        saved["host"] = swapper.training.state_dict()
+        saved["trainer"] = trainer.state_dict()
+
+    first = full_layers()
+    with LayerSwapper(first, config(), device=CPU, log=None) as swapper:
+        part1 = train_dgls(first, swapper, CPU, "nonreentrant", steps=2, on_step=save)
+    second = full_layers()
+    with LayerSwapper(second, config(), device=CPU, log=None) as swapper:
+        for layer, state in zip(second, saved["model"]):
+            layer.load_state_dict(state)
+        swapper.training.load_state_dict(saved["host"])
+        part2 = train_dgls(second, swapper, CPU, "nonreentrant", steps=1, start_step=2, trainer_state=saved["trainer"])
+    assert torch.equal(torch.stack(part1.losses + part2.losses), torch.stack(whole.losses))
+    assert part2.weights.keys() == whole.weights.keys()
+    for k, v in whole.weights.items():
+        assert torch.equal(part2.weights[k], v), k
+
+
+def test_refusals_are_one_clear_line():
+    with pytest.raises(DGLSUserError, match="VRAM-budget planner re-places"):
+        LayerSwapper(full_layers(), config(vram_budget_gb=4), device=CPU, log=None)
+    with pytest.raises(DGLSUserError, match="cannot run on the host"):
+        type(SPEC)(type="prodigy")
+    layers = full_layers()
+    with LayerSwapper(layers, config(), device=CPU, log=None) as swapper:
+        with pytest.raises(DGLSUserError, match="places layers once"):
+            swapper.apply_placement([1, 2], 1)
+
+
+def test_start_up_says_how_much_host_ram_training_takes():
+    lines = []
+    with LayerSwapper(full_layers(), config(), device=CPU, log=lines.append):
+        pass
+    (line,) = [x for x in lines if x.startswith("DGLS host training:")]
+    assert "masters" in line and "gradients" in line and "optimizer" in line
+
+
+def test_remove_puts_the_trained_weights_back():
+    layers = full_layers()
+    with LayerSwapper(layers, config(), device=CPU, log=None) as swapper:
+        record = train_dgls(layers, swapper, CPU, "none", steps=1)
+    for i, layer in enumerate(layers):
+        for k, v in layer.state_dict().items():
+            assert torch.equal(v, record.weights[f"{i}.{k}"]), (i, k)

@@ -1,0 +1,84 @@
+"""Full fine-tuning on CUDA: bitwise equal to unstreamed training with the host optimizer, with delays.
+
+Flux-width blocks (hidden 3072; a double block is about 340M params), every param trainable, bf16 in
+the slots and fp32 masters on the host. ``torch.cuda._sleep`` before every host-to-device copy (20 ms),
+before every gradient copy home (10 ms) and on the compute stream at every layer use (5 ms): a missing
+wait, a landing read early or a fetch ahead of its update gives other numbers. The reference
+(tests/full_ft.py) trains the same layers all resident with the same host arithmetic. Also: 50 steps
+at a small width leave allocated device memory and the process's RSS where they were after step 10.
+"""
+
+import copy
+
+import psutil
+import pytest
+import torch
+from full_ft import SPEC, assert_same, full_layers, train_dgls, train_reference
+from test_ordering_gpu import MS, ComputeDelay, delay_copies, deterministic, device  # noqa: F401 (fixture)
+
+from utils.dgls import LayerSwapper, SwapConfig
+from utils.dgls.demo.model import DemoModelConfig
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+WIDE = DemoModelConfig(hidden=3072, heads=24, double_blocks=1, single_blocks=1, text_dim=64, latent_channels=16)
+SMALL_GPU = DemoModelConfig(hidden=512, heads=8, double_blocks=2, single_blocks=2, text_dim=64, latent_channels=16)
+MODES = ["none", "nonreentrant", "reentrant"]
+
+
+@pytest.fixture(scope="module")
+def template():
+    return full_layers(BF16, WIDE)
+
+
+def config(**kw):
+    return SwapConfig(host_optimizer=SPEC, accumulation_steps=2, gpu_layers=[0], **kw)
+
+
+def swapped(template, mode, monkeypatch, **kw):
+    delay_copies(monkeypatch, 20.0)
+    layers = copy.deepcopy(template)
+    with LayerSwapper(layers, config(**kw), device=device(), log=None) as swapper:
+        swapper.add_listener(ComputeDelay(5.0))
+        swapper.training.copier.delay_cycles = int(10 * MS)
+        names = {
+            f"{i}.{n}"
+            for i, layer in enumerate(layers)
+            for n, p in layer.named_parameters()
+            if swapper.training.owns(p)
+        }
+        record = train_dgls(layers, swapper, device(), mode, dtype=BF16, steps=2, cfg=WIDE)
+        stats = swapper.total_stats(sync=True)
+    assert stats.fetches > 0 and stats.wait_ms > 0, "the delays should make compute wait"
+    return record, names
+
+
+def reference(template, names, mode):
+    layers = copy.deepcopy(template)
+    for layer in layers:
+        layer.to(device())
+    return train_reference(layers, names, device(), mode, dtype=BF16, steps=2, cfg=WIDE)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kw", [{"prefetch": 1}, {"prefetch": 2, "threading": True}], ids=["pf1", "pf2-thread"])
+def test_delayed_copies_both_ways_stay_bitwise_equal(template, monkeypatch, mode, kw):
+    got, names = swapped(template, mode, monkeypatch, **kw)
+    assert len(names) > 0
+    assert_same(got, reference(template, names, mode))
+
+
+def test_fifty_steps_do_not_grow_device_memory_or_host_ram():
+    layers = full_layers(BF16, SMALL_GPU)
+    process = psutil.Process()
+    seen = {}
+
+    def measure(step, trainer):
+        if step in (10, 50):
+            torch.cuda.synchronize()
+            seen[step] = (torch.cuda.memory_allocated(), process.memory_info().rss)
+
+    with LayerSwapper(layers, config(prefetch=2), device=device(), log=None) as swapper:
+        train_dgls(layers, swapper, device(), "nonreentrant", dtype=BF16, steps=50, cfg=SMALL_GPU, on_step=measure)
+    assert seen[50][0] == seen[10][0], seen
+    assert seen[50][1] - seen[10][1] < 64 * 2**20, seen

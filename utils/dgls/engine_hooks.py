@@ -1,0 +1,147 @@
+"""Where DGLS joins a DeepSpeed engine when it trains streamed layers on the host.
+
+Host-trained params (:mod:`.host_training`) hold no ``.grad`` at the optimizer step (their gradients
+are summed in host memory) and their optimizer state lives on the host. For the duration of a run,
+:class:`EngineHooks` wraps three methods of ``DeepSpeedEngine``, for engines whose module has host
+training (``find(module)``; other engines pass straight through):
+
+- ``_take_model_step`` (once per ``train_batch``: clip, the trainer's optimizer step, zero grads, the
+  LR scheduler):
+
+  1. one gradient norm over the engine's params and the host-trained ones (summed over the pipeline
+     stages, as DeepSpeed's own clipping does), its coefficient applied to both;
+  2. DeepSpeed's step with its own clipping held off (the grads are clipped already), so the trainer's
+     optimizer updates the resident params and the scheduler advances as usual;
+  3. the host updates, queued with the learning rate this step used (the trainer's first param group's,
+     read before the scheduler moves it).
+
+  ZeRO (DeepSpeed's own optimizer offload included) partitions and offloads the optimizer that DGLS
+  replaces for streamed layers: refused with a message at the first step.
+- ``save_checkpoint``: the model states hold the true weights already (state dicts read the host
+  masters); the host optimizer's state is saved beside them, ``dgls_host_optimizer_stage{N}.pt`` in the
+  checkpoint's tag folder.
+- ``load_checkpoint``: after DeepSpeed loads (masters included, through the state-dict hooks), the host
+  optimizer's state is loaded from that file; a checkpoint without it is refused (it was written without
+  host training, and resuming would restart the moments silently).
+
+The patches are on the class, installed in ``__enter__`` and removed in ``__exit__``
+(:class:`~.patches.Patches`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import DGLSUserError
+from .host_training import HostTraining
+from .patches import Patches
+
+
+class EngineHooks:
+    """A context manager: while it is open, DeepSpeed steps and checkpoints include ``find(module)``'s host training."""
+
+    def __init__(self, find: Callable[[nn.Module], HostTraining | None]) -> None:
+        self.find = find
+        self.patches = Patches()
+
+    def __enter__(self) -> EngineHooks:
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        self.patches.replace(DeepSpeedEngine, "_take_model_step", self._wrap_step)
+        self.patches.replace(DeepSpeedEngine, "save_checkpoint", self._wrap_save)
+        self.patches.replace(DeepSpeedEngine, "load_checkpoint", self._wrap_load)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.patches.restore()
+
+    def _wrap_step(self, original):
+        find = self.find
+
+        def take_model_step(engine, *args, **kwargs):
+            training = find(engine.module)
+            if training is None:
+                return original(engine, *args, **kwargs)
+            if engine.zero_optimization():
+                raise DGLSUserError(
+                    "DeepSpeed ZeRO partitions and offloads the optimizer, and DGLS already keeps the streamed layers' "
+                    "optimizer on the host (beside the GPU's work): turn zero_optimization off (stage 0)"
+                )
+            max_norm = engine.gradient_clipping()
+            if max_norm > 0:
+                training.clip_grad_norm_(engine.module.parameters(), max_norm, reduce=_stage_sum(engine))
+            groups = engine.optimizer.param_groups
+            lr = groups[0]["lr"] if groups else None
+            config = engine._config
+            config.gradient_clipping = 0.0  # clipped above, host params included
+            try:
+                result = original(engine, *args, **kwargs)
+            finally:
+                config.gradient_clipping = max_norm
+            training.step(lr=lr)
+            return result
+
+        return take_model_step
+
+    def _wrap_save(self, original):
+        find = self.find
+
+        def save_checkpoint(engine, save_dir, tag=None, *args, **kwargs):
+            training = find(engine.module)
+            tag = tag if tag is not None else f"global_step{engine.global_steps}"
+            result = original(engine, save_dir, tag, *args, **kwargs)
+            grid = getattr(engine, "grid", None)
+            if training is not None and (grid is None or grid.get_data_parallel_id() == 0):
+                torch.save(training.state_dict(), _state_file(save_dir, tag, engine))
+            return result
+
+        return save_checkpoint
+
+    def _wrap_load(self, original):
+        find = self.find
+
+        def load_checkpoint(engine, load_dir, tag=None, *args, **kwargs):
+            result = original(engine, load_dir, tag, *args, **kwargs)
+            training = find(engine.module)
+            if training is None:
+                return result
+            if tag is None:
+                latest = Path(load_dir) / "latest"
+                tag = latest.read_text().strip() if latest.is_file() else None
+            path = _state_file(load_dir, tag, engine) if tag is not None else None
+            if path is None or not path.is_file():
+                raise DGLSUserError(
+                    f"the checkpoint in {load_dir} has no DGLS host optimizer state ({path}): it was saved without "
+                    "full fine-tuning of streamed layers; resume it the way it was trained"
+                )
+            if kwargs.get("load_optimizer_states", True):
+                training.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            return result
+
+        return load_checkpoint
+
+
+def _state_file(folder, tag: str, engine) -> Path:
+    stage = engine.grid.get_pipe_parallel_rank() if getattr(engine, "grid", None) is not None else 0
+    return Path(folder) / str(tag) / f"dgls_host_optimizer_stage{stage}.pt"
+
+
+def _stage_sum(engine) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Sum a squared norm over the pipeline stages (each holds its own layers' grads)."""
+    if not getattr(engine, "is_pipe_parallel", False) or engine.num_stages == 1:
+        return None
+    import torch.distributed as dist
+
+    group = engine.grid.get_pipe_parallel_group()
+
+    def reduce(squared: torch.Tensor) -> torch.Tensor:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        value = squared.to(device)
+        dist.all_reduce(value, group=group)
+        return value.cpu()
+
+    return reduce

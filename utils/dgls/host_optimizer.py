@@ -1,0 +1,124 @@
+"""Host optimizer: which optimizer updates the host-trained params, and how it is built.
+
+Full fine-tuning with streamed layers keeps each streamed layer's trainable params as fp32 masters
+in host memory and updates them there (:mod:`.host_training`). This module only describes that
+optimizer (:class:`HostOptimizerSpec`) and builds one per layer (:meth:`HostOptimizerSpec.build`):
+
+- ``adamw``, by ``implementation``:
+
+  - ``"torch_fused"`` (the default): ``torch.optim.AdamW(fused=True)`` on the CPU. As fast as
+    DeepSpeed's kernel in the SDXL full fine-tune (2.64 s against 2.75 s per step, each in a process of
+    its own: benchmarks/results/full_sdxl.md), and it needs no compiler;
+  - ``"deepspeed"``: DeepSpeed's ``DeepSpeedCPUAdam`` (AVX kernels, built on first use);
+  - ``"torch"``: ``torch.optim.AdamW`` as it runs on CPU tensors by default (the single-tensor loop):
+    the same arithmetic as a trainer's own ``torch.optim.AdamW`` on CPU, so a CPU run can be compared
+    bitwise with one that never streams.
+- ``sgd``: ``torch.optim.SGD`` (momentum as given).
+
+Param groups follow diffusion-pipe's rule: 1-D params (biases, norm scales) get no weight decay.
+One optimizer per layer gives each param exactly the update one optimizer over all params gives it
+(AdamW and SGD keep per-param state and step counts), so a test can compare against a reference that
+builds the same optimizer over every param (:meth:`build` accepts any param list).
+
+Optimizers DGLS cannot run on the host (8-bit states, Prodigy, schedule-free ...) are refused by
+name in :meth:`HostOptimizerSpec.from_table`, never replaced by something else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .errors import DGLSUserError
+
+HOST_OPTIMIZERS = ("adamw", "sgd")
+IMPLEMENTATIONS = ("torch_fused", "deepspeed", "torch")
+NAMES = {
+    "deepspeed": "DeepSpeedCPUAdam",
+    "torch_fused": "torch.optim.AdamW(fused=True)",
+    "torch": "torch.optim.AdamW (single-tensor)",
+}
+
+
+@dataclass(frozen=True)
+class HostOptimizerSpec:
+    """The optimizer of the host-trained params (see the module doc)."""
+
+    type: str = "adamw"
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = 0.01
+    eps: float = 1e-8
+    momentum: float = 0.0  # sgd only
+    implementation: str = "torch_fused"
+
+    def __post_init__(self) -> None:
+        if self.type not in HOST_OPTIMIZERS:
+            raise DGLSUserError(
+                f"[optimizer] type = {self.type!r} cannot run on the host for streamed layers: use one of "
+                f"{', '.join(HOST_OPTIMIZERS)} (full fine-tuning keeps streamed layers' optimizer on the CPU)"
+            )
+        if self.implementation not in IMPLEMENTATIONS:
+            raise DGLSUserError(
+                f"host optimizer implementation must be one of {', '.join(IMPLEMENTATIONS)}, "
+                f"got {self.implementation!r}"
+            )
+        if self.implementation == "deepspeed" and self.type != "adamw":
+            raise DGLSUserError("the deepspeed host optimizer is AdamW: use type = 'adamw', or another implementation")
+        for name in ("lr", "eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise DGLSUserError(f"[optimizer] {name} must be a number > 0, got {value!r}")
+        if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
+            raise DGLSUserError(f"[optimizer] weight_decay must be a number >= 0, got {self.weight_decay!r}")
+        betas = self.betas
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+            raise DGLSUserError(f"[optimizer] betas must be two numbers in [0, 1), got {list(betas)!r}")
+
+    @classmethod
+    def from_table(cls, table: dict, implementation: str = "torch_fused") -> HostOptimizerSpec:
+        """diffusion-pipe's ``[optimizer]`` table (type, lr, betas, weight_decay, eps; momentum for sgd)."""
+        known = {"type", "lr", "betas", "weight_decay", "eps", "momentum"}
+        unknown = sorted(set(table) - known)
+        if unknown:
+            raise DGLSUserError(
+                f"[optimizer] {', '.join(unknown)} cannot be passed to the host optimizer of streamed layers "
+                f"(it takes {', '.join(sorted(known))}): drop them"
+            )
+        values = dict(table)
+        values["type"] = str(values.get("type", "adamw")).lower()
+        if "betas" in values:
+            values["betas"] = tuple(values["betas"])
+        return cls(**values, implementation=implementation)
+
+    @property
+    def kernel(self) -> str:
+        """The optimizer class that runs, in words (for the start-up line)."""
+        return "torch.optim.SGD" if self.type == "sgd" else NAMES[self.implementation]
+
+    def build(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+        """One optimizer over ``params`` (fp32 CPU tensors), 1-D params without weight decay."""
+        decay = [p for p in params if p.ndim > 1]
+        plain = [p for p in params if p.ndim <= 1]
+        groups = [g for g in ({"params": decay}, {"params": plain, "weight_decay": 0.0}) if g["params"]]
+        if self.type == "sgd":
+            return torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        if self.implementation == "deepspeed":
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(
+                groups, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay, adamw_mode=True
+            )
+        flags = {"fused": True} if self.implementation == "torch_fused" else {"foreach": False}
+        return torch.optim.AdamW(
+            groups, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay, **flags
+        )
+
+    @property
+    def state_bytes_per_param(self) -> int:
+        """Host bytes of optimizer state per param (fp32 moments)."""
+        if self.type == "sgd":
+            return 4 if self.momentum else 0
+        return 8

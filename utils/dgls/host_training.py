@@ -1,0 +1,410 @@
+"""Host training: full fine-tuning of streamed layers, with fp32 masters and the optimizer in host memory.
+
+Layout (per streamed layer with trainable params, a :class:`TrainedLayer`)
+    - the packed compute-dtype copy in the host store: what the copier streams into a slot, as for frozen
+      weights;
+    - an fp32 master per param (ordinary RAM; for fp32 compute the packed copy itself is the master);
+    - a pinned gradient landing per param in the compute dtype (where the device-to-host copy writes);
+    - an fp32 gradient accumulator per param (summed over the micro-batches of a step);
+    - the layer's optimizer state (:mod:`.host_optimizer`), in host memory; it never touches the device.
+
+Mechanics
+    1. Backward: a param's grad is produced on the device in its slot's dtype. A grad arriving is a use of
+       its layer (a grad can reach a param before anything else in the layer's backward reads a weight,
+       e.g. a bias fed by an output whose gradient arrived first). Its post-accumulate-grad
+       hook sends it to the landing (:mod:`.grad_copier`, its own stream) and sets ``param.grad = None``,
+       so no device memory is held and the trainer's optimizer skips the param. When every param of the
+       layer has sent (or the backward ends), the layer's batch is closed and an *accumulate* job is
+       queued: land the copies, add them into the fp32 accumulators (the first micro-batch of a step
+       copies instead, as autograd assigns a first grad). On the last micro-batch of a step
+       (``accumulation_steps``) the job also takes each param's norm, for clipping.
+    2. ``clip_grad_norm_(params, max_norm)``: one norm over host and device params (device norms on the
+       device, host norms from the accumulators), the coefficient applied to device grads now and to
+       host grads in the update.
+    3. ``step(lr)``: an *update* job per layer, in layer order (the next forward's order): scale by the
+       clip coefficient, step the layer's optimizer on its masters, write the new compute-dtype copy
+       into the packed buffer. The engine's fetch of a layer waits for that layer's update only
+       (``wait_update``), so the forward of layer k runs while the host updates layers after k.
+
+Jobs run in submission order: on a worker thread (CUDA, or ``threaded``), or deferred (CPU): a job runs
+only when something waits for it, so a missing wait changes the numbers in a CPU test (a fetch without
+``wait_update`` streams the old weights; an accumulation without ``land`` reads NaN).
+
+Hazards handled
+    - A landing is rewritten by the next micro-batch's copy only after its accumulation finished.
+    - Slot copies made before an update hold old weights: the engine evicts every host-trained layer at
+      the end of each backward (:meth:`~.swapper.LayerSwapper.pass_end`), so the next use fetches anew.
+      Evicted params point at empty placeholders, so a trainer that zero-fills missing grads
+      (DeepSpeed's gradient reduction) allocates nothing.
+    - A param with no grad in a step is skipped by its optimizer, as one without ``.grad`` is.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from functools import partial
+
+import psutil
+import torch
+from torch import nn
+
+from .errors import DGLSUserError, SwapWorkerError
+from .grad_copier import GradBatch, GradCopier
+from .host_optimizer import HostOptimizerSpec
+from .host_store import HostLayer
+from .layout import LayerLayout, aligned
+from .stats import human_bytes
+
+
+@dataclass(eq=False)
+class TrainedParam:
+    position: int  # in the layer's layout
+    param: nn.Parameter
+    master: torch.Tensor  # fp32, host
+    landing: torch.Tensor  # compute dtype, pinned on CUDA
+    acc: torch.Tensor  # fp32 gradient sum of this step
+    fresh: bool = True  # acc holds nothing yet this step
+    norm: torch.Tensor | None = None  # of acc, taken on the step's last micro-batch
+
+
+@dataclass(eq=False)
+class Job:
+    layer: int
+    kind: str  # "accumulate" or "update"
+    run: Callable[[], None]
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(eq=False)
+class TrainedLayer:
+    index: int
+    host: HostLayer
+    params: list[TrainedParam]
+    optimizer: torch.optim.Optimizer
+    batch: GradBatch | None = None  # open during the layer's backward
+    accumulating: Job | None = None  # the latest accumulate job (its landing is read until done)
+    update: Job | None = None  # the latest update job (a fetch waits for it)
+
+
+class HostTraining:
+    """Host masters, gradient returns and the host optimizer of the streamed layers (see the module doc)."""
+
+    def __init__(
+        self,
+        layers: dict[int, HostLayer],
+        spec: HostOptimizerSpec,
+        copier: GradCopier,
+        *,
+        pin: bool,
+        threaded: bool,
+        accumulation_steps: int = 1,
+    ) -> None:
+        self.spec, self.implementation = spec, spec.kernel
+        self.copier = copier
+        self.accumulation_steps = accumulation_steps
+        self.layers: dict[int, TrainedLayer] = {}
+        self._by_param: dict[int, TrainedParam] = {}
+        self._hooks: list = []
+        self._coef: torch.Tensor | None = None
+        self._backwards = 0  # backward passes since the last step
+        self.error: BaseException | None = None
+        self.waited_s = 0.0  # seconds the training thread spent blocked on host jobs (updates, accumulations)
+        self.job_s = {"accumulate": 0.0, "update": 0.0}  # seconds the host spent on each kind of job
+        self._pending: list[Job] = []  # deferred mode: submitted, not yet run
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        for idx, host in sorted(layers.items()):
+            trained = self._layer(idx, host, pin)
+            if trained is not None:
+                self.layers[idx] = trained
+        if threaded:
+            self._queue = queue.Queue()
+            self._thread = threading.Thread(target=self._worker, name="dgls-host-optimizer", daemon=True)
+            self._thread.start()
+
+    def _layer(self, idx: int, host: HostLayer, pin: bool) -> TrainedLayer | None:
+        chosen = [(k, p) for k, p in enumerate(host.layout.params) if p.param.requires_grad]
+        if not chosen:
+            return None
+        landing_bytes = sum(aligned(p.nbytes) for _, p in chosen)
+        landing = torch.empty(landing_bytes, dtype=torch.uint8, pin_memory=pin)
+        params, offset = [], 0
+        with torch.no_grad():
+            for k, p in chosen:
+                packed = host.master_view(k)
+                if p.dtype == torch.float32:
+                    master = packed  # the packed copy is the fp32 master itself
+                else:
+                    source = p.param.data if p.param.numel() else packed
+                    master = source.to("cpu", torch.float32, copy=True)
+                view = landing[offset : offset + p.nbytes].view(p.dtype).view(p.shape)
+                offset += aligned(p.nbytes)
+                trained = TrainedParam(k, p.param, master, view, torch.zeros(p.shape, dtype=torch.float32))
+                params.append(trained)
+                self._by_param[id(p.param)] = trained
+        optimizer = self.spec.build([tp.master for tp in params])
+        return TrainedLayer(idx, host, params, optimizer)
+
+    # ---------------------------------------------------------------- hooks
+    def install(self, grad_arriving: Callable[[int], None]) -> None:
+        """Hooks on every host-trained param: before its grad is accumulated, ``grad_arriving(layer)`` (the
+        engine makes the layer resident: autograd writes ``.grad`` with the param's shape, and a streamed
+        param's shape is empty while it is out); after, the grad is sent home."""
+        for layer in self.layers.values():
+            for tp in layer.params:
+                param = tp.param
+                self._hooks.append(param.register_hook(partial(_before_accumulate, grad_arriving, layer.index)))
+                self._hooks.append(param.register_post_accumulate_grad_hook(partial(self._grad_ready, layer, tp)))
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def owns(self, param: torch.Tensor) -> bool:
+        return id(param) in self._by_param
+
+    def master_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        tp = self._by_param.get(id(param))
+        return tp.master if tp is not None else None
+
+    def _grad_ready(self, layer: TrainedLayer, tp: TrainedParam, param: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: send the grad home and drop it from the device."""
+        grad = param.grad
+        param.grad = None
+        if grad is None:
+            return
+        batch = layer.batch
+        if batch is not None and tp.position in batch.params:  # a second grad in one pass: its own batch
+            self._close(layer)
+            batch = None
+        if batch is None:
+            if layer.accumulating is not None:
+                self._wait(layer.accumulating)  # the landing is still being read
+            batch = layer.batch = GradBatch(layer.index)
+        self.copier.send(batch, tp.landing, grad)
+        batch.params.add(tp.position)
+        if len(batch.params) == len(layer.params):
+            self._close(layer)
+
+    def _close(self, layer: TrainedLayer) -> None:
+        batch, layer.batch = layer.batch, None
+        self.copier.close(batch)
+        last = self._backwards + 1 >= self.accumulation_steps
+        job = Job(layer.index, "accumulate", partial(self._accumulate, layer, batch, last))
+        layer.accumulating = job
+        self._submit(job)
+
+    def backward_done(self) -> None:
+        """The backward pass ended: close the batches of layers that did not get every grad."""
+        for layer in self.layers.values():
+            if layer.batch is not None:
+                self._close(layer)
+        self._backwards += 1
+
+    # ---------------------------------------------------------------- jobs
+    def _accumulate(self, layer: TrainedLayer, batch: GradBatch, last: bool) -> None:
+        self.copier.land(batch)
+        with torch.no_grad():
+            for tp in layer.params:
+                if tp.position not in batch.params:
+                    continue
+                if tp.fresh:
+                    tp.acc.copy_(tp.landing)
+                    tp.fresh = False
+                else:
+                    tp.acc.add_(tp.landing)
+                tp.norm = torch.linalg.vector_norm(tp.acc, 2) if last else None
+
+    def _update(self, layer: TrainedLayer, coef: torch.Tensor | None, lr: float | None) -> None:
+        with torch.no_grad():
+            for tp in layer.params:
+                if tp.fresh:
+                    tp.master.grad = None
+                    continue
+                if coef is not None:
+                    tp.acc.mul_(coef)
+                tp.master.grad = tp.acc
+            if lr is not None:
+                for group in layer.optimizer.param_groups:
+                    group["lr"] = lr
+            layer.optimizer.step()
+            for tp in layer.params:
+                if tp.master.grad is not None:
+                    tp.master.grad = None
+                    packed = layer.host.master_view(tp.position)
+                    if packed.data_ptr() != tp.master.data_ptr():
+                        packed.copy_(tp.master)
+                tp.fresh, tp.norm = True, None
+
+    def _submit(self, job: Job) -> None:
+        self.check()
+        if self._queue is not None:
+            self._queue.put(job)
+        else:
+            self._pending.append(job)
+
+    def _wait(self, job: Job) -> None:
+        if job.done.is_set():
+            return
+        began = time.perf_counter()
+        try:
+            self._run_or_wait(job)
+        finally:
+            self.waited_s += time.perf_counter() - began
+
+    def _run_or_wait(self, job: Job) -> None:
+        if self._queue is None:
+            while not job.done.is_set():
+                first = self._pending.pop(0)
+                self._run(first)
+                first.done.set()
+            return
+        while not job.done.wait(timeout=1.0):
+            self.check()
+            if not self._thread.is_alive():
+                raise SwapWorkerError("the DGLS host-optimizer thread stopped with work pending")
+        self.check()
+
+    def _worker(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._run(job)
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                self.error = exc
+                job.done.set()
+                return
+            job.done.set()
+
+    def _run(self, job: Job) -> None:
+        began = time.perf_counter()
+        job.run()
+        self.job_s[job.kind] += time.perf_counter() - began
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise SwapWorkerError(f"DGLS host optimizer failed: {self.error!r}") from self.error
+
+    def finish(self) -> None:
+        """Run every job submitted so far (state dicts, removal)."""
+        jobs = [j for layer in self.layers.values() for j in (layer.accumulating, layer.update) if j is not None]
+        for job in jobs:
+            self._wait(job)
+        self.copier.finish()
+
+    # ---------------------------------------------------------------- what the trainer calls
+    def wait_update(self, idx: int) -> None:
+        """Before layer ``idx``'s packed copy is streamed: its latest update must be written."""
+        layer = self.layers.get(idx)
+        if layer is not None and layer.update is not None:
+            self._wait(layer.update)
+            layer.update = None
+
+    def clip_grad_norm_(
+        self,
+        params: Iterable[torch.Tensor],
+        max_norm: float,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """One gradient norm over ``params`` (host-trained ones from their accumulators, the others from
+        ``.grad``), in their order; device grads are scaled now, host ones in :meth:`step`. ``reduce`` sums
+        the squared norm over other processes that hold other layers (pipeline stages). Returns the total
+        norm (a CPU float32 tensor)."""
+        for layer in self.layers.values():
+            if layer.accumulating is not None:
+                self._wait(layer.accumulating)
+        norms = []
+        device_grads = []
+        for p in params:
+            tp = self._by_param.get(id(p))
+            if tp is not None:
+                if not tp.fresh:
+                    norms.append(tp.norm if tp.norm is not None else torch.linalg.vector_norm(tp.acc, 2))
+            elif p.grad is not None:
+                norms.append(torch.linalg.vector_norm(p.grad.detach().float(), 2).cpu())
+                device_grads.append(p.grad)
+        squared = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float32)
+        if reduce is not None:
+            squared = reduce(squared)
+        total = squared.sqrt()
+        coef = torch.clamp(torch.tensor(float(max_norm), dtype=torch.float32) / (total + 1e-6), max=1.0)
+        for grad in device_grads:
+            grad.detach().mul_(coef.to(grad.device))
+        self._coef = coef
+        return total
+
+    def step(self, lr: float | None = None) -> None:
+        """Queue every layer's update (layer order); ``lr`` overrides the spec's (a schedule's current lr)."""
+        coef, self._coef = self._coef, None
+        for layer in self.layers.values():
+            for tp in layer.params:
+                tp.param.grad = None  # a trainer may have zero-filled it (DeepSpeed's gradient reduction)
+            job = Job(layer.index, "update", partial(self._update, layer, coef, lr))
+            layer.update = job
+            self._submit(job)
+        self._backwards = 0
+
+    def state_dict(self) -> dict:
+        """The optimizer state of every host-trained layer (the masters are in the model's state dict)."""
+        self.finish()
+        return {idx: layer.optimizer.state_dict() for idx, layer in self.layers.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.finish()
+        missing = sorted(set(self.layers) - {int(k) for k in state})
+        if missing:
+            raise KeyError(f"host optimizer state has no entry for layers {missing}")
+        for idx, layer in self.layers.items():
+            layer.optimizer.load_state_dict(state[idx] if idx in state else state[str(idx)])
+
+    def close(self) -> None:
+        if self._thread is not None:
+            try:
+                self.finish()
+            finally:
+                self._queue.put(None)
+                self._thread.join(timeout=60)
+                self._thread, self._queue = None, None
+        self.remove_hooks()
+
+
+def _before_accumulate(grad_arriving: Callable[[int], None], idx: int, grad: torch.Tensor) -> None:
+    grad_arriving(idx)
+
+
+def host_training_bytes(layouts: list[LayerLayout], streamed: Iterable[int], spec: HostOptimizerSpec) -> dict[str, int]:
+    """Host bytes full fine-tuning of the streamed layers needs beyond their packed copies (the start-up
+    report and the RAM check use this; :meth:`HostTraining.host_bytes` counts what was allocated)."""
+    masters = gradients = optimizer = 0
+    for idx in streamed:
+        for p in layouts[idx].params:
+            if not p.param.requires_grad:
+                continue
+            n = p.param.numel()
+            masters += 0 if p.dtype == torch.float32 else 4 * n
+            gradients += 4 * n + aligned(p.nbytes)
+            optimizer += spec.state_bytes_per_param * n
+    return {"masters": masters, "gradients": gradients, "optimizer": optimizer}
+
+
+def check_host_training(layouts: list[LayerLayout], streamed: Iterable[int], spec: HostOptimizerSpec) -> str:
+    """Refuse, with the numbers, when the host cannot hold the masters, gradients and optimizer state;
+    otherwise the start-up line that says how much they take."""
+    parts = host_training_bytes(layouts, streamed, spec)
+    need = sum(parts.values())
+    available = psutil.virtual_memory().available
+    described = ", ".join(f"{name} {human_bytes(n)}" for name, n in parts.items())
+    if need > available:
+        raise DGLSUserError(
+            f"full fine-tuning of the streamed layers needs {human_bytes(need)} of host RAM ({described}) beyond "
+            f"their packed weights, and {human_bytes(available)} is free: stream fewer layers (blocks_to_swap), "
+            "or free RAM"
+        )
+    return f"DGLS host training: {human_bytes(need)} of host RAM ({described})"
