@@ -51,7 +51,7 @@ from units import GiB  # noqa: E402
 from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
 from utils.dgls.host_optimizer import HostOptimizerSpec  # noqa: E402
 
-LR, BETAS, WD, EPS, CLIP = 1e-5, (0.9, 0.99), 0.01, 1e-8, 1.0
+LR, BETAS, WD, EPS = 1e-5, (0.9, 0.99), 0.01, 1e-8
 METHODS = ("resident", "dgls-deepspeed", "dgls-torch_fused", "zero2-offload")
 NOTES = [
     "Every weight trains (no LoRA). 'host optimizer wait': the share of DGLS's step the training thread spent "
@@ -87,7 +87,7 @@ def forward_backward(bench) -> None:
     F.mse_loss(h.float(), bench.target.float()).backward()
 
 
-def resident_step(bench) -> Callable[[], None]:
+def resident_step(bench, clip: float) -> Callable[[], None]:
     params = [p for layer in bench.layers for p in layer.parameters()]
     masters = [p.detach().float() for p in params]
     fused = {"fused": True} if params[0].is_cuda else {"foreach": False}
@@ -98,7 +98,8 @@ def resident_step(bench) -> Callable[[], None]:
         for p, m in zip(params, masters):
             m.grad = p.grad.float()
             p.grad = None
-        torch.nn.utils.clip_grad_norm_(masters, CLIP)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(masters, clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
@@ -108,7 +109,7 @@ def resident_step(bench) -> Callable[[], None]:
     return step
 
 
-def zero2_step(bench, device) -> tuple[Callable[[], None], object]:
+def zero2_step(bench, device, clip: float) -> tuple[Callable[[], None], object]:
     import deepspeed
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -124,7 +125,7 @@ def zero2_step(bench, device) -> tuple[Callable[[], None], object]:
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": CLIP,
+        "gradient_clipping": clip,
         "bf16": {"enabled": device.type == "cuda"},
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD}},
@@ -145,11 +146,11 @@ def zero2_step(bench, device) -> tuple[Callable[[], None], object]:
     return step, engine
 
 
-def dgls_step(bench, device, implementation: str, stream_mib: float, prefetch: int):
+def dgls_step(bench, device, implementation: str, stream_mib: float, prefetch: int, clip: float):
     spec = HostOptimizerSpec(lr=LR, betas=BETAS, weight_decay=WD, eps=EPS, implementation=implementation)
     sizes = bench.sizes  # measured before anything was trainable: streamable = every param of the layer
     resident = [s.index for s in sizes if s.streamable_bytes < stream_mib * 2**20]
-    config = SwapConfig(gpu_layers=resident, prefetch=prefetch, host_optimizer=spec)
+    config = SwapConfig(gpu_layers=resident, prefetch=prefetch, host_optimizer=spec, clip_grads=bool(clip))
     swapper = LayerSwapper(bench.layers, config, device=device, log=None)
     training = swapper.training
     params = [p for layer in bench.layers for p in layer.parameters()]
@@ -163,7 +164,8 @@ def dgls_step(bench, device, implementation: str, stream_mib: float, prefetch: i
 
     def step() -> None:
         forward_backward(bench)
-        training.clip_grad_norm_(params, CLIP)
+        if clip:
+            training.clip_grad_norm_(params, clip)
         if trainer is not None:
             trainer.step()
             trainer.zero_grad(set_to_none=True)
@@ -182,13 +184,15 @@ def measure(name: str, args, device, dtype) -> dict:
     training = None
     try:
         if name == "resident":
-            step = resident_step(bench)
+            step = resident_step(bench, args.clip)
         elif name == "zero2-offload":
-            step, engine = zero2_step(bench, device)
+            step, engine = zero2_step(bench, device, args.clip)
             cleanup = engine.destroy
         else:
             impl = name.split("-", 1)[1]
-            step, swapper, row["streamed_gib"] = dgls_step(bench, device, impl, args.stream_mib, args.prefetch)
+            step, swapper, row["streamed_gib"] = dgls_step(
+                bench, device, impl, args.stream_mib, args.prefetch, args.clip
+            )
             training = swapper.training
             cleanup = swapper.remove
         reset_peaks(device)
@@ -223,6 +227,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--stream_mib", type=float, default=64.0, help="stream layers of at least this many MiB")
     parser.add_argument("--prefetch", type=int, default=2)
+    parser.add_argument(
+        "--clip", type=float, default=1.0, help="gradient clipping norm; 0: none (DGLS then updates during backward)"
+    )
+    parser.add_argument("--name", default="full_sdxl", help="results file stem")
     parser.add_argument("--results_dir", type=Path, default=None)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one method, write its row to --row
     parser.add_argument("--row", type=Path, help=argparse.SUPPRESS)
@@ -241,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.methods.split(","):  # the result is rewritten after each method, so a cut-off run keeps some
         rows.append(_in_subprocess(name, own))
         result = _result(args, argv, environment, rows, started)
-        write_result(result, "full_sdxl", args.results_dir or results_dir(args.tiny), echo=True)
+        write_result(result, args.name, args.results_dir or results_dir(args.tiny), echo=True)
     return result
 
 
@@ -265,7 +273,8 @@ def _result(args, argv, environment: dict, rows: list[dict], started: float) -> 
         "benchmark": "full",
         "title": "SDXL-UNet full fine-tune step" + (" (tiny)" if args.tiny else ""),
         "description": "1024x1024 (128x128x4 latents), batch 1, AdamW, every weight trained, checkpointing as "
-        "diffusion-pipe; median of the timed steps",
+        f"diffusion-pipe, {f'gradients clipped to norm {args.clip:g}' if args.clip else 'no gradient clipping'}; "
+        "median of the timed steps",
         "tiny": args.tiny,
         "environment": environment,
         "rows": rows,

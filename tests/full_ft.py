@@ -75,6 +75,7 @@ def train_dgls(
     trainer_state=None,
     on_step=None,
     cfg=SMALL,
+    max_norm=MAX_NORM,
 ):
     """Train with a swapper built with ``host_optimizer=SPEC``: resident params by the trainer's optimizer.
     ``start_step``/``trainer_state``: continue a run saved after that many steps; ``on_step(step, trainer)``
@@ -93,7 +94,8 @@ def train_dgls(
         for _ in range(accumulate):
             inputs, target = next(batches)
             losses.append(_forward_backward(layers, inputs, target, mode))
-        training.clip_grad_norm_(params, MAX_NORM)
+        if max_norm is not None:
+            training.clip_grad_norm_(params, max_norm)
         if trainer is not None:
             trainer.step()
             trainer.zero_grad()
@@ -106,7 +108,9 @@ def train_dgls(
     return FullRecord(losses, _weights(layers), evals)
 
 
-def train_reference(layers, host_names: set[str], device, mode, steps=3, accumulate=2, dtype=torch.float32, cfg=SMALL):
+def train_reference(
+    layers, host_names: set[str], device, mode, steps=3, accumulate=2, dtype=torch.float32, cfg=SMALL, max_norm=MAX_NORM
+):
     """The same training without streaming (see the module doc). ``host_names``: ``"i.name"`` of the params
     DGLS trains on the host."""
     named = [(f"{i}.{n}", p) for i, layer in enumerate(layers) for n, p in layer.named_parameters()]
@@ -135,11 +139,13 @@ def train_reference(layers, host_names: set[str], device, mode, steps=3, accumul
                     norms.append(torch.linalg.vector_norm(acc[id(p)], 2))
             elif p.grad is not None:
                 norms.append(torch.linalg.vector_norm(p.grad.detach().float(), 2).cpu())
-        total = torch.stack(norms).square().sum().sqrt()
-        coef = torch.clamp(torch.tensor(float(MAX_NORM), dtype=torch.float32) / (total + 1e-6), max=1.0)
-        for p in device_params:
-            if p.grad is not None:
-                p.grad.detach().mul_(coef.to(p.grad.device))
+        coef = None
+        if max_norm is not None:
+            total = torch.stack(norms).square().sum().sqrt()
+            coef = torch.clamp(torch.tensor(float(max_norm), dtype=torch.float32) / (total + 1e-6), max=1.0)
+            for p in device_params:
+                if p.grad is not None:
+                    p.grad.detach().mul_(coef.to(p.grad.device))
         if trainer is not None:
             trainer.step()
             trainer.zero_grad()
@@ -147,7 +153,7 @@ def train_reference(layers, host_names: set[str], device, mode, steps=3, accumul
             with torch.no_grad():
                 for _, p in host:
                     g = acc[id(p)]
-                    masters[id(p)].grad = g.mul_(coef) if g is not None else None
+                    masters[id(p)].grad = (g.mul_(coef) if coef is not None else g) if g is not None else None
                 host_opt.step()
                 for _, p in host:
                     masters[id(p)].grad = None

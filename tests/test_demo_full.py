@@ -43,6 +43,11 @@ def test_full_fine_tune_with_streaming_trains_what_resident_training_trains(tmp_
     assert max((streamed[k] - resident[k]).abs().max().item() for k in streamed) <= 1e-5 * scale
     losses = [line.split("loss ")[1].split(",")[0] for line in out.splitlines() if line.startswith("step ")]
     assert len(losses) == 4
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    for cls, name in ((PipelineEngine, "train_batch"), (DeepSpeedEngine, "_take_model_step")):
+        assert not hasattr(cls.__dict__[name], "__wrapped__"), f"{cls.__name__}.{name} left patched"
 
 
 class ZeroEngine:

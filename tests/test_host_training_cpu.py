@@ -83,6 +83,29 @@ def test_bf16_compute_with_fp32_masters_equals_unstreamed_training(mode):
     assert_same(record, train_reference(full_layers(torch.bfloat16), names, CPU, mode, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("threading", [False, True])
+def test_without_clipping_updates_start_during_backward_and_equal_unstreamed_training(threading):
+    """clip_grads = False: each layer's update is queued once its last micro-batch's grads are summed, before
+    the backward ends; the numbers stay those of training without streaming (and without clipping)."""
+    layers = full_layers()
+    queued_in_backward = []
+    with LayerSwapper(layers, config(clip_grads=False, threading=threading), device=CPU, log=None) as swapper:
+        training = swapper.training
+        original = training.backward_done
+
+        def backward_done():
+            queued_in_backward.append(sum(layer.updated_early for layer in training.layers.values()))
+            original()
+
+        training.backward_done = backward_done
+        names = host_names(swapper, layers)
+        record = train_dgls(layers, swapper, CPU, "nonreentrant", max_norm=None)
+        with pytest.raises(DGLSUserError, match="clip_grads"):
+            training.clip_grad_norm_(params_of(layers), 1.0)
+    assert queued_in_backward[1::2] == [len(training.layers)] * 3  # the last micro-batch of each step
+    assert_same(record, train_reference(full_layers(), names, CPU, "nonreentrant", max_norm=None))
+
+
 def test_every_layer_streamed_leaves_the_trainer_nothing(references):
     record, names = dgls_run("nonreentrant", gpu_layers=[])
     assert len(names) == sum(1 for p in params_of(full_layers()))

@@ -59,6 +59,7 @@ class SwapConfig:
     # masters on the host (utils/dgls/host_training.py). None: trainable params stay on the device.
     host_optimizer: HostOptimizerSpec | None = None
     accumulation_steps: int = 1  # micro-batches per optimizer step (the host takes grad norms on the last)
+    clip_grads: bool = True  # False: no clipping, so host updates start during backward (see host_training.py)
 
     def __post_init__(self) -> None:
         self.validate()

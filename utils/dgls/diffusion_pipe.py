@@ -247,9 +247,9 @@ class PipelineInterception:
     def __exit__(self, *exc) -> None:
         """Always, also after an error or Ctrl-C: the layers back, the worker thread and pinned memory freed."""
         self.stage_hook.__exit__(*exc)
+        self.patches.restore()  # before the engine hooks: its train_batch wraps theirs
         if self.engine_hooks is not None:
             self.engine_hooks.__exit__(*exc)
-        self.patches.restore()
         if self.swapper is not None:
             self.swapper.remove()
 

@@ -2,9 +2,11 @@
 
 Host-trained params (:mod:`.host_training`) hold no ``.grad`` at the optimizer step (their gradients
 are summed in host memory) and their optimizer state lives on the host. For the duration of a run,
-:class:`EngineHooks` wraps three methods of ``DeepSpeedEngine``, for engines whose module has host
+:class:`EngineHooks` wraps four methods of DeepSpeed's engines, for engines whose module has host
 training (``find(module)``; other engines pass straight through):
 
+- ``PipelineEngine.train_batch``: the host training reads the trainer's current learning rate from
+  this engine (for updates that start during backward, when there is no clipping);
 - ``_take_model_step`` (once per ``train_batch``: clip, the trainer's optimizer step, zero grads, the
   LR scheduler):
 
@@ -50,7 +52,9 @@ class EngineHooks:
 
     def __enter__(self) -> EngineHooks:
         from deepspeed.runtime.engine import DeepSpeedEngine
+        from deepspeed.runtime.pipe.engine import PipelineEngine
 
+        self.patches.replace(PipelineEngine, "train_batch", self._wrap_train_batch)
         self.patches.replace(DeepSpeedEngine, "_take_model_step", self._wrap_step)
         self.patches.replace(DeepSpeedEngine, "save_checkpoint", self._wrap_save)
         self.patches.replace(DeepSpeedEngine, "load_checkpoint", self._wrap_load)
@@ -58,6 +62,17 @@ class EngineHooks:
 
     def __exit__(self, *exc) -> None:
         self.patches.restore()
+
+    def _wrap_train_batch(self, original):
+        find = self.find
+
+        def train_batch(engine, *args, **kwargs):
+            training = find(engine.module)
+            if training is not None:  # early host updates (no clipping) use the lr this step runs with
+                training.lr_source = lambda: engine.optimizer.param_groups[0]["lr"]
+            return original(engine, *args, **kwargs)
+
+        return train_batch
 
     def _wrap_step(self, original):
         find = self.find
@@ -72,6 +87,11 @@ class EngineHooks:
                     "optimizer on the host (beside the GPU's work): turn zero_optimization off (stage 0)"
                 )
             max_norm = engine.gradient_clipping()
+            if max_norm > 0 and not training.clipping:
+                raise DGLSUserError(
+                    f"DeepSpeed clips gradients (gradient_clipping = {max_norm}) but DGLS was set up without clipping "
+                    "(clip_grads = False): set clip_grads = True"
+                )
             if max_norm > 0:
                 training.clip_grad_norm_(engine.module.parameters(), max_norm, reduce=_stage_sum(engine))
             groups = engine.optimizer.param_groups

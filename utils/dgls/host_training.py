@@ -25,6 +25,10 @@ Mechanics
        clip coefficient, step the layer's optimizer on its masters, write the new compute-dtype copy
        into the packed buffer. The engine's fetch of a layer waits for that layer's update only
        (``wait_update``), so the forward of layer k runs while the host updates layers after k.
+       Without clipping (``clipping=False``: no norm to wait for) a layer's update is queued as soon as
+       its gradients of the step's last micro-batch are summed, so the host updates during backward;
+       its learning rate is read then (``lr_source``, the trainer's current one), and ``step`` only
+       queues the layers that had no gradient.
 
 Jobs run in submission order: on a worker thread (CUDA, or ``threaded``), or deferred (CPU): a job runs
 only when something waits for it, so a missing wait changes the numbers in a CPU test (a fetch without
@@ -88,6 +92,7 @@ class TrainedLayer:
     batch: GradBatch | None = None  # open during the layer's backward
     accumulating: Job | None = None  # the latest accumulate job (its landing is read until done)
     update: Job | None = None  # the latest update job (a fetch waits for it)
+    updated_early: bool = False  # this step's update was queued during backward (clipping off)
 
 
 class HostTraining:
@@ -102,10 +107,13 @@ class HostTraining:
         pin: bool,
         threaded: bool,
         accumulation_steps: int = 1,
+        clipping: bool = True,
     ) -> None:
         self.spec, self.implementation = spec, spec.kernel
         self.copier = copier
         self.accumulation_steps = accumulation_steps
+        self.clipping = clipping
+        self.lr_source: Callable[[], float | None] = lambda: None  # the lr of early updates (clipping off)
         self.layers: dict[int, TrainedLayer] = {}
         self._by_param: dict[int, TrainedParam] = {}
         self._hooks: list = []
@@ -198,6 +206,9 @@ class HostTraining:
         job = Job(layer.index, "accumulate", partial(self._accumulate, layer, batch, last))
         layer.accumulating = job
         self._submit(job)
+        if last and not self.clipping:  # nothing to wait for: update while the backward goes on
+            self._queue_update(layer, None, self.lr_source())
+            layer.updated_early = True
 
     def backward_done(self) -> None:
         """The backward pass ended: close the batches of layers that did not get every grad."""
@@ -218,7 +229,7 @@ class HostTraining:
                     tp.fresh = False
                 else:
                     tp.acc.add_(tp.landing)
-                tp.norm = torch.linalg.vector_norm(tp.acc, 2) if last else None
+                tp.norm = torch.linalg.vector_norm(tp.acc, 2) if last and self.clipping else None
 
     def _update(self, layer: TrainedLayer, coef: torch.Tensor | None, lr: float | None) -> None:
         with torch.no_grad():
@@ -317,6 +328,11 @@ class HostTraining:
         ``.grad``), in their order; device grads are scaled now, host ones in :meth:`step`. ``reduce`` sums
         the squared norm over other processes that hold other layers (pipeline stages). Returns the total
         norm (a CPU float32 tensor)."""
+        if not self.clipping:
+            raise DGLSUserError(
+                "gradient clipping was asked for, but DGLS was told there is none (clip_grads = False), so the host "
+                "updates of streamed layers ran during backward: set clip_grads = True"
+            )
         for layer in self.layers.values():
             if layer.accumulating is not None:
                 self._wait(layer.accumulating)
@@ -346,10 +362,16 @@ class HostTraining:
         for layer in self.layers.values():
             for tp in layer.params:
                 tp.param.grad = None  # a trainer may have zero-filled it (DeepSpeed's gradient reduction)
-            job = Job(layer.index, "update", partial(self._update, layer, coef, lr))
-            layer.update = job
-            self._submit(job)
+            if layer.updated_early:
+                layer.updated_early = False
+            else:
+                self._queue_update(layer, coef, lr)
         self._backwards = 0
+
+    def _queue_update(self, layer: TrainedLayer, coef: torch.Tensor | None, lr: float | None) -> None:
+        job = Job(layer.index, "update", partial(self._update, layer, coef, lr))
+        layer.update = job
+        self._submit(job)
 
     def state_dict(self) -> dict:
         """The optimizer state of every host-trained layer (the masters are in the model's state dict)."""

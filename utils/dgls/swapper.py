@@ -207,6 +207,7 @@ class LayerSwapper:
             pin=cuda,
             threaded=cuda or self.config.threading,
             accumulation_steps=self.config.accumulation_steps,
+            clipping=self.config.clip_grads,
         )
 
     def _start_driver(self) -> PlacementDriver | None:

@@ -205,7 +205,8 @@ def _drop_in_full_fine_tune(
         )
     steps = int(config.get("gradient_accumulation_steps", 1)) * resolved.values["lazy_lora_steps"]
     spec = dataclasses.replace(spec, implementation=resolved.values["host_adam"])
-    return swap.replace(host_optimizer=spec, accumulation_steps=steps)
+    clip = config.get("gradient_clipping", 1.0)  # train.py's default; 0 lets host updates start during backward
+    return swap.replace(host_optimizer=spec, accumulation_steps=steps, clip_grads=bool(clip))
 
 
 def _full_fine_tune(path: str, settings, swap: SwapConfig, dist: DistEnv, resolved: options.Resolved) -> SwapConfig:
