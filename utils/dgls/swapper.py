@@ -32,6 +32,10 @@ Hazards handled
       while resident), so placement, and re-placement by the planner, never changes the numbers.
     - :meth:`remove` puts every param and buffer back on its original device in its original dtype
       (fp8-stored values come back dequantized: the full-precision originals are not kept).
+    - Full fine-tuning (``host_optimizer``): trainable params of streamed layers stream too, and are
+      trained on the host (:mod:`.host_training`): a fetch waits for its layer's update, a gradient
+      arriving is a use of its layer, and every host-trained layer is evicted at the end of each
+      backward (its slot copy is older than its next update). Placement is then fixed.
 """
 
 from __future__ import annotations
@@ -131,7 +135,7 @@ class LayerSwapper:
         )
         self.training: HostTraining | None = None
         if self.config.host_optimizer is not None:
-            self._start_training(share_group)
+            self._start_training()
         for idx in self.placement.streamed:
             self._stream(idx)
         self._place_resident_parts()
@@ -189,7 +193,7 @@ class LayerSwapper:
         return self.masters.store
 
     # ---------------------------------------------------------------- set-up
-    def _start_training(self, share_group: str) -> None:
+    def _start_training(self) -> None:
         """Full fine-tuning: fp32 masters, gradient landings and the optimizer of streamed layers on the host."""
         if self.masters.peers.shared:
             raise DGLSUserError(
@@ -218,7 +222,7 @@ class LayerSwapper:
             raise DGLSUserError(
                 "full fine-tuning places layers once, at start-up (the optimizer state of a streamed layer lives "
                 "on the host), and the VRAM-budget planner re-places layers while training: give blocks_to_swap "
-                "or gpu_layers instead of vram_budget (--plan with the LoRA config shows a placement that fits)"
+                "or gpu_layers instead of vram_budget"
             )
         if config.explicit_placement:
             self._log(
