@@ -34,6 +34,7 @@ import torch
 import toml
 
 from .config import SwapConfig
+from .distributed import remove_deepspeed_shm
 from .dp_config import run_dirs
 from .engine_hooks import EngineHooks
 from .errors import DGLSUserError, RunInterrupted
@@ -320,6 +321,7 @@ def run_drop_in(run: DropInRun) -> None:
                 f"pip install -r {run.checkout / 'requirements.txt'}"
             ) from None
         finally:
+            remove_deepspeed_shm(os.environ)
             if values["plan"]:
                 _discard_plan_run_dir(output_dir, started)
 

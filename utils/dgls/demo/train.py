@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..distributed import remove_deepspeed_shm
 from ..engine_hooks import EngineHooks
 from ..errors import RunInterrupted
 from ..monitor import MemoryMonitor
@@ -90,6 +91,7 @@ def _init_distributed(run: DemoRun) -> None:
 def _close_distributed() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    remove_deepspeed_shm(os.environ)
 
 
 def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | None = None) -> DemoResult:
