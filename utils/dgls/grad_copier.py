@@ -35,8 +35,6 @@ class GradBatch:
     layer: int
     pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # CPU: (landing, grad)
     done: torch.cuda.Event | None = None
-    closed: bool = False
-    landed: bool = False
     params: set[int] = field(default_factory=set)  # positions of the params whose grads were sent
 
 
@@ -45,7 +43,7 @@ class GradCopier:
         raise NotImplementedError
 
     def close(self, batch: GradBatch) -> None:
-        batch.closed = True
+        """No more grads join ``batch`` (CUDA: mark where its copies end)."""
 
     def land(self, batch: GradBatch) -> None:
         raise NotImplementedError
@@ -71,7 +69,6 @@ class DeferredGradCopier(GradCopier):
         for landing, grad in batch.pending:
             landing.copy_(grad)
         batch.pending.clear()
-        batch.landed = True
 
 
 class CudaGradCopier(GradCopier):
@@ -81,7 +78,6 @@ class CudaGradCopier(GradCopier):
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         self.delay_cycles = delay_cycles
-        self._last: torch.cuda.Event | None = None
 
     def send(self, batch: GradBatch, landing: torch.Tensor, grad: torch.Tensor) -> None:
         compute = torch.cuda.current_stream(self.device)
@@ -95,13 +91,10 @@ class CudaGradCopier(GradCopier):
     def close(self, batch: GradBatch) -> None:
         batch.done = torch.cuda.Event()
         batch.done.record(self.stream)
-        self._last = batch.done
-        batch.closed = True
 
     def land(self, batch: GradBatch) -> None:
         if batch.done is not None:
             batch.done.synchronize()
-        batch.landed = True
 
     def finish(self) -> None:
         self.stream.synchronize()

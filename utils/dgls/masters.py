@@ -147,13 +147,16 @@ class Masters:
             handle.remove()
 
     def _trained_master(self, p) -> torch.Tensor | None:
-        if self.training is None:
-            return None
-        self.training.finish()  # the latest update is written
-        return self.training.master_of(p.param)
+        return self.training.master_of(p.param) if self.training is not None else None
+
+    def _finish_updates(self) -> None:
+        """Full fine-tuning: every queued host update written before the masters are read or loaded (once per hook)."""
+        if self.training is not None:
+            self.training.finish()
 
     def _state_dict_post(self, idx: int, module: nn.Module, state_dict, prefix, local_metadata) -> None:
         host = self.host(idx)
+        self._finish_updates()
         for k, p in enumerate(host.layout.params):
             master = self._trained_master(p)
             for name in p.names:
@@ -162,6 +165,7 @@ class Masters:
 
     def _load_pre(self, idx: int, module: nn.Module, state_dict, prefix, *args) -> None:
         self.evict_all()
+        self._finish_updates()
         if self.is_streamed(idx):
             host = self.host(idx)
             for k, p in enumerate(host.layout.params):
