@@ -34,7 +34,7 @@ import torch
 import toml
 
 from .config import SwapConfig
-from .distributed import remove_deepspeed_shm
+from .distributed import destroy_process_group, remove_deepspeed_shm
 from .dp_config import run_dirs
 from .engine_hooks import EngineHooks
 from .errors import DGLSUserError, RunInterrupted
@@ -309,10 +309,11 @@ def run_drop_in(run: DropInRun) -> None:
         try:
             if not values["dynamic_swapping"]:
                 runpy.run_path(str(run.checkout / "train.py"), run_name="__main__")
-                return
-            with PipelineInterception(values, swap=swap) as interception:
-                runpy.run_path(str(run.checkout / "train.py"), run_name="__main__")
-                interception.finish()
+            else:
+                with PipelineInterception(values, swap=swap) as interception:
+                    runpy.run_path(str(run.checkout / "train.py"), run_name="__main__")
+                    interception.finish()
+            destroy_process_group()
         except KeyboardInterrupt:
             raise RunInterrupted(_what_was_saved(output_dir, started)) from None
         except ModuleNotFoundError as exc:  # train.py's own dependencies (wandb, diffusers ...)

@@ -124,3 +124,18 @@ def remove_deepspeed_shm(env: Mapping[str, str], folder: Path = SHM_FOLDER) -> N
         return
     name = f"deepspeed_allreduce_buffer_{os.getuid()}_{env['MASTER_ADDR']}_{env['MASTER_PORT']}_{env['RANK']}"
     (folder / name).unlink(missing_ok=True)
+
+
+def destroy_process_group() -> None:
+    """End this process's process group, once training returned normally.
+
+    diffusion-pipe's train.py never calls ``destroy_process_group``. With gloo, a process that exits
+    with its group alive can abort in interpreter finalization ("terminate called without an active
+    exception", SIGABRT: gloo's worker threads still hold work whose tensors need the GIL; see
+    pytorch/pytorch#190489): one of two ranks did so in about one CI run in ten, after training and
+    saving had finished. Not called after an exception: destroying a group while a peer is still inside
+    a collective can hang (pytorch/torchtitan#1342)."""
+    import torch.distributed
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..distributed import remove_deepspeed_shm
+from ..distributed import destroy_process_group, remove_deepspeed_shm
 from ..engine_hooks import EngineHooks
 from ..errors import RunInterrupted
 from ..monitor import MemoryMonitor
@@ -88,12 +88,6 @@ def _init_distributed(run: DemoRun) -> None:
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
 
 
-def _close_distributed() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    remove_deepspeed_shm(os.environ)
-
-
 def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | None = None) -> DemoResult:
     """Build, place, train and save; returns the losses and figures for the summary.
     ``progress``: show a progress bar (default: when stderr is a terminal)."""
@@ -122,7 +116,7 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
             stage.layers, swap, device=device, log=lambda line: speak(stage.label + line), share_group=stage.share_group
         )
 
-    result = DemoResult()
+    result, finished, planned_only = DemoResult(), False, False
     try:
         torch.manual_seed(s.seed)
         layers = build_layers(s.model, seed=s.seed, dtype=s.dtype)
@@ -141,9 +135,10 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
         training = swapper.training if swapper is not None else None
         with EngineHooks(lambda module: training) if training is not None else contextlib.nullcontext():
             _train(run, engine, swapper, result, log, progress)
-        if swapper is not None and run.values["plan"]:
-            return result
-        result.lora = _gather_trained(layers, engine, s.full)
+        planned_only = swapper is not None and run.values["plan"]  # --plan: measured and planned, nothing to save
+        if not planned_only:
+            result.lora = _gather_trained(layers, engine, s.full)
+        finished = True
     except KeyboardInterrupt:
         done = len(result.losses)
         raise RunInterrupted(
@@ -153,8 +148,10 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
     finally:
         if placed.get("swapper") is not None:
             placed["swapper"].remove()
-        _close_distributed()
-    if rank != 0:
+        if finished:
+            destroy_process_group()
+        remove_deepspeed_shm(os.environ)
+    if rank != 0 or planned_only:
         return result
     from safetensors.torch import save_file
 
