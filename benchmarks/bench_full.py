@@ -7,9 +7,11 @@ Every weight trains. Methods, each on the same layer list (sdxl.py, checkpointin
   the device (about 42 GiB of masters and moments; fits an 80 GB card).
 - ``zero2-offload``: DeepSpeed ZeRO-2 with its optimizer offloaded to the CPU (bf16, DeepSpeedCPUAdam):
   what diffusion-pipe users reach for when a full fine-tune does not fit.
-- ``dgls-torch_fused`` / ``dgls-deepspeed``: DGLS streams every layer above ``--stream_mib`` (prefetch
-  ``--prefetch``); streamed layers train on the host (fp32 masters, gradients copied home, AdamW on
-  the CPU: torch's fused kernel, or DeepSpeedCPUAdam), small resident layers with AdamW on the GPU.
+- ``dgls-device`` / ``dgls-torch_fused`` / ``dgls-deepspeed``: DGLS streams every layer above
+  ``--stream_mib`` (prefetch ``--prefetch``); streamed layers keep fp32 masters and AdamW moments in host
+  memory and send their gradients home; their AdamW step runs on the GPU with the state streamed in and
+  back (``device``), or on the CPU (torch's fused kernel, or DeepSpeedCPUAdam). Small resident layers
+  train with AdamW on the GPU.
 
 Each method runs in a process of its own (so no method's memory counts in another's), one after
 another on the same machine. Per method: median step, ratio to ``resident``, peak VRAM, the process's
@@ -52,11 +54,12 @@ from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
 from utils.dgls.host_optimizer import HostOptimizerSpec  # noqa: E402
 
 LR, BETAS, WD, EPS = 1e-5, (0.9, 0.99), 0.01, 1e-8
-METHODS = ("resident", "dgls-deepspeed", "dgls-torch_fused", "zero2-offload")
+METHODS = ("resident", "dgls-device", "dgls-torch_fused", "dgls-deepspeed", "zero2-offload")
 NOTES = [
     "Every weight trains (no LoRA). 'host optimizer wait': the share of DGLS's step the training thread spent "
     "blocked on the host optimizer (a fetch waiting for its layer's update, or clipping waiting for the last "
-    "gradients); the rest of the host work ran beside the GPU. 'host RSS': the process's peak resident memory "
+    "gradients); the rest of the host work ran beside the GPU. With dgls-device the AdamW steps run on the GPU "
+    "and a fetch waits for its layer's update there, so the training thread does not block on them. 'host RSS': the process's peak resident memory "
     "since the method started (masters, gradient sums and AdamW moments live there for DGLS and ZeRO-offload).",
 ]
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests and the demo on CUDA, then
 # (optionally) benchmarks. Logs and results go to $OUT so they come back.
-#   usage on the device: bash benchmarks/device_session.sh [tests] [fulltests] [dptests[:PYTEST_K]] [launch] [demo] [bench:SCRIPT.py[:ARG...]] ...
+#   usage on the device: bash benchmarks/device_session.sh [tests] [fulltests[:PYTEST_K]] [dptests[:PYTEST_K]] [launch] [demo] [bench:SCRIPT.py[:ARG...]] ...
 #   e.g. bench:bench_models.py:--model=flux   bench:bench_models.py:--model=wan:--steps=10   bench:bench_fp8.py
 # A bench writes its results and the results index (README.md) to benchmarks/results/; what it wrote is copied to $OUT.
 # A diffusion-pipe checkout carried as .dp (git-ignored) becomes DGLS_DIFFUSION_PIPE unless that is set.
@@ -23,14 +23,19 @@ for step in "$@"; do
         tests/test_ordering_gpu.py tests/test_peers.py tests/test_host_training_gpu.py 2>&1 |
         tee "$OUT/gpu_tests.log" | tail -25
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
-    fulltests)
-      # full fine-tuning only: the GPU tests of host training, and the full-fine-tune demo on CUDA in bf16
-      python3 -m pytest -q -m gpu tests/test_host_training_gpu.py 2>&1 | tee "$OUT/full_tests.log" | tail -15
+    fulltests*)
+      # full fine-tuning only: the GPU tests of host training (optionally narrowed with a pytest -k expression),
+      # and the full-fine-tune demo on CUDA in bf16, with the AdamW steps on the CPU and on the GPU
+      k=${step#fulltests}; k=${k#:}
+      python3 -m pytest -q -m gpu tests/test_host_training_gpu.py ${k:+-k "$k"} 2>&1 | tee "$OUT/full_tests.log" |
+        tail -15
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       sed 's/^dtype = "float32"/dtype = "bfloat16"/' toml/demo_full.toml >"$OUT/demo_full_bf16.toml"
-      python3 dgls_train.py --config "$OUT/demo_full_bf16.toml" --verbose 2>&1 | grep -v "it/s\]" |
-        tee "$OUT/demo_full_cuda.log" | tail -6
-      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+      for adam in torch_fused device; do
+        python3 dgls_train.py --config "$OUT/demo_full_bf16.toml" --host_adam $adam --verbose 2>&1 |
+          grep -v "it/s\]" | tee "$OUT/demo_full_cuda_$adam.log" | tail -6
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      done ;;
     dptests*)
       # the real diffusion-pipe train.py (bf16 on the GPU), optionally narrowed with a pytest -k expression
       k=${step#dptests}; k=${k#:}

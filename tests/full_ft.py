@@ -109,15 +109,27 @@ def train_dgls(
 
 
 def train_reference(
-    layers, host_names: set[str], device, mode, steps=3, accumulate=2, dtype=torch.float32, cfg=SMALL, max_norm=MAX_NORM
+    layers,
+    host_names: set[str],
+    device,
+    mode,
+    steps=3,
+    accumulate=2,
+    dtype=torch.float32,
+    cfg=SMALL,
+    max_norm=MAX_NORM,
+    host_spec=SPEC,
+    master_device="cpu",
 ):
     """The same training without streaming (see the module doc). ``host_names``: ``"i.name"`` of the params
-    DGLS trains on the host."""
+    DGLS trains on the host, with ``host_spec``'s optimizer, masters, sums and their norms on ``master_device``
+    (device updates on CUDA: torch's fused AdamW on the GPU, whose kernel they run, and grad norms taken
+    there)."""
     named = [(f"{i}.{n}", p) for i, layer in enumerate(layers) for n, p in layer.named_parameters()]
     host = [(n, p) for n, p in named if n in host_names]
-    masters = {id(p): p.detach().to("cpu", torch.float32, copy=True) for _, p in host}
+    masters = {id(p): p.detach().to(master_device, torch.float32, copy=True) for _, p in host}
     acc: dict[int, torch.Tensor | None] = {id(p): None for _, p in host}
-    host_opt = SPEC.build([masters[id(p)] for _, p in host]) if host else None
+    host_opt = host_spec.build([masters[id(p)] for _, p in host]) if host else None
     device_params = [p for n, p in named if n not in host_names]
     trainer = SPEC.build(device_params) if device_params else None
     batches = _batches(device, dtype, cfg)
@@ -129,14 +141,14 @@ def train_reference(
             for _, p in host:
                 if p.grad is None:
                     continue
-                g = p.grad.detach().to("cpu", torch.float32)
+                g = p.grad.detach().to(master_device, torch.float32)
                 acc[id(p)] = g.clone() if acc[id(p)] is None else acc[id(p)].add_(g)
                 p.grad = None
         norms = []
         for _, p in named:
             if id(p) in acc:
                 if acc[id(p)] is not None:
-                    norms.append(torch.linalg.vector_norm(acc[id(p)], 2))
+                    norms.append(torch.linalg.vector_norm(acc[id(p)], 2).cpu())
             elif p.grad is not None:
                 norms.append(torch.linalg.vector_norm(p.grad.detach().float(), 2).cpu())
         coef = None
@@ -153,7 +165,9 @@ def train_reference(
             with torch.no_grad():
                 for _, p in host:
                     g = acc[id(p)]
-                    masters[id(p)].grad = (g.mul_(coef) if coef is not None else g) if g is not None else None
+                    masters[id(p)].grad = (
+                        (g.mul_(coef.to(g.device)) if coef is not None else g) if g is not None else None
+                    )
                 host_opt.step()
                 for _, p in host:
                     masters[id(p)].grad = None
@@ -164,7 +178,7 @@ def train_reference(
             evals.append(run_layers(layers, inputs, mode).cpu())
     weights = _weights(layers)
     for n, p in host:  # the true weights are the masters
-        weights[n] = masters[id(p)].clone()
+        weights[n] = masters[id(p)].cpu().clone()
     return FullRecord(losses, weights, evals)
 
 

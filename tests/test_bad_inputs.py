@@ -241,6 +241,11 @@ CASES = [
     ),
     Case("host-adam-with-lora", demo("--host_adam", "torch"), "picks the host AdamW of a full fine-tune"),
     Case(
+        "demo-full-device-sgd",
+        demo("--host_adam", "device", base="demo_full.toml", optimizer={"type": "sgd", "lr": 1e-3}),
+        "the device host optimizer is AdamW: use type = 'adamw', or --host_adam torch_fused",
+    ),
+    Case(
         "demo-full-data-parallel",
         demo(base="demo_full.toml"),
         "full fine-tuning of streamed layers runs one process per stage",

@@ -174,37 +174,40 @@ def _saved_model(output_dir, name: str) -> dict:
     return weights
 
 
-def test_dgls_full_fine_tune_matches_plain_train_py(checkout, tmp_path):
-    """No [adapter]: streamed blocks train on the host (fp32 masters, gradients summed there, torch's AdamW on
-    the CPU), the rest with train.py's own AdamW, one clipping norm over both. With ``--host_adam torch`` (the
+@pytest.mark.parametrize("host_adam", ["torch", "device"])
+def test_dgls_full_fine_tune_matches_plain_train_py(checkout, tmp_path, host_adam):
+    """No [adapter]: streamed blocks keep fp32 masters and AdamW moments on the host and send their gradients
+    home, the rest train with train.py's own AdamW, one clipping norm over both. With ``--host_adam torch`` (the
     kernel train.py's AdamW runs on CPU tensors) the saved model is bitwise the plain full fine-tune's on CPU;
-    on a GPU, within the rounding of its kernels against the CPU's."""
+    with ``device`` (torch's fused AdamW kernel on the training device, the state streamed) and on a GPU, within
+    the rounding of one kernel against another."""
     configs = _eval_runs(tmp_path, ("plain", "dgls"), dict(num_double=3, num_single=3), full=True)
     run_train(checkout, configs["plain"], tmp_path / "cache.log", "--cache_only")
     run_train(checkout, configs["plain"], tmp_path / "plain.log")
-    dgls = "--blocks_to_swap 5 --prefetch 1 --host_adam torch"
+    dgls = f"--blocks_to_swap 5 --prefetch 1 --host_adam {host_adam}"
     log = run_train(checkout, configs["dgls"], tmp_path / "dgls.log", dgls=dgls)
-    assert "TRAINING COMPLETE!" in log and "DGLS host training:" in log and "(single-tensor)" in log
+    kernel = "(single-tensor)" if host_adam == "torch" else "on the training device"
+    assert "TRAINING COMPLETE!" in log and "DGLS host training:" in log and kernel in log
     plain, got = (
         _saved_model(tmp_path / "out_plain", f"step{STEPS}"),
         _saved_model(tmp_path / "out_dgls", f"step{STEPS}"),
     )
-    _assert_same_model(plain, got)
+    _assert_same_model(plain, got, exact=host_adam == "torch")
     first = _saved_model(tmp_path / "out_dgls", "step2")
     assert any(not (first[k] == got[k]).all() for k in first if k.startswith("single_blocks.")), (
         "the streamed blocks' saved weights did not change between steps 2 and 3"
     )
 
 
-def _assert_same_model(expected: dict, got: dict) -> None:
+def _assert_same_model(expected: dict, got: dict, exact: bool = True) -> None:
     assert expected.keys() == got.keys() and len(expected) > 50
-    if DTYPE == "float32":
+    if DTYPE == "float32" and exact:
         for key, value in expected.items():
             assert (got[key] == value).all(), f"{key} differs with DGLS"
         return
     scale = max(v.abs().max().item() for v in expected.values())
     worst = max((expected[k].float() - got[k].float()).abs().max().item() for k in expected)
-    assert worst <= 1e-2 * scale, worst
+    assert worst <= (1e-2 if DTYPE != "float32" else 1e-5) * scale, worst
 
 
 def test_dgls_full_fine_tune_resume_matches_plain_resume(checkout, tmp_path):

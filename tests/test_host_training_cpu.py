@@ -7,9 +7,12 @@ The deferred copiers make the two orderings this depends on fail here when remov
 before its copy landed, and a fetch that does not wait for its layer's update.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from full_ft import (
+    MAX_NORM,
     SPEC,
     assert_same,
     differs,
@@ -19,7 +22,7 @@ from full_ft import (
     train_reference,
 )
 
-from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
+from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig, device_update
 from utils.dgls.grad_copier import DeferredGradCopier
 from utils.dgls.host_training import HostTraining
 
@@ -176,3 +179,89 @@ def test_remove_puts_the_trained_weights_back():
     for i, layer in enumerate(layers):
         for k, v in layer.state_dict().items():
             assert torch.equal(v, record.weights[f"{i}.{k}"]), (i, k)
+
+
+# ---------------------------------------------------------------- device updates (--host_adam device)
+# On the CPU the "device" is the CPU: the same streamed steps (state copied into scratch buffers, torch's
+# fused AdamW kernel, copied back) with the numbers of torch.optim.AdamW(fused=True) on the CPU.
+DEVICE_SPEC = dataclasses.replace(SPEC, implementation="device")
+FUSED_SPEC = dataclasses.replace(SPEC, implementation="torch_fused")
+
+
+def device_run(mode, accumulate, dtype=torch.float32, max_norm=MAX_NORM, **kw):
+    layers = full_layers(dtype)
+    cfg = SwapConfig(host_optimizer=DEVICE_SPEC, accumulation_steps=accumulate, **kw)
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        names = host_names(swapper, layers)
+        record = train_dgls(layers, swapper, CPU, mode, accumulate=accumulate, dtype=dtype, max_norm=max_norm)
+        direct = swapper.training.direct
+    reference = train_reference(
+        full_layers(dtype),
+        names,
+        CPU,
+        mode,
+        accumulate=accumulate,
+        dtype=dtype,
+        max_norm=max_norm,
+        host_spec=FUSED_SPEC,
+    )
+    return record, reference, direct
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_device_updates_equal_unstreamed_training_with_torch_fused_adamw(mode, accumulate):
+    """One micro-batch a step: the update reads the gradient landings directly (no host sum); two: from the
+    host's fp32 sums."""
+    record, reference, direct = device_run(mode, accumulate, prefetch=2)
+    assert direct == (accumulate == 1)
+    assert_same(record, reference)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_device_updates_in_small_chunks_with_threads_and_bf16_compute_equal_unstreamed_training(
+    monkeypatch, accumulate
+):
+    """Scratch buffers of 1000 params: every layer's step runs in several chunks, the two buffers alternating,
+    and params larger than a chunk alone."""
+    monkeypatch.setattr(device_update, "DEFAULT_CAPACITY", 1000)
+    record, reference, _ = device_run("nonreentrant", accumulate, torch.bfloat16, prefetch=1, threading=True)
+    assert_same(record, reference)
+
+
+def test_device_updates_without_clipping_equal_unstreamed_training():
+    record, reference, _ = device_run("nonreentrant", 1, max_norm=None, clip_grads=False)
+    assert_same(record, reference)
+
+
+@pytest.mark.parametrize("mutation", ["land", "wait_update"])
+def test_device_updates_that_skip_a_wait_fail(monkeypatch, mutation):
+    """Reading the gradient landings before their copies landed, or fetching a layer before its update was
+    written back: the numbers differ."""
+    if mutation == "land":
+        monkeypatch.setattr(DeferredGradCopier, "land", lambda self, batch: None)
+    else:
+        monkeypatch.setattr(HostTraining, "wait_update", lambda self, idx: None)
+    record, reference, _ = device_run("nonreentrant", 1)
+    assert differs(record, reference)
+
+
+def test_device_updates_sum_on_the_host_when_a_layer_gets_a_second_batch_in_a_step():
+    """Told one micro-batch a step but given two: each layer's first batch, meant to be read from its
+    landings, is summed on the host before the second one lands; the numbers stay the reference's."""
+    layers = full_layers()
+    cfg = SwapConfig(host_optimizer=DEVICE_SPEC, accumulation_steps=1, prefetch=2)
+    promoted = []
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        training = swapper.training
+        original = training._accumulate_direct
+
+        def accumulate_direct(layer):
+            promoted.append(layer.index)
+            original(layer)
+
+        training._accumulate_direct = accumulate_direct
+        names = host_names(swapper, layers)
+        record = train_dgls(layers, swapper, CPU, "nonreentrant", accumulate=2)
+    assert len(promoted) == 3 * len(training.layers)  # every layer, every step: direct again after each update
+    assert_same(record, train_reference(full_layers(), names, CPU, "nonreentrant", accumulate=2, host_spec=FUSED_SPEC))

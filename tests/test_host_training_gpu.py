@@ -9,11 +9,12 @@ at a small width leave allocated device memory and the process's RSS where they 
 """
 
 import copy
+import dataclasses
 
 import psutil
 import pytest
 import torch
-from full_ft import SPEC, assert_same, full_layers, train_dgls, train_reference
+from full_ft import MAX_NORM, SPEC, assert_same, full_layers, train_dgls, train_reference
 from test_ordering_gpu import MS, ComputeDelay, delay_copies, deterministic, device  # noqa: F401 (fixture)
 
 from utils.dgls import LayerSwapper, SwapConfig
@@ -24,6 +25,8 @@ BF16 = torch.bfloat16
 WIDE = DemoModelConfig(hidden=3072, heads=24, double_blocks=1, single_blocks=1, text_dim=64, latent_channels=16)
 SMALL_GPU = DemoModelConfig(hidden=512, heads=8, double_blocks=2, single_blocks=2, text_dim=64, latent_channels=16)
 MODES = ["none", "nonreentrant", "reentrant"]
+DEVICE_SPEC = dataclasses.replace(SPEC, implementation="device")  # AdamW steps on the GPU (--host_adam device)
+FUSED_SPEC = dataclasses.replace(SPEC, implementation="torch_fused")
 
 
 @pytest.fixture(scope="module")
@@ -31,33 +34,37 @@ def template():
     return full_layers(BF16, WIDE)
 
 
-def config(**kw):
-    return SwapConfig(host_optimizer=SPEC, accumulation_steps=2, gpu_layers=[0], **kw)
+def config(spec=SPEC, accumulate=2, **kw):
+    return SwapConfig(host_optimizer=spec, accumulation_steps=accumulate, gpu_layers=[0], **kw)
 
 
-def swapped(template, mode, monkeypatch, **kw):
+def swapped(template, mode, monkeypatch, accumulate=2, max_norm=MAX_NORM, **kw):
     delay_copies(monkeypatch, 20.0)
     layers = copy.deepcopy(template)
-    with LayerSwapper(layers, config(**kw), device=device(), log=None) as swapper:
+    with LayerSwapper(layers, config(accumulate=accumulate, **kw), device=device(), log=None) as swapper:
         swapper.add_listener(ComputeDelay(5.0))
         swapper.training.copier.delay_cycles = int(10 * MS)
+        if swapper.training.updater is not None:
+            swapper.training.updater.delay_cycles = int(10 * MS)  # before its copies in and out
         names = {
             f"{i}.{n}"
             for i, layer in enumerate(layers)
             for n, p in layer.named_parameters()
             if swapper.training.owns(p)
         }
-        record = train_dgls(layers, swapper, device(), mode, dtype=BF16, steps=2, cfg=WIDE)
+        record = train_dgls(
+            layers, swapper, device(), mode, dtype=BF16, steps=2, cfg=WIDE, accumulate=accumulate, max_norm=max_norm
+        )
         stats = swapper.total_stats(sync=True)
     assert stats.fetches > 0 and stats.wait_ms > 0, "the delays should make compute wait"
     return record, names
 
 
-def reference(template, names, mode):
+def reference(template, names, mode, **kw):
     layers = copy.deepcopy(template)
     for layer in layers:
         layer.to(device())
-    return train_reference(layers, names, device(), mode, dtype=BF16, steps=2, cfg=WIDE)
+    return train_reference(layers, names, device(), mode, dtype=BF16, steps=2, cfg=WIDE, **kw)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -68,7 +75,26 @@ def test_delayed_copies_both_ways_stay_bitwise_equal(template, monkeypatch, mode
     assert_same(got, reference(template, names, mode))
 
 
-def test_fifty_steps_do_not_grow_device_memory_or_host_ram():
+@pytest.mark.parametrize("mode", MODES)
+def test_device_updates_with_delays_everywhere_stay_bitwise_equal(template, monkeypatch, mode):
+    """--host_adam device, one micro-batch a step: gradients read from their landings, norms taken on the GPU,
+    AdamW on the GPU; equal to resident training whose masters and fused AdamW are on the GPU too."""
+    got, names = swapped(template, mode, monkeypatch, accumulate=1, spec=DEVICE_SPEC, prefetch=2, threading=True)
+    want = reference(template, names, mode, accumulate=1, host_spec=FUSED_SPEC, master_device=device())
+    assert_same(got, want)
+
+
+def test_device_updates_from_host_sums_without_clipping_stay_bitwise_equal(template, monkeypatch):
+    """Two micro-batches a step, summed on the host; no clipping, so each update starts during backward."""
+    got, names = swapped(
+        template, "nonreentrant", monkeypatch, max_norm=None, spec=DEVICE_SPEC, clip_grads=False, prefetch=1
+    )
+    want = reference(template, names, "nonreentrant", max_norm=None, host_spec=FUSED_SPEC, master_device=device())
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("spec", [SPEC, DEVICE_SPEC], ids=["host", "device"])
+def test_fifty_steps_do_not_grow_device_memory_or_host_ram(spec):
     layers = full_layers(BF16, SMALL_GPU)
     process = psutil.Process()
     seen = {}
@@ -78,7 +104,7 @@ def test_fifty_steps_do_not_grow_device_memory_or_host_ram():
             torch.cuda.synchronize()
             seen[step] = (torch.cuda.memory_allocated(), process.memory_info().rss)
 
-    with LayerSwapper(layers, config(prefetch=2), device=device(), log=None) as swapper:
+    with LayerSwapper(layers, config(spec, prefetch=2), device=device(), log=None) as swapper:
         train_dgls(layers, swapper, device(), "nonreentrant", dtype=BF16, steps=50, cfg=SMALL_GPU, on_step=measure)
     assert seen[50][0] == seen[10][0], seen
     assert seen[50][1] - seen[10][1] < 64 * 2**20, seen

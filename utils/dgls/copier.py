@@ -121,11 +121,14 @@ class Copier:
             self._thread.start()
 
     # ---------------------------------------------------------------- protocol (main thread)
-    def submit(self, requests: list[tuple[Slot, HostLayer, bool]]) -> list[Token]:
-        """Write each host layer into its slot (after the slot's latest release and write)."""
+    def submit(
+        self, requests: list[tuple[Slot, HostLayer, bool]], after: list[torch.cuda.Event | None] | None = None
+    ) -> list[Token]:
+        """Write each host layer into its slot (after the slot's latest release and write, and after the
+        request's event in ``after``: a device update that rewrites the host copy, CUDA only)."""
         self.check()
         tokens = []
-        for slot, host, demand in requests:
+        for k, (slot, host, demand) in enumerate(requests):
             state = self._slots.setdefault(slot, _SlotState())
             if state.reading:
                 owner = state.write.layer if state.write is not None else None
@@ -134,6 +137,8 @@ class Copier:
                     "read it: release the slot before writing it"
                 )
             gates = [g for g in (state.release, state.write) if g is not None]
+            if after is not None and after[k] is not None:
+                gates.append(Marker(after[k]))
             token = Token(host.index, slot, host, demand, gates)
             self._prepare(token)
             state.write = token

@@ -241,7 +241,7 @@ class PipelineInterception:
         log = (lambda line: self.log(stage.label + line)) if stage.data_parallel_id == 0 else (lambda line: None)
         self.swapper = LayerSwapper(stage.layers, swap, device=device, log=log, share_group=stage.share_group)
         swapper = self.swapper
-        self.monitor = MemoryMonitor(swapper.device, lambda: swapper.store.pinned_bytes)
+        self.monitor = MemoryMonitor(swapper.device, lambda: swapper.pinned_bytes)
         self.reader = StepReader(swapper)
         self.window.device_type = swapper.device.type
 

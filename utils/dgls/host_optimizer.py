@@ -12,7 +12,10 @@ optimizer (:class:`HostOptimizerSpec`) and builds one per layer (:meth:`HostOpti
   - ``"deepspeed"``: DeepSpeed's ``DeepSpeedCPUAdam`` (AVX kernels, built on first use);
   - ``"torch"``: ``torch.optim.AdamW`` as it runs on CPU tensors by default (the single-tensor loop):
     the same arithmetic as a trainer's own ``torch.optim.AdamW`` on CPU, so a CPU run can be compared
-    bitwise with one that never streams.
+    bitwise with one that never streams;
+  - ``"device"``: the step runs on the training device, ``torch.optim.AdamW(fused=True)``'s kernel, with
+    each layer's master and moments streamed in and back out (:mod:`.device_update`); the state still
+    lives in host memory between steps.
 - ``sgd``: ``torch.optim.SGD`` (momentum as given).
 
 Param groups follow diffusion-pipe's rule: 1-D params (biases, norm scales) get no weight decay.
@@ -34,11 +37,12 @@ import torch
 from .errors import DGLSUserError
 
 HOST_OPTIMIZERS = ("adamw", "sgd")
-IMPLEMENTATIONS = ("torch_fused", "deepspeed", "torch")
+IMPLEMENTATIONS = ("torch_fused", "deepspeed", "torch", "device")
 NAMES = {
     "deepspeed": "DeepSpeedCPUAdam",
     "torch_fused": "torch.optim.AdamW(fused=True)",
     "torch": "torch.optim.AdamW (single-tensor)",
+    "device": "torch's fused AdamW kernel on the training device, state streamed from host memory",
 }
 
 
@@ -65,8 +69,10 @@ class HostOptimizerSpec:
                 f"host optimizer implementation must be one of {', '.join(IMPLEMENTATIONS)}, "
                 f"got {self.implementation!r}"
             )
-        if self.implementation == "deepspeed" and self.type != "adamw":
-            raise DGLSUserError("the deepspeed host optimizer is AdamW: use type = 'adamw', or another implementation")
+        if self.implementation in ("deepspeed", "device") and self.type != "adamw":
+            raise DGLSUserError(
+                f"the {self.implementation} host optimizer is AdamW: use type = 'adamw', or --host_adam torch_fused"
+            )
         for name in ("lr", "eps"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
@@ -111,10 +117,16 @@ class HostOptimizerSpec:
             return DeepSpeedCPUAdam(
                 groups, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay, adamw_mode=True
             )
-        flags = {"fused": True} if self.implementation == "torch_fused" else {"foreach": False}
+        # "device": the optimizer holds the state and hyper-parameters; its kernel runs in .device_update
+        flags = {"foreach": False} if self.implementation == "torch" else {"fused": True}
         return torch.optim.AdamW(
             groups, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay, **flags
         )
+
+    @property
+    def on_device(self) -> bool:
+        """The step runs on the training device (:mod:`.device_update`)."""
+        return self.implementation == "device"
 
     @property
     def state_bytes_per_param(self) -> int:

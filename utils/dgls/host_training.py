@@ -30,6 +30,13 @@ Mechanics
        its learning rate is read then (``lr_source``, the trainer's current one), and ``step`` only
        queues the layers that had no gradient.
 
+Device updates (``--host_adam device``, :mod:`.device_update`): the update of step 3 runs on the
+device instead, its master and moments copied in and back out on streams of their own; on CUDA it is
+enqueued at once (no job), and a fetch of the layer waits for it on the device (``wait_update`` returns
+its event, a gate of the copy). With one micro-batch a step no fp32 sum is kept: the update reads the
+gradient landings (after their copies, an event), and each grad's norm is taken on the device before it
+is sent (a second batch of one layer in a step falls back to the host sum).
+
 Jobs run in submission order: on a worker thread (CUDA, or ``threaded``), or deferred (CPU): a job runs
 only when something waits for it, so a missing wait changes the numbers in a CPU test (a fetch without
 ``wait_update`` streams the old weights; an accumulation without ``land`` reads NaN).
@@ -56,6 +63,7 @@ import psutil
 import torch
 from torch import nn
 
+from .device_update import DeviceUpdater, ParamUpdate
 from .errors import DGLSUserError, SwapWorkerError
 from .grad_copier import GradBatch, GradCopier
 from .host_optimizer import HostOptimizerSpec
@@ -70,9 +78,16 @@ class TrainedParam:
     param: nn.Parameter
     master: torch.Tensor  # fp32, host
     landing: torch.Tensor  # compute dtype, pinned on CUDA
-    acc: torch.Tensor  # fp32 gradient sum of this step
+    acc: torch.Tensor | None = None  # fp32 gradient sum of this step (allocated at its first use)
     fresh: bool = True  # acc holds nothing yet this step
     norm: torch.Tensor | None = None  # of acc, taken on the step's last micro-batch
+    direct_norm: torch.Tensor | None = None  # device updates: of the grad on the device, before it was sent
+
+    def sum_buffer(self, pin: bool = False) -> torch.Tensor:
+        """The fp32 sum (pinned when a device update copies it in asynchronously)."""
+        if self.acc is None:
+            self.acc = torch.zeros(self.param.shape, dtype=torch.float32, pin_memory=pin)
+        return self.acc
 
 
 @dataclass(eq=False)
@@ -93,6 +108,8 @@ class TrainedLayer:
     accumulating: Job | None = None  # the latest accumulate job (its landing is read until done)
     update: Job | None = None  # the latest update job (a fetch waits for it)
     updated_early: bool = False  # this step's update was queued during backward (clipping off)
+    direct: GradBatch | None = None  # device updates: this step's only batch, read from its landings
+    update_done: torch.cuda.Event | None = None  # device updates on CUDA: the latest one is home
 
 
 class HostTraining:
@@ -108,9 +125,14 @@ class HostTraining:
         threaded: bool,
         accumulation_steps: int = 1,
         clipping: bool = True,
+        updater: DeviceUpdater | None = None,
     ) -> None:
         self.spec, self.implementation = spec, spec.kernel
         self.copier = copier
+        self.updater = updater
+        # device updates read a step's only micro-batch straight from its landings (no host pass)
+        self.direct = updater is not None and accumulation_steps == 1
+        self._pin = pin
         self.accumulation_steps = accumulation_steps
         self.clipping = clipping
         self.lr_source: Callable[[], float | None] = lambda: None  # the lr of early updates (clipping off)
@@ -122,6 +144,7 @@ class HostTraining:
         self.error: BaseException | None = None
         self.waited_s = 0.0  # seconds the training thread spent blocked on host jobs (updates, accumulations)
         self.job_s = {"accumulate": 0.0, "update": 0.0}  # seconds the host spent on each kind of job
+        self.device_bytes = 0  # device updates: their scratch buffers
         self._pending: list[Job] = []  # deferred mode: submitted, not yet run
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
@@ -129,6 +152,9 @@ class HostTraining:
             trained = self._layer(idx, host, pin)
             if trained is not None:
                 self.layers[idx] = trained
+        if updater is not None and self.layers:
+            sizes = [[tp.param.numel() for tp in layer.params] for layer in self.layers.values()]
+            self.device_bytes = updater.reserve(max(max(s) for s in sizes), max(sum(s) for s in sizes))
         if threaded:
             self._queue = queue.Queue()
             self._thread = threading.Thread(target=self._worker, name="dgls-host-optimizer", daemon=True)
@@ -148,10 +174,13 @@ class HostTraining:
                     master = packed  # the packed copy is the fp32 master itself
                 else:
                     source = p.param.data if p.param.numel() else packed
-                    master = source.to("cpu", torch.float32, copy=True)
+                    pin_master = pin and self.updater is not None  # device updates copy it asynchronously
+                    master = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin_master).copy_(source)
                 view = landing[offset : offset + p.nbytes].view(p.dtype).view(p.shape)
                 offset += aligned(p.nbytes)
-                trained = TrainedParam(k, p.param, master, view, torch.zeros(p.shape, dtype=torch.float32))
+                trained = TrainedParam(k, p.param, master, view)
+                if not self.direct:
+                    trained.sum_buffer()
                 params.append(trained)
                 self._by_param[id(p.param)] = trained
         optimizer = self.spec.build([tp.master for tp in params])
@@ -173,6 +202,17 @@ class HostTraining:
             handle.remove()
         self._hooks.clear()
 
+    def pinned_bytes(self) -> int:
+        """Page-locked bytes this module holds: landings, and the masters and moments of device updates
+        (packed copies are the host store's)."""
+        tensors = [tp.landing for layer in self.layers.values() for tp in layer.params]
+        if self.updater is not None:
+            for layer in self.layers.values():
+                packed = {layer.host.master_view(tp.position).data_ptr() for tp in layer.params}
+                tensors += [tp.master for tp in layer.params if tp.master.data_ptr() not in packed]
+                tensors += [t for state in layer.optimizer.state.values() for t in state.values() if t.ndim]
+        return sum(t.numel() * t.element_size() for t in tensors if t.is_pinned())
+
     def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self._by_param
 
@@ -191,9 +231,13 @@ class HostTraining:
             self._close(layer)
             batch = None
         if batch is None:
+            if layer.direct is not None:  # a second batch this step: sum on the host after all
+                self._accumulate_direct(layer)
             if layer.accumulating is not None:
                 self._wait(layer.accumulating)  # the landing is still being read
             batch = layer.batch = GradBatch(layer.index)
+        if self.direct and self.clipping and layer.accumulating is None:  # this batch is read directly
+            tp.direct_norm = torch.linalg.vector_norm(grad.detach().float(), 2)
         self.copier.send(batch, tp.landing, grad)
         batch.params.add(tp.position)
         if len(batch.params) == len(layer.params):
@@ -203,9 +247,12 @@ class HostTraining:
         batch, layer.batch = layer.batch, None
         self.copier.close(batch)
         last = self._backwards + 1 >= self.accumulation_steps
-        job = Job(layer.index, "accumulate", partial(self._accumulate, layer, batch, last))
-        layer.accumulating = job
-        self._submit(job)
+        if self.direct and layer.accumulating is None and all(tp.fresh for tp in layer.params):
+            layer.direct = batch  # the update reads the landings: no host pass over the gradients
+        else:
+            job = Job(layer.index, "accumulate", partial(self._accumulate, layer, batch, last))
+            layer.accumulating = job
+            self._submit(job)
         if last and not self.clipping:  # nothing to wait for: update while the backward goes on
             self._queue_update(layer, None, self.lr_source())
             layer.updated_early = True
@@ -218,20 +265,34 @@ class HostTraining:
         self._backwards += 1
 
     # ---------------------------------------------------------------- jobs
+    def _accumulate_direct(self, layer: TrainedLayer) -> None:
+        """A layer read straight from its landings got a second batch this step: sum its first one on the
+        host (an accumulate job) before the landings are rewritten."""
+        batch, layer.direct = layer.direct, None
+        for tp in layer.params:
+            tp.direct_norm = None
+        job = Job(layer.index, "accumulate", partial(self._accumulate, layer, batch, True))
+        layer.accumulating = job
+        self._submit(job)
+
     def _accumulate(self, layer: TrainedLayer, batch: GradBatch, last: bool) -> None:
         self.copier.land(batch)
         with torch.no_grad():
             for tp in layer.params:
                 if tp.position not in batch.params:
                     continue
+                acc = tp.sum_buffer(pin=self._pin and self.updater is not None)
                 if tp.fresh:
-                    tp.acc.copy_(tp.landing)
+                    acc.copy_(tp.landing)
                     tp.fresh = False
                 else:
-                    tp.acc.add_(tp.landing)
-                tp.norm = torch.linalg.vector_norm(tp.acc, 2) if last and self.clipping else None
+                    acc.add_(tp.landing)
+                tp.norm = torch.linalg.vector_norm(acc, 2) if last and self.clipping else None
 
     def _update(self, layer: TrainedLayer, coef: torch.Tensor | None, lr: float | None) -> None:
+        if self.updater is not None:
+            self._update_on_device(layer, coef, lr)
+            return
         with torch.no_grad():
             for tp in layer.params:
                 if tp.fresh:
@@ -251,6 +312,31 @@ class HostTraining:
                     if packed.data_ptr() != tp.master.data_ptr():
                         packed.copy_(tp.master)
                 tp.fresh, tp.norm = True, None
+
+    def _update_on_device(self, layer: TrainedLayer, coef: torch.Tensor | None, lr: float | None) -> None:
+        """The layer's AdamW step on the device (:mod:`.device_update`), in the optimizer's param order."""
+        direct, layer.direct = layer.direct, None
+        layer.accumulating = None  # done (waited for, or run before this job): the next step may read directly
+        if direct is not None and not self.updater.cuda:
+            self.copier.land(direct)  # the CPU copier writes the landings only now
+        by_master = {id(tp.master): tp for tp in layer.params}
+        work = []
+        for group in layer.optimizer.param_groups:
+            for master in group["params"]:
+                tp = by_master[id(master)]
+                if direct is not None and tp.position in direct.params:
+                    grad = tp.landing
+                elif not tp.fresh:
+                    grad = tp.acc
+                else:
+                    continue
+                packed = layer.host.master_view(tp.position)
+                packed = None if packed.data_ptr() == tp.master.data_ptr() else packed
+                work.append(ParamUpdate(tp.master, grad, packed, group))
+        after = direct.done if direct is not None else None
+        layer.update_done = self.updater.update(layer.optimizer, work, coef, lr, after, layer.update_done)
+        for tp in layer.params:
+            tp.fresh, tp.norm, tp.direct_norm = True, None, None
 
     def _submit(self, job: Job) -> None:
         self.check()
@@ -304,19 +390,25 @@ class HostTraining:
             raise SwapWorkerError(f"DGLS host optimizer failed: {self.error!r}") from self.error
 
     def finish(self) -> None:
-        """Run every job submitted so far (state dicts, removal)."""
+        """Run every job submitted so far, and bring every device update home (state dicts, removal)."""
         jobs = [j for layer in self.layers.values() for j in (layer.accumulating, layer.update) if j is not None]
         for job in jobs:
             self._wait(job)
         self.copier.finish()
+        if self.updater is not None:
+            self.updater.synchronize()
 
     # ---------------------------------------------------------------- what the trainer calls
-    def wait_update(self, idx: int) -> None:
-        """Before layer ``idx``'s packed copy is streamed: its latest update must be written."""
+    def wait_update(self, idx: int) -> torch.cuda.Event | None:
+        """Before layer ``idx``'s packed copy is streamed: its latest update must be written. Host updates
+        are waited for here; for a device update on CUDA the event its copy must wait for is returned."""
         layer = self.layers.get(idx)
-        if layer is not None and layer.update is not None:
+        if layer is None:
+            return None
+        if layer.update is not None:
             self._wait(layer.update)
             layer.update = None
+        return layer.update_done
 
     def clip_grad_norm_(
         self,
@@ -336,16 +428,24 @@ class HostTraining:
         for layer in self.layers.values():
             if layer.accumulating is not None:
                 self._wait(layer.accumulating)
-        norms = []
+        norms: list[torch.Tensor | int] = []  # a host norm, or the index of a device one
+        on_device: list[torch.Tensor] = []
         device_grads = []
         for p in params:
             tp = self._by_param.get(id(p))
             if tp is not None:
-                if not tp.fresh:
+                if tp.direct_norm is not None:
+                    norms.append(len(on_device))
+                    on_device.append(tp.direct_norm)
+                elif not tp.fresh:
                     norms.append(tp.norm if tp.norm is not None else torch.linalg.vector_norm(tp.acc, 2))
             elif p.grad is not None:
-                norms.append(torch.linalg.vector_norm(p.grad.detach().float(), 2).cpu())
+                norms.append(len(on_device))
+                on_device.append(torch.linalg.vector_norm(p.grad.detach().float(), 2))
                 device_grads.append(p.grad)
+        if on_device:  # one copy home for all of them
+            fetched = torch.stack([n.to(on_device[0].device) for n in on_device]).cpu().unbind()
+            norms = [fetched[n] if isinstance(n, int) else n for n in norms]
         squared = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float32)
         if reduce is not None:
             squared = reduce(squared)
@@ -369,6 +469,11 @@ class HostTraining:
         self._backwards = 0
 
     def _queue_update(self, layer: TrainedLayer, coef: torch.Tensor | None, lr: float | None) -> None:
+        if self.updater is not None and self.updater.cuda:  # enqueued on the device's streams now
+            if layer.accumulating is not None:
+                self._wait(layer.accumulating)  # its host sum is what the update copies in
+            self._update_on_device(layer, coef, lr)
+            return
         job = Job(layer.index, "update", partial(self._update, layer, coef, lr))
         layer.update = job
         self._submit(job)
@@ -385,6 +490,8 @@ class HostTraining:
             raise KeyError(f"host optimizer state has no entry for layers {missing}")
         for idx, layer in self.layers.items():
             layer.optimizer.load_state_dict(state[idx] if idx in state else state[str(idx)])
+            if self.updater is not None:
+                self.updater.pin_state(layer.optimizer)
 
     def close(self) -> None:
         if self._thread is not None:
@@ -401,9 +508,12 @@ def _before_accumulate(grad_arriving: Callable[[int], None], idx: int, grad: tor
     grad_arriving(idx)
 
 
-def host_training_bytes(layouts: list[LayerLayout], streamed: Iterable[int], spec: HostOptimizerSpec) -> dict[str, int]:
+def host_training_bytes(
+    layouts: list[LayerLayout], streamed: Iterable[int], spec: HostOptimizerSpec, sums: bool = True
+) -> dict[str, int]:
     """Host bytes full fine-tuning of the streamed layers needs beyond their packed copies (the start-up
-    report and the RAM check use this; :meth:`HostTraining.host_bytes` counts what was allocated)."""
+    report and the RAM check use this). ``sums``: fp32 gradient sums (all but device updates of one
+    micro-batch a step, which read the landings)."""
     masters = gradients = optimizer = 0
     for idx in streamed:
         for p in layouts[idx].params:
@@ -411,15 +521,18 @@ def host_training_bytes(layouts: list[LayerLayout], streamed: Iterable[int], spe
                 continue
             n = p.param.numel()
             masters += 0 if p.dtype == torch.float32 else 4 * n
-            gradients += 4 * n + aligned(p.nbytes)
+            gradients += 4 * n * sums + aligned(p.nbytes)
             optimizer += spec.state_bytes_per_param * n
     return {"masters": masters, "gradients": gradients, "optimizer": optimizer}
 
 
-def check_host_training(layouts: list[LayerLayout], streamed: Iterable[int], spec: HostOptimizerSpec) -> str:
+def check_host_training(
+    layouts: list[LayerLayout], streamed: Iterable[int], spec: HostOptimizerSpec, accumulation_steps: int = 1
+) -> str:
     """Refuse, with the numbers, when the host cannot hold the masters, gradients and optimizer state;
     otherwise the start-up line that says how much they take."""
-    parts = host_training_bytes(layouts, streamed, spec)
+    sums = not (spec.on_device and accumulation_steps == 1)
+    parts = host_training_bytes(layouts, streamed, spec, sums)
     need = sum(parts.values())
     available = psutil.virtual_memory().available
     described = ", ".join(f"{name} {human_bytes(n)}" for name, n in parts.items())

@@ -104,7 +104,7 @@ class MemoryReading:
 @dataclass
 class MemoryMonitor:
     """Reads memory for ``device``; ``pinned_bytes_fn`` says how much DGLS has page-locked
-    (``lambda: swapper.store.pinned_bytes``). Each kind of warning is given once per run."""
+    (``lambda: swapper.pinned_bytes``). Each kind of warning is given once per run."""
 
     device: torch.device
     pinned_bytes_fn: Callable[[], int] = lambda: 0

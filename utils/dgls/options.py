@@ -277,12 +277,13 @@ OPTIONS: tuple[Option, ...] = (
         "host_adam",
         "choice",
         "torch_fused",
-        "AdamW kernel of a full fine-tune's streamed layers on the CPU: torch_fused (torch.optim.AdamW(fused=True)), "
-        "deepspeed (DeepSpeedCPUAdam, built on first use; as fast in our SDXL benchmark), or torch (the single-tensor "
-        "loop torch.optim.AdamW runs on CPU tensors: bitwise what an unstreamed CPU run gives)",
-        "compare a full fine-tune with an unstreamed CPU run bitwise (torch)",
+        "where and how a full fine-tune's streamed layers take their AdamW step: torch_fused (on the CPU, "
+        "torch.optim.AdamW(fused=True)), deepspeed (on the CPU, DeepSpeedCPUAdam, built on first use), torch (on the "
+        "CPU, the single-tensor loop: bitwise what an unstreamed CPU run gives), or device (on the GPU, torch's fused "
+        "kernel, each layer's master and moments streamed in from host memory and back)",
+        "compare a full fine-tune with an unstreamed CPU run bitwise (torch); let the GPU take the steps (device)",
         "training",
-        ("torch_fused", "deepspeed", "torch"),
+        ("torch_fused", "deepspeed", "torch", "device"),
     ),
     Option(
         "profile",

@@ -51,6 +51,7 @@ from .autoplan import PlacementDriver, resolve_budget
 from .config import SwapConfig
 from .copier import CudaCopier, DeferredCopier
 from .device_pool import DevicePool, Slot
+from .device_update import DeviceUpdater
 from .errors import DGLSUserError
 from .forward_patches import ForwardPatches
 from .grad_copier import CudaGradCopier, DeferredGradCopier
@@ -118,7 +119,9 @@ class LayerSwapper:
             self.driver.check_static_minimum(sizes)
         self._training_note = ""
         if host_trained:
-            self._training_note = check_host_training(self.layouts, self.placement.streamed, self.config.host_optimizer)
+            self._training_note = check_host_training(
+                self.layouts, self.placement.streamed, self.config.host_optimizer, self.config.accumulation_steps
+            )
         try:
             self._build(share_group)
         except BaseException:
@@ -161,7 +164,7 @@ class LayerSwapper:
         else:
             self.copier = DeferredCopier(self.store, use_thread=self.config.threading)
         self.predictor = UsePredictor(len(self.layers))
-        self.stats = StatsCollector(self.device, lambda: self.store.pinned_bytes)
+        self.stats = StatsCollector(self.device, lambda: self.pinned_bytes)
         self.profiler: Profiler | None = None
         self._listeners: list[Listener] = [self.stats]
         if self.config.profile_path:
@@ -204,14 +207,16 @@ class LayerSwapper:
         cuda = self.device.type == "cuda"
         grads = CudaGradCopier(self.device) if cuda else DeferredGradCopier(eager=self.config.threading)
         hosts = {idx: self.masters.host(idx) for idx in self.placement.streamed}
+        spec = self.config.host_optimizer
         self.training = HostTraining(
             hosts,
-            self.config.host_optimizer,
+            spec,
             grads,
             pin=cuda,
             threaded=cuda or self.config.threading,
             accumulation_steps=self.config.accumulation_steps,
             clipping=self.config.clip_grads,
+            updater=DeviceUpdater(self.device) if spec.on_device else None,
         )
 
     def _start_driver(self) -> PlacementDriver | None:
@@ -308,9 +313,10 @@ class LayerSwapper:
     def _report_start(self, cast_rules: CastRules | None) -> None:
         self._log(self.placement.table())
         if self._training_note:
-            self._log(
-                f"{self._training_note}; optimizer of the streamed layers on the CPU: {self.training.implementation}"
-            )
+            scratch = self.training.device_bytes
+            on_device = f" ({human_bytes(scratch)} of device buffers)" if scratch else ""
+            kernel = self.training.implementation
+            self._log(f"{self._training_note}; optimizer of the streamed layers: {kernel}{on_device}")
         for note in self.placement.notes():
             self._log(note)
         config = self.config
@@ -463,14 +469,21 @@ class LayerSwapper:
     def _fetch(self, requests: list[tuple[StreamedLayer, Slot]], demand: bool) -> None:
         if not requests:
             return
-        if self.training is not None:
-            for layer, _ in requests:
-                self.training.wait_update(layer.index)  # the packed copy holds the latest update
-        tokens = self.copier.submit([(slot, layer.host, demand) for layer, slot in requests])
+        after = None
+        if self.training is not None:  # the packed copy must hold the layer's latest update
+            after = [self.training.wait_update(layer.index) for layer, _ in requests]
+        tokens = self.copier.submit([(slot, layer.host, demand) for layer, slot in requests], after)
         for (layer, slot), token in zip(requests, tokens):
             layer.fetch(slot, token)
 
     # ---------------------------------------------------------------- public
+    @property
+    def pinned_bytes(self) -> int:
+        """Host memory DGLS page-locked: packed copies, and with full fine-tuning the gradient landings
+        (and, for device updates, the masters and moments)."""
+        training = getattr(self, "training", None)
+        return self.store.pinned_bytes + (training.pinned_bytes() if training is not None else 0)
+
     @property
     def streamed_layers(self) -> tuple[int, ...]:
         return self.placement.streamed

@@ -246,7 +246,7 @@ def _train(run: DemoRun, engine, swapper, result: DemoResult, log, progress: boo
     batches = data.batches(s.batch_size, s.dtype, device, shard)
     steps = PLAN_STEP_LIMIT if plan else s.steps
     bar = tqdm(range(steps), desc="demo", unit="step", disable=not progress or plan, dynamic_ncols=True)
-    monitor = MemoryMonitor(device, lambda: swapper.store.pinned_bytes if swapper is not None else 0)
+    monitor = MemoryMonitor(device, lambda: swapper.pinned_bytes if swapper is not None else 0)
     window = StepWindow(values["verbose_every"], s.steps, device.type)
     reader = StepReader(swapper) if swapper is not None else None
     for step in bar:

@@ -1,0 +1,284 @@
+"""Device updates: the AdamW step of a host-trained layer run on the device, its state streamed in and out.
+
+Why
+    The host AdamW of a streamed layer reads and writes about 44 bytes of host memory per param per step
+    (gradient sum, norm, moments, master, the compute-dtype copy), on a few CPU cores: in the SDXL full
+    fine-tune the training thread waited on it for two thirds of the step. The same step on the device
+    moves 16 bytes per param in (master, two moments, the gradient in the compute dtype) and 14 out
+    (master, moments, the new compute-dtype copy) over a full-duplex link, and the arithmetic is a fused
+    kernel that takes microseconds per megabyte.
+
+Layout (the host side stays where :mod:`.host_training` keeps it)
+    - per trained param, in pinned host memory: the fp32 master, ``exp_avg`` and ``exp_avg_sq`` (the
+      layer's ``torch.optim.AdamW`` state, so checkpoints are the host optimizer's), the gradient (the
+      pinned landing in the compute dtype, or the fp32 sum over micro-batches) and the packed
+      compute-dtype copy the copier streams;
+    - on the device, two scratch buffers (:class:`Scratch`), each with room for ``capacity`` params:
+      fp32 master, moments and gradient, and the compute-dtype gradient and copy.
+
+Mechanics (:meth:`DeviceUpdater.update`, one layer; its params in chunks of at most ``capacity``)
+    1. In-stream: wait for the buffer's previous chunk to be copied out, for this layer's previous update
+       (its host state is read now) and for the gradients' copy home (``after``); copy master, moments and
+       gradient in; scale the gradient by the clip coefficient; ``torch._fused_adamw_`` (the kernel of
+       ``torch.optim.AdamW(fused=True)``: the same arithmetic as that optimizer on this device); write the
+       compute-dtype copy. Step counts stay on the host (one per param, as in the optimizer's state).
+    2. Out-stream: wait for (1); copy master, moments and the compute-dtype copy home; mark the buffer
+       free. The layer's last chunk records ``done``: a fetch of the layer waits for it on the device
+       (the copier's gate), and the host waits for it before it reads a master (:meth:`synchronize`).
+    Buffers alternate, so chunk k+1 comes in while chunk k goes out.
+
+On the CPU (tests) the same steps run in order on the calling thread with plain copies: the numbers are
+``torch.optim.AdamW(fused=True)``'s on the CPU, bitwise.
+
+Hazards handled
+    - A buffer is rewritten only after its previous chunk went home (``free``).
+    - A layer's host state is read only after its previous update wrote it back (``done``), even when
+      the buffers' alternation would allow it (a one-chunk layer updated twice in a row).
+    - The gradient landing is read only after its device-to-host copy (``after``); it is rewritten by the
+      next backward of the layer, which runs after a forward that waited for this update.
+    - Scalars (step counts, the clip coefficient) reach the device from pinned tensors through
+      non-blocking copies: a pageable copy would make the host wait for the in-stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_CAPACITY = 8 * 2**20  # params per chunk: two buffers of 24 bytes a param, 384 MiB in all
+
+
+@dataclass(frozen=True)
+class ParamUpdate:
+    """One param's share of a layer update."""
+
+    master: torch.Tensor  # fp32, host (pinned on CUDA); a key of the optimizer's state
+    grad: torch.Tensor  # host: the compute-dtype landing or the fp32 sum
+    packed: torch.Tensor | None  # host compute-dtype copy to rewrite (None when the master is that copy)
+    group: dict  # the optimizer param group (lr, betas, eps, weight_decay)
+
+
+class Scratch:
+    """One device buffer: fp32 master, moments and gradient, compute-dtype gradient and copy."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.capacity = capacity
+        self.state = torch.empty(4 * capacity, dtype=torch.float32, device=device)
+        self.raw_grad = torch.empty(4 * capacity, dtype=torch.uint8, device=device)
+        self.raw_out = torch.empty(4 * capacity, dtype=torch.uint8, device=device)
+        self.free: torch.cuda.Event | None = None  # recorded on the out-stream after its last copy home
+
+    @property
+    def nbytes(self) -> int:
+        return 24 * self.capacity
+
+    def views(self, offset: int, n: int) -> tuple[torch.Tensor, ...]:
+        """fp32 master, exp_avg, exp_avg_sq and gradient views of ``n`` params at ``offset``."""
+        c = self.capacity
+        return tuple(self.state[k * c + offset : k * c + offset + n] for k in range(4))
+
+    def raw(self, buffer: torch.Tensor, offset: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        size = torch.empty((), dtype=dtype).element_size()
+        return buffer[offset * size : (offset + n) * size].view(dtype)
+
+
+class DeviceUpdater:
+    """AdamW steps of host-trained layers on ``device`` (see the module doc)."""
+
+    def __init__(self, device: torch.device, capacity: int | None = None, delay_cycles: int = 0) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.capacity = DEFAULT_CAPACITY if capacity is None else capacity
+        self.delay_cycles = delay_cycles  # tests: a torch.cuda._sleep before each copy in either direction
+        self.buffers: list[Scratch] = []
+        self._turn = 0
+        self._in = torch.cuda.Stream(device=device) if self.cuda else None
+        self._out = torch.cuda.Stream(device=device) if self.cuda else None
+
+    def reserve(self, largest_param: int, largest_layer: int) -> int:
+        """Allocate the two buffers: room for a chunk, for the largest param at least and for the largest
+        layer's params at most; returns their device bytes."""
+        capacity = max(min(self.capacity, largest_layer), largest_param)
+        if not self.buffers or self.buffers[0].capacity < capacity:
+            self.synchronize()
+            self.buffers = [Scratch(capacity, self.device) for _ in range(2)]
+            if self.cuda:  # the memory may have been freed by kernels still queued on the compute stream
+                compute = torch.cuda.current_stream(self.device)
+                self._in.wait_stream(compute)
+                self._out.wait_stream(compute)
+        return sum(b.nbytes for b in self.buffers)
+
+    def update(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: Sequence[ParamUpdate],
+        coef: torch.Tensor | None,
+        lr: float | None,
+        after: torch.cuda.Event | None,
+        previous: torch.cuda.Event | None,
+    ) -> torch.cuda.Event | None:
+        """Step ``params`` (each with a gradient) with ``optimizer``'s hyper-parameters and state; ``lr``
+        overrides the groups'. ``after``: the gradients' copy home; ``previous``: this layer's previous
+        update. Returns the event the layer's next reader waits for (None on the CPU)."""
+        if not params:
+            return previous
+        if not self.buffers:
+            sizes = [p.master.numel() for p in params]
+            self.reserve(max(sizes), sum(sizes))
+        steps = []
+        for p in params:
+            state = optimizer.state[p.master]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = _zeros_like(p.master, self.cuda)
+                state["exp_avg_sq"] = _zeros_like(p.master, self.cuda)
+            state["step"] += 1
+            steps.append(float(state["step"]))
+        done = None
+        for chunk in _chunks(params, self.buffers[0].capacity):
+            done = self._chunk(optimizer, chunk, [steps[i] for i, _ in chunk], coef, lr, after, previous)
+        return done
+
+    def _chunk(self, optimizer, chunk, steps, coef, lr, after, previous) -> torch.cuda.Event | None:
+        buf = self.buffers[self._turn]
+        self._turn ^= 1
+        items = [p for _, p in chunk]
+        group = items[0].group
+        if self.cuda:
+            for event in (buf.free, after, previous):
+                if event is not None:
+                    self._in.wait_event(event)
+        with _on(self._in):
+            if self.cuda and self.delay_cycles:
+                torch.cuda._sleep(self.delay_cycles)
+            masters, avgs, sqs, grads = [], [], [], []
+            offset = 0
+            for p in items:
+                n = p.master.numel()
+                m, a, s, g = buf.views(offset, n)
+                state = optimizer.state[p.master]
+                m.copy_(p.master.view(-1), non_blocking=True)
+                a.copy_(state["exp_avg"].view(-1), non_blocking=True)
+                s.copy_(state["exp_avg_sq"].view(-1), non_blocking=True)
+                if p.grad.dtype == torch.float32:
+                    g.copy_(p.grad.view(-1), non_blocking=True)
+                else:
+                    raw = buf.raw(buf.raw_grad, offset, n, p.grad.dtype)
+                    raw.copy_(p.grad.view(-1), non_blocking=True)
+                    g.copy_(raw)
+                masters.append(m)
+                avgs.append(a)
+                sqs.append(s)
+                grads.append(g)
+                offset += n
+            if coef is not None:
+                torch._foreach_mul_(grads, _to_device(coef, self.device))
+            step_tensors = _to_device(torch.tensor(steps, dtype=torch.float32), self.device).unbind()
+            beta1, beta2 = group["betas"]
+            torch._fused_adamw_(
+                masters,
+                grads,
+                avgs,
+                sqs,
+                [],
+                list(step_tensors),
+                lr=float(group["lr"] if lr is None else lr),
+                beta1=float(beta1),
+                beta2=float(beta2),
+                weight_decay=float(group["weight_decay"]),
+                eps=float(group["eps"]),
+                amsgrad=False,
+                maximize=False,
+            )
+            outs = []
+            offset = 0
+            for p, m in zip(items, masters):
+                n = p.master.numel()
+                if p.packed is not None:
+                    out = buf.raw(buf.raw_out, offset, n, p.packed.dtype)
+                    out.copy_(m)
+                    outs.append(out)
+                else:
+                    outs.append(None)
+                offset += n
+        updated = _record(self._in)
+        if updated is not None:
+            self._out.wait_event(updated)
+        with _on(self._out):
+            if self.cuda and self.delay_cycles:
+                torch.cuda._sleep(self.delay_cycles)
+            for p, m, a, s, out in zip(items, masters, avgs, sqs, outs):
+                state = optimizer.state[p.master]
+                p.master.view(-1).copy_(m, non_blocking=True)
+                state["exp_avg"].view(-1).copy_(a, non_blocking=True)
+                state["exp_avg_sq"].view(-1).copy_(s, non_blocking=True)
+                if out is not None:
+                    p.packed.view(-1).copy_(out, non_blocking=True)
+        buf.free = _record(self._out)
+        return buf.free
+
+    def synchronize(self) -> None:
+        """Block until every update enqueued so far is home (a host read of masters or moments follows)."""
+        if self.cuda:
+            self._out.synchronize()
+            self._in.synchronize()
+
+    def pin_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """After a checkpoint load: the moments into pinned memory (the async copies read them)."""
+        if not self.cuda:
+            return
+        for state in optimizer.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state and not state[key].is_pinned():
+                    state[key] = state[key].pin_memory()
+
+
+def _chunks(params: Sequence[ParamUpdate], capacity: int) -> list[list[tuple[int, ParamUpdate]]]:
+    """Runs of consecutive params of one param group with at most ``capacity`` elements (a larger
+    param alone; :meth:`DeviceUpdater.reserve` makes room for the largest)."""
+    chunks: list[list[tuple[int, ParamUpdate]]] = []
+    size = 0
+    for i, p in enumerate(params):
+        n = p.master.numel()
+        if not chunks or size + n > capacity or chunks[-1][0][1].group is not p.group:
+            chunks.append([])
+            size = 0
+        chunks[-1].append((i, p))
+        size += n
+    return chunks
+
+
+def _zeros_like(master: torch.Tensor, pin: bool) -> torch.Tensor:
+    return torch.zeros(master.shape, dtype=torch.float32, pin_memory=pin)
+
+
+def _to_device(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without making the host wait (pinned, non-blocking)."""
+    if device.type != "cuda":
+        return value
+    return value.pin_memory().to(device, non_blocking=True)
+
+
+def _record(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+class _on:
+    """``torch.cuda.stream(stream)``, or nothing on the CPU."""
+
+    def __init__(self, stream: torch.cuda.Stream | None) -> None:
+        self.context = torch.cuda.stream(stream) if stream is not None else None
+
+    def __enter__(self) -> None:
+        if self.context is not None:
+            self.context.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        if self.context is not None:
+            self.context.__exit__(*exc)
