@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -30,14 +31,47 @@ def make_layers(dtype=torch.float32, cfg=SMALL):
     return layers, trainable
 
 
-def run_layers(layers, inputs, mode: str):
+def run_layers(layers, inputs, mode: str, checkpoint_fn=None):
+    """The layers in order, blocks checkpointed (``mode``: none, nonreentrant, reentrant) with
+    ``checkpoint_fn(function, *args)`` if given (a wrapped or diffusion-pipe-style checkpoint)."""
+    ckpt = checkpoint_fn or partial(checkpoint, use_reentrant=mode == "reentrant")
     h = inputs
     for layer in layers:
         if type(layer).__name__ in BLOCK_CLASSES and mode != "none" and torch.is_grad_enabled():
-            h = checkpoint(lambda *xs, layer=layer: layer(xs), *h, use_reentrant=mode == "reentrant")
+            h = ckpt(lambda *xs, layer=layer: layer(xs), *h)
         else:
             h = layer(h)
     return h
+
+
+class _HostSavingCheckpoint(torch.autograd.Function):
+    """Like diffusion-pipe's ``'unsloth'`` checkpointing: large arguments are saved as host copies, the
+    layer runs without grad, and backward brings the copies back, recomputes and backpropagates."""
+
+    @staticmethod
+    def forward(ctx, function, device, *args):
+        ctx.function, ctx.device = function, device
+        ctx.save_for_backward(*(x.to("cpu", copy=True) if x.numel() >= 256 else x for x in args))
+        with torch.no_grad():
+            return function(*args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        args = []
+        for x in ctx.saved_tensors:
+            x = x.to(ctx.device).detach()
+            if x.is_floating_point():
+                x.requires_grad_(True)
+            args.append(x)
+        with torch.enable_grad():
+            outputs = ctx.function(*args)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o is not None and o.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, *(a.grad for a in args))
+
+
+def host_saving_checkpoint(function, *args):
+    return _HostSavingCheckpoint.apply(function, args[0].device, *args)
 
 
 @dataclass
@@ -59,6 +93,7 @@ def train(
     dtype=torch.float32,
     cfg=SMALL,
     on_step=None,
+    checkpoint_fn=None,
 ):
     """Steps of (accumulate x forward/backward) then AdamW, with forward-only passes between;
     ``on_step(step)`` runs after each optimizer step (a step boundary)."""
@@ -71,7 +106,7 @@ def train(
             inputs, target = next(batches)
             if mode == "reentrant":
                 inputs = (inputs[0].requires_grad_(), *inputs[1:])
-            loss = F.mse_loss(run_layers(layers, inputs, mode).float(), target.float())
+            loss = F.mse_loss(run_layers(layers, inputs, mode, checkpoint_fn).float(), target.float())
             loss.backward()
             losses.append(loss.detach().cpu())
         grads.append([p.grad.detach().cpu().clone() for p in trainable])
@@ -82,7 +117,7 @@ def train(
         if eval_between:
             with torch.no_grad():
                 inputs, _ = next(batches)
-                evals.append(run_layers(layers, inputs, mode).cpu())
+                evals.append(run_layers(layers, inputs, mode, checkpoint_fn).cpu())
     return RunRecord(losses, grads, [p.detach().cpu().clone() for p in trainable], evals)
 
 

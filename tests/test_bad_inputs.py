@@ -241,6 +241,17 @@ CASES = [
     ),
     Case("host-adam-with-lora", demo("--host_adam", "torch"), "picks the host AdamW of a full fine-tune"),
     Case(
+        "demo-offload-without-checkpointing",
+        demo("--offload_activations", activation_checkpointing=False),
+        "--offload_activations sends the inputs checkpointed layers keep to host memory, and [demo] "
+        "activation_checkpointing = false",
+    ),
+    Case(
+        "dp-offload-without-checkpointing",
+        dp("--offload_activations", top="activation_checkpointing = false"),
+        "has no activation_checkpointing",
+    ),
+    Case(
         "demo-full-device-sgd",
         demo("--host_adam", "device", base="demo_full.toml", optimizer={"type": "sgd", "lr": 1e-3}),
         "the device host optimizer is AdamW: use type = 'adamw', or --host_adam torch_fused",

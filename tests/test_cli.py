@@ -8,6 +8,7 @@ import os
 import re
 
 import pytest
+import torch
 from cli_helpers import demo_toml, python_cmd, run_in_process, run_user_command
 from conftest import ROOT
 from safetensors.torch import load_file
@@ -212,3 +213,19 @@ def test_quick_start_commands_are_what_ci_runs():
     assert demo == "python3 dgls_train.py --config toml/demo.toml"
     launch_tests = (ROOT / "tests" / "test_launch_lines.py").read_text()
     assert '[sys.executable, "dgls_train.py", "--config", "toml/demo.toml"]' in launch_tests
+
+
+def test_demo_offloading_activations_trains_the_same_lora(tmp_path, user_env, capsys):
+    """dgls_train.py --offload_activations on the demo: DeepSpeed's pipeline calls the wrapped checkpoint,
+    the step lines say how much went home, and the LoRA is bitwise the one trained without it."""
+    loras = {}
+    for name, flags in (("plain", []), ("offload", ["--offload_activations"])):
+        config = demo_toml(tmp_path / name, steps=3)
+        code, out, err = run_in_process(["--config", str(config), "--verbose", *flags], capsys)
+        assert code == 0, err
+        if flags:
+            assert "activations home" in out
+        (saved,) = (tmp_path / name / "out").glob("*/adapter_model.safetensors")
+        loras[name] = load_file(str(saved))
+    assert loras["plain"].keys() == loras["offload"].keys()
+    assert all(torch.equal(loras["plain"][k], loras["offload"][k]) for k in loras["plain"])

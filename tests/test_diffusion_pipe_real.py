@@ -85,10 +85,15 @@ def test_plain_train_py_runs_and_is_repeatable(checkout, tmp_path):
     assert loras["a"].read_bytes() == loras["b"].read_bytes(), "two seeded runs gave different LoRAs"
 
 
-@pytest.mark.parametrize("checkpointing", [True, False, "unsloth"], ids=["ckpt", "no-ckpt", "unsloth"])
-def test_dgls_train_matches_plain_train_py(checkout, tmp_path, checkpointing):
-    """train.py through dgls_train.py with most blocks streamed: eval, saves and checkpoint as
-    without DGLS, and the LoRA bitwise equal to the plain run's (same seed, shared cache)."""
+@pytest.mark.parametrize(
+    "checkpointing, offload",
+    [(True, False), (False, False), ("unsloth", False), (True, True), ("unsloth", True)],
+    ids=["ckpt", "no-ckpt", "unsloth", "ckpt-offload", "unsloth-offload"],
+)
+def test_dgls_train_matches_plain_train_py(checkout, tmp_path, checkpointing, offload):
+    """train.py through dgls_train.py with most blocks streamed (and with --offload_activations the
+    checkpointed blocks' inputs sent home): eval, saves and checkpoint as without DGLS, and the LoRA
+    bitwise equal to the plain run's (same seed, shared cache)."""
     from safetensors.torch import load_file
 
     configs = _eval_runs(
@@ -96,8 +101,10 @@ def test_dgls_train_matches_plain_train_py(checkout, tmp_path, checkpointing):
     )
     run_train(checkout, configs["plain"], tmp_path / "cache.log", "--cache_only")
     run_train(checkout, configs["plain"], tmp_path / "plain.log")
-    log = run_train(checkout, configs["dgls"], tmp_path / "dgls.log", dgls="--blocks_to_swap 5 --prefetch 1 --verbose")
+    flags = "--blocks_to_swap 5 --prefetch 1 --verbose" + (" --offload_activations" if offload else "")
+    log = run_train(checkout, configs["dgls"], tmp_path / "dgls.log", dgls=flags)
     assert "TRAINING COMPLETE!" in log and log.count("Running eval") == 2
+    assert ("activations home" in log) == offload
     assert "streamed" in log and "5 layers" in log, "no DGLS placement table in the log"
     assert f"dgls step {STEPS}: swap:" in log, "no per-step DGLS stats with --verbose"
     events = b"".join(p.read_bytes() for p in only_run_dir(tmp_path / "out_dgls").glob("events.out.tfevents.*"))

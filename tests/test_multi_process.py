@@ -29,7 +29,8 @@ def demo_lora(folder: Path, launch: list[str], **demo) -> tuple[dict, str]:
     proc = run_user_command([*launch, "--config", str(config)], ROOT)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     (run_dir,) = [p for p in (folder / "out").iterdir() if p.is_dir()]
-    return load_file(str(run_dir / "adapter_model.safetensors")), proc.stdout
+    (saved,) = run_dir.glob("*.safetensors")  # adapter_model (LoRA) or model (full fine-tune)
+    return load_file(str(saved)), proc.stdout
 
 
 def assert_same_training(a: dict, b: dict, a_out: str, b_out: str) -> None:
@@ -61,6 +62,21 @@ def test_demo_pipeline_stages_stream_their_own_layers_and_train_exactly(tmp_path
     assert "stage 1 of 2 (layers 0-4):" in out and "stage 2 of 2 (layers 5-9):" in out
     # DeepSpeed's CPU allreduce buffers (66 MB each, never unlinked by DeepSpeed) are gone with the run
     assert not list(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*_29500_*"))
+
+
+def test_demo_full_fine_tune_in_pipeline_stages_trains_what_one_process_trains(tmp_path):
+    """Every weight trains; each stage keeps its streamed layers' masters and AdamW state on the host, and the
+    clipping norm is summed over the stages: the same losses and weights (up to summation order) as one
+    process."""
+    one, one_out = demo_lora(tmp_path / "one", python_cmd(), base="demo_full.toml")
+    two, out = demo_lora(
+        tmp_path / "two",
+        deepspeed_cmd("--num_gpus=2", "dgls_train.py", "--deepspeed"),
+        base="demo_full.toml",
+        pipeline_stages=2,
+    )
+    assert_same_training(two, one, out, one_out)
+    assert out.count("DGLS host training:") == 2, "each stage trains its own streamed layers on the host"
 
 
 def fake_run(folder: Path, launch: list[str], top: str) -> tuple[dict, str]:

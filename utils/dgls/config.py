@@ -60,6 +60,9 @@ class SwapConfig:
     host_optimizer: HostOptimizerSpec | None = None
     accumulation_steps: int = 1  # micro-batches per optimizer step (the host takes grad norms on the last)
     clip_grads: bool = True  # False: no clipping, so host updates start during backward (see host_training.py)
+    # Checkpointed layers' inputs wait in host memory between forward and recompute, all but those of the
+    # last max(1, prefetch) checkpointed calls of a forward (utils/dgls/activation_offload.py)
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

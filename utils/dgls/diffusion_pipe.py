@@ -224,7 +224,7 @@ class PipelineInterception:
                 f"starts at: no trace was written to {self.swap.profile_path}"
             )
 
-    def install(self, stage: Stage) -> None:
+    def install(self, stage: Stage) -> LayerSwapper:
         """This process's stage of the layer list is built: place it (called by the stage hook)."""
         if self.swapper is not None:
             raise DGLSUserError("train.py built a second pipeline module; DGLS supports one model per run")
@@ -244,6 +244,7 @@ class PipelineInterception:
         self.monitor = MemoryMonitor(swapper.device, lambda: swapper.pinned_bytes)
         self.reader = StepReader(swapper)
         self.window.device_type = swapper.device.type
+        return swapper
 
     def __exit__(self, *exc) -> None:
         """Always, also after an error or Ctrl-C: the layers back, the worker thread and pinned memory freed."""

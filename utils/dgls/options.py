@@ -175,6 +175,16 @@ OPTIONS: tuple[Option, ...] = (
         "streaming",
     ),
     Option(
+        "offload_activations",
+        "bool",
+        False,
+        "send the inputs that checkpointed layers keep for their recompute to host memory during the forward, "
+        "and bring them back just before the recompute (all but those of the last --prefetch checkpointed "
+        "layers); needs activation checkpointing",
+        "activations, not weights, fill the card (long videos, large resolutions)",
+        "streaming",
+    ),
+    Option(
         "batch_move",
         "bool",
         False,
@@ -504,6 +514,7 @@ def swap_config(values: dict[str, Any]) -> SwapConfig:
         "blocks_to_swap",
         "prefetch",
         "threading",
+        "offload_activations",
         "batch_move",
         "cuda_streams",
         "selective_packing",

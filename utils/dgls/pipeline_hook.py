@@ -12,12 +12,18 @@ This works the same for one stage (every layer), for several (each process its o
 data-parallel replicas (each process its own swapper on its own GPU), and whatever the trainer
 (the demo, diffusion-pipe's ``ManualPipelineModule``): partitioning sees the real parameter counts,
 since nothing is streamed before it.
+
+With ``offload_activations``, the built module's own ``activation_checkpoint_func`` (an attribute of
+that instance, which DeepSpeed calls for each checkpointed layer range) is replaced by the swapper's
+wrapper around it (:meth:`~.swapper.LayerSwapper.checkpoint_function`); the module is the run's, so
+nothing global changes and nothing needs restoring.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import DGLSUserError
 from .patches import Patches
@@ -52,9 +58,10 @@ class Stage:
 
 
 class StageHook:
-    """A context manager: while it is open, each ``PipelineModule`` built calls ``install(stage)``."""
+    """A context manager: while it is open, each ``PipelineModule`` built calls ``install(stage)``, which
+    returns the stage's swapper (or None)."""
 
-    def __init__(self, install: Callable[[Stage], None]) -> None:
+    def __init__(self, install: Callable[[Stage], Any]) -> None:
         self.install = install
         self.patches = Patches()
 
@@ -83,7 +90,9 @@ class StageHook:
                 grid.get_data_parallel_id(),
                 grid.get_data_parallel_world_size(),
             )
-            self.install(stage)
+            swapper = self.install(stage)
+            if swapper is not None and getattr(module, "activation_checkpoint_func", None) is not None:
+                module.activation_checkpoint_func = swapper.checkpoint_function(module.activation_checkpoint_func)
             return result
 
         return build_then_install

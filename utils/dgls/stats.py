@@ -55,6 +55,7 @@ class StepStats:
     pending: int = 0  # copies and waits whose timing is not resolved yet
     peak_vram_bytes: int = 0  # torch's max_memory_allocated at the end of the pass (DGLS never resets it)
     pinned_bytes: int = 0
+    activation_bytes: int = 0  # checkpointed layers' inputs sent to host memory (offload_activations)
 
     @property
     def gbps(self) -> float:
@@ -75,6 +76,7 @@ class StepStats:
             bytes_moved=self.bytes_moved - earlier.bytes_moved,
             copy_ms=self.copy_ms - earlier.copy_ms,
             wait_ms=self.wait_ms - earlier.wait_ms,
+            activation_bytes=self.activation_bytes - earlier.activation_bytes,
         )
 
     def as_dict(self) -> dict:
@@ -86,11 +88,15 @@ class StepStats:
         return f"streamed {human_bytes(self.bytes_moved)}, waited {self.wait_ms:.1f} ms"
 
     def line(self, device_type: str = "cuda") -> str:
+        activations = f", activations home {human_bytes(self.activation_bytes)}" if self.activation_bytes else ""
         if device_type != "cuda":
-            return f"swap: {human_bytes(self.bytes_moved)} in {self.fetches} copies, hits {self.hit_rate:.0%}"
+            return (
+                f"swap: {human_bytes(self.bytes_moved)} in {self.fetches} copies, hits {self.hit_rate:.0%}"
+                + activations
+            )
         return (
             f"swap: {human_bytes(self.bytes_moved)} in {self.fetches} copies, {self.gbps:.1f} GB/s, "
-            f"compute waited {self.wait_ms:.1f} ms, hits {self.hit_rate:.0%}, "
+            f"compute waited {self.wait_ms:.1f} ms, hits {self.hit_rate:.0%}{activations}, "
             f"peak VRAM {human_bytes(self.peak_vram_bytes)}, pinned {human_bytes(self.pinned_bytes)}"
         )
 
@@ -127,7 +133,17 @@ def across_ranks(stats: StepStats, device: torch.device) -> StepStats:
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return stats
-    counters = ("passes", "uses", "fetches", "misses", "bytes_moved", "copy_ms", "wait_ms", "pending")
+    counters = (
+        "passes",
+        "uses",
+        "fetches",
+        "misses",
+        "bytes_moved",
+        "copy_ms",
+        "wait_ms",
+        "pending",
+        "activation_bytes",
+    )
     summed = torch.tensor([float(getattr(stats, k)) for k in counters], dtype=torch.float64, device=device)
     largest = torch.tensor(
         [float(stats.peak_vram_bytes), float(stats.pinned_bytes)], dtype=torch.float64, device=device
@@ -192,6 +208,10 @@ class StatsCollector(Listener):
 
     def waited(self, wait: Wait) -> None:
         self._open.waits.append((wait.before, wait.after))
+
+    def activations_sent(self, nbytes: int) -> None:
+        self._open.stats.activation_bytes += nbytes
+        self._total.activation_bytes += nbytes
 
     def pass_ended(self) -> None:
         window, self._open = self._open, _Window()

@@ -35,18 +35,24 @@ Hazards handled
     - Full fine-tuning (``host_optimizer``): trainable params of streamed layers stream too, and are
       trained on the host (:mod:`.host_training`): a fetch waits for its layer's update, a gradient
       arriving is a use of its layer, and every host-trained layer is evicted at the end of each
-      backward (its slot copy is older than its next update). Placement is then fixed.
+      backward (its slot copy is older than its next update). Placement is then fixed. With
+      ``host_optimizer.on_device`` the update runs on the device (:mod:`.device_update`) and a fetch
+      waits for it there, through the copier's gate.
+    - ``offload_activations``: the trainer's checkpoint function, wrapped by :meth:`checkpoint_function`,
+      sends checkpointed layers' inputs home (:mod:`.activation_offload`); weights and activations move
+      on separate streams and never share a buffer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
+from .activation_offload import ActivationOffloader
 from .autoplan import PlacementDriver, resolve_budget
 from .config import SwapConfig
 from .copier import CudaCopier, DeferredCopier
@@ -137,6 +143,9 @@ class LayerSwapper:
             self.layers, self.layouts, self.placement.streamed, self.device, self.config, self._log, share_group
         )
         self.training: HostTraining | None = None
+        self.activations: ActivationOffloader | None = None
+        if self.config.offload_activations:
+            self.activations = ActivationOffloader(self.device, keep=max(1, self.config.prefetch))
         if self.config.host_optimizer is not None:
             self._start_training()
         for idx in self.placement.streamed:
@@ -165,6 +174,8 @@ class LayerSwapper:
             self.copier = DeferredCopier(self.store, use_thread=self.config.threading)
         self.predictor = UsePredictor(len(self.layers))
         self.stats = StatsCollector(self.device, lambda: self.pinned_bytes)
+        if self.activations is not None:
+            self.activations.on_offload = self.stats.activations_sent
         self.profiler: Profiler | None = None
         self._listeners: list[Listener] = [self.stats]
         if self.config.profile_path:
@@ -480,9 +491,21 @@ class LayerSwapper:
     @property
     def pinned_bytes(self) -> int:
         """Host memory DGLS page-locked: packed copies, and with full fine-tuning the gradient landings
-        (and, for device updates, the masters and moments)."""
+        (and, for device updates, the masters and moments); offloaded activations' buffers."""
         training = getattr(self, "training", None)
-        return self.store.pinned_bytes + (training.pinned_bytes() if training is not None else 0)
+        activations = getattr(self, "activations", None)
+        return (
+            self.store.pinned_bytes
+            + (training.pinned_bytes() if training is not None else 0)
+            + (activations.pinned_bytes() if activations is not None and activations.pin else 0)
+        )
+
+    def checkpoint_function(self, checkpoint: Callable) -> Callable:
+        """The trainer's checkpoint function (``checkpoint(function, *args, **kwargs)``), with activation
+        offload around it when ``offload_activations`` is on; unchanged otherwise."""
+        if self.activations is None:
+            return checkpoint
+        return self.activations.wrap(checkpoint)
 
     @property
     def streamed_layers(self) -> tuple[int, ...]:
@@ -601,6 +624,8 @@ class LayerSwapper:
             self.profiler.close()
         if built.get("training") is not None:
             self.training.close()
+        if built.get("activations") is not None:
+            self.activations.synchronize()
         if "copier" in built:
             self.copier.close()
         if self.device.type == "cuda":

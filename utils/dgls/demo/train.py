@@ -108,13 +108,14 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
         log, progress = (lambda line: None), False
     placed: dict = {}
 
-    def install(stage: Stage) -> None:
+    def install(stage: Stage) -> LayerSwapper:
         """This process's pipeline stage is built: place its layers (each stage's first replica speaks)."""
         speak = held if stage.data_parallel_id == 0 else (lambda line: None)
         swap = run.swap.for_stage(stage.start, stage.stop)
         placed["swapper"] = LayerSwapper(
             stage.layers, swap, device=device, log=lambda line: speak(stage.label + line), share_group=stage.share_group
         )
+        return placed["swapper"]
 
     result, finished, planned_only = DemoResult(), False, False
     try:

@@ -1,0 +1,162 @@
+"""Activation offload on the CPU: checkpointed blocks' inputs go home during forward and come back before
+their recompute, and training is bitwise what it is without offload.
+
+LoRA training of the small demo model (3 double and 3 single blocks, each checkpointed), 2 steps of 2
+micro-batches with eval passes between, for non-reentrant, reentrant and a diffusion-pipe ``'unsloth'``-
+style checkpoint (large arguments saved as host copies, the recompute inside its own backward). On the CPU a
+restore writes NaN at once and the saved bytes only when the recompute waits for it, so a recompute that
+does not wait fails here.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import SMALL, assert_bitwise_equal, host_saving_checkpoint, make_layers, run_layers, train
+
+from utils.dgls import LayerSwapper, SwapConfig
+from utils.dgls.activation_offload import ActivationOffloader
+from utils.dgls.demo.data import SyntheticLatents
+
+CPU = torch.device("cpu")
+MODES = ["nonreentrant", "reentrant", "unsloth"]
+BLOCKS = SMALL.double_blocks + SMALL.single_blocks
+
+
+def checkpoint_for(mode):
+    if mode == "unsloth":
+        return host_saving_checkpoint
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+
+    return partial(checkpoint, use_reentrant=mode == "reentrant")
+
+
+def run(mode, offloader=None):
+    layers, trainable = make_layers()
+    ckpt = checkpoint_for(mode)
+    if offloader is not None:
+        ckpt = offloader.wrap(ckpt)
+    # like reentrant checkpointing, the 'unsloth' kind needs an input that requires grad (train sets it)
+    return train(layers, trainable, CPU, "nonreentrant" if mode == "nonreentrant" else "reentrant", checkpoint_fn=ckpt)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {mode: run(mode) for mode in MODES}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("keep", [1, 2, 5])
+def test_offloaded_training_is_bitwise_the_same(references, mode, keep):
+    offloader = ActivationOffloader(CPU, keep=keep, min_bytes=0)
+    got = run(mode, offloader)
+    assert_bitwise_equal(got, references[mode])
+    assert offloader.offloaded_bytes > 0
+    assert offloader.restored_bytes == offloader.offloaded_bytes, "everything sent home came back"
+    assert not offloader._live, "every host buffer is back in the pool"
+    chain, segment = 0, offloader._last
+    while segment is not None:
+        chain, segment = chain + 1, segment.previous
+    assert chain <= BLOCKS, "segments of finished passes are let go"
+
+
+def forward_only(offloader, mode="nonreentrant"):
+    """One checkpointed forward and its loss (no backward yet), and the block inputs it saw."""
+    layers, _ = make_layers()
+    data = SyntheticLatents(SMALL, samples=4, image_tokens=12, text_tokens=5, seed=3)
+    inputs, target = next(data.batches(2, torch.float32, CPU))
+    seen = []
+    inner = offloader.wrap(checkpoint_for(mode))
+
+    def ckpt(function, *args):
+        seen.append(args)
+        return inner(function, *args)
+
+    loss = F.mse_loss(run_layers(layers, inputs, mode, ckpt).float(), target.float())
+    return loss, seen
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_after_the_forward_the_early_blocks_inputs_hold_no_memory(keep):
+    """The inputs of every block but the last ``keep`` point at empty storages until backward; a tensor that
+    every block takes (the timestep vector) stays."""
+    offloader = ActivationOffloader(CPU, keep=keep, min_bytes=0)
+    loss, seen = forward_only(offloader)
+    assert len(seen) == BLOCKS
+    for k, args in enumerate(seen):
+        img = args[0]
+        expect_empty = k < BLOCKS - keep
+        assert (img.untyped_storage().nbytes() == 0) == expect_empty, (k, keep)
+        assert args[-1].untyped_storage().nbytes() > 0, "the timestep vector is taken by every block"
+    loss.backward()
+    for args in seen:
+        assert args[0].untyped_storage().nbytes() > 0 or args[0]._base is not None
+
+
+def test_the_next_blocks_inputs_come_back_ahead_of_their_recompute(monkeypatch):
+    """At each recompute, the ``keep`` blocks before it start coming back; only the first restore of a
+    backward is issued on demand... and with keep 2 none is (the last two never left)."""
+    offloader = ActivationOffloader(CPU, keep=2, min_bytes=0)
+    loss, _ = forward_only(offloader)
+    loss.backward()
+    assert offloader.demand_restores == 0
+    assert offloader.restored_bytes == offloader.offloaded_bytes > 0
+
+
+def test_a_recompute_that_does_not_wait_for_its_inputs_fails(references, monkeypatch):
+    monkeypatch.setattr(ActivationOffloader, "_wait", lambda self, offload: None)  # the mutation
+    got = run("nonreentrant", ActivationOffloader(CPU, keep=1, min_bytes=0))
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(got, references["nonreentrant"])
+
+
+def test_eval_passes_and_small_tensors_are_left_alone():
+    offloader = ActivationOffloader(CPU, keep=1, min_bytes=2**20)  # the small model's inputs are under 1 MiB
+    forward_only(offloader)[0].backward()
+    assert offloader.offloaded_bytes == 0
+    offloader = ActivationOffloader(CPU, keep=1, min_bytes=0)
+    layers, _ = make_layers()
+    data = SyntheticLatents(SMALL, samples=4, image_tokens=12, text_tokens=5, seed=3)
+    inputs, _ = next(data.batches(2, torch.float32, CPU))
+    with torch.no_grad():
+        run_layers(layers, inputs, "nonreentrant", offloader.wrap(checkpoint_for("nonreentrant")))
+    assert offloader.offloaded_bytes == 0
+
+
+def test_a_forward_without_backward_gives_its_host_buffers_back():
+    """A graph dropped before backward (its loss never used): the next forward reclaims the buffers."""
+    offloader = ActivationOffloader(CPU, keep=1, min_bytes=0)
+    loss, seen = forward_only(offloader)
+    sent = offloader.offloaded_bytes
+    assert sent > 0 and offloader._live
+    del loss, seen
+    loss, _ = forward_only(offloader)
+    assert offloader.offloaded_bytes == 2 * sent
+    loss.backward()
+    assert not offloader._live
+    assert sum(len(v) for v in offloader._pool.values()) > 0
+
+
+# ---------------------------------------------------------------- with the engine (offload_activations)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kw", [{"prefetch": 1}, {"prefetch": 2, "threading": True}], ids=["pf1", "pf2-thread"])
+def test_with_streamed_weights_training_is_bitwise_the_same(references, mode, kw):
+    """The swapper streams the blocks' weights and sends their inputs home: both come back in time."""
+    layers, trainable = make_layers()
+    with LayerSwapper(layers, SwapConfig(offload_activations=True, **kw), device=CPU, log=None) as swapper:
+        ckpt = swapper.checkpoint_function(checkpoint_for(mode))
+        got = train(
+            layers, trainable, CPU, "nonreentrant" if mode == "nonreentrant" else "reentrant", checkpoint_fn=ckpt
+        )
+        stats = swapper.total_stats()
+    assert_bitwise_equal(got, references[mode])
+    assert stats.activation_bytes == swapper.activations.offloaded_bytes > 0
+    assert swapper.activations.keep == kw["prefetch"]
+
+
+def test_off_the_checkpoint_function_is_the_trainers_own():
+    layers, _ = make_layers()
+    with LayerSwapper(layers, SwapConfig(), device=CPU, log=None) as swapper:
+        ckpt = checkpoint_for("nonreentrant")
+        assert swapper.checkpoint_function(ckpt) is ckpt

@@ -1,0 +1,93 @@
+"""Activation offload on CUDA at Flux block width, delays on every stream: bitwise equal to all-resident.
+
+The blocks' weights stream (20 ms before every weight copy), their inputs (2 x 12 x 3072 bf16, above the
+offload threshold) go home and come back (10 ms before every copy either way), and compute sleeps 5 ms at
+every layer use, with deterministic kernels and math attention. Losses, gradients, LoRA weights and eval
+outputs must equal all-resident training with the same checkpointing, for non-reentrant, reentrant and a
+diffusion-pipe 'unsloth'-style checkpoint; a recompute that does not wait for its restore must differ.
+"""
+
+from functools import partial
+
+import pytest
+from helpers import assert_bitwise_equal, host_saving_checkpoint, make_layers, train
+from test_ordering_gpu import (  # noqa: F401 (fixtures)
+    BF16,
+    FLUX_WIDTH,
+    MS,
+    ComputeDelay,
+    delay_copies,
+    deterministic,
+    device,
+    fresh,
+)
+from torch.utils.checkpoint import checkpoint
+
+from utils.dgls import LayerSwapper, SwapConfig
+from utils.dgls.activation_offload import ActivationOffloader
+
+pytestmark = pytest.mark.gpu
+MODES = ["nonreentrant", "reentrant", "unsloth"]
+
+
+def checkpoint_for(mode):
+    return host_saving_checkpoint if mode == "unsloth" else partial(checkpoint, use_reentrant=mode == "reentrant")
+
+
+def loop_mode(mode):
+    return "nonreentrant" if mode == "nonreentrant" else "reentrant"  # reentrant kinds need an input with grad
+
+
+@pytest.fixture(scope="module")
+def template():
+    return make_layers(BF16, FLUX_WIDTH)[0]
+
+
+@pytest.fixture(scope="module")
+def references(template):
+    cache = {}
+
+    def get(mode):
+        if mode not in cache:
+            layers, trainable = fresh(template)
+            for layer in layers:
+                layer.to(device())
+            cache[mode] = train(
+                layers,
+                trainable,
+                device(),
+                loop_mode(mode),
+                dtype=BF16,
+                cfg=FLUX_WIDTH,
+                checkpoint_fn=checkpoint_for(mode),
+            )
+        return cache[mode]
+
+    return get
+
+
+def offloaded_run(template, mode, monkeypatch, prefetch=2):
+    delay_copies(monkeypatch, 20.0)
+    layers, trainable = fresh(template)
+    config = SwapConfig(prefetch=prefetch, offload_activations=True)
+    with LayerSwapper(layers, config, device=device(), log=None) as swapper:
+        swapper.add_listener(ComputeDelay(5.0))
+        swapper.activations.delay_cycles = int(10 * MS)
+        ckpt = swapper.checkpoint_function(checkpoint_for(mode))
+        record = train(layers, trainable, device(), loop_mode(mode), dtype=BF16, cfg=FLUX_WIDTH, checkpoint_fn=ckpt)
+        stats = swapper.total_stats(sync=True)
+        offloader = swapper.activations
+    assert stats.activation_bytes > 0 and offloader.restored_bytes == offloader.offloaded_bytes
+    return record
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_offloaded_inputs_with_delays_stay_bitwise_equal(template, references, monkeypatch, mode, prefetch):
+    assert_bitwise_equal(references(mode), offloaded_run(template, mode, monkeypatch, prefetch))
+
+
+def test_a_recompute_that_does_not_wait_for_its_restore_differs(template, references, monkeypatch):
+    monkeypatch.setattr(ActivationOffloader, "_wait", lambda self, offload: None)  # the canary
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(references("nonreentrant"), offloaded_run(template, "nonreentrant", monkeypatch))

@@ -1,0 +1,314 @@
+"""Activation offload: the inputs a checkpointed layer keeps for its recompute wait in host memory.
+
+Why
+    With activation checkpointing, what stays on the device between a layer's forward and its backward is
+    the layer's inputs (the checkpoint keeps them to run the layer again). For a Wan-14B LoRA at 81 frames
+    those are about 13 GiB, far more than the weights DGLS streams. They are written once in the forward
+    and read once, in reverse order, in the backward: the same shape of traffic as streamed weights,
+    in the other direction first (device to host, which LoRA training otherwise leaves idle).
+
+What is offloaded
+    :meth:`ActivationOffloader.wrap` wraps the trainer's checkpoint function (``torch.utils.checkpoint``,
+    reentrant or not, diffusion-pipe's ``'unsloth'``, DeepSpeed's pipeline ``activation_checkpoint_func``).
+    Each call with grad enabled is a *segment*: its tensor arguments on the device are what the checkpoint
+    keeps. A segment's tensors go home once ``keep`` later segments were called, except those that a later
+    call still takes (a tensor every block takes, such as a timestep vector, stays until the blocks that
+    take it are past); so the inputs of the last ``keep`` segments of a forward never leave. Offloading
+    is by storage: its bytes are copied to a pinned host buffer and the storage is resized to nothing, so
+    every tensor and view on it holds no device memory until it is restored (and reads of it fail).
+
+When it comes back
+    The checkpoint calls the function again in backward (the recompute). The wrapper runs first: it
+    restores the segment's storages (waiting for their copies), then starts the restores of the ``keep``
+    segments before it, which the backward reaches next. A call that takes a tensor already sent home
+    (not expected from a pipeline, where each layer passes on what later ones need) restores it first.
+
+Mechanics
+    - CUDA: one device-to-host stream and one host-to-device stream of this module's own. An offload
+      waits for the compute stream (the tensor was just produced), copies, marks the storage as used on
+      its stream (``record_stream``, so the caching allocator keeps it until the copy ran) and frees it.
+      A restore allocates on the compute stream, waits for the offload copy and for the allocation, copies
+      in, and records an event; the recompute makes the compute stream wait for it. Host buffers are
+      pinned and pooled by size; one goes back to the pool with the event of the copy that last read it.
+    - CPU (:class:`DeferredTransfers`): a restore fills the storage with NaN bytes at once and writes the
+      saved bytes only when the recompute waits for it, so a recompute that reads its inputs without
+      waiting computes with NaN and a CPU test fails.
+
+Hazards handled
+    - A storage shared by a later call's argument is never offloaded early (checked by storage, so a
+      view counts as its base).
+    - Segments whose graph was dropped without a backward (no recompute comes) are found by weak
+      references and their host buffers reclaimed.
+    - The same storage in two segments is offloaded once, by the segment that sees it last.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .copier import POISON
+
+MIN_BYTES = 64 * 1024  # on CUDA smaller tensors stay: not worth a copy each way (on the CPU, where offload
+# only exercises the mechanics for tests, every size goes)
+
+
+@dataclass(eq=False)
+class Offload:
+    """One storage sent home."""
+
+    tensor: weakref.ref  # a tensor on the storage (the storage object is rebuilt from it)
+    nbytes: int
+    host: torch.Tensor  # pinned uint8 buffer of the pool
+    sent: torch.cuda.Event | None = None  # the device-to-host copy
+    restoring: torch.cuda.Event | None = None  # the host-to-device copy, once issued
+    pending_cpu: bool = False  # CPU: the restore's bytes are still to be written
+    restored: bool = False
+
+
+@dataclass(eq=False)
+class Segment:
+    """One checkpointed call of a forward pass."""
+
+    storages: dict[int, weakref.ref]  # storage identity -> a tensor on it (those eligible to go home)
+    previous: Segment | None  # the call before it in the forward (cut once this one was recomputed)
+    offloads: list[Offload] = field(default_factory=list)
+    done: bool = False
+
+
+class ActivationOffloader:
+    """Sends the inputs of checkpointed calls home during forward, brings them back before recompute."""
+
+    def __init__(
+        self, device: torch.device, keep: int = 2, min_bytes: int | None = None, pin: bool | None = None
+    ) -> None:
+        self.device = device
+        self.keep = max(1, keep)
+        self.cuda = device.type == "cuda"
+        self.min_bytes = (MIN_BYTES if self.cuda else 0) if min_bytes is None else min_bytes
+        self.pin = self.cuda if pin is None else pin
+        self.delay_cycles = 0  # tests: a torch.cuda._sleep before each copy, either direction
+        self.on_offload: Callable[[int], None] = lambda nbytes: None  # the engine's stats
+        self._d2h = torch.cuda.Stream(device=device) if self.cuda else None
+        self._h2d = torch.cuda.Stream(device=device) if self.cuda else None
+        self._pool: dict[int, list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
+        self._recent: list[Segment] = []  # segments not yet offloaded, oldest first
+        self._live: list[Segment] = []  # segments with offloads not yet restored and released
+        self._last: Segment | None = None
+        self.offloaded_bytes = 0  # totals, for the stats line and tests
+        self.restored_bytes = 0
+        self.demand_restores = 0  # restores issued only when the recompute needed them (prefetch misses)
+
+    # ---------------------------------------------------------------- public
+    def wrap(self, checkpoint: Callable) -> Callable:
+        """``checkpoint(function, *args, **kwargs)`` with this offloader around it."""
+
+        def dgls_checkpoint(function: Callable, *args, **kwargs):
+            if not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
+                return checkpoint(function, *args, **kwargs)
+            segment = self._enter(args, kwargs)
+            return checkpoint(_Recompute(self, segment, function), *args, **kwargs)
+
+        dgls_checkpoint.__wrapped__ = checkpoint  # type: ignore[attr-defined]
+        return dgls_checkpoint
+
+    def pinned_bytes(self) -> int:
+        return sum(buf.numel() for bufs in self._pool.values() for buf, _ in bufs) + sum(
+            o.nbytes for s in self._live for o in s.offloads if not o.restored
+        )
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            self._d2h.synchronize()
+            self._h2d.synchronize()
+
+    # ---------------------------------------------------------------- forward
+    def _enter(self, args: tuple, kwargs: dict) -> Segment:
+        self._reclaim()
+        tensors = [t for t in _tensors(args, kwargs) if t.device == self.device]
+        taken = {_storage_key(t) for t in tensors}
+        for segment in self._live:  # a storage sent home that this call takes again: back first
+            for offload in segment.offloads:
+                tensor = offload.tensor()
+                if not offload.restored and tensor is not None and _storage_key(tensor) in taken:
+                    self._restore(offload)
+                    self._wait(offload)
+                    self.demand_restores += 1
+        eligible = {_storage_key(t): weakref.ref(t) for t in tensors if self._eligible(t)}
+        previous = self._last if self._last is not None and not self._last.done else None
+        segment = Segment(eligible, previous)
+        self._last = segment
+        for older in self._recent:  # storages a later call takes are not theirs to send
+            for key in taken:
+                older.storages.pop(key, None)
+        self._recent.append(segment)
+        while len(self._recent) > self.keep:
+            self._offload(self._recent.pop(0))
+        return segment
+
+    def _eligible(self, tensor: torch.Tensor) -> bool:
+        storage = tensor.untyped_storage()
+        return tensor.is_floating_point() and storage.nbytes() >= self.min_bytes and storage.resizable()
+
+    def _offload(self, segment: Segment) -> None:
+        for ref in segment.storages.values():
+            tensor = ref()
+            if tensor is None or tensor.untyped_storage().nbytes() == 0:
+                continue
+            storage = tensor.untyped_storage()
+            nbytes = storage.nbytes()
+            host, free_after = self._take_buffer(nbytes)
+            source = _bytes_of(storage, self.device)
+            offload = Offload(weakref.ref(tensor), nbytes, host)
+            if self.cuda:
+                self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+                if free_after is not None:
+                    self._d2h.wait_event(free_after)  # the buffer's previous restore read it
+                with torch.cuda.stream(self._d2h):
+                    if self.delay_cycles:
+                        torch.cuda._sleep(self.delay_cycles)
+                    host.copy_(source, non_blocking=True)
+                    offload.sent = _record(self._d2h)
+                source.record_stream(self._d2h)
+            else:
+                host.copy_(source)
+            del source
+            storage.resize_(0)
+            segment.offloads.append(offload)
+            self.offloaded_bytes += nbytes
+            self.on_offload(nbytes)
+        segment.storages.clear()
+        if segment.offloads:
+            self._live.append(segment)
+
+    # ---------------------------------------------------------------- backward
+    def before_recompute(self, segment: Segment) -> None:
+        """The checkpoint runs ``segment``'s function again: its inputs must be on the device; the
+        segments before it (the backward's next) start coming back."""
+        if segment in self._recent:  # its inputs never left (one of the last ``keep``)
+            self._recent.remove(segment)
+        for offload in segment.offloads:
+            if offload.restoring is None and not offload.pending_cpu and not offload.restored:
+                self._restore(offload)
+                self.demand_restores += 1
+            self._wait(offload)
+        self._release(segment)
+        ahead, earlier = 0, segment.previous
+        while earlier is not None and ahead < self.keep:
+            if not earlier.done:
+                for offload in earlier.offloads:
+                    if offload.restoring is None and not offload.pending_cpu and not offload.restored:
+                        self._restore(offload)
+            ahead += 1
+            earlier = earlier.previous
+        segment.previous = None  # the chain of a long run stays as short as one forward
+
+    def _restore(self, offload: Offload) -> None:
+        tensor = offload.tensor()
+        if tensor is None:
+            return
+        storage = tensor.untyped_storage()
+        if self.cuda:
+            storage.resize_(offload.nbytes)  # allocated on the compute stream
+            target = _bytes_of(storage, self.device)
+            self._h2d.wait_stream(torch.cuda.current_stream(self.device))
+            if offload.sent is not None:
+                self._h2d.wait_event(offload.sent)
+            with torch.cuda.stream(self._h2d):
+                if self.delay_cycles:
+                    torch.cuda._sleep(self.delay_cycles)
+                target.copy_(offload.host, non_blocking=True)
+                offload.restoring = _record(self._h2d)
+            target.record_stream(self._h2d)
+        else:
+            storage.resize_(offload.nbytes)
+            _bytes_of(storage, self.device).fill_(POISON)  # in flight: undefined until waited for
+            offload.pending_cpu = True
+        self.restored_bytes += offload.nbytes
+
+    def _wait(self, offload: Offload) -> None:
+        if offload.restored:
+            return
+        if self.cuda:
+            if offload.restoring is not None:
+                torch.cuda.current_stream(self.device).wait_event(offload.restoring)
+        elif offload.pending_cpu:
+            tensor = offload.tensor()
+            if tensor is not None:
+                _bytes_of(tensor.untyped_storage(), self.device).copy_(offload.host)
+            offload.pending_cpu = False
+        offload.restored = True
+
+    # ---------------------------------------------------------------- host buffers
+    def _release(self, segment: Segment) -> None:
+        """The segment's restores are waited for: its host buffers go back to the pool."""
+        segment.done = True
+        for offload in segment.offloads:
+            self._pool.setdefault(offload.nbytes, []).append((offload.host, offload.restoring))
+        segment.offloads.clear()
+        if segment in self._live:
+            self._live.remove(segment)
+
+    def _reclaim(self) -> None:
+        """Segments whose tensors are gone (their graph was dropped before a backward) give back their
+        buffers; so do segments whose every offload was restored by a later call."""
+        for segment in list(self._live):
+            if all(o.tensor() is None or o.restored for o in segment.offloads):
+                self._release(segment)
+                segment.previous = None
+        self._recent = [s for s in self._recent if any(r() is not None for r in s.storages.values())]
+
+    def _take_buffer(self, nbytes: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        free = self._pool.get(nbytes)
+        if free:
+            return free.pop()
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin), None
+
+
+class _Recompute:
+    """The checkpointed function, with the restore in front of its second run."""
+
+    def __init__(self, offloader: ActivationOffloader, segment: Segment, function: Callable) -> None:
+        self.offloader, self.segment, self.function = offloader, segment, function
+
+    def __call__(self, *args, **kwargs):
+        if torch._C._current_autograd_node() is not None:  # in backward: the recompute
+            self.offloader.before_recompute(self.segment)
+        return self.function(*args, **kwargs)
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+
+    def visit(value) -> None:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+
+    visit(args)
+    visit(kwargs)
+    return found
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    """The storage's identity: the same for every view of it, and before and after a resize."""
+    return tensor.untyped_storage()._cdata
+
+
+def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over the whole storage."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
