@@ -59,8 +59,9 @@ NOTES = [
     "Every weight trains (no LoRA). 'host optimizer wait': the share of DGLS's step the training thread spent "
     "blocked on the host optimizer (a fetch waiting for its layer's update, or clipping waiting for the last "
     "gradients); the rest of the host work ran beside the GPU. With dgls-device the AdamW steps run on the GPU "
-    "and a fetch waits for its layer's update there, so the training thread does not block on them. 'host RSS': the process's peak resident memory "
-    "since the method started (masters, gradient sums and AdamW moments live there for DGLS and ZeRO-offload).",
+    "and a fetch waits for its layer's update there, so the training thread does not block on them. "
+    "'host RSS': the process's peak resident memory since the method started (masters, gradient sums and AdamW "
+    "moments live there for DGLS and ZeRO-offload).",
 ]
 
 

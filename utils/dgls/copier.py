@@ -64,7 +64,8 @@ class OrderingError(RuntimeError):
 
 @dataclass(eq=False)
 class Marker:
-    """A point on the compute stream: every kernel enqueued before it reads no slot anymore."""
+    """A point on a stream that a write waits for: on the compute stream, every kernel enqueued before it
+    reads no slot anymore; or a device update that rewrote the layer's host copy."""
 
     event: torch.cuda.Event | None = None  # None on CPU, where compute is synchronous
 

@@ -145,6 +145,7 @@ class HostTraining:
         self.waited_s = 0.0  # seconds the training thread spent blocked on host jobs (updates, accumulations)
         self.job_s = {"accumulate": 0.0, "update": 0.0}  # seconds the host spent on each kind of job
         self.device_bytes = 0  # device updates: their scratch buffers
+        self._pinned: tuple | None = None  # (what was allocated, pinned bytes), see pinned_bytes
         self._pending: list[Job] = []  # deferred mode: submitted, not yet run
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
@@ -203,15 +204,23 @@ class HostTraining:
         self._hooks.clear()
 
     def pinned_bytes(self) -> int:
-        """Page-locked bytes this module holds: landings, and the masters and moments of device updates
-        (packed copies are the host store's)."""
-        tensors = [tp.landing for layer in self.layers.values() for tp in layer.params]
+        """Page-locked bytes this module holds: landings, and for device updates the masters, sums and
+        moments (packed copies are the host store's). Counted again only when some were allocated (the
+        stats read this every step, and asking CUDA whether memory is pinned costs a driver call)."""
+        params = [tp for layer in self.layers.values() for tp in layer.params]
+        states = sum(len(layer.optimizer.state) for layer in self.layers.values())
+        key = (states, sum(tp.acc is not None for tp in params))
+        if self._pinned is not None and self._pinned[0] == key:
+            return self._pinned[1]
+        tensors = [tp.landing for tp in params]
         if self.updater is not None:
             for layer in self.layers.values():
                 packed = {layer.host.master_view(tp.position).data_ptr() for tp in layer.params}
                 tensors += [tp.master for tp in layer.params if tp.master.data_ptr() not in packed]
+                tensors += [tp.acc for tp in layer.params if tp.acc is not None]
                 tensors += [t for state in layer.optimizer.state.values() for t in state.values() if t.ndim]
-        return sum(t.numel() * t.element_size() for t in tensors if t.is_pinned())
+        self._pinned = (key, sum(t.numel() * t.element_size() for t in tensors if t.is_pinned()))
+        return self._pinned[1]
 
     def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self._by_param
@@ -492,6 +501,7 @@ class HostTraining:
             layer.optimizer.load_state_dict(state[idx] if idx in state else state[str(idx)])
             if self.updater is not None:
                 self.updater.pin_state(layer.optimizer)
+        self._pinned = None
 
     def close(self) -> None:
         if self._thread is not None:
