@@ -7,7 +7,9 @@
 - ``options``: a prefetch/threading/batch_move grid at the last ~N GiB target (fresh swappers);
 - ``dp``: diffusion-pipe's built-in block swap (baselines.DPSwap);
 - ``auto``: DGLS with ``vram_budget`` ("auto" and fixed GiB), timed after its planning steps;
-- ``naive``: synchronous ``.to()`` of a block's frozen weights around its use (baselines.NaiveSwap).
+- ``naive``: synchronous ``.to()`` of a block's frozen weights around its use (baselines.NaiveSwap);
+- ``offload``: DGLS with every block streamed and ``offload_activations`` (the checkpointed blocks'
+  inputs in host memory between forward and recompute), on request.
 
 Each method is a generator of :class:`Case`: set-up before its first case, teardown in its
 ``finally``. Deciding whether a case runs is the runner's job (runner.py), not a method's.
@@ -26,7 +28,7 @@ from baselines import DPSwap, NaiveSwap, dp_checkout, dp_streamed_bytes, load_dp
 from machine import release_host_cache
 from models import Bench, place
 from timing import Deadline, peaks, reset_peaks, sync, time_steps
-from torch.utils.checkpoint import set_checkpoint_early_stop
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from units import GiB
 
 from utils.dgls import LayerSwapper, SwapConfig
@@ -40,6 +42,7 @@ METHODS = {
     "dp": "diffusion-pipe built-in",
     "auto": "DGLS vram_budget",
     "naive": "naive .to() swap",
+    "offload": "DGLS + activation offload",
 }
 DEFAULT_METHODS = ("resident", "dgls", "dp", "auto", "naive")  # ab and options on request: they take long
 
@@ -66,6 +69,11 @@ NOTES = {
     ),
     "auto": "vram_budget rows are timed after the planner's probe, trial and check steps.",
     "naive": "naive: waited = time inside the synchronous moves (both ways).",
+    "offload": (
+        "activation offload rows: every block streamed, and the inputs checkpointed blocks keep for their "
+        "recompute sent to host memory during the forward (all but those of the last prefetch blocks); "
+        "'activations home' is what went per step."
+    ),
 }
 
 
@@ -150,19 +158,25 @@ class Methods:
             "dp": self.dp,
             "auto": self.auto,
             "naive": self.naive,
+            "offload": self.offload,
         }
         return generators[kind]()
 
     # -------------------------------------------------------- shared steps
-    def time_bench(self, warmup: int | None = None, after: Callable | None = None) -> tuple[list[float], list]:
+    def time_bench(
+        self, warmup: int | None = None, after: Callable | None = None, checkpoint_fn: Callable | None = None
+    ) -> tuple[list[float], list]:
         """--warmup (or ``warmup``) and --steps training steps, stopped early past the deadline."""
         warmup = self.options.warmup if warmup is None else warmup
-        return time_steps(self.bench.training_step(), self.device, warmup, self.options.steps, after, self.deadline)
+        step = self.bench.training_step(checkpoint_fn=checkpoint_fn)
+        return time_steps(step, self.device, warmup, self.options.steps, after, self.deadline)
 
     def time_placement(self, swapper: LayerSwapper) -> tuple[list[float], list]:
-        """Step times and per-step swap stats of the placement in force, peaks counted from here."""
+        """Step times and per-step swap stats of the placement in force, peaks counted from here; the
+        checkpointed blocks through the swapper's checkpoint function (activation offload, when on)."""
         reset_peaks(self.device)
-        return self.time_bench(after=StepReader(swapper, sync=True).end)
+        ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=False))
+        return self.time_bench(after=StepReader(swapper, sync=True).end, checkpoint_fn=ckpt)
 
     def swap_figures(self, swapper: LayerSwapper, stats: list) -> dict:
         placement = swapper.placement
@@ -179,6 +193,7 @@ class Methods:
             "wait_ms": statistics.median(s.wait_ms for s in stats) if stats else 0.0,
             "hit_rate": min(s.hit_rate for s in stats) if stats else 1.0,
             "misses_per_step": statistics.median(s.misses for s in stats) if stats else 0,
+            "activations_home_gib": statistics.median(s.activation_bytes for s in stats) / GiB if stats else 0.0,
             **peaks(self.device),
         }
 
@@ -374,6 +389,18 @@ class Methods:
                 "plan_log": [line.strip() for line in lines if line.startswith(("DGLS", "  "))],
                 "trials": planner_trials(planner),
             }
+
+    def offload(self) -> Iterator[Case]:
+        n, prefetch = len(self.bench.blocks), self.options.prefetch
+        name = f"DGLS + offload_activations (blocks_to_swap={n}, prefetch={prefetch})"
+        yield Case("offload", name, partial(self.measure_offload, n))
+
+    def measure_offload(self, blocks_to_swap: int):
+        place(self.bench.layers, self.device)
+        config = SwapConfig(blocks_to_swap=blocks_to_swap, prefetch=self.options.prefetch, offload_activations=True)
+        with LayerSwapper(self.bench.layers, config, self.device, log=None) as swapper:
+            times, stats = self.time_placement(swapper)
+            return times, self.swap_figures(swapper, stats)
 
     def naive(self) -> Iterator[Case]:
         label, n = self.blocks_to_swap(self.options.naive)

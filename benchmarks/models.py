@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -128,14 +129,16 @@ class Bench:
     def __post_init__(self) -> None:
         self.sizes = tuple(layout.sizes for layout in measure(self.layers))
 
-    def training_step(self, lr: float = 1e-5) -> Callable[[], None]:
-        """One LoRA training step (forward, backward, AdamW) per call, with a fresh optimizer."""
+    def training_step(self, lr: float = 1e-5, checkpoint_fn: Callable | None = None) -> Callable[[], None]:
+        """One LoRA training step (forward, backward, AdamW) per call, with a fresh optimizer; the
+        checkpointed layers through ``checkpoint_fn(function, *args)`` (default: torch's, non-reentrant)."""
         optimizer = torch.optim.AdamW([p for la in self.layers for p in la.parameters() if p.requires_grad], lr=lr)
+        ckpt = checkpoint_fn or partial(checkpoint, use_reentrant=False)
 
         def step() -> None:
             h = self.inputs
             for i, layer in enumerate(self.layers):
-                h = checkpoint(layer, h, use_reentrant=False) if i in self.checkpointed else layer(h)
+                h = ckpt(layer, h) if i in self.checkpointed else layer(h)
             F.mse_loss(h.float(), self.target.float()).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

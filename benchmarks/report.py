@@ -47,6 +47,7 @@ class Table:
 
     columns: tuple[tuple[str, Cell], ...]
     rows: Callable[[dict], list[dict]] = lambda result: result["rows"]
+    optional: tuple[str, ...] = ()  # headers of columns shown only when some row has a value there
 
 
 def _f(value, fmt: str, suffix: str = "") -> str:
@@ -88,10 +89,12 @@ TABLES: dict[str, Table] = {
             COPY_GBPS,
             COPY_SHARE,
             ("compute waited (ms)", _key("wait_ms", ".0f")),
+            ("activations home GiB", _key("activations_home_gib", ".2f")),
             PEAK_ALLOC,
             ("peak reserved GiB", _key("peak_reserved_gib", ".2f")),
         ),
         rows=lambda result: [r for r in result["rows"] if "median_step_s" in r],
+        optional=("activations home GiB",),
     ),
     "fp8": Table(
         columns=(
@@ -196,12 +199,18 @@ def where(environment: dict) -> str:
 
 def table(result: dict) -> list[str]:
     spec = TABLES[result["benchmark"]]
-    lines = [
-        "| " + " | ".join(header for header, _ in spec.columns) + " |",
-        "|" + "---|" * len(spec.columns),
+    rows = spec.rows(result)
+    columns = [
+        (header, cell)
+        for header, cell in spec.columns
+        if header not in spec.optional or any(cell(row, result) != "-" for row in rows)
     ]
-    for row in spec.rows(result):
-        lines.append("| " + " | ".join(cell(row, result) for _, cell in spec.columns) + " |")
+    lines = [
+        "| " + " | ".join(header for header, _ in columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+    for row in rows:
+        lines.append("| " + " | ".join(cell(row, result) for _, cell in columns) + " |")
     return lines
 
 

@@ -27,7 +27,7 @@ import report  # noqa: E402
 from baselines import NaiveSwap  # noqa: E402
 
 FILES = {"flux": "flux_dev", "sdxl": "sdxl", "wan": "wan"}
-KINDS = {"resident", "dgls", "ab", "dp", "auto", "naive"}
+KINDS = {"resident", "dgls", "ab", "dp", "auto", "naive", "offload"}
 TIMED = ("median_step_s", "steps", "step_times_s", "streamed_gib", "vs_resident")
 TINY = ["--tiny", "--strict"]
 
@@ -81,6 +81,8 @@ def test_a_model_benchmark_records_every_method(results, model):
     assert "vram_budget auto needs a CUDA device" in auto["DGLS vram_budget=auto"]["skipped"]
     fixed = [r for r in by_kind["auto"] if "skipped" not in r]
     assert len(fixed) == 1 and fixed[0]["plan_log"] and fixed[0]["planning_steps_s"] and fixed[0]["streamed_gib"]
+    (offload,) = by_kind["offload"]  # every block streamed, their inputs sent home (KiB on the tiny models)
+    assert offload["activations_home_gib"] > 0 and offload["streamed_gib"] == dgls[-1]["streamed_gib"]
     naive = by_kind["naive"][0]
     assert naive["steps"] >= 2 and naive["bytes_per_step"] > 0 and naive["streamed_gib"] > 0
     dp = by_kind["dp"]

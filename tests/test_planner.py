@@ -1,5 +1,6 @@
 """The VRAM-budget planner: its choices on synthetic layers and timings, live re-placement, errors."""
 
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -102,6 +103,17 @@ def test_budget_below_the_minimum_names_the_minimum():
         plan_for_budget(sizes, profile, need - 1)
     plan = plan_for_budget(sizes, profile, need)
     assert len(plan.streamed) == 57 and plan.prefetch == 1
+
+
+def test_the_minimum_says_which_part_dominates_and_what_lowers_it():
+    """Flux-like: 3.5 GiB of activations and slack against 2 x 680 MiB slots; a video-like profile with
+    12 GiB of activations points at --offload_activations; with tiny activations the slots dominate."""
+    sizes, profile = flux_like()
+    with pytest.raises(DGLSUserError, match="activations dominate.*--offload_activations"):
+        plan_for_budget(sizes, profile, GiB)
+    small = dataclasses.replace(profile, activation_bytes=0, reserved_overhead=0)
+    with pytest.raises(DGLSUserError, match=r"1\.33 GiB of layer slots.*layer slots dominate"):
+        plan_for_budget(sizes, small, GiB // 2)
 
 
 def test_apply_placement_between_steps_keeps_training_exact():

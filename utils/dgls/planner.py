@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .errors import DGLSUserError
-from .layout import GiB, LayerSizes, device_bytes
+from .layout import GiB, LayerSizes, device_bytes, pool_bytes, resident_bytes
 from .schedule import Phase
 from .stats import human_bytes
 
@@ -150,12 +150,27 @@ def resident_patterns(candidates: list[int], resident_count: int) -> dict[str, l
 
 
 def _check_minimum(sizes, profile, budget, prefetch_choices, copy_streams) -> None:
-    need = minimum_bytes(sizes, profile, min(prefetch_choices), copy_streams)
+    prefetch = min(prefetch_choices)
+    need = minimum_bytes(sizes, profile, prefetch, copy_streams)
     if need > budget:
+        streamed = [s.index for s in sizes if s.streamable_bytes]
+        parts = {
+            "resident weights and buffers": resident_bytes(sizes, streamed),
+            "layer slots": pool_bytes(sizes, streamed, prefetch, copy_streams),
+            "activations": profile.activation_bytes + profile.reserved_overhead,
+        }
+        largest = max(parts, key=parts.get)
+        remedy = {
+            "activations": "lower the activations (--offload_activations with activation_checkpointing, a smaller "
+            "batch or resolution)",
+            "layer slots": "split the largest layers into smaller ones (the slots hold two of the largest)",
+            "resident weights and buffers": "train fewer params on the device, or store frozen weights smaller "
+            "(--cast_target)",
+        }[largest]
+        described = " + ".join(f"{human_bytes(n)} of {name}" for name, n in parts.items())
         raise DGLSUserError(
-            f"VRAM budget {human_bytes(budget)} is below the minimum {human_bytes(need)} (resident essentials "
-            f"+ 2 x the largest layer + {human_bytes(profile.activation_bytes)} of activations): raise "
-            "--vram_budget, or lower the activations (activation_checkpointing, smaller batch or resolution)"
+            f"VRAM budget {human_bytes(budget)} is below the minimum {human_bytes(need)} ({described}; {largest} "
+            f"dominate): raise --vram_budget, or {remedy}"
         )
 
 
