@@ -128,15 +128,14 @@ class ActivationOffloader:
     # ---------------------------------------------------------------- forward
     def _enter(self, args: tuple, kwargs: dict) -> Segment:
         self._reclaim()
-        tensors = [t for t in _tensors(args, kwargs) if t.device == self.device]
+        tensors = [t for t in _tensors(args, kwargs) if t.device.type == self.device.type]
         taken = {_storage_key(t) for t in tensors}
         for segment in self._live:  # a storage sent home that this call takes again: back first
             for offload in segment.offloads:
                 tensor = offload.tensor()
                 if not offload.restored and tensor is not None and _storage_key(tensor) in taken:
-                    self._restore(offload)
+                    self.demand_restores += self._start_restore(offload)
                     self._wait(offload)
-                    self.demand_restores += 1
         eligible = {_storage_key(t): weakref.ref(t) for t in tensors if self._eligible(t)}
         previous = self._last if self._last is not None and not self._last.done else None
         segment = Segment(eligible, previous)
@@ -191,20 +190,24 @@ class ActivationOffloader:
         if segment in self._recent:  # its inputs never left (one of the last ``keep``)
             self._recent.remove(segment)
         for offload in segment.offloads:
-            if offload.restoring is None and not offload.pending_cpu and not offload.restored:
-                self._restore(offload)
-                self.demand_restores += 1
+            self.demand_restores += self._start_restore(offload)
             self._wait(offload)
         self._release(segment)
         ahead, earlier = 0, segment.previous
         while earlier is not None and ahead < self.keep:
             if not earlier.done:
                 for offload in earlier.offloads:
-                    if offload.restoring is None and not offload.pending_cpu and not offload.restored:
-                        self._restore(offload)
+                    self._start_restore(offload)
             ahead += 1
             earlier = earlier.previous
         segment.previous = None  # the chain of a long run stays as short as one forward
+
+    def _start_restore(self, offload: Offload) -> bool:
+        """Issue the restore unless it was issued already; True if it was issued now."""
+        if offload.restoring is not None or offload.pending_cpu or offload.restored:
+            return False
+        self._restore(offload)
+        return True
 
     def _restore(self, offload: Offload) -> None:
         tensor = offload.tensor()
