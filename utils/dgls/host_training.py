@@ -181,7 +181,7 @@ class HostTraining:
                 offset += aligned(p.nbytes)
                 trained = TrainedParam(k, p.param, master, view)
                 if not self.direct:
-                    trained.sum_buffer()
+                    trained.sum_buffer(pin=pin and self.updater is not None)  # device updates copy it in
                 params.append(trained)
                 self._by_param[id(p.param)] = trained
         optimizer = self.spec.build([tp.master for tp in params])
