@@ -47,10 +47,10 @@ def _batches(device, dtype, cfg=SMALL):
     return data.batches(2, dtype, device)
 
 
-def _forward_backward(layers, inputs, target, mode):
+def _forward_backward(layers, inputs, target, mode, checkpoint_fn=None):
     if mode == "reentrant":
         inputs = (inputs[0].requires_grad_(), *inputs[1:])
-    loss = F.mse_loss(run_layers(layers, inputs, mode).float(), target.float())
+    loss = F.mse_loss(run_layers(layers, inputs, mode, checkpoint_fn).float(), target.float())
     loss.backward()
     return loss.detach().cpu()
 
@@ -76,10 +76,11 @@ def train_dgls(
     on_step=None,
     cfg=SMALL,
     max_norm=MAX_NORM,
+    checkpoint_fn=None,
 ):
     """Train with a swapper built with ``host_optimizer=SPEC``: resident params by the trainer's optimizer.
     ``start_step``/``trainer_state``: continue a run saved after that many steps; ``on_step(step, trainer)``
-    runs after each step."""
+    runs after each step; ``checkpoint_fn``: the blocks' checkpoint (e.g. the swapper's, offloading)."""
     training = swapper.training
     params = params_of(layers)
     resident = [p for p in params if not training.owns(p)]
@@ -93,7 +94,7 @@ def train_dgls(
     for step in range(start_step, start_step + steps):
         for _ in range(accumulate):
             inputs, target = next(batches)
-            losses.append(_forward_backward(layers, inputs, target, mode))
+            losses.append(_forward_backward(layers, inputs, target, mode, checkpoint_fn))
         if max_norm is not None:
             training.clip_grad_norm_(params, max_norm)
         if trainer is not None:

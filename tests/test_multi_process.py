@@ -79,6 +79,17 @@ def test_demo_full_fine_tune_in_pipeline_stages_trains_what_one_process_trains(t
     assert out.count("DGLS host training:") == 2, "each stage trains its own streamed layers on the host"
 
 
+def test_demo_pipeline_stages_offloading_activations_train_what_one_process_trains(tmp_path):
+    """--offload_activations under the launcher: each stage's pipeline module gets the wrapped checkpoint
+    function of its own swapper; the losses and LoRA are one process's, and the step lines count both
+    stages' activations."""
+    one, one_out = demo_lora(tmp_path / "one", python_cmd())
+    launch = deepspeed_cmd("--num_gpus=2", "dgls_train.py", "--deepspeed", "--offload_activations")
+    two, out = demo_lora(tmp_path / "two", launch, pipeline_stages=2)
+    assert_same_training(two, one, out, one_out)
+    assert "activations home" in out
+
+
 def fake_run(folder: Path, launch: list[str], top: str) -> tuple[dict, str]:
     config = fake_config(folder, top="max_steps = 3\n" + top)
     proc = run_user_command([*launch, "--config", str(config), "--diffusion_pipe", str(FAKE), "--verbose"], folder)

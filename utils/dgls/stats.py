@@ -85,7 +85,8 @@ class StepStats:
         return d
 
     def short(self) -> str:
-        return f"streamed {human_bytes(self.bytes_moved)}, waited {self.wait_ms:.1f} ms"
+        activations = f", activations home {human_bytes(self.activation_bytes)}" if self.activation_bytes else ""
+        return f"streamed {human_bytes(self.bytes_moved)}, waited {self.wait_ms:.1f} ms{activations}"
 
     def line(self, device_type: str = "cuda") -> str:
         activations = f", activations home {human_bytes(self.activation_bytes)}" if self.activation_bytes else ""

@@ -561,6 +561,8 @@ class LayerSwapper:
             sizes = tuple(layout.sizes for layout in self.layouts)
             self.placement = Placement(sizes, tuple(sorted(self._streamed)), prefetch, self.config.cuda_streams)
             self.config = self.config.replace(prefetch=prefetch)
+            if self.activations is not None:  # inputs kept on the device, and restores ahead: as deep as weights
+                self.activations.keep = max(1, prefetch)
             self._plans.clear()
             self.pool.release()
             self.pool = DevicePool(self.device, self.placement.slot_count, self.placement.slot_bytes)
