@@ -59,7 +59,9 @@ NOTES = [
     "Every weight trains (no LoRA). 'host optimizer wait': the share of DGLS's step the training thread spent "
     "blocked on the host optimizer (a fetch waiting for its layer's update, or clipping waiting for the last "
     "gradients); the rest of the host work ran beside the GPU. With dgls-device the AdamW steps run on the GPU "
-    "and a fetch waits for its layer's update there, so the training thread does not block on them. "
+    "and a fetch waits for its layer's update there, so the training thread does not block on them: 'GPU wait' "
+    "is the share of the step the compute stream waited for fetches (CUDA only), which then includes those "
+    "updates. "
     "'host RSS': the process's peak resident memory since the method started (masters, gradient sums and AdamW "
     "moments live there for DGLS and ZeRO-offload).",
 ]
@@ -185,7 +187,7 @@ def measure(name: str, args, device, dtype) -> dict:
     rss = PeakRss()
     bench = fresh_bench(args.tiny, device, dtype, on)
     cleanup: Callable[[], None] = gc.collect  # replaced by the method's own clean-up
-    training = None
+    training = swapper = None
     try:
         if name == "resident":
             step = resident_step(bench, args.clip)
@@ -204,9 +206,12 @@ def measure(name: str, args, device, dtype) -> dict:
             step()
         waited = training.waited_s if training is not None else 0.0
         jobs = dict(training.job_s) if training is not None else {}
+        copies_before = swapper.total_stats(sync=True) if swapper is not None else None
         times, _ = time_steps(step, device, 0, args.steps, after=rss.sample)
         if training is not None:
             row["host_wait_share"] = (training.waited_s - waited) / sum(times)
+            # the compute stream waiting for fetches: with dgls-device, fetches wait for their layer's update
+            row["compute_wait_share"] = swapper.total_stats(sync=True).since(copies_before).wait_ms / 1000 / sum(times)
             for kind, seconds in training.job_s.items():
                 row[f"host_{kind}_s"] = (seconds - jobs[kind]) / len(times)
             row["host_optimizer"] = training.implementation

@@ -164,13 +164,15 @@ TABLES: dict[str, Table] = {
             ("step (s)", _key("median_step_s", ".3f")),
             VS_RESIDENT,
             ("host optimizer wait", _key("host_wait_share", ".0%")),
+            ("GPU wait", _key("compute_wait_share", ".0%")),
             ("host: grad sums s/step", _key("host_accumulate_s", ".2f")),
             ("host: updates s/step", _key("host_update_s", ".2f")),
             ("streamed GiB", _key("streamed_gib", ".1f")),
             PEAK_ALLOC,
             ("peak reserved GiB", _key("peak_reserved_gib", ".2f")),
             ("host RSS GiB", _key("host_rss_gib", ".1f")),
-        )
+        ),
+        optional=("GPU wait",),
     ),
     "transfer": Table(
         columns=(

@@ -275,5 +275,6 @@ def test_the_full_fine_tuning_benchmark_measures_every_method_in_its_own_process
     assert set(rows) == set(bench_full.METHODS)
     for name, row in rows.items():
         assert "error" not in row and row["median_step_s"] > 0, row
-        assert ("host_update_s" in row) == name.startswith("dgls"), row
+        assert ("host_update_s" in row) == ("compute_wait_share" in row) == name.startswith("dgls"), row
     assert rows["dgls-deepspeed"]["host_optimizer"] == "DeepSpeedCPUAdam"
+    assert "on the training device" in rows["dgls-device"]["host_optimizer"]
