@@ -116,9 +116,11 @@ class ActivationOffloader:
         return dgls_checkpoint
 
     def pinned_bytes(self) -> int:
-        return sum(buf.numel() for bufs in self._pool.values() for buf, _ in bufs) + sum(
-            o.nbytes for s in self._live for o in s.offloads if not o.restored
-        )
+        """Page-locked host buffers: pooled, and holding inputs not yet restored (0 when not pinning)."""
+        if not self.pin:
+            return 0
+        pooled = sum(buf.numel() for bufs in self._pool.values() for buf, _ in bufs)
+        return pooled + sum(o.nbytes for s in self._live for o in s.offloads if not o.restored)
 
     def synchronize(self) -> None:
         if self.cuda:

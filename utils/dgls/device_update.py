@@ -80,8 +80,7 @@ class Scratch:
         return tuple(self.state[k * c + offset : k * c + offset + n] for k in range(4))
 
     def raw(self, buffer: torch.Tensor, offset: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-        size = torch.empty((), dtype=dtype).element_size()
-        return buffer[offset * size : (offset + n) * size].view(dtype)
+        return buffer[offset * dtype.itemsize : (offset + n) * dtype.itemsize].view(dtype)
 
 
 class DeviceUpdater:
@@ -96,6 +95,7 @@ class DeviceUpdater:
         self._turn = 0
         self._in = torch.cuda.Stream(device=device) if self.cuda else None
         self._out = torch.cuda.Stream(device=device) if self.cuda else None
+        self._state_bytes: dict[int, int] = {}  # pinned moments per optimizer (id), counted as allocated
 
     def reserve(self, largest_param: int, largest_layer: int) -> int:
         """Allocate the two buffers: room for a chunk, for the largest param at least and for the largest
@@ -127,24 +127,27 @@ class DeviceUpdater:
         if not self.buffers:
             sizes = [p.master.numel() for p in params]
             self.reserve(max(sizes), sum(sizes))
-        steps = []
+        stepped = []
         for p in params:
             state = optimizer.state[p.master]
             if not state:
                 state["step"] = torch.zeros((), dtype=torch.float32)
                 state["exp_avg"] = _zeros_like(p.master, self.cuda)
                 state["exp_avg_sq"] = _zeros_like(p.master, self.cuda)
+                if self.cuda:
+                    self._state_bytes[id(optimizer)] = self._state_bytes.get(id(optimizer), 0) + 2 * p.master.nbytes
             state["step"] += 1
-            steps.append(float(state["step"]))
+            stepped.append((p, float(state["step"])))
         done = None
-        for chunk in _chunks(params, self.buffers[0].capacity):
-            done = self._chunk(optimizer, chunk, [steps[i] for i, _ in chunk], coef, lr, after, previous)
+        for chunk in _chunks(stepped, self.buffers[0].capacity):
+            done = self._chunk(optimizer, chunk, coef, lr, after, previous)
         return done
 
-    def _chunk(self, optimizer, chunk, steps, coef, lr, after, previous) -> torch.cuda.Event | None:
+    def _chunk(self, optimizer, chunk, coef, lr, after, previous) -> torch.cuda.Event | None:
         buf = self.buffers[self._turn]
         self._turn ^= 1
-        items = [p for _, p in chunk]
+        items = [p for p, _ in chunk]
+        steps = [step for _, step in chunk]
         group = items[0].group
         if self.cuda:
             for event in (buf.free, after, previous):
@@ -226,26 +229,31 @@ class DeviceUpdater:
             self._in.synchronize()
 
     def pin_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """After a checkpoint load: the moments into pinned memory (the async copies read them)."""
+        """After a checkpoint load (which replaced the moments): them into pinned memory, where the async
+        copies read them."""
         if not self.cuda:
             return
-        for state in optimizer.state.values():
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in state and not state[key].is_pinned():
-                    state[key] = state[key].pin_memory()
+        moments = [(state, key) for state in optimizer.state.values() for key in ("exp_avg", "exp_avg_sq")]
+        for state, key in moments:
+            state[key] = state[key].pin_memory()
+        self._state_bytes[id(optimizer)] = sum(state[key].nbytes for state, key in moments)
+
+    def pinned_bytes(self) -> int:
+        """Host bytes of the moments this module pinned."""
+        return sum(self._state_bytes.values())
 
 
-def _chunks(params: Sequence[ParamUpdate], capacity: int) -> list[list[tuple[int, ParamUpdate]]]:
-    """Runs of consecutive params of one param group with at most ``capacity`` elements (a larger
-    param alone; :meth:`DeviceUpdater.reserve` makes room for the largest)."""
-    chunks: list[list[tuple[int, ParamUpdate]]] = []
+def _chunks(stepped: Sequence[tuple[ParamUpdate, float]], capacity: int) -> list[list[tuple[ParamUpdate, float]]]:
+    """Runs of consecutive params (with their step counts) of one param group with at most ``capacity``
+    elements (a larger param alone; :meth:`DeviceUpdater.reserve` makes room for the largest)."""
+    chunks: list[list[tuple[ParamUpdate, float]]] = []
     size = 0
-    for i, p in enumerate(params):
+    for p, step in stepped:
         n = p.master.numel()
-        if not chunks or size + n > capacity or chunks[-1][0][1].group is not p.group:
+        if not chunks or size + n > capacity or chunks[-1][0][0].group is not p.group:
             chunks.append([])
             size = 0
-        chunks[-1].append((i, p))
+        chunks[-1].append((p, step))
         size += n
     return chunks
 

@@ -77,17 +77,12 @@ class TrainedParam:
     position: int  # in the layer's layout
     param: nn.Parameter
     master: torch.Tensor  # fp32, host
+    packed: torch.Tensor | None  # the compute-dtype copy an update rewrites (None: the master is that copy)
     landing: torch.Tensor  # compute dtype, pinned on CUDA
     acc: torch.Tensor | None = None  # fp32 gradient sum of this step (allocated at its first use)
     fresh: bool = True  # acc holds nothing yet this step
     norm: torch.Tensor | None = None  # of acc, taken on the step's last micro-batch
     direct_norm: torch.Tensor | None = None  # device updates: of the grad on the device, before it was sent
-
-    def sum_buffer(self, pin: bool = False) -> torch.Tensor:
-        """The fp32 sum (pinned when a device update copies it in asynchronously)."""
-        if self.acc is None:
-            self.acc = torch.zeros(self.param.shape, dtype=torch.float32, pin_memory=pin)
-        return self.acc
 
 
 @dataclass(eq=False)
@@ -104,6 +99,8 @@ class TrainedLayer:
     host: HostLayer
     params: list[TrainedParam]
     optimizer: torch.optim.Optimizer
+    # device updates: the params in the optimizer's order, with their param groups (fixed at start-up)
+    in_groups: list[tuple[TrainedParam, dict]] = field(default_factory=list)
     batch: GradBatch | None = None  # open during the layer's backward
     accumulating: Job | None = None  # the latest accumulate job (its landing is read until done)
     update: Job | None = None  # the latest update job (a fetch waits for it)
@@ -132,7 +129,7 @@ class HostTraining:
         self.updater = updater
         # device updates read a step's only micro-batch straight from its landings (no host pass)
         self.direct = updater is not None and accumulation_steps == 1
-        self._pin = pin
+        self._pin_sums = pin and updater is not None  # device updates copy the sums in asynchronously
         self.accumulation_steps = accumulation_steps
         self.clipping = clipping
         self.lr_source: Callable[[], float | None] = lambda: None  # the lr of early updates (clipping off)
@@ -145,7 +142,7 @@ class HostTraining:
         self.waited_s = 0.0  # seconds the training thread spent blocked on host jobs (updates, accumulations)
         self.job_s = {"accumulate": 0.0, "update": 0.0}  # seconds the host spent on each kind of job
         self.device_bytes = 0  # device updates: their scratch buffers
-        self._pinned: tuple | None = None  # (what was allocated, pinned bytes), see pinned_bytes
+        self._pinned_bytes = 0  # landings, masters and sums this module page-locked (counted as allocated)
         self._pending: list[Job] = []  # deferred mode: submitted, not yet run
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
@@ -167,25 +164,36 @@ class HostTraining:
             return None
         landing_bytes = sum(aligned(p.nbytes) for _, p in chosen)
         landing = torch.empty(landing_bytes, dtype=torch.uint8, pin_memory=pin)
+        self._pinned_bytes += landing_bytes * pin
+        pin_masters = pin and self.updater is not None  # device updates copy them asynchronously
         params, offset = [], 0
         with torch.no_grad():
             for k, p in chosen:
                 packed = host.master_view(k)
                 if p.dtype == torch.float32:
-                    master = packed  # the packed copy is the fp32 master itself
+                    master, packed = packed, None  # the packed copy is the fp32 master itself
                 else:
                     source = p.param.data if p.param.numel() else packed
-                    pin_master = pin and self.updater is not None  # device updates copy it asynchronously
-                    master = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin_master).copy_(source)
+                    master = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin_masters).copy_(source)
+                    self._pinned_bytes += master.nbytes * pin_masters
                 view = landing[offset : offset + p.nbytes].view(p.dtype).view(p.shape)
                 offset += aligned(p.nbytes)
-                trained = TrainedParam(k, p.param, master, view)
+                trained = TrainedParam(k, p.param, master, packed, view)
                 if not self.direct:
-                    trained.sum_buffer(pin=pin and self.updater is not None)  # device updates copy it in
+                    self._sum_of(trained)
                 params.append(trained)
                 self._by_param[id(p.param)] = trained
         optimizer = self.spec.build([tp.master for tp in params])
-        return TrainedLayer(idx, host, params, optimizer)
+        by_master = {id(tp.master): tp for tp in params}
+        in_groups = [(by_master[id(m)], group) for group in optimizer.param_groups for m in group["params"]]
+        return TrainedLayer(idx, host, params, optimizer, in_groups)
+
+    def _sum_of(self, tp: TrainedParam) -> torch.Tensor:
+        """The param's fp32 gradient sum, allocated at its first use."""
+        if tp.acc is None:
+            tp.acc = torch.zeros(tp.param.shape, dtype=torch.float32, pin_memory=self._pin_sums)
+            self._pinned_bytes += tp.acc.nbytes * self._pin_sums
+        return tp.acc
 
     # ---------------------------------------------------------------- hooks
     def install(self, grad_arriving: Callable[[int], None]) -> None:
@@ -205,22 +213,8 @@ class HostTraining:
 
     def pinned_bytes(self) -> int:
         """Page-locked bytes this module holds: landings, and for device updates the masters, sums and
-        moments (packed copies are the host store's). Counted again only when some were allocated (the
-        stats read this every step, and asking CUDA whether memory is pinned costs a driver call)."""
-        params = [tp for layer in self.layers.values() for tp in layer.params]
-        states = sum(len(layer.optimizer.state) for layer in self.layers.values())
-        key = (states, sum(tp.acc is not None for tp in params))
-        if self._pinned is not None and self._pinned[0] == key:
-            return self._pinned[1]
-        tensors = [tp.landing for tp in params]
-        if self.updater is not None:
-            for layer in self.layers.values():
-                packed = {layer.host.master_view(tp.position).data_ptr() for tp in layer.params}
-                tensors += [tp.master for tp in layer.params if tp.master.data_ptr() not in packed]
-                tensors += [tp.acc for tp in layer.params if tp.acc is not None]
-                tensors += [t for state in layer.optimizer.state.values() for t in state.values() if t.ndim]
-        self._pinned = (key, sum(t.numel() * t.element_size() for t in tensors if t.is_pinned()))
-        return self._pinned[1]
+        moments (packed copies are the host store's), counted where they are allocated."""
+        return self._pinned_bytes + (self.updater.pinned_bytes() if self.updater is not None else 0)
 
     def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self._by_param
@@ -290,7 +284,7 @@ class HostTraining:
             for tp in layer.params:
                 if tp.position not in batch.params:
                     continue
-                acc = tp.sum_buffer(pin=self._pin and self.updater is not None)
+                acc = self._sum_of(tp)
                 if tp.fresh:
                     acc.copy_(tp.landing)
                     tp.fresh = False
@@ -317,9 +311,8 @@ class HostTraining:
             for tp in layer.params:
                 if tp.master.grad is not None:
                     tp.master.grad = None
-                    packed = layer.host.master_view(tp.position)
-                    if packed.data_ptr() != tp.master.data_ptr():
-                        packed.copy_(tp.master)
+                    if tp.packed is not None:
+                        tp.packed.copy_(tp.master)
                 tp.fresh, tp.norm = True, None
 
     def _update_on_device(self, layer: TrainedLayer, coef: torch.Tensor | None, lr: float | None) -> None:
@@ -328,20 +321,12 @@ class HostTraining:
         layer.accumulating = None  # done (waited for, or run before this job): the next step may read directly
         if direct is not None and not self.updater.cuda:
             self.copier.land(direct)  # the CPU copier writes the landings only now
-        by_master = {id(tp.master): tp for tp in layer.params}
         work = []
-        for group in layer.optimizer.param_groups:
-            for master in group["params"]:
-                tp = by_master[id(master)]
-                if direct is not None and tp.position in direct.params:
-                    grad = tp.landing
-                elif not tp.fresh:
-                    grad = tp.acc
-                else:
-                    continue
-                packed = layer.host.master_view(tp.position)
-                packed = None if packed.data_ptr() == tp.master.data_ptr() else packed
-                work.append(ParamUpdate(tp.master, grad, packed, group))
+        for tp, group in layer.in_groups:
+            if direct is not None and tp.position in direct.params:
+                work.append(ParamUpdate(tp.master, tp.landing, tp.packed, group))
+            elif not tp.fresh:
+                work.append(ParamUpdate(tp.master, tp.acc, tp.packed, group))
         after = direct.done if direct is not None else None
         layer.update_done = self.updater.update(layer.optimizer, work, coef, lr, after, layer.update_done)
         for tp in layer.params:
@@ -501,7 +486,6 @@ class HostTraining:
             layer.optimizer.load_state_dict(state[idx] if idx in state else state[str(idx)])
             if self.updater is not None:
                 self.updater.pin_state(layer.optimizer)
-        self._pinned = None
 
     def close(self) -> None:
         if self._thread is not None:

@@ -492,12 +492,11 @@ class LayerSwapper:
     def pinned_bytes(self) -> int:
         """Host memory DGLS page-locked: packed copies, and with full fine-tuning the gradient landings
         (and, for device updates, the masters and moments); offloaded activations' buffers."""
-        training = getattr(self, "training", None)
-        activations = getattr(self, "activations", None)
+        training, activations = self.training, self.activations
         return (
             self.store.pinned_bytes
             + (training.pinned_bytes() if training is not None else 0)
-            + (activations.pinned_bytes() if activations is not None and activations.pin else 0)
+            + (activations.pinned_bytes() if activations is not None else 0)
         )
 
     def checkpoint_function(self, checkpoint: Callable) -> Callable:
@@ -593,13 +592,19 @@ class LayerSwapper:
             if self.training is not None:
                 self.training.finish()
             for layer in self._streamed.values():
-                masters = [self.training.master_of(p) if self.training else None for p in layer.params]
-                layer.show([m if m is not None else layer.host.value(k) for k, m in enumerate(masters)])
+                layer.show(self._true_values(layer, self.training))
             try:
                 yield
             finally:
                 for layer in self._streamed.values():
                     layer.hide()
+
+    @staticmethod
+    def _true_values(layer: StreamedLayer, training: HostTraining | None) -> list[torch.Tensor]:
+        """A streamed layer's params as they truly are: the fp32 masters of host-trained ones, the host
+        copy's values of the others (fp8-stored ones dequantized)."""
+        masters = [training.master_of(p) if training is not None else None for p in layer.params]
+        return [m if m is not None else layer.host.value(k) for k, m in enumerate(masters)]
 
     def _evict(self, indices: Iterable[int]) -> None:
         """Release the current use and drop these layers' device copies (the release markers keep the
@@ -639,10 +644,8 @@ class LayerSwapper:
             streamed = set()
             training = built.get("training")
             for layer in built.get("_streamed", {}).values():
-                for k, param in enumerate(layer.params):
+                for param, value in zip(layer.params, self._true_values(layer, training)):
                     _, device, dtype = self._home[id(param)]
-                    master = training.master_of(param) if training is not None else None
-                    value = master if master is not None else layer.host.value(k)
                     param.data = value.to(device, dtype, copy=True)
                     streamed.add(id(param))
             for t, device, dtype in self._home.values():
