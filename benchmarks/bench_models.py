@@ -58,6 +58,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", default=None, help="vram_budget values: auto and/or GiB (comma list)")
     p.add_argument("--dp_swaps", default=None, help="diffusion-pipe blocks_to_swap: shares, NGiB or max (comma list)")
     p.add_argument("--naive", default=None, help="naive swap: a share of the blocks or an NGiB target")
+    p.add_argument("--unit_mb", default="0", help="offload: swap-unit sizes in MB, a row each (0: whole layers)")
+    p.add_argument("--offload_auto", action="store_true", help="vram_budget rows plan with activation offload on")
     p.add_argument("--latent_frames", type=int, default=3, help="wan: latent frames of the clip (3 = 9 frames)")
     p.add_argument("--deadline_s", type=float, default=480.0, help="seconds after start: no method starts past it")
     p.add_argument("--strict", action="store_true", help="a failing method fails the run (tests)")
@@ -91,6 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
             ab_rounds=args.ab_rounds,
             ab_steps=args.ab_steps,
             strict=args.strict,
+            unit_mb=args.unit_mb,
+            offload_auto=args.offload_auto,
             **defaults,
         )
         print(

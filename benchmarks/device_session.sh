@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests and the demo on CUDA, then
 # (optionally) benchmarks. Logs and results go to $OUT so they come back.
-#   usage on the device: bash benchmarks/device_session.sh [tests] [fulltests[:PYTEST_K]] [dptests[:PYTEST_K]] [launch] [demo] [bench:SCRIPT.py[:ARG...]] ...
+#   usage on the device: bash benchmarks/device_session.sh [tests] [pytest:FILE[:FILE...]] [fulltests[:PYTEST_K]] [dptests[:PYTEST_K]] [launch] [demo] [bench:SCRIPT.py[:ARG...]] ...
 #   e.g. bench:bench_models.py:--model=flux   bench:bench_models.py:--model=wan:--steps=10   bench:bench_fp8.py
 # A bench writes its results and the results index (README.md) to benchmarks/results/; what it wrote is copied to $OUT.
 # A diffusion-pipe checkout carried as .dp (git-ignored) becomes DGLS_DIFFUSION_PIPE unless that is set.
@@ -21,8 +21,13 @@ for step in "$@"; do
     tests)
       python3 -m pytest -q -m gpu tests/test_engine_gpu.py tests/test_precision_gpu.py tests/test_profiler.py \
         tests/test_ordering_gpu.py tests/test_peers.py tests/test_host_training_gpu.py \
-        tests/test_activation_offload_gpu.py 2>&1 |
+        tests/test_activation_offload_gpu.py tests/test_units_gpu.py 2>&1 |
         tee "$OUT/gpu_tests.log" | tail -25
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    pytest:*)
+      # some GPU test files, verbose with durations: pytest:tests/a.py:tests/b.py[::-k EXPR is not supported]
+      IFS=: read -r -a files <<<"${step#pytest:}"
+      python3 -m pytest -v -m gpu --durations=15 "${files[@]}" 2>&1 | tee "$OUT/pytest.log" | grep -v PASSED | tail -40
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     fulltests*)
       # full fine-tuning only: the GPU tests of host training (optionally narrowed with a pytest -k expression),

@@ -94,6 +94,8 @@ class Options:
     ab_rounds: int
     ab_steps: int
     strict: bool  # a failing method fails the run (tests)
+    unit_mb: str = "0"  # offload: swap-unit sizes in MB, a row each (0: whole layers)
+    offload_auto: bool = False  # vram_budget rows plan with activation offload on
 
 
 @dataclass(frozen=True)
@@ -363,11 +365,12 @@ class Methods:
         lines: list[str] = []
         reset_peaks(self.device)
         before = torch.cuda.memory_allocated(self.device) / GiB if self.device.type == "cuda" else 0.0
-        config = SwapConfig(vram_budget_gb=budget)
+        config = SwapConfig(vram_budget_gb=budget, offload_activations=self.options.offload_auto)
         with LayerSwapper(self.bench.layers, config, self.device, log=lines.append) as swapper:
             planner = swapper.driver
             planning = []
-            step = self.bench.training_step()
+            ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=False))
+            step = self.bench.training_step(checkpoint_fn=ckpt)
             while not planner.done and len(planning) < 80:  # probe, trials, check: not timed
                 sync(self.device)
                 start = time.perf_counter()
@@ -380,6 +383,8 @@ class Methods:
                 figures["fits_budget"] = figures["peak_reserved_gib"] * GiB <= planner.budget
             return times, {
                 **figures,
+                "slot_mib": _slot_mib(swapper),
+                "offload_activations": config.offload_activations,
                 "budget_gib": planner.budget / GiB,
                 "allocated_before_gib": before,
                 "plan_pattern": plan.pattern if plan else None,
@@ -392,15 +397,20 @@ class Methods:
 
     def offload(self) -> Iterator[Case]:
         n, prefetch = len(self.bench.blocks), self.options.prefetch
-        name = f"DGLS + offload_activations (blocks_to_swap={n}, prefetch={prefetch})"
-        yield Case("offload", name, partial(self.measure_offload, n))
+        for unit in parse_list(self.options.unit_mb):
+            units = f", swap units <= {float(unit):g} MB" if float(unit) else ""
+            name = f"DGLS + offload_activations (blocks_to_swap={n}, prefetch={prefetch}{units})"
+            yield Case("offload", name, partial(self.measure_offload, n, float(unit)))
 
-    def measure_offload(self, blocks_to_swap: int):
+    def measure_offload(self, blocks_to_swap: int, unit_mb: float):
         place(self.bench.layers, self.device)
-        config = SwapConfig(blocks_to_swap=blocks_to_swap, prefetch=self.options.prefetch, offload_activations=True)
+        prefetch = self.options.prefetch
+        config = SwapConfig(
+            blocks_to_swap=blocks_to_swap, prefetch=prefetch, offload_activations=True, swap_unit_mb=unit_mb
+        )
         with LayerSwapper(self.bench.layers, config, self.device, log=None) as swapper:
             times, stats = self.time_placement(swapper)
-            return times, self.swap_figures(swapper, stats)
+            return times, {**self.swap_figures(swapper, stats), "unit_mb": unit_mb, "slot_mib": _slot_mib(swapper)}
 
     def naive(self) -> Iterator[Case]:
         label, n = self.blocks_to_swap(self.options.naive)
@@ -429,3 +439,8 @@ class Methods:
             "warmup_steps": 1,
             **row_peaks,
         }
+
+
+def _slot_mib(swapper: LayerSwapper) -> float:
+    """The pool's slot size: the largest streamed layer or swap unit."""
+    return swapper.placement.slot_bytes / 2**20

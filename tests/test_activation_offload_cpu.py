@@ -54,7 +54,10 @@ def test_offloaded_training_is_bitwise_the_same(references, mode, keep):
     got = run(mode, offloader)
     assert_bitwise_equal(got, references[mode])
     assert offloader.offloaded_bytes > 0
-    assert offloader.restored_bytes == offloader.offloaded_bytes, "everything sent home came back"
+    back = offloader.restored_bytes + offloader.dropped_bytes
+    assert back == offloader.offloaded_bytes, "everything sent home came back, or was freed meanwhile"
+    if mode != "unsloth":  # the checkpoint keeps its inputs (the 'unsloth' kind keeps host copies instead)
+        assert offloader.dropped_bytes == 0
     assert not offloader._live, "every host buffer is back in the pool"
     chain, segment = 0, offloader._last
     while segment is not None:

@@ -162,6 +162,22 @@ def test_dgls_matches_plain_train_py(prepare, tmp_path, model_type, checkpointin
     assert_same_lora(tmp_path / "out_plain", tmp_path / "out_dgls")
 
 
+@pytest.mark.parametrize("model_type", ["sdxl", "wan", "hunyuan-video", "qwen_image", "ltx-video"])
+def test_swap_units_match_plain_train_py(prepare, tmp_path, model_type):
+    """--swap_unit_mb splits the streamed layers into the child modules they run (SDXL's layers hold
+    transformer blocks, Wan's blocks their attentions and MLP): the LoRA is still bitwise plain train.py's."""
+    p = prepare(model_type)
+    swap = p.spec.swap
+    p.run(p.configs(tmp_path, "plain", True), tmp_path / "plain.log")
+    log = p.run(
+        p.configs(tmp_path, "dgls", True),
+        tmp_path / "dgls.log",
+        dgls=f"--blocks_to_swap {swap} --prefetch 1 --swap_unit_mb 0.01 --verbose",
+    )
+    assert "TRAINING COMPLETE!" in log and "swap units below" in log and "layers and units" in log
+    assert_same_lora(tmp_path / "out_plain", tmp_path / "out_dgls")
+
+
 def streamed_bytes(output_dir: Path) -> list[float]:
     """DGLS's ``dgls/bytes_moved`` per step, from the run's TensorBoard events."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -86,14 +86,22 @@ def test_plain_train_py_runs_and_is_repeatable(checkout, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "checkpointing, offload",
-    [(True, False), (False, False), ("unsloth", False), (True, True), ("unsloth", True)],
-    ids=["ckpt", "no-ckpt", "unsloth", "ckpt-offload", "unsloth-offload"],
+    "checkpointing, offload, units",
+    [
+        (True, False, False),
+        (False, False, False),
+        ("unsloth", False, False),
+        (True, True, False),
+        ("unsloth", True, False),
+        (True, False, True),
+        ("unsloth", True, True),
+    ],
+    ids=["ckpt", "no-ckpt", "unsloth", "ckpt-offload", "unsloth-offload", "ckpt-units", "unsloth-offload-units"],
 )
-def test_dgls_train_matches_plain_train_py(checkout, tmp_path, checkpointing, offload):
-    """train.py through dgls_train.py with most blocks streamed (and with --offload_activations the
-    checkpointed blocks' inputs sent home): eval, saves and checkpoint as without DGLS, and the LoRA
-    bitwise equal to the plain run's (same seed, shared cache)."""
+def test_dgls_train_matches_plain_train_py(checkout, tmp_path, checkpointing, offload, units):
+    """train.py through dgls_train.py with most blocks streamed (with --offload_activations the checkpointed
+    blocks' inputs sent home; with --swap_unit_mb the blocks streamed as their child modules): eval, saves
+    and checkpoint as without DGLS, and the LoRA bitwise equal to the plain run's (same seed, shared cache)."""
     from safetensors.torch import load_file
 
     configs = _eval_runs(
@@ -102,10 +110,12 @@ def test_dgls_train_matches_plain_train_py(checkout, tmp_path, checkpointing, of
     run_train(checkout, configs["plain"], tmp_path / "cache.log", "--cache_only")
     run_train(checkout, configs["plain"], tmp_path / "plain.log")
     flags = "--blocks_to_swap 5 --prefetch 1 --verbose" + (" --offload_activations" if offload else "")
+    flags += " --swap_unit_mb 0.01" if units else ""
     log = run_train(checkout, configs["dgls"], tmp_path / "dgls.log", dgls=flags)
     assert "TRAINING COMPLETE!" in log and log.count("Running eval") == 2
     assert ("activations home" in log) == offload
-    assert "streamed" in log and "5 layers" in log, "no DGLS placement table in the log"
+    assert ("swap units below" in log and "layers and units" in log) == units
+    assert "streamed" in log and ("layers and units" if units else "5 layers") in log, "no DGLS placement table"
     assert f"dgls step {STEPS}: swap:" in log, "no per-step DGLS stats with --verbose"
     events = b"".join(p.read_bytes() for p in only_run_dir(tmp_path / "out_dgls").glob("events.out.tfevents.*"))
     assert b"dgls/bytes_moved" in events and b"train/loss" in events, "DGLS stats missing from TensorBoard"

@@ -197,15 +197,57 @@ def test_save_on_cpu_around_dgls_stays_exact(references):
     assert_bitwise_equal(references("none"), got)
 
 
-def test_a_checkpoint_region_over_several_layers_with_a_streamed_one_is_refused():
+def region_grads(swap: bool, victims_seed: int = 0):
+    """Two steps with layers 1-3 in one non-reentrant checkpoint region (as a layer split into swap units
+    is); the LoRA gradients."""
     layers, trainable = make_layers()
-    data = train.__globals__["SyntheticLatents"](SMALL, samples=2, image_tokens=4, text_tokens=2, seed=0)
-    inputs, _ = next(data.batches(2, torch.float32, CPU))
-    with LayerSwapper(layers, SwapConfig(prefetch=1), device=CPU, log=None) as swapper:
-        a, b = swapper.streamed_layers[:2]
-        h = run_layers(layers[:a], inputs, "none")
-        with pytest.raises(DGLSUserError, match="share one activation-checkpoint region"):
-            checkpoint(lambda *xs: layers[b](layers[a](xs)), *h, use_reentrant=False)
+    data = train.__globals__["SyntheticLatents"](SMALL, samples=4, image_tokens=4, text_tokens=2, seed=0)
+    batches = data.batches(2, torch.float32, CPU)
+    grads = []
+    swapper = LayerSwapper(layers, SwapConfig(prefetch=1), device=CPU, log=None) if swap else None
+    try:
+        if swapper is not None:
+            assert {1, 2, 3} <= set(swapper.streamed_layers)
+            rng = random.Random(victims_seed)
+            swapper._victim = lambda candidates: rng.choice(candidates)
+        for _ in range(2):
+            inputs, target = next(batches)
+            h = run_layers(layers[:1], inputs, "none")
+            h = checkpoint(lambda *xs: layers[3](layers[2](layers[1](xs))), *h, use_reentrant=False)
+            out = run_layers(layers[4:], h, "none")
+            torch.nn.functional.mse_loss(out.float(), target.float()).backward()
+            grads.append([p.grad.clone() for p in trainable])
+            for p in trainable:
+                p.grad = None
+    finally:
+        if swapper is not None:
+            swapper.remove()
+    return grads
+
+
+def assert_same_grads(a, b):
+    for step_a, step_b in zip(a, b, strict=True):
+        for x, y in zip(step_a, step_b, strict=True):
+            assert torch.equal(x, y), "gradients differ"
+
+
+def test_a_checkpoint_region_over_several_streamed_layers_stays_exact():
+    """Views of a slot that the region's recompute makes never stay in the checkpoint's storage: each is
+    rebuilt from its layer's current slot when backward needs it, whichever slot that is."""
+    reference = region_grads(swap=False)
+    for seed in range(3):
+        assert_same_grads(reference, region_grads(swap=True, victims_seed=seed))
+
+
+def test_a_checkpoint_region_over_several_layers_fails_without_the_saved_tensor_protection(monkeypatch):
+    """Mutation: without DGLS's hooks over the checkpoint's, the recompute keeps views of a slot that
+    is rewritten before the backward reads them."""
+    monkeypatch.setattr(HookAdapter, "_push_saved_tensor_hooks", lambda self, outer: None)
+    reference = region_grads(swap=False)
+    with pytest.raises(Exception) as failure:
+        for seed in range(3):
+            assert_same_grads(reference, region_grads(swap=True, victims_seed=seed))
+    assert not isinstance(failure.value, DGLSUserError)
 
 
 def test_selective_checkpointing_of_a_streamed_layer_is_refused():

@@ -91,6 +91,7 @@ class ActivationOffloader:
         self.min_bytes = (MIN_BYTES if self.cuda else 0) if min_bytes is None else min_bytes
         self.pin = self.cuda if pin is None else pin
         self.delay_cycles = 0  # tests: a torch.cuda._sleep before each copy, either direction
+        self.poison_restores = False  # tests (CUDA): a restored storage holds NaN bytes until its copy lands
         self.on_offload: Callable[[int], None] = lambda nbytes: None  # the engine's stats
         self._d2h = torch.cuda.Stream(device=device) if self.cuda else None
         self._h2d = torch.cuda.Stream(device=device) if self.cuda else None
@@ -100,6 +101,7 @@ class ActivationOffloader:
         self._last: Segment | None = None
         self.offloaded_bytes = 0  # totals, for the stats line and tests
         self.restored_bytes = 0
+        self.dropped_bytes = 0  # sent home, then every tensor on them was freed: nothing to bring back
         self.demand_restores = 0  # restores issued only when the recompute needed them (prefetch misses)
 
     # ---------------------------------------------------------------- public
@@ -213,12 +215,16 @@ class ActivationOffloader:
 
     def _restore(self, offload: Offload) -> None:
         tensor = offload.tensor()
-        if tensor is None:
+        if tensor is None:  # freed meanwhile ('unsloth' keeps its own host copies, not the inputs)
+            self.dropped_bytes += offload.nbytes
+            offload.restored = True
             return
         storage = tensor.untyped_storage()
         if self.cuda:
             storage.resize_(offload.nbytes)  # allocated on the compute stream
             target = _bytes_of(storage, self.device)
+            if self.poison_restores:  # as the CPU path does: a read that does not wait sees NaN
+                target.fill_(POISON)
             self._h2d.wait_stream(torch.cuda.current_stream(self.device))
             if offload.sent is not None:
                 self._h2d.wait_event(offload.sent)
@@ -262,6 +268,8 @@ class ActivationOffloader:
         buffers; so do segments whose every offload was restored by a later call."""
         for segment in list(self._live):
             if all(o.tensor() is None or o.restored for o in segment.offloads):
+                unissued = (o for o in segment.offloads if not (o.restored or o.restoring or o.pending_cpu))
+                self.dropped_bytes += sum(o.nbytes for o in unissued)
                 self._release(segment)
                 segment.previous = None
         self._recent = [s for s in self._recent if any(r() is not None for r in s.storages.values())]

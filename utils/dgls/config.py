@@ -63,6 +63,9 @@ class SwapConfig:
     # Checkpointed layers' inputs wait in host memory between forward and recompute, all but those of the
     # last max(1, prefetch) checkpointed calls of a forward (utils/dgls/activation_offload.py)
     offload_activations: bool = False
+    # Layers holding more than this many MB of params stream as several swap units, their child modules
+    # (utils/dgls/units.py). None: whole layers, unless the VRAM-budget planner needs smaller slots; 0: never.
+    swap_unit_mb: float | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -87,6 +90,9 @@ class SwapConfig:
             raise DGLSUserError(f"cuda_streams must be a whole number >= 1, got {self.cuda_streams!r}")
         if not _finite(self.selective_packing) or self.selective_packing < 0:
             raise DGLSUserError(f"selective_packing is a size in MB >= 0, got {self.selective_packing!r}")
+        unit = self.swap_unit_mb
+        if unit is not None and (not _finite(unit) or unit < 0):
+            raise DGLSUserError(f"swap_unit_mb is a size in MB >= 0 (0: never split a layer), got {unit!r}")
         budget = self.pinned_ram_budget_gb
         if budget is not None and (not _finite(budget) or budget < 0):
             raise DGLSUserError(f"pinned_ram_budget_gb must be a number of GiB >= 0, got {budget!r}")

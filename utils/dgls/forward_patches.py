@@ -47,15 +47,16 @@ class ForwardPatches:
     def compiled(self) -> set[int]:
         return set(self._compiled)
 
-    def placement_changed(self, is_streamed: Callable[[int], bool]) -> None:
-        """Compile the resident layers' forwards, un-compile the streamed ones."""
+    def placement_changed(self, eager: Callable[[int], bool]) -> None:
+        """Compile the forwards of the layers that may be compiled (resident ones), un-compile those that
+        must run ``eager`` (streamed ones, and layers split into swap units)."""
         if self.compile_backend is None:
             return
         for idx, module in modules_of(self.layers):
-            if is_streamed(idx) and idx in self._compiled:
+            if eager(idx) and idx in self._compiled:
                 del module.forward
                 self._compiled.discard(idx)
-            elif not is_streamed(idx) and idx not in self._compiled:
+            elif not eager(idx) and idx not in self._compiled:
                 module.forward = torch.compile(module.forward, backend=self.compile_backend)
                 self._compiled.add(idx)
 

@@ -18,19 +18,20 @@ saved tensors go through ``pack``: a view of a slot is replaced by a :class:`Slo
 ``unpack`` makes the layer resident again and rebuilds the view in its current slot. The cases:
 
 - no saved-tensor hooks active: DGLS's hooks are pushed for the layer's forward;
-- torch's non-reentrant checkpoint is active (its hooks keep nothing: the forward's tensors are
-  recomputed in backward, while the layer is in use): nothing to do, if the checkpoint region
-  holds one layer. A region spanning several layers, or selective checkpointing (which caches op
-  outputs across the forward), would keep views of a streamed layer's slot past its use:
-  refused with a message;
-- any other hooks (the user's own, ``save_on_cpu``): DGLS's hooks are pushed on top of them and
-  hand every tensor that is not a slot view to the outer hooks, so both keep working.
+- any hooks active (torch's non-reentrant checkpoint, the user's own, ``save_on_cpu``): DGLS's
+  hooks are pushed on top of them and hand every tensor that is not a slot view to the outer hooks,
+  so both keep working. Under a non-reentrant checkpoint this happens in the forward and again in
+  the recompute, so the same tensors bypass the checkpoint both times (its count of saved tensors
+  matches) and no view of a slot is ever kept in its recomputed storage: a region may span several
+  entries (a layer split into swap units, :mod:`.units`, or several whole layers), since each view
+  is rebuilt in its entry's current slot when backward unpacks it. Selective checkpointing caches
+  op outputs (views of a slot among them) outside saved tensors: refused with a message.
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Iterable
+import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
@@ -97,14 +98,17 @@ def _under_selective_checkpoint() -> bool:
 class HookAdapter:
     """Installs the hooks on every module of a layer list; :meth:`remove` takes them all off."""
 
-    def __init__(self, layers: list, engine: Engine) -> None:
+    def __init__(
+        self, layers: list, engine: Engine, owners: Sequence[int] | None = None, holders: Iterable[int] = ()
+    ) -> None:
         self.layers = layers
         self.engine = engine
+        # the caller's layer of each entry, and the entries split into swap units (:mod:`.units`)
+        self.owners = list(owners) if owners is not None else list(range(len(layers)))
+        self.holders = set(holders)
         self._handles: list = []
         self._saved_hooks: list = []  # pushed in a pre-hook, popped in the post hook (recompute nests them)
         self._queued = False
-        # (weak ref to the pack hook, layers, any streamed) of the region the last checkpointed forward ran in
-        self._region: tuple[weakref.ref, set[int], bool] | None = None
 
     def install(self) -> None:
         for idx, module in modules_of(self.layers):
@@ -123,14 +127,15 @@ class HookAdapter:
         if phase is Phase.BACKWARD:
             self._queue_pass_end()
         pushed = None
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self.engine.is_streamed(idx):
             outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
-            streamed = self.engine.is_streamed(idx)
-            if outer is not None and _is_torch_checkpoint(outer):
-                if phase is not Phase.BACKWARD:
-                    self._check_checkpoint_region(idx, outer, streamed)
-            elif streamed:
-                pushed = self._push_saved_tensor_hooks(outer)
+            if outer is not None and _is_torch_checkpoint(outer) and _under_selective_checkpoint():
+                raise DGLSUserError(
+                    f"layer {self.owners[idx]} streams under selective activation checkpointing, which caches op "
+                    "outputs (views of its weights among them) until backward: use plain checkpointing or keep it "
+                    "resident (gpu_layers)"
+                )
+            pushed = self._push_saved_tensor_hooks(outer)
         self._saved_hooks.append(pushed)
 
     def _post_forward(self, idx: int, module: nn.Module, args, output) -> None:
@@ -138,13 +143,22 @@ class HookAdapter:
         if pushed is not None:
             pushed.__exit__(None, None, None)
         if output is None:
+            failure = sys.exc_info()[1]  # always_call: this hook also runs when the forward raised
+            if idx in self.holders and failure is not None and not getattr(failure, "_dgls_noted", False):
+                failure._dgls_noted = True
+                failure.add_note(
+                    f"DGLS: layer {self.owners[idx]} ({type(module).__name__}) runs as swap units, each streamed "
+                    "in only for its own forward; if the error above reads a unit's weights outside it (a tensor "
+                    "of 0 elements), set swap_unit_mb = 0 (--swap_unit_mb 0) to stream whole layers"
+                )
             return
         if self.engine.is_streamed(idx):
             for t in tensors_in(output):
                 if self.engine.slot_ref(t) is not None:
                     raise DGLSUserError(
-                        f"layer {idx} ({type(module).__name__}) returns a view of its own weights, which would be "
-                        f"overwritten when it is evicted: keep it resident (add {idx} to gpu_layers)"
+                        f"layer {self.owners[idx]} ({type(module).__name__}) returns a view of its own weights, which "
+                        f"would be overwritten when it is evicted: keep it resident (add {self.owners[idx]} to "
+                        "gpu_layers)"
                     )
         if torch.is_grad_enabled() and current_phase() is not Phase.BACKWARD:
             for t in tensors_in(output):
@@ -177,29 +191,6 @@ class HookAdapter:
             )
         hooks.__enter__()
         return hooks
-
-    def _check_checkpoint_region(self, idx: int, outer, streamed: bool) -> None:
-        """A layer's forward under torch's non-reentrant checkpoint: refuse what would keep views of a
-        streamed layer's slot past its use (its recomputed tensors are read after the next layer's use
-        began when the region spans several layers)."""
-        if streamed and _under_selective_checkpoint():
-            raise DGLSUserError(
-                f"layer {idx} streams under selective activation checkpointing, which caches op outputs (views of "
-                "its weights among them) until backward: use plain checkpointing or keep it resident (gpu_layers)"
-            )
-        pack = outer[0]
-        if self._region is None or self._region[0]() is not pack:  # a weak reference: torch frees its frame
-            self._region = (weakref.ref(pack), {idx}, streamed)
-            return
-        ref, members, any_streamed = self._region
-        members.add(idx)
-        self._region = (ref, members, any_streamed or streamed)
-        if len(members) > 1 and (any_streamed or streamed):
-            raise DGLSUserError(
-                f"layers {sorted(members)} share one activation-checkpoint region and one of them streams: its "
-                "recomputed tensors would outlive its use. Checkpoint each layer on its own (as diffusion-pipe "
-                "does: interval 1) or keep these layers resident (gpu_layers)"
-            )
 
     def _pack(self, tensor: torch.Tensor):
         ref = self.engine.slot_ref(tensor)

@@ -14,6 +14,10 @@ A layer's params split three ways:
 - Non-module entries of a layer list (plain functions between blocks, as diffusion-pipe's Chroma
   and HunyuanVideo have) have no params at all.
 
+An entry can hold other entries (a layer split into swap units, :mod:`.units`): a param belongs to the
+innermost entry that has it, and every param a holder keeps for itself is fixed (the holder runs its
+parts, so its own params are read between their uses).
+
 Slot layout of a streamed layer (one contiguous byte buffer, every param 256-byte aligned)::
 
     [ params copied as they are ... | fp8-stored params, in their compute dtype ... ]
@@ -26,6 +30,7 @@ step. ``cast_target`` pairs are applied here (:class:`~.precision.CastRules`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -49,15 +54,42 @@ def modules_of(layers: Sequence) -> list[tuple[int, nn.Module]]:
     return [(i, layer) for i, layer in enumerate(layers) if isinstance(layer, nn.Module)]
 
 
-def shared_param_ids(layers: Sequence) -> set[int]:
-    """Params that appear in more than one layer (tied weights): they must stay resident."""
+@dataclass(frozen=True)
+class Ownership:
+    """Which entry owns each param: the innermost entry that has it."""
+
+    shared: frozenset[int]  # param ids owned by more than one entry (tied weights): they stay resident
+    held: dict[int, frozenset[int]]  # holder entry -> ids of the params and buffers its nested entries have
+
+    @property
+    def holders(self) -> frozenset[int]:
+        return frozenset(self.held)
+
+
+def ownership(layers: Sequence) -> Ownership:
+    """Tied weights and nesting of a layer list (entries that are submodules of other entries)."""
+    modules = modules_of(layers)
+    index_of = {id(module): i for i, module in modules}
+    inside: dict[int, list[int]] = {}  # holder -> entries nested in it
+    for i, module in modules:
+        nested = [index_of[id(m)] for m in module.modules() if m is not module and id(m) in index_of]
+        if nested:
+            inside[i] = nested
+    params = {i: {id(p) for p in module.parameters()} for i, module in modules}
+    tensors = {i: params[i] | {id(b) for b in module.buffers()} for i, module in modules}
+    held = {i: frozenset().union(*(tensors[j] for j in nested)) for i, nested in inside.items()}
     owner: dict[int, int] = {}
     shared: set[int] = set()
-    for i, layer in modules_of(layers):
-        for p in layer.parameters():
-            if owner.setdefault(id(p), i) != i:
-                shared.add(id(p))
-    return shared
+    for i, ids in params.items():
+        for pid in ids - held.get(i, frozenset()):
+            if owner.setdefault(pid, i) != i:
+                shared.add(pid)
+    return Ownership(frozenset(shared), held)
+
+
+def shared_param_ids(layers: Sequence) -> set[int]:
+    """Params that appear in more than one layer (tied weights): they must stay resident."""
+    return set(ownership(layers).shared)
 
 
 @dataclass(frozen=True)
@@ -98,6 +130,19 @@ class LayerSizes:
     copy: int | None = None  # bytes copied per fetch (None: same as streamable_bytes)
     landing_bytes: int = 0  # fp8 bytes that land in a copy-stream buffer before their upcast
     scale_bytes: int = 0  # fp32 fp8 scales, resident on the device while the layer streams
+    layer: int = -1  # the caller's layer this entry is, or is a part of (-1: the same as index)
+    part: str = ""  # a swap unit's path inside that layer ('' for a whole layer or a holder; see units.py)
+    holder: bool = False  # split into swap units: its own params stay resident
+
+    @property
+    def owner(self) -> int:
+        """The caller's layer index (placement settings name these)."""
+        return self.index if self.layer < 0 else self.layer
+
+    @property
+    def label(self) -> str:
+        """How the placement table names the entry: its class, or a swap unit's path in its layer."""
+        return f"{self.owner}.{self.part} {self.class_name}" if self.part else self.class_name
 
     @property
     def slot_bytes(self) -> int:
@@ -132,6 +177,11 @@ class LayerLayout:
     def landing_bytes(self) -> int:
         return self.sizes.landing_bytes
 
+    def of_entry(self, layer: int, part: str, holder: bool) -> LayerLayout:
+        """The same layout, labelled as an entry of the caller's ``layer`` (see :mod:`.units`)."""
+        sizes = dataclasses.replace(self.sizes, layer=layer, part=part, holder=holder)
+        return dataclasses.replace(self, sizes=sizes)
+
 
 def measure(
     layers: Sequence, rules: CastRules | None = None, trainable_dtype: str = "auto", host_trained: bool = False
@@ -139,17 +189,17 @@ def measure(
     """The layout of every entry of a layer list (functions get an empty one). ``trainable_dtype``: the
     ``mixed_precision`` the trainable params will have ("auto": as they are). ``host_trained``: trainable
     params stream too (full fine-tuning with the optimizer on the host, :mod:`.host_training`)."""
-    shared = shared_param_ids(layers)
-    return [_measure_one(i, layer, shared, rules, trainable_dtype, host_trained) for i, layer in enumerate(layers)]
+    owned = ownership(layers)
+    return [_measure_one(i, layer, owned, rules, trainable_dtype, host_trained) for i, layer in enumerate(layers)]
 
 
 def measure_layer(layers: Sequence, index: int, rules: CastRules | None = None) -> LayerLayout:
     """The layout of one entry (after its params changed), with tied weights judged over the whole list."""
-    return _measure_one(index, layers[index], shared_param_ids(layers), rules, "auto")
+    return _measure_one(index, layers[index], ownership(layers), rules, "auto")
 
 
 def _measure_one(
-    index: int, layer, shared: set[int], rules: CastRules | None, trainable_dtype: str, host_trained: bool = False
+    index: int, layer, owned: Ownership, rules: CastRules | None, trainable_dtype: str, host_trained: bool = False
 ) -> LayerLayout:
     if not isinstance(layer, nn.Module):
         name = getattr(layer, "__name__", type(layer).__name__)
@@ -159,18 +209,23 @@ def _measure_one(
     fixed = 0
     trainable = dtype_of(trainable_dtype, "mixed_precision") if trainable_dtype != "auto" else None
     trainable_size = trainable.itemsize if trainable is not None else None
+    held = owned.held.get(index, frozenset())
+    holder = index in owned.held
+    shared = owned.shared
     for name, p in layer.named_parameters(remove_duplicate=False):
+        if id(p) in held:
+            continue  # a nested entry's
         if id(p) in names:
             names[id(p)].append(name)
             continue
         names[id(p)] = [name]
         if p.requires_grad and (not host_trained or id(p) in shared):
             fixed += p.numel() * (trainable_size or p.element_size())
-        elif id(p) in shared:
+        elif id(p) in shared or holder:
             fixed += p.numel() * p.element_size()
         else:
             params[id(p)] = p
-    fixed += sum(b.numel() * b.element_size() for b in layer.buffers())
+    fixed += sum(b.numel() * b.element_size() for b in layer.buffers() if id(b) not in held)
     casts = rules.plan(layer) if rules else {}
     direct = [p for p in params.values() if not (id(p) in casts and casts[id(p)].scaled)]
     scaled = [p for p in params.values() if id(p) in casts and casts[id(p)].scaled]

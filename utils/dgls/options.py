@@ -185,6 +185,17 @@ OPTIONS: tuple[Option, ...] = (
         "streaming",
     ),
     Option(
+        "swap_unit_mb",
+        "float",
+        None,
+        "stream layers larger than this many MB as several swap units, the child modules they run (a block's "
+        "attention and its MLP), so each slot holds a smaller piece; 0 streams whole layers (default: whole, "
+        "unless vram_budget needs smaller slots)",
+        "the slots of large layers crowd a small card; a model whose layers read their children's weights "
+        "themselves needs 0",
+        "streaming",
+    ),
+    Option(
         "batch_move",
         "bool",
         False,
@@ -515,6 +526,7 @@ def swap_config(values: dict[str, Any]) -> SwapConfig:
         "prefetch",
         "threading",
         "offload_activations",
+        "swap_unit_mb",
         "batch_move",
         "cuda_streams",
         "selective_packing",

@@ -69,10 +69,14 @@ class Placement:
     def table(self) -> str:
         """The start-up placement table: index, class, MB, where it lives."""
         streamed = set(self.streamed)
-        lines = [f"{'idx':>4}  {'layer':<28} {'MB':>9}  placement"]
+        units = any(s.part for s in self.sizes)
+        width = min(48, max(28, *(len(s.label) + 2 for s in self.sizes))) if units else 28
+        lines = [f"{'idx':>4}  {'layer':<{width}} {'MB':>9}  placement"]
         for s in self.sizes:
             total = (s.streamable_bytes + s.fixed_bytes) / MB
-            if s.index in streamed:
+            if s.holder:
+                where = "swap units below" + (f"; {s.fixed_bytes / MB:.1f} MB of its own resident" if total else "")
+            elif s.index in streamed:
                 where = "streamed"
                 if s.fixed_bytes:
                     where += f" ({s.fixed_bytes / MB:.1f} MB trainable/buffers resident)"
@@ -80,7 +84,8 @@ class Placement:
                 where = "no weights"
             else:
                 where = "resident"
-            lines.append(f"{s.index:>4}  {s.class_name[:28]:<28} {total:>9.1f}  {where}")
+            name = f"  {s.label}" if s.part else s.label
+            lines.append(f"{s.index:>4}  {name[:width]:<{width}} {total:>9.1f}  {where}")
         lines.append(
             f"resident weights+buffers {self.resident_weight_bytes / MB:.1f} MB + pool "
             f"{self.slot_count} x {self.slot_bytes / MB:.1f} MB"
@@ -90,7 +95,8 @@ class Placement:
                 else ""
             )
             + f" = {self.predicted_device_bytes / MB:.1f} MB on the device before activations; "
-            f"{len(self.streamed)} layers ({self.streamed_bytes / MB:.1f} MB) stream"
+            f"{len(self.streamed)} {'layers and units' if units else 'layers'} "
+            f"({self.streamed_bytes / MB:.1f} MB) stream"
         )
         return "\n".join(lines)
 
@@ -107,16 +113,19 @@ class Placement:
 
 
 def choose_streamed(sizes: Sequence[LayerSizes], config: SwapConfig) -> list[int]:
-    """Apply the explicit placement settings to the measured layers; raise on settings that don't fit."""
-    n = len(sizes)
-    candidates = [s.index for s in sizes if s.streamable_bytes > 0]
+    """Apply the explicit placement settings to the measured layers; raise on settings that don't fit.
+
+    The settings name the caller's layers; a layer split into swap units (:mod:`.units`) streams all
+    its units or none."""
+    n = max(s.owner for s in sizes) + 1
+    candidates = sorted({s.owner for s in sizes if s.streamable_bytes > 0})
     if config.gpu_layers is not None:
         bad = [i for i in config.gpu_layers if not 0 <= i < n]
         if bad:
             raise DGLSUserError(f"gpu_layers {bad} out of range: the model has {n} layers (0..{n - 1})")
         keep = set(config.gpu_layers)
-        return [i for i in candidates if i not in keep]
-    if config.blocks_to_swap is not None:
+        chosen = [i for i in candidates if i not in keep]
+    elif config.blocks_to_swap is not None:
         if config.blocks_to_swap > len(candidates):
             raise DGLSUserError(
                 f"blocks_to_swap={config.blocks_to_swap} but only {len(candidates)} of the {n} layers "
@@ -124,13 +133,16 @@ def choose_streamed(sizes: Sequence[LayerSizes], config: SwapConfig) -> list[int
             )
         keep = len(candidates) - config.blocks_to_swap
         head = (keep + 1) // 2  # resident layers split between the two ends: they cover the turnarounds
-        return candidates[head : len(candidates) - (keep - head)]
-    initial = 1 if config.initial_gpu_layers is None else config.initial_gpu_layers
-    final = 1 if config.final_gpu_layers is None else config.final_gpu_layers
-    for name, value in (("initial_gpu_layers", initial), ("final_gpu_layers", final)):
-        if value > n:
-            raise DGLSUserError(f"{name}={value} but the model has only {n} layers")
-    return [i for i in candidates if initial <= i < n - final]
+        chosen = candidates[head : len(candidates) - (keep - head)]
+    else:
+        initial = 1 if config.initial_gpu_layers is None else config.initial_gpu_layers
+        final = 1 if config.final_gpu_layers is None else config.final_gpu_layers
+        for name, value in (("initial_gpu_layers", initial), ("final_gpu_layers", final)):
+            if value > n:
+                raise DGLSUserError(f"{name}={value} but the model has only {n} layers")
+        chosen = [i for i in candidates if initial <= i < n - final]
+    layers = set(chosen)
+    return [s.index for s in sizes if s.streamable_bytes > 0 and s.owner in layers]
 
 
 def plan_placement(sizes: Sequence[LayerSizes], config: SwapConfig) -> Placement:

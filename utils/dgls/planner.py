@@ -24,6 +24,7 @@ from .schedule import Phase
 from .stats import human_bytes
 
 PREFETCH_CHOICES = (1, 2, 3, 4)
+UNIT_SLOTS_SHARE, UNIT_SHARE = 4, 8  # split layers when 2 slots exceed 1/4 of the budget, into units <= 1/8
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,17 @@ def minimum_bytes(
     return device_bytes(sizes, streamed, prefetch, copy_streams) + extra
 
 
+def unit_bytes_for_budget(sizes: Sequence[LayerSizes], budget: int) -> int | None:
+    """The swap-unit size for a VRAM budget (:mod:`.units`): None (whole layers) while two slots of the
+    largest layer take at most a quarter of the budget, as for a Flux LoRA at 8 GiB; otherwise layers
+    larger than an eighth of the budget are split into their child modules (a Wan-14B block at 4 GiB,
+    a Flux block at 3 GiB), so the slots stop crowding out activations."""
+    largest = max((s.slot_bytes for s in sizes if s.streamable_bytes), default=0)
+    if 2 * largest <= budget // UNIT_SLOTS_SHARE:
+        return None
+    return budget // UNIT_SHARE
+
+
 # ---------------------------------------------------------------- time
 def simulate(
     sizes: Sequence[LayerSizes], profile: StepProfile, streamed: Iterable[int], prefetch: int, steps: int = 3
@@ -163,7 +175,8 @@ def _check_minimum(sizes, profile, budget, prefetch_choices, copy_streams) -> No
         remedy = {
             "activations": "lower the activations (--offload_activations with activation_checkpointing, a smaller "
             "batch or resolution)",
-            "layer slots": "split the largest layers into smaller ones (the slots hold two of the largest)",
+            "layer slots": "stream smaller pieces (--swap_unit_mb, the MB of the largest swap unit: the slots hold "
+            "two of the largest)",
             "resident weights and buffers": "train fewer params on the device, or store frozen weights smaller "
             "(--cast_target)",
         }[largest]

@@ -64,15 +64,17 @@ from .grad_copier import CudaGradCopier, DeferredGradCopier
 from .hooks import HookAdapter, SlotRef
 from .host_store import HostStore
 from .host_training import HostTraining, check_host_training
-from .layout import LayerLayout, measure, modules_of
+from .layout import MB, LayerLayout, measure, modules_of
 from .listener import Listener
 from .masters import Masters
 from .placement import Placement, plan_placement
+from .planner import unit_bytes_for_budget
 from .precision import CastRules, cast_trainable, check_device_support, describe, name_of
 from .profiler import Profiler
 from .residency import Residency, StreamedLayer
 from .schedule import Phase, UsePredictor, current_phase
 from .stats import StatsCollector, StepStats, human_bytes
+from .units import Entry, split_layers, split_note
 
 
 class LayerSwapper:
@@ -96,8 +98,8 @@ class LayerSwapper:
         log=print,
         share_group: str = "",
     ) -> None:
-        self.layers: list = list(layers)
-        if not self.layers:
+        given = list(layers)
+        if not given:
             raise DGLSUserError("no layers to place: the layer list is empty")
         self.config = config or SwapConfig()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -105,21 +107,26 @@ class LayerSwapper:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._log = log or (lambda *_: None)
         self._removed = False
+        # Checks first: nothing is changed before every setting is known to fit the model.
+        cast_rules = CastRules.from_config(self.config)
+        check_device_support(self.device, cast_rules)
+        host_trained = self.config.host_optimizer is not None
+        self.driver = self._start_driver()
+        # The engine's entries: the layers, some split into swap units (units.py); indices below are theirs.
+        self.unit_bytes = self._unit_bytes(given, cast_rules, host_trained)
+        self.entries: list[Entry] = split_layers(given, self.unit_bytes, trainable_streams=host_trained)
+        self.layers: list = [entry.value for entry in self.entries]
         self._home = {
             id(t): (t, t.device, t.dtype)
             for _, module in modules_of(self.layers)
             for t in (*module.parameters(), *module.buffers())
         }
-        # Checks first: nothing is changed before every setting is known to fit the model.
-        cast_rules = CastRules.from_config(self.config)
-        check_device_support(self.device, cast_rules)
-        host_trained = self.config.host_optimizer is not None
-        self.layouts: list[LayerLayout] = measure(
-            self.layers, cast_rules, self.config.mixed_precision, host_trained=host_trained
-        )
+        measured = measure(self.layers, cast_rules, self.config.mixed_precision, host_trained=host_trained)
+        self.layouts: list[LayerLayout] = [
+            layout.of_entry(entry.layer, entry.part, entry.holder) for layout, entry in zip(measured, self.entries)
+        ]
         self._check_casts_match(cast_rules)
         sizes = tuple(layout.sizes for layout in self.layouts)
-        self.driver = self._start_driver()
         self.placement: Placement = plan_placement(sizes, self.config)
         if self.driver is not None:
             self.driver.check_static_minimum(sizes)
@@ -193,11 +200,12 @@ class LayerSwapper:
         self._plans_version = -1
         self._clock = 0
         self._lock = threading.RLock()
-        self._hooks = HookAdapter(self.layers, self)
+        owners, holders = [e.layer for e in self.entries], [i for i, e in enumerate(self.entries) if e.holder]
+        self._hooks = HookAdapter(self.layers, self, owners, holders)
         self._hooks.install()
         compile_backend = self.config.compile_backend if self.config.compile_resident else None
         self._patches = ForwardPatches(self.layers, self.device, self.config.autocast, compile_backend)
-        self._patches.placement_changed(self.is_streamed)
+        self._patches.placement_changed(self._runs_eager)
         # Last: a cast is lossy, and nothing after it can fail.
         self._trainable_cast = cast_trainable([m for _, m in modules_of(self.layers)], self.config.mixed_precision)
 
@@ -229,6 +237,23 @@ class LayerSwapper:
             clipping=self.config.clip_grads,
             updater=DeviceUpdater(self.device) if spec.on_device else None,
         )
+
+    def _unit_bytes(self, layers: list, rules: CastRules | None, host_trained: bool) -> int | None:
+        """The largest swap unit in bytes (None: whole layers): ``swap_unit_mb`` if given, else the planner's
+        choice for the VRAM budget (from the whole layers' sizes)."""
+        given = self.config.swap_unit_mb
+        if given is not None:
+            return int(given * MB) or None
+        if self.driver is None:
+            return None
+        whole = measure(layers, rules, self.config.mixed_precision, host_trained=host_trained)
+        unit = unit_bytes_for_budget([layout.sizes for layout in whole], self.driver.budget)
+        if unit is not None:
+            self._log(
+                f"DGLS: two slots of the largest layer would take over a quarter of the budget: layers over "
+                f"{human_bytes(unit)} stream as swap units (--swap_unit_mb to choose, 0 for whole layers)"
+            )
+        return unit
 
     def _start_driver(self) -> PlacementDriver | None:
         config = self.config
@@ -323,6 +348,8 @@ class LayerSwapper:
 
     def _report_start(self, cast_rules: CastRules | None) -> None:
         self._log(self.placement.table())
+        if split_note(self.entries, self.unit_bytes):
+            self._log(split_note(self.entries, self.unit_bytes))
         if self._training_note:
             scratch = self.training.device_bytes
             on_device = f" ({human_bytes(scratch)} of device buffers)" if scratch else ""
@@ -377,6 +404,10 @@ class LayerSwapper:
 
     def is_streamed(self, idx: int) -> bool:
         return idx in self._streamed
+
+    def _runs_eager(self, idx: int) -> bool:
+        """Never compiled: streamed entries (their weights move) and holders (they run streamed units)."""
+        return idx in self._streamed or self.entries[idx].holder
 
     def slot_ref(self, tensor: torch.Tensor) -> SlotRef | None:
         slot = self.pool.slot_of(tensor)
@@ -570,7 +601,7 @@ class LayerSwapper:
             self.store.ensure_staging(2, self.placement.slot_bytes)
             for layer in self._streamed.values():
                 layer.forget_views()
-            self._patches.placement_changed(self.is_streamed)
+            self._patches.placement_changed(self._runs_eager)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 

@@ -1,0 +1,247 @@
+"""Sub-layer swap units on the CPU: layers split into the child modules they run train bitwise as unsplit.
+
+The small demo model's blocks are split at 0.03 MB (30 KiB): a double block becomes its modulations,
+projections and the two Linears of each MLP (the MLP ``Sequential`` a holder of its own), a single
+block its modulation and two Linears; norms, and what no unit holds, stay resident. The deferred CPU
+copier fills every slot with NaN until its copy is waited for, so a unit read before its copy landed
+fails here, as does a view of a unit's slot kept past its use.
+"""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from full_ft import SPEC, assert_same, full_layers, train_dgls, train_reference
+from helpers import SMALL, assert_bitwise_equal, host_saving_checkpoint, make_layers, run_layers, train
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
+from utils.dgls.copier import DeferredCopier
+from utils.dgls.hooks import HookAdapter
+from utils.dgls.layout import measure
+from utils.dgls.planner import unit_bytes_for_budget
+from utils.dgls.units import split_layers
+
+CPU = torch.device("cpu")
+UNIT_MB = 0.03
+MODES = ["none", "nonreentrant", "reentrant", "unsloth"]
+
+
+def checkpoint_for(mode):
+    if mode == "unsloth":
+        return host_saving_checkpoint
+    return None  # run_layers' own (torch's, reentrant or not)
+
+
+def run_mode(mode):
+    """run_layers' mode: the 'unsloth' kind needs an input that requires grad, as reentrant does."""
+    return "reentrant" if mode == "unsloth" else mode
+
+
+@pytest.fixture(scope="module")
+def references():
+    cache = {}
+
+    def get(mode):
+        if mode not in cache:
+            cache[mode] = train(*make_layers(), CPU, run_mode(mode), checkpoint_fn=checkpoint_for(mode))
+        return cache[mode]
+
+    return get
+
+
+def split_run(mode, prefetch=1, seed=None, **config):
+    layers, trainable = make_layers()
+    config = SwapConfig(prefetch=prefetch, swap_unit_mb=UNIT_MB, **config)
+    with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
+        assert any(entry.holder for entry in swapper.entries)
+        if seed is not None:
+            rng = random.Random(seed)
+            swapper._victim = lambda candidates: rng.choice(candidates)
+        ckpt = checkpoint_for(mode)
+        if config.offload_activations:
+            ckpt = swapper.checkpoint_function(ckpt or (lambda f, *a: checkpoint(f, *a, use_reentrant=False)))
+        return train(layers, trainable, CPU, run_mode(mode), checkpoint_fn=ckpt)
+
+
+# ---------------------------------------------------------------- the split
+def test_a_large_layer_becomes_a_holder_and_its_children_in_order_of_definition():
+    layers, _ = make_layers()
+    entries = split_layers(layers, int(UNIT_MB * 2**20))
+    double = [(e.part, e.holder) for e in entries if e.layer == 1]
+    assert double == [
+        ("", True),
+        ("img_mod", False),
+        ("txt_mod", False),
+        ("img_qkv", False),
+        ("txt_qkv", False),
+        ("img_proj", False),
+        ("txt_proj", False),
+        ("img_mlp", True),  # larger than a unit: split again
+        ("img_mlp.0", False),
+        ("img_mlp.2", False),
+        ("txt_mlp", True),
+        ("txt_mlp.0", False),
+        ("txt_mlp.2", False),
+    ], "norms (no params) stay with the holder"
+    assert [(e.part, e.holder) for e in entries if e.layer == 0] == [("", False)], "small layers stay whole"
+    # the LoRA inside a projection is trainable: it does not count towards a split, so the PEFT Linear is one unit
+    assert [e.part for e in entries if e.layer == 4] == ["", "mod", "linear1", "linear2"]
+    assert [e.value for e in split_layers(layers, None)] == layers
+    assert [e.value for e in split_layers(layers, 0)] == layers
+
+
+def test_the_table_lists_units_under_their_layer_and_placement_settings_name_layers():
+    layers, _ = make_layers()
+    lines = []
+    config = SwapConfig(swap_unit_mb=UNIT_MB, gpu_layers=[0, 2, 7])
+    with LayerSwapper(layers, config, device=CPU, log=lines.append) as swapper:
+        table = lines[0]
+        assert "  1.img_mlp.0 Linear" in table and "swap units below" in table
+        owners = {swapper.entries[i].layer for i in swapper.streamed_layers}
+        assert owners == {1, 3, 4, 5, 6}, "gpu_layers names the caller's layers: all units of layer 2 stay"
+        assert any("run as" in line and "swap units" in line for line in lines)
+    with LayerSwapper(layers, SwapConfig(swap_unit_mb=UNIT_MB, blocks_to_swap=2), device=CPU, log=None) as swapper:
+        assert len({swapper.entries[i].layer for i in swapper.streamed_layers}) == 2
+
+
+def test_a_holders_own_params_and_small_children_stay_resident():
+    layers, _ = make_layers()
+    with LayerSwapper(layers, SwapConfig(swap_unit_mb=UNIT_MB), device=CPU, log=None) as swapper:
+        for idx, entry in enumerate(swapper.entries):
+            if entry.holder:
+                assert swapper.layouts[idx].sizes.streamable_bytes == 0
+                assert not swapper.is_streamed(idx)
+        streamed = {id(p.param) for i in swapper.streamed_layers for p in swapper.layouts[i].params}
+        double = layers[1]
+        assert id(double.img_qkv.base_layer.weight) in streamed
+        # each streamed param belongs to exactly one entry
+        counted = [id(p.param) for layout in swapper.layouts for p in layout.params]
+        assert len(counted) == len(set(counted))
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), "big"])
+def test_a_bad_unit_size_is_one_line(bad):
+    with pytest.raises(DGLSUserError, match="swap_unit_mb is a size in MB >= 0"):
+        SwapConfig(swap_unit_mb=bad)
+
+
+# ---------------------------------------------------------------- exactness
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
+def test_training_with_units_is_bitwise_the_same(references, mode, prefetch):
+    """Several steps of 2 micro-batches with eval passes between, each checkpoint mode."""
+    assert_bitwise_equal(references(mode), split_run(mode, prefetch=prefetch))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_random_slot_assignment_with_units_stays_exact(references, mode):
+    for seed in range(2):
+        assert_bitwise_equal(references(mode), split_run(mode, prefetch=2, seed=seed))
+
+
+@pytest.mark.parametrize("mode", ["nonreentrant", "reentrant", "unsloth"])
+def test_units_with_activation_offload_are_bitwise_the_same(references, mode):
+    assert_bitwise_equal(references(mode), split_run(mode, prefetch=2, offload_activations=True))
+
+
+@pytest.mark.parametrize("mode", ["none", "nonreentrant"])
+def test_full_fine_tuning_with_units_is_bitwise_the_same(mode):
+    """Streamed units' params train on the host; each holder's own params by the trainer's optimizer."""
+    layers = full_layers()
+    config = SwapConfig(host_optimizer=SPEC, accumulation_steps=2, prefetch=2, swap_unit_mb=UNIT_MB)
+    with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
+        assert any(entry.holder for entry in swapper.entries)
+        names = {
+            f"{i}.{n}"
+            for i, layer in enumerate(layers)
+            for n, p in layer.named_parameters()
+            if swapper.training.owns(p)
+        }
+        record = train_dgls(layers, swapper, CPU, mode)
+    assert_same(record, train_reference(full_layers(), names, CPU, mode))
+
+
+# ---------------------------------------------------------------- mutations
+@pytest.mark.parametrize("mode", ["none", "nonreentrant"])
+def test_mutation_no_compute_side_wait_reads_poison(references, mode, monkeypatch):
+    monkeypatch.setattr(DeferredCopier, "_wait", lambda self, token: None)
+    got = split_run(mode)
+    assert any(torch.isnan(loss).any() for loss in got.losses)
+
+
+@pytest.mark.parametrize("mode", ["none", "nonreentrant"])
+def test_mutation_no_saved_tensor_protection_differs(references, mode, monkeypatch):
+    """The units of a checkpointed layer share its region: without DGLS's hooks over the checkpoint's, its
+    recompute keeps views of slots that other units overwrite before backward reads them."""
+    monkeypatch.setattr(HookAdapter, "_push_saved_tensor_hooks", lambda self, outer: None)
+    with pytest.raises(AssertionError):
+        for seed in (None, 0):
+            assert_bitwise_equal(references(mode), split_run(mode, prefetch=1, seed=seed))
+
+
+# ---------------------------------------------------------------- a holder that reads a unit's weights itself
+class ReadsChildWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(64, 64)
+        self.second = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return F.linear(self.first(x), self.second.weight)  # never calls self.second
+
+
+def test_a_holder_reading_a_units_weights_fails_with_a_note_naming_the_setting():
+    layers = [nn.Linear(64, 64), ReadsChildWeight(), ReadsChildWeight(), nn.Linear(64, 64)]
+    for p in (p for layer in layers for p in layer.parameters()):
+        p.requires_grad_(False)
+    with LayerSwapper(layers, SwapConfig(swap_unit_mb=0.01, prefetch=0), device=CPU, log=None):
+        with pytest.raises(RuntimeError) as failure:
+            x = torch.randn(2, 64)
+            for layer in layers:
+                x = layer(x)
+    notes = "\n".join(getattr(failure.value, "__notes__", []))
+    assert "swap_unit_mb = 0" in notes and "layer 1 (ReadsChildWeight)" in notes
+
+
+# ---------------------------------------------------------------- the planner's choice
+def test_the_planner_splits_only_when_two_slots_crowd_the_budget():
+    layers, _ = make_layers()
+    sizes = [layout.sizes for layout in measure(layers)]
+    largest = max(s.slot_bytes for s in sizes)
+    assert unit_bytes_for_budget(sizes, 8 * largest) is None
+    assert unit_bytes_for_budget(sizes, 8 * largest - 8) == (8 * largest - 8) // 8
+
+
+def test_under_a_tight_vram_budget_layers_are_split_and_training_stays_exact(references):
+    layers, trainable = make_layers()
+    lines = []
+    budget_gb = 2**20 / 2**30  # 1 MiB: two slots of a whole double block take over a quarter
+    with LayerSwapper(layers, SwapConfig(vram_budget_gb=budget_gb), device=CPU, log=lines.append) as swapper:
+        assert any(entry.holder for entry in swapper.entries)
+        assert any("stream as swap units" in line for line in lines)
+        got = train(layers, trainable, CPU, "nonreentrant", steps=4)
+    assert_bitwise_equal(train(*make_layers(), CPU, "nonreentrant", steps=4), got)
+    with LayerSwapper(*make_layers()[:1], SwapConfig(vram_budget_gb=1.0), device=CPU, log=None) as swapper:
+        assert not any(entry.holder for entry in swapper.entries), "a roomy budget keeps layers whole"
+
+
+def test_swap_unit_mb_zero_keeps_layers_whole_under_any_budget():
+    layers, _ = make_layers()
+    config = SwapConfig(vram_budget_gb=2**20 / 2**30, swap_unit_mb=0)
+    with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
+        assert not any(entry.holder for entry in swapper.entries)
+
+
+def test_units_forward_in_eval_mode_matches():
+    """A forward without grad (eval, sampling) through split layers gives the unsplit outputs."""
+    reference_layers, _ = make_layers()
+    layers, _ = make_layers()
+    data = train.__globals__["SyntheticLatents"](SMALL, samples=2, image_tokens=4, text_tokens=2, seed=0)
+    inputs, _ = next(data.batches(2, torch.float32, CPU))
+    with torch.no_grad():
+        expected = run_layers(reference_layers, inputs, "none")
+        with LayerSwapper(layers, SwapConfig(swap_unit_mb=UNIT_MB), device=CPU, log=None):
+            assert torch.equal(run_layers(layers, inputs, "none"), expected)
