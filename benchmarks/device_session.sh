@@ -67,8 +67,9 @@ for step in "$@"; do
       stamp=$(mktemp)
       python3 "benchmarks/$script" ${args[@]+"${args[@]}"} 2>&1 | tee "$OUT/$log.log" | tail -40
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-      # only what this bench wrote: copying every result file once ran into the call's time limit
-      find benchmarks/results -maxdepth 1 -type f -newer "$stamp" -exec cp {} "$OUT/" \; ;;
+      # only what this bench wrote: copying every result file once ran into the call's time limit; not the
+      # index (README.md, regenerated locally by report.py): a call brings back a limited number of files
+      find benchmarks/results -maxdepth 1 -type f -newer "$stamp" ! -name README.md -exec cp {} "$OUT/" \; ;;
   esac
 done
 exit $status

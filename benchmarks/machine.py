@@ -7,6 +7,7 @@ measured in the same run, since its floors and copy shares are relative to that 
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import subprocess
 from collections.abc import Iterator
@@ -36,8 +37,12 @@ def session(tiny: bool) -> Iterator[tuple[torch.device, torch.dtype]]:
 
 
 def environment(device: torch.device) -> dict:
-    """Where a result was measured: device, GPU, PCIe link, driver, torch and CUDA versions."""
-    return {"device": device.type, **_gpu_details(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    """Where a result was measured: device, GPU, PCIe link, driver, torch and CUDA versions, and the CUDA
+    allocator's settings when the environment sets them (they change peak reserved memory)."""
+    found = {"device": device.type, **_gpu_details(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        found["alloc_conf"] = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    return found
 
 
 def _gpu_details() -> dict:

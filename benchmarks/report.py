@@ -197,7 +197,8 @@ def where(environment: dict) -> str:
     if not environment.get("gpu"):
         return f"the CPU (torch {environment.get('torch', '?')})"
     link = f"PCIe gen {environment['pcie_gen']} x{environment['pcie_width']}, " if "pcie_gen" in environment else ""
-    return f"{environment['gpu']} ({link}torch {environment.get('torch')}, CUDA {environment.get('cuda')})"
+    alloc = f", PYTORCH_CUDA_ALLOC_CONF={environment['alloc_conf']}" if environment.get("alloc_conf") else ""
+    return f"{environment['gpu']} ({link}torch {environment.get('torch')}, CUDA {environment.get('cuda')}{alloc})"
 
 
 def table(result: dict) -> list[str]:

@@ -198,7 +198,9 @@ class Masters:
                 )
         self.remove_hooks(idx)
         self.store.remove_layer(idx)
-        self.layouts[idx] = measure_layer(self.layers, idx, CastRules.from_config(self.config))
+        old = self.layouts[idx].sizes
+        layout = measure_layer(self.layers, idx, CastRules.from_config(self.config))
+        self.layouts[idx] = layout.of_entry(old.layer, old.part, old.holder)  # a swap unit stays labelled
         self.add(idx)
         self.on_adopted(idx)
 
