@@ -7,11 +7,12 @@ Every weight trains. Methods, each on the same layer list (sdxl.py, checkpointin
   the device (about 42 GiB of masters and moments; fits an 80 GB card).
 - ``zero2-offload``: DeepSpeed ZeRO-2 with its optimizer offloaded to the CPU (bf16, DeepSpeedCPUAdam):
   what diffusion-pipe users reach for when a full fine-tune does not fit.
-- ``dgls-device`` / ``dgls-torch_fused`` / ``dgls-deepspeed``: DGLS streams every layer above
-  ``--stream_mib`` (prefetch ``--prefetch``); streamed layers keep fp32 masters and AdamW moments in host
-  memory and send their gradients home; their AdamW step runs on the GPU with the state streamed in and
-  back (``device``), or on the CPU (torch's fused kernel, or DeepSpeedCPUAdam). Small resident layers
-  train with AdamW on the GPU.
+- ``dgls-split`` / ``dgls-device`` / ``dgls-torch_fused`` / ``dgls-deepspeed``: DGLS streams every layer
+  above ``--stream_mib`` (prefetch ``--prefetch``); streamed layers keep fp32 masters and AdamW moments in
+  host memory and send their gradients home; their AdamW step runs on the GPU with the state streamed in
+  and back (``device``), on the CPU (torch's fused kernel, or DeepSpeedCPUAdam), or each layer on whichever
+  of the two would finish it sooner at the rates measured on earlier steps (``split``; 'updated on GPU' is
+  the GPU's share of the params in the timed steps). Small resident layers train with AdamW on the GPU.
 
 Each method runs in a process of its own (so no method's memory counts in another's), one after
 another on the same machine. Per method: median step, ratio to ``resident``, peak VRAM, the process's
@@ -54,7 +55,7 @@ from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
 from utils.dgls.host_optimizer import HostOptimizerSpec  # noqa: E402
 
 LR, BETAS, WD, EPS = 1e-5, (0.9, 0.99), 0.01, 1e-8
-METHODS = ("resident", "dgls-device", "dgls-torch_fused", "dgls-deepspeed", "zero2-offload")
+METHODS = ("resident", "dgls-split", "dgls-device", "dgls-torch_fused", "dgls-deepspeed", "zero2-offload")
 NOTES = [
     "Every weight trains (no LoRA). 'host optimizer wait': the share of DGLS's step the training thread spent "
     "blocked on the host optimizer (a fetch waiting for its layer's update, or clipping waiting for the last "
@@ -215,6 +216,9 @@ def measure(name: str, args, device, dtype) -> dict:
             for kind, seconds in training.job_s.items():
                 row[f"host_{kind}_s"] = (seconds - jobs[kind]) / len(times)
             row["host_optimizer"] = training.implementation
+            if training.split is not None:  # the split of the last step, and the rates it came from
+                row["device_share"] = training.split.device_share
+                row["split"] = training.split.describe()
         row.update(median_step_s=statistics.median(times), step_times_s=times, steps=len(times), **peaks(device))
         row["host_rss_gib"] = rss.peak / GiB
     except Exception as exc:  # noqa: BLE001 - a method that cannot run is a row that says why

@@ -168,12 +168,13 @@ TABLES: dict[str, Table] = {
             ("GPU wait", _key("compute_wait_share", ".0%")),
             ("host: grad sums s/step", _key("host_accumulate_s", ".2f")),
             ("host: updates s/step", _key("host_update_s", ".2f")),
+            ("updated on GPU", _key("device_share", ".0%")),
             ("streamed GiB", _key("streamed_gib", ".1f")),
             PEAK_ALLOC,
             ("peak reserved GiB", _key("peak_reserved_gib", ".2f")),
             ("host RSS GiB", _key("host_rss_gib", ".1f")),
         ),
-        optional=("GPU wait",),
+        optional=("GPU wait", "updated on GPU"),
     ),
     "transfer": Table(
         columns=(

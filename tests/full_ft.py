@@ -10,6 +10,7 @@ train with the trainer's optimizer on the device, as in DGLS.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from helpers import SMALL, run_layers
 from utils.dgls.demo.data import SyntheticLatents
 from utils.dgls.demo.model import build_layers
 from utils.dgls.host_optimizer import HostOptimizerSpec
+from utils.dgls.update_split import UpdateSplit
 
 SPEC = HostOptimizerSpec(lr=1e-2, weight_decay=0.01, implementation="torch")
 MAX_NORM = 0.05  # small enough that clipping acts on every step
@@ -121,11 +123,13 @@ def train_reference(
     max_norm=MAX_NORM,
     host_spec=SPEC,
     master_device="cpu",
+    update_device=None,
 ):
     """The same training without streaming (see the module doc). ``host_names``: ``"i.name"`` of the params
     DGLS trains on the host, with ``host_spec``'s optimizer, masters, sums and their norms on ``master_device``
     (device updates on CUDA: torch's fused AdamW on the GPU, whose kernel they run, and grad norms taken
-    there)."""
+    there). ``update_device(step, name)``: where that param's update of ``step`` (from 0) runs instead (split
+    updates): its master, state and gradient move there for the step (the norms stay on ``master_device``)."""
     named = [(f"{i}.{n}", p) for i, layer in enumerate(layers) for n, p in layer.named_parameters()]
     host = [(n, p) for n, p in named if n in host_names]
     masters = {id(p): p.detach().to(master_device, torch.float32, copy=True) for _, p in host}
@@ -135,7 +139,7 @@ def train_reference(
     trainer = SPEC.build(device_params) if device_params else None
     batches = _batches(device, dtype, cfg)
     losses, evals = [], []
-    for _ in range(steps):
+    for step in range(steps):
         for _ in range(accumulate):
             inputs, target = next(batches)
             losses.append(_forward_backward(layers, inputs, target, mode))
@@ -164,8 +168,10 @@ def train_reference(
             trainer.zero_grad()
         if host_opt is not None:
             with torch.no_grad():
-                for _, p in host:
+                for n, p in host:
                     g = acc[id(p)]
+                    if update_device is not None:
+                        g = _move_for_update(host_opt, masters[id(p)], g, update_device(step, n))
                     masters[id(p)].grad = (
                         (g.mul_(coef.to(g.device)) if coef is not None else g) if g is not None else None
                     )
@@ -181,6 +187,33 @@ def train_reference(
     for n, p in host:  # the true weights are the masters
         weights[n] = masters[id(p)].cpu().clone()
     return FullRecord(losses, weights, evals)
+
+
+def _move_for_update(optimizer, master: torch.Tensor, grad: torch.Tensor | None, device) -> torch.Tensor | None:
+    """Move ``master`` (in place: the optimizer keys on it) and its state to ``device``; return ``grad`` there."""
+    master.data = master.data.to(device)
+    state = optimizer.state[master]
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key in state:
+            state[key] = state[key].to(device)
+    if "step" in state:
+        state["step"] = state["step"].to(device)
+    return grad.to(device) if grad is not None else None
+
+
+def flip_sides_every_step(monkeypatch) -> Callable[[int, int], bool]:
+    """Split updates: patch :class:`UpdateSplit` so that every layer changes side at every step; returns
+    ``on_device(step, rank)`` (``rank``: the layer's place among the host-trained layers) for a reference.
+    ``assign`` runs once at start-up and then once per step before its updates: step s uses call s + 2."""
+
+    def assign(self, order=None):
+        self.calls = getattr(self, "calls", 0) + 1
+        for rank, idx in enumerate(sorted(self.sizes)):
+            self.on_device[idx] = (rank + self.calls) % 2 == 0
+        return self.on_device
+
+    monkeypatch.setattr(UpdateSplit, "assign", assign)
+    return lambda step, rank: (rank + step) % 2 == 0
 
 
 def assert_same(a: FullRecord, b: FullRecord) -> None:

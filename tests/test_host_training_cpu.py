@@ -16,6 +16,7 @@ from full_ft import (
     SPEC,
     assert_same,
     differs,
+    flip_sides_every_step,
     full_layers,
     params_of,
     train_dgls,
@@ -25,9 +26,13 @@ from full_ft import (
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig, device_update
 from utils.dgls.grad_copier import DeferredGradCopier
 from utils.dgls.host_training import HostTraining
+from utils.dgls.update_split import UpdateSplit
 
 CPU = torch.device("cpu")
 MODES = ["none", "nonreentrant", "reentrant"]
+DEVICE_SPEC = dataclasses.replace(SPEC, implementation="device")
+FUSED_SPEC = dataclasses.replace(SPEC, implementation="torch_fused")
+SPLIT_SPEC = dataclasses.replace(SPEC, implementation="split")
 
 
 def config(**kw) -> SwapConfig:
@@ -127,10 +132,20 @@ def test_a_fetch_that_does_not_wait_for_its_update_fails(references, monkeypatch
     assert differs(record, references("nonreentrant", names))
 
 
-def test_save_and_resume_equal_an_uninterrupted_run():
+@pytest.mark.parametrize(
+    "spec, dtype, accumulate",
+    [(SPEC, torch.float32, 2), (DEVICE_SPEC, torch.bfloat16, 1), (SPLIT_SPEC, torch.bfloat16, 1)],
+    ids=["host", "device-flat", "split-flat"],
+)
+def test_save_and_resume_equal_an_uninterrupted_run(spec, dtype, accumulate):
     """Two steps, save (model state dict with the true weights, host and trainer optimizer states); a new
-    model and swapper load them and run the third step: the same losses and weights as three in a row."""
-    whole, _ = dgls_run("nonreentrant")
+    model and swapper load them and run the third step: the same losses and weights as three in a row.
+    Device and split updates in bf16 keep their moments in flat buffers, which a load refills."""
+    cfg = SwapConfig(host_optimizer=spec, accumulation_steps=accumulate)
+    kw = {"accumulate": accumulate, "dtype": dtype}
+    layers = full_layers(dtype)
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        whole = train_dgls(layers, swapper, CPU, "nonreentrant", **kw)
     saved = {}
 
     def save(step, trainer):
@@ -138,15 +153,17 @@ def test_save_and_resume_equal_an_uninterrupted_run():
         saved["host"] = swapper.training.state_dict()
         saved["trainer"] = trainer.state_dict()
 
-    first = full_layers()
-    with LayerSwapper(first, config(), device=CPU, log=None) as swapper:
-        part1 = train_dgls(first, swapper, CPU, "nonreentrant", steps=2, on_step=save)
-    second = full_layers()
-    with LayerSwapper(second, config(), device=CPU, log=None) as swapper:
+    first = full_layers(dtype)
+    with LayerSwapper(first, cfg, device=CPU, log=None) as swapper:
+        part1 = train_dgls(first, swapper, CPU, "nonreentrant", steps=2, on_step=save, **kw)
+    second = full_layers(dtype)
+    with LayerSwapper(second, cfg, device=CPU, log=None) as swapper:
         for layer, state in zip(second, saved["model"]):
             layer.load_state_dict(state)
         swapper.training.load_state_dict(saved["host"])
-        part2 = train_dgls(second, swapper, CPU, "nonreentrant", steps=1, start_step=2, trainer_state=saved["trainer"])
+        part2 = train_dgls(
+            second, swapper, CPU, "nonreentrant", steps=1, start_step=2, trainer_state=saved["trainer"], **kw
+        )
     assert torch.equal(torch.stack(part1.losses + part2.losses), torch.stack(whole.losses))
     assert part2.weights.keys() == whole.weights.keys()
     for k, v in whole.weights.items():
@@ -184,17 +201,17 @@ def test_remove_puts_the_trained_weights_back():
 # ---------------------------------------------------------------- device updates (--host_adam device)
 # On the CPU the "device" is the CPU: the same streamed steps (state copied into scratch buffers, torch's
 # fused AdamW kernel, copied back) with the numbers of torch.optim.AdamW(fused=True) on the CPU.
-DEVICE_SPEC = dataclasses.replace(SPEC, implementation="device")
-FUSED_SPEC = dataclasses.replace(SPEC, implementation="torch_fused")
 
 
-def device_run(mode, accumulate, dtype=torch.float32, max_norm=MAX_NORM, **kw):
+def device_run(mode, accumulate, dtype=torch.float32, max_norm=MAX_NORM, spec=DEVICE_SPEC, seen=None, **kw):
     layers = full_layers(dtype)
-    cfg = SwapConfig(host_optimizer=DEVICE_SPEC, accumulation_steps=accumulate, **kw)
+    cfg = SwapConfig(host_optimizer=spec, accumulation_steps=accumulate, **kw)
     with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
         names = host_names(swapper, layers)
         record = train_dgls(layers, swapper, CPU, mode, accumulate=accumulate, dtype=dtype, max_norm=max_norm)
         direct = swapper.training.direct
+        if seen is not None:
+            seen.append(swapper.training)
     reference = train_reference(
         full_layers(dtype),
         names,
@@ -234,15 +251,17 @@ def test_device_updates_without_clipping_equal_unstreamed_training():
     assert_same(record, reference)
 
 
+@pytest.mark.parametrize("spec", [DEVICE_SPEC, SPLIT_SPEC], ids=["device", "split"])
 @pytest.mark.parametrize("mutation", ["land", "wait_update"])
-def test_device_updates_that_skip_a_wait_fail(monkeypatch, mutation):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["per-param", "flat"])
+def test_device_updates_that_skip_a_wait_fail(monkeypatch, mutation, spec, dtype):
     """Reading the gradient landings before their copies landed, or fetching a layer before its update was
-    written back: the numbers differ."""
+    written back: the numbers differ (split: on either side)."""
     if mutation == "land":
         monkeypatch.setattr(DeferredGradCopier, "land", lambda self, batch: None)
     else:
         monkeypatch.setattr(HostTraining, "wait_update", lambda self, idx: None)
-    record, reference, _ = device_run("nonreentrant", 1)
+    record, reference, _ = device_run("nonreentrant", 1, dtype, spec=spec)
     assert differs(record, reference)
 
 
@@ -265,3 +284,55 @@ def test_device_updates_sum_on_the_host_when_a_layer_gets_a_second_batch_in_a_st
         record = train_dgls(layers, swapper, CPU, "nonreentrant", accumulate=2)
     assert len(promoted) == 3 * len(training.layers)  # every layer, every step: direct again after each update
     assert_same(record, train_reference(full_layers(), names, CPU, "nonreentrant", accumulate=2, host_spec=FUSED_SPEC))
+
+
+# ---------------------------------------------------------------- split updates (--host_adam split)
+# Each layer's step on the "device" (the CPU here, the streamed kernel) or on the host (torch's fused CPU
+# AdamW): the same numbers either way, whichever side each layer takes and however often it changes side.
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_split_updates_equal_unstreamed_training_with_torch_fused_adamw(monkeypatch, mode, accumulate):
+    flip_sides_every_step(monkeypatch)
+    seen = []
+    record, reference, direct = device_run(mode, accumulate, spec=SPLIT_SPEC, prefetch=2, seen=seen)
+    assert direct == (accumulate == 1)
+    assert seen[0].split.calls == 4  # start-up and one per step
+    assert_same(record, reference)
+
+
+@pytest.mark.parametrize("max_norm", [MAX_NORM, None], ids=["clip", "noclip"])
+def test_split_updates_with_threads_bf16_compute_and_measured_rates_equal_unstreamed_training(max_norm):
+    """The split the measured rates give (not forced), with bf16 gradients a host update converts in its
+    reused buffer, the host optimizer on its worker thread; without clipping, updates start in backward."""
+    seen = []
+    kw = {} if max_norm else {"clip_grads": False}
+    record, reference, _ = device_run(
+        "nonreentrant",
+        1,
+        torch.bfloat16,
+        max_norm=max_norm,
+        spec=SPLIT_SPEC,
+        prefetch=1,
+        threading=True,
+        seen=seen,
+        **kw,
+    )
+    assert_same(record, reference)
+    split = seen[0].split
+    assert split.rates["host"] is not None and split.rates["device"] is not None
+
+
+def test_split_gives_each_layer_to_the_side_that_finishes_it_sooner():
+    split = UpdateSplit({0: 100, 1: 100, 2: 100, 3: 100, 4: 100, 5: 100, 6: 100, 7: 100})
+    assert split.device_share == 0.5  # nothing measured: both sides taken as equally fast
+    assert [split.on_device[i] for i in range(4)] == [True, False, True, False]  # alternately, in update order
+    split.record_device(300, 1.0)
+    split.record_host(100, 1.0)
+    split.assign()
+    assert split.device_share == 0.75  # three times as fast: three layers of every four
+    assert sum(split.on_device[i] for i in range(4)) == 3  # spread over the order, not the first ones only
+    split.record_device(100, 1.0)  # a slower step moves the rate half way: 200 params/s
+    assert split.rates["device"] == 200
+    assert "device 75% of the params" in split.describe()

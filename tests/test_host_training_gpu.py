@@ -10,11 +10,12 @@ at a small width leave allocated device memory and the process's RSS where they 
 
 import copy
 import dataclasses
+import gc
 
 import psutil
 import pytest
 import torch
-from full_ft import MAX_NORM, SPEC, assert_same, full_layers, train_dgls, train_reference
+from full_ft import MAX_NORM, SPEC, assert_same, flip_sides_every_step, full_layers, train_dgls, train_reference
 from test_ordering_gpu import MS, ComputeDelay, delay_copies, deterministic, device  # noqa: F401 (fixture)
 
 from utils.dgls import LayerSwapper, SwapConfig
@@ -27,6 +28,7 @@ SMALL_GPU = DemoModelConfig(hidden=512, heads=8, double_blocks=2, single_blocks=
 MODES = ["none", "nonreentrant", "reentrant"]
 DEVICE_SPEC = dataclasses.replace(SPEC, implementation="device")  # AdamW steps on the GPU (--host_adam device)
 FUSED_SPEC = dataclasses.replace(SPEC, implementation="torch_fused")
+SPLIT_SPEC = dataclasses.replace(SPEC, implementation="split")  # each layer on the GPU or the CPU (--host_adam split)
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +95,29 @@ def test_device_updates_from_host_sums_without_clipping_stay_bitwise_equal(templ
     assert_same(got, want)
 
 
-@pytest.mark.parametrize("spec", [SPEC, DEVICE_SPEC], ids=["host", "device"])
+@pytest.mark.parametrize("mode", MODES)
+def test_split_updates_changing_side_every_step_with_delays_stay_bitwise_equal(template, monkeypatch, mode):
+    """--host_adam split, every layer changing side at every step: a host update must wait for the layer's
+    previous device update to be home (10 ms before each of its copies out), and a device update for the
+    previous host one. The reference runs each param's update where DGLS ran it (fused AdamW on the GPU or on
+    the CPU), norms on the GPU."""
+    on_device = flip_sides_every_step(monkeypatch)
+    got, names = swapped(template, mode, monkeypatch, accumulate=1, spec=SPLIT_SPEC, prefetch=2, threading=True)
+    ranks = {layer: rank for rank, layer in enumerate(sorted({int(n.split(".")[0]) for n in names}))}
+
+    def update_device(step, name):
+        return device() if on_device(step, ranks[int(name.split(".")[0])]) else torch.device("cpu")
+
+    want = reference(
+        template, names, mode, accumulate=1, host_spec=FUSED_SPEC, master_device=device(), update_device=update_device
+    )
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("spec", [SPEC, DEVICE_SPEC, SPLIT_SPEC], ids=["host", "device", "split"])
 def test_fifty_steps_do_not_grow_device_memory_or_host_ram(spec):
+    gc.collect()  # what earlier tests left in reference cycles would be freed during these 50 steps
+    torch.cuda.empty_cache()
     layers = full_layers(BF16, SMALL_GPU)
     process = psutil.Process()
     seen = {}

@@ -16,6 +16,9 @@ optimizer (:class:`HostOptimizerSpec`) and builds one per layer (:meth:`HostOpti
   - ``"device"``: the step runs on the training device, ``torch.optim.AdamW(fused=True)``'s kernel, with
     each layer's master and moments streamed in and back out (:mod:`.device_update`); the state still
     lives in host memory between steps.
+  - ``"split"``: both at once: each layer's step runs on the device or on the CPU (torch's fused kernel),
+    whichever would finish it sooner at the rates measured on earlier steps (:mod:`.update_split`); the
+    two kernels do the same arithmetic, so the split changes the speed only.
 - ``sgd``: ``torch.optim.SGD`` (momentum as given).
 
 Param groups follow diffusion-pipe's rule: 1-D params (biases, norm scales) get no weight decay.
@@ -37,12 +40,13 @@ import torch
 from .errors import DGLSUserError
 
 HOST_OPTIMIZERS = ("adamw", "sgd")
-IMPLEMENTATIONS = ("torch_fused", "deepspeed", "torch", "device")
+IMPLEMENTATIONS = ("torch_fused", "deepspeed", "torch", "device", "split")
 NAMES = {
     "deepspeed": "DeepSpeedCPUAdam",
     "torch_fused": "torch.optim.AdamW(fused=True)",
     "torch": "torch.optim.AdamW (single-tensor)",
     "device": "torch's fused AdamW kernel on the training device, state streamed from host memory",
+    "split": "AdamW split between the training device (state streamed) and the CPU (torch.optim.AdamW(fused=True))",
 }
 
 
@@ -69,7 +73,7 @@ class HostOptimizerSpec:
                 f"host optimizer implementation must be one of {', '.join(IMPLEMENTATIONS)}, "
                 f"got {self.implementation!r}"
             )
-        if self.implementation in ("deepspeed", "device") and self.type != "adamw":
+        if self.implementation in ("deepspeed", "device", "split") and self.type != "adamw":
             raise DGLSUserError(
                 f"the {self.implementation} host optimizer is AdamW: use type = 'adamw', or --host_adam torch_fused"
             )
@@ -125,8 +129,13 @@ class HostOptimizerSpec:
 
     @property
     def on_device(self) -> bool:
-        """The step runs on the training device (:mod:`.device_update`)."""
-        return self.implementation == "device"
+        """Steps run on the training device (:mod:`.device_update`): all of them, or a share (``split``)."""
+        return self.implementation in ("device", "split")
+
+    @property
+    def split(self) -> bool:
+        """Steps run on the device and on the CPU at once (:mod:`.update_split`)."""
+        return self.implementation == "split"
 
     @property
     def state_bytes_per_param(self) -> int:

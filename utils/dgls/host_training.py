@@ -37,6 +37,13 @@ its event, a gate of the copy). With one micro-batch a step no fp32 sum is kept:
 gradient landings (after their copies, an event), and each grad's norm is taken on the device before it
 is sent (a second batch of one layer in a step falls back to the host sum).
 
+Split updates (``--host_adam split``, :mod:`.update_split`): before a step's updates are queued, each
+layer is given to the device or to the host (torch's fused CPU AdamW), whichever would finish it sooner
+at the rates measured on earlier steps; both read the landings directly with one micro-batch a step (a
+host update converts them into one reused fp32 buffer) and the same pinned host state. A layer that
+changes side waits for its previous update on the other side first: a host job for a device update's
+event, a device update (enqueued by the training thread) for the previous host job.
+
 Jobs run in submission order: on a worker thread (CUDA, or ``threaded``), or deferred (CPU): a job runs
 only when something waits for it, so a missing wait changes the numbers in a CPU test (a fetch without
 ``wait_update`` streams the old weights; an accumulation without ``land`` reads NaN).
@@ -63,13 +70,14 @@ import psutil
 import torch
 from torch import nn
 
-from .device_update import DeviceUpdater, ParamUpdate
+from .device_update import DeviceUpdater, FlatLayer, FlatParam, ParamUpdate
 from .errors import DGLSUserError, SwapWorkerError
 from .grad_copier import GradBatch, GradCopier
 from .host_optimizer import HostOptimizerSpec
 from .host_store import HostLayer
 from .layout import LayerLayout, aligned
 from .stats import human_bytes
+from .update_split import UpdateSplit
 
 
 @dataclass(eq=False)
@@ -101,6 +109,8 @@ class TrainedLayer:
     optimizer: torch.optim.Optimizer
     # device updates: the params in the optimizer's order, with their param groups (fixed at start-up)
     in_groups: list[tuple[TrainedParam, dict]] = field(default_factory=list)
+    numel: int = 0  # trained params
+    flat: FlatLayer | None = None  # device updates in bf16/fp16: masters, moments and landings back to back
     batch: GradBatch | None = None  # open during the layer's backward
     accumulating: Job | None = None  # the latest accumulate job (its landing is read until done)
     update: Job | None = None  # the latest update job (a fetch waits for it)
@@ -127,8 +137,13 @@ class HostTraining:
         self.spec, self.implementation = spec, spec.kernel
         self.copier = copier
         self.updater = updater
-        # device updates read a step's only micro-batch straight from its landings (no host pass)
+        # device updates (and split ones) read a step's only micro-batch straight from its landings
         self.direct = updater is not None and accumulation_steps == 1
+        self.split: UpdateSplit | None = None  # split updates: which side updates each layer this step
+        self._host_work: list[tuple[int, float]] = []  # split: (params, seconds) of host updates since a step
+        self._device_work: list[tuple[int, float]] = []  # split on the CPU: the same for device updates
+        self._device_span: tuple | None = None  # split on CUDA: timing events around a step's device updates
+        self._grad_buffer: torch.Tensor | None = None  # split: fp32 grads of the layer a host update reads
         self._pin_sums = pin and updater is not None  # device updates copy the sums in asynchronously
         self.accumulation_steps = accumulation_steps
         self.clipping = clipping
@@ -153,6 +168,10 @@ class HostTraining:
         if updater is not None and self.layers:
             sizes = [[tp.param.numel() for tp in layer.params] for layer in self.layers.values()]
             self.device_bytes = updater.reserve(max(max(s) for s in sizes), max(sum(s) for s in sizes))
+            if spec.split:
+                self.split = UpdateSplit({idx: layer.numel for idx, layer in self.layers.items()})
+                for layer in self.layers.values():
+                    updater.prepare(layer.optimizer)  # pinned moments, found by either side
         if threaded:
             self._queue = queue.Queue()
             self._thread = threading.Thread(target=self._worker, name="dgls-host-optimizer", daemon=True)
@@ -162,6 +181,9 @@ class HostTraining:
         chosen = [(k, p) for k, p in enumerate(host.layout.params) if p.param.requires_grad]
         if not chosen:
             return None
+        dtypes = {p.dtype for _, p in chosen}
+        if self.updater is not None and len(dtypes) == 1 and dtypes <= {torch.bfloat16, torch.float16}:
+            return self._flat_layer(idx, host, chosen, pin)
         landing_bytes = sum(aligned(p.nbytes) for _, p in chosen)
         landing = torch.empty(landing_bytes, dtype=torch.uint8, pin_memory=pin)
         self._pinned_bytes += landing_bytes * pin
@@ -173,20 +195,51 @@ class HostTraining:
                 if p.dtype == torch.float32:
                     master, packed = packed, None  # the packed copy is the fp32 master itself
                 else:
-                    source = p.param.data if p.param.numel() else packed
-                    master = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin_masters).copy_(source)
+                    master = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin_masters)
+                    master.copy_(_initial(p, packed))
                     self._pinned_bytes += master.nbytes * pin_masters
                 view = landing[offset : offset + p.nbytes].view(p.dtype).view(p.shape)
                 offset += aligned(p.nbytes)
-                trained = TrainedParam(k, p.param, master, packed, view)
-                if not self.direct:
-                    self._sum_of(trained)
-                params.append(trained)
-                self._by_param[id(p.param)] = trained
+                params.append(self._trained(TrainedParam(k, p.param, master, packed, view)))
+        return self._with_optimizer(idx, host, params)
+
+    def _flat_layer(self, idx: int, host: HostLayer, chosen: list, pin: bool) -> TrainedLayer:
+        """Device (or split) updates of a layer computed in bf16/fp16: masters, moments and landings flat,
+        in the optimizer's order (:class:`~.device_update.FlatLayer`)."""
+        order = [kp for kp in chosen if kp[1].param.ndim > 1] + [kp for kp in chosen if kp[1].param.ndim <= 1]
+        total = sum(p.param.numel() for _, p in order)
+        masters = torch.empty(total, dtype=torch.float32, pin_memory=pin)
+        landings = torch.empty(total, dtype=order[0][1].dtype, pin_memory=pin)
+        self._pinned_bytes += (masters.nbytes + landings.nbytes) * pin
+        params, flat, offset = [], [], 0
+        with torch.no_grad():
+            for k, p in order:
+                n = p.param.numel()
+                packed = host.master_view(k)
+                master = masters[offset : offset + n].view(p.shape).copy_(_initial(p, packed))
+                landing = landings[offset : offset + n].view(p.shape)
+                params.append(self._trained(TrainedParam(k, p.param, master, packed, landing)))
+                flat.append(FlatParam(offset, n, master, packed))
+                offset += n
+        layer = self._with_optimizer(idx, host, params)
+        if [tp.master for tp, _ in layer.in_groups] != [fp.master for fp in flat]:  # spec.build's grouping
+            raise AssertionError("the flat layout does not follow the optimizer's param order")
+        layer.flat = FlatLayer(masters, landings, flat)
+        self.updater.prepare(layer.optimizer, layer.flat)
+        return layer
+
+    def _trained(self, tp: TrainedParam) -> TrainedParam:
+        if not self.direct:
+            self._sum_of(tp)
+        self._by_param[id(tp.param)] = tp
+        return tp
+
+    def _with_optimizer(self, idx: int, host: HostLayer, params: list[TrainedParam]) -> TrainedLayer:
+        params.sort(key=lambda tp: tp.position)  # layout order (hooks, batches); the optimizer's is in_groups
         optimizer = self.spec.build([tp.master for tp in params])
         by_master = {id(tp.master): tp for tp in params}
         in_groups = [(by_master[id(m)], group) for group in optimizer.param_groups for m in group["params"]]
-        return TrainedLayer(idx, host, params, optimizer, in_groups)
+        return TrainedLayer(idx, host, params, optimizer, in_groups, sum(tp.param.numel() for tp in params))
 
     def _sum_of(self, tp: TrainedParam) -> torch.Tensor:
         """The param's fp32 gradient sum, allocated at its first use."""
@@ -292,18 +345,38 @@ class HostTraining:
                     acc.add_(tp.landing)
                 tp.norm = torch.linalg.vector_norm(acc, 2) if last and self.clipping else None
 
+    def _on_device(self, layer: TrainedLayer) -> bool:
+        return self.updater is not None and (self.split is None or self.split.on_device[layer.index])
+
     def _update(self, layer: TrainedLayer, coef: torch.Tensor | None, lr: float | None) -> None:
-        if self.updater is not None:
+        if self._on_device(layer):
             self._update_on_device(layer, coef, lr)
             return
+        began = time.perf_counter()
+        direct, layer.direct = layer.direct, None
+        if direct is not None:  # split updates: read the landings (after their copies)
+            layer.accumulating = None
+            self.copier.land(direct)
+        if layer.update_done is not None:  # the previous update ran on the device: its state must be home
+            layer.update_done.synchronize()
+            layer.update_done = None
+        offset = 0
         with torch.no_grad():
             for tp in layer.params:
-                if tp.fresh:
+                if direct is not None and tp.position in direct.params:
+                    grad = tp.landing
+                    if grad.dtype != torch.float32:
+                        n = grad.numel()
+                        grad = self._grads(layer.numel)[offset : offset + n].view(grad.shape).copy_(grad)
+                        offset += n
+                elif not tp.fresh:
+                    grad = tp.acc
+                else:
                     tp.master.grad = None
                     continue
                 if coef is not None:
-                    tp.acc.mul_(coef)
-                tp.master.grad = tp.acc
+                    grad.mul_(coef)
+                tp.master.grad = grad
             if lr is not None:
                 for group in layer.optimizer.param_groups:
                     group["lr"] = lr
@@ -313,7 +386,16 @@ class HostTraining:
                     tp.master.grad = None
                     if tp.packed is not None:
                         tp.packed.copy_(tp.master)
-                tp.fresh, tp.norm = True, None
+                tp.fresh, tp.norm, tp.direct_norm = True, None, None
+        if self.split is not None:
+            self._host_work.append((layer.numel, time.perf_counter() - began))
+
+    def _grads(self, numel: int) -> torch.Tensor:
+        """The reused fp32 buffer a host update converts a layer's gradient landings into (split updates)."""
+        if self._grad_buffer is None or self._grad_buffer.numel() < numel:
+            largest = max(layer.numel for layer in self.layers.values())
+            self._grad_buffer = torch.empty(max(numel, largest), dtype=torch.float32)
+        return self._grad_buffer
 
     def _update_on_device(self, layer: TrainedLayer, coef: torch.Tensor | None, lr: float | None) -> None:
         """The layer's AdamW step on the device (:mod:`.device_update`), in the optimizer's param order."""
@@ -321,14 +403,21 @@ class HostTraining:
         layer.accumulating = None  # done (waited for, or run before this job): the next step may read directly
         if direct is not None and not self.updater.cuda:
             self.copier.land(direct)  # the CPU copier writes the landings only now
-        work = []
-        for tp, group in layer.in_groups:
-            if direct is not None and tp.position in direct.params:
-                work.append(ParamUpdate(tp.master, tp.landing, tp.packed, group))
-            elif not tp.fresh:
-                work.append(ParamUpdate(tp.master, tp.acc, tp.packed, group))
         after = direct.done if direct is not None else None
-        layer.update_done = self.updater.update(layer.optimizer, work, coef, lr, after, layer.update_done)
+        began = time.perf_counter()
+        previous = layer.update_done
+        if layer.flat is not None and direct is not None and len(direct.params) == len(layer.params):
+            layer.update_done = self.updater.update_flat(layer.optimizer, layer.flat, coef, lr, after, previous)
+        else:
+            work = []
+            for tp, group in layer.in_groups:
+                if direct is not None and tp.position in direct.params:
+                    work.append(ParamUpdate(tp.master, tp.landing, tp.packed, group))
+                elif not tp.fresh:
+                    work.append(ParamUpdate(tp.master, tp.acc, tp.packed, group))
+            layer.update_done = self.updater.update(layer.optimizer, work, coef, lr, after, previous)
+        if self.split is not None and not self.updater.cuda:  # on CUDA the step's span is timed on the device
+            self._device_work.append((layer.numel, time.perf_counter() - began))
         for tp in layer.params:
             tp.fresh, tp.norm, tp.direct_norm = True, None, None
 
@@ -453,6 +542,8 @@ class HostTraining:
     def step(self, lr: float | None = None) -> None:
         """Queue every layer's update (layer order); ``lr`` overrides the spec's (a schedule's current lr)."""
         coef, self._coef = self._coef, None
+        timed = self._rebalance()
+        queued = 0
         for layer in self.layers.values():
             for tp in layer.params:
                 tp.param.grad = None  # a trainer may have zero-filled it (DeepSpeed's gradient reduction)
@@ -460,12 +551,35 @@ class HostTraining:
                 layer.updated_early = False
             else:
                 self._queue_update(layer, coef, lr)
+                queued += layer.numel if self._on_device(layer) else 0
+        if timed is not None and queued:
+            self._device_span = (timed, self.updater.mark(end=True), queued)
         self._backwards = 0
 
+    def _rebalance(self) -> torch.cuda.Event | None:
+        """Split updates: fold the last step's measured rates in and assign this step's sides; on CUDA with
+        clipping (every update queued now) returns the event that starts timing the device's share."""
+        if self.split is None:
+            return None
+        work, self._host_work = self._host_work, []
+        if work:
+            self.split.record_host(sum(n for n, _ in work), sum(s for _, s in work))
+        work, self._device_work = self._device_work, []
+        if work:
+            self.split.record_device(sum(n for n, _ in work), sum(s for _, s in work))
+        span, self._device_span = self._device_span, None
+        if span is not None and span[1].query():
+            self.split.record_device(span[2], span[0].elapsed_time(span[1]) / 1000)
+        self.split.assign(self.layers)
+        return self.updater.mark(end=False) if self.clipping else None
+
     def _queue_update(self, layer: TrainedLayer, coef: torch.Tensor | None, lr: float | None) -> None:
-        if self.updater is not None and self.updater.cuda:  # enqueued on the device's streams now
+        if self._on_device(layer) and self.updater.cuda:  # enqueued on the device's streams now
             if layer.accumulating is not None:
                 self._wait(layer.accumulating)  # its host sum is what the update copies in
+            if layer.update is not None:  # split: the previous update ran on the host and writes the state
+                self._wait(layer.update)
+                layer.update = None
             self._update_on_device(layer, coef, lr)
             return
         job = Job(layer.index, "update", partial(self._update, layer, coef, lr))
@@ -485,7 +599,7 @@ class HostTraining:
         for idx, layer in self.layers.items():
             layer.optimizer.load_state_dict(state[idx] if idx in state else state[str(idx)])
             if self.updater is not None:
-                self.updater.pin_state(layer.optimizer)
+                self.updater.adopt_state(layer.optimizer, layer.flat)
 
     def close(self) -> None:
         if self._thread is not None:
@@ -496,6 +610,11 @@ class HostTraining:
                 self._thread.join(timeout=60)
                 self._thread, self._queue = None, None
         self.remove_hooks()
+
+
+def _initial(p, packed: torch.Tensor) -> torch.Tensor:
+    """A param's starting value for its fp32 master (its packed copy while it is streamed out)."""
+    return p.param.data if p.param.numel() else packed
 
 
 def _before_accumulate(grad_arriving: Callable[[int], None], idx: int, grad: torch.Tensor) -> None:
@@ -525,7 +644,7 @@ def check_host_training(
 ) -> str:
     """Refuse, with the numbers, when the host cannot hold the masters, gradients and optimizer state;
     otherwise the start-up line that says how much they take."""
-    sums = not (spec.on_device and accumulation_steps == 1)
+    sums = not (spec.on_device and accumulation_steps == 1)  # device and split updates read the landings
     parts = host_training_bytes(layouts, streamed, spec, sums)
     need = sum(parts.values())
     available = psutil.virtual_memory().available

@@ -300,11 +300,13 @@ OPTIONS: tuple[Option, ...] = (
         "torch_fused",
         "where and how a full fine-tune's streamed layers take their AdamW step: torch_fused (on the CPU, "
         "torch.optim.AdamW(fused=True)), deepspeed (on the CPU, DeepSpeedCPUAdam, built on first use), torch (on the "
-        "CPU, the single-tensor loop: bitwise what an unstreamed CPU run gives), or device (on the GPU, torch's fused "
-        "kernel, each layer's master and moments streamed in from host memory and back)",
-        "compare a full fine-tune with an unstreamed CPU run bitwise (torch); let the GPU take the steps (device)",
+        "CPU, the single-tensor loop: bitwise what an unstreamed CPU run gives), device (on the GPU, torch's fused "
+        "kernel, each layer's master and moments streamed in from host memory and back), or split (each layer on "
+        "the GPU or the CPU, whichever would finish it sooner at the rates measured on earlier steps)",
+        "compare a full fine-tune with an unstreamed CPU run bitwise (torch); let the GPU take the steps (device), "
+        "or the GPU and the CPU together (split)",
         "training",
-        ("torch_fused", "deepspeed", "torch", "device"),
+        ("torch_fused", "deepspeed", "torch", "device", "split"),
     ),
     Option(
         "profile",
