@@ -74,6 +74,16 @@ def host_saving_checkpoint(function, *args):
     return _HostSavingCheckpoint.apply(function, args[0].device, *args)
 
 
+def checkpoint_for(mode: str):
+    """The checkpoint function of a test mode: diffusion-pipe's 'unsloth' kind, or torch's (reentrant or not)."""
+    return host_saving_checkpoint if mode == "unsloth" else partial(checkpoint, use_reentrant=mode == "reentrant")
+
+
+def loop_mode(mode: str) -> str:
+    """run_layers' mode for a test mode: the 'unsloth' kind needs an input that requires grad, as reentrant does."""
+    return "reentrant" if mode == "unsloth" else mode
+
+
 @dataclass
 class RunRecord:
     losses: list

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from full_ft import SPEC, assert_same, full_layers, train_dgls, train_reference
-from helpers import SMALL, assert_bitwise_equal, host_saving_checkpoint, make_layers, run_layers, train
+from helpers import SMALL, assert_bitwise_equal, checkpoint_for, make_layers, run_layers, train
 
 from utils.dgls import LayerSwapper, SwapConfig
 from utils.dgls.activation_offload import ActivationOffloader
@@ -21,16 +21,6 @@ from utils.dgls.demo.data import SyntheticLatents
 CPU = torch.device("cpu")
 MODES = ["nonreentrant", "reentrant", "unsloth"]
 BLOCKS = SMALL.double_blocks + SMALL.single_blocks
-
-
-def checkpoint_for(mode):
-    if mode == "unsloth":
-        return host_saving_checkpoint
-    from functools import partial
-
-    from torch.utils.checkpoint import checkpoint
-
-    return partial(checkpoint, use_reentrant=mode == "reentrant")
 
 
 def run(mode, offloader=None):

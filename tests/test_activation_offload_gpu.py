@@ -7,10 +7,8 @@ outputs must equal all-resident training with the same checkpointing, for non-re
 diffusion-pipe 'unsloth'-style checkpoint; a recompute that does not wait for its restore must differ.
 """
 
-from functools import partial
-
 import pytest
-from helpers import assert_bitwise_equal, host_saving_checkpoint, make_layers, train
+from helpers import assert_bitwise_equal, checkpoint_for, loop_mode, make_layers, train
 from test_ordering_gpu import (  # noqa: F401 (fixtures)
     BF16,
     FLUX_WIDTH,
@@ -21,21 +19,12 @@ from test_ordering_gpu import (  # noqa: F401 (fixtures)
     device,
     fresh,
 )
-from torch.utils.checkpoint import checkpoint
 
 from utils.dgls import LayerSwapper, SwapConfig
 from utils.dgls.activation_offload import ActivationOffloader
 
 pytestmark = pytest.mark.gpu
 MODES = ["nonreentrant", "reentrant", "unsloth"]
-
-
-def checkpoint_for(mode):
-    return host_saving_checkpoint if mode == "unsloth" else partial(checkpoint, use_reentrant=mode == "reentrant")
-
-
-def loop_mode(mode):
-    return "nonreentrant" if mode == "nonreentrant" else "reentrant"  # reentrant kinds need an input with grad
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from full_ft import SPEC, assert_same, full_layers, train_dgls, train_reference
-from helpers import SMALL, assert_bitwise_equal, host_saving_checkpoint, make_layers, run_layers, train
+from helpers import SMALL, assert_bitwise_equal, host_saving_checkpoint, loop_mode, make_layers, run_layers, train
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -35,18 +35,13 @@ def checkpoint_for(mode):
     return None  # run_layers' own (torch's, reentrant or not)
 
 
-def run_mode(mode):
-    """run_layers' mode: the 'unsloth' kind needs an input that requires grad, as reentrant does."""
-    return "reentrant" if mode == "unsloth" else mode
-
-
 @pytest.fixture(scope="module")
 def references():
     cache = {}
 
     def get(mode):
         if mode not in cache:
-            cache[mode] = train(*make_layers(), CPU, run_mode(mode), checkpoint_fn=checkpoint_for(mode))
+            cache[mode] = train(*make_layers(), CPU, loop_mode(mode), checkpoint_fn=checkpoint_for(mode))
         return cache[mode]
 
     return get
@@ -63,7 +58,7 @@ def split_run(mode, prefetch=1, seed=None, **config):
         ckpt = checkpoint_for(mode)
         if config.offload_activations:
             ckpt = swapper.checkpoint_function(ckpt or (lambda f, *a: checkpoint(f, *a, use_reentrant=False)))
-        return train(layers, trainable, CPU, run_mode(mode), checkpoint_fn=ckpt)
+        return train(layers, trainable, CPU, loop_mode(mode), checkpoint_fn=ckpt)
 
 
 # ---------------------------------------------------------------- the split

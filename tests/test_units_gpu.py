@@ -8,10 +8,8 @@ all-resident training, for every checkpoint mode, with activation offload too; a
 copy landed must differ.
 """
 
-from functools import partial
-
 import pytest
-from helpers import assert_bitwise_equal, host_saving_checkpoint, make_layers, train
+from helpers import assert_bitwise_equal, checkpoint_for, loop_mode, make_layers, train
 from test_ordering_gpu import (  # noqa: F401 (fixtures)
     BF16,
     FLUX_WIDTH,
@@ -22,7 +20,6 @@ from test_ordering_gpu import (  # noqa: F401 (fixtures)
     device,
     fresh,
 )
-from torch.utils.checkpoint import checkpoint
 
 from utils.dgls import LayerSwapper, SwapConfig
 from utils.dgls.copier import CudaCopier
@@ -30,16 +27,6 @@ from utils.dgls.copier import CudaCopier
 pytestmark = pytest.mark.gpu
 MODES = ["none", "nonreentrant", "reentrant", "unsloth"]
 UNIT_MB = 160
-
-
-def checkpoint_for(mode):
-    if mode == "unsloth":
-        return host_saving_checkpoint
-    return partial(checkpoint, use_reentrant=mode == "reentrant")
-
-
-def loop_mode(mode):
-    return "reentrant" if mode == "unsloth" else mode  # the 'unsloth' kind needs an input with grad
 
 
 @pytest.fixture(scope="module")

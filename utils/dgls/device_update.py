@@ -59,6 +59,7 @@ class FlatParam:
     numel: int
     master: torch.Tensor  # the fp32 master: a view of ``FlatLayer.masters`` (a key of the optimizer's state)
     packed: torch.Tensor  # host compute-dtype copy to rewrite
+    group: dict  # the optimizer param group (lr, betas, eps, weight_decay)
 
 
 @dataclass(eq=False)
@@ -191,6 +192,7 @@ class DeviceUpdater:
                 state["exp_avg_sq"] = _view(flat.exp_avg_sq, fp)
             if self.cuda:
                 self._state_bytes[id(optimizer)] = 2 * flat.masters.nbytes
+            return
         for group in optimizer.param_groups:
             for master in group["params"]:
                 self._state(optimizer, master)
@@ -227,7 +229,6 @@ class DeviceUpdater:
         stepped by one fused kernel over them (elementwise, so the same numbers as per param)."""
         if not self.buffers:
             self.reserve(max(fp.numel for fp in flat.params), flat.masters.numel())
-        group_of = {id(m): group for group in optimizer.param_groups for m in group["params"]}
         capacity = self.buffers[0].capacity
         chunks: list[list[FlatParam]] = []
         keys: list[tuple[int, float]] = []
@@ -235,7 +236,7 @@ class DeviceUpdater:
         for fp in flat.params:
             state = self._state(optimizer, fp.master)
             state["step"] += 1
-            key = (id(group_of[id(fp.master)]), float(state["step"]))
+            key = (id(fp.group), float(state["step"]))
             if not chunks or size + fp.numel > capacity or keys[-1] != key:
                 chunks.append([])
                 keys.append(key)
@@ -244,7 +245,7 @@ class DeviceUpdater:
             size += fp.numel
         done = previous
         for chunk, (_, step) in zip(chunks, keys):
-            done = self._flat_chunk(flat, chunk, group_of[id(chunk[0].master)], step, coef, lr, after, previous)
+            done = self._flat_chunk(flat, chunk, chunk[0].group, step, coef, lr, after, previous)
         return done
 
     def _flat_chunk(self, flat, chunk, group, step, coef, lr, after, previous) -> torch.cuda.Event | None:

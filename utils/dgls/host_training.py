@@ -171,7 +171,8 @@ class HostTraining:
             if spec.split:
                 self.split = UpdateSplit({idx: layer.numel for idx, layer in self.layers.items()})
                 for layer in self.layers.values():
-                    updater.prepare(layer.optimizer)  # pinned moments, found by either side
+                    if layer.flat is None:  # flat layers have theirs
+                        updater.prepare(layer.optimizer)  # pinned moments, found by either side
         if threaded:
             self._queue = queue.Queue()
             self._thread = threading.Thread(target=self._worker, name="dgls-host-optimizer", daemon=True)
@@ -211,7 +212,7 @@ class HostTraining:
         masters = torch.empty(total, dtype=torch.float32, pin_memory=pin)
         landings = torch.empty(total, dtype=order[0][1].dtype, pin_memory=pin)
         self._pinned_bytes += (masters.nbytes + landings.nbytes) * pin
-        params, flat, offset = [], [], 0
+        params, offset = [], 0
         with torch.no_grad():
             for k, p in order:
                 n = p.param.numel()
@@ -219,11 +220,15 @@ class HostTraining:
                 master = masters[offset : offset + n].view(p.shape).copy_(_initial(p, packed))
                 landing = landings[offset : offset + n].view(p.shape)
                 params.append(self._trained(TrainedParam(k, p.param, master, packed, landing)))
-                flat.append(FlatParam(offset, n, master, packed))
                 offset += n
         layer = self._with_optimizer(idx, host, params)
-        if [tp.master for tp, _ in layer.in_groups] != [fp.master for fp in flat]:  # spec.build's grouping
-            raise AssertionError("the flat layout does not follow the optimizer's param order")
+        flat, offset = [], 0
+        for tp, group in layer.in_groups:  # spec.build's order: must be the one the buffers were filled in
+            n = tp.param.numel()
+            if tp.master.storage_offset() != offset:
+                raise AssertionError("the flat layout does not follow the optimizer's param order")
+            flat.append(FlatParam(offset, n, tp.master, tp.packed, group))
+            offset += n
         layer.flat = FlatLayer(masters, landings, flat)
         self.updater.prepare(layer.optimizer, layer.flat)
         return layer
