@@ -59,6 +59,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dp_swaps", default=None, help="diffusion-pipe blocks_to_swap: shares, NGiB or max (comma list)")
     p.add_argument("--naive", default=None, help="naive swap: a share of the blocks or an NGiB target")
     p.add_argument("--unit_mb", default="0", help="offload: swap-unit sizes in MB, a row each (0: whole layers)")
+    p.add_argument(
+        "--checkpoint_units",
+        choices=("off", "on", "both"),
+        default="off",
+        help="offload rows: checkpoint_units off, on, or a row of each",
+    )
     p.add_argument("--offload_auto", action="store_true", help="vram_budget rows plan with activation offload on")
     p.add_argument("--latent_frames", type=int, default=3, help="wan: latent frames of the clip (3 = 9 frames)")
     p.add_argument("--deadline_s", type=float, default=480.0, help="seconds after start: no method starts past it")
@@ -94,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
             ab_steps=args.ab_steps,
             strict=args.strict,
             unit_mb=args.unit_mb,
+            checkpoint_units=args.checkpoint_units,
             offload_auto=args.offload_auto,
             **defaults,
         )

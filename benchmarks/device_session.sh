@@ -31,13 +31,13 @@ for step in "$@"; do
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     fulltests*)
       # full fine-tuning only: the GPU tests of host training (optionally narrowed with a pytest -k expression),
-      # and the full-fine-tune demo on CUDA in bf16, with the AdamW steps on the CPU and on the GPU
+      # and the full-fine-tune demo on CUDA in bf16, with the AdamW steps split (the default), on the CPU and on the GPU
       k=${step#fulltests}; k=${k#:}
       python3 -m pytest -q -m gpu tests/test_host_training_gpu.py ${k:+-k "$k"} 2>&1 | tee "$OUT/full_tests.log" |
         tail -15
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       sed 's/^dtype = "float32"/dtype = "bfloat16"/' toml/demo_full.toml >"$OUT/demo_full_bf16.toml"
-      for adam in torch_fused device; do
+      for adam in auto torch_fused device; do
         python3 dgls_train.py --config "$OUT/demo_full_bf16.toml" --host_adam $adam --verbose 2>&1 |
           grep -v "it/s\]" | tee "$OUT/demo_full_cuda_$adam.log" | tail -6
         [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

@@ -95,6 +95,7 @@ class Options:
     ab_steps: int
     strict: bool  # a failing method fails the run (tests)
     unit_mb: str = "0"  # offload: swap-unit sizes in MB, a row each (0: whole layers)
+    checkpoint_units: str = "off"  # offload rows: checkpoint_units off, on, or a row of each
     offload_auto: bool = False  # vram_budget rows plan with activation offload on
 
 
@@ -397,20 +398,28 @@ class Methods:
 
     def offload(self) -> Iterator[Case]:
         n, prefetch = len(self.bench.blocks), self.options.prefetch
+        checkpointed = {"off": (False,), "on": (True,), "both": (False, True)}[self.options.checkpoint_units]
         for unit in parse_list(self.options.unit_mb):
-            units = f", swap units <= {float(unit):g} MB" if float(unit) else ""
-            name = f"DGLS + offload_activations (blocks_to_swap={n}, prefetch={prefetch}{units})"
-            yield Case("offload", name, partial(self.measure_offload, n, float(unit)))
+            for checkpoint_units in checkpointed:
+                units = f", swap units <= {float(unit):g} MB" if float(unit) else ""
+                units += ", checkpoint_units" if checkpoint_units else ""
+                name = f"DGLS + offload_activations (blocks_to_swap={n}, prefetch={prefetch}{units})"
+                yield Case("offload", name, partial(self.measure_offload, n, float(unit), checkpoint_units))
 
-    def measure_offload(self, blocks_to_swap: int, unit_mb: float):
+    def measure_offload(self, blocks_to_swap: int, unit_mb: float, checkpoint_units: bool = False):
         place(self.bench.layers, self.device)
         prefetch = self.options.prefetch
         config = SwapConfig(
-            blocks_to_swap=blocks_to_swap, prefetch=prefetch, offload_activations=True, swap_unit_mb=unit_mb
+            blocks_to_swap=blocks_to_swap,
+            prefetch=prefetch,
+            offload_activations=True,
+            swap_unit_mb=unit_mb,
+            checkpoint_units=checkpoint_units,
         )
         with LayerSwapper(self.bench.layers, config, self.device, log=None) as swapper:
             times, stats = self.time_placement(swapper)
-            return times, {**self.swap_figures(swapper, stats), "unit_mb": unit_mb, "slot_mib": _slot_mib(swapper)}
+            figures = {"unit_mb": unit_mb, "checkpoint_units": checkpoint_units, "slot_mib": _slot_mib(swapper)}
+            return times, {**self.swap_figures(swapper, stats), **figures}
 
     def naive(self) -> Iterator[Case]:
         label, n = self.blocks_to_swap(self.options.naive)

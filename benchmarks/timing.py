@@ -7,6 +7,7 @@ and a timed loop running when it passes stops once it has its minimum of steps.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,8 +67,10 @@ def time_steps(
 
 
 def reset_peaks(device: torch.device) -> None:
-    """Start counting peak memory from here (the cache emptied, so reserved memory starts low too)."""
+    """Start counting peak memory from here (what earlier rows left in reference cycles collected, the cache
+    emptied, so reserved memory starts low too)."""
     if device.type == "cuda":
+        gc.collect()
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)

@@ -65,6 +65,13 @@ def _weights(layers) -> dict:
     }
 
 
+def host_trained_names(layers, swapper) -> set[str]:
+    """'layer.param' names of the params the swapper trains on the host (what train_reference gives them)."""
+    return {
+        f"{i}.{n}" for i, layer in enumerate(layers) for n, p in layer.named_parameters() if swapper.training.owns(p)
+    }
+
+
 def train_dgls(
     layers,
     swapper,

@@ -11,7 +11,7 @@ does not wait fails here.
 import pytest
 import torch
 import torch.nn.functional as F
-from full_ft import SPEC, assert_same, full_layers, train_dgls, train_reference
+from full_ft import SPEC, assert_same, full_layers, host_trained_names, train_dgls, train_reference
 from helpers import SMALL, assert_bitwise_equal, checkpoint_for, make_layers, run_layers, train
 
 from utils.dgls import LayerSwapper, SwapConfig
@@ -163,12 +163,7 @@ def test_with_full_fine_tuning_training_is_bitwise_the_same(mode):
     layers = full_layers()
     config = SwapConfig(host_optimizer=SPEC, accumulation_steps=2, prefetch=2, offload_activations=True)
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
-        names = {
-            f"{i}.{n}"
-            for i, layer in enumerate(layers)
-            for n, p in layer.named_parameters()
-            if swapper.training.owns(p)
-        }
+        names = host_trained_names(layers, swapper)
         record = train_dgls(layers, swapper, CPU, mode, checkpoint_fn=swapper.checkpoint_function(checkpoint_for(mode)))
         sent = swapper.activations.offloaded_bytes
     assert sent > 0

@@ -31,7 +31,7 @@ def test_demo_full_config_passes_the_checks():
     run = prepare(["--config", str(ROOT / "toml" / "demo_full.toml")], ROOT)
     assert isinstance(run, DemoRun) and run.settings.full
     assert run.swap.host_optimizer.type == "adamw" and run.swap.host_optimizer.lr == 2e-4
-    assert run.swap.host_optimizer.implementation == "torch_fused"
+    assert run.swap.host_optimizer.implementation == "split", "auto: split for AdamW"
 
 
 def test_full_fine_tune_with_streaming_trains_what_resident_training_trains(tmp_path, capsys):

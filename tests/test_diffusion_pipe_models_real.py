@@ -178,6 +178,29 @@ def test_swap_units_match_plain_train_py(prepare, tmp_path, model_type):
     assert_same_lora(tmp_path / "out_plain", tmp_path / "out_dgls")
 
 
+@pytest.mark.parametrize(
+    "model_type, checkpointing, units",
+    [
+        pytest.param("sdxl", True, "", id="sdxl"),
+        pytest.param("wan", True, "--swap_unit_mb 0.01 ", id="wan-units"),
+        pytest.param("hunyuan-video", "unsloth", "", id="hunyuan-video-unsloth"),
+        pytest.param("ltx-video", True, "", id="ltx-video"),
+    ],
+)
+def test_checkpoint_units_match_plain_train_py(prepare, tmp_path, model_type, checkpointing, units):
+    """--checkpoint_units runs the child modules of every layer (or its swap units) under checkpoints of their
+    own, nested in diffusion-pipe's layer checkpoints, with activation offload: still bitwise plain train.py."""
+    p = prepare(model_type)
+    p.run(p.configs(tmp_path, "plain", checkpointing), tmp_path / "plain.log")
+    log = p.run(
+        p.configs(tmp_path, "dgls", checkpointing),
+        tmp_path / "dgls.log",
+        dgls=f"--blocks_to_swap {p.spec.swap} --prefetch 1 {units}--offload_activations --checkpoint_units --verbose",
+    )
+    assert "TRAINING COMPLETE!" in log and "run under checkpoints of their own" in log
+    assert_same_lora(tmp_path / "out_plain", tmp_path / "out_dgls")
+
+
 def streamed_bytes(output_dir: Path) -> list[float]:
     """DGLS's ``dgls/bytes_moved`` per step, from the run's TensorBoard events."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -1,6 +1,8 @@
 """The swap engine on CPU: exact equality with the unswapped model, and loud failure when wrong."""
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -94,6 +96,23 @@ def test_remove_restores_modules_and_frees_everything():
             if not p.requires_grad:
                 assert torch.equal(p, before[(i, n)])
     assert swapper.store.pinned_bytes == 0 and not swapper.pool.slots
+
+
+@pytest.mark.parametrize("threading_on", [False, True])
+def test_remove_frees_the_slots_at_once_not_at_the_next_garbage_collection(threading_on):
+    """Tokens and the copier's slot states form reference cycles with the swapper; the slots' memory must not
+    wait for the cycle collector (a second swapper, or the next benchmark row, would count it as its own)."""
+    layers, trainable = make_layers()
+    gc.collect()
+    gc.disable()
+    try:
+        swapper = LayerSwapper(layers, SwapConfig(prefetch=2, threading=threading_on), device=CPU, log=None)
+        buffers = [weakref.ref(slot.buffer) for slot in swapper.pool.slots]
+        train(layers, trainable, CPU, "nonreentrant", steps=1, accumulate=1, eval_between=False)
+        swapper.remove()
+        assert all(ref() is None for ref in buffers)
+    finally:
+        gc.enable()
 
 
 def test_worker_error_surfaces_in_main_thread(monkeypatch):

@@ -7,22 +7,25 @@ copier fills every slot with NaN until its copy is waited for, so a unit read be
 fails here, as does a view of a unit's slot kept past its use.
 """
 
+import gc
 import random
+import weakref
+from contextlib import nullcontext
 
 import pytest
 import torch
 import torch.nn.functional as F
-from full_ft import SPEC, assert_same, full_layers, train_dgls, train_reference
+from full_ft import SPEC, assert_same, full_layers, host_trained_names, train_dgls, train_reference
 from helpers import SMALL, assert_bitwise_equal, host_saving_checkpoint, loop_mode, make_layers, run_layers, train
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointError, checkpoint
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.copier import DeferredCopier
 from utils.dgls.hooks import HookAdapter
 from utils.dgls.layout import measure
 from utils.dgls.planner import unit_bytes_for_budget
-from utils.dgls.units import split_layers
+from utils.dgls.units import checkpoint_pieces, split_layers
 
 CPU = torch.device("cpu")
 UNIT_MB = 0.03
@@ -49,9 +52,9 @@ def references():
 
 def split_run(mode, prefetch=1, seed=None, **config):
     layers, trainable = make_layers()
-    config = SwapConfig(prefetch=prefetch, swap_unit_mb=UNIT_MB, **config)
+    config = SwapConfig(prefetch=prefetch, **{"swap_unit_mb": UNIT_MB, **config})
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
-        assert any(entry.holder for entry in swapper.entries)
+        assert any(entry.holder for entry in swapper.entries) == bool(config.swap_unit_mb)
         if seed is not None:
             rng = random.Random(seed)
             swapper._victim = lambda candidates: rng.choice(candidates)
@@ -149,21 +152,146 @@ def test_full_fine_tuning_with_units_is_bitwise_the_same(mode):
     config = SwapConfig(host_optimizer=SPEC, accumulation_steps=2, prefetch=2, swap_unit_mb=UNIT_MB)
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
         assert any(entry.holder for entry in swapper.entries)
-        names = {
-            f"{i}.{n}"
-            for i, layer in enumerate(layers)
-            for n, p in layer.named_parameters()
-            if swapper.training.owns(p)
-        }
+        names = host_trained_names(layers, swapper)
         record = train_dgls(layers, swapper, CPU, mode)
     assert_same(record, train_reference(full_layers(), names, CPU, mode))
 
 
+# ---------------------------------------------------------------- checkpoint_units
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
+@pytest.mark.parametrize("unit_mb", [UNIT_MB, 0.04, 0])
+def test_checkpointed_units_train_bitwise_the_same(references, mode, prefetch, unit_mb):
+    """Each swap unit (or each piece of a whole layer) under its own checkpoint, nested in every layer-checkpoint
+    mode (or alone): the same numbers."""
+    got = split_run(mode, prefetch=prefetch, checkpoint_units=True, swap_unit_mb=unit_mb)
+    assert_bitwise_equal(references(mode), got)
+
+
+@pytest.mark.parametrize("mode", ["nonreentrant", "reentrant", "unsloth"])
+@pytest.mark.parametrize("unit_mb", [UNIT_MB, 0])
+def test_checkpointed_units_with_activation_offload_and_random_slots_stay_exact(references, mode, unit_mb):
+    for seed in (None, 0):
+        got = split_run(
+            mode, prefetch=2, seed=seed, offload_activations=True, checkpoint_units=True, swap_unit_mb=unit_mb
+        )
+        assert_bitwise_equal(references(mode), got)
+
+
+@pytest.mark.parametrize("unit_mb", [UNIT_MB, 0])
+def test_every_piece_runs_again_in_backward_and_remove_puts_the_class_forward_back(unit_mb):
+    layers, trainable = make_layers()
+    config = SwapConfig(prefetch=1, swap_unit_mb=unit_mb, checkpoint_units=True)
+    lines = []
+    with LayerSwapper(layers, config, device=CPU, log=lines.append) as swapper:
+        pieces = swapper.pieces
+        split = {e.layer for e in swapper.entries if e.holder}
+        assert all(p.is_entry == (swapper.entries[p.entry].layer in split) for p in pieces), "units are pieces"
+        assert {swapper.entries[p.entry].layer for p in pieces} >= set(range(1, 7)), "every block has pieces"
+        assert all("forward" in vars(piece.module) for piece in pieces)
+        assert any("checkpoint_units: " in line and "run under checkpoints of their own" in line for line in lines)
+        train(layers, trainable, CPU, "nonreentrant", steps=1)
+        installed = swapper._unit_checkpoints._installed
+        trained = [w.reruns for w in installed if any(p.requires_grad for p in w.piece.module.parameters())]
+        assert trained and min(trained) == 2, "each piece with a LoRA runs again in each micro-batch's backward"
+    assert not any("forward" in vars(piece.module) for piece in pieces)
+
+
+def test_layers_are_cut_at_half_their_size_skipping_modules_that_keep_only_their_input():
+    layers, _ = make_layers()
+    double = [path for path, _ in checkpoint_pieces(layers[1])]
+    # a (LoRA) Linear keeps only its input, which its checkpoint would keep too: the projections are no pieces
+    assert double == ["img_mod", "txt_mod", "img_mlp", "txt_mlp"]
+    assert [path for path, _ in checkpoint_pieces(layers[4])] == ["mod"]
+    assert checkpoint_pieces(nn.LayerNorm(8, elementwise_affine=False)) == []
+
+
+@pytest.mark.parametrize("unit_mb", [UNIT_MB, 0])
+def test_checkpointed_units_in_eval_and_full_fine_tuning(unit_mb):
+    reference_layers, _ = make_layers()
+    layers, _ = make_layers()
+    data = train.__globals__["SyntheticLatents"](SMALL, samples=2, image_tokens=4, text_tokens=2, seed=0)
+    inputs, _ = next(data.batches(2, torch.float32, CPU))
+    config = SwapConfig(swap_unit_mb=unit_mb, checkpoint_units=True)
+    with torch.no_grad():
+        expected = run_layers(reference_layers, inputs, "none")
+        with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
+            assert torch.equal(run_layers(layers, inputs, "none"), expected)
+            assert swapper._unit_checkpoints.reruns == 0
+    layers = full_layers()
+    config = SwapConfig(
+        host_optimizer=SPEC, accumulation_steps=2, prefetch=2, swap_unit_mb=unit_mb, checkpoint_units=True
+    )
+    with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
+        names = host_trained_names(layers, swapper)
+        record = train_dgls(layers, swapper, CPU, "nonreentrant")
+    assert_same(record, train_reference(full_layers(), names, CPU, "nonreentrant"))
+
+
+class KeywordBlock(nn.Module):
+    """Calls its first MLP with a keyword argument, as a Flux block calls its attention."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.second = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.inputs: list[weakref.ref] = []
+
+    def forward(self, x):
+        h = x * 2
+        self.inputs.append(weakref.ref(h))
+        x = x + self.first(input=h)
+        return x + self.second(x)
+
+
+def test_a_pieces_keyword_inputs_are_not_held_from_forward_to_backward():
+    """Under a non-reentrant layer checkpoint nothing of the forward stays but the layers' inputs: a piece's
+    keyword argument must reach its checkpoint as a saved input, not through a closure that keeps it alive."""
+    torch.manual_seed(0)
+    layers = [KeywordBlock() for _ in range(3)]
+    for p in (p for layer in layers for p in layer.parameters()):
+        p.requires_grad_(False)
+    x = torch.randn(4, 64, requires_grad=True)
+
+    def loss():
+        h = x
+        for layer in layers:
+            h = checkpoint(layer, h, use_reentrant=False)
+        return h.square().sum()
+
+    loss().backward()
+    expected, x.grad = x.grad, None
+    with LayerSwapper(layers, SwapConfig(checkpoint_units=True, prefetch=1), device=CPU, log=None) as swapper:
+        assert [type(p.module).__name__ for p in swapper.pieces] == ["Sequential"] * 6
+        value = loss()
+        gc.collect()
+        assert all(ref() is None for layer in layers for ref in layer.inputs), "a keyword input is kept alive"
+        value.backward()
+    assert torch.equal(x.grad, expected)
+
+
+def test_checkpoint_units_without_child_modules_is_refused_in_one_line():
+    layers = [nn.Linear(8, 8) for _ in range(3)]
+    with pytest.raises(DGLSUserError, match="no layer has child modules with params: drop checkpoint_units"):
+        LayerSwapper(layers, SwapConfig(checkpoint_units=True), device=CPU, log=None)
+
+
+def test_mutation_no_hooks_above_a_units_checkpoint_is_caught(monkeypatch):
+    """At 0.04 MB a double block's MLP is one unit, and a piece: without DGLS's hooks above its checkpoint in its
+    first run, views of its slot are counted by the checkpoint in the forward but bypass it in the rerun (whose
+    module call pushes them): torch refuses the mismatch."""
+    monkeypatch.setattr(HookAdapter, "saved_tensor_hooks", lambda self, idx: nullcontext())
+    with pytest.raises(CheckpointError, match="different number of tensors"):
+        split_run("nonreentrant", checkpoint_units=True, swap_unit_mb=0.04)
+
+
 # ---------------------------------------------------------------- mutations
 @pytest.mark.parametrize("mode", ["none", "nonreentrant"])
-def test_mutation_no_compute_side_wait_reads_poison(references, mode, monkeypatch):
+@pytest.mark.parametrize("checkpointed", [None, UNIT_MB, 0])
+def test_mutation_no_compute_side_wait_reads_poison(references, mode, checkpointed, monkeypatch):
     monkeypatch.setattr(DeferredCopier, "_wait", lambda self, token: None)
-    got = split_run(mode)
+    config = {} if checkpointed is None else {"checkpoint_units": True, "swap_unit_mb": checkpointed}
+    got = split_run(mode, **config)
     assert any(torch.isnan(loss).any() for loss in got.losses)
 
 

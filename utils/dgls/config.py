@@ -66,6 +66,10 @@ class SwapConfig:
     # Layers holding more than this many MB of params stream as several swap units, their child modules
     # (utils/dgls/units.py). None: whole layers, unless the VRAM-budget planner needs smaller slots; 0: never.
     swap_unit_mb: float | None = None
+    # Each layer's pieces (its attention, its MLP, ...) run under checkpoints of their own
+    # (utils/dgls/unit_checkpoints.py): a layer's backward holds one piece's activations at a time, for one
+    # more forward of each piece per step.
+    checkpoint_units: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

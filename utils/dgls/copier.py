@@ -199,6 +199,8 @@ class Copier:
             self._thread = None
             self._queue = None
         self._finish_all()
+        self._slots.clear()  # what it holds of the pool (tokens, slots) must not outlive remove()
+        self.resize(0)
 
     def _wait_issued(self, token: Token) -> None:
         while not token.issued.wait(timeout=1.0):

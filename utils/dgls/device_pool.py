@@ -48,5 +48,11 @@ class DevicePool:
         return next((s for s in self.slots if s.owner is None), None)
 
     def release(self) -> None:
+        """Free the slots' memory now: a slot still referenced elsewhere (a copier token, a reference cycle
+        the garbage collector has not reached yet) no longer holds it, so a swapper's VRAM is back after
+        ``remove()`` (a tensor still viewing a slot keeps only its own storage alive)."""
+        for slot in self.slots:
+            slot.buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
+            slot.owner = None
         self.slots.clear()
         self._by_pointer.clear()

@@ -31,7 +31,8 @@ saved tensors go through ``pack``: a view of a slot is replaced by a :class:`Slo
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
@@ -191,6 +192,30 @@ class HookAdapter:
             )
         hooks.__enter__()
         return hooks
+
+    @contextmanager
+    def saved_tensor_hooks(self, idx: int) -> Iterator[None]:
+        """DGLS's saved-tensor hooks for entry ``idx`` above whatever hooks are active now, for the code inside
+        the ``with``: :mod:`.unit_checkpoints` puts them above a unit's own checkpoint."""
+        pushed = None
+        if torch.is_grad_enabled() and self.engine.is_streamed(idx):
+            pushed = self._push_saved_tensor_hooks(torch._C._autograd._top_saved_tensors_default_hooks(True))
+        try:
+            yield
+        finally:
+            if pushed is not None:
+                pushed.__exit__(None, None, None)
+
+    @contextmanager
+    def use_inside(self, idx: int) -> Iterator[None]:
+        """A child module of entry ``idx`` runs on its own (a checkpointed piece's rerun in backward,
+        :mod:`.unit_checkpoints`): a use of the entry, with its saved-tensor hooks for the code inside."""
+        phase = current_phase()
+        self.engine.use(idx, phase)
+        if phase is Phase.BACKWARD:
+            self._queue_pass_end()
+        with self.saved_tensor_hooks(idx):
+            yield
 
     def _pack(self, tensor: torch.Tensor):
         ref = self.engine.slot_ref(tensor)

@@ -4,11 +4,13 @@ Full fine-tuning with streamed layers keeps each streamed layer's trainable para
 in host memory and updates them there (:mod:`.host_training`). This module only describes that
 optimizer (:class:`HostOptimizerSpec`) and builds one per layer (:meth:`HostOptimizerSpec.build`):
 
-- ``adamw``, by ``implementation``:
+- ``adamw``, by ``implementation`` (``"auto"``, the default, is ``"split"``: the fastest side by side in the
+  SDXL full fine-tune on an H100 host, 2.49x the all-resident step against 2.68x for ``"device"`` and 4.63x for
+  ``"torch_fused"``, benchmarks/results/full_sdxl_default.md):
 
-  - ``"torch_fused"`` (the default): ``torch.optim.AdamW(fused=True)`` on the CPU. As fast as
-    DeepSpeed's kernel in the SDXL full fine-tune (2.64 s against 2.75 s per step, each in a process of
-    its own: benchmarks/results/full_sdxl.md), and it needs no compiler;
+  - ``"torch_fused"``: ``torch.optim.AdamW(fused=True)`` on the CPU. As fast as DeepSpeed's kernel in the
+    SDXL full fine-tune (2.64 s against 2.75 s per step, each in a process of its own:
+    benchmarks/results/full_sdxl.md), and it needs no compiler;
   - ``"deepspeed"``: DeepSpeed's ``DeepSpeedCPUAdam`` (AVX kernels, built on first use);
   - ``"torch"``: ``torch.optim.AdamW`` as it runs on CPU tensors by default (the single-tensor loop):
     the same arithmetic as a trainer's own ``torch.optim.AdamW`` on CPU, so a CPU run can be compared
@@ -19,7 +21,7 @@ optimizer (:class:`HostOptimizerSpec`) and builds one per layer (:meth:`HostOpti
   - ``"split"``: both at once: each layer's step runs on the device or on the CPU (torch's fused kernel),
     whichever would finish it sooner at the rates measured on earlier steps (:mod:`.update_split`); the
     two kernels do the same arithmetic, so the split changes the speed only.
-- ``sgd``: ``torch.optim.SGD`` (momentum as given).
+- ``sgd``: ``torch.optim.SGD`` (momentum as given) on the CPU (``"auto"`` is ``"torch_fused"``).
 
 Param groups follow diffusion-pipe's rule: 1-D params (biases, norm scales) get no weight decay.
 One optimizer per layer gives each param exactly the update one optimizer over all params gives it
@@ -40,7 +42,7 @@ import torch
 from .errors import DGLSUserError
 
 HOST_OPTIMIZERS = ("adamw", "sgd")
-IMPLEMENTATIONS = ("torch_fused", "deepspeed", "torch", "device", "split")
+IMPLEMENTATIONS = ("auto", "torch_fused", "deepspeed", "torch", "device", "split")
 NAMES = {
     "deepspeed": "DeepSpeedCPUAdam",
     "torch_fused": "torch.optim.AdamW(fused=True)",
@@ -60,9 +62,11 @@ class HostOptimizerSpec:
     weight_decay: float = 0.01
     eps: float = 1e-8
     momentum: float = 0.0  # sgd only
-    implementation: str = "torch_fused"
+    implementation: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.implementation == "auto":  # the fastest measured for each optimizer (see the module doc)
+            object.__setattr__(self, "implementation", "split" if self.type == "adamw" else "torch_fused")
         if self.type not in HOST_OPTIMIZERS:
             raise DGLSUserError(
                 f"[optimizer] type = {self.type!r} cannot run on the host for streamed layers: use one of "
@@ -88,7 +92,7 @@ class HostOptimizerSpec:
             raise DGLSUserError(f"[optimizer] betas must be two numbers in [0, 1), got {list(betas)!r}")
 
     @classmethod
-    def from_table(cls, table: dict, implementation: str = "torch_fused") -> HostOptimizerSpec:
+    def from_table(cls, table: dict, implementation: str = "auto") -> HostOptimizerSpec:
         """diffusion-pipe's ``[optimizer]`` table (type, lr, betas, weight_decay, eps; momentum for sgd)."""
         known = {"type", "lr", "betas", "weight_decay", "eps", "momentum"}
         unknown = sorted(set(table) - known)

@@ -196,6 +196,16 @@ OPTIONS: tuple[Option, ...] = (
         "streaming",
     ),
     Option(
+        "checkpoint_units",
+        "bool",
+        False,
+        "run each layer's attention, MLP and modulation (its child modules at half its size, less bare Linears) "
+        "under activation checkpoints of their own, so a layer's backward holds one of them at a time; each "
+        "runs once more per step",
+        "one layer's recompute fills the card (long videos) even with --offload_activations",
+        "streaming",
+    ),
+    Option(
         "batch_move",
         "bool",
         False,
@@ -297,8 +307,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "host_adam",
         "choice",
-        "torch_fused",
-        "where and how a full fine-tune's streamed layers take their AdamW step: torch_fused (on the CPU, "
+        "auto",
+        "where and how a full fine-tune's streamed layers take their AdamW step: auto (split for AdamW, the "
+        "fastest measured; the CPU for SGD), torch_fused (on the CPU, "
         "torch.optim.AdamW(fused=True)), deepspeed (on the CPU, DeepSpeedCPUAdam, built on first use), torch (on the "
         "CPU, the single-tensor loop: bitwise what an unstreamed CPU run gives), device (on the GPU, torch's fused "
         "kernel, each layer's master and moments streamed in from host memory and back), or split (each layer on "
@@ -306,7 +317,7 @@ OPTIONS: tuple[Option, ...] = (
         "compare a full fine-tune with an unstreamed CPU run bitwise (torch); let the GPU take the steps (device), "
         "or the GPU and the CPU together (split)",
         "training",
-        ("torch_fused", "deepspeed", "torch", "device", "split"),
+        ("auto", "torch_fused", "deepspeed", "torch", "device", "split"),
     ),
     Option(
         "profile",
@@ -529,6 +540,7 @@ def swap_config(values: dict[str, Any]) -> SwapConfig:
         "threading",
         "offload_activations",
         "swap_unit_mb",
+        "checkpoint_units",
         "batch_move",
         "cuda_streams",
         "selective_packing",

@@ -173,8 +173,8 @@ def _check_minimum(sizes, profile, budget, prefetch_choices, copy_streams) -> No
         }
         largest = max(parts, key=parts.get)
         remedy = {
-            "activations": "lower the activations (--offload_activations with activation_checkpointing, a smaller "
-            "batch or resolution)",
+            "activations": "lower the activations (--offload_activations with activation_checkpointing, "
+            "--checkpoint_units, a smaller batch or resolution)",
             "layer slots": "stream smaller pieces (--swap_unit_mb, the MB of the largest swap unit: the slots hold "
             "two of the largest)",
             "resident weights and buffers": "train fewer params on the device, or store frozen weights smaller "

@@ -74,7 +74,8 @@ from .profiler import Profiler
 from .residency import Residency, StreamedLayer
 from .schedule import Phase, UsePredictor, current_phase
 from .stats import StatsCollector, StepStats, human_bytes
-from .units import Entry, split_layers, split_note
+from .unit_checkpoints import UnitCheckpoints
+from .units import Entry, pieces_to_checkpoint, split_layers, split_note
 
 
 class LayerSwapper:
@@ -116,6 +117,12 @@ class LayerSwapper:
         self.unit_bytes = self._unit_bytes(given, cast_rules, host_trained)
         self.entries: list[Entry] = split_layers(given, self.unit_bytes, trainable_streams=host_trained)
         self.layers: list = [entry.value for entry in self.entries]
+        self.pieces = pieces_to_checkpoint(self.entries, host_trained) if self.config.checkpoint_units else []
+        if self.config.checkpoint_units and not self.pieces:
+            raise DGLSUserError(
+                "checkpoint_units checkpoints the child modules of each layer, and no layer has child modules with "
+                "params: drop checkpoint_units"
+            )
         self._home = {
             id(t): (t, t.device, t.dtype)
             for _, module in modules_of(self.layers)
@@ -203,6 +210,11 @@ class LayerSwapper:
         owners, holders = [e.layer for e in self.entries], [i for i, e in enumerate(self.entries) if e.holder]
         self._hooks = HookAdapter(self.layers, self, owners, holders)
         self._hooks.install()
+        self._unit_checkpoints: UnitCheckpoints | None = None
+        if self.pieces:
+            hooks = self._hooks
+            self._unit_checkpoints = UnitCheckpoints(self.pieces, hooks.saved_tensor_hooks, hooks.use_inside)
+            self._unit_checkpoints.install()
         compile_backend = self.config.compile_backend if self.config.compile_resident else None
         self._patches = ForwardPatches(self.layers, self.device, self.config.autocast, compile_backend)
         self._patches.placement_changed(self._runs_eager)
@@ -350,6 +362,13 @@ class LayerSwapper:
         self._log(self.placement.table())
         if split_note(self.entries, self.unit_bytes):
             self._log(split_note(self.entries, self.unit_bytes))
+        if self.pieces:
+            layers = len({self.entries[piece.entry].layer for piece in self.pieces})
+            self._log(
+                f"DGLS: checkpoint_units: {len(self.pieces)} swap units or child modules of {layers} layers run "
+                "under checkpoints of their own (a layer's backward holds one piece's activations; each piece's "
+                "forward runs once more per step)"
+            )
         if self._training_note:
             scratch = self.training.device_bytes
             on_device = f" ({human_bytes(scratch)} of device buffers)" if scratch else ""
@@ -406,8 +425,9 @@ class LayerSwapper:
         return idx in self._streamed
 
     def _runs_eager(self, idx: int) -> bool:
-        """Never compiled: streamed entries (their weights move) and holders (they run streamed units)."""
-        return idx in self._streamed or self.entries[idx].holder
+        """Never compiled: streamed entries (their weights move), holders (they run streamed units) and
+        entries with checkpointed pieces (:mod:`.unit_checkpoints`)."""
+        return idx in self._streamed or self.entries[idx].holder or any(p.entry == idx for p in self.pieces)
 
     def slot_ref(self, tensor: torch.Tensor) -> SlotRef | None:
         slot = self.pool.slot_of(tensor)
@@ -668,8 +688,8 @@ class LayerSwapper:
             self.copier.close()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        for part in ("_hooks", "_patches"):
-            if part in built:
+        for part in ("_hooks", "_patches", "_unit_checkpoints"):
+            if built.get(part) is not None:
                 built[part].remove()
         with torch.no_grad():
             streamed = set()

@@ -33,6 +33,10 @@ Hazards
       views of a streamed part's slot out of the checkpoint's storage (they are rebuilt from the part's
       current slot when backward needs them), so the region is safe.
     - ``compile_resident`` never compiles a holder (its parts stream), only whole resident entries.
+
+Checkpoint pieces
+    :func:`pieces_to_checkpoint` says what ``checkpoint_units`` (:mod:`.unit_checkpoints`) runs under
+    checkpoints of its own: each layer's children at half its size by the same rule, split into units or not.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from torch import nn
+
+from .unit_checkpoints import Piece
 
 MIN_PART_BYTES = 1024 * 1024  # children smaller than this (or than 1/16 of a unit) stay with their holder
 MIN_PART_SHARE = 16  # (resident): not worth a copy of their own
@@ -100,6 +106,54 @@ def _split(
         elif _has_forward(child):
             yield child_path, child, False
         # a weighty module without forward or children is read by its holder: it stays resident
+
+
+# Modules that keep only their input for backward (PEFT's LoRA layers wrap one as ``base_layer``): a checkpoint
+# keeps that input anyway, so checkpointing one on its own frees nothing and costs a rerun.
+SAVES_ONLY_ITS_INPUT = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
+
+
+def saves_only_its_input(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "base_layer", module), SAVES_ONLY_ITS_INPUT)
+
+
+def checkpoint_pieces(layer: nn.Module, trainable_streams: bool = False) -> list[tuple[str, nn.Module]]:
+    """(path, module) of the child modules ``checkpoint_units`` runs under checkpoints of their own: those the
+    swap-unit rule gives at half the layer's size (a block's attention, its MLP, its modulation), whether or not
+    the layer streams as swap units, less those that keep only their input (:func:`saves_only_its_input`)."""
+    size = param_bytes(layer, trainable_streams)
+    if not size:
+        return []
+    limit = size // 2
+    min_bytes = min(MIN_PART_BYTES, limit // MIN_PART_SHARE)
+    return [
+        (path, module)
+        for path, module, holder in _split(layer, "", limit, min_bytes, trainable_streams)
+        if not holder and not saves_only_its_input(module)
+    ]
+
+
+def pieces_to_checkpoint(entries: Sequence[Entry], trainable_streams: bool = False) -> list[Piece]:
+    """What ``checkpoint_units`` checkpoints: the :func:`checkpoint_pieces` of each of the caller's layers, each
+    with the entry that runs it: itself where it is a swap unit or a holder of units, else the nearest entry
+    that contains it (the whole layer, or the unit it is part of)."""
+    pieces: list[Piece] = []
+    for entry in entries:
+        if entry.part or not isinstance(entry.value, nn.Module):
+            continue  # only the caller's layers (whole, or the holder of their units)
+        paths = {e.part: i for i, e in enumerate(entries) if e.layer == entry.layer}
+        for path, module in checkpoint_pieces(entry.value, trainable_streams):
+            owner = next(paths[p] for p in _path_and_parents(path) if p in paths)
+            pieces.append(Piece(module, owner, is_entry=path in paths))
+    return pieces
+
+
+def _path_and_parents(path: str) -> Iterator[str]:
+    """'a.b.c', 'a.b', 'a', then '' (the layer itself)."""
+    while path:
+        yield path
+        path = path.rpartition(".")[0]
+    yield ""
 
 
 def split_note(entries: Sequence[Entry], max_bytes: int | None) -> str:
