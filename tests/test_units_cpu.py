@@ -4,7 +4,9 @@ The small demo model's blocks are split at 0.03 MB (30 KiB): a double block beco
 projections and the two Linears of each MLP (the MLP ``Sequential`` a holder of its own), a single
 block its modulation and two Linears; norms, and what no unit holds, stay resident. The deferred CPU
 copier fills every slot with NaN until its copy is waited for, so a unit read before its copy landed
-fails here, as does a view of a unit's slot kept past its use.
+fails here, as does a view of a unit's slot kept past its use. With ``checkpoint_units`` the modulations
+and MLPs (split or whole) also run under checkpoints of their own, nested in every layer-checkpoint mode,
+and still train bitwise as unsplit.
 """
 
 import gc
@@ -274,6 +276,17 @@ def test_checkpoint_units_without_child_modules_is_refused_in_one_line():
     layers = [nn.Linear(8, 8) for _ in range(3)]
     with pytest.raises(DGLSUserError, match="no layer has child modules with params: drop checkpoint_units"):
         LayerSwapper(layers, SwapConfig(checkpoint_units=True), device=CPU, log=None)
+
+
+def test_a_piece_with_a_forward_of_its_own_is_refused_before_anything_changes():
+    layers, _ = make_layers()
+    mlp = layers[1].img_mlp
+    mlp.forward = mlp.forward  # as torch.compile(module.forward) or a trainer's patch would
+    devices = {p.device for layer in layers for p in layer.parameters()}
+    with pytest.raises(DGLSUserError, match="Sequential already has a forward of its own"):
+        LayerSwapper(layers, SwapConfig(checkpoint_units=True), device=CPU, log=None)
+    assert {p.device for layer in layers for p in layer.parameters()} == devices
+    assert not layers[1]._forward_pre_hooks, "nothing was installed"
 
 
 def test_mutation_no_hooks_above_a_units_checkpoint_is_caught(monkeypatch):

@@ -123,6 +123,7 @@ class LayerSwapper:
                 "checkpoint_units checkpoints the child modules of each layer, and no layer has child modules with "
                 "params: drop checkpoint_units"
             )
+        UnitCheckpoints.check(self.pieces)
         self._home = {
             id(t): (t, t.device, t.dtype)
             for _, module in modules_of(self.layers)

@@ -62,7 +62,7 @@ from .errors import DGLSUserError
 @dataclass(frozen=True)
 class Piece:
     """A module to checkpoint on its own: ``entry`` is the engine entry it belongs to; ``is_entry``: it is that
-    entry itself (a swap unit), so its own module hooks start its uses."""
+    entry itself (a swap unit, or a holder of units), so its own module hooks start its uses."""
 
     module: nn.Module
     entry: int
@@ -128,18 +128,19 @@ class UnitCheckpoints:
         self.use_inside = use_inside
         self._installed: list[_PieceForward] = []
 
-    @property
-    def entries(self) -> set[int]:
-        """The entries that hold pieces (the piece itself, for a swap unit)."""
-        return {piece.entry for piece in self.pieces}
-
-    def install(self) -> None:
-        for piece in self.pieces:
+    @staticmethod
+    def check(pieces: list[Piece]) -> None:
+        """Refuse pieces whose ``forward`` someone already replaced (before anything is changed)."""
+        for piece in pieces:
             if "forward" in vars(piece.module):
                 raise DGLSUserError(
-                    f"checkpoint_units: a {type(piece.module).__name__} of layer entry {piece.entry} already has a "
-                    "forward of its own (compiled or patched by the trainer): drop checkpoint_units"
+                    f"checkpoint_units: a {type(piece.module).__name__} already has a forward of its own (compiled or "
+                    "patched by the trainer), which its checkpoint would replace: drop checkpoint_units"
                 )
+
+    def install(self) -> None:
+        self.check(self.pieces)
+        for piece in self.pieces:
             wrapper = _PieceForward(piece, self.hooks_for, self.use_inside)
             piece.module.forward = wrapper
             self._installed.append(wrapper)
