@@ -104,11 +104,10 @@ def train(
     cfg=SMALL,
     on_step=None,
     checkpoint_fn=None,
-    tokens=(12, 5),
 ):
     """Steps of (accumulate x forward/backward) then AdamW, with forward-only passes between;
-    ``on_step(step)`` runs after each optimizer step (a step boundary); ``tokens``: image and text tokens."""
-    data = SyntheticLatents(cfg, samples=8, image_tokens=tokens[0], text_tokens=tokens[1], seed=3)
+    ``on_step(step)`` runs after each optimizer step (a step boundary)."""
+    data = SyntheticLatents(cfg, samples=8, image_tokens=12, text_tokens=5, seed=3)
     batches = data.batches(2, dtype, device)
     opt = torch.optim.AdamW(trainable, lr=1e-2)
     losses, grads, evals = [], [], []

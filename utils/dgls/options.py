@@ -17,6 +17,7 @@ from typing import Any
 
 from .config import SwapConfig
 from .errors import DGLSUserError
+from .host_optimizer import IMPLEMENTATIONS
 
 SYNC_MODES = ("none", "step", "layer")
 AUTOCAST_MODES = ("fp32", "fp16", "bf16", "f8_e4m3", "f8_e5m2")
@@ -317,7 +318,7 @@ OPTIONS: tuple[Option, ...] = (
         "compare a full fine-tune with an unstreamed CPU run bitwise (torch); let the GPU take the steps (device), "
         "or the GPU and the CPU together (split)",
         "training",
-        ("auto", "torch_fused", "deepspeed", "torch", "device", "split"),
+        IMPLEMENTATIONS,
     ),
     Option(
         "profile",

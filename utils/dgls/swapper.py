@@ -124,6 +124,7 @@ class LayerSwapper:
                 "params: drop checkpoint_units"
             )
         UnitCheckpoints.check(self.pieces)
+        self._piece_entries = {piece.entry for piece in self.pieces}  # never compiled (_runs_eager)
         self._home = {
             id(t): (t, t.device, t.dtype)
             for _, module in modules_of(self.layers)
@@ -428,7 +429,7 @@ class LayerSwapper:
     def _runs_eager(self, idx: int) -> bool:
         """Never compiled: streamed entries (their weights move), holders (they run streamed units) and
         entries with checkpointed pieces (:mod:`.unit_checkpoints`)."""
-        return idx in self._streamed or self.entries[idx].holder or any(p.entry == idx for p in self.pieces)
+        return idx in self._streamed or self.entries[idx].holder or idx in self._piece_entries
 
     def slot_ref(self, tensor: torch.Tensor) -> SlotRef | None:
         slot = self.pool.slot_of(tensor)

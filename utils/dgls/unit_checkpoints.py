@@ -130,7 +130,8 @@ class UnitCheckpoints:
 
     @staticmethod
     def check(pieces: list[Piece]) -> None:
-        """Refuse pieces whose ``forward`` someone already replaced (before anything is changed)."""
+        """Refuse pieces whose ``forward`` someone already replaced: call it before changing anything (the
+        swapper does, at start-up), since :meth:`install` would replace that forward."""
         for piece in pieces:
             if "forward" in vars(piece.module):
                 raise DGLSUserError(
@@ -139,7 +140,6 @@ class UnitCheckpoints:
                 )
 
     def install(self) -> None:
-        self.check(self.pieces)
         for piece in self.pieces:
             wrapper = _PieceForward(piece, self.hooks_for, self.use_inside)
             piece.module.forward = wrapper
