@@ -63,9 +63,14 @@ def parser() -> argparse.ArgumentParser:
         "--checkpoint_units",
         choices=("off", "on", "both"),
         default="off",
-        help="offload rows: checkpoint_units off, on, or a row of each",
+        help="offload and vram_budget rows: checkpoint_units off, on, or a row of each",
     )
-    p.add_argument("--offload_auto", action="store_true", help="vram_budget rows plan with activation offload on")
+    p.add_argument(
+        "--budget_offload",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="vram_budget rows: offload_activations unset (the planner offloads what the budget needs), on, or off",
+    )
     p.add_argument("--latent_frames", type=int, default=3, help="wan: latent frames of the clip (3 = 9 frames)")
     p.add_argument("--deadline_s", type=float, default=480.0, help="seconds after start: no method starts past it")
     p.add_argument("--strict", action="store_true", help="a failing method fails the run (tests)")
@@ -101,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
             strict=args.strict,
             unit_mb=args.unit_mb,
             checkpoint_units=args.checkpoint_units,
-            offload_auto=args.offload_auto,
+            budget_offload=args.budget_offload,
             **defaults,
         )
         print(

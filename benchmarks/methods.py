@@ -44,6 +44,7 @@ METHODS = {
     "naive": "naive .to() swap",
     "offload": "DGLS + activation offload",
 }
+SETTLE_STEPS = 4  # vram_budget rows: untimed steps after the planner settled, on which it may still re-plan
 DEFAULT_METHODS = ("resident", "dgls", "dp", "auto", "naive")  # ab and options on request: they take long
 
 # How to read the table: written into each result (its "notes"), for the methods it ran.
@@ -67,7 +68,8 @@ NOTES = {
         "copy GB/s = (host-to-device + device-to-host bytes) / time inside its exchanges, waited = host time "
         "blocked on them."
     ),
-    "auto": "vram_budget rows are timed after the planner's probe, trial and check steps.",
+    "auto": "vram_budget rows are timed after the planner's probe, trial and check steps and 4 steps after it settled "
+    "(it watches their peaks and re-plans when one goes over the budget).",
     "naive": "naive: waited = time inside the synchronous moves (both ways).",
     "offload": (
         "activation offload rows: every block streamed, and the inputs checkpointed blocks keep for their "
@@ -95,8 +97,8 @@ class Options:
     ab_steps: int
     strict: bool  # a failing method fails the run (tests)
     unit_mb: str = "0"  # offload: swap-unit sizes in MB, a row each (0: whole layers)
-    checkpoint_units: str = "off"  # offload rows: checkpoint_units off, on, or a row of each
-    offload_auto: bool = False  # vram_budget rows plan with activation offload on
+    checkpoint_units: str = "off"  # offload and vram_budget rows: checkpoint_units off, on, or a row of each
+    budget_offload: str = "auto"  # vram_budget rows: offload_activations unset (auto), on, or off
 
 
 @dataclass(frozen=True)
@@ -353,26 +355,40 @@ class Methods:
         release_host_cache()
         try:
             for spec in parse_list(self.options.budgets):
-                if spec == "auto":
-                    skipped = "" if self.device.type == "cuda" else "vram_budget auto needs a CUDA device"
-                    yield Case("auto", "DGLS vram_budget=auto", partial(self.measure_auto, "auto"), skipped)
-                    continue
-                budget = bench.tight_budget_gib() if self.options.tiny else float(spec)
-                yield Case("auto", f"DGLS vram_budget={budget:.3g} GiB", partial(self.measure_auto, budget))
+                for units in self._checkpoint_units():
+                    extra = ", checkpoint_units" if units else ""
+                    if spec == "auto":
+                        skipped = "" if self.device.type == "cuda" else "vram_budget auto needs a CUDA device"
+                        run = partial(self.measure_auto, "auto", units)
+                        yield Case("auto", f"DGLS vram_budget=auto{extra}", run, skipped)
+                        continue
+                    budget = bench.tight_budget_gib() if self.options.tiny else float(spec)
+                    run = partial(self.measure_auto, budget, units)
+                    yield Case("auto", f"DGLS vram_budget={budget:.3g} GiB{extra}", run)
         finally:
             place(bench.layers, self.device)
 
-    def measure_auto(self, budget: float | str):
+    def _checkpoint_units(self) -> tuple[bool, ...]:
+        return {"off": (False,), "on": (True,), "both": (False, True)}[self.options.checkpoint_units]
+
+    def measure_auto(self, budget: float | str, checkpoint_units: bool = False):
         lines: list[str] = []
         reset_peaks(self.device)
         before = torch.cuda.memory_allocated(self.device) / GiB if self.device.type == "cuda" else 0.0
-        config = SwapConfig(vram_budget_gb=budget, offload_activations=self.options.offload_auto)
+        offload = {"auto": None, "on": True, "off": False}[self.options.budget_offload]
+        config = SwapConfig(vram_budget_gb=budget, offload_activations=offload, checkpoint_units=checkpoint_units)
         with LayerSwapper(self.bench.layers, config, self.device, log=lines.append) as swapper:
             planner = swapper.driver
             planning = []
             ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=False))
             step = self.bench.training_step(checkpoint_fn=ckpt)
-            while not planner.done and len(planning) < 80:  # probe, trials, check: not timed
+            settled, state = 0, None  # steps since the planner settled: it watches their peaks and may re-plan
+            while len(planning) < 80:  # probe, trials, check, then SETTLE_STEPS settled ones: not timed
+                now = (planner.done, planner.plan, planner.replanned, swapper.placement)
+                settled = settled + 1 if planner.done and now == state else 0
+                state = now
+                if settled >= SETTLE_STEPS:
+                    break
                 sync(self.device)
                 start = time.perf_counter()
                 step()
@@ -385,7 +401,9 @@ class Methods:
             return times, {
                 **figures,
                 "slot_mib": _slot_mib(swapper),
-                "offload_activations": config.offload_activations,
+                "offload_activations": self.options.budget_offload,
+                "kept_activations": plan.kept_activations if plan else None,
+                "checkpoint_units": checkpoint_units,
                 "budget_gib": planner.budget / GiB,
                 "allocated_before_gib": before,
                 "plan_pattern": plan.pattern if plan else None,
@@ -398,9 +416,8 @@ class Methods:
 
     def offload(self) -> Iterator[Case]:
         n, prefetch = len(self.bench.blocks), self.options.prefetch
-        checkpointed = {"off": (False,), "on": (True,), "both": (False, True)}[self.options.checkpoint_units]
         for unit in parse_list(self.options.unit_mb):
-            for checkpoint_units in checkpointed:
+            for checkpoint_units in self._checkpoint_units():
                 units = f", swap units <= {float(unit):g} MB" if float(unit) else ""
                 units += ", checkpoint_units" if checkpoint_units else ""
                 name = f"DGLS + offload_activations (blocks_to_swap={n}, prefetch={prefetch}{units})"

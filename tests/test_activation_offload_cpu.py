@@ -171,14 +171,37 @@ def test_with_full_fine_tuning_training_is_bitwise_the_same(mode):
 
 
 def test_with_the_vram_budget_planner_training_is_bitwise_the_same():
-    """The planner probes with offload on (so it measures the activations that stay) and re-places layers
-    between steps; the inputs kept on the device follow its prefetch depth."""
+    """The planner probes with offload on (so it measures the activations that stay and each block's inputs)
+    and re-places layers between steps; the inputs kept on the device follow its plan (on the CPU, where it
+    measures no activations, every block's: nothing goes home after the probe)."""
     layers, trainable = make_layers()
     config = SwapConfig(vram_budget_gb=1.0, offload_activations=True)
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
         ckpt = swapper.checkpoint_function(checkpoint_for("nonreentrant"))
         got = train(layers, trainable, CPU, "nonreentrant", steps=4, checkpoint_fn=ckpt)
-        assert swapper.activations.keep == max(1, swapper.config.prefetch)
+        profile, plan = swapper.driver.profile, swapper.driver.plan
+        assert profile.sent_segments == BLOCKS - profile.probe_kept > 0 and profile.segment_bytes > 0
+        assert swapper.activations.keep == plan.kept_activations == BLOCKS
         assert swapper.activations.offloaded_bytes > 0
     reference = train(*make_layers(), CPU, "nonreentrant", steps=4, checkpoint_fn=checkpoint_for("nonreentrant"))
     assert_bitwise_equal(got, reference)
+
+
+@pytest.mark.parametrize("kept", [1, 4, BLOCKS])
+def test_a_plan_that_keeps_more_inputs_on_the_device_sends_only_the_rest_home(references, kept):
+    """``apply_placement(..., kept_activations)``: the inputs of the last ``kept`` blocks of each forward stay,
+    the others go home and come back, restores still one block ahead; the numbers do not change."""
+    layers, trainable = make_layers()
+    with LayerSwapper(layers, SwapConfig(offload_activations=True, prefetch=1), device=CPU, log=None) as swapper:
+        swapper.apply_placement(swapper.streamed_layers, 1, kept_activations=kept)
+        assert (swapper.activations.keep, swapper.activations.ahead) == (kept, 1)
+        got = train(
+            layers,
+            trainable,
+            CPU,
+            "nonreentrant",
+            checkpoint_fn=swapper.checkpoint_function(checkpoint_for("nonreentrant")),
+        )
+        sent = swapper.activations.segments_sent
+    assert_bitwise_equal(got, references["nonreentrant"])
+    assert sent == 4 * (BLOCKS - kept), "4 passes with grad, each sending all but the last kept blocks' inputs"

@@ -55,11 +55,13 @@ def references(template):
     return get
 
 
-def offloaded_run(template, mode, monkeypatch, prefetch=2, compute_ms=5.0):
+def offloaded_run(template, mode, monkeypatch, prefetch=2, compute_ms=5.0, kept=None):
     delay_copies(monkeypatch, 20.0)
     layers, trainable = fresh(template)
     config = SwapConfig(prefetch=prefetch, offload_activations=True)
     with LayerSwapper(layers, config, device=device(), log=None) as swapper:
+        if kept is not None:  # as a plan with room for more inputs applies it
+            swapper.apply_placement(swapper.streamed_layers, prefetch, kept_activations=kept)
         if compute_ms:
             swapper.add_listener(ComputeDelay(compute_ms))
         swapper.activations.delay_cycles = int(10 * MS)
@@ -86,3 +88,42 @@ def test_a_recompute_that_does_not_wait_for_its_restore_differs(template, refere
     with pytest.raises(AssertionError):
         got = offloaded_run(template, "nonreentrant", monkeypatch, prefetch=1, compute_ms=0)
         assert_bitwise_equal(references("nonreentrant"), got)
+
+
+@pytest.mark.parametrize("mode", ["nonreentrant", "unsloth"])
+def test_a_plan_keeping_more_inputs_on_the_device_stays_bitwise_equal(template, references, monkeypatch, mode):
+    """Of the 4 blocks, the last 2 keep their inputs on the device and the first 2 send them home (one block
+    more than prefetch 1 keeps); restores run one block ahead."""
+    assert_bitwise_equal(references(mode), offloaded_run(template, mode, monkeypatch, prefetch=1, kept=2))
+
+
+def test_a_vram_budget_offloads_by_itself_and_stays_bitwise_equal(template, references, monkeypatch):
+    """offload_activations unset with a VRAM budget on CUDA: the probe sends inputs home, the plan keeps
+    what fits, the planner re-places layers between steps; the numbers are all-resident training's."""
+    delay_copies(monkeypatch, 20.0)
+    layers, trainable = fresh(template)
+    with LayerSwapper(layers, SwapConfig(vram_budget_gb=4.0), device=device(), log=None) as swapper:
+        assert swapper.activations is not None
+        swapper.activations.delay_cycles = int(10 * MS)
+        swapper.activations.poison_restores = True
+        ckpt = swapper.checkpoint_function(checkpoint_for("nonreentrant"))
+        record = train(
+            layers, trainable, device(), "nonreentrant", steps=6, dtype=BF16, cfg=FLUX_WIDTH, checkpoint_fn=ckpt
+        )
+        profile, plan = swapper.driver.profile, swapper.driver.plan
+        sent = swapper.activations.offloaded_bytes
+    assert profile.sent_segments > 0 and sent > 0 and plan.kept_activations >= 1
+    layers, trainable = fresh(template)
+    for layer in layers:
+        layer.to(device())
+    reference = train(
+        layers,
+        trainable,
+        device(),
+        "nonreentrant",
+        steps=6,
+        dtype=BF16,
+        cfg=FLUX_WIDTH,
+        checkpoint_fn=checkpoint_for("nonreentrant"),
+    )
+    assert_bitwise_equal(reference, record)

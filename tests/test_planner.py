@@ -116,6 +116,52 @@ def test_the_minimum_says_which_part_dominates_and_what_lowers_it():
         plan_for_budget(sizes, small, GiB // 2)
 
 
+def offloading(profile, sent=55, segment=40 * MiB, kept=2):
+    """``profile`` as the probe measures it with activation offload: the inputs of ``sent`` checkpointed calls
+    home (``segment`` bytes each), those of the last ``kept`` on the device, counted in its activations."""
+    return dataclasses.replace(profile, sent_segments=sent, segment_bytes=segment, probe_kept=kept)
+
+
+def test_with_activation_offload_plans_keep_on_the_device_what_their_budget_has_room_for():
+    """Placements are searched with all but the last ``prefetch`` calls' inputs offloaded; then each plan
+    keeps as many more as its leftover holds, never past the budget, and all of them when it has room."""
+    sizes, probe = flux_like()
+    profile = offloading(probe)
+    least = minimum_bytes(sizes, profile, 1)
+    assert least == minimum_bytes(sizes, probe, 1) - 40 * MiB, "the probe kept 2; the minimum keeps 1"
+    for budget in (least + 100 * MiB, 6 * GiB, 9 * GiB):
+        for plan in shortlist(sizes, profile, budget, count=3):
+            assert plan.predicted_peak <= budget
+            extra = plan.kept_activations - max(1, plan.prefetch)
+            at_least = predict_peak(sizes, profile, plan.streamed, plan.prefetch)
+            assert plan.predicted_peak == at_least + extra * 40 * MiB
+            assert 0 <= extra <= 57 - max(1, plan.prefetch)
+            if plan.kept_activations < 57:  # not everything kept: one more would not fit
+                assert plan.predicted_peak + 40 * MiB > budget
+    roomy = plan_for_budget(sizes, profile, 60 * GiB)
+    assert not roomy.streamed and roomy.kept_activations == 57, "everything resident and kept: nothing goes home"
+    assert "inputs of the last 57 checkpointed calls kept" in roomy.describe(sizes)
+
+
+def test_weights_take_the_room_before_kept_activations():
+    """A byte of resident weights saves two copies a step, a kept activation byte one restore: a budget with
+    room for one more resident layer gets the layer, not the inputs it could have kept instead."""
+    sizes, probe = flux_like()
+    profile = offloading(probe)
+    plan = plan_for_budget(sizes, profile, 8 * GiB)
+    resident = [s.index for s in sizes if s.streamable_bytes and s.index not in plan.streamed]
+    assert resident, "some layers fit resident"
+    without_kept = predict_peak(sizes, profile, plan.streamed, plan.prefetch)
+    smallest_streamed = min(sizes[i].slot_bytes for i in plan.streamed) if plan.streamed else 0
+    assert 8 * GiB - without_kept < smallest_streamed or plan.streamed == (), "no streamed layer fit resident"
+
+
+def test_once_activations_are_offloaded_the_minimum_names_checkpoint_units():
+    sizes, probe = flux_like()
+    with pytest.raises(DGLSUserError, match="activations dominate.*lower the activations \\(--checkpoint_units"):
+        plan_for_budget(sizes, offloading(dataclasses.replace(probe, activation_bytes=8 * GiB)), 4 * GiB)
+
+
 def test_apply_placement_between_steps_keeps_training_exact():
     layers, trainable = make_layers()
     reference = train(layers, trainable, CPU, "nonreentrant", steps=5)
@@ -224,9 +270,11 @@ class FakeSwapper:
         self.placement = SimpleNamespace(sizes=sizes, streamed=[s.index for s in sizes if s.streamable_bytes])
         self.config = SimpleNamespace(prefetch=1)
         self.applied: list[tuple[tuple[int, ...], int]] = []
+        self.kept: list[int | None] = []  # kept_activations of each apply_placement
 
-    def apply_placement(self, streamed, prefetch):
+    def apply_placement(self, streamed, prefetch, kept_activations=None):
         self.applied.append((tuple(streamed), prefetch))
+        self.kept.append(kept_activations)
         self.placement.streamed = list(streamed)
 
 
@@ -240,6 +288,12 @@ class ScriptedPlanner(PlacementDriver):
 
     def _start_timing(self, record):
         pass
+
+    def _reset_peak(self):
+        self.resets = getattr(self, "resets", 0) + 1
+
+    def _peak_since_reset(self):
+        return self.peak(self.plan)
 
     def _stop_timing(self, swapper, stats, steps):
         if self._phase == "probe":
@@ -276,6 +330,52 @@ def test_trials_visit_a_to_z_and_back_then_refine_with_the_measured_peak_error()
     assert refined.predicted_peak <= budget - max(REFINE_MARGIN, REFINE_MARGIN_SHARE * budget)
     assert planner.plan is refined and refined.predicted_ms < min(t.plan.predicted_ms for t in first_round)
     assert steps < 50
+
+
+def settled_planner():
+    """A planner settled on a 12 GiB budget with exact peaks; ``later["extra"]`` adds to every later peak."""
+    sizes, profile = flux_like()
+    budget = 12 * GiB
+    later = {"extra": 0}
+    planner = ScriptedPlanner(
+        budget, profile, wall=lambda p: p.predicted_ms, peak=lambda p: p.predicted_peak + later["extra"]
+    )
+    swapper = FakeSwapper(sizes)
+    drive(planner, swapper)
+    return sizes, budget, later, planner, swapper
+
+
+def test_a_settled_plan_that_later_goes_over_the_budget_is_replanned_then_falls_back():
+    """Trials fit, but the settled plan's later passes peak higher (fragmentation growing past the trials):
+    the driver watches each pass, re-plans once with the measured error (then checks that plan), and when
+    the re-plan too goes over, falls back to the probe's placement and stops."""
+    sizes, budget, later, planner, swapper = settled_planner()
+    settled, resets = planner.plan, planner.resets
+    planner._watch(swapper)  # within the budget: nothing happens
+    assert planner.done and planner.plan is settled
+    later["extra"] = budget - settled.predicted_peak + GiB // 4  # now 0.25 GiB over
+    planner._watch(swapper)
+    assert planner.replanned and not planner.done
+    replanned = planner.plan
+    assert replanned.predicted_peak < settled.predicted_peak, "the re-plan leaves the measured error as margin"
+    later["extra"] = budget  # the re-plan goes over too: its check falls back
+    drive(planner, swapper)
+    everything = tuple(s.index for s in sizes if s.streamable_bytes)
+    assert planner._fallen_back and planner.done and swapper.applied[-1] == (everything, 1)
+    assert planner.resets > resets
+    planner._watch(swapper)  # nothing smaller to go to: it stays
+    assert planner.done
+
+
+def test_an_error_no_plan_has_room_for_falls_back_at_once():
+    """A settled plan goes over by more than any placement but the probe's leaves room for: no re-plan that
+    would fill the budget to the byte, the probe's placement straight away."""
+    sizes, budget, later, planner, swapper = settled_planner()
+    later["extra"] = budget  # far over: the error added to the model leaves no plan within the budget
+    planner._watch(swapper)
+    everything = tuple(s.index for s in sizes if s.streamable_bytes)
+    assert planner.replanned and planner._fallen_back and planner.done
+    assert swapper.applied[-1] == (everything, 1)
 
 
 def test_a_measured_peak_error_near_the_margin_means_no_refinement():

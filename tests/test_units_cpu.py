@@ -348,7 +348,7 @@ def test_the_planner_splits_only_when_two_slots_crowd_the_budget():
     sizes = [layout.sizes for layout in measure(layers)]
     largest = max(s.slot_bytes for s in sizes)
     assert unit_bytes_for_budget(sizes, 8 * largest) is None
-    assert unit_bytes_for_budget(sizes, 8 * largest - 8) == (8 * largest - 8) // 8
+    assert unit_bytes_for_budget(sizes, 8 * largest - 8) == (8 * largest - 8) // 24
 
 
 def test_under_a_tight_vram_budget_layers_are_split_and_training_stays_exact(references):

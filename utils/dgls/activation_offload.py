@@ -13,15 +13,19 @@ What is offloaded
     Each call with grad enabled is a *segment*: its tensor arguments on the device are what the checkpoint
     keeps. A segment's tensors go home once ``keep`` later segments were called, except those that a later
     call still takes (a tensor every block takes, such as a timestep vector, stays until the blocks that
-    take it are past); so the inputs of the last ``keep`` segments of a forward never leave. Offloading
-    is by storage: its bytes are copied to a pinned host buffer and the storage is resized to nothing, so
-    every tensor and view on it holds no device memory until it is restored (and reads of it fail).
+    take it are past); so the inputs of the last ``keep`` segments of a forward never leave. ``keep`` is
+    at least the prefetch depth, more when the VRAM-budget planner has room for more (it offloads only
+    what the budget needs, see planner.py; a ``keep`` past the forward's segment count offloads nothing).
+    Offloading is by storage: its bytes are copied to a pinned host buffer and the storage is resized to
+    nothing, so every tensor and view on it holds no device memory until it is restored (and reads of it
+    fail).
 
 When it comes back
     The checkpoint calls the function again in backward (the recompute). The wrapper runs first: it
-    restores the segment's storages (waiting for their copies), then starts the restores of the ``keep``
-    segments before it, which the backward reaches next. A call that takes a tensor already sent home
-    (not expected from a pipeline, where each layer passes on what later ones need) restores it first.
+    restores the segment's storages (waiting for their copies), then starts the restores of the ``ahead``
+    segments before it (the prefetch depth), which the backward reaches next. A call that takes a tensor
+    already sent home (not expected from a pipeline, where each layer passes on what later ones need)
+    restores it first.
 
 Mechanics
     - CUDA: one device-to-host stream and one host-to-device stream of this module's own. An offload
@@ -86,7 +90,8 @@ class ActivationOffloader:
         self, device: torch.device, keep: int = 2, min_bytes: int | None = None, pin: bool | None = None
     ) -> None:
         self.device = device
-        self.keep = max(1, keep)
+        self.keep = max(1, keep)  # the last ``keep`` segments of a forward stay on the device
+        self.ahead = self.keep  # restores issued this many segments before their recompute
         self.cuda = device.type == "cuda"
         self.min_bytes = (MIN_BYTES if self.cuda else 0) if min_bytes is None else min_bytes
         self.pin = self.cuda if pin is None else pin
@@ -103,6 +108,8 @@ class ActivationOffloader:
         self.restored_bytes = 0
         self.dropped_bytes = 0  # sent home, then every tensor on them was freed: nothing to bring back
         self.demand_restores = 0  # restores issued only when the recompute needed them (prefetch misses)
+        self.segments_sent = 0  # segments that sent something home, and the largest such segment's bytes:
+        self.largest_segment = 0  # what the planner weighs keeping a segment on the device with
 
     # ---------------------------------------------------------------- public
     def wrap(self, checkpoint: Callable) -> Callable:
@@ -123,6 +130,13 @@ class ActivationOffloader:
             return 0
         pooled = sum(buf.numel() for bufs in self._pool.values() for buf, _ in bufs)
         return pooled + sum(o.nbytes for s in self._live for o in s.offloads if not o.restored)
+
+    def set_depth(self, keep: int, ahead: int) -> None:
+        """Keep the last ``keep`` segments of each forward on the device, and restore ``ahead`` segments before
+        their recompute. Pooled host buffers are dropped when more stays (fewer will go home)."""
+        if keep > self.keep:
+            self._pool.clear()
+        self.keep, self.ahead = max(1, keep), max(1, ahead)
 
     def synchronize(self) -> None:
         if self.cuda:
@@ -186,6 +200,8 @@ class ActivationOffloader:
         segment.storages.clear()
         if segment.offloads:
             self._live.append(segment)
+            self.segments_sent += 1
+            self.largest_segment = max(self.largest_segment, sum(o.nbytes for o in segment.offloads))
 
     # ---------------------------------------------------------------- backward
     def before_recompute(self, segment: Segment) -> None:
@@ -198,7 +214,7 @@ class ActivationOffloader:
             self._wait(offload)
         self._release(segment)
         ahead, earlier = 0, segment.previous
-        while earlier is not None and ahead < self.keep:
+        while earlier is not None and ahead < self.ahead:
             if not earlier.done:
                 for offload in earlier.offloads:
                     self._start_restore(offload)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -111,7 +111,10 @@ class PlacementDriver(Listener):
     copies) and the next ``TRIAL_STEPS`` are timed. If no shortlisted plan stayed within
     the budget, DGLS re-plans once with the measured peak error added to its memory model, and
     checks that plan; if that one too goes over, it falls back to the probe's placement
-    (everything streamed, prefetch 1), which the probe showed fits.
+    (everything streamed, prefetch 1), which the probe showed fits. Once settled it keeps
+    watching each pass's peak (CUDA): the allocator's fragmentation can grow for some steps
+    past the trials, and a pass that goes over the budget gets the same treatment (re-plan
+    once, then the probe's placement).
     """
 
     budget: int
@@ -137,6 +140,8 @@ class PlacementDriver(Listener):
     _offset_ms: float = 0.0
     _wall_ms: float = 0.0
     _peak_reserved: int = 0
+    _sent_at_start: int = 0  # the activation offloader's count of segments sent, when the probe began
+    _fallen_back: bool = False  # the probe's placement is in force: nothing smaller to go to
 
     _engine: object = None
 
@@ -165,6 +170,8 @@ class PlacementDriver(Listener):
     def pass_ended(self) -> None:
         if not self.done:
             self.step_done(self._engine, self._engine.step_stats(sync=True))
+        else:
+            self._watch(self._engine)
 
     def step_done(self, swapper, stats: StepStats) -> None:
         """At the end of every pass, until the plan is settled."""
@@ -267,7 +274,7 @@ class PlacementDriver(Listener):
                 f"DGLS: steps run {best.wall_ms / predicted - 1:.0%} slower than the planner's model predicts; the "
                 "plan was chosen by measurement, so it stands (--profile shows where the time goes)"
             )
-        self.done = True
+        self._settle()
 
     def _refined_plan(self, swapper, best: Plan) -> Plan | None:
         """The plan for the budget less the peak error the trials measured (plus a small margin),
@@ -288,6 +295,38 @@ class PlacementDriver(Listener):
             return None
         return plan
 
+    def _settle(self) -> None:
+        """The plan is chosen: from here the peak of later passes is watched (see ``_watch``)."""
+        self.done = True
+        if self.device.type == "cuda":
+            self._reset_peak()  # the trials' peaks are not the plan's
+
+    def _watch(self, swapper) -> None:
+        """A pass after settling went over the budget (the peak since settling, or since the trainer last
+        reset it): re-plan once with the measured error, as a failed check does; after that, fall back to
+        the probe's placement. Reads one counter per pass."""
+        if self.device.type != "cuda" or self.plan_only or self._fallen_back or self.plan is None:
+            return
+        peak = self._peak_since_reset()
+        if peak <= self.budget:
+            return
+        self.log(
+            f"DGLS: a step after planning peaked at {peak / GiB:.2f} GiB reserved, over the "
+            f"{self.budget / GiB:.2f} GiB budget"
+        )
+        self.done = False
+        if not self.replanned:
+            self._replan(swapper, peak - self.budget, peak - self.plan.predicted_peak)
+        else:
+            self._fall_back(swapper)
+
+    def _fall_back(self, swapper, why: str = "still over budget after re-planning") -> None:
+        streamed = [s.index for s in swapper.placement.sizes if s.streamable_bytes]
+        self.log(f"DGLS: {why}: using the probe's placement (everything streamed, prefetch 1)")
+        swapper.apply_placement(streamed, 1)
+        self._fallen_back = True
+        self._settle()
+
     def _after_check(self, swapper) -> None:
         if self.trials and self.trials[-1].plan is self.plan:
             self.trials[-1].samples_ms.append(self._wall_ms)
@@ -299,26 +338,29 @@ class PlacementDriver(Listener):
         )
         over = self._peak_reserved - self.budget if self.device.type == "cuda" else 0
         if over <= 0:
-            self.done = True
+            self._settle()
         elif not self.replanned:
             self._replan(swapper, over, self._peak_reserved - self.plan.predicted_peak)
         else:
-            streamed = [s.index for s in swapper.placement.sizes if s.streamable_bytes]
-            self.log("DGLS: still over budget after re-planning: using the probe's placement (everything streamed)")
-            swapper.apply_placement(streamed, 1)
-            self.done = True
+            self._fall_back(swapper)
 
     def _replan(self, swapper, over: int, error: int) -> None:
         """Re-plan once, with the measured peak error (measured less predicted) added to the
         allocator slack: the new plan then keeps the whole margin. Adding only the overshoot past
-        the budget would spend the margin on the error, and a later step's fragmentation went over."""
+        the budget would spend the margin on the error, and a later step's fragmentation went over.
+        Where not even the refine margin fits beside the minimum, no plan but the probe's has room for
+        more error: that one is taken at once (a plan filling the budget to the byte went over again)."""
         profile, sizes = self.profile, swapper.placement.sizes
-        self.profile = StepProfile(
-            profile.uses, profile.activation_bytes, profile.reserved_overhead + max(error, 0), profile.bytes_per_ms
-        )
+        self.profile = replace(profile, reserved_overhead=profile.reserved_overhead + max(error, 0))
         self.replanned = True
         self.log(f"DGLS: the plan went {over / GiB:.2f} GiB over the budget; re-planning once")
-        plan = plan_for_budget(sizes, self.profile, self._planning_budget(sizes), copy_streams=self.copy_streams)
+        aim = self._planning_budget(sizes)
+        if aim == self.budget:  # the full margin does not fit: keep at least the refine margin, or fall back
+            aim -= max(REFINE_MARGIN, int(REFINE_MARGIN_SHARE * self.budget))
+            if minimum_bytes(sizes, self.profile, copy_streams=self.copy_streams) > aim:
+                self._fall_back(swapper, "no placement but the probe's leaves room for that error")
+                return
+        plan = plan_for_budget(sizes, self.profile, aim, copy_streams=self.copy_streams)
         self.trials.append(Trial(plan))
         self._apply(swapper, plan)
         self._phase, self._next = "warm", "check"
@@ -329,12 +371,21 @@ class PlacementDriver(Listener):
         return aim if minimum_bytes(sizes, self.profile, copy_streams=self.copy_streams) <= aim else self.budget
 
     # ---------------------------------------------------------------- measuring
+    def _reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _peak_since_reset(self) -> int:
+        return torch.cuda.max_memory_reserved(self.device)
+
     def _start_timing(self, record: bool) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._alloc_at_start = torch.cuda.memory_allocated(self.device)
         self._recorder = UseRecorder(self.device) if record else None
+        offloader = getattr(self._engine, "activations", None)
+        if record and offloader is not None:
+            self._sent_at_start, offloader.largest_segment = offloader.segments_sent, 0
         self._started = time.perf_counter()
 
     def _stop_timing(self, swapper, stats: StepStats, steps: int) -> None:
@@ -356,16 +407,25 @@ class PlacementDriver(Listener):
             other = max(0, self._alloc_at_start - swapper.placement.predicted_device_bytes)
             if stats.copy_ms > 0:
                 bytes_per_ms = stats.bytes_moved / stats.copy_ms
-        self.profile = StepProfile(uses, activation + other, overhead, bytes_per_ms)
+        offloader = getattr(swapper, "activations", None)
+        sent = offloader.segments_sent - self._sent_at_start if offloader is not None else 0
+        segment = offloader.largest_segment if sent else 0
+        kept = offloader.keep if sent else 0
+        self.profile = StepProfile(uses, activation + other, overhead, bytes_per_ms, sent, segment, kept)
         if cuda:
+            offloaded = (
+                f" with the inputs of {sent} checkpointed calls in host memory (up to {human_bytes(segment)} each)"
+                if sent
+                else ""
+            )
             self.log(
-                f"DGLS probe: activations {activation / GiB:.2f} GiB, allocator slack {overhead / GiB:.2f} GiB, "
-                f"other allocations {other / GiB:.2f} GiB (device memory DGLS does not manage: it counts against "
-                f"the budget), copies {bytes_per_ms / 1e6:.1f} GB/s"
+                f"DGLS probe: activations {activation / GiB:.2f} GiB{offloaded}, allocator slack "
+                f"{overhead / GiB:.2f} GiB, other allocations {other / GiB:.2f} GiB (device memory DGLS does not "
+                f"manage: it counts against the budget), copies {bytes_per_ms / 1e6:.1f} GB/s"
             )
 
     def _apply(self, swapper, plan: Plan, quiet: bool = False) -> None:
         self.plan = plan
-        swapper.apply_placement(plan.streamed, plan.prefetch)
+        swapper.apply_placement(plan.streamed, plan.prefetch, plan.kept_activations or None)
         if not quiet:
             self.log(f"{plan.describe(swapper.placement.sizes)} (+{self._offset_ms:.0f} ms outside the layers)")

@@ -60,9 +60,11 @@ class SwapConfig:
     host_optimizer: HostOptimizerSpec | None = None
     accumulation_steps: int = 1  # micro-batches per optimizer step (the host takes grad norms on the last)
     clip_grads: bool = True  # False: no clipping, so host updates start during backward (see host_training.py)
-    # Checkpointed layers' inputs wait in host memory between forward and recompute, all but those of the
-    # last max(1, prefetch) checkpointed calls of a forward (utils/dgls/activation_offload.py)
-    offload_activations: bool = False
+    # Checkpointed layers' inputs wait in host memory between forward and recompute
+    # (utils/dgls/activation_offload.py). True: all but those of the last max(1, prefetch) checkpointed calls
+    # of a forward, or with a VRAM budget as many as the planner needs; None (auto): with a VRAM budget on
+    # CUDA, as many as the planner needs (perhaps none), otherwise none; False: none.
+    offload_activations: bool | None = None
     # Layers holding more than this many MB of params stream as several swap units, their child modules
     # (utils/dgls/units.py). None: whole layers, unless the VRAM-budget planner needs smaller slots; 0: never.
     swap_unit_mb: float | None = None

@@ -70,12 +70,15 @@ class Option:
     when: str
     group: str
     choices: tuple[str, ...] = ()
+    shown: str | None = None  # the default as --help and the README show it, where None means something
 
     @property
     def flag(self) -> str:
         return f"--{self.name}"
 
     def shown_default(self) -> str:
+        if self.shown is not None:
+            return self.shown
         if self.default is None:
             return "-"
         if isinstance(self.default, bool):
@@ -178,12 +181,15 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "offload_activations",
         "bool",
-        False,
+        None,
         "send the inputs that checkpointed layers keep for their recompute to host memory during the forward, "
-        "and bring them back just before the recompute (all but those of the last --prefetch checkpointed "
-        "layers); needs activation checkpointing",
-        "activations, not weights, fill the card (long videos, large resolutions)",
+        "and bring them back just before the recompute; on: all but those of the last --prefetch checkpointed "
+        "layers, or with --vram_budget only as many as the budget needs; auto (unset): only with --vram_budget "
+        "on CUDA, as many as it needs (maybe none); needs activation checkpointing",
+        "activations, not weights, fill the card (long videos, large resolutions); --no-offload_activations "
+        "keeps every activation on the device",
         "streaming",
+        shown="auto",
     ),
     Option(
         "swap_unit_mb",
@@ -366,7 +372,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     groups = {name: parser.add_argument_group(f"DGLS {name}", text) for name, text in GROUPS.items()}
     for o in OPTIONS:
         group = groups[o.group]
-        text = o.meaning.replace("%", "%%") + (f" (default: {o.shown_default()})" if o.default is not None else "")
+        text = o.meaning.replace("%", "%%") + (
+            f" (default: {o.shown_default()})" if o.default is not None or o.shown else ""
+        )
         if o.kind == "bool":
             group.add_argument(o.flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         elif o.kind == "cast_pairs":

@@ -11,12 +11,21 @@ spread between streamed ones give the copies compute to hide behind) and the pre
 depth, and keeps the placement with the lowest predicted step time that fits;
 ``shortlist`` also returns the best plans of other families predicted close to it, which
 the swapper measures on real steps before it settles (see autoplan.py).
+
+Activations are planned with the weights. With activation offload the probe sends home the
+inputs of every checkpointed call but the last ``prefetch`` (the smallest footprint) and
+measures the largest call's inputs. Placements are searched at that footprint; then each plan
+keeps on the device as many calls' inputs as its leftover budget holds (``keep_activations``):
+offload only what the budget needs. Weights take the room first, since a resident byte saves two
+copies a step (forward and backward fetch) and a kept activation byte one (its restore; the copy
+home runs on the otherwise idle direction). The time model leaves restores out; the measured
+trials rank the plans.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .errors import DGLSUserError
 from .layout import GiB, LayerSizes, device_bytes, pool_bytes, resident_bytes
@@ -24,7 +33,10 @@ from .schedule import Phase
 from .stats import human_bytes
 
 PREFETCH_CHOICES = (1, 2, 3, 4)
-UNIT_SLOTS_SHARE, UNIT_SHARE = 4, 8  # split layers when 2 slots exceed 1/4 of the budget, into units <= 1/8
+# Split layers when 2 slots exceed 1/4 of the budget, into units <= 1/24 of it: a Wan-14B block at 4 GiB into its
+# 50-135 MiB Linears' modules, a Flux block at 3 GiB into <= 128 MB, where 4 slots (prefetch 3) of them measured
+# 1.28x and 1.48x the all-resident step in 3.77 and 2.67 GiB (benchmarks/results/wan_fit_9f_p3.md, flux_fit_u128.md).
+UNIT_SLOTS_SHARE, UNIT_SHARE = 4, 24
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,11 @@ class StepProfile:
     activation_bytes: int  # peak allocated during the step less what was allocated at its start
     reserved_overhead: int  # peak reserved less peak allocated: allocator slack
     bytes_per_ms: float  # host-to-device copy bandwidth
+    # Activation offload (0 without): checkpointed calls of a pass whose inputs went home, the inputs of the
+    # largest of them, and the calls whose inputs stayed on the device (the last max(1, prefetch)).
+    sent_segments: int = 0
+    segment_bytes: int = 0
+    probe_kept: int = 0
 
     @property
     def compute_ms(self) -> float:
@@ -60,6 +77,7 @@ class Plan:
     predicted_peak: int
     budget: int
     pattern: str
+    kept_activations: int = 0  # checkpointed calls of a pass whose inputs stay on the device (0: no offload)
 
     def runs_like(self, other: Plan) -> bool:
         """Same streamed layers, and a prefetch depth that makes no difference (deeper than the
@@ -72,9 +90,12 @@ class Plan:
         return (
             f"DGLS plan ({self.pattern}): {len(self.streamed)} layers streamed, "
             f"resident {_ranges(resident) or 'none'}, "
-            f"prefetch {self.prefetch}; predicted step {self.predicted_ms:.0f} ms, "
+            f"prefetch {self.prefetch}{self._activations()}; predicted step {self.predicted_ms:.0f} ms, "
             f"peak {self.predicted_peak / GiB:.2f} GiB of the {self.budget / GiB:.2f} GiB budget"
         )
+
+    def _activations(self) -> str:
+        return f", inputs of the last {self.kept_activations} checkpointed calls kept" if self.kept_activations else ""
 
 
 def _ranges(indices: Iterable[int]) -> str:
@@ -89,28 +110,58 @@ def _ranges(indices: Iterable[int]) -> str:
 
 
 # ---------------------------------------------------------------- memory
+def activation_bytes(profile: StepProfile, prefetch: int, kept: int | None = None) -> int:
+    """The probe's activation peak, for a plan that keeps the inputs of ``kept`` checkpointed calls on the
+    device (default and least: ``max(1, prefetch)``, as many as restores run ahead)."""
+    if not profile.sent_segments:
+        return profile.activation_bytes
+    kept = max(1, prefetch) if kept is None else kept
+    return max(0, profile.activation_bytes + (kept - profile.probe_kept) * profile.segment_bytes)
+
+
 def predict_peak(
-    sizes: Sequence[LayerSizes], profile: StepProfile, streamed: Iterable[int], prefetch: int, copy_streams: int = 1
+    sizes: Sequence[LayerSizes],
+    profile: StepProfile,
+    streamed: Iterable[int],
+    prefetch: int,
+    copy_streams: int = 1,
+    kept: int | None = None,
 ) -> int:
     """Peak reserved bytes: resident weights and buffers, the pool, activations, allocator slack."""
     placed = device_bytes(sizes, streamed, prefetch, copy_streams)
-    return placed + profile.activation_bytes + profile.reserved_overhead
+    return placed + activation_bytes(profile, prefetch, kept) + profile.reserved_overhead
 
 
 def minimum_bytes(
     sizes: Sequence[LayerSizes], profile: StepProfile | None, prefetch: int = 1, copy_streams: int = 1
 ) -> int:
-    """The smallest footprint: every streamable layer streamed, ``prefetch + 1`` slots."""
+    """The smallest footprint: every streamable layer streamed, ``prefetch + 1`` slots, and with activation
+    offload the inputs of only the last ``prefetch`` checkpointed calls on the device."""
     streamed = [s.index for s in sizes if s.streamable_bytes]
-    extra = (profile.activation_bytes + profile.reserved_overhead) if profile else 0
+    extra = (activation_bytes(profile, prefetch) + profile.reserved_overhead) if profile else 0
     return device_bytes(sizes, streamed, prefetch, copy_streams) + extra
+
+
+def keep_activations(profile: StepProfile, plan: Plan) -> Plan:
+    """``plan`` keeping on the device the inputs of as many more checkpointed calls as its budget has room for
+    (up to all of them: then nothing goes home). Its placement is searched at the least kept (see the
+    module doc), so this only spends what the weights left."""
+    if not profile.sent_segments or not profile.segment_bytes:
+        return plan
+    least = max(1, plan.prefetch)
+    every = profile.probe_kept + profile.sent_segments
+    extra = max(0, min(every - least, (plan.budget - plan.predicted_peak) // profile.segment_bytes))
+    return replace(
+        plan, kept_activations=least + extra, predicted_peak=plan.predicted_peak + extra * profile.segment_bytes
+    )
 
 
 def unit_bytes_for_budget(sizes: Sequence[LayerSizes], budget: int) -> int | None:
     """The swap-unit size for a VRAM budget (:mod:`.units`): None (whole layers) while two slots of the
     largest layer take at most a quarter of the budget, as for a Flux LoRA at 8 GiB; otherwise layers
-    larger than an eighth of the budget are split into their child modules (a Wan-14B block at 4 GiB,
-    a Flux block at 3 GiB), so the slots stop crowding out activations."""
+    larger than a 24th of the budget are split into their child modules (a Wan-14B block at 4 GiB,
+    a Flux block at 3 GiB), so the slots stop crowding out activations and the planner can afford a
+    deeper prefetch of small units (which a layer's recompute and backward need twice)."""
     largest = max((s.slot_bytes for s in sizes if s.streamable_bytes), default=0)
     if 2 * largest <= budget // UNIT_SLOTS_SHARE:
         return None
@@ -169,12 +220,16 @@ def _check_minimum(sizes, profile, budget, prefetch_choices, copy_streams) -> No
         parts = {
             "resident weights and buffers": resident_bytes(sizes, streamed),
             "layer slots": pool_bytes(sizes, streamed, prefetch, copy_streams),
-            "activations": profile.activation_bytes + profile.reserved_overhead,
+            "activations": activation_bytes(profile, prefetch) + profile.reserved_overhead,
         }
         largest = max(parts, key=parts.get)
+        offloading = (
+            "--checkpoint_units"  # inputs of checkpointed calls were offloaded already
+            if profile.sent_segments
+            else "--offload_activations with activation_checkpointing, --checkpoint_units"
+        )
         remedy = {
-            "activations": "lower the activations (--offload_activations with activation_checkpointing, "
-            "--checkpoint_units, a smaller batch or resolution)",
+            "activations": f"lower the activations ({offloading}, a smaller batch or resolution)",
             "layer slots": "stream smaller pieces (--swap_unit_mb, the MB of the largest swap unit: the slots hold "
             "two of the largest)",
             "resident weights and buffers": "train fewer params on the device, or store frozen weights smaller "
@@ -224,7 +279,7 @@ def shortlist(
             break
         if not any(plan.runs_like(p) for p in picks):
             picks.append(plan)
-    return picks
+    return [keep_activations(profile, plan) for plan in picks]
 
 
 def plan_for_budget(

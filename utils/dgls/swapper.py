@@ -40,7 +40,9 @@ Hazards handled
       waits for it there, through the copier's gate.
     - ``offload_activations``: the trainer's checkpoint function, wrapped by :meth:`checkpoint_function`,
       sends checkpointed layers' inputs home (:mod:`.activation_offload`); weights and activations move
-      on separate streams and never share a buffer.
+      on separate streams and never share a buffer. With a VRAM budget (on CUDA, unless it is False) the
+      probe sends all but the last ``prefetch`` home and each plan keeps as many on the device as the
+      budget has room for (:meth:`apply_placement`'s ``kept_activations``).
 """
 
 from __future__ import annotations
@@ -160,7 +162,7 @@ class LayerSwapper:
         )
         self.training: HostTraining | None = None
         self.activations: ActivationOffloader | None = None
-        if self.config.offload_activations:
+        if self._offloads_activations():
             self.activations = ActivationOffloader(self.device, keep=max(1, self.config.prefetch))
         if self.config.host_optimizer is not None:
             self._start_training()
@@ -251,6 +253,14 @@ class LayerSwapper:
             clipping=self.config.clip_grads,
             updater=DeviceUpdater(self.device) if spec.on_device else None,
         )
+
+    def _offloads_activations(self) -> bool:
+        """``offload_activations`` resolved: unset means offload what a VRAM budget needs, on CUDA (on the CPU
+        there is no device memory to save, and the planner measures none)."""
+        wanted = self.config.offload_activations
+        if wanted is None:
+            return self.driver is not None and self.device.type == "cuda"
+        return wanted
 
     def _unit_bytes(self, layers: list, rules: CastRules | None, host_trained: bool) -> int | None:
         """The largest swap unit in bytes (None: whole layers): ``swap_unit_mb`` if given, else the planner's
@@ -554,7 +564,8 @@ class LayerSwapper:
 
     def checkpoint_function(self, checkpoint: Callable) -> Callable:
         """The trainer's checkpoint function (``checkpoint(function, *args, **kwargs)``), with activation
-        offload around it when ``offload_activations`` is on; unchanged otherwise."""
+        offload around it when activations are offloaded (``offload_activations``, or a VRAM budget on CUDA
+        unless it is False); unchanged otherwise."""
         if self.activations is None:
             return checkpoint
         return self.activations.wrap(checkpoint)
@@ -586,12 +597,14 @@ class LayerSwapper:
     def add_listener(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
-    def apply_placement(self, streamed: Iterable[int], prefetch: int) -> None:
+    def apply_placement(self, streamed: Iterable[int], prefetch: int, kept_activations: int | None = None) -> None:
         """Change which layers stream and the prefetch depth, between passes.
 
         Layers that become resident get device copies of their masters; layers that become streamed
         are packed into host memory (fp8-stored ones already are). The pool, the fp8 landing
-        buffers and the staging buffers are sized anew from the layouts.
+        buffers and the staging buffers are sized anew from the layouts. With activation offload, the
+        inputs of the last ``kept_activations`` checkpointed calls of a forward stay on the device
+        (default and least: ``max(1, prefetch)``), and restores run ``prefetch`` calls ahead.
         """
         with self._lock:
             if self.training is not None:
@@ -613,8 +626,9 @@ class LayerSwapper:
             sizes = tuple(layout.sizes for layout in self.layouts)
             self.placement = Placement(sizes, tuple(sorted(self._streamed)), prefetch, self.config.cuda_streams)
             self.config = self.config.replace(prefetch=prefetch)
-            if self.activations is not None:  # inputs kept on the device, and restores ahead: as deep as weights
-                self.activations.keep = max(1, prefetch)
+            if self.activations is not None:  # restores ahead: as deep as weights; kept: at least as many
+                depth = max(1, prefetch)
+                self.activations.set_depth(max(depth, kept_activations or 0), depth)
             self._plans.clear()
             self.pool.release()
             self.pool = DevicePool(self.device, self.placement.slot_count, self.placement.slot_bytes)
