@@ -108,8 +108,10 @@ class ActivationOffloader:
         self.restored_bytes = 0
         self.dropped_bytes = 0  # sent home, then every tensor on them was freed: nothing to bring back
         self.demand_restores = 0  # restores issued only when the recompute needed them (prefetch misses)
-        self.segments_sent = 0  # segments that sent something home, and the largest such segment's bytes:
-        self.largest_segment = 0  # what the planner weighs keeping a segment on the device with
+        # Segments that sent something home, and the bytes of the largest so far (of any batch shape seen: what
+        # the planner weighs keeping a segment on the device with)
+        self.segments_sent = 0
+        self.largest_segment = 0
 
     # ---------------------------------------------------------------- public
     def wrap(self, checkpoint: Callable) -> Callable:

@@ -380,12 +380,12 @@ class PlacementDriver(Listener):
     def _start_timing(self, record: bool) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            self._reset_peak()
             self._alloc_at_start = torch.cuda.memory_allocated(self.device)
         self._recorder = UseRecorder(self.device) if record else None
         offloader = getattr(self._engine, "activations", None)
         if record and offloader is not None:
-            self._sent_at_start, offloader.largest_segment = offloader.segments_sent, 0
+            self._sent_at_start = offloader.segments_sent
         self._started = time.perf_counter()
 
     def _stop_timing(self, swapper, stats: StepStats, steps: int) -> None:
@@ -395,7 +395,7 @@ class PlacementDriver(Listener):
             torch.cuda.synchronize(self.device)
         self._wall_ms = (time.perf_counter() - self._started) * 1000.0 / steps
         self._recorder = None
-        self._peak_reserved = torch.cuda.max_memory_reserved(self.device) if cuda else 0
+        self._peak_reserved = self._peak_since_reset() if cuda else 0
         if uses is None:  # only the probe records uses
             return
         activation = overhead = other = 0

@@ -110,7 +110,7 @@ def _ranges(indices: Iterable[int]) -> str:
 
 
 # ---------------------------------------------------------------- memory
-def activation_bytes(profile: StepProfile, prefetch: int, kept: int | None = None) -> int:
+def planned_activation_bytes(profile: StepProfile, prefetch: int, kept: int | None = None) -> int:
     """The probe's activation peak, for a plan that keeps the inputs of ``kept`` checkpointed calls on the
     device (default and least: ``max(1, prefetch)``, as many as restores run ahead)."""
     if not profile.sent_segments:
@@ -129,7 +129,7 @@ def predict_peak(
 ) -> int:
     """Peak reserved bytes: resident weights and buffers, the pool, activations, allocator slack."""
     placed = device_bytes(sizes, streamed, prefetch, copy_streams)
-    return placed + activation_bytes(profile, prefetch, kept) + profile.reserved_overhead
+    return placed + planned_activation_bytes(profile, prefetch, kept) + profile.reserved_overhead
 
 
 def minimum_bytes(
@@ -138,7 +138,7 @@ def minimum_bytes(
     """The smallest footprint: every streamable layer streamed, ``prefetch + 1`` slots, and with activation
     offload the inputs of only the last ``prefetch`` checkpointed calls on the device."""
     streamed = [s.index for s in sizes if s.streamable_bytes]
-    extra = (activation_bytes(profile, prefetch) + profile.reserved_overhead) if profile else 0
+    extra = (planned_activation_bytes(profile, prefetch) + profile.reserved_overhead) if profile else 0
     return device_bytes(sizes, streamed, prefetch, copy_streams) + extra
 
 
@@ -220,7 +220,7 @@ def _check_minimum(sizes, profile, budget, prefetch_choices, copy_streams) -> No
         parts = {
             "resident weights and buffers": resident_bytes(sizes, streamed),
             "layer slots": pool_bytes(sizes, streamed, prefetch, copy_streams),
-            "activations": activation_bytes(profile, prefetch) + profile.reserved_overhead,
+            "activations": planned_activation_bytes(profile, prefetch) + profile.reserved_overhead,
         }
         largest = max(parts, key=parts.get)
         offloading = (
