@@ -1,6 +1,7 @@
 """Probe (not a benchmark): torch.profiler timeline of one SDXL full-fine-tune step with DGLS, per CUDA stream.
 
 python benchmarks/probe_full_profile.py --impl device --out /tmp/out
+python benchmarks/probe_full_profile.py --impl split --send_group_mib 0  # each gradient sent home alone
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_full  # noqa: E402
 import machine  # noqa: E402
+
+from utils.dgls import host_training  # noqa: E402
 
 
 def summarize(trace: Path, bucket_ms: float = 50.0) -> None:
@@ -85,7 +88,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--resident", action="store_true", help="time the resident forward+backward too")
+    parser.add_argument(
+        "--send_group_mib", type=float, default=None, help="gradients sent home in groups of this many MiB (0: alone)"
+    )
     args = parser.parse_args()
+    if args.send_group_mib is not None:
+        host_training.SEND_GROUP_BYTES = int(args.send_group_mib * 2**20)
     with machine.session(False) as (device, dtype):
         bench = bench_full.fresh_bench(False, device, dtype, torch.device("cpu"))
         step, swapper, _ = bench_full.dgls_step(bench, device, args.impl, 64.0, 2, 1.0)

@@ -20,6 +20,7 @@ from helpers import SMALL, run_layers
 from utils.dgls.demo.data import SyntheticLatents
 from utils.dgls.demo.model import build_layers
 from utils.dgls.host_optimizer import HostOptimizerSpec
+from utils.dgls.host_training import grad_norms
 from utils.dgls.update_split import UpdateSplit
 
 SPEC = HostOptimizerSpec(lr=1e-2, weight_decay=0.01, implementation="torch")
@@ -160,7 +161,7 @@ def train_reference(
         for _, p in named:
             if id(p) in acc:
                 if acc[id(p)] is not None:
-                    norms.append(torch.linalg.vector_norm(acc[id(p)], 2).cpu())
+                    norms.append(grad_norms([acc[id(p)]])[0].cpu())
             elif p.grad is not None:
                 norms.append(torch.linalg.vector_norm(p.grad.detach().float(), 2).cpu())
         coef = None

@@ -23,7 +23,7 @@ from full_ft import (
     train_reference,
 )
 
-from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig, device_update
+from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig, device_update, host_training
 from utils.dgls.grad_copier import DeferredGradCopier
 from utils.dgls.host_training import HostTraining
 from utils.dgls.update_split import UpdateSplit
@@ -244,6 +244,26 @@ def test_device_updates_in_small_chunks_with_threads_and_bf16_compute_equal_unst
     monkeypatch.setattr(device_update, "DEFAULT_CAPACITY", 1000)
     record, reference, _ = device_run("nonreentrant", accumulate, torch.bfloat16, prefetch=1, threading=True)
     assert_same(record, reference)
+
+
+@pytest.mark.parametrize("group_bytes", [1, 20000], ids=["one-param", "several"])
+@pytest.mark.parametrize("spec", [SPEC, DEVICE_SPEC], ids=["host", "device"])
+def test_gradients_sent_home_in_groups_equal_unstreamed_training(references, monkeypatch, group_bytes, spec):
+    """A layer's grads go home in groups of at least ``SEND_GROUP_BYTES`` (one param at a time, or several
+    groups a layer with its last one sent when the layer closes): the sums, the direct reads and the norms
+    (taken a group at a time) stay those of training without streaming."""
+    monkeypatch.setattr(host_training, "SEND_GROUP_BYTES", group_bytes)
+    sizes = []
+    send = DeferredGradCopier.send
+    monkeypatch.setattr(DeferredGradCopier, "send", lambda self, b, la, g: sizes.append(len(g)) or send(self, b, la, g))
+    if spec is SPEC:
+        record, names = dgls_run("nonreentrant")
+        assert_same(record, references("nonreentrant", names))
+    else:
+        record, reference, direct = device_run("nonreentrant", 1, prefetch=1)
+        assert direct
+        assert_same(record, reference)
+    assert max(sizes) == 1 if group_bytes == 1 else 1 < max(sizes) < 20  # a streamed layer has 20 params
 
 
 def test_device_updates_without_clipping_equal_unstreamed_training():

@@ -2,7 +2,7 @@
 
 Flux-width blocks (hidden 3072; a double block is about 340M params), every param trainable, bf16 in
 the slots and fp32 masters on the host. ``torch.cuda._sleep`` before every host-to-device copy (20 ms),
-before every gradient copy home (10 ms) and on the compute stream at every layer use (5 ms): a missing
+before every group of gradient copies home (10 ms) and on the compute stream at every layer use (5 ms): a missing
 wait, a landing read early or a fetch ahead of its update gives other numbers. The reference
 (tests/full_ft.py) trains the same layers all resident with the same host arithmetic. Also: 50 steps
 at a small width leave allocated device memory and the process's RSS where they were after step 10.

@@ -2,8 +2,9 @@
 
 Vocabulary (one :class:`GradBatch` per layer per backward pass):
 
-- ``send(batch, landing, grad)``: copy ``grad`` (on the device) into ``landing`` (host memory). The
-  caller drops its reference to ``grad`` at once; nothing waits on the host.
+- ``send(batch, landings, grads)``: copy each of ``grads`` (on the device) into its landing (host
+  memory), a group at once. The caller drops its references to the grads at once; nothing waits on the
+  host.
 - ``close(batch)``: the layer's backward is done; no more grads join the batch.
 - ``land(batch)``: the host may read every landing of the batch after this (it blocks until the bytes
   are there). Reading a landing without ``land`` is the bug this module makes visible.
@@ -12,10 +13,10 @@ Mechanics:
 
 - :class:`CudaGradCopier`: one copy stream of its own (PCIe is full duplex, so these copies run beside
   the host-to-device weight copies). A send makes that stream wait for the compute stream (the grad was
-  just produced there), enqueues the copy, and marks the grad as used on the copy stream
-  (``record_stream``) so the caching allocator keeps its memory until the copy ran. ``close`` records
+  just produced there), enqueues the copies, and marks each grad as used on the copy stream
+  (``record_stream``) so the caching allocator keeps its memory until its copy ran. ``close`` records
   an event; ``land`` synchronises on it. ``delay_cycles`` (tests) puts a ``torch.cuda._sleep`` before
-  every copy, to widen any race.
+  every group of copies, to widen any race.
 - :class:`DeferredGradCopier` (CPU): a send fills the landing with NaN at once and keeps the grad;
   the bytes land only in ``land``. A host read that skips ``land`` reads NaN, so CI catches a gradient
   read before its copy. With ``eager`` (the ``--threading`` path) the copy is made at once instead.
@@ -39,7 +40,7 @@ class GradBatch:
 
 
 class GradCopier:
-    def send(self, batch: GradBatch, landing: torch.Tensor, grad: torch.Tensor) -> None:
+    def send(self, batch: GradBatch, landings: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         raise NotImplementedError
 
     def close(self, batch: GradBatch) -> None:
@@ -58,12 +59,13 @@ class DeferredGradCopier(GradCopier):
     def __init__(self, eager: bool = False) -> None:
         self.eager = eager
 
-    def send(self, batch: GradBatch, landing: torch.Tensor, grad: torch.Tensor) -> None:
-        if self.eager:
-            landing.copy_(grad)
-            return
-        landing.fill_(float("nan"))
-        batch.pending.append((landing, grad))
+    def send(self, batch: GradBatch, landings: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        for landing, grad in zip(landings, grads, strict=True):
+            if self.eager:
+                landing.copy_(grad)
+            else:
+                landing.fill_(float("nan"))
+                batch.pending.append((landing, grad))
 
     def land(self, batch: GradBatch) -> None:
         for landing, grad in batch.pending:
@@ -79,14 +81,16 @@ class CudaGradCopier(GradCopier):
         self.stream = torch.cuda.Stream(device=device)
         self.delay_cycles = delay_cycles
 
-    def send(self, batch: GradBatch, landing: torch.Tensor, grad: torch.Tensor) -> None:
+    def send(self, batch: GradBatch, landings: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
             if self.delay_cycles:
                 torch.cuda._sleep(self.delay_cycles)
-            landing.copy_(grad, non_blocking=True)
-        grad.record_stream(self.stream)
+            for landing, grad in zip(landings, grads, strict=True):
+                landing.copy_(grad, non_blocking=True)
+        for grad in grads:
+            grad.record_stream(self.stream)
 
     def close(self, batch: GradBatch) -> None:
         batch.done = torch.cuda.Event()
