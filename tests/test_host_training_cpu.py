@@ -8,6 +8,7 @@ before its copy landed, and a fetch that does not wait for its layer's update.
 """
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -264,6 +265,42 @@ def test_gradients_sent_home_in_groups_equal_unstreamed_training(references, mon
         assert direct
         assert_same(record, reference)
     assert max(sizes) == 1 if group_bytes == 1 else 1 < max(sizes) < 20  # a streamed layer has 20 params
+
+
+@pytest.mark.parametrize("spec", [SPEC, DEVICE_SPEC], ids=["host", "device"])
+def test_a_param_without_a_grad_does_not_hold_its_layers_group_until_backward_ends(monkeypatch, spec):
+    """Every streamed layer gets a param no forward uses, so its batch stays open to the end of the
+    backward: its grads still go home once another layer's grads arrive (at most one layer holds unsent
+    grads at any time), and the numbers stay those of training without streaming."""
+    monkeypatch.setattr(host_training, "SEND_GROUP_BYTES", 2**30)
+    open_groups = []
+    ready = HostTraining._grad_ready
+
+    def counting(self, layer, tp, param):
+        ready(self, layer, tp, param)
+        open_groups.append(sum(1 for trained in self.layers.values() if trained.group))
+
+    monkeypatch.setattr(HostTraining, "_grad_ready", counting)
+
+    build = full_layers
+
+    def with_unused(dtype=torch.float32):
+        layers = build(dtype)
+        for layer in layers:
+            layer.register_parameter("unused", torch.nn.Parameter(torch.ones(3, dtype=dtype)))
+        return layers
+
+    monkeypatch.setattr(sys.modules[__name__], "full_layers", with_unused)
+    if spec is SPEC:
+        layers = with_unused()
+        with LayerSwapper(layers, config(), device=CPU, log=None) as swapper:
+            names = host_names(swapper, layers)
+            record = train_dgls(layers, swapper, CPU, "nonreentrant")
+        assert_same(record, train_reference(with_unused(), names, CPU, "nonreentrant"))
+    else:
+        record, reference, _ = device_run("nonreentrant", 1, prefetch=1)
+        assert_same(record, reference)
+    assert open_groups and max(open_groups) == 1
 
 
 def test_device_updates_without_clipping_equal_unstreamed_training():

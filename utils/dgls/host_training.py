@@ -14,13 +14,15 @@ Mechanics
        e.g. a bias fed by an output whose gradient arrived first). Its post-accumulate-grad hook takes it
        off the param (``param.grad = None``: the trainer's optimizer skips the param) into the layer's
        open group. A group goes to its landings (:mod:`.grad_copier`, its own stream) once it holds
-       ``SEND_GROUP_BYTES`` or the layer's last grad, so at most that much plus one grad waits on the
-       device, and the training thread pays one stream switch and one norm kernel a group instead of one
-       per param (the SDXL UNet has 1,362: per param, they lengthened its forward+backward by about an
-       eighth). When every param of the layer has sent (or the backward ends), the layer's batch is
-       closed and an *accumulate* job is queued: land the copies, add them into the fp32 accumulators
-       (the first micro-batch of a step copies instead, as autograd assigns a first grad). On the last
-       micro-batch of a step (``accumulation_steps``) the job also takes each param's norm, for clipping.
+       ``SEND_GROUP_BYTES``, its layer's last grad, or a grad of another layer (a param without a grad
+       would otherwise hold its layer's group until the backward ends), so at most that much plus one
+       grad waits on the device, and the training thread pays one stream switch and one norm kernel a
+       group instead of one per param (the SDXL UNet has 1,362: per param, they lengthened its
+       forward+backward by about an eighth). When every param of the layer has sent (or the backward
+       ends), the layer's batch is closed and an *accumulate* job is queued: land the copies, add them
+       into the fp32 accumulators (the first micro-batch of a step copies instead, as autograd assigns a
+       first grad). On the last micro-batch of a step (``accumulation_steps``) the job also takes each
+       param's norm, for clipping.
     2. ``clip_grad_norm_(params, max_norm)``: one norm over host and device params (device norms on the
        device, host norms from the accumulators), the coefficient applied to device grads now and to
        host grads in the update.
@@ -163,6 +165,7 @@ class HostTraining:
         self.layers: dict[int, TrainedLayer] = {}
         self._by_param: dict[int, TrainedParam] = {}
         self._hooks: list = []
+        self._grouping: TrainedLayer | None = None  # the layer whose grads arrived last (the only open group)
         self._coef: torch.Tensor | None = None
         self._backwards = 0  # backward passes since the last step
         self.error: BaseException | None = None
@@ -310,6 +313,10 @@ class HostTraining:
             if layer.accumulating is not None:
                 self._wait(layer.accumulating)  # the landing is still being read
             batch = layer.batch = GradBatch(layer.index)
+        if self._grouping is not layer:  # another layer's grads began: its group goes now, not at its close
+            if self._grouping is not None:
+                self._send_group(self._grouping)
+            self._grouping = layer
         batch.params.add(tp.position)
         layer.group.append((tp, grad))
         layer.group_bytes += grad.nbytes
