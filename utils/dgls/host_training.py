@@ -59,7 +59,11 @@ Hazards handled
       the end of each backward (:meth:`~.swapper.LayerSwapper.pass_end`), so the next use fetches anew.
       Evicted params point at empty placeholders, so a trainer that zero-fills missing grads
       (DeepSpeed's gradient reduction) allocates nothing.
-    - A param with no grad in a step is skipped by its optimizer, as one without ``.grad`` is.
+    - A param with no grad in a step is skipped by its optimizer, as one without ``.grad`` is; its
+      layer's batch stays open to the end of the backward, but its group is sent when the next layer's
+      grads begin, so unsent grads never pile up on the device across layers.
+    - A grad waiting in a group is referenced only by the group; once sent, ``record_stream`` keeps its
+      memory from reuse until its copy ran.
 """
 
 from __future__ import annotations
