@@ -10,19 +10,19 @@ Layout (per streamed layer with trainable params, a :class:`TrainedLayer`)
 
 Mechanics
     1. Backward: a param's grad is produced on the device in its slot's dtype. A grad arriving is a use of
-       its layer (a grad can reach a param before anything else in the layer's backward reads a weight,
-       e.g. a bias fed by an output whose gradient arrived first). Its post-accumulate-grad hook takes it
-       off the param (``param.grad = None``: the trainer's optimizer skips the param) into the layer's
-       open group. A group goes to its landings (:mod:`.grad_copier`, its own stream) once it holds
-       ``SEND_GROUP_BYTES``, its layer's last grad, or a grad of another layer (a param without a grad
-       would otherwise hold its layer's group until the backward ends), so at most that much plus one
-       grad waits on the device, and the training thread pays one stream switch and one norm kernel a
-       group instead of one per param (the SDXL UNet has 1,362: per param, they lengthened its
-       forward+backward by about an eighth). When every param of the layer has sent (or the backward
-       ends), the layer's batch is closed and an *accumulate* job is queued: land the copies, add them
-       into the fp32 accumulators (the first micro-batch of a step copies instead, as autograd assigns a
-       first grad). On the last micro-batch of a step (``accumulation_steps``) the job also takes each
-       param's norm, for clipping.
+       its layer (a grad can reach a param before anything else in the layer's backward reads a weight, e.g.
+       a bias fed by an output whose gradient arrived first). Its post-accumulate-grad hook takes it off the
+       param (``param.grad = None``: the trainer's optimizer skips the param) into the layer's open group. A
+       group goes to its landings (:mod:`.grad_copier`, its own stream) once it holds ``SEND_GROUP_BYTES``,
+       its layer's last grad, or a grad of another layer (a param without a grad would otherwise hold its
+       layer's group until the backward ends), so at most that much plus one grad waits on the device, and
+       the thread running the backward (it also launches the backward's kernels) pays one stream switch and
+       one norm kernel a group instead of one per param (the SDXL UNet has 1,362: per param, they lengthened
+       its forward+backward by about an eighth). When every param of the layer has sent (or the backward
+       ends), the layer's batch is closed and an *accumulate* job is queued: land the copies, add them into
+       the fp32 accumulators (the first micro-batch of a step copies instead, as autograd assigns a first
+       grad). On the last micro-batch of a step (``accumulation_steps``) the job also takes each param's
+       norm, for clipping.
     2. ``clip_grad_norm_(params, max_norm)``: one norm over host and device params (device norms on the
        device, host norms from the accumulators), the coefficient applied to device grads now and to
        host grads in the update.
