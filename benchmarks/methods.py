@@ -68,8 +68,8 @@ NOTES = {
         "copy GB/s = (host-to-device + device-to-host bytes) / time inside its exchanges, waited = host time "
         "blocked on them."
     ),
-    "auto": "vram_budget rows are timed after the planner's probe, trial and check steps and 4 steps after it settled "
-    "(it watches their peaks and re-plans when one goes over the budget).",
+    "auto": "vram_budget rows are timed after the planner's probe, trial and check steps and "
+    f"{SETTLE_STEPS} steps after it settled (it watches their peaks and re-plans when one goes over the budget).",
     "naive": "naive: waited = time inside the synchronous moves (both ways).",
     "offload": (
         "activation offload rows: every block streamed, and the inputs checkpointed blocks keep for their "

@@ -8,7 +8,6 @@ before its copy landed, and a fetch that does not wait for its layer's update.
 """
 
 import dataclasses
-import sys
 
 import pytest
 import torch
@@ -204,8 +203,11 @@ def test_remove_puts_the_trained_weights_back():
 # fused AdamW kernel, copied back) with the numbers of torch.optim.AdamW(fused=True) on the CPU.
 
 
-def device_run(mode, accumulate, dtype=torch.float32, max_norm=MAX_NORM, spec=DEVICE_SPEC, seen=None, **kw):
-    layers = full_layers(dtype)
+def device_run(
+    mode, accumulate, dtype=torch.float32, max_norm=MAX_NORM, spec=DEVICE_SPEC, seen=None, build=full_layers, **kw
+):
+    """``build(dtype)``: the layers, for DGLS and (built again) for the reference."""
+    layers = build(dtype)
     cfg = SwapConfig(host_optimizer=spec, accumulation_steps=accumulate, **kw)
     with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
         names = host_names(swapper, layers)
@@ -214,7 +216,7 @@ def device_run(mode, accumulate, dtype=torch.float32, max_norm=MAX_NORM, spec=DE
         if seen is not None:
             seen.append(swapper.training)
     reference = train_reference(
-        full_layers(dtype),
+        build(dtype),
         names,
         CPU,
         mode,
@@ -282,15 +284,12 @@ def test_a_param_without_a_grad_does_not_hold_its_layers_group_until_backward_en
 
     monkeypatch.setattr(HostTraining, "_grad_ready", counting)
 
-    build = full_layers
-
     def with_unused(dtype=torch.float32):
-        layers = build(dtype)
+        layers = full_layers(dtype)
         for layer in layers:
             layer.register_parameter("unused", torch.nn.Parameter(torch.ones(3, dtype=dtype)))
         return layers
 
-    monkeypatch.setattr(sys.modules[__name__], "full_layers", with_unused)
     if spec is SPEC:
         layers = with_unused()
         with LayerSwapper(layers, config(), device=CPU, log=None) as swapper:
@@ -298,7 +297,7 @@ def test_a_param_without_a_grad_does_not_hold_its_layers_group_until_backward_en
             record = train_dgls(layers, swapper, CPU, "nonreentrant")
         assert_same(record, train_reference(with_unused(), names, CPU, "nonreentrant"))
     else:
-        record, reference, _ = device_run("nonreentrant", 1, prefetch=1)
+        record, reference, _ = device_run("nonreentrant", 1, prefetch=1, build=with_unused)
         assert_same(record, reference)
     assert open_groups and max(open_groups) == 1
 
