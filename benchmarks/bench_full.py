@@ -1,6 +1,8 @@
 """Full fine-tuning of the SDXL UNet (2.6B params), 1024x1024, batch 1, AdamW, side by side.
 
-Every weight trains. Methods, each on the same layer list (sdxl.py, checkpointing as diffusion-pipe):
+Every weight trains. Methods, each on the same layer list (sdxl.py, checkpointing as diffusion-pipe;
+``--model flux``: Flux-dev's widths at 1024x1024, flux.py, with ``--flux_blocks`` double and single blocks,
+every block checkpointed):
 
 - ``resident``: everything on the GPU: bf16 weights for compute, fp32 masters and AdamW (fused, on the
   GPU) beside them, gradients summed into the masters' fp32 grads: the arithmetic DGLS keeps, all on
@@ -22,6 +24,12 @@ seconds per step summing gradients and updating. Writes benchmarks/results/full_
 
     python benchmarks/bench_full.py --steps 3  # H100: about 7 minutes
     python benchmarks/bench_full.py --tiny     # smoke test on CPU
+    python benchmarks/bench_full.py --model flux --flux_blocks 5,10 --methods resident,dgls-split
+
+Flux-dev itself (11.9B params) needs about 16 bytes of host RAM per param for DGLS (fp32 master, two fp32
+moments, the gradient landing and the bf16 copy that streams): about 190 GB, more than the 128 GiB of the
+lent machines, and its all-resident step does not fit on an 80 GB card. ``--flux_blocks`` keeps the widths
+(a double block is 340M params, a single one 142M) and cuts the depth to what both fit.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import flux  # noqa: E402
 import machine  # noqa: E402
 import sdxl  # noqa: E402
 from report import command_line, results_dir, write_result  # noqa: E402
@@ -78,13 +87,30 @@ class PeakRss:
         self.peak = max(self.peak, self.process.memory_info().rss)
 
 
-def fresh_bench(tiny: bool, device: torch.device, dtype: torch.dtype, on: torch.device):
-    bench = sdxl.build(tiny, on, dtype, lora=False)
+def fresh_bench(
+    tiny: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    on: torch.device,
+    model: str = "sdxl",
+    depth: tuple[int, int] | None = None,
+):
+    """The model's layers built on ``on``, every weight trainable, inputs and target on ``device``;
+    ``depth``: Flux's (double, single) blocks."""
+    if model == "flux":
+        bench = flux.build(tiny, on, dtype, lora=False, depth=depth)
+    else:
+        bench = sdxl.build(tiny, on, dtype, lora=False)
     for layer in bench.layers:
         layer.requires_grad_(True)
     bench.inputs = tuple(t.to(device) for t in bench.inputs)
     bench.target = bench.target.to(device)
     return bench
+
+
+def flux_depth(args) -> tuple[int, int]:
+    double, single = (int(n) for n in args.flux_blocks.split(","))
+    return double, single
 
 
 def forward_backward(bench) -> None:
@@ -186,7 +212,8 @@ def measure(name: str, args, device, dtype) -> dict:
     row: dict = {"method": name}
     on = device if name in ("resident", "zero2-offload") else torch.device("cpu")
     rss = PeakRss()
-    bench = fresh_bench(args.tiny, device, dtype, on)
+    bench = fresh_bench(args.tiny, device, dtype, on, args.model, flux_depth(args))
+    row["trained_params_b"] = sum(p.numel() for layer in bench.layers for p in layer.parameters()) / 1e9
     cleanup: Callable[[], None] = gc.collect  # replaced by the method's own clean-up
     training = swapper = None
     try:
@@ -234,7 +261,9 @@ def measure(name: str, args, device, dtype) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="the tiny SDXL config (a CPU smoke test)")
+    parser.add_argument("--tiny", action="store_true", help="the tiny config (a CPU smoke test)")
+    parser.add_argument("--model", choices=("sdxl", "flux"), default="sdxl")
+    parser.add_argument("--flux_blocks", default="5,10", help="--model flux: double,single blocks (Flux-dev has 19,38)")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
@@ -243,11 +272,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--clip", type=float, default=1.0, help="gradient clipping norm; 0: none (DGLS then updates during backward)"
     )
-    parser.add_argument("--name", default="full_sdxl", help="results file stem")
+    parser.add_argument("--name", default=None, help="results file stem (default: full_MODEL)")
     parser.add_argument("--results_dir", type=Path, default=None)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one method, write its row to --row
     parser.add_argument("--row", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.name = args.name or f"full_{args.model}"
     if args.tiny:
         args.stream_mib = 0.001
     if args.one:
@@ -282,12 +312,19 @@ def _result(args, argv, environment: dict, rows: list[dict], started: float) -> 
     for r in rows:
         if base and "median_step_s" in r:
             r["vs_resident"] = r["median_step_s"] / base
+    clipping = f"gradients clipped to norm {args.clip:g}" if args.clip else "no gradient clipping"
+    if args.model == "flux":
+        double, single = flux_depth(args)
+        title = f"Flux-dev-width full fine-tune step ({double} double + {single} single blocks; Flux-dev: 19 + 38)"
+        shape = "tiny shapes" if args.tiny else "1024x1024 (4096 image + 512 text tokens)"
+        shape += ", every block checkpointed"
+    else:
+        title = "SDXL-UNet full fine-tune step"
+        shape = "1024x1024 (128x128x4 latents), checkpointing as diffusion-pipe"
     return {
         "benchmark": "full",
-        "title": "SDXL-UNet full fine-tune step" + (" (tiny)" if args.tiny else ""),
-        "description": "1024x1024 (128x128x4 latents), batch 1, AdamW, every weight trained, checkpointing as "
-        f"diffusion-pipe, {f'gradients clipped to norm {args.clip:g}' if args.clip else 'no gradient clipping'}; "
-        "median of the timed steps",
+        "title": title + (" (tiny)" if args.tiny else ""),
+        "description": f"{shape}, batch 1, AdamW, every weight trained, {clipping}; median of the timed steps",
         "tiny": args.tiny,
         "environment": environment,
         "rows": rows,

@@ -27,8 +27,10 @@ for step in "$@"; do
         tee "$OUT/gpu_tests.log" | tail -25
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     pytest:*)
-      # some GPU test files, verbose with durations: pytest:tests/a.py:tests/b.py[::-k EXPR is not supported]
-      IFS=: read -r -a files <<<"${step#pytest:}"
+      # some GPU test files or tests, verbose with durations: pytest:tests/a.py:tests/b.py::test_name
+      spec=${step#pytest:}
+      IFS=: read -r -a files <<<"${spec//::/@@}"
+      files=("${files[@]//@@/::}")
       python3 -m pytest -v -m gpu --durations=15 "${files[@]}" 2>&1 | tee "$OUT/pytest.log" | grep -v PASSED | tail -40
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     fulltests*)

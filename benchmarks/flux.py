@@ -111,11 +111,23 @@ def dp_split(double: list[int], single: list[int]):
     return split, max((n for n in range(1, len(double) + len(single)) if valid(n)), default=0)
 
 
-def build(tiny: bool, device, dtype, args=None, side: int | None = None) -> Bench:
-    """``side``: latent side (64: 1024x1024, the default; 32: 512x512)."""
+def build(
+    tiny: bool,
+    device,
+    dtype,
+    args=None,
+    side: int | None = None,
+    lora: bool = True,
+    depth: tuple[int, int] | None = None,
+) -> Bench:
+    """``side``: latent side (64: 1024x1024, the default; 32: 512x512). ``lora=False``: every weight frozen,
+    for a full fine-tune to make trainable. ``depth``: (double, single) blocks instead of Flux-dev's 19 and 38,
+    at the same widths."""
     from diffusers import FluxTransformer2DModel
 
     cfg, default_side, text_tokens = (TINY, 8, 8) if tiny else (FLUX_DEV, 64, 512)
+    if depth is not None:
+        cfg = dict(cfg, num_layers=depth[0], num_single_layers=depth[1])
     side = side or default_side
     with params_on_meta():
         model = FluxTransformer2DModel(**cfg)
@@ -127,7 +139,8 @@ def build(tiny: bool, device, dtype, args=None, side: int | None = None) -> Benc
     ]
     blocks = list(range(1, len(layers) - 1))
     materialize(layers, device, dtype)
-    add_lora(layers, blocks, dtype)
+    if lora:
+        add_lora(layers, blocks, dtype)
     inputs, target = make_inputs(cfg, side, text_tokens, device, dtype)
     split, dp_max = dp_split(blocks[: cfg["num_layers"]], blocks[cfg["num_layers"] :])
     return Bench(

@@ -162,6 +162,7 @@ TABLES: dict[str, Table] = {
     "full": Table(
         columns=(
             ("method", _text("method")),
+            ("trained params (B)", _key("trained_params_b", ".2f")),
             ("step (s)", _key("median_step_s", ".3f")),
             VS_RESIDENT,
             ("host optimizer wait", _key("host_wait_share", ".0%")),
@@ -174,7 +175,7 @@ TABLES: dict[str, Table] = {
             ("peak reserved GiB", _key("peak_reserved_gib", ".2f")),
             ("host RSS GiB", _key("host_rss_gib", ".1f")),
         ),
-        optional=("GPU wait", "updated on GPU"),
+        optional=("trained params (B)", "GPU wait", "updated on GPU"),
     ),
     "transfer": Table(
         columns=(

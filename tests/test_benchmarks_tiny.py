@@ -278,3 +278,16 @@ def test_the_full_fine_tuning_benchmark_measures_every_method_in_its_own_process
         assert ("host_update_s" in row) == ("compute_wait_share" in row) == name.startswith("dgls"), row
     assert rows["dgls-deepspeed"]["host_optimizer"] == "DeepSpeedCPUAdam"
     assert "on the training device" in rows["dgls-device"]["host_optimizer"]
+
+
+def test_the_full_fine_tuning_benchmark_trains_flux_widths_at_a_chosen_depth(tmp_path):
+    """``--model flux --flux_blocks D,S``: Flux's blocks cut to a depth the host's RAM holds; every weight trains
+    in both methods, and the split runs without clipping (updates queued during backward)."""
+    argv = ["--tiny", "--model", "flux", "--flux_blocks", "2,3", "--methods", "resident,dgls-split", "--clip", "0"]
+    bench_full.main([*argv, "--steps", "1", "--warmup", "1", "--results_dir", str(tmp_path)])
+    result = load(tmp_path, "full_flux")
+    assert "2 double + 3 single blocks" in result["title"] and "no gradient clipping" in result["description"]
+    rows = {r["method"]: r for r in result["rows"]}
+    assert set(rows) == {"resident", "dgls-split"}
+    assert all("error" not in row and row["median_step_s"] > 0 for row in rows.values()), rows
+    assert rows["resident"]["trained_params_b"] == rows["dgls-split"]["trained_params_b"] > 0

@@ -8,6 +8,7 @@ before its copy landed, and a fetch that does not wait for its layer's update.
 """
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -78,6 +79,30 @@ def test_full_fine_tuning_equals_unstreamed_training(references, mode, prefetch)
 def test_full_fine_tuning_with_worker_threads_equals_unstreamed_training(references, mode):
     record, names = dgls_run(mode, prefetch=2, threading=True)
     assert_same(record, references(mode, names))
+
+
+def test_host_updates_on_the_worker_use_three_quarters_of_the_threads_and_leave_the_training_threads_alone(
+    references, monkeypatch
+):
+    """The worker's AdamW runs with 3 of 4 intra-op threads (the training thread launches kernels meanwhile);
+    the count is restored after each update, the training thread's never changes, and the numbers stay."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)  # the worker thread starts from this count
+    seen = []
+    original = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    try:
+        record, names = dgls_run("nonreentrant", prefetch=2, threading=True)
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)
+    assert set(seen) == {("dgls-host-optimizer", 3), ("MainThread", 4)}  # the host's, and the trainer's own AdamW
+    assert_same(record, references("nonreentrant", names))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -358,6 +383,42 @@ def test_split_updates_equal_unstreamed_training_with_torch_fused_adamw(monkeypa
     assert_same(record, reference)
 
 
+def test_split_updates_without_clipping_run_where_they_were_queued_though_the_step_changes_sides(monkeypatch):
+    """Without clipping a layer's update is queued during backward with the sides then in force, and may run
+    only after the step assigned new ones (deferred here: when the next forward waits for it). It must run on
+    the side it was queued for: a host job that went to the device instead ran beside the training thread's
+    device updates, from the worker (the GPU test of this case gave other numbers)."""
+    on_device = flip_sides_every_step(monkeypatch)
+    ran: list[tuple[object, str]] = []
+    original_device, original_step = HostTraining._update_on_device, torch.optim.AdamW.step
+
+    def update_on_device(self, layer, coef, lr):
+        ran.append((layer.index, "device"))
+        return original_device(self, layer, coef, lr)
+
+    def step(self, *args, **kwargs):
+        ran.append((self, "host"))  # a layer's optimizer or the trainer's own (told apart below)
+        return original_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(HostTraining, "_update_on_device", update_on_device)
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    seen = []
+    record, reference, _ = device_run(
+        "nonreentrant", 1, max_norm=None, spec=SPLIT_SPEC, prefetch=2, clip_grads=False, seen=seen
+    )
+    layers = seen[0].layers
+    index_of = {id(layer.optimizer): idx for idx, layer in layers.items()}
+    sides: dict[int, list[bool]] = {idx: [] for idx in layers}
+    for who, side in ran:
+        idx = who if side == "device" else index_of.get(id(who))
+        if idx is not None:
+            sides[idx].append(side == "device")
+    ranks = {idx: rank for rank, idx in enumerate(sorted(layers))}
+    # queued in the backward of step s, before that step's own assignment: the sides of step s + 1 (flip's count)
+    assert sides == {idx: [on_device(s + 1, ranks[idx]) for s in range(3)] for idx in layers}
+    assert_same(record, reference)
+
+
 @pytest.mark.parametrize("max_norm", [MAX_NORM, None], ids=["clip", "noclip"])
 def test_split_updates_with_threads_bf16_compute_and_measured_rates_equal_unstreamed_training(max_norm):
     """The split the measured rates give (not forced), with bf16 gradients a host update converts in its
@@ -378,6 +439,14 @@ def test_split_updates_with_threads_bf16_compute_and_measured_rates_equal_unstre
     assert_same(record, reference)
     split = seen[0].split
     assert split.rates["host"] is not None and split.rates["device"] is not None
+
+
+def test_device_busy_time_counts_overlapping_chunks_once_and_leaves_out_waits_for_gradients():
+    """Without clipping the device's rate comes from the union of its chunks' intervals: two chunks overlap
+    (one comes in while the other goes home), then a gap while the device waits for the next gradients."""
+    assert device_update.busy_seconds([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == 4.0
+    assert device_update.busy_seconds([(5.0, 6.0), (0.0, 4.0), (1.0, 2.0)]) == 5.0  # any order; one inside another
+    assert device_update.busy_seconds([]) == 0.0
 
 
 def test_split_gives_each_layer_to_the_side_that_finishes_it_sooner():

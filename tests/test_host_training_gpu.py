@@ -40,7 +40,7 @@ def config(spec=SPEC, accumulate=2, **kw):
     return SwapConfig(host_optimizer=spec, accumulation_steps=accumulate, gpu_layers=[0], **kw)
 
 
-def swapped(template, mode, monkeypatch, accumulate=2, max_norm=MAX_NORM, **kw):
+def swapped(template, mode, monkeypatch, accumulate=2, max_norm=MAX_NORM, steps=2, seen=None, **kw):
     delay_copies(monkeypatch, 20.0)
     layers = copy.deepcopy(template)
     with LayerSwapper(layers, config(accumulate=accumulate, **kw), device=device(), log=None) as swapper:
@@ -55,18 +55,20 @@ def swapped(template, mode, monkeypatch, accumulate=2, max_norm=MAX_NORM, **kw):
             if swapper.training.owns(p)
         }
         record = train_dgls(
-            layers, swapper, device(), mode, dtype=BF16, steps=2, cfg=WIDE, accumulate=accumulate, max_norm=max_norm
+            layers, swapper, device(), mode, dtype=BF16, steps=steps, cfg=WIDE, accumulate=accumulate, max_norm=max_norm
         )
         stats = swapper.total_stats(sync=True)
+        if seen is not None:
+            seen.append(swapper.training)
     assert stats.fetches > 0 and stats.wait_ms > 0, "the delays should make compute wait"
     return record, names
 
 
-def reference(template, names, mode, **kw):
+def reference(template, names, mode, steps=2, **kw):
     layers = copy.deepcopy(template)
     for layer in layers:
         layer.to(device())
-    return train_reference(layers, names, device(), mode, dtype=BF16, steps=2, cfg=WIDE, **kw)
+    return train_reference(layers, names, device(), mode, dtype=BF16, steps=steps, cfg=WIDE, **kw)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -112,6 +114,45 @@ def test_split_updates_changing_side_every_step_with_delays_stay_bitwise_equal(t
         template, names, mode, accumulate=1, host_spec=FUSED_SPEC, master_device=device(), update_device=update_device
     )
     assert_same(got, want)
+
+
+def test_split_updates_without_clipping_measure_the_devices_rate_and_stay_bitwise_equal(template, monkeypatch):
+    """--host_adam split without clipping: each update starts during backward, so the device's rate comes
+    from its chunks' timed intervals (not a step's span); every layer changes side every step, with delays."""
+    on_device = flip_sides_every_step(monkeypatch)
+    seen = []
+    got, names = swapped(
+        template,
+        "nonreentrant",
+        monkeypatch,
+        accumulate=1,
+        max_norm=None,
+        steps=3,
+        seen=seen,
+        spec=SPLIT_SPEC,
+        clip_grads=False,
+        prefetch=2,
+        threading=True,
+    )
+    ranks = {layer: rank for rank, layer in enumerate(sorted({int(n.split(".")[0]) for n in names}))}
+
+    def update_device(step, name):  # queued in backward, before the step's own assign: the previous one's sides
+        return device() if on_device(step + 1, ranks[int(name.split(".")[0])]) else torch.device("cpu")
+
+    want = reference(
+        template,
+        names,
+        "nonreentrant",
+        steps=3,
+        accumulate=1,
+        max_norm=None,
+        host_spec=FUSED_SPEC,
+        master_device=device(),
+        update_device=update_device,
+    )
+    assert_same(got, want)
+    rates = seen[0].split.rates
+    assert rates["device"] is not None and rates["host"] is not None, rates
 
 
 @pytest.mark.parametrize("spec", [SPEC, DEVICE_SPEC, SPLIT_SPEC], ids=["host", "device", "split"])

@@ -30,6 +30,10 @@ Mechanics (:meth:`DeviceUpdater.update`, one layer; its params in chunks of at m
 On the CPU (tests) the same steps run in order on the calling thread with plain copies: the numbers are
 ``torch.optim.AdamW(fused=True)``'s on the CPU, bitwise.
 
+Timing (split updates without clipping, :mod:`.update_split`): with a :attr:`DeviceUpdater.timeline`, each
+chunk records a timing event on the in-stream once its waits are met and makes its ``free`` event a timing
+one; :func:`timeline_busy` turns a step's chunks into the seconds the device spent on them.
+
 Hazards handled
     - A buffer is rewritten only after its previous chunk went home (``free``).
     - A layer's host state is read only after its previous update wrote it back (``done``), even when
@@ -125,6 +129,10 @@ class DeviceUpdater:
         self._in = torch.cuda.Stream(device=device) if self.cuda else None
         self._out = torch.cuda.Stream(device=device) if self.cuda else None
         self._state_bytes: dict[int, int] = {}  # pinned moments per optimizer (id), counted as allocated
+        # CUDA, when a list: each chunk appends (began, home, params), timing events on the in-stream once its
+        # waits are met and on the out-stream after its last copy home (:func:`busy_seconds` reads them)
+        self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] | None = None
+        self._began: tuple[torch.cuda.Event | None, int] = (None, 0)  # the chunk being queued: its start, params
 
     def reserve(self, largest_param: int, largest_layer: int) -> int:
         """Allocate the two buffers: room for a chunk, for the largest param at least and for the largest
@@ -249,9 +257,9 @@ class DeviceUpdater:
         return done
 
     def _flat_chunk(self, flat, chunk, group, step, coef, lr, after, previous) -> torch.cuda.Event | None:
-        buf = self._next_buffer(after, previous)
         start, end = chunk[0].offset, chunk[-1].offset + chunk[-1].numel
         n = end - start
+        buf = self._next_buffer(after, previous, n)
         with _on(self._in):
             if self.cuda and self.delay_cycles:
                 torch.cuda._sleep(self.delay_cycles)
@@ -274,8 +282,7 @@ class DeviceUpdater:
             flat.exp_avg_sq[start:end].copy_(s, non_blocking=True)
             for fp in chunk:
                 fp.packed.view(-1).copy_(out[fp.offset - start : fp.offset - start + fp.numel], non_blocking=True)
-        buf.free = _record(self._out)
-        return buf.free
+        return self._home(buf)
 
     def mark(self, end: bool) -> torch.cuda.Event | None:
         """A timing event at the current end of the in-stream (``end=False``: before the updates queued
@@ -287,8 +294,8 @@ class DeviceUpdater:
         return event
 
     def _chunk(self, optimizer, chunk, coef, lr, after, previous) -> torch.cuda.Event | None:
-        buf = self._next_buffer(after, previous)
         items = [p for p, _ in chunk]
+        buf = self._next_buffer(after, previous, sum(p.master.numel() for p in items))
         steps = [step for _, step in chunk]
         group = items[0].group
         with _on(self._in):
@@ -337,19 +344,30 @@ class DeviceUpdater:
                 state["exp_avg_sq"].view(-1).copy_(s, non_blocking=True)
                 if out is not None:
                     p.packed.view(-1).copy_(out, non_blocking=True)
-        buf.free = _record(self._out)
-        return buf.free
+        return self._home(buf)
 
-    def _next_buffer(self, after, previous) -> Scratch:
-        """The buffer the next chunk uses, once its previous chunk went home, the gradients' copy landed
-        (``after``) and the layer's previous update is home (``previous``): the in-stream waits for those."""
+    def _next_buffer(self, after, previous, params: int) -> Scratch:
+        """The buffer the next chunk (of ``params``) uses, once its previous chunk went home, the gradients'
+        copy landed (``after``) and the layer's previous update is home (``previous``): the in-stream waits
+        for those. With a :attr:`timeline`, the chunk's timing starts once they are met."""
         buf = self.buffers[self._turn]
         self._turn ^= 1
         if self.cuda:
             for event in (buf.free, after, previous):
                 if event is not None:
                     self._in.wait_event(event)
+            if self.timeline is not None:
+                self._began = (_record(self._in, timing=True), params)
         return buf
+
+    def _home(self, buf: Scratch) -> torch.cuda.Event | None:
+        """Mark ``buf`` free once the chunk's copies home ran (and time the chunk); the chunk's event."""
+        timed = self.cuda and self.timeline is not None
+        buf.free = _record(self._out, timing=timed)
+        if timed:
+            began, params = self._began
+            self.timeline.append((began, buf.free, params))
+        return buf.free
 
     @contextmanager
     def _going_home(self) -> Iterator[None]:
@@ -433,12 +451,33 @@ def _to_device(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     return value.pin_memory().to(device, non_blocking=True)
 
 
-def _record(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+def _record(stream: torch.cuda.Stream | None, timing: bool = False) -> torch.cuda.Event | None:
     if stream is None:
         return None
-    event = torch.cuda.Event()
+    event = torch.cuda.Event(enable_timing=timing)
     event.record(stream)
     return event
+
+
+def busy_seconds(intervals: Sequence[tuple[float, float]]) -> float:
+    """The time covered by ``(start, end)`` intervals (overlaps counted once): how long the device was busy
+    with updates, leaving out the gaps where it waited for gradients."""
+    total, reached = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reached:
+            total += end - max(start, reached)
+            reached = end
+    return total
+
+
+def timeline_busy(timeline: Sequence[tuple[torch.cuda.Event, torch.cuda.Event, int]]) -> tuple[int, float] | None:
+    """Params and busy seconds of a :attr:`DeviceUpdater.timeline` whose chunks all went home; None while
+    one is still running (or for an empty one)."""
+    if not timeline or not all(home.query() for _, home, _ in timeline):
+        return None
+    origin = timeline[0][0]
+    spans = [(origin.elapsed_time(began) / 1000, origin.elapsed_time(home) / 1000) for began, home, _ in timeline]
+    return sum(n for _, _, n in timeline), busy_seconds(spans)
 
 
 class _on:

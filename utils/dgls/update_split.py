@@ -15,9 +15,11 @@ Rule (:meth:`UpdateSplit.assign`, before a step's updates are queued)
 
 Rates
     Each side's rate is measured on the steps it ran (:meth:`record_host`, :meth:`record_device`): the
-    host's from the seconds its update jobs took, the device's from the span of a step's updates on its
-    streams (only measured when every update of a step is queued at once, i.e. with clipping; without,
-    the updates trickle in during backward and their span says nothing about the device's speed). A new
+    host's from the seconds its update jobs took, the device's from its streams: with clipping every
+    update of a step is queued at once, and their span is timed; without, the updates trickle in during
+    backward, so each chunk is timed from the moment its waits (the gradients' copy home) are met to its
+    last copy home, and the union of those intervals is the time the device spent on them
+    (:func:`~.device_update.busy_seconds`; the gaps where it waited for gradients are left out). A new
     measurement is averaged with the last rate, so a noisy step moves the split by half. Until a side has
     been measured, both sides are taken to be equally fast: the first step splits the params in half.
 
