@@ -130,7 +130,7 @@ class DeviceUpdater:
         self._out = torch.cuda.Stream(device=device) if self.cuda else None
         self._state_bytes: dict[int, int] = {}  # pinned moments per optimizer (id), counted as allocated
         # CUDA, when a list: each chunk appends (began, home, params), timing events on the in-stream once its
-        # waits are met and on the out-stream after its last copy home (:func:`busy_seconds` reads them)
+        # waits are met and on the out-stream after its last copy home (:func:`timeline_busy` reads them)
         self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] | None = None
         self._began: tuple[torch.cuda.Event | None, int] = (None, 0)  # the chunk being queued: its start, params
 

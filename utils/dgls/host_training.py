@@ -53,14 +53,16 @@ Jobs run in submission order: on a worker thread (CUDA, or ``threaded``), or def
 only when something waits for it, so a missing wait changes the numbers in a CPU test (a fetch without
 ``wait_update`` streams the old weights; an accumulation without ``land`` reads NaN).
 
-Cores (:func:`update_threads`): on the worker thread, a host update's kernels (AdamW, the gradients'
+Cores (:func:`update_threads`): on the worker thread, a host update's torch kernels (AdamW, the gradients'
 conversion to fp32) run with three quarters of torch's intra-op threads, set for that thread around the
-update and restored after it. The training thread launches the forward's and backward's kernels meanwhile,
+update and restored after it (``DeepSpeedCPUAdam`` runs on OpenMP threads of its own, which this leaves
+as they are). The training thread launches the forward's and backward's kernels meanwhile,
 and with every core busy on the update it was descheduled: the SDXL full fine-tune without clipping took
 1.088 s a step with 16 threads against 0.923 s with 12 and 0.968 s with 8 (one H100 host, 16 cores). The
 update is elementwise, so its numbers do not depend on the thread count; the norms (reductions, whose
-numbers do) keep the default. ``torch.set_num_threads`` also sets the count a thread starting meanwhile
-would take up: it is restored after each update, and no DGLS thread starts then.
+numbers do) keep the default. ``torch.set_num_threads`` also sets the count that a thread running its
+first parallel kernel meanwhile takes up for good; it is restored after each update, and DGLS's own other
+thread (the copier's) only copies, whose numbers do not depend on it either.
 
 Hazards handled
     - A landing is rewritten by the next micro-batch's copy only after its accumulation finished.
