@@ -92,7 +92,7 @@ def main() -> None:
         "--send_group_mib", type=float, default=None, help="gradients sent home in groups of this many MiB (0: alone)"
     )
     args = parser.parse_args()
-    if args.send_group_mib is not None:
+    if args.send_group_mib is not None:  # this probe's own process, before anything is built; never undone
         host_training.SEND_GROUP_BYTES = int(args.send_group_mib * 2**20)
     with machine.session(False) as (device, dtype):
         bench = bench_full.fresh_bench(False, device, dtype, torch.device("cpu"))
