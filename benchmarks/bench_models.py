@@ -66,6 +66,12 @@ def parser() -> argparse.ArgumentParser:
         help="offload and vram_budget rows: checkpoint_units off, on, or a row of each",
     )
     p.add_argument(
+        "--offload_recompute",
+        choices=("off", "on", "both"),
+        default="off",
+        help="offload rows: offload_recompute off, on, or a row of each",
+    )
+    p.add_argument(
         "--budget_offload",
         choices=("auto", "on", "off"),
         default="auto",
@@ -106,6 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
             strict=args.strict,
             unit_mb=args.unit_mb,
             checkpoint_units=args.checkpoint_units,
+            offload_recompute=args.offload_recompute,
             budget_offload=args.budget_offload,
             **defaults,
         )

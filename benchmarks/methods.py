@@ -98,6 +98,7 @@ class Options:
     strict: bool  # a failing method fails the run (tests)
     unit_mb: str = "0"  # offload: swap-unit sizes in MB, a row each (0: whole layers)
     checkpoint_units: str = "off"  # offload and vram_budget rows: checkpoint_units off, on, or a row of each
+    offload_recompute: str = "off"  # offload rows: offload_recompute off, on, or a row of each
     budget_offload: str = "auto"  # vram_budget rows: offload_activations unset (auto), on, or off
 
 
@@ -416,26 +417,42 @@ class Methods:
 
     def offload(self) -> Iterator[Case]:
         n, prefetch = len(self.bench.blocks), self.options.prefetch
+        recomputes = {"off": (False,), "on": (True,), "both": (False, True)}[self.options.offload_recompute]
         for unit in parse_list(self.options.unit_mb):
             for checkpoint_units in self._checkpoint_units():
-                units = f", swap units <= {float(unit):g} MB" if float(unit) else ""
-                units += ", checkpoint_units" if checkpoint_units else ""
-                name = f"DGLS + offload_activations (blocks_to_swap={n}, prefetch={prefetch}{units})"
-                yield Case("offload", name, partial(self.measure_offload, n, float(unit), checkpoint_units))
+                for recompute in recomputes:
+                    units = f", swap units <= {float(unit):g} MB" if float(unit) else ""
+                    units += ", checkpoint_units" if checkpoint_units else ""
+                    units += ", offload_recompute" if recompute else ""
+                    name = f"DGLS + offload_activations (blocks_to_swap={n}, prefetch={prefetch}{units})"
+                    measure = partial(self.measure_offload, n, float(unit), checkpoint_units, recompute)
+                    yield Case("offload", name, measure)
 
-    def measure_offload(self, blocks_to_swap: int, unit_mb: float, checkpoint_units: bool = False):
+    def measure_offload(
+        self, blocks_to_swap: int, unit_mb: float, checkpoint_units: bool = False, recompute: bool = False
+    ):
         place(self.bench.layers, self.device)
         prefetch = self.options.prefetch
         config = SwapConfig(
             blocks_to_swap=blocks_to_swap,
             prefetch=prefetch,
             offload_activations=True,
+            offload_recompute=recompute,
             swap_unit_mb=unit_mb,
             checkpoint_units=checkpoint_units,
         )
         with LayerSwapper(self.bench.layers, config, self.device, log=None) as swapper:
+            if recompute:  # its first step measures what each recompute saves and sends nothing: not counted
+                self.bench.training_step(
+                    checkpoint_fn=swapper.checkpoint_function(partial(checkpoint, use_reentrant=False))
+                )()
             times, stats = self.time_placement(swapper)
-            figures = {"unit_mb": unit_mb, "checkpoint_units": checkpoint_units, "slot_mib": _slot_mib(swapper)}
+            figures = {
+                "unit_mb": unit_mb,
+                "checkpoint_units": checkpoint_units,
+                "offload_recompute": recompute,
+                "slot_mib": _slot_mib(swapper),
+            }
             return times, {**self.swap_figures(swapper, stats), **figures}
 
     def naive(self) -> Iterator[Case]:

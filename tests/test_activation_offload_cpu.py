@@ -17,6 +17,7 @@ from helpers import SMALL, assert_bitwise_equal, checkpoint_for, make_layers, ru
 from utils.dgls import LayerSwapper, SwapConfig
 from utils.dgls.activation_offload import ActivationOffloader
 from utils.dgls.demo.data import SyntheticLatents
+from utils.dgls.recompute_offload import AHEAD_BYTES
 
 CPU = torch.device("cpu")
 MODES = ["nonreentrant", "reentrant", "unsloth"]
@@ -99,7 +100,7 @@ def test_the_next_blocks_inputs_come_back_ahead_of_their_recompute():
 
 
 def test_a_recompute_that_does_not_wait_for_its_inputs_fails(references, monkeypatch):
-    monkeypatch.setattr(ActivationOffloader, "_wait", lambda self, offload: None)  # the mutation
+    monkeypatch.setattr(ActivationOffloader, "wait", lambda self, offload: None)  # the mutation
     got = run("nonreentrant", ActivationOffloader(CPU, keep=1, min_bytes=0))
     with pytest.raises(AssertionError):
         assert_bitwise_equal(got, references["nonreentrant"])
@@ -157,16 +158,21 @@ def test_off_the_checkpoint_function_is_the_trainers_own():
 
 
 @pytest.mark.parametrize("mode", ["nonreentrant", "reentrant"])
-def test_with_full_fine_tuning_training_is_bitwise_the_same(mode):
+@pytest.mark.parametrize("recompute", [False, True], ids=["inputs", "recompute"])
+def test_with_full_fine_tuning_training_is_bitwise_the_same(mode, recompute):
     """Every weight trains, streamed layers on the host (their gradients sent home during the backward that
-    also brings the inputs back): the numbers of training without streaming or offload."""
+    also brings the inputs back, and with offload_recompute what the recomputes saved): the numbers of training
+    without streaming or offload."""
     layers = full_layers()
-    config = SwapConfig(host_optimizer=SPEC, accumulation_steps=2, prefetch=2, offload_activations=True)
+    config = SwapConfig(
+        host_optimizer=SPEC, accumulation_steps=2, prefetch=2, offload_activations=True, offload_recompute=recompute
+    )
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
         names = host_trained_names(layers, swapper)
         record = train_dgls(layers, swapper, CPU, mode, checkpoint_fn=swapper.checkpoint_function(checkpoint_for(mode)))
         sent = swapper.activations.offloaded_bytes
-    assert sent > 0
+        recomputed = swapper.activations.recompute.sent_bytes if recompute else 1
+    assert sent > 0 and recomputed > 0
     assert_same(record, train_reference(full_layers(), names, CPU, mode))
 
 
@@ -205,3 +211,59 @@ def test_a_plan_that_keeps_more_inputs_on_the_device_sends_only_the_rest_home(re
         sent = swapper.activations.segments_sent
     assert_bitwise_equal(got, references["nonreentrant"])
     assert sent == 4 * (BLOCKS - kept), "4 passes with grad, each sending all but the last kept blocks' inputs"
+
+
+# ---------------------------------------------------------------- recompute offload (recompute_offload.py)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("keep", [1, BLOCKS])
+def test_with_recompute_offload_training_is_bitwise_the_same(references, mode, keep):
+    """What the recomputes save goes home too (all but the last third of each, from the second recompute of a
+    block kind on), and comes back before the backward reads it."""
+    offloader = ActivationOffloader(CPU, keep=keep, min_bytes=0, recompute=True)
+    got = run(mode, offloader)
+    assert_bitwise_equal(got, references[mode])
+    recompute = offloader.recompute
+    assert recompute.sent_bytes > 0
+    assert recompute.restored_bytes == recompute.sent_bytes
+    assert not recompute._live, "every record was read back and let go"
+    assert offloader.restored_bytes + offloader.dropped_bytes == offloader.offloaded_bytes
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+def test_with_streamed_weights_and_recompute_offload_training_is_bitwise_the_same(references, mode, prefetch):
+    """offload_recompute turns activation offload on; views of the streamed weights' slots bypass it."""
+    layers, trainable = make_layers()
+    config = SwapConfig(offload_recompute=True, prefetch=prefetch)
+    with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
+        ckpt = swapper.checkpoint_function(checkpoint_for(mode))
+        got = train(
+            layers, trainable, CPU, "nonreentrant" if mode == "nonreentrant" else "reentrant", checkpoint_fn=ckpt
+        )
+        recompute = swapper.activations.recompute
+        stats = swapper.total_stats()
+    assert_bitwise_equal(got, references[mode])
+    assert recompute.sent_bytes > 0 and recompute.restored_bytes == recompute.sent_bytes
+    assert stats.activation_bytes == swapper.activations.offloaded_bytes > recompute.sent_bytes
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_recomputed_tensors_come_back_ahead_of_their_reads_within_the_window(mode):
+    """The default window (1 GiB, more than this model's recomputes save) has every sent tensor on its way back
+    before the backward reads it; a window of 0 bytes leaves most restores to the read itself."""
+    demands = {}
+    for ahead in (0, AHEAD_BYTES):
+        offloader = ActivationOffloader(CPU, keep=BLOCKS, min_bytes=0, recompute=True)
+        offloader.recompute.ahead_bytes = ahead
+        run(mode, offloader)
+        demands[ahead] = offloader.recompute.demand_restores / offloader.recompute.sent_tensors
+    assert demands[AHEAD_BYTES] == 0
+    assert demands[0] > 0.5
+
+
+def test_a_backward_that_reads_a_recomputed_tensor_without_waiting_fails(references, monkeypatch):
+    """The block inputs all stay (keep covers every block), so only recompute offload's restores are skipped."""
+    monkeypatch.setattr(ActivationOffloader, "wait", lambda self, offload: None)  # the mutation
+    got = run("nonreentrant", ActivationOffloader(CPU, keep=BLOCKS, min_bytes=0, recompute=True))
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(got, references["nonreentrant"])

@@ -4,7 +4,8 @@ The blocks' weights stream (20 ms before every weight copy), their inputs (2 x 1
 offload threshold) go home and come back (10 ms before every copy either way), and compute sleeps 5 ms at
 every layer use, with deterministic kernels and math attention. Losses, gradients, LoRA weights and eval
 outputs must equal all-resident training with the same checkpointing, for non-reentrant, reentrant and a
-diffusion-pipe 'unsloth'-style checkpoint; a recompute that does not wait for its restore must differ.
+diffusion-pipe 'unsloth'-style checkpoint; a recompute that does not wait for its restore must differ. With
+recompute offload, what each recompute saves goes home and comes back under the same delays.
 """
 
 import pytest
@@ -55,10 +56,10 @@ def references(template):
     return get
 
 
-def offloaded_run(template, mode, monkeypatch, prefetch=2, compute_ms=5.0, kept=None):
+def offloaded_run(template, mode, monkeypatch, prefetch=2, compute_ms=5.0, kept=None, recompute=False):
     delay_copies(monkeypatch, 20.0)
     layers, trainable = fresh(template)
-    config = SwapConfig(prefetch=prefetch, offload_activations=True)
+    config = SwapConfig(prefetch=prefetch, offload_activations=True, offload_recompute=recompute)
     with LayerSwapper(layers, config, device=device(), log=None) as swapper:
         if kept is not None:  # as a plan with room for more inputs applies it
             swapper.apply_placement(swapper.streamed_layers, prefetch, kept_activations=kept)
@@ -72,6 +73,9 @@ def offloaded_run(template, mode, monkeypatch, prefetch=2, compute_ms=5.0, kept=
         offloader = swapper.activations
     assert stats.activation_bytes > 0
     assert offloader.restored_bytes + offloader.dropped_bytes == offloader.offloaded_bytes
+    if recompute:
+        assert offloader.recompute.sent_bytes > 0
+        assert offloader.recompute.restored_bytes == offloader.recompute.sent_bytes
     return record
 
 
@@ -84,9 +88,26 @@ def test_offloaded_inputs_with_delays_stay_bitwise_equal(template, references, m
 def test_a_recompute_that_does_not_wait_for_its_restore_differs(template, references, monkeypatch):
     """Compute runs without delays, so a recompute overtakes the 10 ms-delayed restore it does not wait for
     and reads the NaN bytes the restored storage holds until the copy lands."""
-    monkeypatch.setattr(ActivationOffloader, "_wait", lambda self, offload: None)  # the canary
+    monkeypatch.setattr(ActivationOffloader, "wait", lambda self, offload: None)  # the canary
     with pytest.raises(AssertionError):
         got = offloaded_run(template, "nonreentrant", monkeypatch, prefetch=1, compute_ms=0)
+        assert_bitwise_equal(references("nonreentrant"), got)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_recompute_offload_with_delays_stays_bitwise_equal(template, references, monkeypatch, mode):
+    """What each recompute saves goes home too (from the second recompute of each block on), 10 ms behind
+    every copy either way, and its restores are poisoned until they land."""
+    got = offloaded_run(template, mode, monkeypatch, prefetch=1, recompute=True)
+    assert_bitwise_equal(references(mode), got)
+
+
+def test_a_backward_that_does_not_wait_for_a_recomputed_tensor_differs(template, references, monkeypatch):
+    """Every block keeps its inputs on the device (kept=4), so only recompute offload restores anything; without
+    its wait the backward reads the NaN bytes of a restore still 10 ms from landing."""
+    monkeypatch.setattr(ActivationOffloader, "wait", lambda self, offload: None)  # the canary
+    got = offloaded_run(template, "nonreentrant", monkeypatch, prefetch=1, compute_ms=0, kept=4, recompute=True)
+    with pytest.raises(AssertionError):
         assert_bitwise_equal(references("nonreentrant"), got)
 
 

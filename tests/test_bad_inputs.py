@@ -247,6 +247,18 @@ CASES = [
         "activation_checkpointing = false",
     ),
     Case(
+        "demo-recompute-offload-without-checkpointing",
+        demo("--offload_recompute", activation_checkpointing=False),
+        "--offload_recompute sends what checkpointed layers' recomputes save to host memory, and [demo] "
+        "activation_checkpointing = false",
+    ),
+    Case(
+        "demo-recompute-offload-without-activation-offload",
+        demo("--offload_recompute", "--no-offload_activations"),
+        "offload_recompute sends what recomputes save home with the activation offload: drop "
+        "offload_activations = false",
+    ),
+    Case(
         "dp-offload-without-checkpointing",
         dp("--offload_activations", top="activation_checkpointing = false"),
         "has no activation_checkpointing",

@@ -216,10 +216,10 @@ def test_quick_start_commands_are_what_ci_runs():
 
 
 def test_demo_offloading_activations_trains_the_same_lora(tmp_path, user_env, capsys):
-    """dgls_train.py --offload_activations on the demo: DeepSpeed's pipeline calls the wrapped checkpoint,
-    the step lines say how much went home, and the LoRA is bitwise the one trained without it."""
+    """dgls_train.py --offload_activations (and --offload_recompute) on the demo: DeepSpeed's pipeline calls the
+    wrapped checkpoint, the step lines say how much went home, and the LoRA is bitwise the one trained without it."""
     loras = {}
-    for name, flags in (("plain", []), ("offload", ["--offload_activations"])):
+    for name, flags in (("plain", []), ("offload", ["--offload_activations"]), ("recompute", ["--offload_recompute"])):
         config = demo_toml(tmp_path / name, steps=3)
         code, out, err = run_in_process(["--config", str(config), "--verbose", *flags], capsys)
         assert code == 0, err
@@ -227,5 +227,6 @@ def test_demo_offloading_activations_trains_the_same_lora(tmp_path, user_env, ca
             assert "activations home" in out
         (saved,) = (tmp_path / name / "out").glob("*/adapter_model.safetensors")
         loras[name] = load_file(str(saved))
-    assert loras["plain"].keys() == loras["offload"].keys()
-    assert all(torch.equal(loras["plain"][k], loras["offload"][k]) for k in loras["plain"])
+    for name in ("offload", "recompute"):
+        assert loras["plain"].keys() == loras[name].keys()
+        assert all(torch.equal(loras["plain"][k], loras[name][k]) for k in loras["plain"]), name

@@ -185,11 +185,14 @@ def test_swap_units_match_plain_train_py(prepare, tmp_path, model_type):
         pytest.param("wan", True, "--swap_unit_mb 0.01 ", id="wan-units"),
         pytest.param("hunyuan-video", "unsloth", "", id="hunyuan-video-unsloth"),
         pytest.param("ltx-video", True, "", id="ltx-video"),
+        pytest.param("wan", True, "--swap_unit_mb 0.01 --offload_recompute ", id="wan-units-recompute"),
+        pytest.param("hunyuan-video", "unsloth", "--offload_recompute ", id="hunyuan-video-unsloth-recompute"),
     ],
 )
 def test_checkpoint_units_match_plain_train_py(prepare, tmp_path, model_type, checkpointing, units):
     """--checkpoint_units runs the child modules of every layer (or its swap units) under checkpoints of their
-    own, nested in diffusion-pipe's layer checkpoints, with activation offload: still bitwise plain train.py."""
+    own, nested in diffusion-pipe's layer checkpoints, with activation offload (and with --offload_recompute,
+    what each layer's recompute saves going home too): still bitwise plain train.py."""
     p = prepare(model_type)
     p.run(p.configs(tmp_path, "plain", checkpointing), tmp_path / "plain.log")
     log = p.run(

@@ -61,7 +61,7 @@ def split_run(mode, prefetch=1, seed=None, **config):
             rng = random.Random(seed)
             swapper._victim = lambda candidates: rng.choice(candidates)
         ckpt = checkpoint_for(mode)
-        if config.offload_activations:
+        if config.offload_activations or config.offload_recompute:
             ckpt = swapper.checkpoint_function(ckpt or (lambda f, *a: checkpoint(f, *a, use_reentrant=False)))
         return train(layers, trainable, CPU, loop_mode(mode), checkpoint_fn=ckpt)
 
@@ -177,6 +177,15 @@ def test_checkpointed_units_with_activation_offload_and_random_slots_stay_exact(
         got = split_run(
             mode, prefetch=2, seed=seed, offload_activations=True, checkpoint_units=True, swap_unit_mb=unit_mb
         )
+        assert_bitwise_equal(references(mode), got)
+
+
+@pytest.mark.parametrize("mode", ["nonreentrant", "reentrant", "unsloth"])
+@pytest.mark.parametrize("units", [False, True], ids=["layer-checkpoints", "checkpoint_units"])
+def test_recompute_offload_with_swap_units_and_random_slots_stays_exact(references, mode, units):
+    """What recomputes save goes home beside units (whose views of slots bypass it) and pieces' checkpoints."""
+    for seed in (None, 0):
+        got = split_run(mode, prefetch=2, seed=seed, offload_recompute=True, checkpoint_units=units)
         assert_bitwise_equal(references(mode), got)
 
 

@@ -27,6 +27,10 @@ When it comes back
     already sent home (not expected from a pipeline, where each layer passes on what later ones need)
     restores it first.
 
+Recompute offload (``recompute=True``, :mod:`.recompute_offload`) also sends home what each recompute
+saves for its layer's backward, through :meth:`ActivationOffloader.send` and the same streams and pool; the
+wrapper of the checkpointed function pushes its saved-tensor hooks in both runs.
+
 Mechanics
     - CUDA: one device-to-host stream and one host-to-device stream of this module's own. An offload
       waits for the compute stream (the tensor was just produced), copies, marks the storage as used on
@@ -55,6 +59,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .copier import POISON
+from .recompute_offload import Recomputed, RecomputeOffload, function_kind
 
 MIN_BYTES = 64 * 1024  # on CUDA smaller tensors stay: not worth a copy each way (on the CPU, where offload
 # only exercises the mechanics for tests, every size goes)
@@ -79,6 +84,7 @@ class Segment:
 
     storages: dict[int, weakref.ref]  # storage identity -> a tensor on it (those eligible to go home)
     previous: Segment | None  # the call before it in the forward (cut once this one was recomputed)
+    position: int = 0  # its place among the forward's checkpointed calls
     offloads: list[Offload] = field(default_factory=list)
     done: bool = False
 
@@ -87,7 +93,12 @@ class ActivationOffloader:
     """Sends the inputs of checkpointed calls home during forward, brings them back before recompute."""
 
     def __init__(
-        self, device: torch.device, keep: int = 2, min_bytes: int | None = None, pin: bool | None = None
+        self,
+        device: torch.device,
+        keep: int = 2,
+        min_bytes: int | None = None,
+        pin: bool | None = None,
+        recompute: bool = False,
     ) -> None:
         self.device = device
         self.keep = max(1, keep)  # the last ``keep`` segments of a forward stay on the device
@@ -112,6 +123,8 @@ class ActivationOffloader:
         # the planner weighs keeping a segment on the device with)
         self.segments_sent = 0
         self.largest_segment = 0
+        # What checkpointed layers' recomputes save goes home too (recompute_offload.py), on these streams
+        self.recompute = RecomputeOffload(self) if recompute else None
 
     # ---------------------------------------------------------------- public
     def wrap(self, checkpoint: Callable) -> Callable:
@@ -131,7 +144,8 @@ class ActivationOffloader:
         if not self.pin:
             return 0
         pooled = sum(buf.numel() for bufs in self._pool.values() for buf, _ in bufs)
-        return pooled + sum(o.nbytes for s in self._live for o in s.offloads if not o.restored)
+        waiting = sum(o.nbytes for s in self._live for o in s.offloads if not o.restored)
+        return pooled + waiting + (self.recompute.pinned_bytes() if self.recompute is not None else 0)
 
     def set_depth(self, keep: int, ahead: int) -> None:
         """Keep the last ``keep`` segments of each forward on the device, and restore ``ahead`` segments before
@@ -154,11 +168,11 @@ class ActivationOffloader:
             for offload in segment.offloads:
                 tensor = offload.tensor()
                 if not offload.restored and tensor is not None and _storage_key(tensor) in taken:
-                    self.demand_restores += self._start_restore(offload)
-                    self._wait(offload)
+                    self.demand_restores += self.start_restore(offload)
+                    self.wait(offload)
         eligible = {_storage_key(t): weakref.ref(t) for t in tensors if self._eligible(t)}
         previous = self._last if self._last is not None and not self._last.done else None
-        segment = Segment(eligible, previous)
+        segment = Segment(eligible, previous, previous.position + 1 if previous is not None else 0)
         self._last = segment
         for older in self._recent:  # storages a later call takes are not theirs to send
             for key in taken:
@@ -177,33 +191,39 @@ class ActivationOffloader:
             tensor = ref()
             if tensor is None or tensor.untyped_storage().nbytes() == 0:
                 continue
-            storage = tensor.untyped_storage()
-            nbytes = storage.nbytes()
-            host, free_after = self._take_buffer(nbytes)
-            source = _bytes_of(storage, self.device)
-            offload = Offload(weakref.ref(tensor), nbytes, host)
-            if self.cuda:
-                self._d2h.wait_stream(torch.cuda.current_stream(self.device))
-                if free_after is not None:
-                    self._d2h.wait_event(free_after)  # the buffer's previous restore read it
-                with torch.cuda.stream(self._d2h):
-                    if self.delay_cycles:
-                        torch.cuda._sleep(self.delay_cycles)
-                    host.copy_(source, non_blocking=True)
-                    offload.sent = _record(self._d2h)
-                source.record_stream(self._d2h)
-            else:
-                host.copy_(source)
-            del source
-            storage.resize_(0)
-            segment.offloads.append(offload)
-            self.offloaded_bytes += nbytes
-            self.on_offload(nbytes)
+            segment.offloads.append(self.send(tensor))
         segment.storages.clear()
         if segment.offloads:
             self._live.append(segment)
             self.segments_sent += 1
             self.largest_segment = max(self.largest_segment, sum(o.nbytes for o in segment.offloads))
+
+    def send(self, tensor: torch.Tensor) -> Offload:
+        """``tensor``'s storage home: its bytes copied to a pooled host buffer (on the device-to-host stream, after
+        the compute stream's work so far), then the storage resized to nothing (on CUDA the caching allocator
+        reuses the memory only after the copy ran)."""
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        host, free_after = self._take_buffer(nbytes)
+        source = _bytes_of(storage, self.device)
+        offload = Offload(weakref.ref(tensor), nbytes, host)
+        if self.cuda:
+            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+            if free_after is not None:
+                self._d2h.wait_event(free_after)  # the buffer's previous restore read it
+            with torch.cuda.stream(self._d2h):
+                if self.delay_cycles:
+                    torch.cuda._sleep(self.delay_cycles)
+                host.copy_(source, non_blocking=True)
+                offload.sent = _record(self._d2h)
+            source.record_stream(self._d2h)
+        else:
+            host.copy_(source)
+        del source
+        storage.resize_(0)
+        self.offloaded_bytes += nbytes
+        self.on_offload(nbytes)
+        return offload
 
     # ---------------------------------------------------------------- backward
     def before_recompute(self, segment: Segment) -> None:
@@ -212,19 +232,19 @@ class ActivationOffloader:
         if segment in self._recent:  # its inputs never left (one of the last ``keep``)
             self._recent.remove(segment)
         for offload in segment.offloads:
-            self.demand_restores += self._start_restore(offload)
-            self._wait(offload)
+            self.demand_restores += self.start_restore(offload)
+            self.wait(offload)
         self._release(segment)
         ahead, earlier = 0, segment.previous
         while earlier is not None and ahead < self.ahead:
             if not earlier.done:
                 for offload in earlier.offloads:
-                    self._start_restore(offload)
+                    self.start_restore(offload)
             ahead += 1
             earlier = earlier.previous
         segment.previous = None  # the chain of a long run stays as short as one forward
 
-    def _start_restore(self, offload: Offload) -> bool:
+    def start_restore(self, offload: Offload) -> bool:
         """Issue the restore unless it was issued already; True if it was issued now."""
         if offload.restoring is not None or offload.pending_cpu or offload.restored:
             return False
@@ -258,7 +278,7 @@ class ActivationOffloader:
             offload.pending_cpu = True
         self.restored_bytes += offload.nbytes
 
-    def _wait(self, offload: Offload) -> None:
+    def wait(self, offload: Offload) -> None:
         if offload.restored:
             return
         if self.cuda:
@@ -272,11 +292,15 @@ class ActivationOffloader:
         offload.restored = True
 
     # ---------------------------------------------------------------- host buffers
+    def give_back(self, offload: Offload) -> None:
+        """``offload``'s host buffer back to the pool, free once its last copy (the restore, else the send) ran."""
+        self._pool.setdefault(offload.nbytes, []).append((offload.host, offload.restoring or offload.sent))
+
     def _release(self, segment: Segment) -> None:
         """The segment's restores are waited for: its host buffers go back to the pool."""
         segment.done = True
         for offload in segment.offloads:
-            self._pool.setdefault(offload.nbytes, []).append((offload.host, offload.restoring))
+            self.give_back(offload)
         segment.offloads.clear()
         if segment in self._live:
             self._live.remove(segment)
@@ -300,15 +324,25 @@ class ActivationOffloader:
 
 
 class _Recompute:
-    """The checkpointed function, with the restore in front of its second run."""
+    """The checkpointed function, with the restore in front of its second run, and with recompute offload
+    (:mod:`.recompute_offload`) the saved-tensor hooks of both runs."""
 
     def __init__(self, offloader: ActivationOffloader, segment: Segment, function: Callable) -> None:
         self.offloader, self.segment, self.function = offloader, segment, function
+        self.record: list[Recomputed | None] = [None]  # the recompute's saved tensors, once it ran
 
     def __call__(self, *args, **kwargs):
+        recompute = self.offloader.recompute
         if torch._C._current_autograd_node() is not None:  # in backward: the recompute
             self.offloader.before_recompute(self.segment)
-        return self.function(*args, **kwargs)
+            if recompute is None:
+                return self.function(*args, **kwargs)
+            with recompute.recomputing((self.segment.position, function_kind(self.function)), self.record):
+                return self.function(*args, **kwargs)
+        if recompute is None:
+            return self.function(*args, **kwargs)
+        with recompute.forwarding(self.record):
+            return self.function(*args, **kwargs)
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:

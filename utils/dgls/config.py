@@ -65,6 +65,9 @@ class SwapConfig:
     # of a forward, or with a VRAM budget as many as the planner needs; None (auto): with a VRAM budget on
     # CUDA, as many as the planner needs (perhaps none), otherwise none; False: none.
     offload_activations: bool | None = None
+    # What each checkpointed layer's recompute saves for its backward waits in host memory too, all but the
+    # last third of it (utils/dgls/recompute_offload.py); turns offload_activations on.
+    offload_recompute: bool = False
     # Layers holding more than this many MB of params stream as several swap units, their child modules
     # (utils/dgls/units.py). None: whole layers, unless the VRAM-budget planner needs smaller slots; 0: never.
     swap_unit_mb: float | None = None
@@ -96,6 +99,11 @@ class SwapConfig:
             raise DGLSUserError(f"cuda_streams must be a whole number >= 1, got {self.cuda_streams!r}")
         if not _finite(self.selective_packing) or self.selective_packing < 0:
             raise DGLSUserError(f"selective_packing is a size in MB >= 0, got {self.selective_packing!r}")
+        if self.offload_recompute and self.offload_activations is False:
+            raise DGLSUserError(
+                "offload_recompute sends what recomputes save home with the activation offload: drop "
+                "offload_activations = false (--no-offload_activations), or drop offload_recompute"
+            )
         unit = self.swap_unit_mb
         if unit is not None and (not _finite(unit) or unit < 0):
             raise DGLSUserError(f"swap_unit_mb is a size in MB >= 0 (0: never split a layer), got {unit!r}")

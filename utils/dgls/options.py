@@ -192,6 +192,16 @@ OPTIONS: tuple[Option, ...] = (
         shown="auto",
     ),
     Option(
+        "offload_recompute",
+        "bool",
+        False,
+        "also send what each checkpointed layer's recompute saves for its backward (its attention's q, k, v, its "
+        "norms' inputs, ...) to host memory, all but the last third of it, and bring each back just before the "
+        "backward reads it; turns --offload_activations on; needs activation checkpointing",
+        "one layer's backward fills the card (long videos) even with --offload_activations",
+        "streaming",
+    ),
+    Option(
         "swap_unit_mb",
         "float",
         None,
@@ -548,6 +558,7 @@ def swap_config(values: dict[str, Any]) -> SwapConfig:
         "prefetch",
         "threading",
         "offload_activations",
+        "offload_recompute",
         "swap_unit_mb",
         "checkpoint_units",
         "batch_move",

@@ -224,9 +224,9 @@ def _check_minimum(sizes, profile, budget, prefetch_choices, copy_streams) -> No
         }
         largest = max(parts, key=parts.get)
         offloading = (
-            "--checkpoint_units"  # inputs of checkpointed calls were offloaded already
+            "--checkpoint_units, --offload_recompute"  # inputs of checkpointed calls were offloaded already
             if profile.sent_segments
-            else "--offload_activations with activation_checkpointing, --checkpoint_units"
+            else "--offload_activations with activation_checkpointing, --checkpoint_units, --offload_recompute"
         )
         remedy = {
             "activations": f"lower the activations ({offloading}, a smaller batch or resolution)",

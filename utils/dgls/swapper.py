@@ -42,7 +42,8 @@ Hazards handled
       sends checkpointed layers' inputs home (:mod:`.activation_offload`); weights and activations move
       on separate streams and never share a buffer. With a VRAM budget (on CUDA, unless it is False) the
       probe sends all but the last ``prefetch`` home and each plan keeps as many on the device as the
-      budget has room for (:meth:`apply_placement`'s ``kept_activations``).
+      budget has room for (:meth:`apply_placement`'s ``kept_activations``). ``offload_recompute`` (which turns
+      it on) also sends home what each recompute saves for its layer's backward (:mod:`.recompute_offload`).
 """
 
 from __future__ import annotations
@@ -163,7 +164,9 @@ class LayerSwapper:
         self.training: HostTraining | None = None
         self.activations: ActivationOffloader | None = None
         if self._offloads_activations():
-            self.activations = ActivationOffloader(self.device, keep=max(1, self.config.prefetch))
+            self.activations = ActivationOffloader(
+                self.device, keep=max(1, self.config.prefetch), recompute=self.config.offload_recompute
+            )
         if self.config.host_optimizer is not None:
             self._start_training()
         for idx in self.placement.streamed:
@@ -258,6 +261,8 @@ class LayerSwapper:
         """``offload_activations`` resolved: unset means offload what a VRAM budget needs, on CUDA (on the CPU
         there is no device memory to save, and the planner measures none)."""
         wanted = self.config.offload_activations
+        if self.config.offload_recompute:
+            return True
         if wanted is None:
             return self.driver is not None and self.device.type == "cuda"
         return wanted

@@ -163,8 +163,8 @@ def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, 
                 f"{settings.steps} in {path}: raise steps to {last} or more, or drop the profile"
             )
     _check_profile(resolved, notes)
-    if values["offload_activations"] and values["dynamic_swapping"] and not settings.activation_checkpointing:
-        _offload_needs_checkpointing(resolved, f"[demo] activation_checkpointing = false in {path}")
+    if values["dynamic_swapping"] and not settings.activation_checkpointing:
+        _offload_needs_checkpointing(resolved, values, f"[demo] activation_checkpointing = false in {path}")
     if settings.full and values["dynamic_swapping"]:
         swap = _full_fine_tune(path, settings, swap, dist, resolved)
     elif resolved.given("host_adam") and values["dynamic_swapping"]:
@@ -178,11 +178,18 @@ def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, 
     return DemoRun(path, settings, values, swap, device, dist, tuple(notes))
 
 
-def _offload_needs_checkpointing(resolved: options.Resolved, where: str) -> None:
-    raise DGLSUserError(
-        f"{resolved.label('offload_activations')} sends the inputs checkpointed layers keep to host memory, and "
-        f"{where}: turn activation checkpointing on, or drop the flag"
-    )
+def _offload_needs_checkpointing(resolved: options.Resolved, values: dict, where: str) -> None:
+    """Activation offload without activation checkpointing (``where`` says where it is off): refused."""
+    if values["offload_recompute"]:
+        raise DGLSUserError(
+            f"{resolved.label('offload_recompute')} sends what checkpointed layers' recomputes save to host memory, "
+            f"and {where}: turn activation checkpointing on, or drop the flag"
+        )
+    if values["offload_activations"]:
+        raise DGLSUserError(
+            f"{resolved.label('offload_activations')} sends the inputs checkpointed layers keep to host memory, "
+            f"and {where}: turn activation checkpointing on, or drop the flag"
+        )
 
 
 def _host_adam_unused(resolved: options.Resolved, path: str) -> None:
@@ -280,8 +287,8 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
     if values["vram_budget"] == "auto" and _cuda_count() == 0:
         raise DGLSUserError(f"{resolved.label('vram_budget')} auto measures free VRAM: give a number of GiB on CPU")
     _check_profile(resolved, notes)
-    if values["offload_activations"] and swapping and not config.get("activation_checkpointing", False):
-        _offload_needs_checkpointing(resolved, f"{path} has no activation_checkpointing")
+    if swapping and not config.get("activation_checkpointing", False):
+        _offload_needs_checkpointing(resolved, values, f"{path} has no activation_checkpointing")
     if swapping and (spec := dp_config.host_optimizer_spec(config, path)) is not None:
         swap = _drop_in_full_fine_tune(path, config, swap, spec, dist, stages, resolved, rest)
     elif swapping and resolved.given("host_adam"):
