@@ -72,6 +72,12 @@ def parser() -> argparse.ArgumentParser:
         help="offload rows: offload_recompute off, on, or a row of each",
     )
     p.add_argument(
+        "--memory_cap_gib",
+        type=float,
+        default=None,
+        help="offload rows: cap the process's device memory at this many GiB (as a card of that size would)",
+    )
+    p.add_argument(
         "--budget_offload",
         choices=("auto", "on", "off"),
         default="auto",
@@ -113,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
             unit_mb=args.unit_mb,
             checkpoint_units=args.checkpoint_units,
             offload_recompute=args.offload_recompute,
+            memory_cap_gib=args.memory_cap_gib,
             budget_offload=args.budget_offload,
             **defaults,
         )

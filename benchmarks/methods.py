@@ -20,6 +20,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -99,6 +100,7 @@ class Options:
     unit_mb: str = "0"  # offload: swap-unit sizes in MB, a row each (0: whole layers)
     checkpoint_units: str = "off"  # offload and vram_budget rows: checkpoint_units off, on, or a row of each
     offload_recompute: str = "off"  # offload rows: offload_recompute off, on, or a row of each
+    memory_cap_gib: float | None = None  # offload rows: the process may hold at most this much device memory
     budget_offload: str = "auto"  # vram_budget rows: offload_activations unset (auto), on, or off
 
 
@@ -424,6 +426,8 @@ class Methods:
                     units = f", swap units <= {float(unit):g} MB" if float(unit) else ""
                     units += ", checkpoint_units" if checkpoint_units else ""
                     units += ", offload_recompute" if recompute else ""
+                    cap = self.options.memory_cap_gib
+                    units += f", device memory capped at {cap:g} GiB" if cap else ""
                     name = f"DGLS + offload_activations (blocks_to_swap={n}, prefetch={prefetch}{units})"
                     measure = partial(self.measure_offload, n, float(unit), checkpoint_units, recompute)
                     yield Case("offload", name, measure)
@@ -441,8 +445,11 @@ class Methods:
             swap_unit_mb=unit_mb,
             checkpoint_units=checkpoint_units,
         )
-        with LayerSwapper(self.bench.layers, config, self.device, log=None) as swapper:
-            if recompute:  # its first step measures what each recompute saves and sends nothing: not counted
+        with (
+            LayerSwapper(self.bench.layers, config, self.device, log=None) as swapper,
+            memory_cap(self.device, self.options.memory_cap_gib),
+        ):
+            if recompute:  # its first step measures what each recompute saves (sending all of it): not timed
                 self.bench.training_step(
                     checkpoint_fn=swapper.checkpoint_function(partial(checkpoint, use_reentrant=False))
                 )()
@@ -482,6 +489,22 @@ class Methods:
             "warmup_steps": 1,
             **row_peaks,
         }
+
+
+@contextmanager
+def memory_cap(device: torch.device, gib: float | None) -> Iterator[None]:
+    """At most ``gib`` of device memory for this process inside the block (None: no cap), as a card of that size
+    would allow: the caching allocator frees its cached blocks and retries before it gives up, so the row's
+    peak reserved stays under the cap or the row fails with an out-of-memory error."""
+    if gib is None or device.type != "cuda":
+        yield
+        return
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(gib * GiB / torch.cuda.get_device_properties(device).total_memory)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
 
 
 def _slot_mib(swapper: LayerSwapper) -> float:

@@ -16,12 +16,14 @@ What goes home
     (``_Recompute``) on top of the checkpoint's own hooks. One is sent home if it is floating point, at least
     ``min_bytes``, not a parameter or a view of one, and saved before the last ``KEEP_SHARE`` of the bytes
     that the previous recompute of the same call saved (the same place among the forward's checkpointed calls,
-    the same function; the first recompute of each sends nothing: it measures). The tail stays, since the
-    backward reads it first. A tensor sent home is copied first, so that its storage is this module's alone
-    (the recompute's own code may read the original again), and the copy is offloaded by storage as
-    activation offload does: its bytes go to a pooled pinned buffer on the device-to-host stream, and the
-    storage is resized to nothing once the copy is queued (the caching allocator reuses the memory only
-    after the copy ran). The checkpoint keeps the copy, with no memory.
+    the same function). The tail stays, since the backward reads it first. The first recompute of each call
+    has nothing to go by and sends every eligible tensor: its backward waits for the copies of the first ones
+    it reads, but its memory is never above that of later steps (a first step that kept everything would
+    need more than the card the later steps fit on). A tensor sent home is copied first, so that its
+    storage is this module's alone (the recompute's own code may read the original again), and the copy is
+    offloaded by storage as activation offload does: its bytes go to a pooled pinned buffer on the
+    device-to-host stream, and the storage is resized to nothing once the copy is queued (the caching
+    allocator reuses the memory only after the copy ran). The checkpoint keeps the copy, with no memory.
 
 When it comes back
     A saved tensor is unpacked by the node of the original graph that saved it in the forward (non-reentrant
@@ -141,7 +143,7 @@ class RecomputeOffload:
         numbers[0] = record
         self._live.append(record)
         profile = self._profiles.get(key)
-        head = sum(profile) * (1 - KEEP_SHARE) if profile else 0.0
+        head = sum(profile) * (1 - KEEP_SHARE) if profile else float("inf")
         outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
         transfers = self.transfers
 
