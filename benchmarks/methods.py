@@ -372,7 +372,7 @@ class Methods:
             place(bench.layers, self.device)
 
     def _checkpoint_units(self) -> tuple[bool, ...]:
-        return {"off": (False,), "on": (True,), "both": (False, True)}[self.options.checkpoint_units]
+        return _rows_of(self.options.checkpoint_units)
 
     def measure_auto(self, budget: float | str, checkpoint_units: bool = False):
         lines: list[str] = []
@@ -419,7 +419,7 @@ class Methods:
 
     def offload(self) -> Iterator[Case]:
         n, prefetch = len(self.bench.blocks), self.options.prefetch
-        recomputes = {"off": (False,), "on": (True,), "both": (False, True)}[self.options.offload_recompute]
+        recomputes = _rows_of(self.options.offload_recompute)
         for unit in parse_list(self.options.unit_mb):
             for checkpoint_units in self._checkpoint_units():
                 for recompute in recomputes:
@@ -489,6 +489,11 @@ class Methods:
             "warmup_steps": 1,
             **row_peaks,
         }
+
+
+def _rows_of(choice: str) -> tuple[bool, ...]:
+    """An off/on/both option: the rows it asks for, without and/or with the setting."""
+    return {"off": (False,), "on": (True,), "both": (False, True)}[choice]
 
 
 @contextmanager

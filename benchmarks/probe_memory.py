@@ -40,6 +40,8 @@ OURS = ("diffusers", "utils/dgls", "benchmarks", "peft")
 
 def site(frames: list[dict]) -> str:
     """The innermost frame in model or DGLS code (torch's own frames say little), with the torch op above it."""
+    if not frames:  # allocated where no Python runs: the autograd engine's thread (the backward's own kernels)
+        return "(no Python stack: autograd's backward)"
     for i, frame in enumerate(frames):
         name = frame["filename"]
         if any(part in name for part in OURS):
@@ -49,6 +51,7 @@ def site(frames: list[dict]) -> str:
 
 
 def in_backward(frames: list[dict]) -> bool:
+    """Under a recompute or a Python backward; an allocation with no Python stack is labelled by :func:`site`."""
     return any(f["name"] in ("unpack_hook", "recompute_fn", "backward") for f in frames)
 
 
@@ -78,7 +81,8 @@ def replay(before: dict, traces: list[dict]) -> list[str]:
     pending: dict[int, int] = {}
     for event in traces[: peak_at + 1]:
         if event["action"] == "alloc":
-            where = ("bwd " if in_backward(event["frames"]) else "fwd ") + site(event["frames"])
+            frames = event["frames"]
+            where = ("bwd " if in_backward(frames) or not frames else "fwd ") + site(frames)
             live[event["addr"]] = (event["size"], where)
         elif event["action"] == "free_requested":
             if live.pop(event["addr"], None) is not None:

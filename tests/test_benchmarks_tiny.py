@@ -291,3 +291,14 @@ def test_the_full_fine_tuning_benchmark_trains_flux_widths_at_a_chosen_depth(tmp
     assert set(rows) == {"resident", "dgls-split"}
     assert all("error" not in row and row["median_step_s"] > 0 for row in rows.values()), rows
     assert rows["resident"]["trained_params_b"] == rows["dgls-split"]["trained_params_b"] > 0
+
+
+def test_offload_rows_with_and_without_recompute_offload(tmp_path):
+    """``--offload_recompute both --checkpoint_units on``: a row each; the recompute row sends more home (what
+    the recomputes save, beside the block inputs) and records that it ran with it."""
+    argv = ["--model", "wan", *TINY, "--methods", "offload", "--offload_recompute", "both", "--checkpoint_units", "on"]
+    result = bench_models.main([*argv, "--strict", "--results_dir", str(tmp_path)])
+    rows = {r["offload_recompute"]: r for r in result["rows"]}
+    assert set(rows) == {False, True} and all(r["checkpoint_units"] for r in rows.values())
+    assert "offload_recompute" in rows[True]["method"] and "offload_recompute" not in rows[False]["method"]
+    assert rows[True]["activations_home_gib"] > rows[False]["activations_home_gib"] > 0

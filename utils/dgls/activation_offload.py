@@ -170,7 +170,7 @@ class ActivationOffloader:
                 if not offload.restored and tensor is not None and _storage_key(tensor) in taken:
                     self.demand_restores += self.start_restore(offload)
                     self.wait(offload)
-        eligible = {_storage_key(t): weakref.ref(t) for t in tensors if self._eligible(t)}
+        eligible = {_storage_key(t): weakref.ref(t) for t in tensors if self.eligible(t)}
         previous = self._last if self._last is not None and not self._last.done else None
         segment = Segment(eligible, previous, previous.position + 1 if previous is not None else 0)
         self._last = segment
@@ -182,9 +182,16 @@ class ActivationOffloader:
             self._offload(self._recent.pop(0))
         return segment
 
-    def _eligible(self, tensor: torch.Tensor) -> bool:
+    def eligible(self, tensor: torch.Tensor) -> bool:
+        """Worth a copy each way and able to go: floating point, on this device, a storage of at least
+        ``min_bytes`` (and not empty) that can be resized."""
         storage = tensor.untyped_storage()
-        return tensor.is_floating_point() and storage.nbytes() >= self.min_bytes and storage.resizable()
+        return (
+            tensor.is_floating_point()
+            and tensor.device.type == self.device.type
+            and max(1, self.min_bytes) <= storage.nbytes()
+            and storage.resizable()
+        )
 
     def _offload(self, segment: Segment) -> None:
         for ref in segment.storages.values():
@@ -333,15 +340,16 @@ class _Recompute:
 
     def __call__(self, *args, **kwargs):
         recompute = self.offloader.recompute
-        if torch._C._current_autograd_node() is not None:  # in backward: the recompute
+        in_backward = torch._C._current_autograd_node() is not None  # the recompute
+        if in_backward:
             self.offloader.before_recompute(self.segment)
-            if recompute is None:
-                return self.function(*args, **kwargs)
-            with recompute.recomputing((self.segment.position, function_kind(self.function)), self.record):
-                return self.function(*args, **kwargs)
         if recompute is None:
             return self.function(*args, **kwargs)
-        with recompute.forwarding(self.record):
+        if in_backward:
+            hooks = recompute.recomputing((self.segment.position, function_kind(self.function)), self.record)
+        else:
+            hooks = recompute.forwarding(self.record)
+        with hooks:
             return self.function(*args, **kwargs)
 
 

@@ -58,7 +58,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -89,9 +88,7 @@ class Recomputed:
     key: object  # the checkpointed call's place in the forward and its function's kind: the same sizes each step
     sent: dict[int, Offload] = field(default_factory=dict)
     unissued: list[int] = field(default_factory=list)  # numbers of sent tensors not yet on their way back
-    sizes: list[int] = field(default_factory=list)  # bytes of each saved tensor in order (0: not eligible)
-    saved: int = 0  # their sum so far
-    ends: list[int] = field(default_factory=list)  # once the recompute ended: the running sum of ``sizes``
+    ends: list[int] = field(default_factory=list)  # per saved tensor in order: the eligible bytes saved up to it
 
 
 class RecomputeOffload:
@@ -101,7 +98,7 @@ class RecomputeOffload:
         self.transfers = transfers  # streams, pinned pool, copies (activation offload's)
         self.ahead_bytes = ahead_bytes
         self._marks: list[torch.cuda.Event] = []  # CUDA: the compute stream at the last PACE sends and reads
-        self._profiles: dict[object, list[int]] = {}  # per kind: the sizes its last recompute saved
+        self._profiles: dict[object, int] = {}  # per call: the eligible bytes its last recompute saved
         self._live: list[Recomputed] = []
         self.sent_bytes = 0  # totals, for the stats and tests
         self.sent_tensors = 0
@@ -110,10 +107,10 @@ class RecomputeOffload:
 
     # ---------------------------------------------------------------- the forward
     @contextmanager
-    def forwarding(self, numbers: list[Recomputed | None]) -> Iterator[None]:
+    def forwarding(self, cell: list[Recomputed | None]) -> Iterator[None]:
         """The checkpointed function's first run: number what it saves (on top of the checkpoint's hooks), so
-        that an unpack by the original graph knows which recomputed tensor it gets. ``numbers`` is a one-item
-        list the recompute fills with its record."""
+        that an unpack by the original graph knows which recomputed tensor it gets. ``cell`` is a one-item list
+        the recompute fills with its record."""
         outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
         if outer is None or not torch.is_grad_enabled():  # nothing is saved for a recompute to replace
             yield
@@ -125,9 +122,9 @@ class RecomputeOffload:
             return Saved(count[0] - 1, outer[0](tensor))
 
         def unpack(saved: Saved):
-            value = outer[1](saved.inner)  # the first unpack runs the recompute, which fills ``numbers``
-            if numbers[0] is not None:
-                self.ready(numbers[0], saved.index)
+            value = outer[1](saved.inner)  # the first unpack runs the recompute, which fills ``cell``
+            if cell[0] is not None:
+                self.ready(cell[0], saved.index)
             return value
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
@@ -135,25 +132,24 @@ class RecomputeOffload:
 
     # ---------------------------------------------------------------- the recompute
     @contextmanager
-    def recomputing(self, key: object, numbers: list[Recomputed | None]) -> Iterator[None]:
+    def recomputing(self, key: object, cell: list[Recomputed | None]) -> Iterator[None]:
         """The recompute of the checkpointed call ``key`` (its place in the forward and its function's kind,
         :func:`function_kind`): what it saves goes through here."""
         self._reclaim()
         record = Recomputed(key)
-        numbers[0] = record
+        cell[0] = record
         self._live.append(record)
         profile = self._profiles.get(key)
-        head = sum(profile) * (1 - KEEP_SHARE) if profile else float("inf")
+        head = profile * (1 - KEEP_SHARE) if profile else float("inf")
         outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
         transfers = self.transfers
 
         def pack(tensor: torch.Tensor) -> Saved:
-            index = len(record.sizes)
+            index = len(record.ends)
             eligible = self._eligible(tensor)
             nbytes = tensor.untyped_storage().nbytes() if eligible else 0
-            record.sizes.append(nbytes)
-            record.saved += nbytes
-            if eligible and record.saved <= head:
+            record.ends.append((record.ends[-1] if record.ends else 0) + nbytes)
+            if eligible and record.ends[-1] <= head:
                 own = tensor.detach().clone()  # ours alone: the recompute's code may read ``tensor`` again
                 self._keep_pace()
                 offload = record.sent[index] = transfers.send(own)  # a view's copy: its own bytes only
@@ -172,8 +168,7 @@ class RecomputeOffload:
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 yield
         finally:  # also when the checkpoint stops the recompute after its last saved tensor
-            self._profiles[key] = list(record.sizes)
-            record.ends = list(accumulate(record.sizes))
+            self._profiles[key] = record.ends[-1] if record.ends else 0
 
     def _keep_pace(self) -> None:
         """CUDA: the host waits for the device to reach where the host stood ``PACE`` sends or reads ago (see
@@ -187,18 +182,10 @@ class RecomputeOffload:
         self._marks.append(mark)
 
     def _eligible(self, tensor: torch.Tensor) -> bool:
+        """Activation offload's rule, less weights (a parameter, a view of one, a leaf that trains)."""
         if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
             return False
-        if tensor.requires_grad and tensor.is_leaf:
-            return False
-        storage = tensor.untyped_storage()
-        return (
-            tensor.is_floating_point()
-            and tensor.device.type == self.transfers.device.type
-            and storage.nbytes() >= self.transfers.min_bytes
-            and storage.nbytes() > 0
-            and storage.resizable()
-        )
+        return not (tensor.requires_grad and tensor.is_leaf) and self.transfers.eligible(tensor)
 
     # ---------------------------------------------------------------- the backward
     def ready(self, record: Recomputed, index: int) -> None:
@@ -213,7 +200,7 @@ class RecomputeOffload:
                 self._restore(offload)
             self.transfers.wait(offload)
             self.transfers.give_back(offload)
-        reached = record.ends[index] if index < len(record.ends) else 0
+        reached = record.ends[index]
         while record.unissued and record.unissued[-1] < index:
             earlier = record.unissued[-1]
             if reached - record.ends[earlier] > self.ahead_bytes:

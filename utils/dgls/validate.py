@@ -178,18 +178,20 @@ def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, 
     return DemoRun(path, settings, values, swap, device, dist, tuple(notes))
 
 
+_OFFLOADS = {  # the flags that need activation checkpointing, and what each sends to host memory
+    "offload_recompute": "what checkpointed layers' recomputes save",
+    "offload_activations": "the inputs checkpointed layers keep",
+}
+
+
 def _offload_needs_checkpointing(resolved: options.Resolved, values: dict, where: str) -> None:
-    """Activation offload without activation checkpointing (``where`` says where it is off): refused."""
-    if values["offload_recompute"]:
-        raise DGLSUserError(
-            f"{resolved.label('offload_recompute')} sends what checkpointed layers' recomputes save to host memory, "
-            f"and {where}: turn activation checkpointing on, or drop the flag"
-        )
-    if values["offload_activations"]:
-        raise DGLSUserError(
-            f"{resolved.label('offload_activations')} sends the inputs checkpointed layers keep to host memory, "
-            f"and {where}: turn activation checkpointing on, or drop the flag"
-        )
+    """Activation checkpointing is off (``where`` says where): an offload flag that needs it is refused."""
+    for name, what in _OFFLOADS.items():
+        if values[name]:
+            raise DGLSUserError(
+                f"{resolved.label(name)} sends {what} to host memory, and {where}: turn activation checkpointing "
+                "on, or drop the flag"
+            )
 
 
 def _host_adam_unused(resolved: options.Resolved, path: str) -> None:
