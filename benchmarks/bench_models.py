@@ -72,6 +72,12 @@ def parser() -> argparse.ArgumentParser:
         help="offload rows: offload_recompute off, on, or a row of each",
     )
     p.add_argument(
+        "--keep_piece_outputs",
+        choices=("off", "on", "both"),
+        default="off",
+        help="offload rows with checkpoint_units: keep_piece_outputs off, on, or a row of each",
+    )
+    p.add_argument(
         "--memory_cap_gib",
         type=float,
         default=None,
@@ -119,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
             unit_mb=args.unit_mb,
             checkpoint_units=args.checkpoint_units,
             offload_recompute=args.offload_recompute,
+            keep_piece_outputs=args.keep_piece_outputs,
             memory_cap_gib=args.memory_cap_gib,
             budget_offload=args.budget_offload,
             **defaults,

@@ -100,6 +100,7 @@ class Options:
     unit_mb: str = "0"  # offload: swap-unit sizes in MB, a row each (0: whole layers)
     checkpoint_units: str = "off"  # offload and vram_budget rows: checkpoint_units off, on, or a row of each
     offload_recompute: str = "off"  # offload rows: offload_recompute off, on, or a row of each
+    keep_piece_outputs: str = "off"  # offload rows with checkpoint_units: keep_piece_outputs off, on, or both
     memory_cap_gib: float | None = None  # offload rows: the process may hold at most this much device memory
     budget_offload: str = "auto"  # vram_budget rows: offload_activations unset (auto), on, or off
 
@@ -202,6 +203,7 @@ class Methods:
             "hit_rate": min(s.hit_rate for s in stats) if stats else 1.0,
             "misses_per_step": statistics.median(s.misses for s in stats) if stats else 0,
             "activations_home_gib": statistics.median(s.activation_bytes for s in stats) / GiB if stats else 0.0,
+            "pinned_gib": swapper.pinned_bytes / GiB,  # weights, activation buffers pooled and waiting
             **peaks(self.device),
         }
 
@@ -422,18 +424,25 @@ class Methods:
         recomputes = _rows_of(self.options.offload_recompute)
         for unit in parse_list(self.options.unit_mb):
             for checkpoint_units in self._checkpoint_units():
-                for recompute in recomputes:
+                keeps = _rows_of(self.options.keep_piece_outputs) if checkpoint_units else (False,)
+                for recompute, keep in ((r, k) for r in recomputes for k in keeps):
                     units = f", swap units <= {float(unit):g} MB" if float(unit) else ""
                     units += ", checkpoint_units" if checkpoint_units else ""
+                    units += ", keep_piece_outputs" if keep else ""
                     units += ", offload_recompute" if recompute else ""
                     cap = self.options.memory_cap_gib
                     units += f", device memory capped at {cap:g} GiB" if cap else ""
                     name = f"DGLS + offload_activations (blocks_to_swap={n}, prefetch={prefetch}{units})"
-                    measure = partial(self.measure_offload, n, float(unit), checkpoint_units, recompute)
+                    measure = partial(self.measure_offload, n, float(unit), checkpoint_units, recompute, keep)
                     yield Case("offload", name, measure)
 
     def measure_offload(
-        self, blocks_to_swap: int, unit_mb: float, checkpoint_units: bool = False, recompute: bool = False
+        self,
+        blocks_to_swap: int,
+        unit_mb: float,
+        checkpoint_units: bool = False,
+        recompute: bool = False,
+        keep_outputs: bool = False,
     ):
         place(self.bench.layers, self.device)
         prefetch = self.options.prefetch
@@ -444,6 +453,7 @@ class Methods:
             offload_recompute=recompute,
             swap_unit_mb=unit_mb,
             checkpoint_units=checkpoint_units,
+            keep_piece_outputs=keep_outputs,
         )
         with (
             LayerSwapper(self.bench.layers, config, self.device, log=None) as swapper,
@@ -458,6 +468,7 @@ class Methods:
                 "unit_mb": unit_mb,
                 "checkpoint_units": checkpoint_units,
                 "offload_recompute": recompute,
+                "keep_piece_outputs": keep_outputs,
                 "slot_mib": _slot_mib(swapper),
             }
             return times, {**self.swap_figures(swapper, stats), **figures}

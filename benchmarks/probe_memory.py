@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--unit_mb", type=float, default=0.0)
     p.add_argument("--checkpoint_units", action="store_true")
     p.add_argument("--offload_recompute", action="store_true")
+    p.add_argument("--keep_piece_outputs", action="store_true")
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
             offload_recompute=args.offload_recompute,
             swap_unit_mb=args.unit_mb,
             checkpoint_units=args.checkpoint_units,
+            keep_piece_outputs=args.keep_piece_outputs,
         )
         with LayerSwapper(bench.layers, config, device, log=None) as swapper:
             ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=False))
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.memory._record_memory_history(enabled=None)
             lines = [
                 f"{bench.title}: {bench.shape}; unit_mb {args.unit_mb:g}, checkpoint_units {args.checkpoint_units}, "
-                f"offload_recompute {args.offload_recompute}",
+                f"offload_recompute {args.offload_recompute}, keep_piece_outputs {args.keep_piece_outputs}",
                 f"max_memory_allocated {torch.cuda.max_memory_allocated(device) / MiB:.0f} MiB, "
                 f"max_memory_reserved {torch.cuda.max_memory_reserved(device) / MiB:.0f} MiB",
                 *replay(before, after["device_traces"][device.index or 0]),
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     text = "\n".join(lines)
     print(text)
     tag = f"{args.model}{args.latent_frames}_u{args.unit_mb:g}{'_cu' if args.checkpoint_units else ''}"
-    tag += "_rc" if args.offload_recompute else ""
+    tag += ("_rc" if args.offload_recompute else "") + ("_keep" if args.keep_piece_outputs else "")
     (args.out / f"probe_memory_{tag}.txt").write_text(text + "\n")
 
 

@@ -91,11 +91,12 @@ TABLES: dict[str, Table] = {
             ("compute waited (ms)", _key("wait_ms", ".0f")),
             ("activations home GiB", _key("activations_home_gib", ".2f")),
             ("slot MiB", _key("slot_mib", ".0f")),
+            ("pinned host GiB", _key("pinned_gib", ".1f")),
             PEAK_ALLOC,
             ("peak reserved GiB", _key("peak_reserved_gib", ".2f")),
         ),
         rows=lambda result: [r for r in result["rows"] if "median_step_s" in r],
-        optional=("activations home GiB", "slot MiB"),
+        optional=("activations home GiB", "slot MiB", "pinned host GiB"),
     ),
     "fp8": Table(
         columns=(

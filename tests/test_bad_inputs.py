@@ -255,8 +255,18 @@ CASES = [
     Case(
         "demo-recompute-offload-without-activation-offload",
         demo("--offload_recompute", "--no-offload_activations"),
-        "offload_recompute sends what recomputes save home with the activation offload: drop "
-        "offload_activations = false",
+        "offload_recompute sends its tensors home with the activation offload: drop offload_activations = false",
+    ),
+    Case(
+        "demo-keep-piece-outputs-without-checkpoint-units",
+        demo("--keep_piece_outputs"),
+        "keep_piece_outputs keeps the outputs of the pieces checkpoint_units checkpoints: turn checkpoint_units on",
+    ),
+    Case(
+        "demo-keep-piece-outputs-without-checkpointing",
+        demo("--keep_piece_outputs", "--checkpoint_units", activation_checkpointing=False),
+        "--keep_piece_outputs sends the outputs of checkpointed layers' pieces to host memory, and [demo] "
+        "activation_checkpointing = false",
     ),
     Case(
         "dp-offload-without-checkpointing",

@@ -302,3 +302,16 @@ def test_offload_rows_with_and_without_recompute_offload(tmp_path):
     assert set(rows) == {False, True} and all(r["checkpoint_units"] for r in rows.values())
     assert "offload_recompute" in rows[True]["method"] and "offload_recompute" not in rows[False]["method"]
     assert rows[True]["activations_home_gib"] > rows[False]["activations_home_gib"] > 0
+
+
+@pytest.mark.slow
+def test_offload_rows_with_and_without_kept_piece_outputs(tmp_path):
+    """``--keep_piece_outputs both --checkpoint_units both``: a row each with checkpoint_units, none without it (the
+    option needs it); the kept outputs go home beside the block inputs, and every row reports its pinned host RAM."""
+    argv = ["--model", "wan", *TINY, "--methods", "offload", "--keep_piece_outputs", "both", "--checkpoint_units"]
+    result = bench_models.main([*argv, "both", "--strict", "--results_dir", str(tmp_path)])
+    rows = {(r["checkpoint_units"], r["keep_piece_outputs"]): r for r in result["rows"]}
+    assert set(rows) == {(False, False), (True, False), (True, True)}
+    assert "keep_piece_outputs" in rows[True, True]["method"]
+    assert rows[True, True]["activations_home_gib"] > rows[True, False]["activations_home_gib"] > 0
+    assert all(r["pinned_gib"] >= 0 for r in rows.values())  # page-locked on CUDA only

@@ -216,17 +216,26 @@ def test_quick_start_commands_are_what_ci_runs():
 
 
 def test_demo_offloading_activations_trains_the_same_lora(tmp_path, user_env, capsys):
-    """dgls_train.py --offload_activations (and --offload_recompute) on the demo: DeepSpeed's pipeline calls the
-    wrapped checkpoint, the step lines say how much went home, and the LoRA is bitwise the one trained without it."""
+    """dgls_train.py --offload_activations (and --offload_recompute, and --checkpoint_units --keep_piece_outputs) on
+    the demo: DeepSpeed's pipeline calls the wrapped checkpoint, the step lines say how much went home, and the LoRA
+    is bitwise the one trained without it."""
     loras = {}
-    for name, flags in (("plain", []), ("offload", ["--offload_activations"]), ("recompute", ["--offload_recompute"])):
+    runs = {
+        "plain": [],
+        "offload": ["--offload_activations"],
+        "recompute": ["--offload_recompute"],
+        "kept": ["--checkpoint_units", "--keep_piece_outputs"],
+    }
+    for name, flags in runs.items():
         config = demo_toml(tmp_path / name, steps=3)
         code, out, err = run_in_process(["--config", str(config), "--verbose", *flags], capsys)
         assert code == 0, err
         if flags:
             assert "activations home" in out
+        if name == "kept":
+            assert "their outputs wait in host memory for their layer's recompute" in out
         (saved,) = (tmp_path / name / "out").glob("*/adapter_model.safetensors")
         loras[name] = load_file(str(saved))
-    for name in ("offload", "recompute"):
+    for name in ("offload", "recompute", "kept"):
         assert loras["plain"].keys() == loras[name].keys()
         assert all(torch.equal(loras["plain"][k], loras[name][k]) for k in loras["plain"]), name

@@ -13,6 +13,7 @@ import gc
 import random
 import weakref
 from contextlib import nullcontext
+from functools import partial
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
+from utils.dgls.activation_offload import ActivationOffloader
 from utils.dgls.copier import DeferredCopier
 from utils.dgls.hooks import HookAdapter
 from utils.dgls.layout import measure
@@ -61,7 +63,7 @@ def split_run(mode, prefetch=1, seed=None, **config):
             rng = random.Random(seed)
             swapper._victim = lambda candidates: rng.choice(candidates)
         ckpt = checkpoint_for(mode)
-        if config.offload_activations or config.offload_recompute:
+        if config.offload_activations or config.offload_recompute or config.keep_piece_outputs:
             ckpt = swapper.checkpoint_function(ckpt or (lambda f, *a: checkpoint(f, *a, use_reentrant=False)))
         return train(layers, trainable, CPU, loop_mode(mode), checkpoint_fn=ckpt)
 
@@ -189,6 +191,36 @@ def test_recompute_offload_with_swap_units_and_random_slots_stays_exact(referenc
         assert_bitwise_equal(references(mode), got)
 
 
+@pytest.mark.parametrize("mode", ["nonreentrant", "reentrant", "unsloth"])
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+@pytest.mark.parametrize("unit_mb", [UNIT_MB, 0])
+def test_kept_piece_outputs_train_bitwise_the_same(references, mode, prefetch, unit_mb):
+    """keep_piece_outputs: the layer's recompute takes its pieces' outputs from the forward (sent home with its
+    inputs and back, or kept on the device for the last ``prefetch``), each piece runs again only for its
+    backward; with random slot choice, and with recompute offload on top."""
+    for seed, recompute in ((None, False), (0, True)):
+        got = split_run(
+            mode,
+            prefetch=prefetch,
+            seed=seed,
+            checkpoint_units=True,
+            keep_piece_outputs=True,
+            offload_recompute=recompute,
+            swap_unit_mb=unit_mb,
+        )
+        assert_bitwise_equal(references(mode), got)
+
+
+@pytest.mark.parametrize("mode", ["nonreentrant", "reentrant"])
+def test_mutation_a_recompute_taking_a_kept_output_before_its_restore_landed_fails(references, mode, monkeypatch):
+    """The deferred CPU restore fills a storage with NaN until it is waited for: without the wait for the kept
+    outputs' restores (the inputs' still waited), the recompute returns NaN."""
+    wait = ActivationOffloader.wait
+    monkeypatch.setattr(ActivationOffloader, "wait", lambda self, o: None if o.output else wait(self, o))
+    got = split_run(mode, prefetch=1, checkpoint_units=True, keep_piece_outputs=True, swap_unit_mb=0)
+    assert any(torch.isnan(loss).any() for loss in got.losses)
+
+
 @pytest.mark.parametrize("unit_mb", [UNIT_MB, 0])
 def test_every_piece_runs_again_in_backward_and_remove_puts_the_class_forward_back(unit_mb):
     layers, trainable = make_layers()
@@ -217,25 +249,142 @@ def test_layers_are_cut_at_half_their_size_skipping_modules_that_keep_only_their
     assert checkpoint_pieces(nn.LayerNorm(8, elementwise_affine=False)) == []
 
 
+def counted_step(mode, keep):
+    """One micro-batch with swap units as pieces: (class-forward runs of pieces, uses of piece entries, replays,
+    pieces)."""
+    layers, trainable = make_layers()
+    config = SwapConfig(prefetch=1, swap_unit_mb=UNIT_MB, checkpoint_units=True, keep_piece_outputs=keep)
+    with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
+        entries = {p.entry for p in swapper.pieces if p.is_entry}
+        uses, runs, use = [], [], swapper.use
+        swapper.use = lambda idx, phase: (uses.append(idx), use(idx, phase))[1]
+        for wrapper in swapper._unit_checkpoints._installed:
+            wrapper.forward = lambda *a, _f=wrapper.forward, **k: (runs.append(1), _f(*a, **k))[1]
+        ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=mode == "reentrant"))
+        train(layers, trainable, CPU, mode, steps=1, accumulate=1, eval_between=False, checkpoint_fn=ckpt)
+        return len(runs), sum(idx in entries for idx in uses), swapper._unit_checkpoints.replayed, len(swapper.pieces)
+
+
+@pytest.mark.parametrize("mode", ["nonreentrant", "reentrant"])
+def test_kept_outputs_run_each_piece_once_fewer_and_its_recompute_starts_no_use(mode):
+    """keep_piece_outputs: a piece runs in the forward and for its backward, not in its layer's recompute, and
+    the engine starts no use of a swap unit there (so no copy brings its weights)."""
+    runs_off, uses_off, none, _ = counted_step(mode, False)
+    runs_on, uses_on, replayed, pieces = counted_step(mode, True)
+    assert none == 0 and replayed == pieces, "every piece of every block, once per micro-batch"
+    assert runs_on == runs_off - replayed
+    assert uses_on < uses_off  # units replayed start no use (pieces that are not entries had none to skip)
+
+
+class Gate(nn.Module):
+    """A piece taking ``None`` and a keyword argument, drawing random numbers, returning ``None`` beside a tensor
+    that its own backward reads (a sigmoid saves its output: the rerun's output must not be freed)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x, mask=None, *, scale):
+        assert mask is None
+        return torch.sigmoid(F.dropout(self.mlp(x), 0.5, training=True) * scale), None
+
+
+class RandomBlock(nn.Module):
+    """Two pieces, with random draws in them and between them (the layer's own dropout)."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.first, self.second = Gate(width), Gate(width)
+
+    def forward(self, x):
+        x = x + self.first(x, None, scale=x[:, :1])[0]
+        x = F.dropout(x, 0.25, training=True)
+        return x + self.second(x, scale=x[:, 1:2])[0]
+
+
+@pytest.mark.parametrize("mode", ["nonreentrant", "reentrant"])
+def test_kept_outputs_reproduce_random_draws_none_arguments_and_keywords(mode):
+    """Kept outputs, bitwise as plain per-layer checkpointing: each piece's rerun draws the dropout mask of its
+    first run, the recompute leaves the RNG where the skipped piece left it (the layer's own dropout after it
+    draws the same), and ``None`` inputs, keyword inputs and a ``None`` output pass through."""
+
+    def run(keep):
+        torch.manual_seed(0)
+        layers = [RandomBlock() for _ in range(3)]
+        for p in (p for layer in layers for p in layer.parameters()):
+            p.requires_grad_(False)
+        x = torch.randn(4, 64, requires_grad=True)
+        ckpt = partial(checkpoint, use_reentrant=mode == "reentrant")
+        config = SwapConfig(prefetch=1, checkpoint_units=True, keep_piece_outputs=True)
+        with LayerSwapper(layers, config, device=CPU, log=None) if keep else nullcontext() as swapper:
+            ckpt = swapper.checkpoint_function(ckpt) if keep else ckpt
+            torch.manual_seed(1)
+            h = x
+            for layer in layers:
+                h = ckpt(layer, h)
+            h.square().sum().backward()
+            assert not keep or swapper._unit_checkpoints.replayed == 6
+        return h.detach(), x.grad
+
+    (out, grad), (kept_out, kept_grad) = run(False), run(True)
+    assert torch.equal(out, kept_out) and torch.equal(grad, kept_grad)
+
+
+class ReordersInRecompute(nn.Module):
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.first, self.second = Gate(width), Gate(width)
+
+    def forward(self, x):
+        order = (
+            (self.second, self.first) if torch._C._current_autograd_node() is not None else (self.first, self.second)
+        )
+        for piece in order:
+            x = x + piece(x, scale=1.0)[0]
+        return x
+
+
+def test_a_recompute_calling_its_pieces_in_another_order_is_one_line():
+    layers = [ReordersInRecompute().requires_grad_(False) for _ in range(2)]
+    x = torch.randn(4, 64, requires_grad=True)
+    config = SwapConfig(prefetch=1, checkpoint_units=True, keep_piece_outputs=True)
+    with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
+        ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=False))
+        h = x
+        for layer in layers:
+            h = ckpt(layer, h)
+        with pytest.raises(DGLSUserError, match="called its pieces in another order than its forward did"):
+            h.sum().backward()
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["rerun", "keep_piece_outputs"])
 @pytest.mark.parametrize("unit_mb", [UNIT_MB, 0])
-def test_checkpointed_units_in_eval_and_full_fine_tuning(unit_mb):
+def test_checkpointed_units_in_eval_and_full_fine_tuning(unit_mb, keep):
     reference_layers, _ = make_layers()
     layers, _ = make_layers()
     data = train.__globals__["SyntheticLatents"](SMALL, samples=2, image_tokens=4, text_tokens=2, seed=0)
     inputs, _ = next(data.batches(2, torch.float32, CPU))
-    config = SwapConfig(swap_unit_mb=unit_mb, checkpoint_units=True)
+    config = SwapConfig(swap_unit_mb=unit_mb, checkpoint_units=True, keep_piece_outputs=keep)
     with torch.no_grad():
         expected = run_layers(reference_layers, inputs, "none")
         with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
-            assert torch.equal(run_layers(layers, inputs, "none"), expected)
-            assert swapper._unit_checkpoints.reruns == 0
+            ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=False))
+            assert torch.equal(run_layers(layers, inputs, "nonreentrant", ckpt), expected)
+            assert swapper._unit_checkpoints.reruns == swapper._unit_checkpoints.replayed == 0
     layers = full_layers()
     config = SwapConfig(
-        host_optimizer=SPEC, accumulation_steps=2, prefetch=2, swap_unit_mb=unit_mb, checkpoint_units=True
+        host_optimizer=SPEC,
+        accumulation_steps=2,
+        prefetch=2,
+        swap_unit_mb=unit_mb,
+        checkpoint_units=True,
+        keep_piece_outputs=keep,
     )
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
         names = host_trained_names(layers, swapper)
-        record = train_dgls(layers, swapper, CPU, "nonreentrant")
+        ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=False)) if keep else None
+        record = train_dgls(layers, swapper, CPU, "nonreentrant", checkpoint_fn=ckpt)
+        assert swapper._unit_checkpoints.replayed > 0 or not keep
     assert_same(record, train_reference(full_layers(), names, CPU, "nonreentrant"))
 
 

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from utils.dgls import LayerSwapper, SwapConfig
+from utils.dgls.activation_offload import ActivationOffloader
 from utils.dgls.copier import CudaCopier
 
 pytestmark = pytest.mark.gpu
@@ -67,11 +68,16 @@ def split_run(
     compute_ms=5.0,
     checkpoint_units=False,
     unit_mb=UNIT_MB,
+    keep_outputs=False,
 ):
     delay_copies(monkeypatch, 20.0)
     layers, trainable = fresh(template)
     config = SwapConfig(
-        prefetch=prefetch, swap_unit_mb=unit_mb, offload_activations=offload, checkpoint_units=checkpoint_units
+        prefetch=prefetch,
+        swap_unit_mb=unit_mb,
+        offload_activations=offload,
+        checkpoint_units=checkpoint_units,
+        keep_piece_outputs=keep_outputs,
     )
     with LayerSwapper(layers, config, device=device(), log=None) as swapper:
         holders = sum(entry.holder for entry in swapper.entries)
@@ -87,6 +93,8 @@ def split_run(
         record = train(layers, trainable, device(), loop_mode(mode), dtype=BF16, cfg=FLUX_WIDTH, checkpoint_fn=ckpt)
         if offload:
             assert swapper.total_stats(sync=True).activation_bytes > 0
+        if keep_outputs:
+            assert swapper._unit_checkpoints.replayed > 0
     return record
 
 
@@ -108,6 +116,31 @@ def test_checkpointed_units_with_delays_stay_bitwise_equal(template, references,
     offload = mode in ("nonreentrant", "unsloth")
     got = split_run(template, mode, monkeypatch, offload=offload, checkpoint_units=True, unit_mb=unit_mb)
     assert_bitwise_equal(references(mode), got)
+
+
+@pytest.mark.parametrize(
+    "mode, unit_mb, prefetch",
+    [(mode, unit_mb, 1) for mode in MODES[1:] for unit_mb in (UNIT_MB, 0)] + [("nonreentrant", UNIT_MB, 2)],
+)
+def test_kept_piece_outputs_with_delays_stay_bitwise_equal(template, references, monkeypatch, mode, unit_mb, prefetch):
+    """keep_piece_outputs: the pieces' outputs go home with their block's inputs (10 ms behind every copy, restores
+    poisoned until they land) and the blocks' recomputes take them instead of running the pieces."""
+    got = split_run(
+        template, mode, monkeypatch, prefetch, True, checkpoint_units=True, unit_mb=unit_mb, keep_outputs=True
+    )
+    assert_bitwise_equal(references(mode), got)
+
+
+def test_a_recompute_that_does_not_wait_for_a_kept_output_differs(template, references, monkeypatch):
+    """Only the kept outputs' restores go unwaited (the canary); compute runs without delays, so the recompute
+    returns a kept output whose storage still holds the NaN bytes of a restore 10 ms from landing."""
+    wait = ActivationOffloader.wait
+    monkeypatch.setattr(ActivationOffloader, "wait", lambda self, o: None if o.output else wait(self, o))
+    got = split_run(
+        template, "nonreentrant", monkeypatch, 1, True, 0.0, checkpoint_units=True, unit_mb=0, keep_outputs=True
+    )
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(references("nonreentrant"), got)
 
 
 class MLPBlock(nn.Module):

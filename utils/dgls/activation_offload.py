@@ -53,7 +53,9 @@ Hazards handled
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -76,6 +78,7 @@ class Offload:
     restoring: torch.cuda.Event | None = None  # the host-to-device copy, once issued
     pending_cpu: bool = False  # CPU: the restore's bytes are still to be written
     restored: bool = False
+    output: bool = False  # a checkpointed piece's kept output (comes back one segment later than inputs)
 
 
 @dataclass(eq=False)
@@ -85,6 +88,7 @@ class Segment:
     storages: dict[int, weakref.ref]  # storage identity -> a tensor on it (those eligible to go home)
     previous: Segment | None  # the call before it in the forward (cut once this one was recomputed)
     position: int = 0  # its place among the forward's checkpointed calls
+    outputs: set[int] = field(default_factory=set)  # storages in ``storages`` that are pieces' kept outputs
     offloads: list[Offload] = field(default_factory=list)
     done: bool = False
 
@@ -125,6 +129,7 @@ class ActivationOffloader:
         self.largest_segment = 0
         # What checkpointed layers' recomputes save goes home too (recompute_offload.py), on these streams
         self.recompute = RecomputeOffload(self) if recompute else None
+        self.calling: CheckpointedCall | None = None  # the checkpointed call whose function runs now
 
     # ---------------------------------------------------------------- public
     def wrap(self, checkpoint: Callable) -> Callable:
@@ -134,7 +139,7 @@ class ActivationOffloader:
             if not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
                 return checkpoint(function, *args, **kwargs)
             segment = self._enter(args, kwargs)
-            return checkpoint(_Recompute(self, segment, function), *args, **kwargs)
+            return checkpoint(CheckpointedCall(self, segment, function), *args, **kwargs)
 
         dgls_checkpoint.__wrapped__ = checkpoint  # type: ignore[attr-defined]
         return dgls_checkpoint
@@ -193,12 +198,22 @@ class ActivationOffloader:
             and storage.resizable()
         )
 
+    def keep_output(self, segment: Segment, tensors: list[torch.Tensor]) -> None:
+        """A piece's outputs, kept for the recompute of ``segment`` (:mod:`.unit_checkpoints`), go home with the
+        segment's inputs (those worth a copy; the rest stay on the device)."""
+        for tensor in tensors:
+            if self.eligible(tensor):
+                key = _storage_key(tensor)
+                segment.storages[key] = weakref.ref(tensor)
+                segment.outputs.add(key)
+
     def _offload(self, segment: Segment) -> None:
-        for ref in segment.storages.values():
+        for key, ref in segment.storages.items():
             tensor = ref()
             if tensor is None or tensor.untyped_storage().nbytes() == 0:
                 continue
             segment.offloads.append(self.send(tensor))
+            segment.offloads[-1].output = key in segment.outputs
         segment.storages.clear()
         if segment.offloads:
             self._live.append(segment)
@@ -234,8 +249,10 @@ class ActivationOffloader:
 
     # ---------------------------------------------------------------- backward
     def before_recompute(self, segment: Segment) -> None:
-        """The checkpoint runs ``segment``'s function again: its inputs must be on the device; the
-        segments before it (the backward's next) start coming back."""
+        """The checkpoint runs ``segment``'s function again: its inputs (and its pieces' kept outputs) must be on
+        the device; the segments before it (the backward's next) start coming back: the inputs of ``ahead`` of
+        them, the kept outputs of one fewer (they are read only by the recompute, not before it, and a segment's
+        outputs can outweigh its inputs: a Wan block's three pieces' outputs are 1.5 times its input)."""
         if segment in self._recent:  # its inputs never left (one of the last ``keep``)
             self._recent.remove(segment)
         for offload in segment.offloads:
@@ -244,10 +261,11 @@ class ActivationOffloader:
         self._release(segment)
         ahead, earlier = 0, segment.previous
         while earlier is not None and ahead < self.ahead:
+            ahead += 1
             if not earlier.done:
                 for offload in earlier.offloads:
-                    self.start_restore(offload)
-            ahead += 1
+                    if not offload.output or ahead < self.ahead:
+                        self.start_restore(offload)
             earlier = earlier.previous
         segment.previous = None  # the chain of a long run stays as short as one forward
 
@@ -330,13 +348,24 @@ class ActivationOffloader:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin), None
 
 
-class _Recompute:
-    """The checkpointed function, with the restore in front of its second run, and with recompute offload
-    (:mod:`.recompute_offload`) the saved-tensor hooks of both runs."""
+class CheckpointedCall:
+    """One checkpointed call: the function the checkpoint runs, with the restore in front of its second run
+    (the recompute), and with recompute offload (:mod:`.recompute_offload`) the saved-tensor hooks of both
+    runs. While either run is on, it is the offloader's ``calling``: pieces under checkpoints of their own
+    (:mod:`.unit_checkpoints`) keep their outputs in ``outputs`` in the first run and take them back, in the same
+    order, in the recompute. It lives as long as the checkpoint's graph, so kept outputs of a graph dropped
+    without a backward are freed with it."""
 
     def __init__(self, offloader: ActivationOffloader, segment: Segment, function: Callable) -> None:
         self.offloader, self.segment, self.function = offloader, segment, function
         self.record: list[Recomputed | None] = [None]  # the recompute's saved tensors, once it ran
+        self.recomputing = False
+        self.outputs: deque = deque()  # the pieces' kept runs (unit_checkpoints.KeptRun), in forward order
+
+    def keep(self, kept, tensors: list[torch.Tensor]) -> None:
+        """A piece's output from the first run, for the recompute; its ``tensors`` go home with the inputs."""
+        self.outputs.append(kept)
+        self.offloader.keep_output(self.segment, tensors)
 
     def __call__(self, *args, **kwargs):
         recompute = self.offloader.recompute
@@ -344,13 +373,17 @@ class _Recompute:
         if in_backward:
             self.offloader.before_recompute(self.segment)
         if recompute is None:
-            return self.function(*args, **kwargs)
-        if in_backward:
+            hooks = nullcontext()
+        elif in_backward:
             hooks = recompute.recomputing((self.segment.position, function_kind(self.function)), self.record)
         else:
             hooks = recompute.forwarding(self.record)
-        with hooks:
-            return self.function(*args, **kwargs)
+        outer, self.offloader.calling, self.recomputing = self.offloader.calling, self, in_backward
+        try:
+            with hooks:
+                return self.function(*args, **kwargs)
+        finally:
+            self.offloader.calling = outer
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:

@@ -75,6 +75,10 @@ class SwapConfig:
     # (utils/dgls/unit_checkpoints.py): a layer's backward holds one piece's activations at a time, for one
     # more forward of each piece per step.
     checkpoint_units: bool = False
+    # With checkpoint_units: each piece's output from a checkpointed layer's forward waits in host memory with the
+    # layer's inputs, and the layer's recompute takes it instead of running the piece (checkpoint_units' extra
+    # forward is gone, for the outputs' size in pinned host RAM); turns offload_activations on.
+    keep_piece_outputs: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -99,10 +103,16 @@ class SwapConfig:
             raise DGLSUserError(f"cuda_streams must be a whole number >= 1, got {self.cuda_streams!r}")
         if not _finite(self.selective_packing) or self.selective_packing < 0:
             raise DGLSUserError(f"selective_packing is a size in MB >= 0, got {self.selective_packing!r}")
-        if self.offload_recompute and self.offload_activations is False:
+        for name in ("offload_recompute", "keep_piece_outputs"):
+            if getattr(self, name) and self.offload_activations is False:
+                raise DGLSUserError(
+                    f"{name} sends its tensors home with the activation offload: drop offload_activations = false "
+                    f"(--no-offload_activations), or drop {name}"
+                )
+        if self.keep_piece_outputs and not self.checkpoint_units:
             raise DGLSUserError(
-                "offload_recompute sends what recomputes save home with the activation offload: drop "
-                "offload_activations = false (--no-offload_activations), or drop offload_recompute"
+                "keep_piece_outputs keeps the outputs of the pieces checkpoint_units checkpoints: turn "
+                "checkpoint_units on (--checkpoint_units), or drop keep_piece_outputs"
             )
         unit = self.swap_unit_mb
         if unit is not None and (not _finite(unit) or unit < 0):

@@ -31,7 +31,7 @@ saved tensors go through ``pack``: a view of a slot is replaced by a :class:`Slo
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -110,6 +110,9 @@ class HookAdapter:
         self._handles: list = []
         self._saved_hooks: list = []  # pushed in a pre-hook, popped in the post hook (recompute nests them)
         self._queued = False
+        # A module whose next call runs nothing of its own (a piece whose layer's recompute takes its kept
+        # output, :meth:`~.unit_checkpoints.UnitCheckpoints.replays`): no use starts. Set by the swapper.
+        self.replays: Callable[[nn.Module], bool] = lambda module: False
 
     def install(self) -> None:
         for idx, module in modules_of(self.layers):
@@ -123,6 +126,9 @@ class HookAdapter:
 
     # ---------------------------------------------------------------- module hooks
     def _pre_forward(self, idx: int, module: nn.Module, args) -> None:
+        if self.replays(module):
+            self._saved_hooks.append(None)
+            return
         phase = current_phase()
         self.engine.use(idx, phase)
         if phase is Phase.BACKWARD:

@@ -223,6 +223,17 @@ OPTIONS: tuple[Option, ...] = (
         "streaming",
     ),
     Option(
+        "keep_piece_outputs",
+        "bool",
+        False,
+        "with --checkpoint_units: send each piece's output from a checkpointed layer's forward to host memory with "
+        "the layer's inputs, and let the layer's recompute take it instead of running the piece again, so "
+        "--checkpoint_units costs no extra forward; their size in pinned host RAM (Wan-14B at 81 frames: about "
+        "1 GB a block); turns --offload_activations on; needs activation checkpointing",
+        "--checkpoint_units makes steps slower and host RAM has room",
+        "streaming",
+    ),
+    Option(
         "batch_move",
         "bool",
         False,
@@ -561,6 +572,7 @@ def swap_config(values: dict[str, Any]) -> SwapConfig:
         "offload_recompute",
         "swap_unit_mb",
         "checkpoint_units",
+        "keep_piece_outputs",
         "batch_move",
         "cuda_streams",
         "selective_packing",

@@ -13,7 +13,7 @@ Why
 What goes home
     Every tensor that autograd saves during a recompute passes through this module's saved-tensor hooks
     (:meth:`RecomputeOffload.recomputing`), pushed by activation offload's wrapper of the checkpointed function
-    (``_Recompute``) on top of the checkpoint's own hooks. One is sent home if it is floating point, at least
+    (``CheckpointedCall``) on top of the checkpoint's own hooks. One is sent home if it is floating point, at least
     ``min_bytes``, not a parameter or a view of one, and saved before the last ``KEEP_SHARE`` of the bytes
     that the previous recompute of the same call saved (the same place among the forward's checkpointed calls,
     the same function). The tail stays, since the backward reads it first. The first recompute of each call
@@ -68,7 +68,11 @@ if TYPE_CHECKING:
 
 KEEP_SHARE = 1 / 3  # of a recompute's saved bytes, the last third stays on the device: on a Wan-14B block at 81
 # frames its backward's first reads (the MLP's), while the rest is still on its way home
-AHEAD_BYTES = 2**30  # a sent tensor comes back once the backward reads one saved at most this many bytes after it
+# A sent tensor comes back once the backward reads one saved at most this many bytes after it. 1 GiB until
+# keep_piece_outputs, whose peak is a piece's backward with the restores ahead on the device: the 8 GiB-capped
+# Wan run at 81 frames (benchmarks/results/wan_fit_81f_keep_cap8.md) ran with 512 MiB (not measured apart from
+# that run's other change, the rerun output freed before its backward).
+AHEAD_BYTES = 2**29
 PACE = 2  # the host stays at most this many sent or read-back tensors ahead of the device (see Pace)
 
 

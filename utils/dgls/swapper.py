@@ -43,7 +43,10 @@ Hazards handled
       on separate streams and never share a buffer. With a VRAM budget (on CUDA, unless it is False) the
       probe sends all but the last ``prefetch`` home and each plan keeps as many on the device as the
       budget has room for (:meth:`apply_placement`'s ``kept_activations``). ``offload_recompute`` (which turns
-      it on) also sends home what each recompute saves for its layer's backward (:mod:`.recompute_offload`).
+      it on) also sends home what each recompute saves for its layer's backward (:mod:`.recompute_offload`);
+      ``keep_piece_outputs`` (which turns it on too) sends home the outputs of ``checkpoint_units``' pieces
+      with their layer's inputs, and the layer's recompute takes them instead of running the pieces
+      (:mod:`.unit_checkpoints`).
 """
 
 from __future__ import annotations
@@ -219,9 +222,13 @@ class LayerSwapper:
         self._hooks.install()
         self._unit_checkpoints: UnitCheckpoints | None = None
         if self.pieces:
-            hooks = self._hooks
-            self._unit_checkpoints = UnitCheckpoints(self.pieces, hooks.saved_tensor_hooks, hooks.use_inside)
+            hooks, offloader = self._hooks, self.activations
+            calling = (lambda: offloader.calling) if self.config.keep_piece_outputs else None
+            self._unit_checkpoints = UnitCheckpoints(
+                self.pieces, hooks.saved_tensor_hooks, hooks.use_inside, self.device, calling
+            )
             self._unit_checkpoints.install()
+            hooks.replays = self._unit_checkpoints.replays
         compile_backend = self.config.compile_backend if self.config.compile_resident else None
         self._patches = ForwardPatches(self.layers, self.device, self.config.autocast, compile_backend)
         self._patches.placement_changed(self._runs_eager)
@@ -261,7 +268,7 @@ class LayerSwapper:
         """``offload_activations`` resolved: unset means offload what a VRAM budget needs, on CUDA (on the CPU
         there is no device memory to save, and the planner measures none)."""
         wanted = self.config.offload_activations
-        if self.config.offload_recompute:
+        if self.config.offload_recompute or self.config.keep_piece_outputs:
             return True
         if wanted is None:
             return self.driver is not None and self.device.type == "cuda"
@@ -381,10 +388,14 @@ class LayerSwapper:
             self._log(split_note(self.entries, self.unit_bytes))
         if self.pieces:
             layers = len({self.entries[piece.entry].layer for piece in self.pieces})
+            cost = (
+                "their outputs wait in host memory for their layer's recompute"
+                if self.config.keep_piece_outputs
+                else "each piece's forward runs once more per step"
+            )
             self._log(
                 f"DGLS: checkpoint_units: {len(self.pieces)} swap units or child modules of {layers} layers run "
-                "under checkpoints of their own (a layer's backward holds one piece's activations; each piece's "
-                "forward runs once more per step)"
+                f"under checkpoints of their own (a layer's backward holds one piece's activations; {cost})"
             )
         if self._training_note:
             scratch = self.training.device_bytes

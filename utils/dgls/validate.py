@@ -180,6 +180,7 @@ def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, 
 
 _OFFLOADS = {  # the flags that need activation checkpointing, and what each sends to host memory
     "offload_recompute": "what checkpointed layers' recomputes save",
+    "keep_piece_outputs": "the outputs of checkpointed layers' pieces",
     "offload_activations": "the inputs checkpointed layers keep",
 }
 
