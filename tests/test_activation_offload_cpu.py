@@ -8,15 +8,18 @@ restore writes NaN at once and the saved bytes only when the recompute waits for
 does not wait fails here.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 from full_ft import SPEC, assert_same, full_layers, host_trained_names, train_dgls, train_reference
 from helpers import SMALL, assert_bitwise_equal, checkpoint_for, loop_mode, make_layers, run_layers, train
 
-from utils.dgls import LayerSwapper, SwapConfig
+from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig, activation_offload
 from utils.dgls.activation_offload import ActivationOffloader
 from utils.dgls.demo.data import SyntheticLatents
+from utils.dgls.layout import GiB
 from utils.dgls.recompute_offload import AHEAD_BYTES
 
 CPU = torch.device("cpu")
@@ -117,6 +120,22 @@ def test_eval_passes_and_small_tensors_are_left_alone():
     with torch.no_grad():
         run_layers(layers, inputs, "nonreentrant", offloader.wrap(checkpoint_for("nonreentrant")))
     assert offloader.offloaded_bytes == 0
+
+
+def test_running_out_of_host_ram_is_one_line_naming_what_to_drop(monkeypatch):
+    """A new host buffer that would leave the host less than its reserve (a tenth of its RAM, 2 GiB at least) is
+    refused with the figures and the flags that send the most home, not left to fail inside CUDA or to swap."""
+    memory = SimpleNamespace(total=16 * GiB, available=2 * GiB + 4096)
+    monkeypatch.setattr(activation_offload.psutil, "virtual_memory", lambda: memory)
+    with pytest.raises(
+        DGLSUserError,
+        match=r"activation offload ran out of host RAM: .* 2\.00 GiB available .*"
+        r"drop --keep_piece_outputs \(its pieces' outputs\), then --offload_recompute",
+    ):
+        forward_only(ActivationOffloader(CPU, keep=1, min_bytes=0))
+    memory.available = 3 * GiB  # room for these few KiB
+    loss, _ = forward_only(ActivationOffloader(CPU, keep=1, min_bytes=0))
+    loss.backward()
 
 
 def test_a_forward_without_backward_gives_its_host_buffers_back():

@@ -58,10 +58,14 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
+import psutil
 import torch
 
 from .copier import POISON
+from .errors import DGLSUserError
+from .host_store import ram_reserve
 from .recompute_offload import Recomputed, RecomputeOffload, function_kind
+from .stats import human_bytes
 
 MIN_BYTES = 64 * 1024  # on CUDA smaller tensors stay: not worth a copy each way (on the CPU, where offload
 # only exercises the mechanics for tests, every size goes)
@@ -345,7 +349,24 @@ class ActivationOffloader:
         free = self._pool.get(nbytes)
         if free:
             return free.pop()
+        self._check_ram(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin), None
+
+    def _check_ram(self, nbytes: int) -> None:
+        """A new host buffer must leave the host its reserve (a tenth of its RAM, at least 2 GiB): page-locked
+        memory cannot be swapped, and an allocation that fails deep in CUDA says nothing of what to change."""
+        memory = psutil.virtual_memory()
+        reserve = ram_reserve(memory.total)
+        if memory.available - nbytes >= reserve:
+            return
+        held = sum(buf.numel() for bufs in self._pool.values() for buf, _ in bufs)
+        held += sum(o.nbytes for s in self._live for o in s.offloads if not o.restored)
+        raise DGLSUserError(
+            f"activation offload ran out of host RAM: it holds {human_bytes(held)} of activations, needs "
+            f"{human_bytes(nbytes)} more, and the host has {human_bytes(memory.available)} available (keeping "
+            f"{human_bytes(reserve)} free): drop --keep_piece_outputs (its pieces' outputs), then --offload_recompute, "
+            "or train fewer frames or a lower resolution, or free RAM"
+        )
 
 
 class CheckpointedCall:

@@ -113,12 +113,16 @@ def _page_aligned_empty(nbytes: int) -> torch.Tensor:
     return raw[start : start + size]
 
 
+def ram_reserve(total: int) -> int:
+    """Host RAM left unpinned for everything else: a tenth of it, at least 2 GiB."""
+    return max(2 * GiB, total // 10)
+
+
 def default_pinned_budget(streamable_on_cpu: int) -> int:
     """What can be page-locked without starving the host: available RAM, plus the RAM the
     original CPU params give back as they are packed, less a reserve."""
     vm = psutil.virtual_memory()
-    reserve = max(2 * GiB, vm.total // 10)
-    return max(0, vm.available + streamable_on_cpu - reserve)
+    return max(0, vm.available + streamable_on_cpu - ram_reserve(vm.total))
 
 
 def check_ram(new_bytes: int) -> None:

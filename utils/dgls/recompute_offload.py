@@ -68,10 +68,10 @@ if TYPE_CHECKING:
 
 KEEP_SHARE = 1 / 3  # of a recompute's saved bytes, the last third stays on the device: on a Wan-14B block at 81
 # frames its backward's first reads (the MLP's), while the rest is still on its way home
-# A sent tensor comes back once the backward reads one saved at most this many bytes after it. 1 GiB until
-# keep_piece_outputs, whose peak is a piece's backward with the restores ahead on the device: the 8 GiB-capped
-# Wan run at 81 frames (benchmarks/results/wan_fit_81f_keep_cap8.md) ran with 512 MiB (not measured apart from
-# that run's other change, the rerun output freed before its backward).
+# A sent tensor comes back once the backward reads one saved at most this many bytes after it. Restores ahead sit
+# on the device through the backward before their reads: on the Wan-14B block at 81 frames (checkpoint_units,
+# prefetch 1, uncapped) 512 MiB peaked at 7.19 GiB allocated where 1 GiB did at 7.70, both at 1.23x the
+# all-resident step; benchmarks/results/wan_fit_81f_keep_cap8.md ran with 512 MiB.
 AHEAD_BYTES = 2**29
 PACE = 2  # the host stays at most this many sent or read-back tensors ahead of the device (see Pace)
 
