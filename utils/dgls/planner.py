@@ -229,7 +229,8 @@ def _check_minimum(sizes, profile, budget, prefetch_choices, copy_streams) -> No
             else "--offload_activations with activation_checkpointing, --checkpoint_units, --offload_recompute"
         )
         remedy = {
-            "activations": f"lower the activations ({offloading}, a smaller batch or resolution)",
+            "activations": f"lower the activations ({offloading}, a smaller batch or resolution; "
+            "--keep_piece_outputs wins back the time --checkpoint_units costs, for host RAM)",
             "layer slots": "stream smaller pieces (--swap_unit_mb, the MB of the largest swap unit: the slots hold "
             "two of the largest)",
             "resident weights and buffers": "train fewer params on the device, or store frozen weights smaller "
