@@ -148,13 +148,15 @@ class ActivationOffloader:
         dgls_checkpoint.__wrapped__ = checkpoint  # type: ignore[attr-defined]
         return dgls_checkpoint
 
-    def pinned_bytes(self) -> int:
-        """Page-locked host buffers: pooled, and holding inputs not yet restored (0 when not pinning)."""
-        if not self.pin:
-            return 0
+    def host_bytes(self) -> int:
+        """Host buffers held: pooled, and holding inputs, kept outputs or recomputed tensors not yet restored."""
         pooled = sum(buf.numel() for bufs in self._pool.values() for buf, _ in bufs)
         waiting = sum(o.nbytes for s in self._live for o in s.offloads if not o.restored)
         return pooled + waiting + (self.recompute.pinned_bytes() if self.recompute is not None else 0)
+
+    def pinned_bytes(self) -> int:
+        """Page-locked host buffers (0 when not pinning)."""
+        return self.host_bytes() if self.pin else 0
 
     def set_depth(self, keep: int, ahead: int) -> None:
         """Keep the last ``keep`` segments of each forward on the device, and restore ``ahead`` segments before
@@ -216,8 +218,9 @@ class ActivationOffloader:
             tensor = ref()
             if tensor is None or tensor.untyped_storage().nbytes() == 0:
                 continue
-            segment.offloads.append(self.send(tensor))
-            segment.offloads[-1].output = key in segment.outputs
+            offload = self.send(tensor)
+            offload.output = key in segment.outputs
+            segment.offloads.append(offload)
         segment.storages.clear()
         if segment.offloads:
             self._live.append(segment)
@@ -359,10 +362,8 @@ class ActivationOffloader:
         reserve = ram_reserve(memory.total)
         if memory.available - nbytes >= reserve:
             return
-        held = sum(buf.numel() for bufs in self._pool.values() for buf, _ in bufs)
-        held += sum(o.nbytes for s in self._live for o in s.offloads if not o.restored)
         raise DGLSUserError(
-            f"activation offload ran out of host RAM: it holds {human_bytes(held)} of activations, needs "
+            f"activation offload ran out of host RAM: it holds {human_bytes(self.host_bytes())} of activations, needs "
             f"{human_bytes(nbytes)} more, and the host has {human_bytes(memory.available)} available (keeping "
             f"{human_bytes(reserve)} free): drop --keep_piece_outputs (its pieces' outputs), then --offload_recompute, "
             "or train fewer frames or a lower resolution, or free RAM"

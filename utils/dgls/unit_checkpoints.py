@@ -204,11 +204,13 @@ class KeptRun:
         inputs = [t.detach().requires_grad_(need) for t, need in zip(saved, needs)]
         args, kwargs = self.inputs(inputs)
         read = {t.untyped_storage()._cdata for t in inputs}  # storages backward still reads: the inputs, and
-        with (  # what the rerun saves (DGLS's own hooks, pushed above these, turn views of slots into references)
-            torch.enable_grad(),
-            self.state.reproduced(),
-            torch.autograd.graph.saved_tensors_hooks(lambda t: read.add(t.untyped_storage()._cdata) or t, _same),
-        ):
+        # what the rerun saves (DGLS's own hooks, pushed above these, turn views of slots into references)
+
+        def note_saved(tensor: torch.Tensor) -> torch.Tensor:
+            read.add(tensor.untyped_storage()._cdata)
+            return tensor
+
+        with torch.enable_grad(), self.state.reproduced(), torch.autograd.graph.saved_tensors_hooks(note_saved, _same):
             outputs = self.piece.rerun(args, kwargs)
         flat = [x for x in tree_flatten(outputs)[0] if isinstance(x, torch.Tensor)]
         pairs = [(o, g) for o, g in zip(flat, grads) if g is not None and o.requires_grad]
@@ -232,7 +234,7 @@ class _KeptPiece(torch.autograd.Function):
     def forward(ctx, run: KeptRun, anchor: torch.Tensor, *tensors: torch.Tensor):
         ctx.run = run
         ctx.save_for_backward(*tensors)
-        outputs = run.release() if run.out_spec is not None else run.first(tensors)
+        outputs = run.release() if run.out_spec is not None else run.first(tensors)  # the recompute, or the first run
         ctx.mark_non_differentiable(*(t for t in outputs if not t.is_floating_point()))
         return outputs
 
