@@ -26,10 +26,13 @@ seconds per step summing gradients and updating. Writes benchmarks/results/full_
     python benchmarks/bench_full.py --tiny     # smoke test on CPU
     python benchmarks/bench_full.py --model flux --flux_blocks 5,10 --methods resident,dgls-split
 
-Flux-dev itself (11.9B params) needs about 16 bytes of host RAM per param for DGLS (fp32 master, two fp32
-moments, the gradient landing and the bf16 copy that streams): about 190 GB, more than the 128 GiB of the
-lent machines, and its all-resident step does not fit on an 80 GB card. ``--flux_blocks`` keeps the widths
-(a double block is 340M params, a single one 142M) and cuts the depth to what both fit.
+Flux-dev itself (11.9B params) needs about 16 bytes of host RAM per param for DGLS with AdamW (fp32 master,
+two fp32 moments, the gradient landing and the bf16 copy that streams): about 190 GB, more than the 128 GiB
+of the lent machines, and its all-resident step does not fit on an 80 GB card. ``--flux_blocks`` keeps the
+widths (a double block is 340M params, a single one 142M) and cuts the depth to what both fit;
+``--optimizer sgd`` (no momentum, no state: 8 bytes a param) trains all of it:
+
+    python benchmarks/bench_full.py --model flux --flux_blocks 19,38 --optimizer sgd --methods dgls-torch_fused
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
 from utils.dgls.host_optimizer import HostOptimizerSpec  # noqa: E402
 
 LR, BETAS, WD, EPS = 1e-5, (0.9, 0.99), 0.01, 1e-8
+OPTIMIZERS = {"adamw": "AdamW", "sgd": "SGD without momentum"}
 METHODS = ("resident", "dgls-split", "dgls-device", "dgls-torch_fused", "dgls-deepspeed", "zero2-offload")
 NOTES = [
     "Every weight trains (no LoRA). 'host optimizer wait': the share of DGLS's step the training thread spent "
@@ -120,11 +124,25 @@ def forward_backward(bench) -> None:
     F.mse_loss(h.float(), bench.target.float()).backward()
 
 
-def resident_step(bench, clip: float) -> Callable[[], None]:
+def host_spec(optimizer: str, implementation: str) -> HostOptimizerSpec:
+    """The host optimizer DGLS runs: AdamW, or SGD without momentum (no state: 8 bytes of host RAM a param)."""
+    if optimizer == "sgd":
+        return HostOptimizerSpec(type="sgd", lr=LR, weight_decay=0.0, implementation=implementation)
+    return HostOptimizerSpec(lr=LR, betas=BETAS, weight_decay=WD, eps=EPS, implementation=implementation)
+
+
+def device_optimizer(params: list, optimizer: str) -> torch.optim.Optimizer:
+    """The same optimizer over params on the device (resident layers, and the all-resident method)."""
+    fused = {"fused": True} if params[0].is_cuda else {"foreach": False}
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=LR, weight_decay=0.0, **fused)
+    return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **fused)
+
+
+def resident_step(bench, clip: float, optimizer_name: str = "adamw") -> Callable[[], None]:
     params = [p for layer in bench.layers for p in layer.parameters()]
     masters = [p.detach().float() for p in params]
-    fused = {"fused": True} if params[0].is_cuda else {"foreach": False}
-    optimizer = torch.optim.AdamW(masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **fused)
+    optimizer = device_optimizer(masters, optimizer_name)
 
     def step() -> None:
         forward_backward(bench)
@@ -179,8 +197,8 @@ def zero2_step(bench, device, clip: float) -> tuple[Callable[[], None], object]:
     return step, engine
 
 
-def dgls_step(bench, device, implementation: str, stream_mib: float, prefetch: int, clip: float):
-    spec = HostOptimizerSpec(lr=LR, betas=BETAS, weight_decay=WD, eps=EPS, implementation=implementation)
+def dgls_step(bench, device, implementation: str, stream_mib: float, prefetch: int, clip: float, optimizer="adamw"):
+    spec = host_spec(optimizer, implementation)
     sizes = bench.sizes  # measured before anything was trainable: streamable = every param of the layer
     resident = [s.index for s in sizes if s.streamable_bytes < stream_mib * 2**20]
     config = SwapConfig(gpu_layers=resident, prefetch=prefetch, host_optimizer=spec, clip_grads=bool(clip))
@@ -188,12 +206,7 @@ def dgls_step(bench, device, implementation: str, stream_mib: float, prefetch: i
     training = swapper.training
     params = [p for layer in bench.layers for p in layer.parameters()]
     device_params = [p for p in params if not training.owns(p)]
-    fused = {"fused": True} if device.type == "cuda" else {"foreach": False}
-    trainer = (
-        torch.optim.AdamW(device_params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **fused)
-        if device_params
-        else None
-    )
+    trainer = device_optimizer(device_params, optimizer) if device_params else None
 
     def step() -> None:
         forward_backward(bench)
@@ -210,22 +223,29 @@ def dgls_step(bench, device, implementation: str, stream_mib: float, prefetch: i
 
 def measure(name: str, args, device, dtype) -> dict:
     row: dict = {"method": name}
-    on = device if name in ("resident", "zero2-offload") else torch.device("cpu")
     rss = PeakRss()
-    bench = fresh_bench(args.tiny, device, dtype, on, args.model, flux_depth(args))
+    # built on the device (fast, and the same weights for every method), then moved to the host for DGLS
+    bench = fresh_bench(args.tiny, device, dtype, device, args.model, flux_depth(args))
+    if name.startswith("dgls-"):
+        for layer in bench.layers:
+            layer.to("cpu")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     row["trained_params_b"] = sum(p.numel() for layer in bench.layers for p in layer.parameters()) / 1e9
     cleanup: Callable[[], None] = gc.collect  # replaced by the method's own clean-up
     training = swapper = None
     try:
         if name == "resident":
-            step = resident_step(bench, args.clip)
+            step = resident_step(bench, args.clip, args.optimizer)
         elif name == "zero2-offload":
+            if args.optimizer != "adamw":
+                raise ValueError("the ZeRO-2 offload method runs AdamW only")
             step, engine = zero2_step(bench, device, args.clip)
             cleanup = engine.destroy
         else:
             impl = name.split("-", 1)[1]
             step, swapper, row["streamed_gib"] = dgls_step(
-                bench, device, impl, args.stream_mib, args.prefetch, args.clip
+                bench, device, impl, args.stream_mib, args.prefetch, args.clip, args.optimizer
             )
             training = swapper.training
             cleanup = swapper.remove
@@ -243,6 +263,7 @@ def measure(name: str, args, device, dtype) -> dict:
             for kind, seconds in training.job_s.items():
                 row[f"host_{kind}_s"] = (seconds - jobs[kind]) / len(times)
             row["host_optimizer"] = training.implementation
+            row["pinned_gib"] = swapper.pinned_bytes / GiB  # packed copies, landings (and device updates' state)
             if training.split is not None:  # the split of the last step, and the rates it came from
                 row["device_share"] = training.split.device_share
                 row["split"] = training.split.describe()
@@ -265,6 +286,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", choices=("sdxl", "flux"), default="sdxl")
     parser.add_argument("--flux_blocks", default="5,10", help="--model flux: double,single blocks (Flux-dev has 19,38)")
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument(
+        "--optimizer", choices=("adamw", "sgd"), default="adamw", help="sgd: without momentum (no optimizer state)"
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--stream_mib", type=float, default=64.0, help="stream layers of at least this many MiB")
@@ -324,7 +348,8 @@ def _result(args, argv, environment: dict, rows: list[dict], started: float) -> 
     return {
         "benchmark": "full",
         "title": title + (" (tiny)" if args.tiny else ""),
-        "description": f"{shape}, batch 1, AdamW, every weight trained, {clipping}; median of the timed steps",
+        "description": f"{shape}, batch 1, {OPTIMIZERS[args.optimizer]}, every weight trained, {clipping}; "
+        "median of the timed steps",
         "tiny": args.tiny,
         "environment": environment,
         "rows": rows,

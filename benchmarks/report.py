@@ -175,8 +175,9 @@ TABLES: dict[str, Table] = {
             PEAK_ALLOC,
             ("peak reserved GiB", _key("peak_reserved_gib", ".2f")),
             ("host RSS GiB", _key("host_rss_gib", ".1f")),
+            ("pinned host GiB", _key("pinned_gib", ".1f")),
         ),
-        optional=("trained params (B)", "GPU wait", "updated on GPU"),
+        optional=("trained params (B)", "GPU wait", "updated on GPU", "pinned host GiB"),
     ),
     "transfer": Table(
         columns=(

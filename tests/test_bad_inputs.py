@@ -236,8 +236,8 @@ CASES = [
     ),
     Case(
         "demo-full-optimizer-key",
-        demo(base="demo_full.toml", optimizer={"type": "adamw", "lr": 1e-4, "kahan_sum": True}),
-        "kahan_sum cannot be passed to the host optimizer",
+        demo(base="demo_full.toml", optimizer={"type": "adamw", "lr": 1e-4, "amsgrad": True}),
+        "amsgrad cannot be passed to the host optimizer",
     ),
     Case("host-adam-with-lora", demo("--host_adam", "torch"), "picks the host AdamW of a full fine-tune"),
     Case(

@@ -293,6 +293,17 @@ def test_the_full_fine_tuning_benchmark_trains_flux_widths_at_a_chosen_depth(tmp
     assert rows["resident"]["trained_params_b"] == rows["dgls-split"]["trained_params_b"] > 0
 
 
+def test_the_full_fine_tuning_benchmark_runs_sgd_without_state(tmp_path):
+    """``--optimizer sgd``: SGD without momentum in every method (no optimizer state on the host)."""
+    argv = ["--tiny", "--model", "flux", "--flux_blocks", "1,1", "--methods", "resident,dgls-torch_fused"]
+    bench_full.main([*argv, "--optimizer", "sgd", "--steps", "1", "--warmup", "0", "--results_dir", str(tmp_path)])
+    result = load(tmp_path, "full_flux")
+    assert "SGD without momentum" in result["description"]
+    rows = {r["method"]: r for r in result["rows"]}
+    assert all("error" not in row and row["median_step_s"] > 0 for row in rows.values()), rows
+    assert rows["dgls-torch_fused"]["host_optimizer"] == "torch.optim.SGD"
+
+
 def test_offload_rows_with_and_without_recompute_offload(tmp_path):
     """``--offload_recompute both --checkpoint_units on``: a row each; the recompute row sends more home (what
     the recomputes save, beside the block inputs) and records that it ran with it."""

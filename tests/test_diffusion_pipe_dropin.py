@@ -59,7 +59,10 @@ def test_find_checkout_explicit_env_and_errors(tmp_path, monkeypatch):
     "change, message",
     [
         ({"blocks_to_swap": 10}, "own blocks_to_swap"),
-        ({"adapter": None, "optimizer": {"type": "adamw_optimi", "lr": 1e-5}}, "type = 'adamw_optimi' cannot run"),
+        ({"adapter": None, "optimizer": {"type": "AdamW8bitKahan", "lr": 1e-5}}, "type = 'AdamW8bitKahan' cannot run"),
+        ({"adapter": None, "optimizer": {"type": "adamw_optimi"}}, "type 'adamw_optimi' needs lr"),
+        ({"adapter": None, "optimizer": {"type": "adamw", "kahan_sum": True}}, "kahan_sum is an option of"),
+        ({"adapter": None, "optimizer": {"type": "adamw_optimi", "lr": 1, "decouple_lr": True}}, "decouple_lr cannot"),
         ({"adapter": None, "optimizer": {"type": "adamw", "gradient_release": True}}, "remove gradient_release"),
         ({"activation_checkpointing": "sometimes"}, "activation_checkpointing must be"),
     ],
@@ -78,6 +81,23 @@ def test_a_full_fine_tune_maps_its_optimizer_to_the_host():
     spec = host_optimizer_spec(config, "x.toml")
     assert (spec.type, spec.lr, spec.betas, spec.weight_decay, spec.eps) == ("adamw", 2e-5, (0.9, 0.95), 0.1, 1e-7)
     assert host_optimizer_spec(BASE, "x.toml") is None  # a LoRA
+
+
+def test_a_full_fine_tune_takes_the_defaults_of_the_class_diffusion_pipe_builds():
+    """What [optimizer] leaves out is what torch.optim.AdamW, optimi.AdamW or torch.optim.SGD would use; optimi's
+    AdamW runs as AdamW (the start-up line says so), kahan_sum accepted (a no-op on fp32 masters in optimi too)."""
+    config = {k: v for k, v in BASE.items() if k != "adapter"}
+
+    def spec(table):
+        return host_optimizer_spec({**config, "optimizer": table}, "x.toml")
+
+    got = spec({"type": "adamw"})
+    assert (got.lr, got.betas, got.eps, got.weight_decay) == (1e-3, (0.9, 0.999), 1e-8, 1e-2)
+    got = spec({"type": "adamw_optimi", "lr": 2e-5, "kahan_sum": True})
+    assert (got.type, got.lr, got.betas, got.eps, got.weight_decay) == ("adamw", 2e-5, (0.9, 0.99), 1e-6, 1e-2)
+    assert "adamw_optimi" in got.kernel and "Kahan" in got.kernel
+    got = spec({"type": "SGD", "lr": 0.1})
+    assert (got.type, got.lr, got.momentum, got.weight_decay) == ("sgd", 0.1, 0.0, 0.0)
 
 
 def test_dataset_files_are_checked_relative_to_the_checkout(tmp_path):

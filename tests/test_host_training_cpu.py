@@ -157,6 +157,35 @@ def test_a_fetch_that_does_not_wait_for_its_update_fails(references, monkeypatch
     assert differs(record, references("nonreentrant", names))
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("spec", [SPEC, FUSED_SPEC], ids=["torch", "torch_fused"])
+def test_host_updates_of_one_micro_batch_read_the_landings_and_equal_unstreamed_training(mode, spec):
+    """One micro-batch a step: no fp32 gradient sum is kept on the host (4 bytes a param); each update
+    converts the layer's landings into one reused fp32 buffer, with norms taken before the grads left."""
+    layers = full_layers(torch.bfloat16)
+    cfg = SwapConfig(host_optimizer=spec, accumulation_steps=1, prefetch=2, threading=mode == "none")
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        names = host_names(swapper, layers)
+        record = train_dgls(layers, swapper, CPU, mode, accumulate=1, dtype=torch.bfloat16)
+        assert all(tp.acc is None for layer in swapper.training.layers.values() for tp in layer.params)
+    want = train_reference(
+        full_layers(torch.bfloat16), names, CPU, mode, accumulate=1, dtype=torch.bfloat16, host_spec=spec
+    )
+    assert_same(record, want)
+
+
+def test_a_landing_read_before_its_copy_landed_fails_with_one_micro_batch(monkeypatch):
+    layers = full_layers()
+    with LayerSwapper(layers, SwapConfig(host_optimizer=SPEC, accumulation_steps=1), device=CPU, log=None) as swapper:
+        names = host_names(swapper, layers)
+        good = train_dgls(layers, swapper, CPU, "nonreentrant", accumulate=1)
+    monkeypatch.setattr(DeferredGradCopier, "land", lambda self, batch: None)  # the mutation
+    layers = full_layers()
+    with LayerSwapper(layers, SwapConfig(host_optimizer=SPEC, accumulation_steps=1), device=CPU, log=None) as swapper:
+        assert host_names(swapper, layers) == names
+        assert differs(train_dgls(layers, swapper, CPU, "nonreentrant", accumulate=1), good)
+
+
 @pytest.mark.parametrize(
     "spec, dtype, accumulate",
     [(SPEC, torch.float32, 2), (DEVICE_SPEC, torch.bfloat16, 1), (SPLIT_SPEC, torch.bfloat16, 1)],

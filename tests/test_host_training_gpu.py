@@ -11,6 +11,7 @@ at a small width leave allocated device memory and the process's RSS where they 
 import copy
 import dataclasses
 import gc
+import time
 
 import psutil
 import pytest
@@ -20,9 +21,11 @@ from test_ordering_gpu import MS, ComputeDelay, delay_copies, deterministic, dev
 
 from utils.dgls import LayerSwapper, SwapConfig
 from utils.dgls.demo.model import DemoModelConfig
+from utils.dgls.pinned import WHOLE_MAX, PinnedMemory, whole_pages
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
+CPU = torch.device("cpu")
 WIDE = DemoModelConfig(hidden=3072, heads=24, double_blocks=1, single_blocks=1, text_dim=64, latent_channels=16)
 SMALL_GPU = DemoModelConfig(hidden=512, heads=8, double_blocks=2, single_blocks=2, text_dim=64, latent_channels=16)
 MODES = ["none", "nonreentrant", "reentrant"]
@@ -77,6 +80,64 @@ def test_delayed_copies_both_ways_stay_bitwise_equal(template, monkeypatch, mode
     got, names = swapped(template, mode, monkeypatch, **kw)
     assert len(names) > 0
     assert_same(got, reference(template, names, mode))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_host_updates_reading_the_landings_with_delays_stay_bitwise_equal(template, monkeypatch, mode):
+    """One micro-batch a step on the host (no fp32 sum): each update converts its layer's landings after their
+    copies (10 ms late), with norms taken on the GPU before the grads left; the reference takes its norms on the
+    GPU too and runs the same CPU AdamW."""
+    got, names = swapped(template, mode, monkeypatch, accumulate=1, prefetch=2, threading=True)
+    want = reference(template, names, mode, accumulate=1, master_device=device(), update_device=lambda step, name: CPU)
+    assert_same(got, want)
+
+
+def copy_is_asynchronous(host: torch.Tensor) -> bool:
+    """Whether a copy of ``host`` to the GPU returns before the stream reaches it: true for page-locked memory
+    (``Tensor.is_pinned()`` knows only PyTorch's own pinned blocks), while a copy from pageable memory waits
+    for the stream's earlier work (a 300 ms sleep here)."""
+    target = torch.empty(host.shape, dtype=host.dtype, device=device())
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(int(300 * MS))
+        began = time.perf_counter()
+        target.copy_(host, non_blocking=True)
+        returned = time.perf_counter() - began
+    stream.synchronize()
+    assert torch.equal(target.cpu(), host)
+    return returned < 0.1
+
+
+def test_pinned_memory_is_exact_page_locked_and_unpinned_when_freed():
+    memory = PinnedMemory(True, "free RAM")
+    small = memory.empty((1000, 3), torch.float32)
+    big = memory.empty((3 << 28,), torch.uint8)  # 768 MiB: PyTorch's pinned allocator would lock 1 GiB
+    assert copy_is_asynchronous(big)
+    assert memory.nbytes == whole_pages(12000) + (3 << 28)
+    values = torch.randn(1000, 3)
+    small.copy_(values)
+    assert torch.equal(small.to(device(), non_blocking=True).cpu(), values)
+    memory.free(small)
+    assert memory.nbytes == 3 << 28
+    memory.release()
+    assert memory.nbytes == 0 and not copy_is_asynchronous(big)
+    huge = memory.empty((WHOLE_MAX + 4096,), torch.uint8)  # past one registration: PyTorch's pinned block
+    assert memory.nbytes == 2 * WHOLE_MAX and copy_is_asynchronous(huge)
+
+
+def test_host_training_page_locks_exactly_what_it_holds(template):
+    """Device updates in bf16: each layer's flat fp32 masters, bf16 landings and two fp32 moments are
+    page-locked at their exact size (whole pages); a checkpoint load keeps that (the flat moments are refilled)."""
+    layers = copy.deepcopy(template)
+    with LayerSwapper(layers, config(DEVICE_SPEC, accumulate=1, prefetch=1), device=device(), log=None) as swapper:
+        training = swapper.training
+        sizes = [layer.numel for layer in training.layers.values()]
+        want = sum(3 * whole_pages(4 * n) + whole_pages(2 * n) for n in sizes)
+        assert training.pinned_bytes() == want
+        assert all(copy_is_asynchronous(layer.flat.masters) for layer in training.layers.values())
+        train_dgls(layers, swapper, device(), "nonreentrant", dtype=BF16, steps=1, cfg=WIDE, accumulate=1)
+        training.load_state_dict(training.state_dict())
+        assert training.pinned_bytes() == want
 
 
 @pytest.mark.parametrize("mode", MODES)

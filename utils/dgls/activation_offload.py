@@ -64,6 +64,7 @@ import torch
 from .copier import POISON
 from .errors import DGLSUserError
 from .host_store import ram_reserve
+from .pinned import PinnedMemory
 from .recompute_offload import Recomputed, RecomputeOffload, function_kind
 from .stats import human_bytes
 
@@ -120,6 +121,7 @@ class ActivationOffloader:
         self._d2h = torch.cuda.Stream(device=device) if self.cuda else None
         self._h2d = torch.cuda.Stream(device=device) if self.cuda else None
         self._pool: dict[int, list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
+        self._memory = PinnedMemory(self.pin, "drop --keep_piece_outputs, then --offload_recompute, or free RAM")
         self._recent: list[Segment] = []  # segments not yet offloaded, oldest first
         self._live: list[Segment] = []  # segments with offloads not yet restored and released
         self._last: Segment | None = None
@@ -162,6 +164,8 @@ class ActivationOffloader:
         """Keep the last ``keep`` segments of each forward on the device, and restore ``ahead`` segments before
         their recompute. Pooled host buffers are dropped when more stays (fewer will go home)."""
         if keep > self.keep:
+            for buf, _ in (entry for bufs in self._pool.values() for entry in bufs):
+                self._memory.free(buf)
             self._pool.clear()
         self.keep, self.ahead = max(1, keep), max(1, ahead)
 
@@ -353,7 +357,7 @@ class ActivationOffloader:
         if free:
             return free.pop()
         self._check_ram(nbytes)
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin), None
+        return self._memory.empty((nbytes,), torch.uint8), None  # exact size (:mod:`.pinned`)
 
     def _check_ram(self, nbytes: int) -> None:
         """A new host buffer must leave the host its reserve (a tenth of its RAM, at least 2 GiB): page-locked

@@ -52,6 +52,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .pinned import PinnedMemory
+
 DEFAULT_CAPACITY = 8 * 2**20  # params per chunk: two buffers of 24 bytes a param, 384 MiB in all
 
 
@@ -128,7 +130,8 @@ class DeviceUpdater:
         self._turn = 0
         self._in = torch.cuda.Stream(device=device) if self.cuda else None
         self._out = torch.cuda.Stream(device=device) if self.cuda else None
-        self._state_bytes: dict[int, int] = {}  # pinned moments per optimizer (id), counted as allocated
+        # the moments, page-locked at their exact size on CUDA (the copies in and out are asynchronous)
+        self._memory = PinnedMemory(self.cuda, "stream fewer layers (blocks_to_swap), or free RAM")
         # CUDA, when a list: each chunk appends (began, home, params), timing events on the in-stream once its
         # waits are met and on the out-stream after its last copy home (:func:`timeline_busy` reads them)
         self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] | None = None
@@ -180,10 +183,8 @@ class DeviceUpdater:
         state = optimizer.state[master]
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = _zeros_like(master, self.cuda)
-            state["exp_avg_sq"] = _zeros_like(master, self.cuda)
-            if self.cuda:
-                self._state_bytes[id(optimizer)] = self._state_bytes.get(id(optimizer), 0) + 2 * master.nbytes
+            state["exp_avg"] = self._memory.zeros(master.shape, torch.float32)
+            state["exp_avg_sq"] = self._memory.zeros(master.shape, torch.float32)
         return state
 
     def prepare(self, optimizer: torch.optim.Optimizer, flat: FlatLayer | None = None) -> None:
@@ -191,25 +192,25 @@ class DeviceUpdater:
         a later device step can copy it asynchronously (an update split between the two). With ``flat``,
         the moments are views of two flat buffers laid out as its masters."""
         if flat is not None:
-            flat.exp_avg = _zeros_like(flat.masters, self.cuda)
-            flat.exp_avg_sq = _zeros_like(flat.masters, self.cuda)
+            flat.exp_avg = self._memory.zeros(flat.masters.shape, torch.float32)
+            flat.exp_avg_sq = self._memory.zeros(flat.masters.shape, torch.float32)
             for fp in flat.params:
                 state = optimizer.state[fp.master]
                 state["step"] = torch.zeros((), dtype=torch.float32)
                 state["exp_avg"] = _view(flat.exp_avg, fp)
                 state["exp_avg_sq"] = _view(flat.exp_avg_sq, fp)
-            if self.cuda:
-                self._state_bytes[id(optimizer)] = 2 * flat.masters.nbytes
             return
         for group in optimizer.param_groups:
             for master in group["params"]:
                 self._state(optimizer, master)
 
-    def adopt_state(self, optimizer: torch.optim.Optimizer, flat: FlatLayer | None) -> None:
-        """After a checkpoint load replaced the moments: copy them into the flat buffers (``flat``), or pin
-        them where they are."""
+    def adopt_state(
+        self, optimizer: torch.optim.Optimizer, flat: FlatLayer | None, replaced: list[torch.Tensor]
+    ) -> None:
+        """After a checkpoint load replaced the moments (``replaced``: the ones it dropped): copy them into the
+        flat buffers (``flat``), or pin them where they are."""
         if flat is None:
-            self.pin_state(optimizer)
+            self.pin_state(optimizer, replaced)
             return
         for fp in flat.params:
             state = optimizer.state[fp.master]
@@ -386,19 +387,21 @@ class DeviceUpdater:
             self._out.synchronize()
             self._in.synchronize()
 
-    def pin_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """After a checkpoint load (which replaced the moments): them into pinned memory, where the async
-        copies read them."""
+    def pin_state(self, optimizer: torch.optim.Optimizer, replaced: list[torch.Tensor]) -> None:
+        """After a checkpoint load replaced the moments (``replaced``: the ones it dropped): the new ones
+        into pinned memory, where the async copies read them, and the old ones unpinned."""
         if not self.cuda:
             return
-        moments = [(state, key) for state in optimizer.state.values() for key in ("exp_avg", "exp_avg_sq")]
-        for state, key in moments:
-            state[key] = state[key].pin_memory()
-        self._state_bytes[id(optimizer)] = sum(state[key].nbytes for state, key in moments)
+        for old in replaced:
+            self._memory.free(old)
+        for state in optimizer.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key] = self._memory.copy_of(state[key])
 
     def pinned_bytes(self) -> int:
         """Host bytes of the moments this module pinned."""
-        return sum(self._state_bytes.values())
+        return self._memory.nbytes
 
 
 def _chunks(stepped: Sequence[tuple[ParamUpdate, float]], capacity: int) -> list[list[tuple[ParamUpdate, float]]]:
@@ -438,10 +441,6 @@ def _fused_adamw(masters, grads, avgs, sqs, steps, group: dict, lr: float | None
 
 def _view(buffer: torch.Tensor, fp: FlatParam) -> torch.Tensor:
     return buffer[fp.offset : fp.offset + fp.numel].view(fp.master.shape)
-
-
-def _zeros_like(master: torch.Tensor, pin: bool) -> torch.Tensor:
-    return torch.zeros(master.shape, dtype=torch.float32, pin_memory=pin)
 
 
 def _to_device(value: torch.Tensor, device: torch.device) -> torch.Tensor:

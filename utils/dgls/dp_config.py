@@ -104,29 +104,17 @@ def check_train_config(config: dict[str, Any], path: str, swapping: bool) -> Non
     host_optimizer_spec(config, path)  # a full fine-tune's optimizer must run on the host
 
 
-# diffusion-pipe's [optimizer] types DGLS can run on the host for streamed layers, and what they become.
-HOST_TYPES = {"adamw": "adamw", "sgd": "sgd"}
-
-
 def host_optimizer_spec(config: dict[str, Any], path: str) -> HostOptimizerSpec | None:
     """A full fine-tune's (no [adapter]) host optimizer from [optimizer]; None for a LoRA. Optimizers DGLS
-    cannot run on the host are refused by name."""
+    cannot run on the host are refused by name (:meth:`HostOptimizerSpec.from_table`)."""
     if "adapter" in config:
         return None
     table = dict(_table(config, "optimizer", path))
-    kind = str(table.get("type", "")).lower()
-    if kind not in HOST_TYPES:
-        hint = " (fp32 masters on the host need no Kahan summation)" if "adamw" in kind else ""
-        raise DGLSUserError(
-            f"{path}: [optimizer] type = {table.get('type')!r} cannot run on the host, where DGLS trains the "
-            f"streamed layers of a full fine-tune: use type = 'adamw'{hint} or 'sgd', or train a LoRA"
-        )
     if table.pop("gradient_release", False):
         raise DGLSUserError(
             f"{path}: [optimizer] gradient_release steps each param on the GPU as its grad arrives; DGLS steps "
             "streamed layers on the host instead: remove gradient_release"
         )
-    table["type"] = HOST_TYPES[kind]
     try:
         return HostOptimizerSpec.from_table(table)
     except DGLSUserError as exc:

@@ -28,8 +28,10 @@ One optimizer per layer gives each param exactly the update one optimizer over a
 (AdamW and SGD keep per-param state and step counts), so a test can compare against a reference that
 builds the same optimizer over every param (:meth:`build` accepts any param list).
 
-Optimizers DGLS cannot run on the host (8-bit states, Prodigy, schedule-free ...) are refused by
-name in :meth:`HostOptimizerSpec.from_table`, never replaced by something else.
+:meth:`HostOptimizerSpec.from_table` reads diffusion-pipe's ``[optimizer]`` table: ``adamw``, ``sgd``, and
+``adamw_optimi`` (diffusion-pipe's example), which is AdamW on fp32 masters (:data:`TABLE_TYPES` says why),
+with the defaults of the class diffusion-pipe builds for each. Optimizers DGLS cannot run on the host
+(8-bit states, Prodigy, schedule-free ...) are refused by name there, never replaced by something else.
 """
 
 from __future__ import annotations
@@ -42,6 +44,15 @@ import torch
 from .errors import DGLSUserError
 
 HOST_OPTIMIZERS = ("adamw", "sgd")
+# diffusion-pipe's [optimizer] types that run on the host: what each is here, the defaults of the class
+# diffusion-pipe builds for it (no "lr": the class has none), and options accepted beyond those.
+# optimi's AdamW (torch-optimi) is AdamW with debiased betas; its Kahan summation acts only on bf16 or
+# fp16 params, so on fp32 masters it is a no-op in optimi too, and ``kahan_sum`` is accepted.
+TABLE_TYPES: dict[str, tuple[str, dict, set[str]]] = {
+    "adamw": ("adamw", {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}, set()),
+    "adamw_optimi": ("adamw", {"betas": (0.9, 0.99), "eps": 1e-6, "weight_decay": 1e-2}, {"kahan_sum"}),
+    "sgd": ("sgd", {"lr": 1e-3, "momentum": 0.0, "weight_decay": 0.0}, set()),
+}
 IMPLEMENTATIONS = ("auto", "torch_fused", "deepspeed", "torch", "device", "split")
 NAMES = {
     "deepspeed": "DeepSpeedCPUAdam",
@@ -63,6 +74,7 @@ class HostOptimizerSpec:
     eps: float = 1e-8
     momentum: float = 0.0  # sgd only
     implementation: str = "auto"
+    table_type: str = ""  # the [optimizer] type it was read from, when that is another name for ``type``
 
     def __post_init__(self) -> None:
         if self.implementation == "auto":  # the fastest measured for each optimizer (see the module doc)
@@ -93,24 +105,45 @@ class HostOptimizerSpec:
 
     @classmethod
     def from_table(cls, table: dict, implementation: str = "auto") -> HostOptimizerSpec:
-        """diffusion-pipe's ``[optimizer]`` table (type, lr, betas, weight_decay, eps; momentum for sgd)."""
-        known = {"type", "lr", "betas", "weight_decay", "eps", "momentum"}
-        unknown = sorted(set(table) - known)
+        """diffusion-pipe's ``[optimizer]`` table (type, lr, betas, weight_decay, eps; momentum for sgd). What
+        the table leaves out takes the default of the class diffusion-pipe would build for its type
+        (:data:`TABLE_TYPES`), so streamed layers train with the hyper-parameters resident ones get."""
+        values = dict(table)
+        given = str(values.pop("type", "adamw"))
+        entry = TABLE_TYPES.get(given.lower())
+        if entry is None:
+            hint = " (fp32 masters on the host need no Kahan summation)" if "adamw" in given.lower() else ""
+            raise DGLSUserError(
+                f"[optimizer] type = {given!r} cannot run on the host, where DGLS trains the streamed layers of a "
+                f"full fine-tune: use one of {', '.join(repr(t) for t in TABLE_TYPES)}{hint}, or train a LoRA"
+            )
+        kind, defaults, accepted = entry
+        if values.pop("kahan_sum", None) is not None and given.lower() != "adamw_optimi":
+            raise DGLSUserError(f"[optimizer] kahan_sum is an option of 'adamw_optimi', not of {given!r}: drop it")
+        known = {"lr", *defaults}
+        unknown = sorted(set(values) - known)
         if unknown:
             raise DGLSUserError(
                 f"[optimizer] {', '.join(unknown)} cannot be passed to the host optimizer of streamed layers "
-                f"(it takes {', '.join(sorted(known))}): drop them"
+                f"(type {given!r} takes {', '.join(sorted(known | accepted))}): drop them"
             )
-        values = dict(table)
-        values["type"] = str(values.get("type", "adamw")).lower()
+        if "lr" not in values and "lr" not in defaults:
+            raise DGLSUserError(f"[optimizer] type {given!r} needs lr (its class has no default)")
+        values = {**defaults, **values}
         if "betas" in values:
             values["betas"] = tuple(values["betas"])
-        return cls(**values, implementation=implementation)
+        return cls(type=kind, **values, implementation=implementation, table_type=given.lower())
 
     @property
     def kernel(self) -> str:
         """The optimizer class that runs, in words (for the start-up line)."""
-        return "torch.optim.SGD" if self.type == "sgd" else NAMES[self.implementation]
+        name = "torch.optim.SGD" if self.type == "sgd" else NAMES[self.implementation]
+        if self.table_type == "adamw_optimi":
+            name += (
+                " ([optimizer] type 'adamw_optimi': optimi's AdamW is AdamW, its moments kept debiased; its Kahan "
+                "summation is for bf16 or fp16 weights, and the masters are fp32)"
+            )
+        return name
 
     def build(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
         """One optimizer over ``params`` (fp32 CPU tensors), 1-D params without weight decay."""

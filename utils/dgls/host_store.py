@@ -2,8 +2,8 @@
 
 Each layer's streamable params live in one contiguous byte buffer, so a layer travels as one
 large copy instead of hundreds of small ones. Buffers are plain page-aligned memory,
-page-locked with ``cudaHostRegister`` in chunks under 2 GiB; that avoids the power-of-two
-rounding of PyTorch's pinned caching allocator. Layers past the pinned-RAM budget stay
+page-locked with ``cudaHostRegister`` in chunks under 2 GiB (:mod:`.pinned`); that avoids the
+power-of-two rounding of PyTorch's pinned caching allocator. Layers past the pinned-RAM budget stay
 pageable; the copier stages them through pinned bounce buffers.
 
 fp8 storage: a master holds fp8 bytes, with fp32 scales (one per output row) kept both on the
@@ -12,7 +12,7 @@ swapper's device, the same device that upcasts, so a layer's values are bitwise 
 whether it streams or stays resident.
 
 Hazard handled here: memory registered with CUDA must be unregistered before it is freed. The
-registrations live in a :class:`_Registrations` object that a ``weakref.finalize`` also holds,
+registrations live in a :class:`Registrations` object that a ``weakref.finalize`` also holds,
 so a store dropped without :meth:`HostStore.release` still unregisters before its buffers go.
 """
 
@@ -27,10 +27,9 @@ import torch
 from .errors import DGLSUserError
 from .layout import GiB, LayerLayout
 from .peers import Peers
+from .pinned import REGISTER_CHUNK, Registrations, page_aligned_empty, whole_pages
 from .precision import dequantize, quantize
 
-PAGE = 4096
-REGISTER_CHUNK = 1 * GiB  # registrations above 2 GiB are reported to fail; stay well under
 COPY_CHUNK = REGISTER_CHUNK
 
 
@@ -105,14 +104,6 @@ class HostLayer:
         return pairs
 
 
-def _page_aligned_empty(nbytes: int) -> torch.Tensor:
-    """Plain (pageable) bytes starting on a page boundary, sized to whole pages."""
-    size = (nbytes + PAGE - 1) // PAGE * PAGE
-    raw = torch.empty(size + PAGE, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % PAGE
-    return raw[start : start + size]
-
-
 def ram_reserve(total: int) -> int:
     """Host RAM left unpinned for everything else: a tenth of it, at least 2 GiB."""
     return max(2 * GiB, total // 10)
@@ -135,25 +126,6 @@ def check_ram(new_bytes: int) -> None:
         )
 
 
-class _Registrations:
-    """CUDA host registrations and the buffers they pin (kept alive until unregistered)."""
-
-    def __init__(self) -> None:
-        self.entries: dict[int, tuple[torch.Tensor, list[int]]] = {}  # key -> (buffer, registered pointers)
-
-    def add(self, key: int, buffer: torch.Tensor) -> None:
-        self.entries[key] = (buffer, _register(buffer))
-
-    def drop(self, key: int) -> None:
-        entry = self.entries.pop(key, None)
-        if entry is not None:
-            _unregister(entry[1])
-
-    def drop_all(self) -> None:
-        for key in list(self.entries):
-            self.drop(key)
-
-
 class HostStore:
     """Owns the packed host masters, their pinned registrations and the staging buffers."""
 
@@ -168,8 +140,8 @@ class HostStore:
         self.layers: dict[int, HostLayer] = {}
         self.pinned_bytes = 0
         self.staging: list[torch.Tensor] = []
-        self._registrations = _Registrations()
-        self._finalizer = weakref.finalize(self, _Registrations.drop_all, self._registrations)
+        self._registrations = Registrations()
+        self._finalizer = weakref.finalize(self, Registrations.drop_all, self._registrations)
 
     @property
     def pageable_layers(self) -> list[int]:
@@ -182,12 +154,12 @@ class HostStore:
         still computed here: they live on this process's device)."""
         nbytes = layout.host_bytes
         budget = self.pinned_budget
-        pin = self.use_pinning and (budget is None or self.pinned_bytes + _whole_pages(nbytes) <= budget)
+        pin = self.use_pinning and (budget is None or self.pinned_bytes + whole_pages(nbytes) <= budget)
         if memory == "private":
-            buffer = _page_aligned_empty(nbytes) if self.use_pinning else torch.empty(nbytes, dtype=torch.uint8)
+            buffer = page_aligned_empty(nbytes) if self.use_pinning else torch.empty(nbytes, dtype=torch.uint8)
         else:
             make = self.peers.create if memory == "create" else self.peers.attach
-            buffer = make(layout.index, _whole_pages(nbytes))
+            buffer = make(layout.index, whole_pages(nbytes))
         layer = HostLayer(layout, buffer[:nbytes], pin, nbytes >= self.packing_threshold)
         with torch.no_grad():
             for k, p in enumerate(layout.params):
@@ -209,7 +181,7 @@ class HostStore:
         layer = self.layers.pop(index)
         if layer.pinned:
             self._registrations.drop(index)
-            self.pinned_bytes -= _whole_pages(layer.nbytes)
+            self.pinned_bytes -= whole_pages(layer.nbytes)
 
     def ensure_staging(self, count: int, nbytes: int) -> None:
         """Pinned bounce buffers for pageable layers, each ``nbytes`` (made or grown only if some layer is pageable)."""
@@ -217,7 +189,7 @@ class HostStore:
             return
         self._drop_staging()
         for k in range(count):
-            buf = _page_aligned_empty(nbytes)
+            buf = page_aligned_empty(nbytes)
             self._registrations.add(-1 - k, buf)
             self.staging.append(buf)
             self.pinned_bytes += buf.numel()
@@ -234,32 +206,3 @@ class HostStore:
         self.layers.clear()
         self.staging.clear()
         self.pinned_bytes = 0
-
-
-def _whole_pages(nbytes: int) -> int:
-    return (nbytes + PAGE - 1) // PAGE * PAGE
-
-
-def _register(buffer: torch.Tensor) -> list[int]:
-    """Page-lock a page-aligned CPU buffer in chunks below 2 GiB; return the registered pointers."""
-    cudart = torch.cuda.cudart()
-    base, total, done = buffer.data_ptr(), buffer.numel(), []
-    for offset in range(0, total, REGISTER_CHUNK):
-        size = min(REGISTER_CHUNK, total - offset)
-        err = cudart.cudaHostRegister(base + offset, size, 0)
-        if int(err) != 0:
-            _unregister(done)
-            raise DGLSUserError(
-                f"could not pin {size / GiB:.2f} GiB of host RAM (cudaHostRegister error {int(err)}); "
-                "lower pinned_ram_budget_gb or free RAM"
-            )
-        done.append(base + offset)
-    return done
-
-
-def _unregister(pointers: list[int]) -> None:
-    if not pointers:
-        return
-    cudart = torch.cuda.cudart()
-    for ptr in pointers:
-        cudart.cudaHostUnregister(ptr)

@@ -30,6 +30,10 @@ Mechanics
        clip coefficient, step the layer's optimizer on its masters, write the new compute-dtype copy
        into the packed buffer. The engine's fetch of a layer waits for that layer's update only
        (``wait_update``), so the forward of layer k runs while the host updates layers after k.
+       With one micro-batch a step (``accumulation_steps == 1``) no fp32 sum is kept: the update reads
+       the landings, converting them into one reused fp32 buffer, and each grad's norm is taken on the
+       device before it is sent (a second batch of one layer in a step falls back to the host sum). That
+       saves 4 bytes of host RAM a param, a quarter of what AdamW's full fine-tuning holds.
        Without clipping (``clipping=False``: no norm to wait for) a layer's update is queued as soon as
        its gradients of the step's last micro-batch are summed, so the host updates during backward;
        its learning rate is read then (``lr_source``, the trainer's current one), and ``step`` only
@@ -38,16 +42,15 @@ Mechanics
 Device updates (``--host_adam device``, :mod:`.device_update`): the update of step 3 runs on the
 device instead, its master and moments copied in and back out on streams of their own; on CUDA it is
 enqueued at once (no job), and a fetch of the layer waits for it on the device (``wait_update`` returns
-its event, a gate of the copy). With one micro-batch a step no fp32 sum is kept: the update reads the
-gradient landings (after their copies, an event), and each grad's norm is taken on the device before it
-is sent (a second batch of one layer in a step falls back to the host sum).
+its event, a gate of the copy). With one micro-batch a step it reads the gradient landings (after their
+copies, an event), as host updates do.
 
 Split updates (``--host_adam split``, :mod:`.update_split`): before a step's updates are queued, each
 layer is given to the device or to the host (torch's fused CPU AdamW), whichever would finish it sooner
-at the rates measured on earlier steps; both read the landings directly with one micro-batch a step (a
-host update converts them into one reused fp32 buffer) and the same pinned host state. A layer that
-changes side waits for its previous update on the other side first: a host job for a device update's
-event, a device update (enqueued by the training thread) for the previous host job.
+at the rates measured on earlier steps; both read the landings directly with one micro-batch a step
+and the same pinned host state. A layer that changes side waits for its previous update on the other
+side first: a host job for a device update's event, a device update (enqueued by the training thread)
+for the previous host job.
 
 Jobs run in submission order: on a worker thread (CUDA, or ``threaded``), or deferred (CPU): a job runs
 only when something waits for it, so a missing wait changes the numbers in a CPU test (a fetch without
@@ -100,6 +103,7 @@ from .grad_copier import GradBatch, GradCopier
 from .host_optimizer import HostOptimizerSpec
 from .host_store import HostLayer
 from .layout import LayerLayout, aligned
+from .pinned import PinnedMemory
 from .stats import human_bytes
 from .update_split import UpdateSplit
 
@@ -191,15 +195,17 @@ class HostTraining:
         self.spec, self.implementation = spec, spec.kernel
         self.copier = copier
         self.updater = updater
-        # device updates (and split ones) read a step's only micro-batch straight from its landings
-        self.direct = updater is not None and accumulation_steps == 1
+        # with one micro-batch a step, updates read it straight from its landings (no fp32 sum on the host)
+        self.direct = accumulation_steps == 1
         self.split: UpdateSplit | None = None  # split updates: which side updates each layer this step
         self._host_work: list[tuple[int, float]] = []  # split: (params, seconds) of host updates since a step
         self._device_work: list[tuple[int, float]] = []  # split on the CPU: the same for device updates
         self._device_span: tuple | None = None  # split on CUDA: timing events around a step's device updates
         self._timelines: list[list] = []  # split on CUDA without clipping: chunk timings of steps not yet read
-        self._grad_buffer: torch.Tensor | None = None  # split: fp32 grads of the layer a host update reads
+        self._grad_buffer: torch.Tensor | None = None  # one micro-batch a step: fp32 grads a host update reads
         self._pin_sums = pin and updater is not None  # device updates copy the sums in asynchronously
+        # landings, and for device updates masters and sums: page-locked at their exact size (:mod:`.pinned`)
+        self._memory = PinnedMemory(pin, "stream fewer layers (blocks_to_swap), or free RAM")
         self.accumulation_steps = accumulation_steps
         self.clipping = clipping
         self.lr_source: Callable[[], float | None] = lambda: None  # the lr of early updates (clipping off)
@@ -213,7 +219,6 @@ class HostTraining:
         self.waited_s = 0.0  # seconds the training thread spent blocked on host jobs (updates, accumulations)
         self.job_s = {"accumulate": 0.0, "update": 0.0}  # seconds the host spent on each kind of job
         self.device_bytes = 0  # device updates: their scratch buffers
-        self._pinned_bytes = 0  # landings, masters and sums this module page-locked (counted as allocated)
         self._pending: list[Job] = []  # deferred mode: submitted, not yet run
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
@@ -244,8 +249,7 @@ class HostTraining:
         if self.updater is not None and len(dtypes) == 1 and dtypes <= {torch.bfloat16, torch.float16}:
             return self._flat_layer(idx, host, chosen, pin)
         landing_bytes = sum(aligned(p.nbytes) for _, p in chosen)
-        landing = torch.empty(landing_bytes, dtype=torch.uint8, pin_memory=pin)
-        self._pinned_bytes += landing_bytes * pin
+        landing = self._memory.empty((landing_bytes,), torch.uint8)
         pin_masters = pin and self.updater is not None  # device updates copy them asynchronously
         params, offset = [], 0
         with torch.no_grad():
@@ -254,9 +258,8 @@ class HostTraining:
                 if p.dtype == torch.float32:
                     master, packed = packed, None  # the packed copy is the fp32 master itself
                 else:
-                    master = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin_masters)
+                    master = self._memory.empty(p.shape, torch.float32) if pin_masters else torch.empty(p.shape)
                     master.copy_(_initial(p, packed))
-                    self._pinned_bytes += master.nbytes * pin_masters
                 view = landing[offset : offset + p.nbytes].view(p.dtype).view(p.shape)
                 offset += aligned(p.nbytes)
                 params.append(self._trained(TrainedParam(k, p.param, master, packed, view)))
@@ -267,9 +270,8 @@ class HostTraining:
         in the optimizer's order (:class:`~.device_update.FlatLayer`)."""
         order = [kp for kp in chosen if kp[1].param.ndim > 1] + [kp for kp in chosen if kp[1].param.ndim <= 1]
         total = sum(p.param.numel() for _, p in order)
-        masters = torch.empty(total, dtype=torch.float32, pin_memory=pin)
-        landings = torch.empty(total, dtype=order[0][1].dtype, pin_memory=pin)
-        self._pinned_bytes += (masters.nbytes + landings.nbytes) * pin
+        masters = self._memory.empty((total,), torch.float32)
+        landings = self._memory.empty((total,), order[0][1].dtype)
         params, offset = [], 0
         with torch.no_grad():
             for k, p in order:
@@ -283,7 +285,7 @@ class HostTraining:
         flat, offset = [], 0
         for tp, group in layer.in_groups:  # spec.build's order: must be the one the buffers were filled in
             n = tp.param.numel()
-            if tp.master.storage_offset() != offset:
+            if tp.master.storage_offset() - masters.storage_offset() != offset:
                 raise AssertionError("the flat layout does not follow the optimizer's param order")
             flat.append(FlatParam(offset, n, tp.master, tp.packed, group))
             offset += n
@@ -307,8 +309,8 @@ class HostTraining:
     def _sum_of(self, tp: TrainedParam) -> torch.Tensor:
         """The param's fp32 gradient sum, allocated at its first use."""
         if tp.acc is None:
-            tp.acc = torch.zeros(tp.param.shape, dtype=torch.float32, pin_memory=self._pin_sums)
-            self._pinned_bytes += tp.acc.nbytes * self._pin_sums
+            shape = tp.param.shape
+            tp.acc = self._memory.zeros(shape, torch.float32) if self._pin_sums else torch.zeros(shape)
         return tp.acc
 
     # ---------------------------------------------------------------- hooks
@@ -330,7 +332,7 @@ class HostTraining:
     def pinned_bytes(self) -> int:
         """Page-locked bytes this module holds: landings, and for device updates the masters, sums and
         moments (packed copies are the host store's), counted where they are allocated."""
-        return self._pinned_bytes + (self.updater.pinned_bytes() if self.updater is not None else 0)
+        return self._memory.nbytes + (self.updater.pinned_bytes() if self.updater is not None else 0)
 
     def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self._by_param
@@ -477,7 +479,7 @@ class HostTraining:
             self._host_work.append((layer.numel, time.perf_counter() - began))
 
     def _grads(self, numel: int) -> torch.Tensor:
-        """The reused fp32 buffer a host update converts a layer's gradient landings into (split updates)."""
+        """The reused fp32 buffer a host update converts a layer's gradient landings into."""
         if self._grad_buffer is None or self._grad_buffer.numel() < numel:
             largest = max(layer.numel for layer in self.layers.values())
             self._grad_buffer = torch.empty(max(numel, largest), dtype=torch.float32)
@@ -694,9 +696,10 @@ class HostTraining:
         if missing:
             raise KeyError(f"host optimizer state has no entry for layers {missing}")
         for idx, layer in self.layers.items():
+            replaced = [t for s in layer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
             layer.optimizer.load_state_dict(state[idx] if idx in state else state[str(idx)])
             if self.updater is not None:
-                self.updater.adopt_state(layer.optimizer, layer.flat)
+                self.updater.adopt_state(layer.optimizer, layer.flat, replaced)
 
     def close(self) -> None:
         if self._thread is not None:
@@ -722,8 +725,8 @@ def host_training_bytes(
     layouts: list[LayerLayout], streamed: Iterable[int], spec: HostOptimizerSpec, sums: bool = True
 ) -> dict[str, int]:
     """Host bytes full fine-tuning of the streamed layers needs beyond their packed copies (the start-up
-    report and the RAM check use this). ``sums``: fp32 gradient sums (all but device updates of one
-    micro-batch a step, which read the landings)."""
+    report and the RAM check use this). ``sums``: fp32 gradient sums (kept with several micro-batches a
+    step; with one, the updates read the landings)."""
     masters = gradients = optimizer = 0
     for idx in streamed:
         for p in layouts[idx].params:
@@ -741,7 +744,7 @@ def check_host_training(
 ) -> str:
     """Refuse, with the numbers, when the host cannot hold the masters, gradients and optimizer state;
     otherwise the start-up line that says how much they take."""
-    sums = not (spec.on_device and accumulation_steps == 1)  # device and split updates read the landings
+    sums = accumulation_steps != 1  # with one micro-batch a step the updates read the landings
     parts = host_training_bytes(layouts, streamed, spec, sums)
     need = sum(parts.values())
     available = psutil.virtual_memory().available
