@@ -2,10 +2,11 @@
 
 Why: PyTorch's pinned allocator (``pin_memory=True``, ``Tensor.pin_memory()``) rounds every block up to
 a power of two, so a 566 MB fp32 master page-locks 1 GiB. A full fine-tune's gradient landings,
-masters and moments were all allocated that way: on the Flux-width run of
-benchmarks/results/full_flux.md they took about 40% more RAM than they hold, and the start-up
-report (which counts what they hold) said less than the host then gave. Page-locked RAM cannot be
-swapped, so every rounded byte is a byte the host loses.
+masters and moments were all allocated that way, and the start-up report (which counts what they
+hold) said less than the host then gave: the Flux-width full fine-tune of
+benchmarks/results/full_flux.md peaked at 79.5 GiB of RSS, and at 49.8 GiB with exact buffers
+(full_flux_exact_pinning.md; about 6 GiB of the difference is the bench no longer building the model
+on the host). Page-locked RAM cannot be swapped, so every rounded byte is a byte the host loses.
 
 How: a buffer here is plain page-aligned memory, page-locked with one ``cudaHostRegister`` call.
 Copies from it run asynchronously like copies from PyTorch's pinned blocks (``Tensor.is_pinned()``
