@@ -243,6 +243,27 @@ def test_start_up_says_how_much_host_ram_training_takes():
     assert "masters" in line and "gradients" in line and "optimizer" in line
 
 
+def test_a_host_without_the_ram_for_training_is_refused_with_the_numbers(monkeypatch):
+    """The masters, gradients and optimizer state must fit beside the host's reserve (a tenth of its RAM,
+    2 GiB at least), checked before anything is packed."""
+    lines = []
+    with LayerSwapper(full_layers(), config(), device=CPU, log=lines.append):
+        pass
+    (line,) = [x for x in lines if x.startswith("DGLS host training:")]
+
+    class Host:
+        total = 16 * 2**30  # reserve: 2 GiB
+        available = 2 * 2**30 + 1024  # 1 KiB beside the reserve
+
+    monkeypatch.setattr(host_training.psutil, "virtual_memory", lambda: Host)
+    with pytest.raises(DGLSUserError, match=r"needs .* of host RAM .* and 2\.00 GiB is free, of which 2\.00 GiB stays"):
+        LayerSwapper(full_layers(), config(), device=CPU, log=None)
+    assert "MiB of host RAM" in line  # the small model needs less than the GiB left beside the reserve here:
+    Host.available = 3 * 2**30
+    with LayerSwapper(full_layers(), config(), device=CPU, log=None):
+        pass
+
+
 def test_remove_puts_the_trained_weights_back():
     layers = full_layers()
     with LayerSwapper(layers, config(), device=CPU, log=None) as swapper:

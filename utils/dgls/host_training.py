@@ -101,7 +101,7 @@ from .device_update import DeviceUpdater, FlatLayer, FlatParam, ParamUpdate, tim
 from .errors import DGLSUserError, SwapWorkerError
 from .grad_copier import GradBatch, GradCopier
 from .host_optimizer import HostOptimizerSpec
-from .host_store import HostLayer
+from .host_store import HostLayer, ram_reserve
 from .layout import LayerLayout, aligned
 from .pinned import PinnedMemory
 from .stats import human_bytes
@@ -742,17 +742,19 @@ def host_training_bytes(
 def check_host_training(
     layouts: list[LayerLayout], streamed: Iterable[int], spec: HostOptimizerSpec, accumulation_steps: int = 1
 ) -> str:
-    """Refuse, with the numbers, when the host cannot hold the masters, gradients and optimizer state;
-    otherwise the start-up line that says how much they take."""
+    """Refuse, with the numbers, when the host cannot hold the masters, gradients and optimizer state and
+    still keep its reserve (a tenth of its RAM, 2 GiB at least: the weight store's rule; much of this is
+    page-locked, which the host cannot swap out); otherwise the start-up line that says how much they take."""
     sums = accumulation_steps != 1  # with one micro-batch a step the updates read the landings
     parts = host_training_bytes(layouts, streamed, spec, sums)
     need = sum(parts.values())
-    available = psutil.virtual_memory().available
+    memory = psutil.virtual_memory()
+    reserve = ram_reserve(memory.total)
     described = ", ".join(f"{name} {human_bytes(n)}" for name, n in parts.items())
-    if need > available:
+    if need > memory.available - reserve:
         raise DGLSUserError(
             f"full fine-tuning of the streamed layers needs {human_bytes(need)} of host RAM ({described}) beyond "
-            f"their packed weights, and {human_bytes(available)} is free: stream fewer layers (blocks_to_swap), "
-            "or free RAM"
+            f"their packed weights, and {human_bytes(memory.available)} is free, of which "
+            f"{human_bytes(reserve)} stays for the rest of the host: stream fewer layers (blocks_to_swap), or free RAM"
         )
     return f"DGLS host training: {human_bytes(need)} of host RAM ({described})"
