@@ -38,9 +38,9 @@ Mechanics
       A restore allocates on the compute stream, waits for the offload copy and for the allocation, copies
       in, and records an event; the recompute makes the compute stream wait for it. Host buffers are
       pinned and pooled by size; one goes back to the pool with the event of the copy that last read it.
-    - CPU (:class:`DeferredTransfers`): a restore fills the storage with NaN bytes at once and writes the
-      saved bytes only when the recompute waits for it, so a recompute that reads its inputs without
-      waiting computes with NaN and a CPU test fails.
+    - CPU (the same :class:`ActivationOffloader`, marking ``Offload.pending_cpu``): a restore fills the
+      storage with NaN bytes at once and writes the saved bytes only when the recompute waits for it, so a
+      recompute that reads its inputs without waiting computes with NaN and a CPU test fails.
 
 Hazards handled
     - A storage shared by a later call's argument is never offloaded early (checked by storage, so a

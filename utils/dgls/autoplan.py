@@ -41,7 +41,7 @@ TRIAL_STEPS = 2  # timed steps per visit of a shortlisted plan (each plan is vis
 SHORTLIST, SHORTLIST_WITHIN = 4, 0.20  # plans measured, and how far behind the best prediction they may be
 MODEL_TOLERANCE = 1.25  # a chosen plan this much slower than predicted gets a note
 # Plans aim this far below the budget (GiB, and a share of the budget): a placement's allocator
-# slack differs from the probe's by up to ~0.3 GiB on the H100 Flux benchmark at 8-12 GiB.
+# slack differs from the probe's, which the memory model does not see (benchmarks/results/planner.md).
 PEAK_MARGIN, PEAK_MARGIN_SHARE = GiB // 2, 0.04
 # The refined plan's margin on top of the peak error the trials measured.
 REFINE_MARGIN, REFINE_MARGIN_SHARE = GiB // 8, 0.01

@@ -3,10 +3,10 @@
 Why
     The host AdamW of a streamed layer reads and writes about 44 bytes of host memory per param per step
     (gradient sum, norm, moments, master, the compute-dtype copy), on a few CPU cores: in the SDXL full
-    fine-tune the training thread waited on it for two thirds of the step. The same step on the device
-    moves 16 bytes per param in (master, two moments, the gradient in the compute dtype) and 14 out
-    (master, moments, the new compute-dtype copy) over a full-duplex link, and the arithmetic is a fused
-    kernel that takes microseconds per megabyte.
+    fine-tune the training thread waited on it for most of the step (benchmarks/results/full_sdxl.md). The
+    same step on the device moves 16 bytes per param in (master, two moments, the gradient in the compute
+    dtype) and 14 out (master, moments, the new compute-dtype copy) over a full-duplex link, and the
+    arithmetic is a fused kernel.
 
 Layout (the host side stays where :mod:`.host_training` keeps it)
     - per trained param, in pinned host memory: the fp32 master, ``exp_avg`` and ``exp_avg_sq`` (the
@@ -75,8 +75,9 @@ class FlatLayer:
 
     Why: a chunk of params then comes in with four copies and goes home with three (plus one per param
     for its compute-dtype copy, whose host layout is the streamed layer's), and one fused kernel steps it.
-    Per-param copies cost the training thread about 30 microseconds each to enqueue: for the SDXL UNet
-    (1,362 params a step), enqueueing its device updates took longer than the link took to move them."""
+    Per-param copies cost the training thread time to enqueue: for the SDXL UNet (1,362 params a step),
+    enqueueing its device updates one param at a time took longer than the link took to move them (the flat
+    layout's gain is in benchmarks/results/full_sdxl_flat.md)."""
 
     masters: torch.Tensor  # fp32, pinned on CUDA
     landings: torch.Tensor  # compute dtype, pinned on CUDA

@@ -4,13 +4,11 @@ Full fine-tuning with streamed layers keeps each streamed layer's trainable para
 in host memory and updates them there (:mod:`.host_training`). This module only describes that
 optimizer (:class:`HostOptimizerSpec`) and builds one per layer (:meth:`HostOptimizerSpec.build`):
 
-- ``adamw``, by ``implementation`` (``"auto"``, the default, is ``"split"``: the fastest side by side in the
-  SDXL full fine-tune on an H100 host, 2.49x the all-resident step against 2.68x for ``"device"`` and 4.63x for
-  ``"torch_fused"``, benchmarks/results/full_sdxl_default.md):
+- ``adamw``, by ``implementation`` (``"auto"``, the default, is ``"split"``: the fastest of the three side by
+  side in the SDXL full fine-tune, benchmarks/results/full_sdxl_default.md):
 
   - ``"torch_fused"``: ``torch.optim.AdamW(fused=True)`` on the CPU. As fast as DeepSpeed's kernel in the
-    SDXL full fine-tune (2.64 s against 2.75 s per step, each in a process of its own:
-    benchmarks/results/full_sdxl.md), and it needs no compiler;
+    SDXL full fine-tune (benchmarks/results/full_sdxl.md), and it needs no compiler;
   - ``"deepspeed"``: DeepSpeed's ``DeepSpeedCPUAdam`` (AVX kernels, built on first use);
   - ``"torch"``: ``torch.optim.AdamW`` as it runs on CPU tensors by default (the single-tensor loop):
     the same arithmetic as a trainer's own ``torch.optim.AdamW`` on CPU, so a CPU run can be compared

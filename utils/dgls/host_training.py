@@ -59,11 +59,11 @@ only when something waits for it, so a missing wait changes the numbers in a CPU
 Cores (:func:`update_threads`): on the worker thread, a host update's torch kernels (AdamW, the gradients'
 conversion to fp32) run with three quarters of torch's intra-op threads, set for that thread around the
 update and restored after it (``DeepSpeedCPUAdam`` runs on OpenMP threads of its own, which this leaves
-as they are). The training thread launches the forward's and backward's kernels meanwhile,
-and with every core busy on the update it was descheduled: the SDXL full fine-tune without clipping took
-1.088 s a step with 16 threads against 0.923 s with 12 and 0.968 s with 8 (one H100 host, 16 cores). The
-update is elementwise, so its numbers do not depend on the thread count; the norms (reductions, whose
-numbers do) keep the default. ``torch.set_num_threads`` also sets the count that a thread running its
+as they are). The training thread launches the forward's and backward's kernels meanwhile, and with
+every core busy on the update it was descheduled, which made the step slower with all of the cores than
+with fewer (benchmarks/results/noclip_omp16.md, noclip_omp12.md, noclip_omp8.md). The update is
+elementwise, so its numbers do not depend on the thread count; the norms (reductions, whose numbers do)
+keep the default. ``torch.set_num_threads`` also sets the count that a thread running its
 first parallel kernel meanwhile takes up for good; it is restored after each update, and DGLS's own other
 thread (the copier's) only copies, whose numbers do not depend on it either.
 

@@ -3,10 +3,9 @@
 Why: PyTorch's pinned allocator (``pin_memory=True``, ``Tensor.pin_memory()``) rounds every block up to
 a power of two, so a 566 MB fp32 master page-locks 1 GiB. A full fine-tune's gradient landings,
 masters and moments were all allocated that way, and the start-up report (which counts what they
-hold) said less than the host then gave: the Flux-width full fine-tune of
-benchmarks/results/full_flux.md peaked at 79.5 GiB of RSS, and at 49.8 GiB with exact buffers
-(full_flux_exact_pinning.md; about 6 GiB of the difference is the bench no longer building the model
-on the host). Page-locked RAM cannot be swapped, so every rounded byte is a byte the host loses.
+hold) said less than the host then gave (the Flux-width full fine-tune's peak RSS before and after:
+benchmarks/results/full_flux.md, full_flux_exact_pinning.md). Page-locked RAM cannot be swapped, so
+every rounded byte is a byte the host loses.
 
 How: a buffer here is plain page-aligned memory, page-locked with one ``cudaHostRegister`` call.
 Copies from it run asynchronously like copies from PyTorch's pinned blocks (``Tensor.is_pinned()``

@@ -34,8 +34,8 @@ from .stats import human_bytes
 
 PREFETCH_CHOICES = (1, 2, 3, 4)
 # Split layers when 2 slots exceed 1/4 of the budget, into units <= 1/24 of it: a Wan-14B block at 4 GiB into its
-# 50-135 MiB Linears' modules, a Flux block at 3 GiB into <= 128 MB, where 4 slots (prefetch 3) of them measured
-# 1.28x and 1.48x the all-resident step in 3.77 and 2.67 GiB (benchmarks/results/wan_fit_9f_p3.md, flux_fit_u128.md).
+# 50-135 MiB Linears' modules, a Flux block at 3 GiB into <= 128 MB, where 4 slots (prefetch 3) of them trained
+# within those budgets (benchmarks/results/wan_fit_9f_p3.md, flux_fit_u128.md).
 UNIT_SLOTS_SHARE, UNIT_SHARE = 4, 24
 
 

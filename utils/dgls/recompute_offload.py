@@ -41,8 +41,8 @@ Pace
     that a copy stream used (``record_stream``) is reused only once that stream's work queued before the
     free ran, as the caching allocator sees it when the host next allocates; a host queueing far ahead of
     the device asks for memory long before, and the card held every queued layer's sent and restored tensors
-    at once: a Wan-14B block at 81 frames took 49.7 GiB reserved against 12.5 GiB allocated with no pace,
-    29.1 GiB pacing once per layer.
+    at once: on the Wan-14B block at 81 frames, without a pace, several times as much memory stayed reserved
+    as was allocated.
 
 Invariants
     - Bitwise: a restore writes back the bytes that were sent, into the same storage object (every view of
@@ -70,8 +70,8 @@ KEEP_SHARE = 1 / 3  # of a recompute's saved bytes, the last third stays on the 
 # frames its backward's first reads (the MLP's), while the rest is still on its way home
 # A sent tensor comes back once the backward reads one saved at most this many bytes after it. Restores ahead sit
 # on the device through the backward before their reads: on the Wan-14B block at 81 frames (checkpoint_units,
-# prefetch 1, uncapped) 512 MiB peaked at 7.19 GiB allocated where 1 GiB did at 7.70, both at 1.23x the
-# all-resident step; benchmarks/results/wan_fit_81f_keep_cap8.md ran with 512 MiB.
+# prefetch 1) 512 MiB peaked lower than 1 GiB at the same step time; benchmarks/results/wan_fit_81f_keep_cap8.md
+# ran with 512 MiB.
 AHEAD_BYTES = 2**29
 PACE = 2  # the host stays at most this many sent or read-back tensors ahead of the device (see Pace)
 

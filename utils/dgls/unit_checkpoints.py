@@ -4,7 +4,7 @@ so a layer's backward holds one piece's activations at a time.
 Why
     With one checkpoint per layer, the layer's backward holds everything its recompute saved at once. For a
     Wan2.1-14B block at 81 frames (32,760 tokens) that is about 7.3 GiB (self-attention, cross-attention and
-    the MLP's activations, and the block's own norm and modulation math), 10.5 GiB at its peak with the
+    the MLP's activations, and the block's own norm and modulation math), more at its peak with the
     backward's temporaries: once weights stream and checkpointed inputs wait in host memory, this working set
     is what decides the budget. Checkpointing the child modules a layer calls as well keeps only their inputs
     and the layer's own math while the layer is recomputed, and one piece's activations while that piece's
