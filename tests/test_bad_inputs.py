@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 from cli_helpers import FAKE, FAKE_TABLES, demo_toml, fake_config, run_in_process, snapshot
+from conftest import ROOT
 
 from utils.dgls.distributed import LAUNCHER_KEYS
 
@@ -51,6 +52,19 @@ def dp(
         str(FAKE),
         *flags,
     ]
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+def full_demo(**optimizer) -> Callable[[Path], list[str]]:
+    """toml/demo_full.toml with ``optimizer`` keys over its [optimizer] table."""
+    import toml
+
+    table = toml.loads((ROOT / "toml" / "demo_full.toml").read_text())["optimizer"]
+    if optimizer.get("type") == "sgd":  # sgd takes lr, momentum and weight_decay only
+        table = {"lr": table["lr"]}
+    return demo(base="demo_full.toml", optimizer={**table, **optimizer})
 
 
 def raw(text: str, *flags: str) -> Callable[[Path], list[str]]:
@@ -288,6 +302,45 @@ CASES = [
     Case("dp-full-vram-budget", dp("--vram_budget", "8", tables=FULL_TABLES), "with a full fine-tune"),
     Case("dp-full-deepspeed-config", dp("--deepspeed_config", "z.json", tables=FULL_TABLES), "ZeRO offload would"),
     Case("dp-stages-not-a-number", dp(top='pipeline_stages = "two"'), "pipeline_stages must be a whole number"),
+    # full fine-tune settings: one line naming the key and its range, before start-up (issue 39)
+    Case("demo-full-betas-scalar", full_demo(betas=0.9), "[optimizer] betas must be a list of two numbers, each in"),
+    Case("demo-full-betas-three", full_demo(betas=[0.9, 0.99, 0.9]), "betas must be a list of two numbers"),
+    Case("demo-full-weight-decay-nan", full_demo(weight_decay=NAN), "weight_decay must be a finite number >= 0, got n"),
+    Case("demo-full-lr-inf", full_demo(lr=INF), "[optimizer] lr must be a finite number > 0, got inf"),
+    Case("demo-full-weight-decay-inf", full_demo(weight_decay=INF), "weight_decay must be a finite number >= 0, got i"),
+    Case("demo-full-eps-inf", full_demo(eps=INF), "[optimizer] eps must be a finite number > 0, got inf"),
+    Case("demo-full-momentum-negative", full_demo(type="sgd", momentum=-0.5), "momentum must be a number in [0, 1)"),
+    Case(
+        "demo-full-momentum-text", full_demo(type="sgd", momentum="0.9"), "momentum must be a number in [0, 1), got '0"
+    ),
+    Case("demo-full-momentum-nan", full_demo(type="sgd", momentum=NAN), "momentum must be a number in [0, 1), got nan"),
+    Case("demo-full-kahan-text", full_demo(type="adamw_optimi", kahan_sum="yes"), "kahan_sum must be true or false"),
+    Case("demo-full-lr-twice", demo(base="demo_full.toml", lr=1e-3), "both set the learning rate of this full"),
+    Case("demo-lora-optimizer", demo(optimizer={"type": "sgd", "lr": 0.1}), "this config trains a LoRA ([adapter])"),
+    Case("demo-seed-huge", demo(seed=10**23), "[demo] seed must be a whole number >= 0 and <= 9223372036854775807"),
+    Case("dp-clipping-negative", dp(top="gradient_clipping = -1"), "gradient_clipping must be a finite number >= 0"),
+    Case("dp-clipping-nan", dp(top="gradient_clipping = nan"), "gradient_clipping must be a finite number >= 0"),
+    Case("dp-clipping-text", dp(top='gradient_clipping = "1.0"', tables=FULL_TABLES), "got '1.0'"),
+    Case("dp-accumulation-nan", dp(top="gradient_accumulation_steps = nan"), "gradient_accumulation_steps must be a"),
+    Case("dp-accumulation-text", dp(top='gradient_accumulation_steps = "2"', tables=FULL_TABLES), "got '2'"),
+    Case("dp-accumulation-fraction", dp(top="gradient_accumulation_steps = 1.5"), "whole number >= 1, got 1.5"),
+    Case(
+        "dp-accumulation-0-lazy",
+        dp("--lazy_lora_steps", "2", top="gradient_accumulation_steps = 0"),
+        "gradient_accumulation_steps must be a whole number >= 1, got 0",
+    ),
+    Case("dp-eval-accumulation-0", dp(top="eval_gradient_accumulation_steps = 0"), "eval_gradient_accumulation_steps"),
+    Case("dp-lora-lr-inf", dp(tables=FAKE_TABLES.replace("lr = 1e-3", "lr = inf")), "lr must be a finite number > 0"),
+    Case("dp-lora-betas-scalar", dp(tables=FAKE_TABLES + "betas = 0.9\n"), "betas must be a list of two numbers"),
+    Case("dp-lora-momentum-nan", dp(tables=FAKE_TABLES + "momentum = nan\n"), "momentum must be a number in [0, 1)"),
+    Case("dp-lora-no-type", dp(tables=FAKE_TABLES.replace('type = "adamw"\n', "")), "[optimizer] type must be"),
+    Case("dp-full-weight-decay-nan", dp(tables=FULL_TABLES + "weight_decay = nan\n"), "weight_decay must be a finite"),
+    Case("dp-full-eps-inf", dp(tables=FULL_TABLES + "eps = inf\n"), "[optimizer] eps must be a finite number > 0"),
+    Case(
+        "dp-full-sgd-momentum-negative",
+        dp(tables=FULL_TABLES.replace('"adamw"', '"sgd"') + "momentum = -1\n"),
+        "momentum must be a number in [0, 1), got -1",
+    ),
     # messages: a bad flag is one line, not argparse's usage
     Case("verbose-every-zero", demo("--verbose_every", "0"), "--verbose_every must be a whole number >= 1"),
     Case("flag-value", demo("--prefetch", "x"), "argument --prefetch: expected a whole number, got 'x'"),

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import DGLSUserError
-from .host_optimizer import HostOptimizerSpec
+from .host_optimizer import HostOptimizerSpec, check_table_values, is_finite_number
 from .launch import read_toml
 
 ENV_CHECKOUT = "DGLS_DIFFUSION_PIPE"
@@ -79,7 +79,8 @@ def check_train_config(config: dict[str, Any], path: str, swapping: bool) -> Non
     for key in ("dtype", "transformer_dtype"):
         if (key in model or key == "dtype") and model.get(key) not in DP_DTYPES:
             raise DGLSUserError(f"{path}: [model] {key} must be one of {', '.join(DP_DTYPES)}, got {model.get(key)!r}")
-    _table(config, "optimizer", path)
+    check_optimizer_table(_table(config, "optimizer", path), path)
+    check_step_settings(config, path)
     if not any(key in config for key in SAVE_KEYS):
         raise DGLSUserError(f"{path} says when to save nothing: set one of {', '.join(SAVE_KEYS)}")
     if "adapter" in config:
@@ -102,6 +103,35 @@ def check_train_config(config: dict[str, Any], path: str, swapping: bool) -> Non
             "pass --blocks_to_swap to dgls_train.py instead (or run with --no-dynamic_swapping)"
         )
     host_optimizer_spec(config, path)  # a full fine-tune's optimizer must run on the host
+
+
+def check_optimizer_table(table: dict[str, Any], path: str) -> None:
+    """What train.py reads of ``[optimizer]`` whatever trains: ``type`` (it indexes it), and the hyper-parameters
+    every optimizer means the same by (:func:`~.host_optimizer.check_table_values`: lr, eps, weight_decay,
+    momentum, betas), which torch would take as they are (infinity, NaN) or refuse only after the model loaded."""
+    kind = table.get("type")
+    if not isinstance(kind, str) or not kind:
+        raise DGLSUserError(f"{path}: [optimizer] type must be an optimizer name in quotes, like 'adamw', got {kind!r}")
+    try:
+        check_table_values(table)
+    except DGLSUserError as exc:
+        raise DGLSUserError(f"{path}: {exc}") from None
+
+
+def check_step_settings(config: dict[str, Any], path: str) -> None:
+    """The top-level keys train.py hands DeepSpeed for each step: the micro-batches a step sums (a whole number
+    >= 1, or DeepSpeed asserts or int() fails after the model loaded; ``--lazy_lora_steps`` multiplies it) and
+    the clipping norm (0 turns clipping off; negative or NaN would turn it off silently, a string fails at step 1)."""
+    for key in ("gradient_accumulation_steps", "eval_gradient_accumulation_steps"):
+        value = config.get(key, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise DGLSUserError(f"{path}: {key} must be a whole number >= 1, got {value!r}")
+    clip = config.get("gradient_clipping", 1.0)
+    if not is_finite_number(clip) or clip < 0:
+        raise DGLSUserError(
+            f"{path}: gradient_clipping must be a finite number >= 0 (the largest gradient norm; 0 turns clipping "
+            f"off), got {clip!r}"
+        )
 
 
 def host_optimizer_spec(config: dict[str, Any], path: str) -> HostOptimizerSpec | None:
