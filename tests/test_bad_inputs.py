@@ -19,7 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from cli_helpers import FAKE, FAKE_TABLES, demo_toml, fake_config, run_in_process, snapshot
+from cli_helpers import FAKE, FAKE_TABLES, demo_toml, fake_config, run_in_process, snapshot, write_checkpoint
 from conftest import ROOT
 
 from utils.dgls.distributed import LAUNCHER_KEYS
@@ -98,6 +98,30 @@ def full_disk(tmp: Path, mp: pytest.MonkeyPatch) -> None:
 def read_only(tmp: Path, mp: pytest.MonkeyPatch) -> None:
     (tmp / "ro").mkdir()
     (tmp / "ro").chmod(0o555)
+
+
+RUN = "out/20250101_00-00-00"  # a run folder of the dp() configs' output_dir
+
+
+def checkpoint(
+    adapter: bool = True, host_stages: int = 0, change: Callable[[Path], None] | None = None, **kw
+) -> Callable[[Path, pytest.MonkeyPatch], None]:
+    """A run folder with a checkpoint (:func:`cli_helpers.write_checkpoint`), then ``change(tag folder)``."""
+
+    def setup(tmp: Path, mp) -> None:
+        folder = write_checkpoint(tmp / RUN, adapter=adapter, host_stages=host_stages, **kw)
+        if change is not None:
+            change(folder)
+
+    return setup
+
+
+def truncate(name: str) -> Callable[[Path], None]:
+    return lambda folder: (folder / name).write_bytes((folder / name).read_bytes()[:-200])
+
+
+def overwrite(name: str, data: bytes) -> Callable[[Path], None]:
+    return lambda folder: (folder / name).write_bytes(data)
 
 
 NOT_ROOT = os.geteuid() != 0  # root writes into a 0o555 folder; /proc stands in for a read-only disk there
@@ -224,6 +248,105 @@ CASES = [
     Case("dp-own-blocks-to-swap", dp(top="blocks_to_swap = 10"), "own blocks_to_swap"),
     Case("dp-stages", dp(top="pipeline_stages = 2"), "pipeline_stages = 2, which must divide the 1 process"),
     Case("dp-resume-nothing", dp("--resume_from_checkpoint"), "has no earlier run to resume"),
+    # resume: the run folder, its latest file and the checkpoint it names, before start-up (issue 39)
+    Case(
+        "dp-resume-no-latest",
+        dp("--resume_from_checkpoint"),
+        "holds no checkpoint to resume (it has no 'latest' file",
+        make_file(f"{RUN}/train.toml"),
+    ),
+    Case(
+        "dp-resume-latest-missing",
+        dp("--resume_from_checkpoint"),
+        "holds global_step2 but no 'latest' file naming one",
+        checkpoint(latest=False),
+    ),
+    Case(
+        "dp-resume-latest-names-nothing",
+        dp("--resume_from_checkpoint"),
+        "latest names 'global_step9', which is not a checkpoint folder",
+        checkpoint(change=lambda f: (f.parent / "latest").write_text("global_step9\n")),
+    ),
+    Case(
+        "dp-resume-latest-empty",
+        dp("--resume_from_checkpoint"),
+        "latest names '', which is not a checkpoint folder",
+        checkpoint(change=lambda f: (f.parent / "latest").write_text("")),
+    ),
+    Case(
+        "dp-resume-truncated-layer",
+        dp("--resume_from_checkpoint"),
+        "layer_01-model_states.pt (a layer's weights) is cut short or is not a file torch.save wrote",
+        checkpoint(change=truncate("layer_01-model_states.pt")),
+    ),
+    Case(
+        "dp-resume-empty-model-states",
+        dp("--resume_from_checkpoint"),
+        "mp_rank_00_model_states.pt (DeepSpeed's optimizer and train.py's state) is empty: the checkpoint was not",
+        checkpoint(change=overwrite("mp_rank_00_model_states.pt", b"")),
+    ),
+    Case(
+        "dp-resume-garbage-host-state",
+        dp("--resume_from_checkpoint", tables=FULL_TABLES),
+        "dgls_host_optimizer_stage0.pt (DGLS's host optimizer state) is cut short or is not a file torch.save",
+        checkpoint(adapter=False, host_stages=1, change=overwrite("dgls_host_optimizer_stage0.pt", b"garbage" * 9)),
+    ),
+    Case(
+        "dp-resume-truncated-host-state",
+        dp("--resume_from_checkpoint", tables=FULL_TABLES),
+        "dgls_host_optimizer_stage0.pt (DGLS's host optimizer state) is cut short",
+        checkpoint(adapter=False, host_stages=1, change=truncate("dgls_host_optimizer_stage0.pt")),
+    ),
+    Case(
+        "dp-resume-no-model-states",
+        dp("--resume_from_checkpoint"),
+        "has no mp_rank_00_model_states.pt: the checkpoint was not saved completely",
+        checkpoint(change=lambda f: (f / "mp_rank_00_model_states.pt").unlink()),
+    ),
+    Case(
+        "dp-resume-lora-as-full",
+        dp("--resume_from_checkpoint", tables=FULL_TABLES),
+        "is a LoRA's checkpoint (its layer files hold adapter weights), and",
+        checkpoint(),
+    ),
+    Case(
+        "dp-resume-full-as-lora",
+        dp("--resume_from_checkpoint"),
+        "is a full fine-tune's checkpoint (its layer files hold every weight and no adapter), and",
+        checkpoint(adapter=False, host_stages=1),
+    ),
+    Case(
+        "dp-resume-other-model",
+        dp("--resume_from_checkpoint"),
+        "was trained with [model] type = 'sdxl' (its copy train.toml)",
+        checkpoint(change=lambda f: (f.parent / "train.toml").write_text('[model]\ntype = "sdxl"\n')),
+    ),
+    Case(
+        "dp-resume-full-without-host-state",
+        dp("--resume_from_checkpoint", tables=FULL_TABLES),
+        "has no DGLS host optimizer state (dgls_host_optimizer_stage0.pt): it was saved by train.py without DGLS",
+        checkpoint(adapter=False),
+    ),
+    Case(
+        "dp-resume-host-state-without-swapping",
+        dp("--resume_from_checkpoint", "--no-dynamic_swapping", tables=FULL_TABLES),
+        "was saved by DGLS's full fine-tune with streamed layers",
+        checkpoint(adapter=False, host_stages=1),
+    ),
+    Case(
+        "dp-resume-host-state-stages",
+        dp("--resume_from_checkpoint", tables=FULL_TABLES),
+        "holds DGLS host optimizer states of 2 pipeline stages, and this run has 1: resume with pipeline_stages = 2",
+        checkpoint(adapter=False, host_stages=2),
+    ),
+    Case(
+        "dp-resume-last-entry-a-file",
+        dp("--resume_from_checkpoint"),
+        "train.py resumes the last entry of",
+        lambda tmp, mp: (checkpoint()(tmp, mp), make_file("out/notes.txt")(tmp, mp)),
+    ),
+    Case("dp-resume-config-number", dp(top="resume_from_checkpoint = 5"), "resume_from_checkpoint must be true, false"),
+    Case("dp-resume-folder-missing", dp("--resume_from_checkpoint", "nope"), "--resume_from_checkpoint nope: no run"),
     Case("dp-retired-flag", dp("--async_zero_grad"), "--async_zero_grad was removed"),
     # launcher variables
     Case(

@@ -69,6 +69,7 @@ def test_a_checkpoint_without_the_host_optimizer_state_is_refused(tmp_path):
 
     load = EngineHooks(lambda module: object())._wrap_load(lambda engine, load_dir, tag, *a, **k: None)
     (tmp_path / "latest").write_text("global_step2")
+    (tmp_path / "global_step2").mkdir()
     with pytest.raises(DGLSUserError, match="has no DGLS host optimizer state"):
         load(Engine(), str(tmp_path))
 
