@@ -200,11 +200,25 @@ class HostOptimizerSpec:
             )
         return name
 
-    def build(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
-        """One optimizer over ``params`` (fp32 CPU tensors), 1-D params without weight decay."""
+    @staticmethod
+    def param_groups(params: Sequence[torch.Tensor]) -> list[dict]:
+        """diffusion-pipe's param groups: the params of 2 or more dims, then the 1-D ones without weight decay."""
         decay = [p for p in params if p.ndim > 1]
         plain = [p for p in params if p.ndim <= 1]
-        groups = [g for g in ({"params": decay}, {"params": plain, "weight_decay": 0.0}) if g["params"]]
+        return [g for g in ({"params": decay}, {"params": plain, "weight_decay": 0.0}) if g["params"]]
+
+    def trainer_optimizer(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+        """The optimizer a trainer steps the params it keeps (the resident ones) with, as diffusion-pipe's train.py
+        builds it: the class the type names with torch's default kernel choice, these hyper-parameters and
+        :meth:`param_groups`. The host's kernel (``implementation``) is the host's only."""
+        groups = self.param_groups(params)
+        if self.type == "sgd":
+            return torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+
+    def build(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+        """One optimizer over ``params`` (fp32 CPU tensors), 1-D params without weight decay."""
+        groups = self.param_groups(params)
         if self.type == "sgd":
             return torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
         if self.implementation == "deepspeed":
