@@ -22,7 +22,7 @@ from torch import nn
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.dp_config import check_resume
 from utils.dgls.engine_hooks import EngineHooks
-from utils.dgls.resume import ResumeChecks, layer_fit_problem, torch_file_problem
+from utils.dgls.resume import ResumeChecks, agree, layer_fit_problem, torch_file_problem
 
 CPU = torch.device("cpu")
 LORA = {"output_dir": "out", "model": {"type": "flux"}, "adapter": {"type": "lora", "rank": 2}}
@@ -233,6 +233,34 @@ def test_a_stage_without_host_training_refuses_a_host_state_for_it(tmp_path):
     load = EngineHooks(lambda module: None)._wrap_load(lambda engine, load_dir, tag, *a, **k: None)
     with pytest.raises(DGLSUserError, match="this run trains no layer of this pipeline stage on the host"):
         load(SimpleNamespace(module=None, grid=None), str(run))
+
+
+def _agree_in(rank: int, port: int, folder: Path) -> None:
+    """One of two processes: rank 1 finds a problem, rank 0 none; each writes what agree() raised."""
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        for problem in (None, "stage 1's file is damaged" if rank == 1 else None):
+            try:
+                agree(problem)
+                said = "nothing"
+            except DGLSUserError as exc:
+                said = str(exc)
+            with open(folder / f"rank{rank}.txt", "a") as f:
+                f.write(said + "\n")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_every_process_raises_the_problem_one_found(tmp_path):
+    """A process that raised alone would leave the others waiting in DeepSpeed's collectives."""
+    from utils.dgls.distributed import free_port
+
+    torch.multiprocessing.spawn(_agree_in, args=(free_port(), tmp_path), nprocs=2)
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == "nothing\nstage 1's file is damaged\n"
 
 
 # ---------------------------------------------------------------- real DeepSpeed checkpoints, in this process
