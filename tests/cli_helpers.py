@@ -122,3 +122,28 @@ def snapshot(*roots: Path) -> dict[str, tuple[int, int]]:
                 st = p.stat()
                 seen[str(p)] = (st.st_size if p.is_file() else -1, st.st_mtime_ns)
     return seen
+
+
+def write_checkpoint(
+    run_dir: Path, adapter: bool = True, host_stages: int = 0, tag: str = "global_step2", latest: bool = True
+) -> Path:
+    """A small checkpoint folder as diffusion-pipe's train.py leaves it (DeepSpeed's files, with DGLS's host
+    optimizer state of ``host_stages`` stages): three layers of LoRA weights (``adapter``: a rank-2 LoRA of a 4x4
+    Linear ``proj``) or of that Linear's weights, and ``latest`` naming ``tag``. Returns the tag folder."""
+    import torch
+
+    folder = run_dir / tag
+    folder.mkdir(parents=True, exist_ok=True)
+    if adapter:  # a rank-2 LoRA on a 4x4 Linear, or the Linear itself
+        weights = {"proj.lora_A.default.weight": torch.zeros(2, 4), "proj.lora_B.default.weight": torch.zeros(4, 2)}
+    else:
+        weights = {"proj.weight": torch.zeros(4, 4), "proj.bias": torch.zeros(4)}
+    for i in range(3):
+        torch.save(weights, folder / f"layer_{i:02d}-model_states.pt")
+    torch.save({"module": None, "optimizer": {"state": {}, "param_groups": []}}, folder / "mp_rank_00_model_states.pt")
+    for stage in range(host_stages):
+        state = {1: {"state": {}, "param_groups": [{"params": [0, 1], "lr": 1e-3, "betas": (0.9, 0.99)}]}}
+        torch.save(state, folder / f"dgls_host_optimizer_stage{stage}.pt")
+    if latest:
+        (run_dir / "latest").write_text(tag)
+    return folder

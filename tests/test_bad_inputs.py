@@ -19,7 +19,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from cli_helpers import FAKE, FAKE_TABLES, demo_toml, fake_config, run_in_process, snapshot
+from cli_helpers import FAKE, FAKE_TABLES, demo_toml, fake_config, run_in_process, snapshot, write_checkpoint
+from conftest import ROOT
 
 from utils.dgls.distributed import LAUNCHER_KEYS
 
@@ -53,6 +54,19 @@ def dp(
     ]
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+def full_demo(**optimizer) -> Callable[[Path], list[str]]:
+    """toml/demo_full.toml with ``optimizer`` keys over its [optimizer] table."""
+    import toml
+
+    table = toml.loads((ROOT / "toml" / "demo_full.toml").read_text())["optimizer"]
+    if optimizer.get("type") == "sgd":  # sgd takes lr, momentum and weight_decay only
+        table = {"lr": table["lr"]}
+    return demo(base="demo_full.toml", optimizer={**table, **optimizer})
+
+
 def raw(text: str, *flags: str) -> Callable[[Path], list[str]]:
     def write(tmp: Path) -> list[str]:
         (tmp / "x.toml").write_bytes(text.encode("latin-1"))
@@ -84,6 +98,30 @@ def full_disk(tmp: Path, mp: pytest.MonkeyPatch) -> None:
 def read_only(tmp: Path, mp: pytest.MonkeyPatch) -> None:
     (tmp / "ro").mkdir()
     (tmp / "ro").chmod(0o555)
+
+
+RUN = "out/20250101_00-00-00"  # a run folder of the dp() configs' output_dir
+
+
+def checkpoint(
+    adapter: bool = True, host_stages: int = 0, change: Callable[[Path], None] | None = None, **kw
+) -> Callable[[Path, pytest.MonkeyPatch], None]:
+    """A run folder with a checkpoint (:func:`cli_helpers.write_checkpoint`), then ``change(tag folder)``."""
+
+    def setup(tmp: Path, mp) -> None:
+        folder = write_checkpoint(tmp / RUN, adapter=adapter, host_stages=host_stages, **kw)
+        if change is not None:
+            change(folder)
+
+    return setup
+
+
+def truncate(name: str) -> Callable[[Path], None]:
+    return lambda folder: (folder / name).write_bytes((folder / name).read_bytes()[:-200])
+
+
+def overwrite(name: str, data: bytes) -> Callable[[Path], None]:
+    return lambda folder: (folder / name).write_bytes(data)
 
 
 NOT_ROOT = os.geteuid() != 0  # root writes into a 0o555 folder; /proc stands in for a read-only disk there
@@ -210,6 +248,105 @@ CASES = [
     Case("dp-own-blocks-to-swap", dp(top="blocks_to_swap = 10"), "own blocks_to_swap"),
     Case("dp-stages", dp(top="pipeline_stages = 2"), "pipeline_stages = 2, which must divide the 1 process"),
     Case("dp-resume-nothing", dp("--resume_from_checkpoint"), "has no earlier run to resume"),
+    # resume: the run folder, its latest file and the checkpoint it names, before start-up (issue 39)
+    Case(
+        "dp-resume-no-latest",
+        dp("--resume_from_checkpoint"),
+        "holds no checkpoint to resume (it has no 'latest' file",
+        make_file(f"{RUN}/train.toml"),
+    ),
+    Case(
+        "dp-resume-latest-missing",
+        dp("--resume_from_checkpoint"),
+        "holds global_step2 but no 'latest' file naming one",
+        checkpoint(latest=False),
+    ),
+    Case(
+        "dp-resume-latest-names-nothing",
+        dp("--resume_from_checkpoint"),
+        "latest names 'global_step9', which is not a checkpoint folder",
+        checkpoint(change=lambda f: (f.parent / "latest").write_text("global_step9\n")),
+    ),
+    Case(
+        "dp-resume-latest-empty",
+        dp("--resume_from_checkpoint"),
+        "latest names '', which is not a checkpoint folder",
+        checkpoint(change=lambda f: (f.parent / "latest").write_text("")),
+    ),
+    Case(
+        "dp-resume-truncated-layer",
+        dp("--resume_from_checkpoint"),
+        "layer_01-model_states.pt (a layer's weights) is cut short or is not a file torch.save wrote",
+        checkpoint(change=truncate("layer_01-model_states.pt")),
+    ),
+    Case(
+        "dp-resume-empty-model-states",
+        dp("--resume_from_checkpoint"),
+        "mp_rank_00_model_states.pt (DeepSpeed's optimizer and train.py's state) is empty: the checkpoint was not",
+        checkpoint(change=overwrite("mp_rank_00_model_states.pt", b"")),
+    ),
+    Case(
+        "dp-resume-garbage-host-state",
+        dp("--resume_from_checkpoint", tables=FULL_TABLES),
+        "dgls_host_optimizer_stage0.pt (DGLS's host optimizer state) is cut short or is not a file torch.save",
+        checkpoint(adapter=False, host_stages=1, change=overwrite("dgls_host_optimizer_stage0.pt", b"garbage" * 9)),
+    ),
+    Case(
+        "dp-resume-truncated-host-state",
+        dp("--resume_from_checkpoint", tables=FULL_TABLES),
+        "dgls_host_optimizer_stage0.pt (DGLS's host optimizer state) is cut short",
+        checkpoint(adapter=False, host_stages=1, change=truncate("dgls_host_optimizer_stage0.pt")),
+    ),
+    Case(
+        "dp-resume-no-model-states",
+        dp("--resume_from_checkpoint"),
+        "has no mp_rank_00_model_states.pt: the checkpoint was not saved completely",
+        checkpoint(change=lambda f: (f / "mp_rank_00_model_states.pt").unlink()),
+    ),
+    Case(
+        "dp-resume-lora-as-full",
+        dp("--resume_from_checkpoint", tables=FULL_TABLES),
+        "is a LoRA's checkpoint (its layer files hold adapter weights), and",
+        checkpoint(),
+    ),
+    Case(
+        "dp-resume-full-as-lora",
+        dp("--resume_from_checkpoint"),
+        "is a full fine-tune's checkpoint (its layer files hold every weight and no adapter), and",
+        checkpoint(adapter=False, host_stages=1),
+    ),
+    Case(
+        "dp-resume-other-model",
+        dp("--resume_from_checkpoint"),
+        "was trained with [model] type = 'sdxl' (its copy train.toml)",
+        checkpoint(change=lambda f: (f.parent / "train.toml").write_text('[model]\ntype = "sdxl"\n')),
+    ),
+    Case(
+        "dp-resume-full-without-host-state",
+        dp("--resume_from_checkpoint", tables=FULL_TABLES),
+        "has no DGLS host optimizer state (dgls_host_optimizer_stage0.pt): it was saved by train.py without DGLS",
+        checkpoint(adapter=False),
+    ),
+    Case(
+        "dp-resume-host-state-without-swapping",
+        dp("--resume_from_checkpoint", "--no-dynamic_swapping", tables=FULL_TABLES),
+        "was saved by DGLS's full fine-tune with streamed layers",
+        checkpoint(adapter=False, host_stages=1),
+    ),
+    Case(
+        "dp-resume-host-state-stages",
+        dp("--resume_from_checkpoint", tables=FULL_TABLES),
+        "holds DGLS host optimizer states of 2 pipeline stages, and this run has 1: resume with pipeline_stages = 2",
+        checkpoint(adapter=False, host_stages=2),
+    ),
+    Case(
+        "dp-resume-last-entry-a-file",
+        dp("--resume_from_checkpoint"),
+        "train.py resumes the last entry of",
+        lambda tmp, mp: (checkpoint()(tmp, mp), make_file("out/notes.txt")(tmp, mp)),
+    ),
+    Case("dp-resume-config-number", dp(top="resume_from_checkpoint = 5"), "resume_from_checkpoint must be true, false"),
+    Case("dp-resume-folder-missing", dp("--resume_from_checkpoint", "nope"), "--resume_from_checkpoint nope: no run"),
     Case("dp-retired-flag", dp("--async_zero_grad"), "--async_zero_grad was removed"),
     # launcher variables
     Case(
@@ -288,6 +425,45 @@ CASES = [
     Case("dp-full-vram-budget", dp("--vram_budget", "8", tables=FULL_TABLES), "with a full fine-tune"),
     Case("dp-full-deepspeed-config", dp("--deepspeed_config", "z.json", tables=FULL_TABLES), "ZeRO offload would"),
     Case("dp-stages-not-a-number", dp(top='pipeline_stages = "two"'), "pipeline_stages must be a whole number"),
+    # full fine-tune settings: one line naming the key and its range, before start-up (issue 39)
+    Case("demo-full-betas-scalar", full_demo(betas=0.9), "[optimizer] betas must be a list of two numbers, each in"),
+    Case("demo-full-betas-three", full_demo(betas=[0.9, 0.99, 0.9]), "betas must be a list of two numbers"),
+    Case("demo-full-weight-decay-nan", full_demo(weight_decay=NAN), "weight_decay must be a finite number >= 0, got n"),
+    Case("demo-full-lr-inf", full_demo(lr=INF), "[optimizer] lr must be a finite number > 0, got inf"),
+    Case("demo-full-weight-decay-inf", full_demo(weight_decay=INF), "weight_decay must be a finite number >= 0, got i"),
+    Case("demo-full-eps-inf", full_demo(eps=INF), "[optimizer] eps must be a finite number > 0, got inf"),
+    Case("demo-full-momentum-negative", full_demo(type="sgd", momentum=-0.5), "momentum must be a number in [0, 1)"),
+    Case(
+        "demo-full-momentum-text", full_demo(type="sgd", momentum="0.9"), "momentum must be a number in [0, 1), got '0"
+    ),
+    Case("demo-full-momentum-nan", full_demo(type="sgd", momentum=NAN), "momentum must be a number in [0, 1), got nan"),
+    Case("demo-full-kahan-text", full_demo(type="adamw_optimi", kahan_sum="yes"), "kahan_sum must be true or false"),
+    Case("demo-full-lr-twice", demo(base="demo_full.toml", lr=1e-3), "both set the learning rate of this full"),
+    Case("demo-lora-optimizer", demo(optimizer={"type": "sgd", "lr": 0.1}), "this config trains a LoRA ([adapter])"),
+    Case("demo-seed-huge", demo(seed=10**23), "[demo] seed must be a whole number >= 0 and <= 9223372036854775807"),
+    Case("dp-clipping-negative", dp(top="gradient_clipping = -1"), "gradient_clipping must be a finite number >= 0"),
+    Case("dp-clipping-nan", dp(top="gradient_clipping = nan"), "gradient_clipping must be a finite number >= 0"),
+    Case("dp-clipping-text", dp(top='gradient_clipping = "1.0"', tables=FULL_TABLES), "got '1.0'"),
+    Case("dp-accumulation-nan", dp(top="gradient_accumulation_steps = nan"), "gradient_accumulation_steps must be a"),
+    Case("dp-accumulation-text", dp(top='gradient_accumulation_steps = "2"', tables=FULL_TABLES), "got '2'"),
+    Case("dp-accumulation-fraction", dp(top="gradient_accumulation_steps = 1.5"), "whole number >= 1, got 1.5"),
+    Case(
+        "dp-accumulation-0-lazy",
+        dp("--lazy_lora_steps", "2", top="gradient_accumulation_steps = 0"),
+        "gradient_accumulation_steps must be a whole number >= 1, got 0",
+    ),
+    Case("dp-eval-accumulation-0", dp(top="eval_gradient_accumulation_steps = 0"), "eval_gradient_accumulation_steps"),
+    Case("dp-lora-lr-inf", dp(tables=FAKE_TABLES.replace("lr = 1e-3", "lr = inf")), "lr must be a finite number > 0"),
+    Case("dp-lora-betas-scalar", dp(tables=FAKE_TABLES + "betas = 0.9\n"), "betas must be a list of two numbers"),
+    Case("dp-lora-momentum-nan", dp(tables=FAKE_TABLES + "momentum = nan\n"), "momentum must be a number in [0, 1)"),
+    Case("dp-lora-no-type", dp(tables=FAKE_TABLES.replace('type = "adamw"\n', "")), "[optimizer] type must be"),
+    Case("dp-full-weight-decay-nan", dp(tables=FULL_TABLES + "weight_decay = nan\n"), "weight_decay must be a finite"),
+    Case("dp-full-eps-inf", dp(tables=FULL_TABLES + "eps = inf\n"), "[optimizer] eps must be a finite number > 0"),
+    Case(
+        "dp-full-sgd-momentum-negative",
+        dp(tables=FULL_TABLES.replace('"adamw"', '"sgd"') + "momentum = -1\n"),
+        "momentum must be a number in [0, 1), got -1",
+    ),
     # messages: a bad flag is one line, not argparse's usage
     Case("verbose-every-zero", demo("--verbose_every", "0"), "--verbose_every must be a whole number >= 1"),
     Case("flag-value", demo("--prefetch", "x"), "argument --prefetch: expected a whole number, got 'x'"),

@@ -19,8 +19,8 @@ from utils.dgls.errors import DGLSUserError
 from utils.dgls.validate import DemoRun, prepare
 
 
-def full_run(folder, capsys, *flags):
-    config = demo_toml(folder, steps=4, base="demo_full.toml")
+def full_run(folder, capsys, *flags, optimizer=None):
+    config = demo_toml(folder, steps=4, base="demo_full.toml", optimizer=optimizer)
     code, out, err = run_in_process(["--config", str(config), *flags], capsys)
     assert code == 0, err
     (saved,) = (folder / "out").glob("*/model.safetensors")
@@ -34,9 +34,12 @@ def test_demo_full_config_passes_the_checks():
     assert run.swap.host_optimizer.implementation == "split", "auto: split for AdamW"
 
 
-def test_full_fine_tune_with_streaming_trains_what_resident_training_trains(tmp_path, capsys):
-    streamed, out = full_run(tmp_path / "dgls", capsys)
-    resident, _ = full_run(tmp_path / "plain", capsys, "--no-dynamic_swapping")
+@pytest.mark.parametrize("optimizer", [None, {"type": "sgd", "lr": 0.05, "momentum": 0.9}], ids=["adamw", "sgd"])
+def test_full_fine_tune_with_streaming_trains_what_resident_training_trains(tmp_path, capsys, optimizer):
+    """With sgd the resident layers train with SGD too (the trainer's optimizer is the [optimizer] type's class,
+    as in diffusion-pipe; it was AdamW whatever the type)."""
+    streamed, out = full_run(tmp_path / "dgls", capsys, optimizer=optimizer)
+    resident, _ = full_run(tmp_path / "plain", capsys, "--no-dynamic_swapping", optimizer=optimizer)
     assert "DGLS host training:" in out and "model saved to" in out
     assert streamed.keys() == resident.keys() and len(streamed) > 100
     scale = max(v.abs().max().item() for v in resident.values())
@@ -69,6 +72,7 @@ def test_a_checkpoint_without_the_host_optimizer_state_is_refused(tmp_path):
 
     load = EngineHooks(lambda module: object())._wrap_load(lambda engine, load_dir, tag, *a, **k: None)
     (tmp_path / "latest").write_text("global_step2")
+    (tmp_path / "global_step2").mkdir()
     with pytest.raises(DGLSUserError, match="has no DGLS host optimizer state"):
         load(Engine(), str(tmp_path))
 

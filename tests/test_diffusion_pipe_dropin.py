@@ -74,6 +74,23 @@ def test_refusals(change, message):
         check_train_config(config, "x.toml", swapping=True)
 
 
+def test_a_lora_optimizer_is_checked_only_where_every_optimizer_means_the_same():
+    """train.py builds a LoRA's optimizer itself and passes it every key: DGLS checks lr, eps, weight_decay,
+    momentum and betas (two for AdamW's kind, any number for others), and lets each class's own keys through."""
+    table = {"type": "Prodigy", "lr": 1.0, "betas": [0.9, 0.99, 0.999], "d_coef": 2, "safeguard_warmup": True}
+    check_train_config({**BASE, "optimizer": table}, "x.toml", swapping=True)
+    check_train_config({**BASE, "optimizer": {"type": "adamw", "betas": [0.9, 0.99], "beta2_half_life": 50}}, "x", True)
+    for table, message in (
+        ({"type": "Prodigy", "lr": "1"}, "lr must be a finite number > 0, got '1'"),
+        ({"type": "Prodigy", "betas": [0.9, 1.5, 0.9]}, "betas must be a list of numbers, each in \\[0, 1\\)"),
+        ({"type": "adamw8bit", "betas": [0.9]}, "betas must be a list of two numbers"),
+        ({"type": "adamw", "beta2_half_life": 50}, "beta2_half_life sets the second of betas"),
+        ({"type": "adamw", "betas": [0.9, 0.99], "beta2_half_life": -1}, "beta2_half_life must be a finite number"),
+    ):
+        with pytest.raises(DGLSUserError, match=message):
+            check_train_config({**BASE, "optimizer": table}, "x.toml", swapping=True)
+
+
 def test_a_full_fine_tune_maps_its_optimizer_to_the_host():
     config = {k: v for k, v in BASE.items() if k != "adapter"}
     config["optimizer"] = {"type": "AdamW", "lr": 2e-5, "betas": [0.9, 0.95], "weight_decay": 0.1, "eps": 1e-7}

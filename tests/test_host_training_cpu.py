@@ -235,6 +235,17 @@ def test_refusals_are_one_clear_line():
             swapper.apply_placement([1, 2], 1)
 
 
+def test_the_trainer_optimizer_is_the_class_the_type_names_with_diffusion_pipes_groups():
+    """What train.py builds for the params it keeps: torch.optim.AdamW or SGD with the table's settings, 1-D params
+    without weight decay (the host's kernel choice is the host's only)."""
+    params = [torch.nn.Parameter(torch.zeros(3, 3)), torch.nn.Parameter(torch.zeros(3))]
+    adamw = dataclasses.replace(SPEC, implementation="split", betas=(0.8, 0.9)).trainer_optimizer(params)
+    assert type(adamw) is torch.optim.AdamW and not adamw.defaults["fused"] and adamw.defaults["betas"] == (0.8, 0.9)
+    assert [(len(g["params"]), g["weight_decay"]) for g in adamw.param_groups] == [(1, 0.01), (1, 0.0)]
+    sgd = dataclasses.replace(SPEC, type="sgd", implementation="torch_fused", momentum=0.9).trainer_optimizer(params)
+    assert type(sgd) is torch.optim.SGD and sgd.defaults["momentum"] == 0.9
+
+
 def test_start_up_says_how_much_host_ram_training_takes():
     lines = []
     with LayerSwapper(full_layers(), config(), device=CPU, log=lines.append):

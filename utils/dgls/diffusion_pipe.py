@@ -42,6 +42,7 @@ from .monitor import MemoryMonitor, MemoryReading
 from .options import swap_config
 from .patches import Patches
 from .pipeline_hook import Stage, StageHook
+from .resume import ResumeChecks
 from .stats import StepReader, StepStats, StepWindow
 from .swapper import LayerSwapper
 from .validate import DropInRun
@@ -67,13 +68,21 @@ class PipelineInterception:
       so the probe steps never leave a LoRA or a checkpoint behind, however the run is saved;
     * for a full fine-tune (no [adapter]: streamed layers train on the host), DeepSpeed's optimizer step
       and checkpoints (:class:`~.engine_hooks.EngineHooks`), and ``Saver.save_full_model``, which reads
-      params directly: it runs inside :meth:`~.swapper.LayerSwapper.true_weights`, so it saves the masters.
+      params directly: it runs inside :meth:`~.swapper.LayerSwapper.true_weights`, so it saves the masters;
+    * ``DeepSpeedEngine.load_checkpoint`` (:class:`~.resume.ResumeChecks`): a resumed checkpoint's layer files
+      must fit the layers (train.py loads them non-strictly, which would skip what does not match).
     """
 
     def __init__(
-        self, values: dict[str, Any], log: Callable[[str], None] = print, swap: SwapConfig | None = None
+        self,
+        values: dict[str, Any],
+        log: Callable[[str], None] = print,
+        swap: SwapConfig | None = None,
+        reset_optimizer_params: bool = False,
     ) -> None:
+        """``reset_optimizer_params``: train.py's flag of that name, which a resume of host training follows too."""
         self.values = values
+        self.reset_optimizer_params = reset_optimizer_params
         self.swap = swap  # None: built from values when the layers arrive
         self.log = log
         self.steps = 0
@@ -85,6 +94,7 @@ class PipelineInterception:
         self.patches = Patches()
         self.stage_hook = StageHook(self.install)
         self.engine_hooks: EngineHooks | None = None
+        self.resume_checks = ResumeChecks()
 
     def __enter__(self) -> PipelineInterception:
         try:
@@ -111,6 +121,7 @@ class PipelineInterception:
         self.stage_hook.__enter__()
         if self.swap is not None and self.swap.host_optimizer is not None:
             self._hook_full_fine_tune()
+        self.resume_checks.__enter__()  # after the engine hooks: it wraps their load_checkpoint
         self.patches.replace(PipelineEngine, "train_batch", self._wrap_train_batch)
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -138,7 +149,9 @@ class PipelineInterception:
             return save_full_model
 
         self.patches.replace(saver, "save_full_model", save_true_weights)
-        self.engine_hooks = EngineHooks(lambda module: self.swapper.training if self.swapper is not None else None)
+        self.engine_hooks = EngineHooks(
+            lambda module: self.swapper.training if self.swapper is not None else None, self.reset_optimizer_params
+        )
         self.engine_hooks.__enter__()
 
     @staticmethod
@@ -250,6 +263,7 @@ class PipelineInterception:
         """Always, also after an error or Ctrl-C: the layers back, the worker thread and pinned memory freed."""
         self.stage_hook.__exit__(*exc)
         self.patches.restore()  # before the engine hooks: its train_batch wraps theirs
+        self.resume_checks.__exit__(*exc)  # so does its load_checkpoint
         if self.engine_hooks is not None:
             self.engine_hooks.__exit__(*exc)
         if self.swapper is not None:
@@ -311,7 +325,8 @@ def run_drop_in(run: DropInRun) -> None:
             if not values["dynamic_swapping"]:
                 runpy.run_path(str(run.checkout / "train.py"), run_name="__main__")
             else:
-                with PipelineInterception(values, swap=swap) as interception:
+                reset_params = "--reset_optimizer_params" in run.train_args
+                with PipelineInterception(values, swap=swap, reset_optimizer_params=reset_params) as interception:
                     runpy.run_path(str(run.checkout / "train.py"), run_name="__main__")
                     interception.finish()
             destroy_process_group()

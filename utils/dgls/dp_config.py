@@ -8,13 +8,15 @@ resolve against the checkout, where train.py runs.
 
 from __future__ import annotations
 
+import glob
 import os
 from pathlib import Path
 from typing import Any
 
 from .errors import DGLSUserError
-from .host_optimizer import HostOptimizerSpec
+from .host_optimizer import HostOptimizerSpec, check_table_values, is_finite_number
 from .launch import read_toml
+from .resume import check_checkpoint
 
 ENV_CHECKOUT = "DGLS_DIFFUSION_PIPE"
 REQUIRED_FILES = ("train.py", "utils/pipeline.py", "models/base.py")
@@ -79,7 +81,8 @@ def check_train_config(config: dict[str, Any], path: str, swapping: bool) -> Non
     for key in ("dtype", "transformer_dtype"):
         if (key in model or key == "dtype") and model.get(key) not in DP_DTYPES:
             raise DGLSUserError(f"{path}: [model] {key} must be one of {', '.join(DP_DTYPES)}, got {model.get(key)!r}")
-    _table(config, "optimizer", path)
+    check_optimizer_table(_table(config, "optimizer", path), path)
+    check_step_settings(config, path)
     if not any(key in config for key in SAVE_KEYS):
         raise DGLSUserError(f"{path} says when to save nothing: set one of {', '.join(SAVE_KEYS)}")
     if "adapter" in config:
@@ -102,6 +105,35 @@ def check_train_config(config: dict[str, Any], path: str, swapping: bool) -> Non
             "pass --blocks_to_swap to dgls_train.py instead (or run with --no-dynamic_swapping)"
         )
     host_optimizer_spec(config, path)  # a full fine-tune's optimizer must run on the host
+
+
+def check_optimizer_table(table: dict[str, Any], path: str) -> None:
+    """What train.py reads of ``[optimizer]`` whatever trains: ``type`` (it indexes it), and the hyper-parameters
+    every optimizer means the same by (:func:`~.host_optimizer.check_table_values`: lr, eps, weight_decay,
+    momentum, betas), which torch would take as they are (infinity, NaN) or refuse only after the model loaded."""
+    kind = table.get("type")
+    if not isinstance(kind, str) or not kind:
+        raise DGLSUserError(f"{path}: [optimizer] type must be an optimizer name in quotes, like 'adamw', got {kind!r}")
+    try:
+        check_table_values(table)
+    except DGLSUserError as exc:
+        raise DGLSUserError(f"{path}: {exc}") from None
+
+
+def check_step_settings(config: dict[str, Any], path: str) -> None:
+    """The top-level keys train.py hands DeepSpeed for each step: the micro-batches a step sums (a whole number
+    >= 1, or DeepSpeed asserts or int() fails after the model loaded; ``--lazy_lora_steps`` multiplies it) and
+    the clipping norm (0 turns clipping off; negative or NaN would turn it off silently, a string fails at step 1)."""
+    for key in ("gradient_accumulation_steps", "eval_gradient_accumulation_steps"):
+        value = config.get(key, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise DGLSUserError(f"{path}: {key} must be a whole number >= 1, got {value!r}")
+    clip = config.get("gradient_clipping", 1.0)
+    if not is_finite_number(clip) or clip < 0:
+        raise DGLSUserError(
+            f"{path}: gradient_clipping must be a finite number >= 0 (the largest gradient norm; 0 turns clipping "
+            f"off), got {clip!r}"
+        )
 
 
 def host_optimizer_spec(config: dict[str, Any], path: str) -> HostOptimizerSpec | None:
@@ -167,25 +199,58 @@ def run_dirs(output_dir: Path) -> list[Path]:
     return sorted(p for p in output_dir.glob("*") if p.is_dir()) if output_dir.is_dir() else []
 
 
-def check_resume(config: dict[str, Any], path: str, train_args: list[str], checkout: Path) -> None:
-    """``--resume_from_checkpoint`` needs a run folder to resume from."""
-    resume = config.get("resume_from_checkpoint", False)
+def resume_flag(config: dict[str, Any], path: str, train_args: list[str]) -> tuple[str | bool, str]:
+    """What train.py resumes from (``--resume_from_checkpoint`` [FOLDER] over the TOML's resume_from_checkpoint):
+    False, True (the most recent run folder) or a run folder's name; and the setting's name for messages."""
+    resume, label = config.get("resume_from_checkpoint", False), f"resume_from_checkpoint in {path}"
     for i, arg in enumerate(train_args):
         if arg == "--resume_from_checkpoint":
             nxt = train_args[i + 1] if i + 1 < len(train_args) else None
             resume = nxt if nxt is not None and not nxt.startswith("--") else True
+            label = "--resume_from_checkpoint"
         elif arg.startswith("--resume_from_checkpoint="):
-            resume = arg.split("=", 1)[1]
+            resume, label = arg.split("=", 1)[1], "--resume_from_checkpoint"
+    if not isinstance(resume, (bool, str)):
+        raise DGLSUserError(
+            f"{path}: resume_from_checkpoint must be true, false or a run folder's name in quotes, got {resume!r}"
+        )
+    return resume, label
+
+
+def check_resume(
+    config: dict[str, Any], path: str, train_args: list[str], checkout: Path, swapping: bool, stages: int
+) -> None:
+    """A resume needs a run folder, and in it a checkpoint this run can load (:func:`.resume.check_checkpoint`):
+    train.py would otherwise fail with a traceback after the model loaded, or load a LoRA into a full fine-tune
+    without a word. ``stages``: the run's pipeline stages (checked)."""
+    resume, label = resume_flag(config, path, train_args)
     if not resume:
         return
     output_dir = checkout / str(config["output_dir"])
-    runs = run_dirs(output_dir)
-    if resume is True and not runs:
-        raise DGLSUserError(
-            f"--resume_from_checkpoint: {output_dir} has no earlier run to resume (output_dir in {path})"
-        )
-    if isinstance(resume, str) and not (output_dir / resume).is_dir():
-        raise DGLSUserError(f"--resume_from_checkpoint {resume}: no run folder {output_dir / resume}")
+    if resume is True:
+        # train.py: the last entry of output_dir in name order, folder or not (diffusion-pipe names runs by time)
+        entries = sorted(glob.glob(os.path.join(output_dir, "*")))
+        if not entries:
+            raise DGLSUserError(f"{label}: {output_dir} has no earlier run to resume (output_dir in {path})")
+        run_dir = Path(entries[-1])
+        if not run_dir.is_dir():
+            raise DGLSUserError(
+                f"{label}: train.py resumes the last entry of {output_dir} in name order, and that is the file "
+                f"{run_dir.name}: move it out of output_dir, or name the run folder: --resume_from_checkpoint FOLDER"
+            )
+    else:
+        run_dir = output_dir / resume
+        if not run_dir.is_dir():
+            raise DGLSUserError(f"{label} {resume}: no run folder {run_dir}")
+    check_checkpoint(
+        run_dir,
+        flag=label,
+        config_path=path,
+        config=config,
+        host_state=swapping and "adapter" not in config,
+        stages=stages,
+        load_optimizer="--reset_optimizer" not in train_args,
+    )
 
 
 def startup_notes(config: dict[str, Any]) -> list[str]:

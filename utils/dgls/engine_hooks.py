@@ -3,7 +3,8 @@
 Host-trained params (:mod:`.host_training`) hold no ``.grad`` at the optimizer step (their gradients
 are summed in host memory) and their optimizer state lives on the host. For the duration of a run,
 :class:`EngineHooks` wraps four methods of DeepSpeed's engines, for engines whose module has host
-training (``find(module)``; other engines pass straight through):
+training (``find(module)``; other engines pass straight through, but for a resume's check that the
+checkpoint holds no host optimizer state for them):
 
 - ``PipelineEngine.train_batch``: the host training reads the trainer's current learning rate from
   this engine (for updates that start during backward, when there is no clipping);
@@ -22,9 +23,12 @@ training (``find(module)``; other engines pass straight through):
 - ``save_checkpoint``: the model states hold the true weights already (state dicts read the host
   masters); the host optimizer's state is saved beside them, ``dgls_host_optimizer_stage{N}.pt`` in the
   checkpoint's tag folder.
-- ``load_checkpoint``: after DeepSpeed loads (masters included, through the state-dict hooks), the host
-  optimizer's state is loaded from that file; a checkpoint without it is refused (it was written without
-  host training, and resuming would restart the moments silently).
+- ``load_checkpoint``: before DeepSpeed loads, this stage's file is read and checked against the host
+  training (:meth:`~.host_training.HostTraining.state_problem`: the same layers, shapes and optimizer kind),
+  every process together (:func:`~.resume.agree`); a checkpoint without it, or a file cut short or damaged,
+  is one line (written without host training, resuming would restart the moments silently). After DeepSpeed
+  loaded (masters included, through the state-dict hooks) the host optimizers take the state. With
+  ``load_optimizer_states=False`` (train.py's ``--reset_optimizer``) neither is read.
 
 The patches are on the class, installed in ``__enter__`` and removed in ``__exit__``
 (:class:`~.patches.Patches`).
@@ -41,13 +45,17 @@ from torch import nn
 from .errors import DGLSUserError
 from .host_training import HostTraining
 from .patches import Patches
+from .resume import agree, damaged, host_state_file, resolve_tag, torch_file_problem
 
 
 class EngineHooks:
     """A context manager: while it is open, DeepSpeed steps and checkpoints include ``find(module)``'s host training."""
 
-    def __init__(self, find: Callable[[nn.Module], HostTraining | None]) -> None:
+    def __init__(self, find: Callable[[nn.Module], HostTraining | None], keep_hyper_parameters: bool = False) -> None:
+        """``keep_hyper_parameters``: a resume keeps the host optimizers' settings as built, not as saved (train.py's
+        ``--reset_optimizer_params`` does so for its own optimizer)."""
         self.find = find
+        self.keep_hyper_parameters = keep_hyper_parameters
         self.patches = Patches()
 
     def __enter__(self) -> EngineHooks:
@@ -122,32 +130,59 @@ class EngineHooks:
         return save_checkpoint
 
     def _wrap_load(self, original):
-        find = self.find
+        find, keep = self.find, self.keep_hyper_parameters
 
         def load_checkpoint(engine, load_dir, tag=None, *args, **kwargs):
-            result = original(engine, load_dir, tag, *args, **kwargs)
             training = find(engine.module)
-            if training is None:
-                return result
-            if tag is None:
-                latest = Path(load_dir) / "latest"
-                tag = latest.read_text().strip() if latest.is_file() else None
-            path = _state_file(load_dir, tag, engine) if tag is not None else None
-            if path is None or not path.is_file():
-                raise DGLSUserError(
-                    f"the checkpoint in {load_dir} has no DGLS host optimizer state ({path}): it was saved without "
-                    "full fine-tuning of streamed layers; resume it the way it was trained"
-                )
-            if kwargs.get("load_optimizer_states", True):
-                training.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            state, problem = None, None
+            if kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False):
+                try:
+                    run_dir, tag = resolve_tag(load_dir, tag)
+                    state = _read_host_state(training, _state_file(run_dir, tag, engine), run_dir, tag)
+                except DGLSUserError as exc:
+                    problem = str(exc)
+            agree(problem)  # before DeepSpeed loads anything, every process together
+            result = original(engine, load_dir, tag, *args, **kwargs)
+            if state is not None:
+                training.load_state_dict(state, keep_hyper_parameters=keep)
             return result
 
         return load_checkpoint
 
 
+def _read_host_state(training: HostTraining | None, path: Path, run_dir: Path, tag: str) -> dict | None:
+    """This stage's host optimizer state from its checkpoint file, checked against ``training`` (None: this
+    stage trains nothing on the host, and the checkpoint must hold nothing for it either)."""
+    flag = "--resume_from_checkpoint"
+    if training is None:
+        if path.exists():
+            raise DGLSUserError(
+                f"{path} holds the host optimizer state of streamed layers, and this run trains no layer of this "
+                "pipeline stage on the host: resume with the placement it was saved with (the same --blocks_to_swap "
+                "or --gpu_layers), or pass --reset_optimizer to start the optimizer afresh"
+            )
+        return None
+    if not path.exists():
+        raise DGLSUserError(
+            f"the checkpoint in {path.parent} has no DGLS host optimizer state ({path.name}): it was saved without "
+            "full fine-tuning of streamed layers on this pipeline stage; resume it the way it was trained, or pass "
+            "--reset_optimizer to start the optimizer afresh"
+        )
+    if (problem := torch_file_problem(path)) is None:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # a damaged file fails in many ways (EOFError, UnpicklingError, KeyError ...)
+            problem = f"cannot be read ({type(exc).__name__})"
+        else:
+            if (problem := training.state_problem(state)) is None:
+                return state
+            raise DGLSUserError(f"{path} {problem}")
+    raise DGLSUserError(damaged(path, "DGLS's host optimizer state", problem, run_dir, tag, flag))
+
+
 def _state_file(folder, tag: str, engine) -> Path:
     stage = engine.grid.get_pipe_parallel_rank() if getattr(engine, "grid", None) is not None else 0
-    return Path(folder) / str(tag) / f"dgls_host_optimizer_stage{stage}.pt"
+    return host_state_file(Path(folder) / str(tag), stage)
 
 
 def _stage_sum(engine) -> Callable[[torch.Tensor], torch.Tensor] | None:

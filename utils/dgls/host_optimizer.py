@@ -34,8 +34,10 @@ with the defaults of the class diffusion-pipe builds for each. Optimizers DGLS c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -59,6 +61,57 @@ NAMES = {
     "device": "torch's fused AdamW kernel on the training device, state streamed from host memory",
     "split": "AdamW split between the training device (state streamed) and the CPU (torch.optim.AdamW(fused=True))",
 }
+
+
+# What each hyper-parameter must be, for any optimizer that takes it: lr, eps and weight_decay of infinity
+# or NaN, and momentum of NaN, are accepted by torch and train to a model of NaN or of the initial weights.
+VALUE_RULES: dict[str, tuple[str, Callable[[float], bool]]] = {
+    "lr": ("a finite number > 0", lambda v: v > 0),
+    "eps": ("a finite number > 0", lambda v: v > 0),
+    "weight_decay": ("a finite number >= 0", lambda v: v >= 0),
+    "momentum": ("a number in [0, 1)", lambda v: 0 <= v < 1),
+}
+# diffusion-pipe's [optimizer] types whose betas are AdamW's two (the others may take another number).
+TWO_BETAS = frozenset({"adamw", "adamw_optimi", "adamw8bit", "adamw8bitkahan", "stableadamw", "offload"})
+
+
+def is_finite_number(value: Any) -> bool:
+    """A TOML number (not a bool, not a string), neither infinite nor NaN."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_value(name: str, value: Any) -> None:
+    """One line naming ``[optimizer] name`` and its range when ``value`` is outside it (names without a rule pass)."""
+    rule = VALUE_RULES.get(name)
+    if rule is not None and not (is_finite_number(value) and rule[1](value)):
+        raise DGLSUserError(f"[optimizer] {name} must be {rule[0]}, got {value!r}")
+
+
+def check_betas(value: Any, count: int | None) -> None:
+    """``betas``: a list of ``count`` numbers (any number of them if None), each in [0, 1)."""
+    ok = isinstance(value, (list, tuple)) and (count is None or len(value) == count) and len(value) > 0
+    if not (ok and all(is_finite_number(b) and 0 <= b < 1 for b in value)):
+        shape = "a list of two numbers" if count == 2 else "a list of numbers"
+        shown = list(value) if isinstance(value, tuple) else value
+        raise DGLSUserError(f"[optimizer] betas must be {shape}, each in [0, 1) (like [0.9, 0.99]), got {shown!r}")
+
+
+def check_table_values(table: dict[str, Any]) -> None:
+    """The hyper-parameters of an ``[optimizer]`` table that train.py itself builds (a LoRA, or a full fine-tune
+    without DGLS): those with a meaning in every optimizer (:data:`VALUE_RULES`, betas) are checked where given;
+    other keys are the optimizer class's own and pass untouched, as train.py passes them."""
+    kind = str(table.get("type", "")).lower()
+    for name, value in table.items():
+        if name == "betas":
+            check_betas(value, 2 if kind in TWO_BETAS else None)
+        else:
+            check_value(name, value)
+    if "beta2_half_life" in table:  # train.py replaces betas[1] with 0.5 ** (batch / beta2_half_life)
+        half_life = table["beta2_half_life"]
+        if not (is_finite_number(half_life) and half_life > 0):
+            raise DGLSUserError(f"[optimizer] beta2_half_life must be a finite number > 0, got {half_life!r}")
+        if "betas" not in table:
+            raise DGLSUserError("[optimizer] beta2_half_life sets the second of betas: give betas, like [0.9, 0.99]")
 
 
 @dataclass(frozen=True)
@@ -91,15 +144,9 @@ class HostOptimizerSpec:
             raise DGLSUserError(
                 f"the {self.implementation} host optimizer is AdamW: use type = 'adamw', or --host_adam torch_fused"
             )
-        for name in ("lr", "eps"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise DGLSUserError(f"[optimizer] {name} must be a number > 0, got {value!r}")
-        if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
-            raise DGLSUserError(f"[optimizer] weight_decay must be a number >= 0, got {self.weight_decay!r}")
-        betas = self.betas
-        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
-            raise DGLSUserError(f"[optimizer] betas must be two numbers in [0, 1), got {list(betas)!r}")
+        for name in ("lr", "eps", "weight_decay", "momentum"):
+            check_value(name, getattr(self, name))
+        check_betas(self.betas, 2)
 
     @classmethod
     def from_table(cls, table: dict, implementation: str = "auto") -> HostOptimizerSpec:
@@ -116,8 +163,11 @@ class HostOptimizerSpec:
                 f"full fine-tune: use one of {', '.join(repr(t) for t in TABLE_TYPES)}{hint}, or train a LoRA"
             )
         kind, defaults, accepted = entry
-        if values.pop("kahan_sum", None) is not None and given.lower() != "adamw_optimi":
+        kahan_sum = values.pop("kahan_sum", None)
+        if kahan_sum is not None and given.lower() != "adamw_optimi":
             raise DGLSUserError(f"[optimizer] kahan_sum is an option of 'adamw_optimi', not of {given!r}: drop it")
+        if kahan_sum is not None and not isinstance(kahan_sum, bool):
+            raise DGLSUserError(f"[optimizer] kahan_sum must be true or false, got {kahan_sum!r}")
         known = {"lr", *defaults}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -127,6 +177,11 @@ class HostOptimizerSpec:
             )
         if "lr" not in values and "lr" not in defaults:
             raise DGLSUserError(f"[optimizer] type {given!r} needs lr (its class has no default)")
+        for name, value in values.items():  # before they meet the dataclass (betas = 0.9 is no sequence)
+            if name == "betas":
+                check_betas(value, 2)
+            else:
+                check_value(name, value)
         values = {**defaults, **values}
         if "betas" in values:
             values["betas"] = tuple(values["betas"])
@@ -143,11 +198,25 @@ class HostOptimizerSpec:
             )
         return name
 
-    def build(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
-        """One optimizer over ``params`` (fp32 CPU tensors), 1-D params without weight decay."""
+    @staticmethod
+    def param_groups(params: Sequence[torch.Tensor]) -> list[dict]:
+        """diffusion-pipe's param groups: the params of 2 or more dims, then the 1-D ones without weight decay."""
         decay = [p for p in params if p.ndim > 1]
         plain = [p for p in params if p.ndim <= 1]
-        groups = [g for g in ({"params": decay}, {"params": plain, "weight_decay": 0.0}) if g["params"]]
+        return [g for g in ({"params": decay}, {"params": plain, "weight_decay": 0.0}) if g["params"]]
+
+    def trainer_optimizer(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+        """The optimizer a trainer steps the params it keeps (the resident ones) with, as diffusion-pipe's train.py
+        builds it: the class the type names with torch's default kernel choice, these hyper-parameters and
+        :meth:`param_groups`. The host's kernel (``implementation``) is the host's only."""
+        groups = self.param_groups(params)
+        if self.type == "sgd":
+            return torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+
+    def build(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+        """One optimizer over ``params`` (fp32 CPU tensors), 1-D params without weight decay."""
+        groups = self.param_groups(params)
         if self.type == "sgd":
             return torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
         if self.implementation == "deepspeed":

@@ -690,14 +690,59 @@ class HostTraining:
         self.finish()
         return {idx: layer.optimizer.state_dict() for idx, layer in self.layers.items()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def state_problem(self, state: object) -> str | None:
+        """Why ``state`` (a :meth:`state_dict` read back from a checkpoint) cannot be loaded into these layers, or
+        None: it must hold the optimizer state of exactly these layers, each param's moments of that param's shape
+        and of this optimizer's kind. torch's own ``load_state_dict`` checks only the number of params, so a
+        checkpoint saved with another placement or optimizer would load into the wrong layers, or be dropped."""
+        if not isinstance(state, dict) or not all(isinstance(v, dict) and "state" in v for v in state.values()):
+            return "holds no per-layer optimizer states"
+        try:
+            saved = {int(k): v for k, v in state.items()}
+        except (TypeError, ValueError):
+            return "holds no per-layer optimizer states (its keys are not layer numbers)"
+        if set(saved) != set(self.layers):
+            return (
+                f"holds the optimizer state of layers {sorted(saved)} of this pipeline stage, and this run trains "
+                f"layers {sorted(self.layers)} of it on the host: resume with the placement it was saved with (the "
+                "same --blocks_to_swap or --gpu_layers, and pipeline_stages)"
+            )
+        for idx, layer in self.layers.items():
+            groups = saved[idx].get("param_groups")
+            if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups):
+                return f"holds no optimizer state for layer {idx}"
+            if any(("betas" in g) != (self.spec.type == "adamw") for g in groups):
+                saved_kind = "AdamW" if "betas" in groups[0] else "SGD"
+                return f"holds {saved_kind} state for layer {idx}, and [optimizer] type is {self.spec.type!r} here"
+            here = [len(g["params"]) for g in layer.optimizer.param_groups]
+            if [len(g["params"]) for g in groups] != here:
+                count = sum(len(g["params"]) for g in groups)
+                return f"holds {count} params for layer {idx}, which trains {sum(here)} here: another model?"
+            params = [p for group in layer.optimizer.param_groups for p in group["params"]]
+            ids = [i for group in groups for i in group["params"]]
+            per_param = saved[idx]["state"] if isinstance(saved[idx]["state"], dict) else {}
+            for i, param in zip(ids, params):
+                for key, value in per_param.get(i, {}).items():
+                    if isinstance(value, torch.Tensor) and value.ndim and value.shape != param.shape:
+                        return (
+                            f"holds {key} of shape {list(value.shape)} for a param of layer {idx} of shape "
+                            f"{list(param.shape)}: another model?"
+                        )
+        return None
+
+    def load_state_dict(self, state: dict, keep_hyper_parameters: bool = False) -> None:
+        """Load a :meth:`state_dict` (checked: :meth:`state_problem`). ``keep_hyper_parameters``: the param groups'
+        settings (lr, betas, weight_decay ...) stay as built, not as saved (train.py's ``--reset_optimizer_params``)."""
+        if (problem := self.state_problem(state)) is not None:
+            raise DGLSUserError(f"the host optimizer state {problem}")
         self.finish()
-        missing = sorted(set(self.layers) - {int(k) for k in state})
-        if missing:
-            raise KeyError(f"host optimizer state has no entry for layers {missing}")
         for idx, layer in self.layers.items():
             replaced = [t for s in layer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+            settings = [{k: v for k, v in g.items() if k != "params"} for g in layer.optimizer.param_groups]
             layer.optimizer.load_state_dict(state[idx] if idx in state else state[str(idx)])
+            if keep_hyper_parameters:
+                for group, kept in zip(layer.optimizer.param_groups, settings):
+                    group.update(kept)
             if self.updater is not None:
                 self.updater.adopt_state(layer.optimizer, layer.flat, replaced)
 

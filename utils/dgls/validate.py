@@ -269,7 +269,6 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
     swapping = values["dynamic_swapping"]
     dp_config.check_train_config(config, path, swapping)
     dp_config.check_dataset_files(config, path, checkout)
-    dp_config.check_resume(config, path, rest, checkout)
     output_dir = config["output_dir"]
     check_output_dir(checkout / output_dir, f"output_dir = '{output_dir}' in {path}")
     require_modules(("deepspeed",), "diffusion-pipe's train.py needs it")
@@ -287,6 +286,7 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
             f"{path} sets pipeline_stages = {stages}, which must divide the {dist.world_size} process(es) of this "
             f"run: launch with deepspeed --num_gpus={stages} (or a multiple of it), or set pipeline_stages = 1"
         )
+    dp_config.check_resume(config, path, rest, checkout, swapping, stages)
     if values["vram_budget"] == "auto" and _cuda_count() == 0:
         raise DGLSUserError(f"{resolved.label('vram_budget')} auto measures free VRAM: give a number of GiB on CPU")
     _check_profile(resolved, notes)

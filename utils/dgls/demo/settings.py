@@ -4,7 +4,9 @@ checked in full before anything is built, so a bad value is one line instead of 
 
 As in diffusion-pipe, a config with an ``[adapter]`` table trains a LoRA, and one without trains every
 weight (full fine-tuning: streamed layers are trained on the host, :mod:`utils.dgls.host_training`).
-``[optimizer]`` (type, lr, betas, weight_decay, eps) sets the optimizer of a full fine-tune."""
+``[optimizer]`` (type, lr, betas, weight_decay, eps; momentum for sgd) sets the optimizer of a full fine-tune,
+each value checked for its range (:mod:`utils.dgls.host_optimizer`); a LoRA trains with AdamW at ``[demo] lr``, so
+an ``[optimizer]`` beside ``[adapter]`` is refused rather than ignored, as is a learning rate set in both tables."""
 
 from __future__ import annotations
 
@@ -21,12 +23,15 @@ from ..host_optimizer import HostOptimizerSpec
 from .model import DemoModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# torch.manual_seed takes at most 2**64 - 1, and the data's generator is seeded with seed + 1; TOML's own
+# integers stop at 2**63 - 1 (Python's parsers read bigger ones).
+SEED_MAX = 2**63 - 1
 
 
-def _whole(low: int) -> Callable[[Any], str | None]:
+def _whole(low: int, high: int | None = None) -> Callable[[Any], str | None]:
     def check(value: Any) -> str | None:
-        ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
-        return None if ok else f"a whole number >= {low}"
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
+        return None if ok else f"a whole number >= {low}" + (f" and <= {high}" if high is not None else "")
 
     return check
 
@@ -55,7 +60,7 @@ DEMO_KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     "steps": (30, _whole(1)),
     "batch_size": (4, _whole(1)),
     "lr": (2e-3, _positive_number),
-    "seed": (0, _whole(0)),
+    "seed": (0, _whole(0, SEED_MAX)),
     "output_dir": ("output/demo", _path),
     "activation_checkpointing": (True, _one_of(True, False, "reentrant")),
     "device": ("auto", _one_of("auto", "cpu", "cuda")),
@@ -134,8 +139,19 @@ def demo_settings(config: dict[str, Any], path: str) -> DemoSettings:
     model = DemoModelConfig(**{k: values.pop(k) for k in ("hidden", "heads", "double_blocks", "single_blocks")})
     values["output_dir"] = Path(values["output_dir"]).expanduser()
     optimizer = None
+    if "adapter" in config and "optimizer" in config:
+        raise DGLSUserError(
+            f"{path}: [optimizer] sets the optimizer of a full fine-tune, and this config trains a LoRA ([adapter]), "
+            "whose optimizer is AdamW at [demo] lr: remove [optimizer], or remove [adapter] to train every weight"
+        )
     if "adapter" not in config:
-        table = {"type": "adamw", "lr": values["lr"], "weight_decay": 0.0, **_table(config, "optimizer", path)}
+        given = _table(config, "optimizer", path)
+        if "lr" in demo and "lr" in given:
+            raise DGLSUserError(
+                f"{path}: [demo] lr = {demo['lr']!r} and [optimizer] lr = {given['lr']!r} both set the learning rate "
+                "of this full fine-tune: keep one"
+            )
+        table = {"type": "adamw", "lr": values["lr"], "weight_decay": 0.0, **given}
         try:
             optimizer = HostOptimizerSpec.from_table(table)
         except DGLSUserError as exc:

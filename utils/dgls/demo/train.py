@@ -225,9 +225,8 @@ def _engine(run: DemoRun, layers, placed: Callable[[str], LayerSwapper | None]):
     training = swapper.training if swapper is not None else None
     # This stage's LoRA (every layer's with one), or its resident params for a full fine-tune.
     local = [p for p in pipeline.parameters() if p.requires_grad and not (training and training.owns(p))]
-    if s.full:
-        spec = s.optimizer
-        optimizer = torch.optim.AdamW(local, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+    if s.full:  # the [optimizer] type's class, as diffusion-pipe's train.py builds it (sgd too)
+        optimizer = s.optimizer.trainer_optimizer(local)
     else:
         optimizer = torch.optim.AdamW(local, lr=s.lr, weight_decay=0.0)
     engine, _, _, _ = deepspeed.initialize(model=pipeline, optimizer=optimizer, config=ds_config)
