@@ -124,7 +124,7 @@ class Profiler(Listener):
                 self.notes.append(note)
             return
         step = self.steps_done + 1
-        self._copies.append(_Copy(fetch.layer, step, fetch.nbytes, fetch.demand, fetch.stream, start, end))
+        self._copies.append(_Copy(fetch.layer, step, fetch.nbytes, fetch.demand, fetch.lane, start, end))
 
     def pass_ended(self) -> None:
         if self.done:

@@ -80,6 +80,7 @@ from .profiler import Profiler
 from .residency import Residency, StreamedLayer
 from .schedule import Phase, UsePredictor, current_phase
 from .stats import StatsCollector, StepStats, human_bytes
+from .transport import CudaTransport, Direction, make_transport
 from .unit_checkpoints import UnitCheckpoints
 from .units import Entry, pieces_to_checkpoint, split_layers, split_note
 
@@ -164,6 +165,9 @@ class LayerSwapper:
         self.masters = Masters(
             self.layers, self.layouts, self.placement.streamed, self.device, self.config, self._log, share_group
         )
+        c = self.config
+        timed = tuple(Direction) if c.profile_path else (Direction.WEIGHTS_IN,) if c.collect_timing else ()
+        self.transport = make_transport(self.device, weight_lanes=c.cuda_streams, timed=timed)
         self.training: HostTraining | None = None
         self.activations: ActivationOffloader | None = None
         if self._offloads_activations():
@@ -184,18 +188,16 @@ class LayerSwapper:
             self.masters.install_hooks(idx)
         self.pool = DevicePool(self.device, self.placement.slot_count, self.placement.slot_bytes)
         self.store.ensure_staging(2, self.placement.slot_bytes)
-        if self.device.type == "cuda":
+        if isinstance(self.transport, CudaTransport):
             self.copier = CudaCopier(
-                self.device,
+                self.transport,
                 self.store,
-                streams=self.config.cuda_streams,
                 event_sync=self.config.event_sync,
                 use_thread=self.config.threading,
-                timing=self.config.collect_timing,
                 landing_bytes=self.placement.landing_bytes,
             )
         else:
-            self.copier = DeferredCopier(self.store, use_thread=self.config.threading)
+            self.copier = DeferredCopier(self.store, use_thread=self.config.threading, transport=self.transport)
         self.predictor = UsePredictor(len(self.layers))
         self.stats = StatsCollector(self.device, lambda: self.pinned_bytes)
         if self.activations is not None:
@@ -718,6 +720,8 @@ class LayerSwapper:
             self.activations.synchronize()
         if "copier" in built:
             self.copier.close()
+        if "transport" in built:
+            self.transport.close()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         for part in ("_hooks", "_patches", "_unit_checkpoints"):
