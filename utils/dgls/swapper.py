@@ -66,7 +66,6 @@ from .device_pool import DevicePool, Slot
 from .device_update import DeviceUpdater
 from .errors import DGLSUserError
 from .forward_patches import ForwardPatches
-from .grad_copier import CudaGradCopier, DeferredGradCopier
 from .hooks import HookAdapter, SlotRef
 from .host_store import HostStore
 from .host_training import HostTraining, check_host_training
@@ -252,18 +251,17 @@ class LayerSwapper:
                 "or train a LoRA"
             )
         cuda = self.device.type == "cuda"
-        grads = CudaGradCopier(self.device) if cuda else DeferredGradCopier(eager=self.config.threading)
         hosts = {idx: self.masters.host(idx) for idx in self.placement.streamed}
         spec = self.config.host_optimizer
         self.training = HostTraining(
             hosts,
             spec,
-            grads,
+            self.transport,
             pin=cuda,
             threaded=cuda or self.config.threading,
             accumulation_steps=self.config.accumulation_steps,
             clipping=self.config.clip_grads,
-            updater=DeviceUpdater(self.device) if spec.on_device else None,
+            updater=DeviceUpdater(self.transport) if spec.on_device else None,
         )
 
     def _offloads_activations(self) -> bool:

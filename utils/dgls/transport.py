@@ -144,7 +144,7 @@ class Transport:
             for dst in poison if poison is not None else [dst for dst, _ in pairs]:
                 _poison(dst)
         else:
-            self._land(copy)
+            self._perform(copy)
         self._report(copy)
         return copy
 
@@ -196,6 +196,10 @@ class Transport:
 
     # ---------------------------------------------------------------- mechanism
     def _land(self, copy: Copy) -> None:
+        """A wait for ``copy`` (acquire, land, a gate): its bytes land now (the CPU mutation tests remove it)."""
+        self._perform(copy)
+
+    def _perform(self, copy: Copy) -> None:
         pending, copy.pending = copy.pending, None
         if pending is not None:
             began = time.perf_counter()
@@ -401,7 +405,7 @@ class Worker:
     - A failure stops the thread; every later :meth:`check` and :meth:`wait` raises it in the caller.
     """
 
-    def __init__(self, name: str = "dgls-transport") -> None:
+    def __init__(self, name: str = "dgls-worker") -> None:
         self.name = name
         self.error: BaseException | None = None
         self._cond = threading.Condition()
