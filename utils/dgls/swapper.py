@@ -171,7 +171,10 @@ class LayerSwapper:
         self.activations: ActivationOffloader | None = None
         if self._offloads_activations():
             self.activations = ActivationOffloader(
-                self.device, keep=max(1, self.config.prefetch), recompute=self.config.offload_recompute
+                self.device,
+                keep=max(1, self.config.prefetch),
+                recompute=self.config.offload_recompute,
+                transport=self.transport,
             )
         if self.config.host_optimizer is not None:
             self._start_training()
@@ -199,19 +202,18 @@ class LayerSwapper:
             self.copier = DeferredCopier(self.store, use_thread=self.config.threading, transport=self.transport)
         self.predictor = UsePredictor(len(self.layers))
         self.stats = StatsCollector(self.device, lambda: self.pinned_bytes)
-        if self.activations is not None:
-            self.activations.on_offload = self.stats.activations_sent
         self.profiler: Profiler | None = None
-        self._listeners: list[Listener] = [self.stats]
+        self._listeners: list[Listener] = []
+        self.add_listener(self.stats)
         if self.config.profile_path:
             c = self.config
             self.profiler = Profiler(
                 c.profile_path, self.device, c.profile_warmup_steps, c.profile_steps, c.cuda_streams, self._log
             )
-            self._listeners.append(self.profiler)
+            self.add_listener(self.profiler)
         if self.driver is not None:
             self.driver.attach(self)
-            self._listeners.append(self.driver)
+            self.add_listener(self.driver)
         self._current: int | None = None
         self._last_use: tuple[int, Phase] | None = None
         self._plans: dict[tuple, tuple[int, ...]] = {}  # prefetch targets per (previous, current) use
@@ -611,7 +613,9 @@ class LayerSwapper:
         return self.stats.total(sync)
 
     def add_listener(self, listener: Listener) -> None:
+        """``listener`` hears the engine's events and the transport's copies (every direction)."""
         self._listeners.append(listener)
+        self.transport.listeners.append(listener)
 
     def apply_placement(self, streamed: Iterable[int], prefetch: int, kept_activations: int | None = None) -> None:
         """Change which layers stream and the prefetch depth, between passes.
