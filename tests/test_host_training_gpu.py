@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 from full_ft import MAX_NORM, SPEC, assert_same, flip_sides_every_step, full_layers, train_dgls, train_reference
-from test_ordering_gpu import MS, ComputeDelay, delay_copies, deterministic, device  # noqa: F401 (fixture)
+from test_ordering_gpu import MS, ComputeDelay, delay_every_copy, deterministic, device  # noqa: F401 (fixture)
 
 from utils.dgls import LayerSwapper, SwapConfig
 from utils.dgls.demo.model import DemoModelConfig
@@ -44,13 +44,10 @@ def config(spec=SPEC, accumulate=2, **kw):
 
 
 def swapped(template, mode, monkeypatch, accumulate=2, max_norm=MAX_NORM, steps=2, seen=None, **kw):
-    delay_copies(monkeypatch, 20.0)
     layers = copy.deepcopy(template)
     with LayerSwapper(layers, config(accumulate=accumulate, **kw), device=device(), log=None) as swapper:
         swapper.add_listener(ComputeDelay(5.0))
-        swapper.training.copier.delay_cycles = int(10 * MS)
-        if swapper.training.updater is not None:
-            swapper.training.updater.delay_cycles = int(10 * MS)  # before its copies in and out
+        delay_every_copy(swapper)  # 20 ms before weight copies, 10 ms before gradients home and state in and out
         names = {
             f"{i}.{n}"
             for i, layer in enumerate(layers)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 from conftest import ROOT
-from helpers import assert_bitwise_equal, child_env, make_layers, train
+from helpers import assert_bitwise_equal, checkpoint_for, child_env, make_layers, train
 
 from utils.dgls import LayerSwapper, Listener, SwapConfig
 
@@ -166,3 +166,26 @@ def test_cuda_profile_has_copies_waits_and_every_use(tmp_path, streams):
     step_ms = [trace["otherData"]["summary"][str(s)]["ms"] for s in (2, 3)]
     assert all(ms > 0 for ms in step_ms)
     assert (tmp_path / "trace.png").exists() == HAS_MATPLOTLIB
+
+
+def test_profile_shows_every_direction_through_the_transport(tmp_path):
+    """Activation offload's copies out and back reach the profile through the transport's one event per copy,
+    a lane each, with the bytes the stats count."""
+    layers, trainable = make_layers()
+    config = SwapConfig(
+        prefetch=1,
+        offload_activations=True,
+        profile_path=str(tmp_path / "trace.json"),
+        profile_warmup_steps=1,
+        profile_steps=2,
+    )
+    with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
+        recorder = Recorder(swapper)
+        swapper.add_listener(recorder)
+        ckpt = swapper.checkpoint_function(checkpoint_for("nonreentrant"))
+        train(layers, trainable, CPU, "nonreentrant", steps=3, accumulate=1, checkpoint_fn=ckpt, eval_between=False)
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert {"activations out", "activations in"} <= lanes(trace).keys()
+    for step in (2, 3):
+        sent = [e for e in spans(trace, "transfer", step) if e["args"]["direction"] == "activations out"]
+        assert sent and sum(e["args"]["bytes"] for e in sent) == recorder.per_step[step - 1].activation_bytes > 0
