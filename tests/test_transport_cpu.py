@@ -103,3 +103,13 @@ def test_a_worker_failure_surfaces_in_the_waiting_thread():
     with pytest.raises(SwapWorkerError):
         worker.put(lambda: None)
     worker.close()
+
+
+def test_a_join_stands_for_all_of_its_copies():
+    transport = Transport(CPU)
+    dsts = [torch.zeros(2) for _ in range(3)]
+    joined = transport.join([transport.submit(Direction.GRADS_HOME, [(d, torch.ones(2))]) for d in dsts])
+    assert joined.nbytes == 24 and all(torch.isnan(d).all() for d in dsts)
+    transport.land(joined)
+    assert all(torch.equal(d, torch.ones(2)) for d in dsts)
+    assert transport.join([]) is None

@@ -155,6 +155,7 @@ class GradBatch:
     layer: int
     copies: list[Copy] = field(default_factory=list)  # its groups' copies home, in order
     params: set[int] = field(default_factory=set)  # positions of the params whose grads were sent
+    done: Copy | None = None  # once closed: all of its copies (the transport's join of them)
 
 
 @dataclass(eq=False)
@@ -392,6 +393,7 @@ class HostTraining:
     def _close(self, layer: TrainedLayer) -> None:
         self._send_group(layer)
         batch, layer.batch = layer.batch, None
+        batch.done = self.transport.join(batch.copies)
         last = self._backwards + 1 >= self.accumulation_steps
         if self.direct and layer.accumulating is None and all(tp.fresh for tp in layer.params):
             layer.direct = batch  # the update reads the landings: no host pass over the gradients
@@ -422,9 +424,8 @@ class HostTraining:
         self._submit(job)
 
     def _land(self, batch: GradBatch) -> None:
-        """The host may read the batch's landings after this (it waits for their copies)."""
-        for copy in batch.copies:
-            self.transport.land(copy)
+        """The host may read the (closed) batch's landings after this (it waits for their copies)."""
+        self.transport.land(batch.done)
 
     def _accumulate(self, layer: TrainedLayer, batch: GradBatch, last: bool) -> None:
         self._land(batch)
@@ -499,7 +500,7 @@ class HostTraining:
         """The layer's AdamW step on the device (:mod:`.device_update`), in the optimizer's param order."""
         direct, layer.direct = layer.direct, None
         layer.accumulating = None  # done (waited for, or run before this job): the next step may read directly
-        after = direct.copies if direct is not None else ()  # the landings are read after their copies
+        after = (direct.done,) if direct is not None else ()  # the landings are read after their copies
         began = time.perf_counter()
         previous = layer.update_done
         if layer.flat is not None and direct is not None and len(direct.params) == len(layer.params):

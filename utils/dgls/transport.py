@@ -183,6 +183,15 @@ class Transport:
         yield copy
         self._report(copy)
 
+    def join(self, copies: list[Copy]) -> Copy | None:
+        """One token for ``copies`` (one direction's, in submission order): waiting for it waits for all of
+        them. On the CPU it lands each one."""
+        if not copies:
+            return None
+        joined = Copy(direction=copies[0].direction, nbytes=sum(c.nbytes for c in copies))
+        joined.pending = partial(_land_each, self, list(copies))
+        return joined
+
     def after_compute(self, *directions: Direction) -> None:
         """These directions' streams wait for the compute stream's work so far (memory it freed is reused)."""
 
@@ -274,6 +283,13 @@ class CudaTransport(Transport):
                 if t.device.type == "cuda":
                     t.record_stream(stream)
         return copy
+
+    def join(self, copies: list[Copy]) -> Copy | None:
+        # one direction's copies run in submission order on its stream (weights aside, which have lanes):
+        # the last one's event comes after all of theirs
+        if any(c.direction is Direction.WEIGHTS_IN for c in copies):
+            raise ValueError("weight copies run on several streams: join them one by one")
+        return copies[-1] if copies else None
 
     def acquire(self, copy: Copy) -> None:
         if copy.ready is not None:
@@ -367,6 +383,11 @@ def _event_of(gate: Gate) -> torch.cuda.Event | None:
     if isinstance(gate, Marker):
         return gate.event
     return None
+
+
+def _land_each(transport: Transport, copies: list[Copy]) -> None:
+    for copy in copies:
+        transport._land(copy)
 
 
 def _poison(tensor: torch.Tensor) -> None:
