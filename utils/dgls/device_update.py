@@ -16,19 +16,22 @@ Layout (the host side stays where :mod:`.host_training` keeps it)
     - on the device, two scratch buffers (:class:`Scratch`), each with room for ``capacity`` params:
       fp32 master, moments and gradient, and the compute-dtype gradient and copy.
 
-Mechanics (:meth:`DeviceUpdater.update`, one layer; its params in chunks of at most ``capacity``)
+Mechanics (:meth:`DeviceUpdater.update`, one layer; its params in chunks of at most ``capacity``). The
+in-stream and the out-stream are the transport's optimizer-state-in and -out streams (:mod:`.transport`),
+each half of a chunk one :meth:`~.transport.Transport.issue` behind its gates:
     1. In-stream: wait for the buffer's previous chunk to be copied out, for this layer's previous update
        (its host state is read now) and for the gradients' copy home (``after``); copy master, moments and
        gradient in; scale the gradient by the clip coefficient; ``torch._fused_adamw_`` (the kernel of
        ``torch.optim.AdamW(fused=True)``: the same arithmetic as that optimizer on this device); write the
        compute-dtype copy. Step counts stay on the host (one per param, as in the optimizer's state).
     2. Out-stream: wait for (1); copy master, moments and the compute-dtype copy home; mark the buffer
-       free. The layer's last chunk records ``done``: a fetch of the layer waits for it on the device
+       free. The layer's last chunk's copy home is ``done``: a fetch of the layer waits for it on the device
        (the copier's gate), and the host waits for it before it reads a master (:meth:`synchronize`).
     Buffers alternate, so chunk k+1 comes in while chunk k goes out.
 
-On the CPU (tests) the same steps run in order on the calling thread with plain copies: the numbers are
-``torch.optim.AdamW(fused=True)``'s on the CPU, bitwise.
+On the CPU (tests) the same steps run in order on the calling thread with plain copies, after the transport's
+CPU backend landed their gates (the gradients' copies): the numbers are ``torch.optim.AdamW(fused=True)``'s on
+the CPU, bitwise.
 
 Timing (split updates without clipping, :mod:`.update_split`): with a :attr:`DeviceUpdater.timeline`, each
 chunk records a timing event on the in-stream once its waits are met and makes its ``free`` event a timing
