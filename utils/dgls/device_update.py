@@ -273,7 +273,9 @@ class DeviceUpdater:
             _fused_adamw([m], [g], [a], [s], [step_tensor], group, lr)
             out = buf.raw(buf.raw_out, 0, n, flat.landings.dtype)
             out.copy_(m)
+            came_in.nbytes = n * (12 + flat.landings.itemsize)  # master, moments, gradient
         with self._going_home(came_in) as home:
+            home.nbytes = n * (12 + flat.landings.itemsize)  # master, moments, compute-dtype copy
             flat.masters[start:end].copy_(m, non_blocking=True)
             flat.exp_avg[start:end].copy_(a, non_blocking=True)
             flat.exp_avg_sq[start:end].copy_(s, non_blocking=True)
@@ -312,6 +314,7 @@ class DeviceUpdater:
                 sqs.append(s)
                 grads.append(g)
                 offset += n
+            came_in.nbytes = sum(12 * p.master.numel() + p.grad.nbytes for p in items)  # master, moments, gradient
             if coef is not None:
                 torch._foreach_mul_(grads, _to_device(coef, self.device))
             step_tensors = _to_device(torch.tensor(steps, dtype=torch.float32), self.device).unbind()
@@ -335,6 +338,9 @@ class DeviceUpdater:
                 state["exp_avg_sq"].view(-1).copy_(s, non_blocking=True)
                 if out is not None:
                     p.packed.view(-1).copy_(out, non_blocking=True)
+            home.nbytes = sum(
+                12 * m.numel() + (p.packed.nbytes if p.packed is not None else 0) for p, m in zip(items, masters)
+            )
         return self._home(buf, came_in, home, sum(p.master.numel() for p in items))
 
     def _next_buffer(self) -> Scratch:

@@ -165,7 +165,9 @@ class LayerSwapper:
             self.layers, self.layouts, self.placement.streamed, self.device, self.config, self._log, share_group
         )
         c = self.config
-        timed = tuple(Direction) if c.profile_path else (Direction.WEIGHTS_IN,) if c.collect_timing else ()
+        # weight copies are timed for the stats (collect_timing); the other directions only for --profile
+        timed = {d for d in Direction if d is not Direction.WEIGHTS_IN} if c.profile_path else set()
+        timed |= {Direction.WEIGHTS_IN} if c.collect_timing else set()
         self.transport = make_transport(self.device, weight_lanes=c.cuda_streams, timed=timed)
         self.training: HostTraining | None = None
         self.activations: ActivationOffloader | None = None

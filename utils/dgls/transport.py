@@ -174,13 +174,16 @@ class Transport:
         host_waits: bool = False,
     ) -> Iterator[Copy]:
         """Work enqueued inside the block runs on ``direction``'s stream (lane ``lane``) after ``gates``; the
-        yielded copy (``into`` if given) is ready after it. With ``host_waits`` the host waits for the gates and
-        for the work instead of the stream (``--device_sync_mode host``). On the CPU the work runs now."""
+        yielded copy (``into`` if given) is ready after it (the block may set its ``nbytes``). With
+        ``host_waits`` the host waits for the gates and for the work instead of the stream
+        (``--device_sync_mode host``). On the CPU the work runs now."""
         copy = into if into is not None else Copy(direction=direction)
         copy.lane = lane
         for gate in gates:
             self.land(gate)
+        began = time.perf_counter()
         yield copy
+        copy.span = (began, time.perf_counter())
         self._report(copy)
 
     def join(self, copies: list[Copy]) -> Copy | None:
