@@ -22,6 +22,20 @@ def child_env(*drop: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in DIST_KEYS and k not in drop}
 
 
+def skip_waits(monkeypatch, direction) -> None:
+    """The mutation of every CPU ordering test: the CPU transport never lands ``direction``'s copies when
+    something waits for them (``acquire``, ``land``, a later copy gated on them), so readers see NaN bytes."""
+    from utils.dgls.transport import Transport
+
+    land = Transport._land
+
+    def mutated(self, copy) -> None:
+        if copy.direction is not direction:
+            land(self, copy)
+
+    monkeypatch.setattr(Transport, "_land", mutated)
+
+
 SMALL = DemoModelConfig(hidden=32, heads=2, double_blocks=3, single_blocks=3, text_dim=16, latent_channels=8)
 
 

@@ -14,13 +14,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 from full_ft import SPEC, assert_same, full_layers, host_trained_names, train_dgls, train_reference
-from helpers import SMALL, assert_bitwise_equal, checkpoint_for, loop_mode, make_layers, run_layers, train
+from helpers import (
+    SMALL,
+    assert_bitwise_equal,
+    checkpoint_for,
+    loop_mode,
+    make_layers,
+    run_layers,
+    skip_waits,
+    train,
+)
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig, activation_offload
 from utils.dgls.activation_offload import ActivationOffloader
 from utils.dgls.demo.data import SyntheticLatents
 from utils.dgls.layout import GiB
 from utils.dgls.recompute_offload import AHEAD_BYTES
+from utils.dgls.transport import Direction
 
 CPU = torch.device("cpu")
 MODES = ["nonreentrant", "reentrant", "unsloth"]
@@ -103,7 +113,7 @@ def test_the_next_blocks_inputs_come_back_ahead_of_their_recompute():
 
 
 def test_a_recompute_that_does_not_wait_for_its_inputs_fails(references, monkeypatch):
-    monkeypatch.setattr(ActivationOffloader, "wait", lambda self, offload: None)  # the mutation
+    skip_waits(monkeypatch, Direction.ACTIVATIONS_IN)  # the mutation
     got = run("nonreentrant", ActivationOffloader(CPU, keep=1, min_bytes=0))
     with pytest.raises(AssertionError):
         assert_bitwise_equal(got, references["nonreentrant"])
@@ -297,7 +307,7 @@ def test_recomputed_tensors_come_back_ahead_of_their_reads_within_the_window(mod
 
 def test_a_backward_that_reads_a_recomputed_tensor_without_waiting_fails(references, monkeypatch):
     """The block inputs all stay (keep covers every block), so only recompute offload's restores are skipped."""
-    monkeypatch.setattr(ActivationOffloader, "wait", lambda self, offload: None)  # the mutation
+    skip_waits(monkeypatch, Direction.ACTIVATIONS_IN)  # the mutation
     got = run("nonreentrant", ActivationOffloader(CPU, keep=BLOCKS, min_bytes=0, recompute=True))
     with pytest.raises(AssertionError):
         assert_bitwise_equal(got, references["nonreentrant"])

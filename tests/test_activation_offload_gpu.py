@@ -15,7 +15,7 @@ from test_ordering_gpu import (  # noqa: F401 (fixtures)
     FLUX_WIDTH,
     MS,
     ComputeDelay,
-    delay_copies,
+    delay_every_copy,
     deterministic,
     device,
     fresh,
@@ -57,16 +57,14 @@ def references(template):
 
 
 def offloaded_run(template, mode, monkeypatch, prefetch=2, compute_ms=5.0, kept=None, recompute=False):
-    delay_copies(monkeypatch, 20.0)
     layers, trainable = fresh(template)
     config = SwapConfig(prefetch=prefetch, offload_activations=True, offload_recompute=recompute)
     with LayerSwapper(layers, config, device=device(), log=None) as swapper:
+        delay_every_copy(swapper)  # 20 ms before weight copies, 10 ms before activations out and in
         if kept is not None:  # as a plan with room for more inputs applies it
             swapper.apply_placement(swapper.streamed_layers, prefetch, kept_activations=kept)
         if compute_ms:
             swapper.add_listener(ComputeDelay(compute_ms))
-        swapper.activations.delay_cycles = int(10 * MS)
-        swapper.activations.poison_restores = True
         ckpt = swapper.checkpoint_function(checkpoint_for(mode))
         record = train(layers, trainable, device(), loop_mode(mode), dtype=BF16, cfg=FLUX_WIDTH, checkpoint_fn=ckpt)
         stats = swapper.total_stats(sync=True)
@@ -121,12 +119,10 @@ def test_a_plan_keeping_more_inputs_on_the_device_stays_bitwise_equal(template, 
 def test_a_vram_budget_offloads_by_itself_and_stays_bitwise_equal(template, references, monkeypatch):
     """offload_activations unset with a VRAM budget on CUDA: the probe sends inputs home, the plan keeps
     what fits, the planner re-places layers between steps; the numbers are all-resident training's."""
-    delay_copies(monkeypatch, 20.0)
     layers, trainable = fresh(template)
     with LayerSwapper(layers, SwapConfig(vram_budget_gb=4.0), device=device(), log=None) as swapper:
         assert swapper.activations is not None
-        swapper.activations.delay_cycles = int(10 * MS)
-        swapper.activations.poison_restores = True
+        delay_every_copy(swapper)
         ckpt = swapper.checkpoint_function(checkpoint_for("nonreentrant"))
         record = train(
             layers, trainable, device(), "nonreentrant", steps=6, dtype=BF16, cfg=FLUX_WIDTH, checkpoint_fn=ckpt

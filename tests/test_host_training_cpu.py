@@ -23,10 +23,11 @@ from full_ft import (
     train_dgls,
     train_reference,
 )
+from helpers import skip_waits
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig, device_update, host_training
-from utils.dgls.grad_copier import DeferredGradCopier
 from utils.dgls.host_training import HostTraining
+from utils.dgls.transport import Direction, Transport
 from utils.dgls.update_split import UpdateSplit
 
 CPU = torch.device("cpu")
@@ -101,7 +102,7 @@ def test_host_updates_on_the_worker_use_three_quarters_of_the_threads_and_leave_
         assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(before)
-    assert set(seen) == {("dgls-host-optimizer", 3), ("MainThread", 4)}  # the host's, and the trainer's own AdamW
+    assert set(seen) == {("dgls-worker", 3), ("MainThread", 4)}  # the host's, and the trainer's own AdamW
     assert_same(record, references("nonreentrant", names))
 
 
@@ -146,7 +147,7 @@ def test_every_layer_streamed_leaves_the_trainer_nothing(references):
 
 
 def test_a_gradient_read_before_its_copy_landed_fails(references, monkeypatch):
-    monkeypatch.setattr(DeferredGradCopier, "land", lambda self, batch: None)  # the mutation
+    skip_waits(monkeypatch, Direction.GRADS_HOME)  # the mutation
     record, names = dgls_run("nonreentrant")
     assert differs(record, references("nonreentrant", names))
 
@@ -179,7 +180,7 @@ def test_a_landing_read_before_its_copy_landed_fails_with_one_micro_batch(monkey
     with LayerSwapper(layers, SwapConfig(host_optimizer=SPEC, accumulation_steps=1), device=CPU, log=None) as swapper:
         names = host_names(swapper, layers)
         good = train_dgls(layers, swapper, CPU, "nonreentrant", accumulate=1)
-    monkeypatch.setattr(DeferredGradCopier, "land", lambda self, batch: None)  # the mutation
+    skip_waits(monkeypatch, Direction.GRADS_HOME)  # the mutation
     layers = full_layers()
     with LayerSwapper(layers, SwapConfig(host_optimizer=SPEC, accumulation_steps=1), device=CPU, log=None) as swapper:
         assert host_names(swapper, layers) == names
@@ -343,8 +344,14 @@ def test_gradients_sent_home_in_groups_equal_unstreamed_training(references, mon
     (taken a group at a time) stay those of training without streaming."""
     monkeypatch.setattr(host_training, "SEND_GROUP_BYTES", group_bytes)
     sizes = []
-    send = DeferredGradCopier.send
-    monkeypatch.setattr(DeferredGradCopier, "send", lambda self, b, la, g: sizes.append(len(g)) or send(self, b, la, g))
+    submit = Transport.submit
+
+    def counting(self, direction, pairs, *args, **kw):
+        if direction is Direction.GRADS_HOME:
+            sizes.append(len(pairs))
+        return submit(self, direction, pairs, *args, **kw)
+
+    monkeypatch.setattr(Transport, "submit", counting)
     if spec is SPEC:
         record, names = dgls_run("nonreentrant")
         assert_same(record, references("nonreentrant", names))
@@ -400,7 +407,7 @@ def test_device_updates_that_skip_a_wait_fail(monkeypatch, mutation, spec, dtype
     """Reading the gradient landings before their copies landed, or fetching a layer before its update was
     written back: the numbers differ (split: on either side)."""
     if mutation == "land":
-        monkeypatch.setattr(DeferredGradCopier, "land", lambda self, batch: None)
+        skip_waits(monkeypatch, Direction.GRADS_HOME)
     else:
         monkeypatch.setattr(HostTraining, "wait_update", lambda self, idx: None)
     record, reference, _ = device_run("nonreentrant", 1, dtype, spec=spec)

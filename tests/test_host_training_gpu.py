@@ -11,17 +11,20 @@ at a small width leave allocated device memory and the process's RSS where they 
 import copy
 import dataclasses
 import gc
+import json
 import time
 
 import psutil
 import pytest
 import torch
 from full_ft import MAX_NORM, SPEC, assert_same, flip_sides_every_step, full_layers, train_dgls, train_reference
-from test_ordering_gpu import MS, ComputeDelay, delay_copies, deterministic, device  # noqa: F401 (fixture)
+from helpers import checkpoint_for
+from test_ordering_gpu import MS, ComputeDelay, delay_every_copy, deterministic, device  # noqa: F401 (fixture)
 
 from utils.dgls import LayerSwapper, SwapConfig
 from utils.dgls.demo.model import DemoModelConfig
 from utils.dgls.pinned import WHOLE_MAX, PinnedMemory, whole_pages
+from utils.dgls.transport import Direction
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -44,13 +47,10 @@ def config(spec=SPEC, accumulate=2, **kw):
 
 
 def swapped(template, mode, monkeypatch, accumulate=2, max_norm=MAX_NORM, steps=2, seen=None, **kw):
-    delay_copies(monkeypatch, 20.0)
     layers = copy.deepcopy(template)
     with LayerSwapper(layers, config(accumulate=accumulate, **kw), device=device(), log=None) as swapper:
         swapper.add_listener(ComputeDelay(5.0))
-        swapper.training.copier.delay_cycles = int(10 * MS)
-        if swapper.training.updater is not None:
-            swapper.training.updater.delay_cycles = int(10 * MS)  # before its copies in and out
+        delay_every_copy(swapper)  # 20 ms before weight copies, 10 ms before gradients home and state in and out
         names = {
             f"{i}.{n}"
             for i, layer in enumerate(layers)
@@ -233,3 +233,40 @@ def test_fifty_steps_do_not_grow_device_memory_or_host_ram(spec):
         train_dgls(layers, swapper, device(), "nonreentrant", dtype=BF16, steps=50, cfg=SMALL_GPU, on_step=measure)
     assert seen[50][0] == seen[10][0], seen
     assert seen[50][1] - seen[10][1] < 64 * 2**20, seen
+
+
+@pytest.mark.parametrize("mode", ["nonreentrant", "reentrant"])
+def test_every_direction_delayed_at_once_stays_bitwise_equal_and_is_profiled(template, tmp_path, mode):
+    """Weights in, gradients home, activations out and back, optimizer state in and out in one run, each copy
+    behind the transport's one delay hook (restores poisoned until they land): the numbers are resident
+    training's with the fused AdamW on the GPU, and the profile has a lane for every direction."""
+    layers = copy.deepcopy(template)
+    profile = tmp_path / "trace.json"
+    cfg = config(
+        DEVICE_SPEC,
+        accumulate=1,
+        prefetch=1,
+        offload_activations=True,
+        profile_path=str(profile),
+        profile_warmup_steps=0,
+        profile_steps=2,
+    )
+    with LayerSwapper(layers, cfg, device=device(), log=None) as swapper:
+        swapper.add_listener(ComputeDelay(5.0))
+        delay_every_copy(swapper)
+        names = {
+            f"{i}.{n}"
+            for i, layer in enumerate(layers)
+            for n, p in layer.named_parameters()
+            if swapper.training.owns(p)
+        }
+        ckpt = swapper.checkpoint_function(checkpoint_for(mode))
+        got = train_dgls(
+            layers, swapper, device(), mode, dtype=BF16, steps=2, cfg=WIDE, accumulate=1, checkpoint_fn=ckpt
+        )
+        assert swapper.activations.offloaded_bytes > 0
+    want = reference(template, names, mode, accumulate=1, host_spec=FUSED_SPEC, master_device=device())
+    assert_same(got, want)
+    trace = json.loads(profile.read_text())
+    directions = {e["args"]["direction"] for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "transfer"}
+    assert directions == {d.value for d in Direction if d is not Direction.WEIGHTS_IN}

@@ -1,9 +1,10 @@
-"""Ordering on CUDA at Flux block width, with delays injected on both streams.
+"""Ordering on CUDA at Flux block width, with delays injected on the copy streams and the compute stream.
 
 Blocks of Flux-dev's width (hidden 3072: a double block is about 680 MB in bf16, a single block about
 280 MB), a few of them, tiny token counts: copies dominate. ``torch.cuda._sleep`` runs on the copy
-stream before every copy and on the compute stream at the start of every layer use, so a missing
-wait, an early slot reuse or a stale binding reads the wrong bytes. With deterministic kernels and
+streams before every copy of every direction (the transport's one delay hook, :func:`delay_every_copy`)
+and on the compute stream at the start of every layer use, so a missing wait, an early slot reuse or a
+stale binding reads the wrong bytes. With deterministic kernels and
 math attention, every mode must give losses, gradients, LoRA weights and eval outputs bitwise equal
 to all-resident training; two canaries with a protection patched out must differ.
 """
@@ -18,6 +19,7 @@ from utils.dgls import LayerSwapper, Listener, SwapConfig
 from utils.dgls.copier import CudaCopier
 from utils.dgls.demo.model import DemoModelConfig
 from utils.dgls.precision import CastRules, fake_quantize
+from utils.dgls.transport import Direction
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -74,14 +76,15 @@ class ComputeDelay(Listener):
         torch.cuda._sleep(self.cycles)
 
 
-def delay_copies(monkeypatch, ms: float) -> None:
-    original = CudaCopier._copy
-
-    def slow_copy(self, token, stream, landing):  # runs with the copy stream current
-        torch.cuda._sleep(int(ms * MS))
-        original(self, token, stream, landing)
-
-    monkeypatch.setattr(CudaCopier, "_copy", slow_copy)
+def delay_every_copy(swapper, weights_ms: float = 20.0, others_ms: float = 10.0) -> None:
+    """The one delay hook, on every direction at once: a ``torch.cuda._sleep`` on the copy stream before every
+    copy (``weights_ms`` before each weight copy, ``others_ms`` before each copy of every other direction:
+    gradients home, activations out and in, optimizer state in and out), and device destinations that hold
+    NaN bytes until their copy lands (activation restores), so a reader that does not wait reads NaN."""
+    for direction in Direction:
+        ms = weights_ms if direction is Direction.WEIGHTS_IN else others_ms
+        swapper.transport.delay[direction] = int(ms * MS)
+    swapper.transport.poison = True
 
 
 def resident_run(template, mode, fp8_rounding=False):
@@ -92,10 +95,10 @@ def resident_run(template, mode, fp8_rounding=False):
 
 
 def swapped_run(template, mode, config, copy_ms=20.0, compute_ms=5.0, monkeypatch=None, expect_waits=True):
-    if copy_ms and monkeypatch is not None:
-        delay_copies(monkeypatch, copy_ms)
     layers, trainable = fresh(template)
     with LayerSwapper(layers, config, device=device(), log=None) as swapper:
+        if copy_ms:
+            delay_every_copy(swapper, copy_ms)
         if compute_ms:
             swapper.add_listener(ComputeDelay(compute_ms))
         record = train(layers, trainable, device(), mode, dtype=BF16, cfg=FLUX_WIDTH)

@@ -1,5 +1,6 @@
 """--profile: the trace holds every use and copy of the profiled steps, and changes nothing else."""
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -8,9 +9,11 @@ import sys
 import pytest
 import torch
 from conftest import ROOT
-from helpers import assert_bitwise_equal, child_env, make_layers, train
+from full_ft import SPEC, full_layers, train_dgls
+from helpers import assert_bitwise_equal, checkpoint_for, child_env, make_layers, train
 
 from utils.dgls import LayerSwapper, Listener, SwapConfig
+from utils.dgls.transport import Direction
 
 CPU = torch.device("cpu")
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -166,3 +169,48 @@ def test_cuda_profile_has_copies_waits_and_every_use(tmp_path, streams):
     step_ms = [trace["otherData"]["summary"][str(s)]["ms"] for s in (2, 3)]
     assert all(ms > 0 for ms in step_ms)
     assert (tmp_path / "trace.png").exists() == HAS_MATPLOTLIB
+
+
+def test_profile_shows_every_direction_through_the_transport(tmp_path):
+    """Activation offload's copies out and back reach the profile through the transport's one event per copy,
+    a lane each, with the bytes the stats count."""
+    layers, trainable = make_layers()
+    config = SwapConfig(
+        prefetch=1,
+        offload_activations=True,
+        profile_path=str(tmp_path / "trace.json"),
+        profile_warmup_steps=1,
+        profile_steps=2,
+    )
+    with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
+        recorder = Recorder(swapper)
+        swapper.add_listener(recorder)
+        ckpt = swapper.checkpoint_function(checkpoint_for("nonreentrant"))
+        train(layers, trainable, CPU, "nonreentrant", steps=3, accumulate=1, checkpoint_fn=ckpt, eval_between=False)
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert {"activations out", "activations in"} <= lanes(trace).keys()
+    for step in (2, 3):
+        sent = [e for e in spans(trace, "transfer", step) if e["args"]["direction"] == "activations out"]
+        assert sent and sum(e["args"]["bytes"] for e in sent) == recorder.per_step[step - 1].activation_bytes > 0
+
+
+def test_profile_of_a_full_fine_tune_with_offload_shows_every_direction(tmp_path):
+    """Full fine-tuning with AdamW on the device and activation offload: gradients home, activations out and in,
+    optimizer state in and out each get a lane of their own, from the one event the transport sends per copy."""
+    layers = full_layers()
+    config = SwapConfig(
+        host_optimizer=dataclasses.replace(SPEC, implementation="device"),
+        accumulation_steps=1,
+        prefetch=1,
+        offload_activations=True,
+        profile_path=str(tmp_path / "trace.json"),
+        profile_warmup_steps=0,
+        profile_steps=2,
+    )
+    with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
+        ckpt = swapper.checkpoint_function(checkpoint_for("nonreentrant"))
+        train_dgls(layers, swapper, CPU, "nonreentrant", steps=2, accumulate=1, checkpoint_fn=ckpt)
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    others = {d.value for d in Direction if d is not Direction.WEIGHTS_IN}
+    assert others <= lanes(trace).keys()
+    assert {e["args"]["direction"] for e in spans(trace, "transfer") if e["args"]["bytes"] > 0} == others

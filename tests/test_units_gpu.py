@@ -19,7 +19,7 @@ from test_ordering_gpu import (  # noqa: F401 (fixtures)
     FLUX_WIDTH,
     MS,
     ComputeDelay,
-    delay_copies,
+    delay_every_copy,
     deterministic,
     device,
     fresh,
@@ -70,7 +70,6 @@ def split_run(
     unit_mb=UNIT_MB,
     keep_outputs=False,
 ):
-    delay_copies(monkeypatch, 20.0)
     layers, trainable = fresh(template)
     config = SwapConfig(
         prefetch=prefetch,
@@ -85,10 +84,9 @@ def split_run(
             assert holders >= 4 and swapper.placement.slot_bytes <= UNIT_MB * 2**20
         if compute_ms:
             swapper.add_listener(ComputeDelay(compute_ms))
+        delay_every_copy(swapper)  # 20 ms before weight copies, 10 ms before activations out and in
         ckpt = checkpoint_for(mode)
         if offload:
-            swapper.activations.delay_cycles = int(10 * MS)
-            swapper.activations.poison_restores = True
             ckpt = swapper.checkpoint_function(ckpt)
         record = train(layers, trainable, device(), loop_mode(mode), dtype=BF16, cfg=FLUX_WIDTH, checkpoint_fn=ckpt)
         if offload:

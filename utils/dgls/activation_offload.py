@@ -28,19 +28,19 @@ When it comes back
     restores it first.
 
 Recompute offload (``recompute=True``, :mod:`.recompute_offload`) also sends home what each recompute
-saves for its layer's backward, through :meth:`ActivationOffloader.send` and the same streams and pool; the
+saves for its layer's backward, through :meth:`ActivationOffloader.send` and the same transport and pool; the
 wrapper of the checkpointed function pushes its saved-tensor hooks in both runs.
 
 Mechanics
-    - CUDA: one device-to-host stream and one host-to-device stream of this module's own. An offload
-      waits for the compute stream (the tensor was just produced), copies, marks the storage as used on
-      its stream (``record_stream``, so the caching allocator keeps it until the copy ran) and frees it.
-      A restore allocates on the compute stream, waits for the offload copy and for the allocation, copies
-      in, and records an event; the recompute makes the compute stream wait for it. Host buffers are
-      pinned and pooled by size; one goes back to the pool with the event of the copy that last read it.
-    - CPU (the same :class:`ActivationOffloader`, marking ``Offload.pending_cpu``): a restore fills the
-      storage with NaN bytes at once and writes the saved bytes only when the recompute waits for it, so a
-      recompute that reads its inputs without waiting computes with NaN and a CPU test fails.
+    - Every copy goes through the transport (:mod:`.transport`): an offload is a copy of the
+      activations-out direction gated on the compute stream's marker (the tensor was just produced),
+      after which the device storage is freed (the transport keeps it alive for the copy). A restore
+      allocates on the compute stream and submits an activations-in copy gated on the offload's copy; the
+      recompute acquires it. Host buffers are pinned and pooled by size; one goes back to the pool with
+      the copy that last read it.
+    - CPU: the transport's CPU backend fills a restored storage with NaN bytes at once and writes the
+      saved bytes only when the recompute acquires it, so a recompute that reads its inputs without
+      waiting computes with NaN and a CPU test fails.
 
 Hazards handled
     - A storage shared by a later call's argument is never offloaded early (checked by storage, so a
@@ -61,12 +61,12 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from .copier import POISON
 from .errors import DGLSUserError
 from .host_store import ram_reserve
 from .pinned import PinnedMemory
 from .recompute_offload import Recomputed, RecomputeOffload, function_kind
 from .stats import human_bytes
+from .transport import Copy, Direction, Transport, make_transport
 
 MIN_BYTES = 64 * 1024  # on CUDA smaller tensors stay: not worth a copy each way (on the CPU, where offload
 # only exercises the mechanics for tests, every size goes)
@@ -79,10 +79,9 @@ class Offload:
     tensor: weakref.ref  # a tensor on the storage (the storage object is rebuilt from it)
     nbytes: int
     host: torch.Tensor  # pinned uint8 buffer of the pool
-    sent: torch.cuda.Event | None = None  # the device-to-host copy
-    restoring: torch.cuda.Event | None = None  # the host-to-device copy, once issued
-    pending_cpu: bool = False  # CPU: the restore's bytes are still to be written
-    restored: bool = False
+    sent: Copy | None = None  # the device-to-host copy
+    restoring: Copy | None = None  # the host-to-device copy, once issued
+    restored: bool = False  # waited for
     output: bool = False  # a checkpointed piece's kept output (comes back one segment later than inputs)
 
 
@@ -108,19 +107,17 @@ class ActivationOffloader:
         min_bytes: int | None = None,
         pin: bool | None = None,
         recompute: bool = False,
+        transport: Transport | None = None,
     ) -> None:
         self.device = device
+        # activations out and in (its own, for tests that use an offloader alone)
+        self.transport = transport if transport is not None else make_transport(device)
         self.keep = max(1, keep)  # the last ``keep`` segments of a forward stay on the device
         self.ahead = self.keep  # restores issued this many segments before their recompute
         self.cuda = device.type == "cuda"
         self.min_bytes = (MIN_BYTES if self.cuda else 0) if min_bytes is None else min_bytes
         self.pin = self.cuda if pin is None else pin
-        self.delay_cycles = 0  # tests: a torch.cuda._sleep before each copy, either direction
-        self.poison_restores = False  # tests (CUDA): a restored storage holds NaN bytes until its copy lands
-        self.on_offload: Callable[[int], None] = lambda nbytes: None  # the engine's stats
-        self._d2h = torch.cuda.Stream(device=device) if self.cuda else None
-        self._h2d = torch.cuda.Stream(device=device) if self.cuda else None
-        self._pool: dict[int, list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
+        self._pool: dict[int, list[tuple[torch.Tensor, Copy | None]]] = {}  # a buffer, the copy that last read it
         self._memory = PinnedMemory(self.pin, "drop --keep_piece_outputs, then --offload_recompute, or free RAM")
         self._recent: list[Segment] = []  # segments not yet offloaded, oldest first
         self._live: list[Segment] = []  # segments with offloads not yet restored and released
@@ -170,9 +167,7 @@ class ActivationOffloader:
         self.keep, self.ahead = max(1, keep), max(1, ahead)
 
     def synchronize(self) -> None:
-        if self.cuda:
-            self._d2h.synchronize()
-            self._h2d.synchronize()
+        self.transport.synchronize(Direction.ACTIVATIONS_OUT, Direction.ACTIVATIONS_IN)
 
     # ---------------------------------------------------------------- forward
     def _enter(self, args: tuple, kwargs: dict) -> Segment:
@@ -240,22 +235,14 @@ class ActivationOffloader:
         host, free_after = self._take_buffer(nbytes)
         source = _bytes_of(storage, self.device)
         offload = Offload(weakref.ref(tensor), nbytes, host)
-        if self.cuda:
-            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
-            if free_after is not None:
-                self._d2h.wait_event(free_after)  # the buffer's previous restore read it
-            with torch.cuda.stream(self._d2h):
-                if self.delay_cycles:
-                    torch.cuda._sleep(self.delay_cycles)
-                host.copy_(source, non_blocking=True)
-                offload.sent = _record(self._d2h)
-            source.record_stream(self._d2h)
-        else:
-            host.copy_(source)
-        del source
+        # after the buffer's previous restore read it; the bytes land at once on the CPU (the storage goes now)
+        pairs = [(host, source)]
+        offload.sent = self.transport.submit(
+            Direction.ACTIVATIONS_OUT, pairs, (free_after,), after_compute=True, late=False
+        )
+        del source, pairs
         storage.resize_(0)
         self.offloaded_bytes += nbytes
-        self.on_offload(nbytes)
         return offload
 
     # ---------------------------------------------------------------- backward
@@ -282,7 +269,7 @@ class ActivationOffloader:
 
     def start_restore(self, offload: Offload) -> bool:
         """Issue the restore unless it was issued already; True if it was issued now."""
-        if offload.restoring is not None or offload.pending_cpu or offload.restored:
+        if offload.restoring is not None or offload.restored:
             return False
         self._restore(offload)
         return True
@@ -294,37 +281,17 @@ class ActivationOffloader:
             offload.restored = True
             return
         storage = tensor.untyped_storage()
-        if self.cuda:
-            storage.resize_(offload.nbytes)  # allocated on the compute stream
-            target = _bytes_of(storage, self.device)
-            if self.poison_restores:  # as the CPU path does: a read that does not wait sees NaN
-                target.fill_(POISON)
-            self._h2d.wait_stream(torch.cuda.current_stream(self.device))
-            if offload.sent is not None:
-                self._h2d.wait_event(offload.sent)
-            with torch.cuda.stream(self._h2d):
-                if self.delay_cycles:
-                    torch.cuda._sleep(self.delay_cycles)
-                target.copy_(offload.host, non_blocking=True)
-                offload.restoring = _record(self._h2d)
-            target.record_stream(self._h2d)
-        else:
-            storage.resize_(offload.nbytes)
-            _bytes_of(storage, self.device).fill_(POISON)  # in flight: undefined until waited for
-            offload.pending_cpu = True
+        storage.resize_(offload.nbytes)  # allocated on the compute stream
+        pairs = [(_bytes_of(storage, self.device), offload.host)]  # (CPU: NaN until waited for)
+        offload.restoring = self.transport.submit(Direction.ACTIVATIONS_IN, pairs, (offload.sent,), after_compute=True)
         self.restored_bytes += offload.nbytes
 
     def wait(self, offload: Offload) -> None:
+        """The compute side may read ``offload``'s storage from now on (its restore was issued)."""
         if offload.restored:
             return
-        if self.cuda:
-            if offload.restoring is not None:
-                torch.cuda.current_stream(self.device).wait_event(offload.restoring)
-        elif offload.pending_cpu:
-            tensor = offload.tensor()
-            if tensor is not None:
-                _bytes_of(tensor.untyped_storage(), self.device).copy_(offload.host)
-            offload.pending_cpu = False
+        if offload.restoring is not None:
+            self.transport.acquire(offload.restoring)
         offload.restored = True
 
     # ---------------------------------------------------------------- host buffers
@@ -346,13 +313,13 @@ class ActivationOffloader:
         buffers; so do segments whose every offload was restored by a later call."""
         for segment in list(self._live):
             if all(o.tensor() is None or o.restored for o in segment.offloads):
-                unissued = (o for o in segment.offloads if not (o.restored or o.restoring or o.pending_cpu))
+                unissued = (o for o in segment.offloads if not (o.restored or o.restoring))
                 self.dropped_bytes += sum(o.nbytes for o in unissued)
                 self._release(segment)
                 segment.previous = None
         self._recent = [s for s in self._recent if any(r() is not None for r in s.storages.values())]
 
-    def _take_buffer(self, nbytes: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def _take_buffer(self, nbytes: int) -> tuple[torch.Tensor, Copy | None]:
         free = self._pool.get(nbytes)
         if free:
             return free.pop()
@@ -438,9 +405,3 @@ def _storage_key(tensor: torch.Tensor) -> int:
 def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
     """A uint8 tensor over the whole storage."""
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-
-
-def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event

@@ -1,6 +1,7 @@
-"""Copier: the only module that moves layer bytes onto the device and orders those moves.
+"""Copier: the weight slot protocol, a rule on top of the transport (:mod:`.transport`).
 
-Vocabulary, the same on every device:
+The transport moves the bytes of every direction; this module is its weights-in client, and adds the
+rule that makes slot reuse safe. Vocabulary, the same on every device:
 
 - ``submit([(slot, host layer, demand), ...]) -> [Token]``: copy each master into its slot
   (fp8-stored bytes through a landing buffer and an upcast). Nothing waits on the host.
@@ -20,22 +21,23 @@ is overwritten only after the kernels that read it".
 
 Mechanics:
 
-- :class:`CudaCopier`: copy streams used round-robin, one CUDA event per write (``ready``) and
-  per release; the compute stream waits with ``wait_event``. With ``use_thread`` a worker thread
-  issues the copies (and the host-side staging of pageable masters) in submission order.
-- :class:`DeferredCopier` (CPU): a write is *not* performed when submitted. Its slot is filled
-  with NaN bytes at once (the copy is "in flight": its contents are undefined), and the master
-  bytes are written when the slot is acquired, so a read without ``acquire`` sees NaN, and
-  copies are performed in acquire order, not submission order. With ``use_thread`` a worker
-  performs each write as soon as it is submitted instead (the earliest the protocol allows).
-  CI runs on CPU, so this is what makes a missing wait or an early slot reuse fail a test there.
+- :class:`CudaCopier`: the transport's weights-in streams used round-robin (one fp8 landing buffer
+  each), a token's CUDA event recorded by the transport; the compute stream waits with ``wait_event``.
+  With ``use_thread`` the transport's worker thread issues the copies (and the host-side staging of
+  pageable masters) in submission order.
+- :class:`DeferredCopier` (CPU): the transport's CPU backend fills the slot with NaN bytes at once (the
+  copy is "in flight": its contents are undefined), and the master bytes are written when the slot is
+  acquired, so a read without ``acquire`` sees NaN, and copies are performed in acquire order, not
+  submission order. With ``use_thread`` the worker performs each write as soon as it is submitted
+  instead (the earliest the protocol allows). CI runs on CPU, so this is what makes a missing wait or
+  an early slot reuse fail a test there.
 
 Hazards handled:
 
 - FIFO: with a worker thread a token exists before its CUDA event is recorded, and CUDA treats a
   wait on an event never recorded as a no-op. The worker issues writes strictly in submission
   order, so every gate of a write was recorded before it, and ``_issue`` asserts that.
-- Landing buffers: one per copy stream, sized by :meth:`CudaCopier.resize` from the streamed
+- Landing buffers: one per weights-in stream, sized by :meth:`CudaCopier.resize` from the streamed
   layouts; stream order keeps the next copy from overwriting a landing buffer still being upcast.
 - Pageable masters are staged through pinned bounce buffers; the host waits for a bounce
   buffer's previous copy before refilling it (the only host wait on the pageable path).
@@ -43,52 +45,36 @@ Hazards handled:
 
 from __future__ import annotations
 
-import queue
 import threading
-import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from .device_pool import Slot
-from .errors import SwapWorkerError
 from .host_store import HostLayer, HostStore
 from .precision import dequantize
+from .transport import POISON, Copy, CudaTransport, Direction, Marker, Transport
 
-POISON = 0xFF  # a NaN in every float dtype DGLS streams (fp32, bf16, fp16, fp8 e4m3fn/e5m2)
+__all__ = ["POISON", "Copier", "CudaCopier", "DeferredCopier", "Marker", "OrderingError", "Token", "Wait"]
 
 
 class OrderingError(RuntimeError):
     """The engine broke the slot protocol: a bug in DGLS, never a user error."""
 
 
-@dataclass(eq=False)
-class Marker:
-    """A point on a stream that a write waits for: on the compute stream, every kernel enqueued before it
-    reads no slot anymore; or a device update that rewrote the layer's host copy."""
+@dataclass(eq=False, kw_only=True)
+class Token(Copy):
+    """One write of a layer's master into a slot (a weights-in :class:`~.transport.Copy`)."""
 
-    event: torch.cuda.Event | None = None  # None on CPU, where compute is synchronous
-
-
-@dataclass(eq=False)
-class Token:
-    """One write of a layer's master into a slot."""
-
+    direction: Direction = Direction.WEIGHTS_IN
     layer: int
     slot: Slot
     host: HostLayer
     demand: bool  # issued because compute needed the layer now (a prefetch miss)
-    gates: list = field(default_factory=list)  # Markers and Tokens this write waits for
-    ready: torch.cuda.Event | None = None
-    start: torch.cuda.Event | None = None
-    stream: int = 0  # copy stream index
-    issued: threading.Event = field(default_factory=threading.Event)  # recorded (CUDA) / performed (CPU)
+    gates: list = field(default_factory=list)  # Markers and Copies this write waits for
+    issued: threading.Event = field(default_factory=threading.Event)  # recorded (CUDA) / submitted (CPU)
     waited: bool = False  # the compute stream already waits for it
-    span: tuple[float, float] | None = None  # CPU: perf_counter() around the copy
-
-    @property
-    def nbytes(self) -> int:
-        return self.host.nbytes
 
 
 @dataclass(frozen=True)
@@ -108,25 +94,20 @@ class _SlotState:
 
 
 class Copier:
-    """The slot protocol and the worker thread; subclasses move the bytes."""
+    """The slot protocol; subclasses say how a write is issued on the transport."""
 
-    def __init__(self, store: HostStore, use_thread: bool) -> None:
+    def __init__(self, transport: Transport, store: HostStore, use_thread: bool) -> None:
+        self.transport = transport
         self.store = store
         self._slots: dict[Slot, _SlotState] = {}
-        self.error: BaseException | None = None
-        self._queue: queue.Queue | None = None
-        self._thread: threading.Thread | None = None
+        self.threaded = use_thread
         if use_thread:
-            self._queue = queue.Queue()
-            self._thread = threading.Thread(target=self._worker, name="dgls-copier", daemon=True)
-            self._thread.start()
+            transport.worker.start()
 
     # ---------------------------------------------------------------- protocol (main thread)
-    def submit(
-        self, requests: list[tuple[Slot, HostLayer, bool]], after: list[torch.cuda.Event | None] | None = None
-    ) -> list[Token]:
+    def submit(self, requests: list[tuple[Slot, HostLayer, bool]], after: list | None = None) -> list[Token]:
         """Write each host layer into its slot (after the slot's latest release and write, and after the
-        request's event in ``after``: a device update that rewrites the host copy, CUDA only)."""
+        request's gate in ``after``: a device update that rewrites the host copy)."""
         self.check()
         tokens = []
         for k, (slot, host, demand) in enumerate(requests):
@@ -139,13 +120,13 @@ class Copier:
                 )
             gates = [g for g in (state.release, state.write) if g is not None]
             if after is not None and after[k] is not None:
-                gates.append(Marker(after[k]))
-            token = Token(host.index, slot, host, demand, gates)
+                gates.append(after[k])
+            token = Token(nbytes=host.nbytes, layer=host.index, slot=slot, host=host, demand=demand, gates=gates)
             self._prepare(token)
             state.write = token
             tokens.append(token)
-        if self._queue is not None:
-            self._queue.put(tokens)
+        if self.threaded:
+            self.transport.worker.put(partial(self._issue_later, tokens), urgent=True, failed=partial(_wake, tokens))
         else:
             self._issue(tokens)
         return tokens
@@ -166,7 +147,7 @@ class Copier:
         state = self._slots.get(slot)
         if state is None or not state.reading:
             return
-        state.release = self._marker()
+        state.release = self.transport.mark()
         state.reading = False
 
     def forget_slots(self) -> None:
@@ -176,54 +157,33 @@ class Copier:
     # ---------------------------------------------------------------- lifecycle
     def check(self) -> None:
         """Surface a worker failure in the calling thread."""
-        if self.error is not None:
-            raise SwapWorkerError(f"DGLS copier thread failed: {self.error!r}") from self.error
+        self.transport.worker.check()
 
     def drain(self) -> None:
         """Wait until every submitted write has been issued and has finished."""
-        if self._queue is not None:
-            done = threading.Event()
-            self._queue.put(done)
-            while not done.wait(timeout=1.0):
-                self.check()
-                if not self._thread.is_alive():
-                    break
-        self._finish_all()
+        if self.threaded:
+            worker = self.transport.worker
+            worker.wait(worker.put(_nothing, urgent=True))
+        self.transport.synchronize(Direction.WEIGHTS_IN)
         self.check()
 
     def close(self) -> None:
-        """Stop the worker and wait for outstanding copies."""
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout=60)
-            self._thread = None
-            self._queue = None
-        self._finish_all()
-        self._slots.clear()  # what it holds of the pool (tokens, slots) must not outlive remove()
+        """Wait for outstanding copies and drop what this copier holds of the pool (tokens, slots must not
+        outlive ``remove()``); the transport stops its worker thread itself."""
+        if self.threaded and self.transport.worker.error is None:
+            self.drain()
+        self.transport.synchronize(Direction.WEIGHTS_IN)
+        self._slots.clear()
         self.resize(0)
 
     def _wait_issued(self, token: Token) -> None:
-        while not token.issued.wait(timeout=1.0):
-            self.check()
-            if self._thread is not None and not self._thread.is_alive():
-                raise SwapWorkerError("the DGLS copier thread stopped without issuing a pending copy")
+        if not token.issued.is_set():
+            self.transport.worker.wait(token.issued)
         self.check()
 
-    def _worker(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            if isinstance(item, threading.Event):
-                item.set()
-                continue
-            try:
-                self._issue(item)
-            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-                self.error = exc
-                for token in item:
-                    token.issued.set()
-                return
+    def _issue_later(self, tokens: list[Token]) -> None:
+        """On the worker thread (looked up there, so a test can replace ``_issue``)."""
+        self._issue(tokens)
 
     # ---------------------------------------------------------------- mechanism (subclasses)
     def _prepare(self, token: Token) -> None:
@@ -236,136 +196,110 @@ class Copier:
         """Make the compute side wait for ``token``'s write (issued by then, on the worker too)."""
         raise NotImplementedError
 
-    def _marker(self) -> Marker:
-        raise NotImplementedError
-
-    def _finish_all(self) -> None:
-        """Block until every issued write has landed."""
-
     def resize(self, landing_bytes: int) -> None:
         """The streamed set changed: make room for the largest fp8 landing."""
+
+
+def _wake(tokens: list[Token]) -> None:
+    for token in tokens:
+        token.issued.set()
+
+
+def _nothing() -> None:
+    pass
 
 
 class DeferredCopier(Copier):
     """CPU copier: a write poisons its slot at once and lands when the slot is acquired (see module doc)."""
 
-    def _prepare(self, token: Token) -> None:
-        if self._queue is None:
-            token.slot.buffer.fill_(POISON)
+    def __init__(self, store: HostStore, use_thread: bool, transport: Transport | None = None) -> None:
+        super().__init__(transport if transport is not None else Transport(torch.device("cpu")), store, use_thread)
 
     def _issue(self, tokens: list[Token]) -> None:
-        if self._queue is not None:  # worker: perform now, the earliest the protocol allows
-            for token in tokens:
-                token.slot.buffer.fill_(POISON)
-                self._perform(token)
+        for token in tokens:
+            host, buffer = token.host, token.slot.buffer
+            self.transport.submit(
+                Direction.WEIGHTS_IN,
+                [(dst, src) for src, dst in host.copies(buffer, None)],
+                token.gates,
+                into=token,
+                poison=[buffer],
+                then=partial(_upcast, host, buffer, None),
+                late=not self.threaded,  # the worker performs each write now, the earliest the protocol allows
+            )
+            token.issued.set()
 
     def _wait(self, token: Token) -> None:
-        if self._queue is not None:
-            self._wait_issued(token)
-        elif not token.issued.is_set():
-            self._perform(token)
+        self._wait_issued(token)
+        self.transport.acquire(token)
         return None
-
-    def _perform(self, token: Token) -> None:
-        began = time.perf_counter()
-        host, buffer = token.host, token.slot.buffer
-        for src, dst in host.copies(buffer, None):
-            dst.copy_(src)
-        _upcast(host, buffer, None)
-        token.span = (began, time.perf_counter())
-        token.issued.set()
-
-    def _marker(self) -> Marker:
-        return Marker()
 
 
 class CudaCopier(Copier):
-    """Copy streams and CUDA events (see module doc)."""
+    """The transport's weights-in streams and CUDA events (see module doc)."""
 
     def __init__(
         self,
-        device: torch.device,
+        transport: CudaTransport,
         store: HostStore,
         *,
-        streams: int,
         event_sync: bool,
         use_thread: bool,
-        timing: bool,
         landing_bytes: int,
     ) -> None:
-        self.device = device
+        self.device = transport.device
         self.event_sync = event_sync
-        self.timing = timing
-        self.streams = [torch.cuda.Stream(device=device) for _ in range(streams)]
+        self.transport = transport
+        self.lanes = transport.lanes(Direction.WEIGHTS_IN)
         self.landing: list[torch.Tensor] = []
         self.landing_bytes = -1
         self.resize(landing_bytes)
-        self._next_stream = 0
-        self._staging_done: list[torch.cuda.Event | None] = []
-        super().__init__(store, use_thread)
+        self._next_lane = 0
+        self._staging_done: list[Marker | None] = []
+        super().__init__(transport, store, use_thread)
+
+    @property
+    def timing(self) -> bool:
+        return Direction.WEIGHTS_IN in self.transport.timed
 
     def resize(self, landing_bytes: int) -> None:
         if landing_bytes == self.landing_bytes:
             return
-        self._finish_all()
-        self.landing = [torch.empty(landing_bytes, dtype=torch.uint8, device=self.device) for _ in self.streams]
+        self.transport.synchronize(Direction.WEIGHTS_IN)
+        self.landing = [torch.empty(landing_bytes, dtype=torch.uint8, device=self.device) for _ in range(self.lanes)]
         self.landing_bytes = landing_bytes
 
     def _prepare(self, token: Token) -> None:
-        token.ready = torch.cuda.Event(enable_timing=self.timing)
-        token.start = torch.cuda.Event(enable_timing=True) if self.timing else None
-
-    def _marker(self) -> Marker:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return Marker(event)
+        token.ready = self.transport.event(self.timing)
+        token.start = self.transport.event(timed=True) if self.timing else None
 
     def _wait(self, token: Token) -> Wait | None:
         self._wait_issued(token)
-        compute = torch.cuda.current_stream(self.device)
         if not self.event_sync:
-            token.ready.synchronize()
+            self.transport.land(token)
             return None
         if not self.timing:
-            compute.wait_event(token.ready)
+            self.transport.acquire(token)
             return None
-        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        before.record(compute)
-        compute.wait_event(token.ready)
-        after.record(compute)
-        return Wait(token, before, after)
-
-    def _finish_all(self) -> None:
-        for s in self.streams:
-            s.synchronize()
+        before = self.transport.mark(timed=True)
+        self.transport.acquire(token)
+        after = self.transport.mark(timed=True)
+        return Wait(token, before.event, after.event)
 
     def _issue(self, tokens: list[Token]) -> None:
-        k = self._next_stream
-        self._next_stream = (k + 1) % len(self.streams)
-        stream = self.streams[k]
-        with torch.cuda.stream(stream):  # also makes the stream's device current
-            for token in tokens:
-                token.stream = k
-                for gate in token.gates:
-                    event = gate.event if isinstance(gate, Marker) else gate.ready
-                    if isinstance(gate, Token) and not gate.issued.is_set():
-                        raise OrderingError(
-                            f"layer {token.layer}'s copy would wait on an unrecorded copy (FIFO broken)"
-                        )
-                    if self.event_sync:
-                        stream.wait_event(event)
-                    else:
-                        event.synchronize()
-                if token.start is not None:
-                    token.start.record(stream)
-                self._copy(token, stream, self.landing[k])
-                token.ready.record(stream)
-                if not self.event_sync:
-                    stream.synchronize()
-                token.issued.set()
+        k = self._next_lane
+        self._next_lane = (k + 1) % self.lanes
+        for token in tokens:
+            for gate in token.gates:
+                if isinstance(gate, Token) and not gate.issued.is_set():
+                    raise OrderingError(f"layer {token.layer}'s copy would wait on an unrecorded copy (FIFO broken)")
+            host_waits = not self.event_sync
+            with self.transport.issue(Direction.WEIGHTS_IN, token.gates, into=token, lane=k, host_waits=host_waits):
+                self._copy(token, self.landing[k])
+            token.issued.set()
 
-    def _copy(self, token: Token, stream: torch.cuda.Stream, landing: torch.Tensor) -> None:
-        """Enqueue the copy (and the fp8 upcast) on ``stream``, the current stream here."""
+    def _copy(self, token: Token, landing: torch.Tensor) -> None:
+        """Enqueue the copy (and the fp8 upcast) on the current stream (a weights-in lane)."""
         host = token.host
         if host.layout.landing_bytes > landing.numel():
             raise OrderingError(f"layer {token.layer} needs a {host.layout.landing_bytes}-byte landing buffer")
@@ -374,10 +308,10 @@ class CudaCopier(Copier):
             for src, dst in pairs:
                 dst.copy_(src, non_blocking=True)
         else:
-            self._copy_staged(pairs, stream)
+            self._copy_staged(pairs)
         _upcast(host, token.slot.buffer, landing)
 
-    def _copy_staged(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream) -> None:
+    def _copy_staged(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Pageable master: memcpy into a pinned bounce buffer, then an async copy from it."""
         staging = self.store.staging
         if len(self._staging_done) != len(staging):
@@ -388,13 +322,9 @@ class CudaCopier(Copier):
             while done < host.numel():
                 buf = staging[k]
                 n = min(buf.numel(), host.numel() - done)
-                if self._staging_done[k] is not None:
-                    self._staging_done[k].synchronize()  # bounce buffer still being read
-                buf[:n].copy_(host[done : done + n])
-                dst[done : done + n].copy_(buf[:n], non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-                self._staging_done[k] = event
+                self._staging_done[k] = self.transport.staged_copy(
+                    dst[done : done + n], host[done : done + n], buf[:n], self._staging_done[k]
+                )
                 done += n
                 k = (k + 1) % len(staging)
 

@@ -16,19 +16,22 @@ Layout (the host side stays where :mod:`.host_training` keeps it)
     - on the device, two scratch buffers (:class:`Scratch`), each with room for ``capacity`` params:
       fp32 master, moments and gradient, and the compute-dtype gradient and copy.
 
-Mechanics (:meth:`DeviceUpdater.update`, one layer; its params in chunks of at most ``capacity``)
+Mechanics (:meth:`DeviceUpdater.update`, one layer; its params in chunks of at most ``capacity``). The
+in-stream and the out-stream are the transport's optimizer-state-in and -out streams (:mod:`.transport`),
+each half of a chunk one :meth:`~.transport.Transport.issue` behind its gates:
     1. In-stream: wait for the buffer's previous chunk to be copied out, for this layer's previous update
        (its host state is read now) and for the gradients' copy home (``after``); copy master, moments and
        gradient in; scale the gradient by the clip coefficient; ``torch._fused_adamw_`` (the kernel of
        ``torch.optim.AdamW(fused=True)``: the same arithmetic as that optimizer on this device); write the
        compute-dtype copy. Step counts stay on the host (one per param, as in the optimizer's state).
     2. Out-stream: wait for (1); copy master, moments and the compute-dtype copy home; mark the buffer
-       free. The layer's last chunk records ``done``: a fetch of the layer waits for it on the device
+       free. The layer's last chunk's copy home is ``done``: a fetch of the layer waits for it on the device
        (the copier's gate), and the host waits for it before it reads a master (:meth:`synchronize`).
     Buffers alternate, so chunk k+1 comes in while chunk k goes out.
 
-On the CPU (tests) the same steps run in order on the calling thread with plain copies: the numbers are
-``torch.optim.AdamW(fused=True)``'s on the CPU, bitwise.
+On the CPU (tests) the same steps run in order on the calling thread with plain copies, after the transport's
+CPU backend landed their gates (the gradients' copies): the numbers are ``torch.optim.AdamW(fused=True)``'s on
+the CPU, bitwise.
 
 Timing (split updates without clipping, :mod:`.update_split`): with a :attr:`DeviceUpdater.timeline`, each
 chunk records a timing event on the in-stream once its waits are met and makes its ``free`` event a timing
@@ -46,13 +49,13 @@ Hazards handled
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .pinned import PinnedMemory
+from .transport import Copy, Direction, Gate, Transport
 
 DEFAULT_CAPACITY = 8 * 2**20  # params per chunk: two buffers of 24 bytes a param, 384 MiB in all
 
@@ -104,7 +107,7 @@ class Scratch:
         self.state = torch.empty(4 * capacity, dtype=torch.float32, device=device)
         self.raw_grad = torch.empty(4 * capacity, dtype=torch.uint8, device=device)
         self.raw_out = torch.empty(4 * capacity, dtype=torch.uint8, device=device)
-        self.free: torch.cuda.Event | None = None  # recorded on the out-stream after its last copy home
+        self.free: Copy | None = None  # its last chunk's copy home
 
     @property
     def nbytes(self) -> int:
@@ -122,21 +125,18 @@ class Scratch:
 class DeviceUpdater:
     """AdamW steps of host-trained layers on ``device`` (see the module doc)."""
 
-    def __init__(self, device: torch.device, capacity: int | None = None, delay_cycles: int = 0) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
+    def __init__(self, transport: Transport, capacity: int | None = None) -> None:
+        self.transport = transport  # its optimizer-state-in and -out streams (the in-stream and the out-stream)
+        self.device = transport.device
+        self.cuda = transport.cuda
         self.capacity = DEFAULT_CAPACITY if capacity is None else capacity
-        self.delay_cycles = delay_cycles  # tests: a torch.cuda._sleep before each copy in either direction
         self.buffers: list[Scratch] = []
         self._turn = 0
-        self._in = torch.cuda.Stream(device=device) if self.cuda else None
-        self._out = torch.cuda.Stream(device=device) if self.cuda else None
         # the moments, page-locked at their exact size on CUDA (the copies in and out are asynchronous)
         self._memory = PinnedMemory(self.cuda, "stream fewer layers (blocks_to_swap), or free RAM")
         # CUDA, when a list: each chunk appends (began, home, params), timing events on the in-stream once its
         # waits are met and on the out-stream after its last copy home (:func:`timeline_busy` reads them)
-        self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] | None = None
-        self._began: tuple[torch.cuda.Event | None, int] = (None, 0)  # the chunk being queued: its start, params
+        self.timeline: list[tuple] | None = None
 
     def reserve(self, largest_param: int, largest_layer: int) -> int:
         """Allocate the two buffers: room for a chunk, for the largest param at least and for the largest
@@ -145,10 +145,8 @@ class DeviceUpdater:
         if not self.buffers or self.buffers[0].capacity < capacity:
             self.synchronize()
             self.buffers = [Scratch(capacity, self.device) for _ in range(2)]
-            if self.cuda:  # the memory may have been freed by kernels still queued on the compute stream
-                compute = torch.cuda.current_stream(self.device)
-                self._in.wait_stream(compute)
-                self._out.wait_stream(compute)
+            # the memory may have been freed by kernels still queued on the compute stream
+            self.transport.after_compute(Direction.STATE_IN, Direction.STATE_OUT)
         return sum(b.nbytes for b in self.buffers)
 
     def update(
@@ -157,12 +155,12 @@ class DeviceUpdater:
         params: Sequence[ParamUpdate],
         coef: torch.Tensor | None,
         lr: float | None,
-        after: torch.cuda.Event | None,
-        previous: torch.cuda.Event | None,
-    ) -> torch.cuda.Event | None:
+        after: Sequence[Gate],
+        previous: Copy | None,
+    ) -> Copy | None:
         """Step ``params`` (each with a gradient) with ``optimizer``'s hyper-parameters and state; ``lr``
-        overrides the groups'. ``after``: the gradients' copy home; ``previous``: this layer's previous
-        update. Returns the event the layer's next reader waits for (None on the CPU)."""
+        overrides the groups'. ``after``: the gradients' copies home; ``previous``: this layer's previous
+        update. Returns the copy the layer's next reader waits for (its last chunk's copy home)."""
         if not params:
             return previous
         if not self.buffers:
@@ -231,9 +229,9 @@ class DeviceUpdater:
         flat: FlatLayer,
         coef: torch.Tensor | None,
         lr: float | None,
-        after: torch.cuda.Event | None,
-        previous: torch.cuda.Event | None,
-    ) -> torch.cuda.Event | None:
+        after: Sequence[Gate],
+        previous: Copy | None,
+    ) -> Copy | None:
         """:meth:`update` of every param of a flat layer, each with its gradient in the landings: chunks of
         consecutive params of one group and one step count, each moved with a few copies of flat ranges and
         stepped by one fused kernel over them (elementwise, so the same numbers as per param)."""
@@ -258,13 +256,11 @@ class DeviceUpdater:
             done = self._flat_chunk(flat, chunk, chunk[0].group, step, coef, lr, after, previous)
         return done
 
-    def _flat_chunk(self, flat, chunk, group, step, coef, lr, after, previous) -> torch.cuda.Event | None:
+    def _flat_chunk(self, flat, chunk, group, step, coef, lr, after, previous) -> Copy:
         start, end = chunk[0].offset, chunk[-1].offset + chunk[-1].numel
         n = end - start
-        buf = self._next_buffer(after, previous, n)
-        with _on(self._in):
-            if self.cuda and self.delay_cycles:
-                torch.cuda._sleep(self.delay_cycles)
+        buf = self._next_buffer()
+        with self._coming_in(buf, after, previous) as came_in:
             m, a, s, g = buf.views(0, n)
             m.copy_(flat.masters[start:end], non_blocking=True)
             a.copy_(flat.exp_avg[start:end], non_blocking=True)
@@ -278,31 +274,27 @@ class DeviceUpdater:
             _fused_adamw([m], [g], [a], [s], [step_tensor], group, lr)
             out = buf.raw(buf.raw_out, 0, n, flat.landings.dtype)
             out.copy_(m)
-        with self._going_home():
+            came_in.nbytes = n * (12 + flat.landings.itemsize)  # master, moments, gradient
+        with self._going_home(came_in) as home:
+            home.nbytes = n * (12 + flat.landings.itemsize)  # master, moments, compute-dtype copy
             flat.masters[start:end].copy_(m, non_blocking=True)
             flat.exp_avg[start:end].copy_(a, non_blocking=True)
             flat.exp_avg_sq[start:end].copy_(s, non_blocking=True)
             for fp in chunk:
                 fp.packed.view(-1).copy_(out[fp.offset - start : fp.offset - start + fp.numel], non_blocking=True)
-        return self._home(buf)
+        return self._home(buf, came_in, home, n)
 
-    def mark(self, end: bool) -> torch.cuda.Event | None:
+    def mark(self, end: bool):
         """A timing event at the current end of the in-stream (``end=False``: before the updates queued
         next) or of the out-stream (``end=True``: after the last one went home); None on the CPU."""
-        if not self.cuda:
-            return None
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(self._out if end else self._in)
-        return event
+        return self.transport.mark(Direction.STATE_OUT if end else Direction.STATE_IN, timed=True).event
 
-    def _chunk(self, optimizer, chunk, coef, lr, after, previous) -> torch.cuda.Event | None:
+    def _chunk(self, optimizer, chunk, coef, lr, after, previous) -> Copy:
         items = [p for p, _ in chunk]
-        buf = self._next_buffer(after, previous, sum(p.master.numel() for p in items))
+        buf = self._next_buffer()
         steps = [step for _, step in chunk]
         group = items[0].group
-        with _on(self._in):
-            if self.cuda and self.delay_cycles:
-                torch.cuda._sleep(self.delay_cycles)
+        with self._coming_in(buf, after, previous) as came_in:
             masters, avgs, sqs, grads = [], [], [], []
             offset = 0
             for p in items:
@@ -323,6 +315,7 @@ class DeviceUpdater:
                 sqs.append(s)
                 grads.append(g)
                 offset += n
+            came_in.nbytes = sum(12 * p.master.numel() + p.grad.nbytes for p in items)  # master, moments, gradient
             if coef is not None:
                 torch._foreach_mul_(grads, _to_device(coef, self.device))
             step_tensors = _to_device(torch.tensor(steps, dtype=torch.float32), self.device).unbind()
@@ -338,7 +331,7 @@ class DeviceUpdater:
                 else:
                     outs.append(None)
                 offset += n
-        with self._going_home():
+        with self._going_home(came_in) as home:
             for p, m, a, s, out in zip(items, masters, avgs, sqs, outs):
                 state = optimizer.state[p.master]
                 p.master.view(-1).copy_(m, non_blocking=True)
@@ -346,47 +339,38 @@ class DeviceUpdater:
                 state["exp_avg_sq"].view(-1).copy_(s, non_blocking=True)
                 if out is not None:
                     p.packed.view(-1).copy_(out, non_blocking=True)
-        return self._home(buf)
+            home.nbytes = sum(
+                12 * m.numel() + (p.packed.nbytes if p.packed is not None else 0) for p, m in zip(items, masters)
+            )
+        return self._home(buf, came_in, home, sum(p.master.numel() for p in items))
 
-    def _next_buffer(self, after, previous, params: int) -> Scratch:
-        """The buffer the next chunk (of ``params``) uses, once its previous chunk went home, the gradients'
-        copy landed (``after``) and the layer's previous update is home (``previous``): the in-stream waits
-        for those. With a :attr:`timeline`, the chunk's timing starts once they are met."""
+    def _next_buffer(self) -> Scratch:
+        """The buffer the next chunk uses (they alternate)."""
         buf = self.buffers[self._turn]
         self._turn ^= 1
-        if self.cuda:
-            for event in (buf.free, after, previous):
-                if event is not None:
-                    self._in.wait_event(event)
-            if self.timeline is not None:
-                self._began = (_record(self._in, timing=True), params)
         return buf
 
-    def _home(self, buf: Scratch) -> torch.cuda.Event | None:
-        """Mark ``buf`` free once the chunk's copies home ran (and time the chunk); the chunk's event."""
-        timed = self.cuda and self.timeline is not None
-        buf.free = _record(self._out, timing=timed)
-        if timed:
-            began, params = self._began
-            self.timeline.append((began, buf.free, params))
-        return buf.free
+    def _coming_in(self, buf: Scratch, after: Sequence[Gate], previous: Copy | None):
+        """On the in-stream, once ``buf``'s previous chunk went home, the gradients' copies landed (``after``)
+        and the layer's previous update is home (``previous``). With a :attr:`timeline`, the chunk's timing
+        starts once they are met."""
+        gates = (buf.free, previous, *after)
+        return self.transport.issue(Direction.STATE_IN, gates, timed=self.timeline is not None)
 
-    @contextmanager
-    def _going_home(self) -> Iterator[None]:
-        """On the out-stream, once everything enqueued on the in-stream so far (the chunk's step) ran."""
-        updated = _record(self._in)
-        if updated is not None:
-            self._out.wait_event(updated)
-        with _on(self._out):
-            if self.cuda and self.delay_cycles:
-                torch.cuda._sleep(self.delay_cycles)
-            yield
+    def _going_home(self, came_in: Copy):
+        """On the out-stream, once the chunk's step (``came_in``) ran."""
+        return self.transport.issue(Direction.STATE_OUT, (came_in,), timed=self.timeline is not None)
+
+    def _home(self, buf: Scratch, came_in: Copy, home: Copy, params: int) -> Copy:
+        """``buf`` is free once the chunk's copies home ran (and the chunk is timed); the chunk's copy home."""
+        buf.free = home
+        if self.timeline is not None:
+            self.timeline.append((came_in.start, home.ready, params))
+        return home
 
     def synchronize(self) -> None:
         """Block until every update enqueued so far is home (a host read of masters or moments follows)."""
-        if self.cuda:
-            self._out.synchronize()
-            self._in.synchronize()
+        self.transport.synchronize(Direction.STATE_OUT, Direction.STATE_IN)
 
     def pin_state(self, optimizer: torch.optim.Optimizer, replaced: list[torch.Tensor]) -> None:
         """After a checkpoint load replaced the moments (``replaced``: the ones it dropped): the new ones
@@ -451,14 +435,6 @@ def _to_device(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     return value.pin_memory().to(device, non_blocking=True)
 
 
-def _record(stream: torch.cuda.Stream | None, timing: bool = False) -> torch.cuda.Event | None:
-    if stream is None:
-        return None
-    event = torch.cuda.Event(enable_timing=timing)
-    event.record(stream)
-    return event
-
-
 def busy_seconds(intervals: Sequence[tuple[float, float]]) -> float:
     """The time covered by ``(start, end)`` intervals (overlaps counted once): how long the device was busy
     with updates, leaving out the gaps where it waited for gradients."""
@@ -478,18 +454,3 @@ def timeline_busy(timeline: Sequence[tuple[torch.cuda.Event, torch.cuda.Event, i
     origin = timeline[0][0]
     spans = [(origin.elapsed_time(began) / 1000, origin.elapsed_time(home) / 1000) for began, home, _ in timeline]
     return sum(n for _, _, n in timeline), busy_seconds(spans)
-
-
-class _on:
-    """``torch.cuda.stream(stream)``, or nothing on the CPU."""
-
-    def __init__(self, stream: torch.cuda.Stream | None) -> None:
-        self.context = torch.cuda.stream(stream) if stream is not None else None
-
-    def __enter__(self) -> None:
-        if self.context is not None:
-            self.context.__enter__()
-
-    def __exit__(self, *exc) -> None:
-        if self.context is not None:
-            self.context.__exit__(*exc)

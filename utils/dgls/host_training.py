@@ -13,7 +13,7 @@ Mechanics
        its layer (a grad can reach a param before anything else in the layer's backward reads a weight, e.g.
        a bias fed by an output whose gradient arrived first). Its post-accumulate-grad hook takes it off the
        param (``param.grad = None``: the trainer's optimizer skips the param) into the layer's open group. A
-       group goes to its landings (:mod:`.grad_copier`, its own stream) once it holds ``SEND_GROUP_BYTES``,
+       group goes to its landings (the transport's gradients-home direction) once it holds ``SEND_GROUP_BYTES``,
        its layer's last grad, or a grad of another layer (a param without a grad would otherwise hold its
        layer's group until the backward ends), so at most that much plus one grad waits on the device, and
        the thread running the backward (it also launches the backward's kernels) pays one stream switch and
@@ -40,7 +40,8 @@ Mechanics
        queues the layers that had no gradient.
 
 Device updates (``--host_adam device``, :mod:`.device_update`): the update of step 3 runs on the
-device instead, its master and moments copied in and back out on streams of their own; on CUDA it is
+device instead, its master and moments copied in and back out through the transport's optimizer-state
+directions; on CUDA it is
 enqueued at once (no job), and a fetch of the layer waits for it on the device (``wait_update`` returns
 its event, a gate of the copy). With one micro-batch a step it reads the gradient landings (after their
 copies, an event), as host updates do.
@@ -85,7 +86,6 @@ Hazards handled
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -98,13 +98,13 @@ import torch
 from torch import nn
 
 from .device_update import DeviceUpdater, FlatLayer, FlatParam, ParamUpdate, timeline_busy
-from .errors import DGLSUserError, SwapWorkerError
-from .grad_copier import GradBatch, GradCopier
+from .errors import DGLSUserError
 from .host_optimizer import HostOptimizerSpec
 from .host_store import HostLayer, ram_reserve
 from .layout import LayerLayout, aligned
 from .pinned import PinnedMemory
 from .stats import human_bytes
+from .transport import Copy, Direction, Transport
 from .update_split import UpdateSplit
 
 SEND_GROUP_BYTES = 64 * 2**20  # a layer's grads wait on the device until this many bytes go home together
@@ -150,6 +150,16 @@ class TrainedParam:
 
 
 @dataclass(eq=False)
+class GradBatch:
+    """One layer's gradients from one backward pass, sent home in groups (one transport copy each)."""
+
+    layer: int
+    copies: list[Copy] = field(default_factory=list)  # its groups' copies home, in order
+    params: set[int] = field(default_factory=set)  # positions of the params whose grads were sent
+    done: Copy | None = None  # once closed: all of its copies (the transport's join of them)
+
+
+@dataclass(eq=False)
 class Job:
     layer: int
     kind: str  # "accumulate" or "update"
@@ -174,7 +184,7 @@ class TrainedLayer:
     update: Job | None = None  # the latest update job (a fetch waits for it)
     updated_early: bool = False  # this step's update was queued during backward (clipping off)
     direct: GradBatch | None = None  # device updates: this step's only batch, read from its landings
-    update_done: torch.cuda.Event | None = None  # device updates on CUDA: the latest one is home
+    update_done: Copy | None = None  # device updates on CUDA: the latest one is home (its last copy home)
 
 
 class HostTraining:
@@ -184,7 +194,7 @@ class HostTraining:
         self,
         layers: dict[int, HostLayer],
         spec: HostOptimizerSpec,
-        copier: GradCopier,
+        transport: Transport,
         *,
         pin: bool,
         threaded: bool,
@@ -193,7 +203,9 @@ class HostTraining:
         updater: DeviceUpdater | None = None,
     ) -> None:
         self.spec, self.implementation = spec, spec.kernel
-        self.copier = copier
+        self.transport = transport  # gradients home (its CPU backend lands them late unless ``threaded``)
+        self.worker = transport.worker  # the jobs (accumulations, host updates) run on its thread, or deferred
+        self._late_grads = not threaded
         self.updater = updater
         # with one micro-batch a step, updates read it straight from its landings (no fp32 sum on the host)
         self.direct = accumulation_steps == 1
@@ -215,13 +227,9 @@ class HostTraining:
         self._grouping: TrainedLayer | None = None  # the layer whose grads arrived last (the only open group)
         self._coef: torch.Tensor | None = None
         self._backwards = 0  # backward passes since the last step
-        self.error: BaseException | None = None
         self.waited_s = 0.0  # seconds the training thread spent blocked on host jobs (updates, accumulations)
         self.job_s = {"accumulate": 0.0, "update": 0.0}  # seconds the host spent on each kind of job
         self.device_bytes = 0  # device updates: their scratch buffers
-        self._pending: list[Job] = []  # deferred mode: submitted, not yet run
-        self._queue: queue.Queue | None = None
-        self._thread: threading.Thread | None = None
         for idx, host in sorted(layers.items()):
             trained = self._layer(idx, host, pin)
             if trained is not None:
@@ -237,9 +245,7 @@ class HostTraining:
                     if layer.flat is None:  # flat layers have theirs
                         updater.prepare(layer.optimizer)  # pinned moments, found by either side
         if threaded:
-            self._queue = queue.Queue()
-            self._thread = threading.Thread(target=self._worker, name="dgls-host-optimizer", daemon=True)
-            self._thread.start()
+            self.worker.start()
 
     def _layer(self, idx: int, host: HostLayer, pin: bool) -> TrainedLayer | None:
         chosen = [(k, p) for k, p in enumerate(host.layout.params) if p.param.requires_grad]
@@ -381,12 +387,14 @@ class HostTraining:
         if self.direct and self.clipping and layer.accumulating is None:  # this batch is read directly
             for (tp, _), norm in zip(group, grad_norms(grads), strict=True):
                 tp.direct_norm = norm
-        self.copier.send(layer.batch, [tp.landing for tp, _ in group], grads)
+        pairs = [(tp.landing, grad) for (tp, _), grad in zip(group, grads)]
+        copy = self.transport.submit(Direction.GRADS_HOME, pairs, after_compute=True, late=self._late_grads)
+        layer.batch.copies.append(copy)
 
     def _close(self, layer: TrainedLayer) -> None:
         self._send_group(layer)
         batch, layer.batch = layer.batch, None
-        self.copier.close(batch)
+        batch.done = self.transport.join(batch.copies)
         last = self._backwards + 1 >= self.accumulation_steps
         if self.direct and layer.accumulating is None and all(tp.fresh for tp in layer.params):
             layer.direct = batch  # the update reads the landings: no host pass over the gradients
@@ -416,8 +424,12 @@ class HostTraining:
         layer.accumulating = job
         self._submit(job)
 
+    def _land(self, batch: GradBatch) -> None:
+        """The host may read the (closed) batch's landings after this (it waits for their copies)."""
+        self.transport.land(batch.done)
+
     def _accumulate(self, layer: TrainedLayer, batch: GradBatch, last: bool) -> None:
-        self.copier.land(batch)
+        self._land(batch)
         with torch.no_grad():
             for tp in layer.params:
                 if tp.position not in batch.params:
@@ -443,11 +455,11 @@ class HostTraining:
         direct, layer.direct = layer.direct, None
         if direct is not None:  # split updates: read the landings (after their copies)
             layer.accumulating = None
-            self.copier.land(direct)
+            self._land(direct)
         if layer.update_done is not None:  # the previous update ran on the device: its state must be home
-            layer.update_done.synchronize()
+            self.transport.land(layer.update_done)
             layer.update_done = None
-        on_worker = self._thread is not None and threading.current_thread() is self._thread
+        on_worker = self.worker.on_thread()
         offset = 0
         with torch.no_grad(), _threads(update_threads(torch.get_num_threads()) if on_worker else None):
             for tp in layer.params:
@@ -489,9 +501,7 @@ class HostTraining:
         """The layer's AdamW step on the device (:mod:`.device_update`), in the optimizer's param order."""
         direct, layer.direct = layer.direct, None
         layer.accumulating = None  # done (waited for, or run before this job): the next step may read directly
-        if direct is not None and not self.updater.cuda:
-            self.copier.land(direct)  # the CPU copier writes the landings only now
-        after = direct.done if direct is not None else None
+        after = (direct.done,) if direct is not None else ()  # the landings are read after their copies
         began = time.perf_counter()
         previous = layer.update_done
         if layer.flat is not None and direct is not None and len(direct.params) == len(layer.params):
@@ -510,46 +520,16 @@ class HostTraining:
             tp.fresh, tp.norm, tp.direct_norm = True, None, None
 
     def _submit(self, job: Job) -> None:
-        self.check()
-        if self._queue is not None:
-            self._queue.put(job)
-        else:
-            self._pending.append(job)
+        job.done = self.worker.put(partial(self._run, job))
 
     def _wait(self, job: Job) -> None:
         if job.done.is_set():
             return
         began = time.perf_counter()
         try:
-            self._run_or_wait(job)
+            self.worker.wait(job.done)
         finally:
             self.waited_s += time.perf_counter() - began
-
-    def _run_or_wait(self, job: Job) -> None:
-        if self._queue is None:
-            while not job.done.is_set():
-                first = self._pending.pop(0)
-                self._run(first)
-                first.done.set()
-            return
-        while not job.done.wait(timeout=1.0):
-            self.check()
-            if not self._thread.is_alive():
-                raise SwapWorkerError("the DGLS host-optimizer thread stopped with work pending")
-        self.check()
-
-    def _worker(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                self._run(job)
-            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-                self.error = exc
-                job.done.set()
-                return
-            job.done.set()
 
     def _run(self, job: Job) -> None:
         began = time.perf_counter()
@@ -557,20 +537,19 @@ class HostTraining:
         self.job_s[job.kind] += time.perf_counter() - began
 
     def check(self) -> None:
-        if self.error is not None:
-            raise SwapWorkerError(f"DGLS host optimizer failed: {self.error!r}") from self.error
+        self.worker.check()
 
     def finish(self) -> None:
         """Run every job submitted so far, and bring every device update home (state dicts, removal)."""
         jobs = [j for layer in self.layers.values() for j in (layer.accumulating, layer.update) if j is not None]
         for job in jobs:
             self._wait(job)
-        self.copier.finish()
+        self.transport.synchronize(Direction.GRADS_HOME)
         if self.updater is not None:
             self.updater.synchronize()
 
     # ---------------------------------------------------------------- what the trainer calls
-    def wait_update(self, idx: int) -> torch.cuda.Event | None:
+    def wait_update(self, idx: int) -> Copy | None:
         """Before layer ``idx``'s packed copy is streamed: its latest update must be written. Host updates
         are waited for here; for a device update on CUDA the event its copy must wait for is returned."""
         layer = self.layers.get(idx)
@@ -747,14 +726,12 @@ class HostTraining:
                 self.updater.adopt_state(layer.optimizer, layer.flat, replaced)
 
     def close(self) -> None:
-        if self._thread is not None:
-            try:
+        """Finish the queued work (the transport stops its worker thread itself) and remove the hooks."""
+        try:
+            if self.worker.threaded and self.worker.error is None:
                 self.finish()
-            finally:
-                self._queue.put(None)
-                self._thread.join(timeout=60)
-                self._thread, self._queue = None, None
-        self.remove_hooks()
+        finally:
+            self.remove_hooks()
 
 
 def _initial(p, packed: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .copier import Token, Wait
 from .schedule import Phase
+from .transport import Copy
 
 
 class Listener:
@@ -19,6 +20,10 @@ class Listener:
 
     def waited(self, wait: Wait) -> None:
         """The compute stream waited for a copy (CUDA, timing on): events before and after the wait."""
+
+    def copied(self, copy: Copy) -> None:
+        """The transport enqueued (CUDA) or submitted (CPU) a copy, of any direction: its ``direction`` and
+        ``nbytes`` (possibly on the worker thread: record, do not compute)."""
 
     def pass_ended(self) -> None:
         """A backward pass finished (autograd's end-of-backward callback)."""

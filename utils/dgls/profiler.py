@@ -4,7 +4,9 @@ Step stats say *how much* compute waited; the timeline says *where*: which layer
 late, and what ran while it copied. As a listener of the engine it gets each layer use (marked
 on the compute stream with a CUDA event, like the planner's UseRecorder), each copy (its token's
 start/ready events; it ends after the fp8 upcast where there is one), each wait (the events
-around the compute stream's wait) and each end of a backward pass (a "step"). Only steps
+around the compute stream's wait), each copy of the other directions (the transport's ``copied`` event:
+gradients home, activations out and in, optimizer state in and out, a lane each) and each end of a
+backward pass (a "step"). Only steps
 ``warmup_steps + 1 .. warmup_steps + steps`` are kept; then the events are resolved (one
 device synchronize, after the step has been read anyway) and written as a Chrome trace, plus
 a PNG timeline when matplotlib is installed. Recording events never touches tensors, so a
@@ -28,10 +30,13 @@ from .copier import Token, Wait
 from .listener import Listener
 from .schedule import Phase
 from .stats import elapsed_ms, timestamp
+from .transport import Copy, Direction
 
 PHASES = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.NO_GRAD: "forward (no grad)"}
 LANES = {"steps": 1, "compute": 2, "waits": 3}
 COPY_LANE = 10  # copy stream k is lane COPY_LANE + k
+# the other directions' streams, a lane each (weights are drawn per copy stream, with their layer)
+TRANSFER_LANES = {d: 30 + k for k, d in enumerate(d for d in Direction if d is not Direction.WEIGHTS_IN)}
 
 
 @dataclass
@@ -92,6 +97,7 @@ class Profiler(Listener):
         self._uses: list[_Use] = []
         self._copies: list[_Copy] = []
         self._waits: list[_Wait] = []
+        self._transfers: list[tuple[Copy, int]] = []  # copies of the other directions, with their step
         self._boundaries: list[Any] = []  # start of the first recorded step, then the end of each
         self._mark_boundary()
 
@@ -124,7 +130,13 @@ class Profiler(Listener):
                 self.notes.append(note)
             return
         step = self.steps_done + 1
-        self._copies.append(_Copy(fetch.layer, step, fetch.nbytes, fetch.demand, fetch.stream, start, end))
+        self._copies.append(_Copy(fetch.layer, step, fetch.nbytes, fetch.demand, fetch.lane, start, end))
+
+    def copied(self, copy: Copy) -> None:
+        """A copy of another direction than weights in (those come with their layer through :meth:`fetched`);
+        its timing is read when the trace is written (a CPU copy lands when it is waited for)."""
+        if self.recording and copy.direction is not Direction.WEIGHTS_IN:
+            self._transfers.append((copy, self.steps_done + 1))
 
     def pass_ended(self) -> None:
         if self.done:
@@ -177,6 +189,16 @@ class Profiler(Listener):
             args = {"layer": c.layer, "bytes": c.nbytes, "demand": c.demand, "stream": c.stream, "step": c.step}
             args["GB/s"] = round(c.nbytes / (end - start) / 1e3, 2) if end > start else None
             add(f"copy layer {c.layer}", "copy", COPY_LANE + c.stream, start, end, args)
+        used = set()
+        for copy, step in self._transfers:
+            start, end = (copy.start, copy.ready) if self.cuda else (copy.span or (None, None))
+            if start is None:  # CUDA: not timed; CPU: never waited for
+                continue
+            start, end = self._us(start), self._us(end)
+            args = {"direction": copy.direction.value, "bytes": copy.nbytes, "step": step}
+            args["GB/s"] = round(copy.nbytes / (end - start) / 1e3, 2) if end > start else None
+            add(copy.direction.value, "transfer", TRANSFER_LANES[copy.direction], start, end, args)
+            used.add(copy.direction)
         summary = {}
         for i, step in enumerate(recorded):
             mine = [e for e in events if e["args"]["step"] == step]
@@ -198,6 +220,7 @@ class Profiler(Listener):
             e["dur"] = round(e["dur"], 3)
         events.sort(key=lambda e: (e["tid"], e["ts"]))
         lanes = {**LANES, **{self._copy_lane_name(k): COPY_LANE + k for k in range(self.copy_streams)}}
+        lanes.update({d.value: lane for d, lane in TRANSFER_LANES.items() if d in used})
         meta = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": f"DGLS on {self.device}"}}]
         for name, lane in lanes.items():
             meta.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": lane, "args": {"name": name}})
@@ -241,7 +264,7 @@ class Profiler(Listener):
         self.log(
             f"DGLS profile: steps {span} written to {self.path} (open in ui.perfetto.dev or chrome://tracing); {where}"
         )
-        self._uses, self._copies, self._waits, self._boundaries = [], [], [], []
+        self._uses, self._copies, self._waits, self._boundaries, self._transfers = [], [], [], [], []
 
 
 def draw_timeline(trace: dict, path: Path) -> None:
@@ -267,6 +290,8 @@ def draw_timeline(trace: dict, path: Path) -> None:
             color, alpha = "#C44E52" if e["args"]["demand"] else "#55A868", 1.0
         elif e["cat"] == "wait":
             color, alpha = "#D62728", 1.0
+        elif e["cat"] == "transfer":
+            color, alpha = "#8172B3", 1.0
         else:
             color, alpha = "#DDDDDD", 1.0
             ax.axvline(start, color="#999999", linewidth=0.6, linestyle="--")
@@ -286,6 +311,7 @@ def draw_timeline(trace: dict, path: Path) -> None:
     legend += [Patch(color=colors["forward"], alpha=0.45, label="faded: resident layer")]
     legend += [Patch(color="#55A868", label="copy (prefetch)"), Patch(color="#C44E52", label="copy (on demand)")]
     legend += [Patch(color="#D62728", label="compute waits on a copy")]
+    legend += [Patch(color="#8172B3", label="copy of another direction (gradients, activations, optimizer state)")]
     ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=7, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -63,6 +63,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .transport import Marker
+
 if TYPE_CHECKING:
     from .activation_offload import ActivationOffloader, Offload
 
@@ -101,7 +103,7 @@ class RecomputeOffload:
     def __init__(self, transfers: ActivationOffloader, ahead_bytes: int = AHEAD_BYTES) -> None:
         self.transfers = transfers  # streams, pinned pool, copies (activation offload's)
         self.ahead_bytes = ahead_bytes
-        self._marks: list[torch.cuda.Event] = []  # CUDA: the compute stream at the last PACE sends and reads
+        self._marks: list[Marker] = []  # CUDA: the compute stream at the last PACE sends and reads
         self._profiles: dict[object, int] = {}  # per call: the eligible bytes its last recompute saved
         self._live: list[Recomputed] = []
         self.sent_bytes = 0  # totals, for the stats and tests
@@ -177,13 +179,12 @@ class RecomputeOffload:
     def _keep_pace(self) -> None:
         """CUDA: the host waits for the device to reach where the host stood ``PACE`` sends or reads ago (see
         the module doc's Pace)."""
-        if not self.transfers.cuda:
+        transport = self.transfers.transport
+        if not transport.cuda:
             return
         if len(self._marks) >= PACE:
-            self._marks.pop(0).synchronize()
-        mark = torch.cuda.Event()
-        mark.record(torch.cuda.current_stream(self.transfers.device))
-        self._marks.append(mark)
+            transport.land(self._marks.pop(0))
+        self._marks.append(transport.mark())
 
     def _eligible(self, tensor: torch.Tensor) -> bool:
         """Activation offload's rule, less weights (a parameter, a view of one, a leaf that trains)."""

@@ -20,6 +20,7 @@ import torch
 from .copier import Token, Wait
 from .listener import Listener
 from .schedule import Phase
+from .transport import Copy, Direction
 
 
 def human_bytes(n: float) -> str:
@@ -210,9 +211,10 @@ class StatsCollector(Listener):
     def waited(self, wait: Wait) -> None:
         self._open.waits.append((wait.before, wait.after))
 
-    def activations_sent(self, nbytes: int) -> None:
-        self._open.stats.activation_bytes += nbytes
-        self._total.activation_bytes += nbytes
+    def copied(self, copy: Copy) -> None:
+        if copy.direction is Direction.ACTIVATIONS_OUT:  # checkpointed inputs and recomputed tensors sent home
+            self._open.stats.activation_bytes += copy.nbytes
+            self._total.activation_bytes += copy.nbytes
 
     def pass_ended(self) -> None:
         window, self._open = self._open, _Window()

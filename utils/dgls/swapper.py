@@ -66,7 +66,6 @@ from .device_pool import DevicePool, Slot
 from .device_update import DeviceUpdater
 from .errors import DGLSUserError
 from .forward_patches import ForwardPatches
-from .grad_copier import CudaGradCopier, DeferredGradCopier
 from .hooks import HookAdapter, SlotRef
 from .host_store import HostStore
 from .host_training import HostTraining, check_host_training
@@ -80,6 +79,7 @@ from .profiler import Profiler
 from .residency import Residency, StreamedLayer
 from .schedule import Phase, UsePredictor, current_phase
 from .stats import StatsCollector, StepStats, human_bytes
+from .transport import CudaTransport, Direction, make_transport
 from .unit_checkpoints import UnitCheckpoints
 from .units import Entry, pieces_to_checkpoint, split_layers, split_note
 
@@ -164,11 +164,19 @@ class LayerSwapper:
         self.masters = Masters(
             self.layers, self.layouts, self.placement.streamed, self.device, self.config, self._log, share_group
         )
+        c = self.config
+        # weight copies are timed for the stats (collect_timing); the other directions only for --profile
+        timed = {d for d in Direction if d is not Direction.WEIGHTS_IN} if c.profile_path else set()
+        timed |= {Direction.WEIGHTS_IN} if c.collect_timing else set()
+        self.transport = make_transport(self.device, weight_lanes=c.cuda_streams, timed=timed)
         self.training: HostTraining | None = None
         self.activations: ActivationOffloader | None = None
         if self._offloads_activations():
             self.activations = ActivationOffloader(
-                self.device, keep=max(1, self.config.prefetch), recompute=self.config.offload_recompute
+                self.device,
+                keep=max(1, self.config.prefetch),
+                recompute=self.config.offload_recompute,
+                transport=self.transport,
             )
         if self.config.host_optimizer is not None:
             self._start_training()
@@ -184,33 +192,30 @@ class LayerSwapper:
             self.masters.install_hooks(idx)
         self.pool = DevicePool(self.device, self.placement.slot_count, self.placement.slot_bytes)
         self.store.ensure_staging(2, self.placement.slot_bytes)
-        if self.device.type == "cuda":
+        if isinstance(self.transport, CudaTransport):
             self.copier = CudaCopier(
-                self.device,
+                self.transport,
                 self.store,
-                streams=self.config.cuda_streams,
                 event_sync=self.config.event_sync,
                 use_thread=self.config.threading,
-                timing=self.config.collect_timing,
                 landing_bytes=self.placement.landing_bytes,
             )
         else:
-            self.copier = DeferredCopier(self.store, use_thread=self.config.threading)
+            self.copier = DeferredCopier(self.store, use_thread=self.config.threading, transport=self.transport)
         self.predictor = UsePredictor(len(self.layers))
         self.stats = StatsCollector(self.device, lambda: self.pinned_bytes)
-        if self.activations is not None:
-            self.activations.on_offload = self.stats.activations_sent
         self.profiler: Profiler | None = None
-        self._listeners: list[Listener] = [self.stats]
+        self._listeners: list[Listener] = []
+        self.add_listener(self.stats)
         if self.config.profile_path:
             c = self.config
             self.profiler = Profiler(
                 c.profile_path, self.device, c.profile_warmup_steps, c.profile_steps, c.cuda_streams, self._log
             )
-            self._listeners.append(self.profiler)
+            self.add_listener(self.profiler)
         if self.driver is not None:
             self.driver.attach(self)
-            self._listeners.append(self.driver)
+            self.add_listener(self.driver)
         self._current: int | None = None
         self._last_use: tuple[int, Phase] | None = None
         self._plans: dict[tuple, tuple[int, ...]] = {}  # prefetch targets per (previous, current) use
@@ -250,18 +255,17 @@ class LayerSwapper:
                 "or train a LoRA"
             )
         cuda = self.device.type == "cuda"
-        grads = CudaGradCopier(self.device) if cuda else DeferredGradCopier(eager=self.config.threading)
         hosts = {idx: self.masters.host(idx) for idx in self.placement.streamed}
         spec = self.config.host_optimizer
         self.training = HostTraining(
             hosts,
             spec,
-            grads,
+            self.transport,
             pin=cuda,
             threaded=cuda or self.config.threading,
             accumulation_steps=self.config.accumulation_steps,
             clipping=self.config.clip_grads,
-            updater=DeviceUpdater(self.device) if spec.on_device else None,
+            updater=DeviceUpdater(self.transport) if spec.on_device else None,
         )
 
     def _offloads_activations(self) -> bool:
@@ -611,7 +615,9 @@ class LayerSwapper:
         return self.stats.total(sync)
 
     def add_listener(self, listener: Listener) -> None:
+        """``listener`` hears the engine's events and the transport's copies (every direction)."""
         self._listeners.append(listener)
+        self.transport.listeners.append(listener)
 
     def apply_placement(self, streamed: Iterable[int], prefetch: int, kept_activations: int | None = None) -> None:
         """Change which layers stream and the prefetch depth, between passes.
@@ -718,6 +724,8 @@ class LayerSwapper:
             self.activations.synchronize()
         if "copier" in built:
             self.copier.close()
+        if "transport" in built:
+            self.transport.close()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         for part in ("_hooks", "_patches", "_unit_checkpoints"):
