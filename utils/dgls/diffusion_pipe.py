@@ -237,7 +237,7 @@ class PipelineInterception:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         if self.swap is None:
             self.swap = swap_config(self.values)
-        swap = self.swap.for_stage(stage.start, stage.stop)
+        swap = self.swap.for_stage(stage.start, stage.stop, stage.layer_count)
         log = (lambda line: self.log(stage.label + line)) if stage.data_parallel_id == 0 else (lambda line: None)
         self.swapper = LayerSwapper(stage.layers, swap, device=device, log=log, share_group=stage.share_group)
         swapper = self.swapper

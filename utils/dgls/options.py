@@ -18,6 +18,7 @@ from typing import Any
 from .config import SwapConfig
 from .errors import DGLSUserError
 from .host_optimizer import IMPLEMENTATIONS
+from .spelling import did_you_mean
 
 SYNC_MODES = ("none", "step", "layer")
 AUTOCAST_MODES = ("fp32", "fp16", "bf16")
@@ -516,8 +517,8 @@ def resolve(table: Any, cli: argparse.Namespace, where: str = "the config") -> R
     from_toml = {}
     for key, value in table.items():
         if key not in OPTION_BY_NAME:
-            known = ", ".join(sorted(OPTION_BY_NAME))
-            raise DGLSUserError(f"unknown [dgls] key '{key}' in {where} (known keys: {known})")
+            hint = did_you_mean(key, OPTION_BY_NAME) or f" (known keys: {', '.join(sorted(OPTION_BY_NAME))})"
+            raise DGLSUserError(f"unknown [dgls] key '{key}' in {where}{hint}")
         from_toml[key] = _coerce(OPTION_BY_NAME[key], value, where)
     from_cli = {o.name: getattr(cli, o.name) for o in OPTIONS if getattr(cli, o.name, None) is not None}
     notes = []

@@ -21,6 +21,7 @@ from ..host_optimizer import HostOptimizerSpec
 from .model import DemoModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEMO_TABLES = ("model", "adapter", "demo", "optimizer", "dgls")  # the tables a demo config may have
 
 
 def _whole(low: int) -> Callable[[Any], str | None]:
