@@ -458,6 +458,26 @@ CASES += [
     # autocast: the fp8 names --help does not list are refused with what to do instead
     Case("autocast-unknown-lists-usable", demo("--autocast", "f64"), "(choose from fp32, fp16, bf16)"),
     Case("autocast-fp8-toml", demo(dgls={"autocast": "f8_e5m2"}), "autocast f8_e5m2 is not supported"),
+    # the checkout: what its modules need
+    Case(
+        "dp-plan-saver-needs-a-package",
+        dp("--vram_budget", "1", "--plan", checkout="ckpt"),
+        "diffusion-pipe's train.py needs the Python package 'dgls_test_absent_package', which is not installed",
+        checkout_copy(saver_head="import dgls_test_absent_package  # noqa\n"),
+    ),
+    Case(
+        "dp-submodule-not-cloned",
+        dp("--no-dynamic_swapping", checkout="ckpt"),
+        "imports 'comfy_api' from its submodule submodules/ComfyUI, which is empty (the checkout was cloned without "
+        "--recurse-submodules): run git submodule update --init --recursive",
+        checkout_copy("import comfy_api.latest  # noqa\n", submodules=("submodules/ComfyUI", "submodules/flow")),
+    ),
+    Case(
+        "dp-package-missing-and-submodules-empty",
+        dp("--no-dynamic_swapping", checkout="ckpt"),
+        "its submodule submodules/HunyuanVideo is empty too: run git submodule update --init --recursive",
+        checkout_copy("import dgls_test_absent_package  # noqa\n", submodules=("submodules/HunyuanVideo",)),
+    ),
 ]
 if NOT_ROOT:
     CASES.append(
