@@ -10,6 +10,8 @@ start are in test_launch_lines.py and test_diffusion_pipe_dropin.py).
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -22,7 +24,10 @@ import pytest
 from cli_helpers import FAKE, FAKE_TABLES, demo_toml, fake_config, run_in_process, snapshot, write_checkpoint
 from conftest import ROOT
 
+from utils.dgls import DGLSUserError, SwapConfig
+from utils.dgls.demo.model import DemoModelConfig, build_layers, layer_count
 from utils.dgls.distributed import LAUNCHER_KEYS
+from utils.dgls.spelling import check_passthrough_flags
 
 DIST_VARS = (*LAUNCHER_KEYS, "MASTER_ADDR", "MASTER_PORT", "DGLS_DIFFUSION_PIPE")
 
@@ -43,13 +48,15 @@ def demo(*flags: str, dgls="keep", model=None, **keys) -> Callable[[Path], list[
 
 
 def dp(
-    *flags: str, top: str = "", dataset: str | None = None, tables: str = FAKE_TABLES
+    *flags: str, top: str = "", dataset: str | None = None, tables: str = FAKE_TABLES, checkout: str | None = None
 ) -> Callable[[Path], list[str]]:
+    """A drop-in run of the stand-in checkout (or of ``checkout``, a folder in the test's folder that a setup
+    makes, see ``checkout_copy``)."""
     return lambda tmp: [
         "--config",
         str(fake_config(tmp, top=top, dataset=dataset, tables=tables)),
         "--diffusion_pipe",
-        str(FAKE),
+        str(tmp / checkout if checkout else FAKE),
         *flags,
     ]
 
@@ -65,6 +72,55 @@ def full_demo(**optimizer) -> Callable[[Path], list[str]]:
     if optimizer.get("type") == "sgd":  # sgd takes lr, momentum and weight_decay only
         table = {"lr": table["lr"]}
     return demo(base="demo_full.toml", optimizer={**table, **optimizer})
+
+
+def model(*lines: str, tables: str = FAKE_TABLES) -> str:
+    """The stand-in's tables with ``lines`` added to [model] ({tmp} in them is the test's folder, see ``dp_at``)."""
+    return tables.replace('dtype = "float32"\n', 'dtype = "float32"\n' + "".join(f"{x}\n" for x in lines), 1)
+
+
+def dp_at(*flags: str, tables: str) -> Callable[[Path], list[str]]:
+    """``dp`` with ``{tmp}`` in ``tables`` replaced by the test's folder."""
+    return lambda tmp: dp(*flags, tables=tables.replace("{tmp}", str(tmp)))(tmp)
+
+
+def diffusers_flux(double: int, single: int) -> Callable[[Path, pytest.MonkeyPatch], None]:
+    """tmp/flux: a Diffusers Flux folder whose transformer/config.json counts ``double`` + ``single`` blocks."""
+
+    def setup(tmp: Path, mp) -> None:
+        (tmp / "flux" / "transformer").mkdir(parents=True)
+        config = {"_class_name": "FluxTransformer2DModel", "num_layers": double, "num_single_layers": single}
+        (tmp / "flux" / "transformer" / "config.json").write_text(json.dumps(config))
+
+    return setup
+
+
+def checkout_copy(
+    train_head: str = "", saver_head: str = "", submodules: tuple[str, ...] = ()
+) -> Callable[[Path, pytest.MonkeyPatch], None]:
+    """tmp/ckpt: the stand-in checkout with lines put before its train.py and utils/saver.py, and git submodules
+    (in .gitmodules) whose folders are empty, as in a clone without --recurse-submodules. The run imports from
+    it in this process: sys.path and sys.argv are the test's own copies, and utils.pipeline is the stand-in's
+    (loaded here, removed after the test) so that no module of the copy stays imported."""
+
+    def setup(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        checkout = tmp / "ckpt"
+        shutil.copytree(FAKE, checkout)
+        for rel, head in (("train.py", train_head), ("utils/saver.py", saver_head)):
+            (checkout / rel).write_text(head + (checkout / rel).read_text())
+        gitmodules = "".join(f'[submodule "{p}"]\n\tpath = {p}\n\turl = https://x/{p}\n' for p in submodules)
+        (checkout / ".gitmodules").write_text(gitmodules)
+        for folder in submodules:
+            (checkout / folder).mkdir(parents=True)
+        mp.setattr(sys, "path", list(sys.path))
+        mp.setattr(sys, "argv", list(sys.argv))
+        spec = importlib.util.spec_from_file_location("utils.pipeline", FAKE / "utils" / "pipeline.py")
+        pipeline = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(pipeline)
+        mp.setitem(sys.modules, "utils.pipeline", pipeline)
+        mp.delitem(sys.modules, "utils.saver", raising=False)
+
+    return setup
 
 
 def raw(text: str, *flags: str) -> Callable[[Path], list[str]]:
@@ -476,6 +532,129 @@ CASES = [
     Case("config-no-model", raw("[adapter]\nrank = 4\n"), "has no [model] type"),
     Case("unknown-model-type", raw('[model]\ntype = "fluxx"\n'), "unknown model type 'fluxx'"),
 ]
+CASES += [
+    # placement that cannot fit the model, refused before DeepSpeed starts (issue 39)
+    Case(
+        "demo-blocks-to-swap-too-many",
+        demo("--blocks_to_swap", "50"),
+        "--blocks_to_swap is 50, but the demo model (4 double and 4 single blocks, with its input and output "
+        "layers) has only 10 layers: set blocks_to_swap <= 10",
+    ),
+    Case(
+        "demo-gpu-layers-out-of-range",
+        demo("--gpu_layers", "0,5,99"),
+        "--gpu_layers names layer 99, but the demo model (4 double and 4 single blocks, with its input and output "
+        "layers) has 10 layers: indices run 0-9",
+    ),
+    Case("demo-gpu-layers-0-99", demo("--gpu_layers", "0,99"), "--gpu_layers names layer 99, but the demo model"),
+    Case(
+        "demo-gpu-layers-negative",
+        demo(dgls={"gpu_layers": [-1, 2, 10]}),
+        "demo.toml names layers -1, 10, but the demo model",
+    ),
+    Case(
+        "demo-initial-too-many",
+        demo("--initial_gpu_layers", "11", double_blocks=2),
+        "--initial_gpu_layers is 11, but the demo model (2 double and 4 single blocks",
+    ),
+    Case(
+        "demo-blocks-to-swap-per-stage",
+        demo("--blocks_to_swap", "6", pipeline_stages=2),
+        "--blocks_to_swap is 6, but it counts each pipeline stage's layers, and the smallest of the 2 stages ([demo] "
+        "pipeline_stages) holds 5 of the 10: set blocks_to_swap <= 5",
+        env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"),
+    ),
+    Case(
+        "dp-blocks-to-swap-from-config-json",
+        dp_at("--blocks_to_swap", "8", tables=model('diffusers_path = "{tmp}/flux"')),
+        "--blocks_to_swap is 8, but the flux model (num_layers 2 + num_single_layers 3 in ",
+        diffusers_flux(2, 3),
+    ),
+    Case(
+        "dp-gpu-layers-from-config-json",
+        dp_at("--gpu_layers", "0,7", tables=model('diffusers_path = "{tmp}/flux"')),
+        "names layer 7, but the flux model (num_layers 2 + num_single_layers 3 in",
+        diffusers_flux(2, 3),
+    ),
+    # model files, checked before anything loads
+    Case(
+        "dp-diffusers-path-missing",
+        dp(tables=model('diffusers_path = "/nowhere/FLUX.1-dev"')),
+        "[model] diffusers_path = '/nowhere/FLUX.1-dev' not found",
+    ),
+    Case(
+        "dp-transformer-path-relative",
+        dp(tables=model('transformer_path = "models/flux1-dev.safetensors"')),
+        "[model] transformer_path = 'models/flux1-dev.safetensors' not found (relative paths start at the checkout",
+    ),
+    Case(
+        "dp-diffusers-path-is-a-file",
+        dp(tables=model('diffusers_path = "train.py"')),
+        "[model] diffusers_path = 'train.py' is a file; diffusion-pipe reads a model folder there",
+    ),
+    Case("dp-ckpt-path-home", dp(tables=model('ckpt_path = "~/Wan2.1-T2V-1.3B"')), "does not expand '~'"),
+    Case(
+        "dp-diffusers-path-hub-id",
+        dp(tables=model('diffusers_path = "black-forest-labs/FLUX.1-dev"')),
+        "diffusion-pipe reads models from disk: download black-forest-labs/FLUX.1-dev first",
+    ),
+    Case(
+        "dp-comfy-text-encoder-missing",
+        dp(tables=model("[[model.text_encoders]]", 'path = "/nowhere/qwen.safetensors"', 'type = "qwen_image"')),
+        "[[model.text_encoders]] 0 path = '/nowhere/qwen.safetensors' not found",
+    ),
+    Case(
+        "dp-init-from-existing-missing",
+        dp(tables=FAKE_TABLES.replace("rank = 4\n", 'rank = 4\ninit_from_existing = "/nowhere/lora"\n')),
+        "[adapter] init_from_existing = '/nowhere/lora' not found",
+    ),
+    Case("dp-model-path-number", dp(tables=model("vae = 5")), "[model] vae = 5 must be a path in quotes"),
+    # misspelled names: did you mean
+    Case("flag-typo-demo", demo("--vram_buget", "10"), "--vram_buget 10 (did you mean --vram_budget?)"),
+    Case("flag-typo-dp", dp("--vram_buget", "10"), "unknown argument --vram_buget (did you mean --vram_budget?)"),
+    Case(
+        "flag-typo-train-py",
+        dp("--resume_form_checkpoint"),
+        "unknown argument --resume_form_checkpoint (did you mean --resume_from_checkpoint?)",
+    ),
+    Case("dgls-key-typo", demo(dgls={"prefech": 2}), "unknown [dgls] key 'prefech' in"),
+    Case("dgls-key-typo-hint", demo(dgls={"prefech": 2}), "(did you mean prefetch?)"),
+    Case(
+        "dgls-table-upper-case",
+        raw('[model]\ntype = "dgls_demo"\n[DGLS]\nprefetch = 1\n'),
+        "[DGLS] is not read: DGLS takes its settings from a table named [dgls] (TOML names are case-sensitive)",
+    ),
+    Case("dgls-table-typo", raw('[model]\ntype = "dgls_demo"\n[dlgs]\nprefetch = 1\n'), "rename [dlgs] to [dgls]"),
+    Case("dp-dgls-table-typo", dp(tables=FAKE_TABLES + "[dlgs]\nprefetch = 1\n"), "rename [dlgs] to [dgls]"),
+    Case(
+        "demo-table-typo",
+        raw('[model]\ntype = "dgls_demo"\n[dmeo]\nsteps = 3\n'),
+        "the demo reads no [dmeo] table (did you mean [demo]?)",
+    ),
+    # autocast: the fp8 names --help does not list are refused with what to do instead
+    Case("autocast-unknown-lists-usable", demo("--autocast", "f64"), "(choose from fp32, fp16, bf16)"),
+    Case("autocast-fp8-toml", demo(dgls={"autocast": "f8_e5m2"}), "autocast f8_e5m2 is not supported"),
+    # the checkout: what its modules need
+    Case(
+        "dp-plan-saver-needs-a-package",
+        dp("--vram_budget", "1", "--plan", checkout="ckpt"),
+        "diffusion-pipe's train.py needs the Python package 'dgls_test_absent_package', which is not installed",
+        checkout_copy(saver_head="import dgls_test_absent_package  # noqa\n"),
+    ),
+    Case(
+        "dp-submodule-not-cloned",
+        dp("--no-dynamic_swapping", checkout="ckpt"),
+        "imports 'comfy_api' from its submodule submodules/ComfyUI, which is empty (the checkout was cloned without "
+        "--recurse-submodules): run git submodule update --init --recursive",
+        checkout_copy("import comfy_api.latest  # noqa\n", submodules=("submodules/ComfyUI", "submodules/flow")),
+    ),
+    Case(
+        "dp-package-missing-and-submodules-empty",
+        dp("--no-dynamic_swapping", checkout="ckpt"),
+        "its submodule submodules/HunyuanVideo is empty too: run git submodule update --init --recursive",
+        checkout_copy("import dgls_test_absent_package  # noqa\n", submodules=("submodules/HunyuanVideo",)),
+    ),
+]
 if NOT_ROOT:
     CASES.append(
         Case("output-dir-chmod", lambda t: demo(output_dir=str(t / "ro" / "out"))(t), "not writable", read_only)
@@ -507,3 +686,36 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tmp_path, monkeyp
     assert len(lines) == 1 and lines[0].startswith("dgls: error: "), err
     assert case.message in lines[0], lines[0]
     assert snapshot(tmp_path) == before, "a refused run wrote files"
+
+
+def test_a_pipeline_stage_checks_placement_against_the_whole_layer_list():
+    """Where the layer count is known only once the model is built (most drop-in model types), the stage
+    refuses what does not fit instead of keeping the indices in its range: ``--gpu_layers 0,99`` on 10 layers
+    dropped 99 without a word (issue 39, a regression of the per-stage split)."""
+    with pytest.raises(DGLSUserError, match="gpu_layers names layer 99, but the model has 10 layers: indices run 0-9"):
+        SwapConfig(gpu_layers=[0, 99]).for_stage(0, 10, 10)
+    with pytest.raises(DGLSUserError, match="blocks_to_swap is 11, but the model has only 10 layers"):
+        SwapConfig(blocks_to_swap=11).for_stage(0, 5, 10)
+    assert SwapConfig(gpu_layers=[0, 7]).for_stage(5, 10, 10).gpu_layers == [2]
+    assert SwapConfig(gpu_layers=[0, 9]).for_stage(0, 10, 10).gpu_layers == [0, 9]
+
+
+@pytest.mark.parametrize("double, single", [(4, 4), (0, 1), (3, 0)])
+def test_the_demo_knows_its_layer_count_before_building_it(double, single):
+    cfg = DemoModelConfig(double_blocks=double, single_blocks=single)
+    assert layer_count(cfg) == len(build_layers(cfg))
+
+
+def test_train_py_flags_and_their_abbreviations_pass_through(tmp_path):
+    """Only a flag neither dgls_train.py nor the checkout's train.py declares is refused; argparse's
+    abbreviations of train.py's flags, DeepSpeed's config flags and flag values pass."""
+    (tmp_path / "train.py").write_text(
+        "parser.add_argument('--resume_from_checkpoint', nargs='?')\n"
+        'parser.add_argument(\n    "--regenerate_cache", action="store_true")\n'
+    )
+    passed = ["--resume_from", "20250101", "--regenerate_cache", "--deepspeed", "--deepspeed_config=z.json", "-x"]
+    check_passthrough_flags(passed, tmp_path, ["--vram_budget"])
+    with pytest.raises(DGLSUserError, match=r"unknown argument --trust_cache: neither"):
+        check_passthrough_flags(["--trust_cache"], tmp_path, ["--vram_budget"])
+    (tmp_path / "train.py").write_text("args = parse()\n")  # declares nothing this way: nothing is refused
+    check_passthrough_flags(["--trust_cache"], tmp_path, ["--vram_budget"])

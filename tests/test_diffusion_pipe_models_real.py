@@ -35,6 +35,8 @@ from tiny_models import SPECS, ModelSpec, files  # noqa: E402
 from tiny_models.checkout import shadow_checkout  # noqa: E402
 from tiny_models.flux import build_tiny_flux  # noqa: E402
 
+from utils.dgls.dp_model import layer_count  # noqa: E402
+
 pytestmark = [pytest.mark.slow, requires_checkout]
 
 STEPS = 3
@@ -158,6 +160,8 @@ def test_dgls_matches_plain_train_py(prepare, tmp_path, model_type, checkpointin
     assert "Creating new shard" not in plain_log + log, "a training run re-cached instead of reading the shared cache"
     rows = placement(log)
     assert len(rows["streamed"]) == swap and f"; {swap} layers (" in log, f"DGLS streamed {rows}"
+    if (known := layer_count({"model": p.model}, p.checkout)) is not None:  # the count placement is checked with
+        assert known[0] == len(rows["streamed"]) + len(rows["resident"]), f"{known} for the layers {rows}"
     assert f"dgls step {STEPS}: swap:" in log, "no per-step DGLS stats with --verbose"
     assert_same_lora(tmp_path / "out_plain", tmp_path / "out_dgls")
 

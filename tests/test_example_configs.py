@@ -37,17 +37,23 @@ def cited_figures(text: str) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("name", DP_CONFIGS)
 def test_diffusion_pipe_config_passes_the_checks(name, tmp_path, monkeypatch):
-    """On a checkout with the dataset the config names, on a (pretended) one-GPU machine."""
+    """On a checkout with the dataset the config names, with its model folders (/models/... moved under the
+    test's folder), on a (pretended) one-GPU machine."""
     checkout = tmp_path / "dp"
     shutil.copytree(FAKE, checkout)
     (checkout / "examples").mkdir()
     (checkout / "images").mkdir()
     (checkout / "examples" / "dataset.toml").write_text('[[directory]]\npath = "images"\n')
+    text = (ROOT / "toml" / name).read_text()
+    for folder in re.findall(r'"/models/([^"]+)"', text):
+        (tmp_path / "models" / folder).mkdir(parents=True)
+    config = tmp_path / name
+    config.write_text(text.replace('"/models/', f'"{tmp_path}/models/'))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
-    run = prepare(["--config", str(ROOT / "toml" / name), "--diffusion_pipe", str(checkout)], ROOT)
+    run = prepare(["--config", str(config), "--diffusion_pipe", str(checkout)], ROOT)
     assert isinstance(run, DropInRun)
     if name in FLUX_CONFIGS:
         assert run.swap.vram_budget_gb is not None

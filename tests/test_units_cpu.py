@@ -522,6 +522,18 @@ def test_under_a_tight_vram_budget_layers_are_split_and_training_stays_exact(ref
         assert not any(entry.holder for entry in swapper.entries), "a roomy budget keeps layers whole"
 
 
+def test_a_unit_size_under_a_byte_still_splits_and_trains_bitwise_the_same(references):
+    """``--swap_unit_mb 1e-9`` (a thousandth of a byte) asks for the smallest units, not for whole layers: it
+    rounds up to one byte, so every child with weights is a unit of its own (weightless ones are never units)."""
+    layers, _ = make_layers()
+    with LayerSwapper(layers, SwapConfig(swap_unit_mb=1e-9), device=CPU, log=None) as swapper:
+        assert swapper.unit_bytes == 1
+        parts = [e for e in swapper.entries if e.part and not e.holder]
+        assert parts and all(any(True for _ in e.value.parameters()) for e in parts)
+        assert {e.layer for e in swapper.entries if e.holder} == set(range(len(layers)))
+    assert_bitwise_equal(references("nonreentrant"), split_run("nonreentrant", swap_unit_mb=1e-9))
+
+
 def test_swap_unit_mb_zero_keeps_layers_whole_under_any_budget():
     layers, _ = make_layers()
     config = SwapConfig(vram_budget_gb=2**20 / 2**30, swap_unit_mb=0)

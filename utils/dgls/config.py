@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import DGLSUserError
@@ -150,11 +151,32 @@ class SwapConfig:
         """The placement settings given (they win over a VRAM budget)."""
         return [name for name in PLACEMENT_KEYS if getattr(self, name) is not None]
 
-    def for_stage(self, start: int, stop: int) -> SwapConfig:
-        """The settings of a pipeline stage holding layers ``start..stop-1``: ``gpu_layers`` name layers of
-        the whole list, so a stage keeps those in its range (as its own indices); the other placement
-        settings (blocks_to_swap, the ends, a VRAM budget) apply to each stage's own layers."""
-        if self.gpu_layers is None or (start == 0 and all(i < stop for i in self.gpu_layers)):
+    def check_layer_count(self, count: int, model: str = "the model", label: Callable[[str], str] = str) -> None:
+        """Placement settings that cannot fit a model of ``count`` layers (the whole layer list, every pipeline
+        stage together) stop the run; ``model`` describes it, ``label`` names a setting as the user wrote it.
+        A necessary check only: with pipeline stages, blocks_to_swap and the ends count each stage's layers,
+        and which layers have weights to stream is known once they are built (placement.choose_streamed)."""
+        if self.gpu_layers is not None:
+            bad = sorted({i for i in self.gpu_layers if not 0 <= i < count})
+            if bad:
+                shown = f"layer {bad[0]}" if len(bad) == 1 else f"layers {', '.join(map(str, bad))}"
+                raise DGLSUserError(
+                    f"{label('gpu_layers')} names {shown}, but {model} has {count} layers: indices run 0-{count - 1}"
+                )
+        for name in ("blocks_to_swap", "initial_gpu_layers", "final_gpu_layers"):
+            value = getattr(self, name)
+            if value is not None and value > count:
+                raise DGLSUserError(
+                    f"{label(name)} is {value}, but {model} has only {count} layers: set {name} <= {count}"
+                )
+
+    def for_stage(self, start: int, stop: int, count: int) -> SwapConfig:
+        """The settings of a pipeline stage holding layers ``start..stop-1`` of ``count``: ``gpu_layers`` name
+        layers of the whole list, so a stage keeps those in its range (as its own indices), after every index
+        was checked against the whole list (none is dropped unseen); the other placement settings
+        (blocks_to_swap, the ends, a VRAM budget) apply to each stage's own layers."""
+        self.check_layer_count(count)
+        if self.gpu_layers is None or (start == 0 and stop == count):
             return self
         return self.replace(gpu_layers=[i - start for i in self.gpu_layers if start <= i < stop])
 

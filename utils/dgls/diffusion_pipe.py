@@ -158,8 +158,15 @@ class PipelineInterception:
     def _saver_for_plan():
         try:
             import utils.saver as dp_saver
-        except ImportError:
+        except ModuleNotFoundError as exc:
+            if exc.name not in ("utils", "utils.saver"):
+                raise  # a package the checkout's saver imports (imageio): run_drop_in names it
             dp_saver = None
+        except ImportError as exc:
+            raise DGLSUserError(
+                f"--plan: this checkout's utils/saver.py does not import ({exc}): check its requirements "
+                "(pip install -r requirements.txt in the checkout), or run without --plan"
+            ) from None
         saver = getattr(dp_saver, "Saver", None)
         if saver is None or not all(name in saver.__dict__ for name in ("save_model", "save_checkpoint")):
             raise DGLSUserError(
@@ -250,7 +257,7 @@ class PipelineInterception:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         if self.swap is None:
             self.swap = swap_config(self.values)
-        swap = self.swap.for_stage(stage.start, stage.stop)
+        swap = self.swap.for_stage(stage.start, stage.stop, stage.layer_count)
         log = (lambda line: self.log(stage.label + line)) if stage.data_parallel_id == 0 else (lambda line: None)
         self.swapper = LayerSwapper(stage.layers, swap, device=device, log=log, share_group=stage.share_group)
         swapper = self.swapper
@@ -332,15 +339,61 @@ def run_drop_in(run: DropInRun) -> None:
             destroy_process_group()
         except KeyboardInterrupt:
             raise RunInterrupted(_what_was_saved(output_dir, started)) from None
-        except ModuleNotFoundError as exc:  # train.py's own dependencies (wandb, diffusers ...)
-            raise DGLSUserError(
-                f"diffusion-pipe's train.py needs the Python package {exc.name!r}, which is not installed: "
-                f"pip install -r {run.checkout / 'requirements.txt'}"
-            ) from None
+        except ModuleNotFoundError as exc:  # train.py's own dependencies (wandb, diffusers ...), or a submodule's
+            raise missing_module_error(exc, run.checkout) from None
         finally:
             remove_deepspeed_shm(os.environ)
             if values["plan"]:
                 _discard_plan_run_dir(output_dir, started)
+
+
+# Top-level modules diffusion-pipe imports from its git submodules (submodules/<folder>, put on sys.path by
+# the file that imports them), by the folder that holds them.
+SUBMODULE_MODULES = {
+    "comfy": "ComfyUI",
+    "comfy_api": "ComfyUI",
+    "comfy_extras": "ComfyUI",
+    "hyvideo": "HunyuanVideo",
+    "hyimage": "HunyuanImage-2.1",
+    "cosmos1": "Cosmos",
+    "Lumina_2": "Lumina_2",
+    "hi_diffusers": "HiDream",
+    "ltx_video": "LTX_Video",
+    "omnigen2": "OmniGen2",
+    "src": "flow",
+}
+
+
+def empty_submodules(checkout: Path) -> list[str]:
+    """The checkout's git submodules (``path = ...`` in .gitmodules) whose folder is absent or empty: a clone
+    without ``--recurse-submodules`` (or a downloaded archive)."""
+    try:
+        text = (checkout / ".gitmodules").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
+    paths = [line.split("=", 1)[1].strip() for line in text.splitlines() if line.strip().startswith("path")]
+    return [p for p in paths if not (checkout / p).is_dir() or not any((checkout / p).iterdir())]
+
+
+def missing_module_error(exc: ModuleNotFoundError, checkout: Path) -> DGLSUserError:
+    """The line for a module train.py could not import: from a submodule folder left empty, the git command
+    that fills it; otherwise the package to install (and the empty submodules, if there are any)."""
+    name = (exc.name or str(exc)).split(".")[0]
+    empty = empty_submodules(checkout)
+    fill = f"git submodule update --init --recursive (in {checkout})"
+    folder = SUBMODULE_MODULES.get(name)
+    holder = next((p for p in empty if Path(p).name in (folder, name)), None)
+    if holder is not None:
+        return DGLSUserError(
+            f"diffusion-pipe's train.py imports {name!r} from its submodule {holder}, which is empty (the checkout "
+            f"was cloned without --recurse-submodules): run {fill}"
+        )
+    listed = f"submodule {empty[0]} is" if len(empty) == 1 else f"submodules {', '.join(empty)} are"
+    also = f"; its {listed} empty too: run {fill}" if empty else ""
+    return DGLSUserError(
+        f"diffusion-pipe's train.py needs the Python package {name!r}, which is not installed: "
+        f"pip install -r {checkout / 'requirements.txt'}{also}"
+    )
 
 
 def _discard_plan_run_dir(output_dir: Path, started: float) -> None:

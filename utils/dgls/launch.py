@@ -44,8 +44,8 @@ INTERRUPT_EXIT = 130  # 128 + SIGINT, what a shell reports for a process stopped
 EPILOG = """\
 Arguments dgls_train.py does not know are passed to diffusion-pipe's train.py (--resume_from_checkpoint,
 --regenerate_cache, --cache_only, --trust_cache, --master_port, the deepspeed launcher's --local_rank ...);
-the demo refuses them. Every DGLS flag is also a key of a [dgls] table in the training TOML; the command
-line wins.
+one the checkout's train.py does not declare either is refused, as the demo refuses them. Every DGLS
+flag is also a key of a [dgls] table in the training TOML; the command line wins.
 
   python dgls_train.py --config toml/demo.toml
   python dgls_train.py --config my_flux.toml --vram_budget 10 --diffusion_pipe /path/to/diffusion-pipe

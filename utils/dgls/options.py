@@ -18,9 +18,12 @@ from typing import Any
 from .config import SwapConfig
 from .errors import DGLSUserError
 from .host_optimizer import IMPLEMENTATIONS
+from .spelling import did_you_mean
 
 SYNC_MODES = ("none", "step", "layer")
-AUTOCAST_MODES = ("fp32", "fp16", "bf16", "f8_e4m3", "f8_e5m2")
+AUTOCAST_MODES = ("fp32", "fp16", "bf16")
+# Names --autocast takes only to refuse them with what to do instead (SwapConfig: fp8 storage, bf16 compute).
+AUTOCAST_REFUSED = ("f8_e4m3", "f8_e5m2")
 MIXED_PRECISION_MODES = ("auto", "f32", "bf16", "f16")
 
 COMMAND_LINE = "command line"
@@ -54,6 +57,18 @@ def _cli_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
+def _cli_choice(option: Option):
+    """The value of a choice flag that also takes ``option.refused`` names (SwapConfig refuses them with what
+    to do instead); --help lists only the choices."""
+
+    def parse(text: str) -> str:
+        if text in option.choices or text in option.refused:
+            return text
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(option.choices)})")
+
+    return parse
+
+
 def _cli_int(text: str) -> int:
     try:
         return int(text)
@@ -71,6 +86,7 @@ class Option:
     group: str
     choices: tuple[str, ...] = ()
     shown: str | None = None  # the default as --help and the README show it, where None means something
+    refused: tuple[str, ...] = ()  # values taken only so that SwapConfig refuses them with the alternative
 
     @property
     def flag(self) -> str:
@@ -308,11 +324,12 @@ OPTIONS: tuple[Option, ...] = (
         "autocast",
         "choice",
         None,
-        "run every layer's forward under torch.autocast with this dtype; fp8 modes are refused (torch.autocast "
-        "has no fp8 compute) with the cast_target alternative",
+        "run every layer's forward under torch.autocast with this dtype: fp32, fp16 or bf16 (torch.autocast has "
+        "no fp8 compute: for fp8 weights use cast_target bf16 f8_e4m3 with autocast bf16)",
         "the trainer does not autocast itself (diffusion-pipe does)",
         "precision",
         AUTOCAST_MODES,
+        refused=AUTOCAST_REFUSED,
     ),
     Option(
         "mixed_precision",
@@ -400,6 +417,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(o.flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         elif o.kind == "cast_pairs":
             group.add_argument(o.flag, nargs=2, action="append", metavar=("FROM", "TO"), default=None, help=text)
+        elif o.kind == "choice" and o.refused:
+            metavar = "{" + ",".join(o.choices) + "}"
+            group.add_argument(o.flag, type=_cli_choice(o), default=None, metavar=metavar, help=text)
         elif o.kind == "choice":
             group.add_argument(o.flag, choices=o.choices, default=None, help=text)
         else:
@@ -441,7 +461,7 @@ def _coerce(option: Option, value: Any, where: str) -> Any:
             raise fail("a path in quotes")
         return value
     if option.kind == "choice":
-        if value not in option.choices:
+        if value not in option.choices and value not in option.refused:
             raise fail(f"one of {', '.join(option.choices)}")
         return value
     if option.kind == "budget":
@@ -497,8 +517,8 @@ def resolve(table: Any, cli: argparse.Namespace, where: str = "the config") -> R
     from_toml = {}
     for key, value in table.items():
         if key not in OPTION_BY_NAME:
-            known = ", ".join(sorted(OPTION_BY_NAME))
-            raise DGLSUserError(f"unknown [dgls] key '{key}' in {where} (known keys: {known})")
+            hint = did_you_mean(key, OPTION_BY_NAME) or f" (known keys: {', '.join(sorted(OPTION_BY_NAME))})"
+            raise DGLSUserError(f"unknown [dgls] key '{key}' in {where}{hint}")
         from_toml[key] = _coerce(OPTION_BY_NAME[key], value, where)
     from_cli = {o.name: getattr(cli, o.name) for o in OPTIONS if getattr(cli, o.name, None) is not None}
     notes = []

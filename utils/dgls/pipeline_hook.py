@@ -39,6 +39,7 @@ class Stage:
     num_stages: int
     data_parallel_id: int  # which replica of the stage this process is
     data_parallel_size: int
+    layer_count: int  # layers of the whole pipeline, every stage's together
 
     @property
     def stop(self) -> int:
@@ -89,6 +90,7 @@ class StageHook:
                 module.num_stages,
                 grid.get_data_parallel_id(),
                 grid.get_data_parallel_world_size(),
+                len(module._layer_specs),
             )
             swapper = self.install(stage)
             if swapper is not None and getattr(module, "activation_checkpoint_func", None) is not None:

@@ -103,7 +103,8 @@ def validate_autocast(name):
     if name is None:
         return None
     if name not in AUTOCAST_NAMES + ("f32", "f16"):
-        raise DGLSUserError(f"autocast must be one of {', '.join(AUTOCAST_NAMES)}, got {name!r}")
+        usable = ", ".join(n for n in AUTOCAST_NAMES if not n.startswith("f8"))
+        raise DGLSUserError(f"autocast must be one of {usable}, got {name!r}")
     if name.startswith("f8"):
         raise DGLSUserError(
             f"autocast {name} is not supported (torch.autocast has no fp8 compute); for fp8 weights use "

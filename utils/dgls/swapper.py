@@ -52,6 +52,7 @@ Hazards handled
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Callable, Iterable, Iterator
 
@@ -282,8 +283,8 @@ class LayerSwapper:
         """The largest swap unit in bytes (None: whole layers): ``swap_unit_mb`` if given, else the planner's
         choice for the VRAM budget (from the whole layers' sizes)."""
         given = self.config.swap_unit_mb
-        if given is not None:
-            return int(given * MB) or None
+        if given is not None:  # rounded up: any size above 0, however small, splits (0 alone means whole layers)
+            return math.ceil(given * MB) or None
         if self.driver is None:
             return None
         whole = measure(layers, rules, self.config.mixed_precision, host_trained=host_trained)

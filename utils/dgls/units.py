@@ -79,7 +79,8 @@ def split_layers(layers: Sequence, max_bytes: int | None, trainable_streams: boo
     no splitting. Sizes count frozen params, and trainable ones too if they stream (``trainable_streams``:
     full fine-tuning with the optimizer on the host)."""
     entries: list[Entry] = []
-    min_bytes = min(MIN_PART_BYTES, max_bytes // MIN_PART_SHARE) if max_bytes else 0
+    # at least 1: a child without params is never a part, however small the units
+    min_bytes = max(1, min(MIN_PART_BYTES, max_bytes // MIN_PART_SHARE)) if max_bytes else 0
     for index, layer in enumerate(layers):
         if max_bytes and isinstance(layer, nn.Module) and param_bytes(layer, trainable_streams) > max_bytes:
             parts = list(_split(layer, "", max_bytes, min_bytes, trainable_streams))

@@ -22,6 +22,7 @@ from .errors import DGLSUserError
 from .launch import DEMO_MODEL_TYPE, build_parser, check_known_type, load_toml, model_type
 from .paths import check_output_dir, check_output_file
 from .precision import dtype_of, is_fp8, name_of
+from .spelling import check_dgls_table_name, check_passthrough_flags, check_top_level, did_you_mean
 
 # Arguments the deepspeed launcher adds (--local_rank=N) or its users write (--deepspeed): the demo takes them.
 LAUNCHER_ARGS = ("--local_rank", "--deepspeed")
@@ -54,6 +55,11 @@ class DropInRun:
     swap: SwapConfig
     dist: DistEnv
     notes: tuple[str, ...]
+
+
+def dgls_flags() -> list[str]:
+    """Every flag dgls_train.py takes (for "did you mean")."""
+    return [action for a in build_parser()._actions for action in a.option_strings if action.startswith("--")]
 
 
 def require_modules(names: tuple[str, ...], why: str) -> None:
@@ -134,18 +140,23 @@ def _check_profile(resolved: options.Resolved, notes: list[str]) -> None:
 def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, swap: SwapConfig, cli_dp: str | None):
     require_modules(("utils.dgls.demo.settings", "utils.dgls.demo.train"), "")
     from .demo.model import lora_param_count, param_count
-    from .demo.settings import demo_settings
+    from .demo.settings import DEMO_TABLES, demo_settings
 
     if cli_dp is not None:
         raise DGLSUserError(f"--diffusion_pipe has no effect: {path} is the built-in demo ([model] type = 'dgls_demo')")
     unknown = _split_launcher_args(rest)
     if unknown:
+        flags = [a.split("=", 1)[0] for a in unknown if a.startswith("--")]
+        hint = did_you_mean(flags[0], dgls_flags()) if flags else ""
         raise DGLSUserError(
-            f"unknown argument(s) for the demo: {' '.join(unknown)} (dgls_train.py --help lists the flags)"
+            f"unknown argument(s) for the demo: {' '.join(unknown)}{hint} (dgls_train.py --help lists the flags)"
         )
+    check_top_level(config, path, DEMO_TABLES, "the demo")
     settings = demo_settings(config, path)
     require_modules(("deepspeed", "peft", "safetensors", "tqdm"), "the demo needs it")
     values, notes = resolved.values, list(resolved.notes)
+    if values["dynamic_swapping"]:
+        _check_demo_layers(settings, swap, resolved)
     dist = dist_env(os.environ, values["gpu_id"], resolved.given("gpu_id"))
     if dist.world_size % settings.pipeline_stages:
         raise DGLSUserError(
@@ -176,6 +187,29 @@ def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, 
     if values["dynamic_swapping"]:
         check_precision(swap, {name_of(settings.dtype)}, False, f"[model] dtype = '{settings.dtype_name}'")
     return DemoRun(path, settings, values, swap, device, dist, tuple(notes))
+
+
+def _check_demo_layers(settings, swap: SwapConfig, resolved: options.Resolved) -> None:
+    """Placement settings the demo model cannot hold, before DeepSpeed starts: its layer count follows from
+    [demo] double_blocks and single_blocks."""
+    from .demo.model import layer_count
+
+    model = settings.model
+    described = (
+        f"the demo model ({model.double_blocks} double and {model.single_blocks} single blocks, with its input "
+        "and output layers)"
+    )
+    count, stages = layer_count(model), settings.pipeline_stages
+    swap.check_layer_count(count, described, resolved.label)
+    if 1 < stages <= count:  # each stage places its own layers; DeepSpeed's uniform split: count // stages or 1 more
+        smallest = count // stages
+        for name in ("blocks_to_swap", "initial_gpu_layers", "final_gpu_layers"):
+            if (value := getattr(swap, name)) is not None and value > smallest:
+                raise DGLSUserError(
+                    f"{resolved.label(name)} is {value}, but it counts each pipeline stage's layers, and the smallest "
+                    f"of the {stages} stages ([demo] pipeline_stages) holds {smallest} of the {count}: set {name} "
+                    f"<= {smallest}"
+                )
 
 
 _OFFLOADS = {  # the flags that need activation checkpointing, and what each sends to host memory
@@ -256,7 +290,7 @@ def _demo_device(wanted: str, resolved: options.Resolved, dist: DistEnv) -> torc
 
 
 def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolved, swap: SwapConfig, cli_dp, here):
-    from . import dp_config
+    from . import dp_config, dp_model
 
     kind = model_type(config, path)
     try:
@@ -265,10 +299,14 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
         check_known_type(kind, None)  # a typo reads better as "unknown model type" than "no checkout"
         raise
     check_known_type(kind, checkout)
+    check_passthrough_flags(rest, checkout, dgls_flags())
     values, notes = resolved.values, list(resolved.notes)
     swapping = values["dynamic_swapping"]
     dp_config.check_train_config(config, path, swapping)
     dp_config.check_dataset_files(config, path, checkout)
+    dp_model.check_model_paths(config, path, checkout)
+    if swapping:
+        dp_model.check_placement(config, checkout, swap, resolved.label)
     output_dir = config["output_dir"]
     check_output_dir(checkout / output_dir, f"output_dir = '{output_dir}' in {path}")
     require_modules(("deepspeed",), "diffusion-pipe's train.py needs it")
@@ -313,6 +351,7 @@ def prepare(argv: list[str] | None, here: Path) -> DemoRun | DropInRun:
     args, rest = build_parser().parse_known_args(argv)
     options.refuse_retired(rest)
     config = load_toml(args.config)
+    check_dgls_table_name(config, args.config)
     resolved = options.resolve(config.get("dgls"), args, args.config)
     swap = options.swap_config(resolved.values)  # every engine setting, checked by SwapConfig
     options.check(resolved)

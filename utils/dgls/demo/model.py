@@ -161,6 +161,12 @@ def param_count(cfg: DemoModelConfig) -> int:
     return counts[0] + cfg.double_blocks * counts[1] + cfg.single_blocks * counts[2] + counts[3]
 
 
+def layer_count(cfg: DemoModelConfig) -> int:
+    """Layers :func:`build_layers` returns, known before anything is built: the input layer, the double and
+    single blocks, the output layer."""
+    return 1 + cfg.double_blocks + cfg.single_blocks + 1
+
+
 def build_layers(cfg: DemoModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> list[nn.Module]:
     """The model as an ordered layer list, deterministic for a seed, all params frozen."""
     gen_state = torch.random.get_rng_state()

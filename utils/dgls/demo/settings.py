@@ -26,6 +26,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # torch.manual_seed takes at most 2**64 - 1, and the data's generator is seeded with seed + 1; TOML's own
 # integers stop at 2**63 - 1 (Python's parsers read bigger ones).
 SEED_MAX = 2**63 - 1
+DEMO_TABLES = ("model", "adapter", "demo", "optimizer", "dgls")  # the tables a demo config may have
 
 
 def _whole(low: int, high: int | None = None) -> Callable[[Any], str | None]:

@@ -111,7 +111,7 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
     def install(stage: Stage) -> LayerSwapper:
         """This process's pipeline stage is built: place its layers (each stage's first replica speaks)."""
         speak = held if stage.data_parallel_id == 0 else (lambda line: None)
-        swap = run.swap.for_stage(stage.start, stage.stop)
+        swap = run.swap.for_stage(stage.start, stage.stop, stage.layer_count)
         placed["swapper"] = LayerSwapper(
             stage.layers, swap, device=device, log=lambda line: speak(stage.label + line), share_group=stage.share_group
         )
