@@ -15,6 +15,7 @@ import weakref
 from contextlib import nullcontext
 from functools import partial
 
+import flux_autocast
 import pytest
 import torch
 import torch.nn.functional as F
@@ -319,6 +320,117 @@ def test_kept_outputs_reproduce_random_draws_none_arguments_and_keywords(mode):
         with LayerSwapper(layers, config, device=CPU, log=None) if keep else nullcontext() as swapper:
             ckpt = swapper.checkpoint_function(ckpt) if keep else ckpt
             torch.manual_seed(1)
+            h = x
+            for layer in layers:
+                h = ckpt(layer, h)
+            h.square().sum().backward()
+            assert not keep or swapper._unit_checkpoints.replayed == 6
+        return h.detach(), x.grad
+
+    (out, grad), (kept_out, kept_grad) = run(False), run(True)
+    assert torch.equal(out, kept_out) and torch.equal(grad, kept_grad)
+
+
+AUTOCAST_SHAPE = flux_autocast.FluxShape(heads=4, image_side=8, text_tokens=16)  # Flux's head width, 4 heads
+
+
+@pytest.fixture(scope="module")
+def autocast_references():
+    """The Flux-shaped layers that autocast inside their forward, and all-resident training per checkpoint mode."""
+    template = flux_autocast.build_layers(AUTOCAST_SHAPE, diffusers=False)
+    cache = {}
+
+    def get(reentrant):
+        if reentrant not in cache:
+            layers, trainable = flux_autocast.fresh(template, CPU)
+            cache[reentrant] = flux_autocast.train(layers, trainable, AUTOCAST_SHAPE, CPU, reentrant)
+        return cache[reentrant]
+
+    return template, get
+
+
+def kept_autocast_run(template, shape, reentrant, unit_mb):
+    layers, trainable = flux_autocast.fresh(template, None)
+    config = SwapConfig(prefetch=1, checkpoint_units=True, keep_piece_outputs=True, swap_unit_mb=unit_mb)
+    with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
+        assert {type(p.module).__name__ for p in swapper.pieces} >= {"TimeModulation", "Modulation", "Sequential"}
+        assert any(entry.holder for entry in swapper.entries) == bool(unit_mb)
+        ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=reentrant))
+        record = flux_autocast.train(layers, trainable, shape, CPU, reentrant, checkpoint_fn=ckpt)
+        assert swapper._unit_checkpoints.replayed == 3 * len(swapper.pieces), "every piece's output, every step"
+    return record
+
+
+@pytest.mark.parametrize("reentrant, unit_mb", [(False, 0), (True, 0), (False, 4)])
+def test_kept_outputs_of_layers_that_autocast_inside_train_bitwise_the_same(autocast_references, reentrant, unit_mb):
+    """Flux-shaped blocks at Flux's head width, each forward under bf16 autocast and its modulation called in a
+    nested float32 region, LoRA r16 on every Linear: with keep_piece_outputs (whole layers, or 4 MB swap units)
+    three AdamW steps give all-resident training's losses and LoRA weights. The pieces' inputs are float32 (the
+    norms' output) that each LoRA Linear casts twice, once per use; a rerun that took them as leaves (one cast
+    shared by both uses, their gradients summed in bf16) differed from step 2."""
+    template, reference = autocast_references
+    flux_autocast.assert_same(reference(reentrant), kept_autocast_run(template, AUTOCAST_SHAPE, reentrant, unit_mb))
+
+
+@pytest.mark.slow  # importing diffusers alone takes 6 to 20 s on 2 cores
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_kept_outputs_of_diffusers_flux_blocks_under_autocast_train_bitwise_the_same(reentrant):
+    """diffusers' own Flux blocks (their attention a piece whose float32 input feeds six projections), 4 heads of
+    Flux's 128, under bf16 autocast: as above."""
+    pytest.importorskip("diffusers")
+    template = flux_autocast.build_layers(AUTOCAST_SHAPE, diffusers=True)
+    expected = flux_autocast.train(*flux_autocast.fresh(template, CPU), AUTOCAST_SHAPE, CPU, reentrant)
+    layers, trainable = flux_autocast.fresh(template, None)
+    config = SwapConfig(prefetch=1, checkpoint_units=True, keep_piece_outputs=True, swap_unit_mb=0)
+    with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
+        assert "FluxAttention" in {type(p.module).__name__ for p in swapper.pieces}
+        ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=reentrant))
+        got = flux_autocast.train(layers, trainable, AUTOCAST_SHAPE, CPU, reentrant, checkpoint_fn=ckpt)
+    flux_autocast.assert_same(expected, got)
+
+
+class Projections(nn.Module):
+    """Two projections of one input: under bf16 autocast each casts a float32 input, or both share one cast."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.a(x) * self.b(x)
+
+
+class CastingBlock(nn.Module):
+    """Under bf16 autocast: a piece given the layer's own float32 input (a leaf where the layer's input is one:
+    the first layer's, or any in a reentrant recompute), then one given an intermediate. Each input is read by its
+    piece alone (see the module docstring of unit_checkpoints)."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.first, self.second = Projections(width), Projections(width)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.first(x)
+            return (h + self.second(F.layer_norm(h.float(), h.shape[-1:]))).float()
+
+
+@pytest.mark.parametrize("mode", ["nonreentrant", "reentrant"])
+def test_a_reruns_inputs_are_leaves_where_the_pieces_inputs_were(mode):
+    """Autocast casts a float32 leaf that requires grad once per region (the uses share the cast, and their
+    gradients add in bf16 before one cast back), any other input once per use. A piece's rerun for its backward
+    takes an input as a leaf only where the piece's own call had a leaf there: the input gradient is bitwise that
+    of plain checkpointing (a rerun of leaves alone differs at the second piece, one of views alone at the
+    first)."""
+
+    def run(keep):
+        torch.manual_seed(0)
+        layers = [CastingBlock().requires_grad_(False) for _ in range(3)]
+        x = torch.randn(4, 8, 64, requires_grad=True)
+        ckpt = partial(checkpoint, use_reentrant=mode == "reentrant")
+        config = SwapConfig(prefetch=1, checkpoint_units=True, keep_piece_outputs=True)
+        with LayerSwapper(layers, config, device=CPU, log=None) if keep else nullcontext() as swapper:
+            ckpt = swapper.checkpoint_function(ckpt) if keep else ckpt
             h = x
             for layer in layers:
                 h = ckpt(layer, h)

@@ -6,11 +6,15 @@ modulation and two Linears. 20 ms pass before every weight copy and compute slee
 with deterministic kernels and math attention. Losses, gradients, LoRA weights and eval outputs must equal
 all-resident training, for every checkpoint mode, with activation offload too, and with checkpoint_units
 (each unit, or each piece of a whole block, under a checkpoint of its own), which must also lower the peak
-where the units' activations dominate; a unit read before its copy landed must differ.
+where the units' activations dominate; a unit read before its copy landed must differ. Flux blocks whose forward
+autocasts to bf16 (diffusers' own where diffusers is installed) train bitwise with keep_piece_outputs too.
 """
 
 import copy
+import importlib.util
+from functools import partial
 
+import flux_autocast
 import pytest
 import torch
 from helpers import assert_bitwise_equal, checkpoint_for, loop_mode, make_layers, train
@@ -139,6 +143,53 @@ def test_a_recompute_that_does_not_wait_for_a_kept_output_differs(template, refe
     )
     with pytest.raises(AssertionError):
         assert_bitwise_equal(references("nonreentrant"), got)
+
+
+FLUX_AUTOCAST = flux_autocast.FluxShape(image_side=32, text_tokens=128)  # Flux's width: 24 heads of 128, LoRA r16
+
+
+@pytest.fixture(scope="module")
+def autocast_flux():
+    """Flux's double and single blocks at full width, each forward under bf16 autocast (diffusers' own if it is
+    installed), and all-resident training per checkpoint mode."""
+    diffusers = importlib.util.find_spec("diffusers") is not None
+    template = flux_autocast.build_layers(FLUX_AUTOCAST, diffusers)
+    cache = {}
+
+    def reference(reentrant):
+        if reentrant not in cache:
+            layers, trainable = flux_autocast.fresh(template, device())
+            cache[reentrant] = flux_autocast.train(layers, trainable, FLUX_AUTOCAST, device(), reentrant)
+        return cache[reentrant]
+
+    return template, diffusers, reference
+
+
+@pytest.mark.parametrize("reentrant, unit_mb", [(False, 128), (False, 0), (True, 0)])
+def test_kept_piece_outputs_of_flux_blocks_under_autocast_stay_bitwise_equal(
+    autocast_flux, monkeypatch, reentrant, unit_mb
+):
+    """keep_piece_outputs with 128 MB swap units or whole blocks, prefetch 1, every copy 20 ms late and compute
+    5 ms late at every use, kept outputs' restores 10 ms behind and poisoned until they land: three AdamW steps
+    (lr 1e-3) give all-resident training's losses and LoRA weights bitwise. (Before the pieces' reruns took
+    their float32 inputs as autocast takes them, the step-2 loss and the LoRA weights differed.)"""
+    template, diffusers, reference = autocast_flux
+    delay_copies(monkeypatch, 20.0)
+    layers, trainable = flux_autocast.fresh(template, None)
+    config = SwapConfig(
+        prefetch=1, swap_unit_mb=unit_mb, offload_activations=True, checkpoint_units=True, keep_piece_outputs=True
+    )
+    with LayerSwapper(layers, config, device=device(), log=None) as swapper:
+        assert any(entry.holder for entry in swapper.entries) == bool(unit_mb)
+        if diffusers:
+            assert "FluxAttention" in {type(p.module).__name__ for p in swapper.pieces}
+        swapper.add_listener(ComputeDelay(5.0))
+        swapper.activations.delay_cycles = int(10 * MS)
+        swapper.activations.poison_restores = True
+        ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=reentrant))
+        got = flux_autocast.train(layers, trainable, FLUX_AUTOCAST, device(), reentrant, checkpoint_fn=ckpt)
+        assert swapper._unit_checkpoints.replayed == 3 * len(swapper.pieces)
+    flux_autocast.assert_same(reference(reentrant), got)
 
 
 class MLPBlock(nn.Module):

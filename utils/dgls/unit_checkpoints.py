@@ -54,14 +54,23 @@ Mechanics
     layer checkpoint requires), computes the output in the first run (grad off inside the node, so nothing
     else is saved) and returns the kept one in the recompute; its backward runs the piece again with grad from
     the saved inputs, under the first run's RNG states and autocast (:class:`RunState`), and backpropagates
-    through it (params' gradients accumulate in place, as under a reentrant checkpoint). The recompute also
-    sets the RNG to where the piece's first run left it, so the layer's own random draws after it match. In a
-    reentrant or 'unsloth' layer checkpoint's first pass (grad off) the piece runs plainly and keeps its
-    output; the recompute's node is the one backward reaches.
+    through it (params' gradients accumulate in place, as under a reentrant checkpoint). Each input that
+    requires grad enters the rerun as a leaf only where it was one in the run whose graph backward follows,
+    else as a view of one: autocast casts a float32 leaf that requires grad to the low dtype once per region
+    (the reads share that cast, and their gradients add in the low dtype), an intermediate at each read (the
+    gradients add in float32); under bf16 autocast a LoRA Linear reads its float32 input twice, an attention's
+    projections three or six times. The recompute also sets the RNG to where the piece's first run left it,
+    so the layer's own random draws after it match. In a reentrant or 'unsloth' layer checkpoint's first pass
+    (grad off) the piece runs plainly and keeps its output; the recompute's node is the one backward reaches.
 
 Invariants
     - Bitwise: a rerun computes what the first run did (the checkpoint restores the RNG state and autocast),
       so gradients equal those of per-layer checkpointing with deterministic kernels.
+    - Kept outputs are bitwise too, but for one case: a piece that reads an input more than once, in a layer
+      that reads that input again after the piece (``x + piece(x)``), or shares autocast's cast of a float32
+      leaf with the rest of the layer. The rerun sums the piece's own gradients for the input before backward
+      adds the layer's; per-layer checkpointing adds each as it comes, and the sums round apart in the last
+      bits. Flux's and Wan's pieces read each input once, or are its only or last reader.
     - A piece computes only while its entry is in use: every rerun starts a use of it.
     - A layer with pieces is never compiled (its forward runs checkpoints with side effects on the engine).
     - Kept outputs: a recompute takes the outputs in the order its forward kept them, and refuses another
@@ -106,6 +115,12 @@ def _same(value):
 def _others(leaves: list) -> list:
     """Flattened values with every tensor replaced by ``_TENSOR`` (``None`` may be a value of its own)."""
     return [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+
+
+def _autocast_caches(tensor: torch.Tensor) -> bool:
+    """Autocast's rule for the casts it caches (within one autocast region): a leaf that requires grad and is no
+    view. Such an input's casts are one node in its graph; any other input's are one node per use."""
+    return tensor.requires_grad and tensor.is_leaf and not tensor._is_view()
 
 
 @dataclass(frozen=True)
@@ -198,20 +213,25 @@ class KeptRun:
         it = iter(tensors)
         return tree_unflatten([next(it) if x is _TENSOR else x for x in self.out_others], self.out_spec)
 
-    def backward(self, saved: tuple, needs: tuple[bool, ...], grads: tuple) -> list:
+    def backward(self, saved: tuple, needs: tuple[bool, ...], leaves: tuple[bool, ...], grads: tuple) -> list:
         """Run the piece again from its saved inputs, with grad, as in its first run, and backpropagate ``grads``
-        through it: the gradients of the inputs (the params' accumulate in place, as a reentrant checkpoint's)."""
-        inputs = [t.detach().requires_grad_(need) for t, need in zip(saved, needs)]
-        args, kwargs = self.inputs(inputs)
-        read = {t.untyped_storage()._cdata for t in inputs}  # storages backward still reads: the inputs, and
+        through it: the gradients of the inputs (the params' accumulate in place, as a reentrant checkpoint's).
+
+        An input that requires grad is a leaf of the rerun only where it was one in the graph backward follows
+        (``leaves``), else a view of its leaf: autocast shares one cast among the reads of a float32 leaf and
+        casts anything else at each read, and the reads' gradients sum differently (see the module docstring)."""
+        grad_leaves = [t.detach().requires_grad_(need) for t, need in zip(saved, needs)]
+        read = {t.untyped_storage()._cdata for t in grad_leaves}  # storages backward still reads: the inputs, and
         # what the rerun saves (DGLS's own hooks, pushed above these, turn views of slots into references)
 
         def note_saved(tensor: torch.Tensor) -> torch.Tensor:
             read.add(tensor.untyped_storage()._cdata)
             return tensor
 
-        with torch.enable_grad(), self.state.reproduced(), torch.autograd.graph.saved_tensors_hooks(note_saved, _same):
-            outputs = self.piece.rerun(args, kwargs)
+        with torch.enable_grad():  # a view made here is part of the graph (backward runs without grad)
+            inputs = [x if leaf or not need else x.view_as(x) for x, leaf, need in zip(grad_leaves, leaves, needs)]
+            with self.state.reproduced(), torch.autograd.graph.saved_tensors_hooks(note_saved, _same):
+                outputs = self.piece.rerun(*self.inputs(inputs))
         flat = [x for x in tree_flatten(outputs)[0] if isinstance(x, torch.Tensor)]
         pairs = [(o, g) for o, g in zip(flat, grads) if g is not None and o.requires_grad]
         for o, _ in pairs:  # an output nothing saved is read by no one: only its graph is needed from here on
@@ -220,7 +240,7 @@ class KeptRun:
                 storage.resize_(0)
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return [t.grad if need else None for t, need in zip(inputs, needs)]
+        return [t.grad if need else None for t, need in zip(grad_leaves, needs)]
 
 
 class _KeptPiece(torch.autograd.Function):
@@ -233,6 +253,7 @@ class _KeptPiece(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run: KeptRun, anchor: torch.Tensor, *tensors: torch.Tensor):
         ctx.run = run
+        ctx.leaves = tuple(_autocast_caches(t) for t in tensors)  # as the graph backward follows has them
         ctx.save_for_backward(*tensors)
         outputs = run.release() if run.out_spec is not None else run.first(tensors)  # the recompute, or the first run
         ctx.mark_non_differentiable(*(t for t in outputs if not t.is_floating_point()))
@@ -240,7 +261,7 @@ class _KeptPiece(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return None, None, *ctx.run.backward(ctx.saved_tensors, ctx.needs_input_grad[2:], grads)
+        return None, None, *ctx.run.backward(ctx.saved_tensors, ctx.needs_input_grad[2:], ctx.leaves, grads)
 
 
 class _PieceForward:
