@@ -166,15 +166,12 @@ def autocast_flux():
 
 
 @pytest.mark.parametrize("reentrant, unit_mb", [(False, 128), (False, 0), (True, 0)])
-def test_kept_piece_outputs_of_flux_blocks_under_autocast_stay_bitwise_equal(
-    autocast_flux, monkeypatch, reentrant, unit_mb
-):
+def test_kept_piece_outputs_of_flux_blocks_under_autocast_stay_bitwise_equal(autocast_flux, reentrant, unit_mb):
     """keep_piece_outputs with 128 MB swap units or whole blocks, prefetch 1, every copy 20 ms late and compute
     5 ms late at every use, kept outputs' restores 10 ms behind and poisoned until they land: three AdamW steps
     (lr 1e-3) give all-resident training's losses and LoRA weights bitwise. (Before the pieces' reruns took
     their float32 inputs as autocast takes them, the step-2 loss and the LoRA weights differed.)"""
     template, diffusers, reference = autocast_flux
-    delay_copies(monkeypatch, 20.0)
     layers, trainable = flux_autocast.fresh(template, None)
     config = SwapConfig(
         prefetch=1, swap_unit_mb=unit_mb, offload_activations=True, checkpoint_units=True, keep_piece_outputs=True
@@ -184,8 +181,7 @@ def test_kept_piece_outputs_of_flux_blocks_under_autocast_stay_bitwise_equal(
         if diffusers:
             assert "FluxAttention" in {type(p.module).__name__ for p in swapper.pieces}
         swapper.add_listener(ComputeDelay(5.0))
-        swapper.activations.delay_cycles = int(10 * MS)
-        swapper.activations.poison_restores = True
+        delay_every_copy(swapper)  # 20 ms before weight copies, 10 ms before the others; restores poisoned
         ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=reentrant))
         got = flux_autocast.train(layers, trainable, FLUX_AUTOCAST, device(), reentrant, checkpoint_fn=ckpt)
         assert swapper._unit_checkpoints.replayed == 3 * len(swapper.pieces)
