@@ -182,6 +182,26 @@ TABLES: dict[str, Table] = {
         ),
         optional=("trained params (B)", "GPU wait", "updated on GPU", "pinned host GiB"),
     ),
+    "engines": Table(
+        columns=(
+            ("case", _text("case")),
+            ("row", _text("method")),
+            ("step (s): this / baseline", lambda r, _: f"{_f(r['new_step_s'], '.3f')} / {_f(r['old_step_s'], '.3f')}"),
+            (
+                "vs resident: this / baseline",
+                lambda r, _: f"{_f(r['new_vs_resident'], '.2f')}x / {_f(r['old_vs_resident'], '.2f')}x",
+            ),
+            ("this / baseline", _key("new_vs_old", ".3f")),
+            (
+                "peak reserved GiB: this / baseline",
+                lambda r, _: f"{_f(r['new_peak_reserved_gib'], '.2f')} / {_f(r['old_peak_reserved_gib'], '.2f')}",
+            ),
+            (
+                "host RSS GiB: this / baseline",
+                lambda r, _: f"{_f(r['new_host_rss_gib'], '.1f')} / {_f(r['old_host_rss_gib'], '.1f')}",
+            ),
+        )
+    ),
     "transfer": Table(
         columns=(
             ("configuration", _text("method")),
