@@ -34,7 +34,7 @@ import torch
 import toml
 
 from .config import SwapConfig
-from .distributed import destroy_process_group, remove_deepspeed_shm
+from .distributed import destroy_process_group
 from .dp_config import run_dirs
 from .engine_hooks import EngineHooks
 from .errors import DGLSUserError, RunInterrupted
@@ -42,6 +42,7 @@ from .monitor import MemoryMonitor, MemoryReading
 from .options import swap_config
 from .patches import Patches
 from .pipeline_hook import Stage, StageHook
+from .shm_op import without_shm_op
 from .stats import StepReader, StepStats, StepWindow
 from .swapper import LayerSwapper
 from .validate import DropInRun
@@ -304,7 +305,7 @@ def run_drop_in(run: DropInRun) -> None:
     os.environ.update(run.dist.env)
     if str(run.checkout) not in sys.path:
         sys.path.insert(0, str(run.checkout))
-    with config_for_train_py(run) as config_path:
+    with config_for_train_py(run) as config_path, without_shm_op():  # train.py calls init_distributed itself
         os.chdir(run.checkout)
         sys.argv = [str(run.checkout / "train.py"), "--config", config_path, *run.train_args]
         try:
@@ -323,7 +324,6 @@ def run_drop_in(run: DropInRun) -> None:
                 f"pip install -r {run.checkout / 'requirements.txt'}"
             ) from None
         finally:
-            remove_deepspeed_shm(os.environ)
             if values["plan"]:
                 _discard_plan_run_dir(output_dir, started)
 

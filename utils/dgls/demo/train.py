@@ -25,12 +25,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..distributed import destroy_process_group, remove_deepspeed_shm
+from ..distributed import destroy_process_group
 from ..engine_hooks import EngineHooks
 from ..errors import RunInterrupted
 from ..monitor import MemoryMonitor
 from ..paths import new_run_dir
 from ..pipeline_hook import Stage, StageHook
+from ..shm_op import without_shm_op
 from ..stats import StepReader, StepWindow, human_bytes
 from ..swapper import LayerSwapper
 from ..validate import DemoRun
@@ -79,13 +80,15 @@ class _BelowError(logging.Filter):
 
 
 def _init_distributed(run: DemoRun) -> None:
-    """A one-process group (or the launcher's), with the environment checked in validate."""
+    """A one-process group (or the launcher's), with the environment checked in validate; without
+    DeepSpeed's CPU shared-memory op, which training never uses (:mod:`..shm_op`)."""
     import deepspeed
 
     os.environ.update(run.dist.env)
     if not torch.distributed.is_initialized():
         backend = "nccl" if run.device.type == "cuda" else "gloo"
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        with without_shm_op():
+            deepspeed.init_distributed(dist_backend=backend, verbose=False)
 
 
 def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | None = None) -> DemoResult:
@@ -151,7 +154,6 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
             placed["swapper"].remove()
         if finished:
             destroy_process_group()
-        remove_deepspeed_shm(os.environ)
     if rank != 0 or planned_only:
         return result
     from safetensors.torch import save_file
