@@ -1,11 +1,13 @@
-"""Start-up on a CPU (issue 39): no C++ build, no wait on a build's lock, nothing written to /dev/shm.
+"""Start-up on a CPU (issue 39): no C++ build, no wait on a build's lock, /dev/shm checked.
 
 DeepSpeed's ``init_distributed`` used to load its CPU shared-memory op (``deepspeed_shm_comm``), building
 it on the first run (minutes, in silence) and waiting forever on the build's ``lock`` file once a build
-was killed; DGLS runs keep it out (utils/dgls/shm_op.py). The stale lock is made in a temporary
-``TORCH_EXTENSIONS_DIR``; torch's wait on it raises in the fast tests (so that a run that would wait fails
-instead of hanging). A real read-only /dev/shm needs a private mount namespace (root and ``unshare``):
-the slow test that uses one skips without it.
+was killed; DGLS runs keep it out (utils/dgls/shm_op.py). The processes of a data-parallel job share
+their host copy through /dev/shm, which is checked before anything is written there
+(utils/dgls/shm_space.py). The stale lock is made in a temporary ``TORCH_EXTENSIONS_DIR``; torch's wait
+on it raises in the fast tests (so that a run that would wait fails instead of hanging). The real
+read-only or 1 MiB /dev/shm needs a private mount namespace (root and ``unshare``): the slow tests that
+use one skip without it.
 """
 
 from __future__ import annotations
@@ -21,13 +23,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cli_helpers import FAKE, demo_toml, fake_config, python_cmd, run_in_process
+from cli_helpers import FAKE, deepspeed_cmd, demo_toml, fake_config, python_cmd, run_in_process
 from conftest import ROOT
 from helpers import DIST_KEYS, child_env
 
+from utils.dgls.distributed import DistEnv
+from utils.dgls.errors import DGLSUserError
+from utils.dgls.peers import sharing_problems
 from utils.dgls.shm_op import without_shm_op
+from utils.dgls.shm_space import check_before_start, shm_problem
 
 SHM_OP = "deepspeed_shm_comm"
+MiB = 2**20
 
 
 def stale_lock(folder: Path) -> Path:
@@ -125,6 +132,56 @@ def test_the_drop_in_runs_train_py_without_the_shm_op(tmp_path, user_env, locked
 # ------------------------------------------------------------------ /dev/shm
 
 
+def fake_statvfs(read_only: bool = False, free: int = 1 << 40, size: int = 1 << 40):
+    block = 4096
+    result = SimpleNamespace(
+        f_flag=os.ST_RDONLY if read_only else 0,
+        f_frsize=block,
+        f_bavail=free // block,
+        f_bfree=free // block,
+        f_blocks=size // block,
+    )
+    return lambda folder: result
+
+
+def test_shm_problem_says_what_is_wrong_with_the_folder_and_what_to_do(tmp_path):
+    assert shm_problem(100 * MiB, tmp_path, fake_statvfs()) == ""
+    read_only = shm_problem(0, tmp_path, fake_statvfs(read_only=True))
+    assert read_only.startswith(f"{tmp_path} is read-only, and the processes of this job on this machine share")
+    assert f"mount -o remount,rw {tmp_path}" in read_only and "\n" not in read_only
+    small = shm_problem(5 * MiB, tmp_path, fake_statvfs(free=1 * MiB, size=1 * MiB))
+    assert small.startswith(f"{tmp_path} has 1.0 MiB free, and the processes of this job on this machine share")
+    assert "(5.0 MiB): make it at least 5.0 MiB (Docker: --shm-size" in small and "\n" not in small
+    assert shm_problem(5 * MiB, tmp_path / "none", fake_statvfs(read_only=True)) == "", "no /dev/shm: no sharing"
+
+
+def test_a_job_that_will_share_refuses_a_read_only_shm_before_deepspeed_starts(tmp_path):
+    """Two data-parallel processes on this machine (the deepspeed launcher's LOCAL_SIZE, torchrun's
+    LOCAL_WORLD_SIZE) share their streamed layers through /dev/shm; pipeline stages, one process per
+    machine, or no streaming do not."""
+    two, read_only = DistEnv(True, 0, 2, 0, 29500), fake_statvfs(read_only=True)
+    with pytest.raises(DGLSUserError, match=f"^{tmp_path} is read-only"):
+        check_before_start(two, 1, True, {"LOCAL_SIZE": "2"}, tmp_path, read_only)
+    with pytest.raises(DGLSUserError, match="is read-only"):
+        check_before_start(two, 1, True, {"LOCAL_WORLD_SIZE": "2"}, tmp_path, read_only)
+    check_before_start(two, 1, True, {"LOCAL_SIZE": "2"}, tmp_path, fake_statvfs())
+    check_before_start(two, 2, True, {"LOCAL_SIZE": "2"}, tmp_path, read_only)  # two pipeline stages: nothing shared
+    check_before_start(two, 1, False, {"LOCAL_SIZE": "2"}, tmp_path, read_only)  # nothing streams
+    check_before_start(two, 1, True, {"LOCAL_SIZE": "1"}, tmp_path, read_only)  # one process per machine
+    check_before_start(two, 1, True, {}, tmp_path, read_only)  # not said: Peers.discover checks, with every rank
+
+
+def test_every_rank_refuses_when_one_that_would_share_found_no_room():
+    """Peers.discover gathers each rank's /dev/shm verdict, made before any rank writes: every rank
+    gets the same list, so all refuse together and none waits in a barrier for a peer that stopped."""
+    entry_of = lambda host, rank, problem="": (host, "", "sig", rank, 100 + rank, "tok", problem)  # noqa: E731
+    full = "/dev/shm has 1.0 MiB free, ..."
+    assert sharing_problems([entry_of("a", 0), entry_of("a", 1, full)]) == [full]
+    assert sharing_problems([entry_of("a", 0, full), entry_of("a", 1, full), entry_of("b", 2)]) == [full]
+    assert sharing_problems([entry_of("a", 0, full), entry_of("b", 1)]) == [], "alone on its machine: no sharing"
+    assert sharing_problems([entry_of("a", 0), entry_of("a", 1)]) == []
+
+
 def test_a_one_process_run_writes_nothing_to_shm_in_its_clean_up(tmp_path, user_env, monkeypatch, capsys):
     """A read-only /dev/shm (every write there fails): the one-process demo trains and saves. It used
     to train, then fail removing DeepSpeed's buffer in its clean-up, and save nothing."""
@@ -203,3 +260,27 @@ def test_one_process_trains_and_saves_with_a_read_only_shm(tmp_path):
     env = child_env("DGLS_DIFFUSION_PIPE", "LOCAL_SIZE")
     code, out, _ = run_program([*prefix, *python_cmd("--config", str(demo_toml(tmp_path, steps=2)))], ROOT, env, 300)
     assert code == 0 and "LoRA saved to" in out, out[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mode, message",
+    [
+        ("ro", "dgls: error: /dev/shm is read-only, and the processes of this job on this machine share"),
+        ("1m", "dgls: error: /dev/shm has 1.0 MiB free, and the processes of this job on this machine share"),
+    ],
+)
+def test_two_processes_refuse_a_shm_without_room_in_one_line_each(tmp_path, mode, message):
+    """Two data-parallel processes under the deepspeed launcher: a read-only /dev/shm used to hang, a
+    1 MiB one to kill a rank with SIGBUS and no message. Now each rank says so in one line (the
+    read-only one before DeepSpeed starts) and the job ends; DeepSpeed's 66 MB buffers never appear."""
+    prefix = private_shm_prefix(mode)
+    config = demo_toml(tmp_path, steps=2, batch_size=2)
+    port = str(29700 + os.getpid() % 200)
+    launch = deepspeed_cmd("--num_gpus=2", f"--master_port={port}", "dgls_train.py", "--deepspeed")
+    env = child_env("DGLS_DIFFUSION_PIPE", "LOCAL_SIZE")
+    code, out, _ = run_program([*prefix, *launch, "--config", str(config)], ROOT, env, 300)
+    assert code != 0
+    assert out.count(message) == 2, out[-4000:]
+    assert "Traceback" not in out and "return code = -7" not in out, out[-4000:]
+    assert "shared_create" not in out, "DeepSpeed's shm op was loaded"

@@ -43,6 +43,7 @@ from .options import swap_config
 from .patches import Patches
 from .pipeline_hook import Stage, StageHook
 from .shm_op import without_shm_op
+from .shm_space import check_before_start
 from .stats import StepReader, StepStats, StepWindow
 from .swapper import LayerSwapper
 from .validate import DropInRun
@@ -302,6 +303,7 @@ def run_drop_in(run: DropInRun) -> None:
         swap = swap.replace(profile_path=str(Path(swap.profile_path).expanduser().resolve()))
     output_dir = run.checkout / str(run.config["output_dir"])
     started = time.time()
+    check_before_start(run.dist, run.config.get("pipeline_stages", 1), values["dynamic_swapping"], os.environ)
     os.environ.update(run.dist.env)
     if str(run.checkout) not in sys.path:
         sys.path.insert(0, str(run.checkout))

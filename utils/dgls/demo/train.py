@@ -32,6 +32,7 @@ from ..monitor import MemoryMonitor
 from ..paths import new_run_dir
 from ..pipeline_hook import Stage, StageHook
 from ..shm_op import without_shm_op
+from ..shm_space import check_before_start
 from ..stats import StepReader, StepWindow, human_bytes
 from ..swapper import LayerSwapper
 from ..validate import DemoRun
@@ -81,9 +82,12 @@ class _BelowError(logging.Filter):
 
 def _init_distributed(run: DemoRun) -> None:
     """A one-process group (or the launcher's), with the environment checked in validate; without
-    DeepSpeed's CPU shared-memory op, which training never uses (:mod:`..shm_op`)."""
+    DeepSpeed's CPU shared-memory op, which training never uses (:mod:`..shm_op`). A job whose
+    processes will share host memory first checks that /dev/shm takes files (:mod:`..shm_space`)."""
     import deepspeed
 
+    s = run.settings
+    check_before_start(run.dist, s.pipeline_stages, run.values["dynamic_swapping"], os.environ)
     os.environ.update(run.dist.env)
     if not torch.distributed.is_initialized():
         backend = "nccl" if run.device.type == "cuda" else "gloo"
