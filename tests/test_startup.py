@@ -1,4 +1,4 @@
-"""Start-up on a CPU (issue 39): no C++ build, no wait on a build's lock, /dev/shm checked.
+"""Start-up on a CPU (issue 39): no C++ build, no wait on a build's lock, /dev/shm checked, Ctrl-C one line.
 
 DeepSpeed's ``init_distributed`` used to load its CPU shared-memory op (``deepspeed_shm_comm``), building
 it on the first run (minutes, in silence) and waiting forever on the build's ``lock`` file once a build
@@ -29,6 +29,7 @@ from helpers import DIST_KEYS, child_env
 
 from utils.dgls.distributed import DistEnv
 from utils.dgls.errors import DGLSUserError
+from utils.dgls.launch import entry
 from utils.dgls.peers import sharing_problems
 from utils.dgls.shm_op import without_shm_op
 from utils.dgls.shm_space import check_before_start, shm_problem
@@ -207,6 +208,56 @@ def test_a_one_process_run_writes_nothing_to_shm_in_its_clean_up(tmp_path, user_
     code, out, err = run_in_process(["--config", str(demo_toml(tmp_path, steps=1))], capsys)
     assert code == 0, err
     assert list((tmp_path / "out").glob("*/adapter_model.safetensors"))
+
+
+# ------------------------------------------------------------------ Ctrl-C
+
+
+def test_ctrl_c_during_start_up_is_the_line_training_prints(tmp_path, user_env, monkeypatch, capsys):
+    """Ctrl-C while DeepSpeed starts: the line of a Ctrl-C during training, at step 0, and nothing of
+    DeepSpeed's muted start-up output."""
+    import deepspeed
+
+    def interrupted(*args, **kwargs):
+        print("DeepSpeed chatter that stays muted")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(deepspeed, "init_distributed", interrupted)
+    code, out, err = run_in_process(["--config", str(demo_toml(tmp_path, steps=3))], capsys)
+    assert code == 130
+    assert err == (
+        "dgls: interrupted: stopped at step 0 of 3; nothing was saved (the demo saves its LoRA at the end, and has "
+        "no checkpoint to resume from)\n"
+    )
+
+
+def test_what_a_ctrl_c_makes_a_child_process_raise_is_one_line(capsys):
+    """A compiler stopped by the same Ctrl-C ends the build with ninja's "interrupted by user", which
+    torch raises as a RuntimeError: one line and 130, not a 48-line traceback. Without a Ctrl-C the
+    same error is a bug and keeps its traceback."""
+
+    def build_interrupted() -> int:
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            raise RuntimeError(
+                "Error building extension 'deepspeed_shm_comm': [1/3] c++ -c shm.cpp\n"
+                "ninja: build stopped: interrupted by user."
+            ) from None
+        return 0
+
+    handler = signal.getsignal(signal.SIGINT)
+    assert entry(build_interrupted) == 130
+    assert capsys.readouterr().err == (
+        "dgls: interrupted: Ctrl-C stopped the run (RuntimeError: ninja: build stopped: interrupted by user.)\n"
+    )
+    assert signal.getsignal(signal.SIGINT) is handler, "the handler is restored"
+
+    def build_failed() -> int:
+        raise RuntimeError("Error building extension 'x'")
+
+    with pytest.raises(RuntimeError, match="Error building extension"):
+        entry(build_failed)
 
 
 # ------------------------------------------------------------------ the real program (slow)
