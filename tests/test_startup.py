@@ -2,12 +2,13 @@
 
 DeepSpeed's ``init_distributed`` used to load its CPU shared-memory op (``deepspeed_shm_comm``), building
 it on the first run (minutes, in silence) and waiting forever on the build's ``lock`` file once a build
-was killed; DGLS runs keep it out (utils/dgls/shm_op.py). The processes of a data-parallel job share
-their host copy through /dev/shm, which is checked before anything is written there
-(utils/dgls/shm_space.py). The stale lock is made in a temporary ``TORCH_EXTENSIONS_DIR``; torch's wait
-on it raises in the fast tests (so that a run that would wait fails instead of hanging). The real
-read-only or 1 MiB /dev/shm needs a private mount namespace (root and ``unshare``): the slow tests that
-use one skip without it.
+was killed; DGLS runs keep it out (utils/dgls/shm_op.py). An op DGLS does load (``--host_adam
+deepspeed``'s) is announced before it is compiled, and a stale lock is refused (utils/dgls/jit_ops.py).
+The processes of a data-parallel job share their host copy through /dev/shm, which is checked before
+anything is written there (utils/dgls/shm_space.py). The stale lock is made in a temporary
+``TORCH_EXTENSIONS_DIR``; torch's wait on it raises in the fast tests (so that a run that would wait fails
+instead of hanging). The real read-only or 1 MiB /dev/shm needs a private mount namespace (root and
+``unshare``): the slow tests that use one skip without it.
 """
 
 from __future__ import annotations
@@ -128,6 +129,59 @@ def test_the_drop_in_runs_train_py_without_the_shm_op(tmp_path, user_env, locked
     monkeypatch.setattr(runpy, "run_path", lambda path, run_name: built.append(build_shm_op()))
     run_drop_in(run)
     assert built == [None]
+
+
+# ------------------------------------------------------------------ ops DeepSpeed compiles on first use
+
+
+@pytest.fixture
+def empty_extensions(tmp_path, monkeypatch):
+    """An empty extensions folder; nothing loaded before; waiting on a lock raises."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    from torch.utils.file_baton import FileBaton
+
+    folder = tmp_path / "torch_extensions"
+    folder.mkdir()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(folder))
+    monkeypatch.setattr(OpBuilder, "_loaded_ops", {})
+
+    def wait(baton):
+        raise AssertionError(f"waited on {baton.lock_file_path}")
+
+    monkeypatch.setattr(FileBaton, "wait", wait)
+    return folder
+
+
+def test_a_stale_lock_of_the_host_adam_op_is_one_line_naming_the_file(empty_extensions):
+    """--host_adam deepspeed loads DeepSpeedCPUAdam, compiled on first use: a lock left by a killed build
+    is refused with the file to delete, before torch would wait on it forever."""
+    from utils.dgls.host_optimizer import HostOptimizerSpec
+
+    lock = empty_extensions / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    lock.write_text("")
+    with pytest.raises(DGLSUserError, match=f"^{lock} is left from a build of DeepSpeed's cpu_adam op") as info:
+        HostOptimizerSpec(implementation="deepspeed").build([torch.zeros(4, 4)])
+    assert f"delete it (rm {lock})" in str(info.value)
+
+
+def test_a_first_build_and_a_build_in_progress_are_said_before_loading(empty_extensions):
+    from utils.dgls.jit_ops import before_loading
+
+    said = []
+    before_loading("CPUAdamBuilder", said.append)
+    assert said == [
+        f"DGLS: compiling DeepSpeed's cpu_adam op into {empty_extensions / 'cpu_adam'} (C++, once per machine "
+        "and DeepSpeed version; minutes on a small CPU)"
+    ]
+    lock = empty_extensions / "cpu_adam" / "lock"
+    held = os.open(lock, os.O_CREAT | os.O_EXCL)  # as torch's builder holds it while it builds
+    try:
+        said.clear()
+        before_loading("CPUAdamBuilder", said.append)
+        assert said == [f"DGLS: waiting for process {os.getpid()} to finish building DeepSpeed's cpu_adam op ({lock})"]
+    finally:
+        os.close(held)
 
 
 # ------------------------------------------------------------------ /dev/shm
