@@ -165,7 +165,7 @@ def test_a_stale_lock_of_the_host_adam_op_is_one_line_naming_the_file(empty_exte
 
 
 def test_a_first_build_and_a_build_in_progress_are_said_before_loading(empty_extensions):
-    from utils.dgls.jit_ops import before_loading
+    from utils.dgls.jit_ops import before_loading, lock_holders
 
     said = []
     before_loading("CPUAdamBuilder", said.append)
@@ -181,6 +181,8 @@ def test_a_first_build_and_a_build_in_progress_are_said_before_loading(empty_ext
         assert said == [f"DGLS: waiting for process {os.getpid()} to finish building DeepSpeed's cpu_adam op ({lock})"]
     finally:
         os.close(held)
+    assert lock_holders(lock) == [], "closed: nobody builds"
+    assert lock_holders(lock, empty_extensions / "no_proc") is None, "without /proc nobody can tell"
 
 
 # ------------------------------------------------------------------ /dev/shm

@@ -54,8 +54,14 @@ def before_loading(builder_name: str, log: Callable[[str], None] = _say) -> None
                 f"{lock} is left from a build of DeepSpeed's {builder.name} op that was stopped, and every run "
                 f"would wait for it forever: delete it (rm {lock}) and start again"
             )
-        who = f"process {', '.join(map(str, holders))}" if holders else "another run (if none is, delete it)"
-        log(f"DGLS: waiting for {who} to finish building DeepSpeed's {builder.name} op ({lock})")
+        if holders is None:  # no /proc: whether a build is running cannot be seen
+            log(
+                f"DGLS: waiting for {lock}: another run may be building DeepSpeed's {builder.name} op (if none is, "
+                "stop this run and delete the file)"
+            )
+        else:
+            pids = ", ".join(map(str, holders))
+            log(f"DGLS: waiting for process {pids} to finish building DeepSpeed's {builder.name} op ({lock})")
     elif not any(folder.glob(f"{builder.name}*.so")):
         log(
             f"DGLS: compiling DeepSpeed's {builder.name} op into {folder} (C++, once per machine and DeepSpeed "
