@@ -65,6 +65,7 @@ from units import GiB  # noqa: E402
 
 from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
 from utils.dgls.host_optimizer import HostOptimizerSpec  # noqa: E402
+from utils.dgls.shm_op import without_shm_op  # noqa: E402
 
 LR, BETAS, WD, EPS = 1e-5, (0.9, 0.99), 0.01, 1e-8
 OPTIMIZERS = {"adamw": "AdamW", "sgd": "SGD without momentum"}
@@ -166,7 +167,8 @@ def zero2_step(bench, device, clip: float) -> tuple[Callable[[], None], object]:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+        with without_shm_op():  # as in DGLS runs: no CPU shared-memory op to build or wait for
+            deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
 
     class Stack(torch.nn.Module):  # the layers as one module for DeepSpeed; the step runs them itself
         def __init__(self, layers):

@@ -93,9 +93,10 @@ def run_train(
 def extensions_dir() -> Path:
     """Where DeepSpeed's JIT-built ops go for these runs: one folder per DeepSpeed install.
 
-    DeepSpeed builds its CPU communication op (deepspeed_shm_comm) on first use into torch's
-    extensions folder, by name only. A DeepSpeed of another version (another virtualenv on the
-    same machine) rebuilding it there concurrently makes this one load an op that lacks what it
+    DeepSpeed builds its C++ ops on first use into torch's extensions folder, by name only (DGLS
+    and run_dp_train.py keep its CPU communication op, deepspeed_shm_comm, out: utils/dgls/shm_op.py;
+    --host_adam deepspeed builds cpu_adam). A DeepSpeed of another version (another virtualenv on
+    the same machine) rebuilding one there concurrently made this one load an op that lacks what it
     calls (``module 'deepspeed_shm_comm' has no attribute ...``)."""
     import hashlib
 

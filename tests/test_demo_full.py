@@ -75,19 +75,3 @@ def test_a_checkpoint_without_the_host_optimizer_state_is_refused(tmp_path):
     (tmp_path / "global_step2").mkdir()
     with pytest.raises(DGLSUserError, match="has no DGLS host optimizer state"):
         load(Engine(), str(tmp_path))
-
-
-def test_deepspeed_cpu_allreduce_buffers_are_removed_after_a_run(tmp_path):
-    """DeepSpeed's CPU shm op leaves /dev/shm/deepspeed_allreduce_buffer_* behind (66 MB per process and run,
-    with several processes); each process removes its own (a real two-process run: test_multi_process)."""
-    import os
-
-    from utils.dgls.distributed import remove_deepspeed_shm
-
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "41234", "RANK": "1"}
-    mine = tmp_path / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_41234_1"
-    other = tmp_path / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_41234_0"
-    mine.write_bytes(b"x")
-    other.write_bytes(b"x")
-    remove_deepspeed_shm(env, tmp_path)
-    assert not mine.exists() and other.exists(), "each process removes its own buffer, not the others'"

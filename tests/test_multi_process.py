@@ -60,7 +60,7 @@ def test_demo_pipeline_stages_stream_their_own_layers_and_train_exactly(tmp_path
     )
     assert_same_training(two, one, out, one_out)
     assert "stage 1 of 2 (layers 0-4):" in out and "stage 2 of 2 (layers 5-9):" in out
-    # DeepSpeed's CPU allreduce buffers (66 MB each, never unlinked by DeepSpeed) are gone with the run
+    # DeepSpeed's CPU allreduce buffers (66 MB each, never unlinked by DeepSpeed) never appear (utils/dgls/shm_op.py)
     assert not list(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*_29500_*"))
 
 

@@ -34,7 +34,7 @@ import torch
 import toml
 
 from .config import SwapConfig
-from .distributed import destroy_process_group, remove_deepspeed_shm
+from .distributed import destroy_process_group
 from .dp_config import run_dirs
 from .engine_hooks import EngineHooks
 from .errors import DGLSUserError, RunInterrupted
@@ -43,6 +43,8 @@ from .options import swap_config
 from .patches import Patches
 from .pipeline_hook import Stage, StageHook
 from .resume import ResumeChecks
+from .shm_op import without_shm_op
+from .shm_space import check_before_start
 from .stats import StepReader, StepStats, StepWindow
 from .swapper import LayerSwapper
 from .validate import DropInRun
@@ -322,10 +324,11 @@ def run_drop_in(run: DropInRun) -> None:
         swap = swap.replace(profile_path=str(Path(swap.profile_path).expanduser().resolve()))
     output_dir = run.checkout / str(run.config["output_dir"])
     started = time.time()
+    check_before_start(run.dist, run.config.get("pipeline_stages", 1), values["dynamic_swapping"], os.environ)
     os.environ.update(run.dist.env)
     if str(run.checkout) not in sys.path:
         sys.path.insert(0, str(run.checkout))
-    with config_for_train_py(run) as config_path:
+    with config_for_train_py(run) as config_path, without_shm_op():  # train.py calls init_distributed itself
         os.chdir(run.checkout)
         sys.argv = [str(run.checkout / "train.py"), "--config", config_path, *run.train_args]
         try:
@@ -342,7 +345,6 @@ def run_drop_in(run: DropInRun) -> None:
         except ModuleNotFoundError as exc:  # train.py's own dependencies (wandb, diffusers ...), or a submodule's
             raise missing_module_error(exc, run.checkout) from None
         finally:
-            remove_deepspeed_shm(os.environ)
             if values["plan"]:
                 _discard_plan_run_dir(output_dir, started)
 

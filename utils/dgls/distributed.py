@@ -15,11 +15,9 @@ told the port the run uses.
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .errors import DGLSUserError
 
@@ -105,25 +103,6 @@ def dist_env(environ: Mapping[str, str], gpu_id: int, gpu_id_given: bool, train_
         "MASTER_PORT": str(port),
     }
     return DistEnv(False, 0, 1, gpu_id, port, env)
-
-
-SHM_FOLDER = Path("/dev/shm")
-
-
-def remove_deepspeed_shm(env: Mapping[str, str], folder: Path = SHM_FOLDER) -> None:
-    """Remove this process's DeepSpeed CPU allreduce buffer, at the end of a run.
-
-    On a CPU, DeepSpeed's shm communication op creates
-    ``/dev/shm/deepspeed_allreduce_buffer_{uid}_{MASTER_ADDR}_{MASTER_PORT}_{RANK}`` (66 MB) at
-    ``init_distributed`` and never unlinks it, so every CPU run leaks one per process until the
-    machine restarts (one-process runs pick a free port, so no two share a name): 306 of them filled
-    20 GB of /dev/shm on a CI machine in a day. Each process removes its own when the run is over; the
-    other ranks opened it at start-up, and an open mapping outlives its name."""
-    keys = ("MASTER_ADDR", "MASTER_PORT", "RANK")
-    if not all(env.get(k) for k in keys):
-        return
-    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{env['MASTER_ADDR']}_{env['MASTER_PORT']}_{env['RANK']}"
-    (folder / name).unlink(missing_ok=True)
 
 
 def destroy_process_group() -> None:

@@ -222,6 +222,9 @@ class HostOptimizerSpec:
         if self.implementation == "deepspeed":
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+            from .jit_ops import before_loading
+
+            before_loading("CPUAdamBuilder")  # compiled on first use: said first; a stale build lock refused
             return DeepSpeedCPUAdam(
                 groups, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay, adamw_mode=True
             )

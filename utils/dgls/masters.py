@@ -33,6 +33,7 @@ from .host_training import HostTraining
 from .layout import MB, LayerLayout, measure_layer
 from .monitor import check_pinned_budget
 from .peers import Peers, remove_orphans
+from .pinned import whole_pages
 from .precision import CastRules
 from .stats import human_bytes
 
@@ -69,7 +70,7 @@ class Masters:
         budget = config.pinned_ram_budget_gb
         budget = int(budget * GiB) if budget is not None else default_pinned_budget(on_cpu)
         signature = ";".join(f"{lay.index}:{lay.sizes.class_name}:{lay.host_bytes}" for lay in hosted)
-        self.peers = Peers.discover(share_group, signature)
+        self.peers = Peers.discover(share_group, signature, sum(whole_pages(lay.host_bytes) for lay in hosted))
         self.store = HostStore(device, budget, int(config.selective_packing * MB), self.peers)
         if self.peers.leader:
             check_ram(total - on_cpu)

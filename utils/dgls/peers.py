@@ -11,7 +11,9 @@ Protocol (every rank builds its swapper in lockstep, over the same layer list):
 1. agree: every rank learns its machine's leader and a token that names this job's files
    (``all_gather_object`` over the default process group). Only processes that host the same layers
    share: the same ``group`` (the pipeline stage) and the same layout signature (class names and
-   sizes of the layers they host); pipeline stages on one machine each get their own leader and files;
+   sizes of the layers they host); pipeline stages on one machine each get their own leader and files.
+   Each rank also says whether ``/dev/shm`` has room for its leader's files, measured before the exchange
+   (so before anything is written): if any sharing rank found none, every rank refuses (:mod:`.shm_space`);
 2. the leader creates and fills one file per layer it hosts: ``dgls-<token>-<layer>``;
 3. barrier; the other ranks of the machine map the files;
 4. barrier; the leader unlinks them. From here on a segment lives exactly as long as a process maps
@@ -28,12 +30,15 @@ import mmap
 import os
 import secrets
 import socket
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-SHM = Path("/dev/shm")
+from .errors import DGLSUserError
+from .shm_space import SHM, shm_problem
+
 PREFIX = "dgls-"
 
 
@@ -52,15 +57,21 @@ class Peers:
         return self.local_ranks > 1
 
     @classmethod
-    def discover(cls, group: str = "", signature: str = "") -> Peers:
+    def discover(cls, group: str = "", signature: str = "", nbytes: int = 0) -> Peers:
         """The processes of a ``torch.distributed`` job on this machine that host the same layers (``group``,
-        ``signature``); a single process when torch.distributed is not initialized. Every rank must call it."""
+        ``signature``); a single process when torch.distributed is not initialized. Every rank must call it.
+        ``nbytes``: what a leader would write to ``/dev/shm``. Each rank checks the room there before the
+        exchange (before any leader writes), and if any rank that would share found none, every rank of the
+        job raises the same :class:`DGLSUserError` (:mod:`.shm_space`)."""
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or not SHM.is_dir():
             return cls()
-        mine = (socket.gethostname(), group, signature, dist.get_rank(), os.getpid(), secrets.token_hex(4))
+        problem = shm_problem(nbytes, SHM)
+        mine = (socket.gethostname(), group, signature, dist.get_rank(), os.getpid(), secrets.token_hex(4), problem)
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
+        if problems := sharing_problems(everyone):
+            raise DGLSUserError(problems[0])
         here = sorted((e for e in everyone if e[:3] == mine[:3]), key=lambda e: e[3])
         leader = here[0]
         return cls(local_ranks=len(here), leader=leader[3] == mine[3], token=f"{leader[4]}-{leader[5]}")
@@ -112,6 +123,13 @@ class Peers:
         for path in self._created:
             path.unlink(missing_ok=True)
         self._created.clear()
+
+
+def sharing_problems(everyone: list[tuple]) -> list[str]:
+    """The /dev/shm problems found by ranks that would share (others on their machine host the same layers),
+    from every rank's ``discover`` entry: the same list on every rank."""
+    machines = Counter(e[:3] for e in everyone)
+    return sorted({e[-1] for e in everyone if e[-1] and machines[e[:3]] > 1})
 
 
 def remove_orphans() -> list[Path]:

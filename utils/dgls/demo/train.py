@@ -25,12 +25,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..distributed import destroy_process_group, remove_deepspeed_shm
+from ..distributed import destroy_process_group
 from ..engine_hooks import EngineHooks
-from ..errors import RunInterrupted
+from ..errors import DGLSUserError, RunInterrupted
 from ..monitor import MemoryMonitor
 from ..paths import new_run_dir
 from ..pipeline_hook import Stage, StageHook
+from ..shm_op import without_shm_op
+from ..shm_space import check_before_start
 from ..stats import StepReader, StepWindow, human_bytes
 from ..swapper import LayerSwapper
 from ..validate import DemoRun
@@ -55,7 +57,8 @@ class DemoResult:
 def quiet_deepspeed() -> Iterator[io.StringIO]:
     """DeepSpeed's start-up chatter (its accelerator warning, PipelineModule's layer listing, the
     topology) says nothing a demo user needs: it goes to a buffer, replayed on stderr if
-    something fails inside. Its logger is held at ERROR for the block."""
+    something fails inside (a bug: a user mistake or Ctrl-C stays one line). Its logger is held at
+    ERROR for the block."""
     logger = logging.getLogger("DeepSpeed")
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -65,7 +68,9 @@ def quiet_deepspeed() -> Iterator[io.StringIO]:
     try:
         with contextlib.redirect_stdout(buffer):
             yield buffer
-    except BaseException:
+    except DGLSUserError:
+        raise
+    except Exception:
         sys.stderr.write(buffer.getvalue())
         raise
     finally:
@@ -79,13 +84,18 @@ class _BelowError(logging.Filter):
 
 
 def _init_distributed(run: DemoRun) -> None:
-    """A one-process group (or the launcher's), with the environment checked in validate."""
+    """A one-process group (or the launcher's), with the environment checked in validate; without
+    DeepSpeed's CPU shared-memory op, which training never uses (:mod:`..shm_op`). A job whose
+    processes will share host memory first checks that /dev/shm takes files (:mod:`..shm_space`)."""
     import deepspeed
 
+    s = run.settings
+    check_before_start(run.dist, s.pipeline_stages, run.values["dynamic_swapping"], os.environ)
     os.environ.update(run.dist.env)
     if not torch.distributed.is_initialized():
         backend = "nccl" if run.device.type == "cuda" else "gloo"
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        with without_shm_op():
+            deepspeed.init_distributed(dist_backend=backend, verbose=False)
 
 
 def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | None = None) -> DemoResult:
@@ -100,8 +110,11 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
     s, device = run.settings, run.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    with quiet_deepspeed():
-        _init_distributed(run)
+    try:
+        with quiet_deepspeed():
+            _init_distributed(run)
+    except KeyboardInterrupt:
+        raise _interrupted(0, s.steps) from None
     rank = torch.distributed.get_rank()
     held = HeldLog(log)  # each stage's first replica prints its placement
     if rank != 0:  # one voice for the rest: rank 0 prints the steps (stats of every process) and saves
@@ -141,17 +154,12 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
             result.lora = _gather_trained(layers, engine, s.full)
         finished = True
     except KeyboardInterrupt:
-        done = len(result.losses)
-        raise RunInterrupted(
-            f"stopped at step {done} of {s.steps}; nothing was saved (the demo saves its LoRA at the end, "
-            "and has no checkpoint to resume from)"
-        ) from None
+        raise _interrupted(len(result.losses), s.steps) from None
     finally:
         if placed.get("swapper") is not None:
             placed["swapper"].remove()
         if finished:
             destroy_process_group()
-        remove_deepspeed_shm(os.environ)
     if rank != 0 or planned_only:
         return result
     from safetensors.torch import save_file
@@ -161,6 +169,14 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
     save_file(result.lora, str(result.lora_path))
     log(summary(result))
     return result
+
+
+def _interrupted(done: int, steps: int) -> RunInterrupted:
+    """Ctrl-C, the same line during start-up (step 0) and training."""
+    return RunInterrupted(
+        f"stopped at step {done} of {steps}; nothing was saved (the demo saves its LoRA at the end, and has no "
+        "checkpoint to resume from)"
+    )
 
 
 class HeldLog:
