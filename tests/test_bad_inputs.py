@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,9 +22,9 @@ from types import SimpleNamespace
 import pytest
 from cli_helpers import FAKE, FAKE_TABLES, demo_toml, fake_config, run_in_process, snapshot
 
-from utils.dgls.distributed import LAUNCHER_KEYS
+from utils.dgls.distributed import LAUNCHER_KEYS, RENDEZVOUS_VAR
 
-DIST_VARS = (*LAUNCHER_KEYS, "MASTER_ADDR", "MASTER_PORT", "DGLS_DIFFUSION_PIPE")
+DIST_VARS = (*LAUNCHER_KEYS, "MASTER_ADDR", "MASTER_PORT", "DGLS_DIFFUSION_PIPE", RENDEZVOUS_VAR)
 
 
 @dataclass(frozen=True)
@@ -227,6 +228,26 @@ CASES = [
         "pipeline_stages = 3 must divide the 2 processes",
         env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"),
     ),
+    Case(
+        "rank-not-below-world-size",
+        demo(),
+        "RANK=2 must be from 0 to WORLD_SIZE - 1 = 1",
+        env(RANK="2", WORLD_SIZE="2", LOCAL_RANK="0"),
+    ),
+    Case("rank-negative", demo(), "RANK=-1 must be from 0", env(RANK="-1", WORLD_SIZE="2", LOCAL_RANK="0")),
+    Case("world-size-0", demo(), "WORLD_SIZE=0 must be 1 or more", env(RANK="0", WORLD_SIZE="0", LOCAL_RANK="0")),
+    Case(
+        "local-rank-not-below-world-size",
+        dp(),
+        "LOCAL_RANK=4 must be from 0 to WORLD_SIZE - 1 = 1",
+        env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="4"),
+    ),
+    Case(
+        "rendezvous-timeout-text",
+        demo(),
+        "DGLS_RENDEZVOUS_TIMEOUT='soon' must be a number of seconds > 0",
+        env(DGLS_RENDEZVOUS_TIMEOUT="soon"),
+    ),
     # full fine-tuning (a demo config without [adapter])
     Case("demo-full-vram-budget", demo("--vram_budget", "4", base="demo_full.toml"), "with a full fine-tune"),
     Case(
@@ -331,3 +352,58 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tmp_path, monkeyp
     assert len(lines) == 1 and lines[0].startswith("dgls: error: "), err
     assert case.message in lines[0], lines[0]
     assert snapshot(tmp_path) == before, "a refused run wrote files"
+
+
+LISTEN = "import socket, sys, time\ns = socket.socket()\ns.bind(('127.0.0.1', 0))\ns.listen()\n"
+LISTEN += "print(s.getsockname()[1], flush=True)\ntime.sleep(60)\n"
+
+
+@pytest.fixture
+def busy_port():
+    """A port another program listens on (as one more training run's rank 0 would; a listener of this very
+    process would not count, as torch's stores in one process share their server)."""
+    other = subprocess.Popen([sys.executable, "-c", LISTEN], stdout=subprocess.PIPE, text=True)
+    try:
+        yield int(other.stdout.readline())
+    finally:
+        other.kill()
+        other.communicate()
+
+
+BUSY_PORT_CASES = {
+    "one-process-master-port": (
+        lambda tmp, port: demo()(tmp),
+        {"MASTER_PORT": "{port}"},
+        "port {port} is in use by another program (another training run?); it is the environment's MASTER_PORT: set "
+        "a free one, or unset MASTER_PORT (a free one is picked)",
+    ),
+    "drop-in-master-port-flag": (
+        lambda tmp, port: dp("--master_port", str(port))(tmp),
+        {},
+        "port {port} is in use by another program (another training run?): pass a free port with --master_port, or "
+        "drop it (a free one is picked)",
+    ),
+    "launcher-rank-0": (
+        lambda tmp, port: demo()(tmp),
+        {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": "{port}"},
+        "it is MASTER_PORT, which the deepspeed launcher sets from its --master_port (default 29500): launch with "
+        "deepspeed --master_port N, a free port N",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", BUSY_PORT_CASES)
+def test_a_busy_master_port_is_one_line_before_anything_starts(
+    name, busy_port, tmp_path, monkeypatch, capsys, user_env
+):
+    """Refused up front by the process that would listen there (rank 0), instead of torch's DistNetworkError
+    traceback once DeepSpeed starts."""
+    argv, variables, message = BUSY_PORT_CASES[name]
+    argv = argv(tmp_path, busy_port)
+    for key, value in variables.items():
+        monkeypatch.setenv(key, value.format(port=busy_port))
+    before = snapshot(tmp_path)
+    code, _out, err = run_in_process(argv, capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("dgls: error: "), err
+    assert message.format(port=busy_port) in err, err
+    assert snapshot(tmp_path) == before

@@ -42,6 +42,7 @@ from .monitor import MemoryMonitor, MemoryReading
 from .options import swap_config
 from .patches import Patches
 from .pipeline_hook import Stage, StageHook
+from .rendezvous import peers_arrived
 from .stats import StepReader, StepStats, StepWindow
 from .swapper import LayerSwapper
 from .validate import DropInRun
@@ -302,9 +303,10 @@ def run_drop_in(run: DropInRun) -> None:
     output_dir = run.checkout / str(run.config["output_dir"])
     started = time.time()
     os.environ.update(run.dist.env)
-    if str(run.checkout) not in sys.path:
-        sys.path.insert(0, str(run.checkout))
-    with config_for_train_py(run) as config_path:
+    # every process of the job is here before train.py starts; its process group shares rank 0's server
+    with peers_arrived(run.dist), config_for_train_py(run) as config_path:
+        if str(run.checkout) not in sys.path:
+            sys.path.insert(0, str(run.checkout))
         os.chdir(run.checkout)
         sys.argv = [str(run.checkout / "train.py"), "--config", config_path, *run.train_args]
         try:

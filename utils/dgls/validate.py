@@ -22,6 +22,7 @@ from .errors import DGLSUserError
 from .launch import DEMO_MODEL_TYPE, build_parser, check_known_type, load_toml, model_type
 from .paths import check_output_dir, check_output_file
 from .precision import dtype_of, is_fp8, name_of
+from .rendezvous import check_port
 
 # Arguments the deepspeed launcher adds (--local_rank=N) or its users write (--deepspeed): the demo takes them.
 LAUNCHER_ARGS = ("--local_rank", "--deepspeed")
@@ -175,6 +176,7 @@ def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, 
         check_output_dir(settings.output_dir, where, count * 4 + SAFETENSORS_HEADER)
     if values["dynamic_swapping"]:
         check_precision(swap, {name_of(settings.dtype)}, False, f"[model] dtype = '{settings.dtype_name}'")
+    check_port(dist)  # last: the settings come first, whatever else holds the port
     return DemoRun(path, settings, values, swap, device, dist, tuple(notes))
 
 
@@ -305,6 +307,7 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
         train_args += ["--master_port", str(dist.port)]
     if not dist.launched:
         train_args.append(f"--local_rank={dist.local_rank}")
+    check_port(dist)  # last: the settings come first, whatever else holds the port
     return DropInRun(path, config, checkout, tuple(train_args), values, swap, dist, tuple(notes))
 
 

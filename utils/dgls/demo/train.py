@@ -31,6 +31,7 @@ from ..errors import RunInterrupted
 from ..monitor import MemoryMonitor
 from ..paths import new_run_dir
 from ..pipeline_hook import Stage, StageHook
+from ..rendezvous import peers_arrived
 from ..stats import StepReader, StepWindow, human_bytes
 from ..swapper import LayerSwapper
 from ..validate import DemoRun
@@ -100,7 +101,7 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
     s, device = run.settings, run.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    with quiet_deepspeed():
+    with peers_arrived(run.dist), quiet_deepspeed():
         _init_distributed(run)
     rank = torch.distributed.get_rank()
     held = HeldLog(log)  # each stage's first replica prints its placement
