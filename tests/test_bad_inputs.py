@@ -248,6 +248,13 @@ CASES = [
         "DGLS_RENDEZVOUS_TIMEOUT='soon' must be a number of seconds > 0",
         env(DGLS_RENDEZVOUS_TIMEOUT="soon"),
     ),
+    Case(
+        "demo-stages-more-than-layers",
+        demo(pipeline_stages=4, double_blocks=1, single_blocks=0),
+        "[demo] pipeline_stages = 4 is more than the model's 3 layers (double_blocks + single_blocks + 2), so a "
+        "stage would have none: set pipeline_stages to 3 or fewer",
+        env(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0"),
+    ),
     # full fine-tuning (a demo config without [adapter])
     Case("demo-full-vram-budget", demo("--vram_budget", "4", base="demo_full.toml"), "with a full fine-tune"),
     Case(
@@ -407,3 +414,23 @@ def test_a_busy_master_port_is_one_line_before_anything_starts(
     assert code == 2 and err.count("\n") == 1 and err.startswith("dgls: error: "), err
     assert message.format(port=busy_port) in err, err
     assert snapshot(tmp_path) == before
+
+
+def test_a_pipeline_stage_without_layers_stops_every_process_naming_pipeline_stages():
+    """diffusion-pipe's layer count is known only once train.py built the model: when DeepSpeed's split leaves a
+    stage empty, each process (each sees the whole split) stops at the build, before the swapper and before any
+    process communicates; before, the empty stage's process said 'the layer list is empty' and the others died
+    in gloo. (Three real processes: test_multi_process.py, slow.)"""
+    from utils.dgls.errors import DGLSUserError
+    from utils.dgls.pipeline_hook import StageHook
+
+    hook = StageHook(lambda stage: pytest.fail("nothing is installed"))
+    build = hook._wrap_build(lambda module: pytest.fail("nothing is built"))
+    module = SimpleNamespace(parts=[0, 1, 2, 2], _layer_specs=["first", "last"])
+    expected = (
+        "pipeline_stages = 3 leaves pipeline stage(s) 3 of 3 without any of the model's 2 layers: set "
+        "pipeline_stages lower in the training TOML (2 at most)"
+    )
+    with pytest.raises(DGLSUserError) as raised:
+        build(module)
+    assert str(raised.value) == expected

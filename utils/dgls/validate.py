@@ -148,6 +148,7 @@ def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, 
     require_modules(("deepspeed", "peft", "safetensors", "tqdm"), "the demo needs it")
     values, notes = resolved.values, list(resolved.notes)
     dist = dist_env(os.environ, values["gpu_id"], resolved.given("gpu_id"))
+    _check_demo_stages(path, settings)
     if dist.world_size % settings.pipeline_stages:
         raise DGLSUserError(
             f"{path}: [demo] pipeline_stages = {settings.pipeline_stages} must divide the {dist.world_size} processes "
@@ -178,6 +179,19 @@ def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, 
         check_precision(swap, {name_of(settings.dtype)}, False, f"[model] dtype = '{settings.dtype_name}'")
     check_port(dist)  # last: the settings come first, whatever else holds the port
     return DemoRun(path, settings, values, swap, device, dist, tuple(notes))
+
+
+def _check_demo_stages(path: str, settings) -> None:
+    """Every pipeline stage gets layers: DeepSpeed's uniform split leaves the last stages empty when there are
+    more stages than layers, and a process with no layers stops while the others fail inside gloo."""
+    from .demo.model import layer_count
+
+    count = layer_count(settings.model)
+    if settings.pipeline_stages > count:
+        raise DGLSUserError(
+            f"{path}: [demo] pipeline_stages = {settings.pipeline_stages} is more than the model's {count} layers "
+            f"(double_blocks + single_blocks + 2), so a stage would have none: set pipeline_stages to {count} or fewer"
+        )
 
 
 _OFFLOADS = {  # the flags that need activation checkpointing, and what each sends to host memory

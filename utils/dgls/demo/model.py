@@ -161,8 +161,14 @@ def param_count(cfg: DemoModelConfig) -> int:
     return counts[0] + cfg.double_blocks * counts[1] + cfg.single_blocks * counts[2] + counts[3]
 
 
+def layer_count(cfg: DemoModelConfig) -> int:
+    """How many layers :func:`build_layers` makes: the first layer, the blocks, the last layer."""
+    return cfg.double_blocks + cfg.single_blocks + 2
+
+
 def build_layers(cfg: DemoModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> list[nn.Module]:
-    """The model as an ordered layer list, deterministic for a seed, all params frozen."""
+    """The model as an ordered layer list (:func:`layer_count` of them), deterministic for a seed, all params
+    frozen."""
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     layers: list[nn.Module] = [InitialLayer(cfg)]
