@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 
 from . import options as opts
 from .errors import DGLSUserError, RunInterrupted
+from .stop_signals import StopSignals
 
 DEMO_MODEL_TYPE = "dgls_demo"
 # diffusion-pipe's model types (models/*.py) as of 2026; a checkout may know more (checked there).
@@ -39,7 +40,6 @@ DIFFUSION_PIPE_MODEL_TYPES = frozenset(
     }
 )
 USER_ERROR_EXIT = 2
-INTERRUPT_EXIT = 130  # 128 + SIGINT, what a shell reports for a process stopped by Ctrl-C
 
 EPILOG = """\
 Arguments dgls_train.py does not know are passed to diffusion-pipe's train.py (--resume_from_checkpoint,
@@ -130,17 +130,18 @@ def check_known_type(kind: str, checkout: Path | None) -> None:
 
 
 def entry(main: Callable[[], int]) -> int:
-    """Run ``main`` as the program: a user mistake is one line and exit code 2, Ctrl-C one line
-    (what was saved, how to resume) and 130; the runs' own clean-up has happened by then.
-    Anything else is a bug and keeps its traceback."""
-    try:
-        return main()
-    except DGLSUserError as exc:
-        print(f"dgls: error: {exc}", file=sys.stderr)
-        return USER_ERROR_EXIT
-    except RunInterrupted as exc:
-        print(f"dgls: interrupted: {exc}", file=sys.stderr)
-        return INTERRUPT_EXIT
-    except KeyboardInterrupt:
-        print("dgls: interrupted before training started; nothing was saved", file=sys.stderr)
-        return INTERRUPT_EXIT
+    """Run ``main`` as the program: a user mistake is one line and exit code 2, Ctrl-C or SIGTERM one line
+    (what was saved, how to resume) and 130 or 143 (:mod:`.stop_signals`); the runs' own clean-up has
+    happened by then. Anything else is a bug and keeps its traceback."""
+    with StopSignals() as stop:
+        try:
+            return main()
+        except DGLSUserError as exc:
+            print(f"dgls: error: {exc}", file=sys.stderr)
+            return USER_ERROR_EXIT
+        except RunInterrupted as exc:
+            print(f"dgls: {stop.how}: {exc}", file=sys.stderr)
+            return stop.exit_code
+        except KeyboardInterrupt:
+            print(f"dgls: {stop.how} before training started; nothing was saved", file=sys.stderr)
+            return stop.exit_code
