@@ -1,12 +1,14 @@
-"""How a run stops: SIGTERM as Ctrl-C (one line, clean-up done, 143), a second SIGTERM not cutting the
-clean-up short, and what a process forked from a run does on SIGTERM.
+"""How a run stops: SIGTERM as Ctrl-C (one line, clean-up done, 143), and a save that is whole or absent and
+reported as it is (Ctrl-C while saving, a disk that fills at the save).
 
 The demo runs in this process through dgls_train.py's entry point; signals are sent to this process from
-inside the run. The launcher's own behaviour is in test_launch_lines.py (slow).
+inside the run (at a step, or at the save). The launcher's own behaviour is in test_launch_lines.py (slow).
 """
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import signal
 import time
@@ -105,3 +107,77 @@ def test_sigterm_in_the_demo_is_one_line_like_ctrl_c(tmp_path, user_env, monkeyp
         "and has no checkpoint to resume from)\n"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_while_saving_says_the_lora_was_saved_when_it_was(tmp_path, user_env, monkeypatch, capsys):
+    """Ctrl-C once the file is written (during the summary): before, 'interrupted before training started;
+    nothing was saved' while the LoRA was on disk."""
+
+    def interrupted(result):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo_train, "summary", interrupted)
+    code, _out, err = run_in_process(["--config", str(demo_toml(tmp_path, steps=2))], capsys)
+    (run_dir,) = (tmp_path / "out").iterdir()
+    saved = run_dir / "adapter_model.safetensors"
+    assert code == 130 and saved.is_file() and list(run_dir.iterdir()) == [saved], err
+    assert err == f"dgls: interrupted: stopped after all 2 steps, while saving; the LoRA was saved to {saved}\n"
+
+
+def test_ctrl_c_before_the_save_is_whole_leaves_no_file_and_no_run_folder(tmp_path, user_env, monkeypatch, capsys):
+    """A save interrupted before its file is complete: nothing under the file's name, and no empty run folder."""
+
+    def interrupted_rename(source, target):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo_train.os, "replace", interrupted_rename)
+    code, _out, err = run_in_process(["--config", str(demo_toml(tmp_path, steps=2))], capsys)
+    assert code == 130, err
+    assert err == "dgls: interrupted: stopped after all 2 steps, while saving; nothing was saved\n"
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+class FullDisk(io.BytesIO):
+    """A file on a disk that fills after 100 bytes."""
+
+    def write(self, data: bytes) -> int:
+        super().write(data[:100])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_disk_that_fills_at_the_save_is_one_line_and_leaves_no_empty_run_folder(
+    tmp_path, user_env, monkeypatch, capsys
+):
+    """The free space was checked before training; something else filled the disk meanwhile."""
+    written = []
+
+    def open_on_full_disk(path, mode):
+        written.append(path)
+        open(path, mode).close()  # the partial file exists, as on a real disk
+        return FullDisk()
+
+    monkeypatch.setattr(demo_train, "open", open_on_full_disk, raising=False)
+    out = tmp_path / "out"
+    code, _out, err = run_in_process(["--config", str(demo_toml(tmp_path, steps=2))], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"dgls: error: could not save the trained LoRA (0.4 MiB) under {out}: its disk is full; ")
+    assert "nothing was saved and no run folder was left: free space there" in err
+    assert written and list(out.iterdir()) == []
+
+
+def test_the_drop_in_interrupt_line_names_a_save_cut_short_as_incomplete(tmp_path):
+    """diffusion-pipe writes each save through a tmp folder inside it, removed once the save is written: Ctrl-C
+    while saving leaves it, and that save is not reported as saved."""
+    import time
+
+    from utils.dgls.diffusion_pipe import _what_was_saved
+
+    started = time.time() - 1
+    run_dir = tmp_path / "20260101_00-00-00"
+    (run_dir / "epoch1").mkdir(parents=True)
+    (run_dir / "epoch1" / "adapter_model.safetensors").write_bytes(b"x")
+    (run_dir / "epoch2" / "tmp").mkdir(parents=True)
+    assert _what_was_saved(tmp_path, started) == (
+        f"diffusion-pipe's run folder is {run_dir} (saved: epoch1, epoch2 (incomplete: stopped while saving)); it has "
+        "no checkpoint to resume from yet"
+    )

@@ -281,12 +281,17 @@ def config_for_train_py(run: DropInRun) -> Iterator[str]:
 
 def _what_was_saved(output_dir: Path, started: float) -> str:
     """For the interrupt line: the run folder train.py wrote in (diffusion-pipe names them by time),
-    what it holds, and whether it can be resumed."""
+    what it holds, and whether it can be resumed. A save folder that still holds diffusion-pipe's ``tmp``
+    folder (the stages' parts, removed once the save is written) was interrupted while saving."""
     runs = [p for p in run_dirs(output_dir) if p.stat().st_mtime >= started]
     if not runs:
         return "nothing was saved"
     run_dir = runs[-1]
-    saves = sorted(p.name for p in run_dir.iterdir() if p.is_dir() and not p.name.startswith("global_step"))
+    saves = sorted(
+        p.name + (" (incomplete: stopped while saving)" if (p / "tmp").is_dir() else "")
+        for p in run_dir.iterdir()
+        if p.is_dir() and not p.name.startswith("global_step")
+    )
     text = f"diffusion-pipe's run folder is {run_dir}"
     text += f" (saved: {', '.join(saves)})" if saves else " (no LoRA saved yet)"
     if (run_dir / "latest").is_file():
