@@ -6,7 +6,7 @@
     deepspeed --num_gpus=1 dgls_train.py --deepspeed --config my_flux.toml --blocks_to_swap 30
 
 Every input is checked before anything slow starts; a user mistake ends with one line on
-stderr and exit code 2, Ctrl-C with one line and 130; bugs keep their traceback.
+stderr and exit code 2, Ctrl-C or SIGTERM with one line and 130 or 143; bugs keep their traceback.
 """
 
 from __future__ import annotations

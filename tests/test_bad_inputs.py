@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,10 +27,10 @@ from conftest import ROOT
 
 from utils.dgls import DGLSUserError, SwapConfig
 from utils.dgls.demo.model import DemoModelConfig, build_layers, layer_count
-from utils.dgls.distributed import LAUNCHER_KEYS
+from utils.dgls.distributed import LAUNCHER_KEYS, RENDEZVOUS_VAR
 from utils.dgls.spelling import check_passthrough_flags
 
-DIST_VARS = (*LAUNCHER_KEYS, "MASTER_ADDR", "MASTER_PORT", "DGLS_DIFFUSION_PIPE")
+DIST_VARS = (*LAUNCHER_KEYS, "MASTER_ADDR", "MASTER_PORT", "DGLS_DIFFUSION_PIPE", RENDEZVOUS_VAR)
 
 
 @dataclass(frozen=True)
@@ -420,6 +421,33 @@ CASES = [
         "pipeline_stages = 3 must divide the 2 processes",
         env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"),
     ),
+    Case(
+        "rank-not-below-world-size",
+        demo(),
+        "RANK=2 must be from 0 to WORLD_SIZE - 1 = 1",
+        env(RANK="2", WORLD_SIZE="2", LOCAL_RANK="0"),
+    ),
+    Case("rank-negative", demo(), "RANK=-1 must be from 0", env(RANK="-1", WORLD_SIZE="2", LOCAL_RANK="0")),
+    Case("world-size-0", demo(), "WORLD_SIZE=0 must be 1 or more", env(RANK="0", WORLD_SIZE="0", LOCAL_RANK="0")),
+    Case(
+        "local-rank-not-below-world-size",
+        dp(),
+        "LOCAL_RANK=4 must be from 0 to WORLD_SIZE - 1 = 1",
+        env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="4"),
+    ),
+    Case(
+        "rendezvous-timeout-text",
+        demo(),
+        "DGLS_RENDEZVOUS_TIMEOUT='soon' must be a number of seconds > 0",
+        env(DGLS_RENDEZVOUS_TIMEOUT="soon"),
+    ),
+    Case(
+        "demo-stages-more-than-layers",
+        demo(pipeline_stages=4, double_blocks=1, single_blocks=0),
+        "[demo] pipeline_stages = 4 is more than the model's 3 layers (double_blocks + single_blocks + 2), so a "
+        "stage would have none: set pipeline_stages to 3 or fewer",
+        env(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0"),
+    ),
     # full fine-tuning (a demo config without [adapter])
     Case("demo-full-vram-budget", demo("--vram_budget", "4", base="demo_full.toml"), "with a full fine-tune"),
     Case(
@@ -719,3 +747,78 @@ def test_train_py_flags_and_their_abbreviations_pass_through(tmp_path):
         check_passthrough_flags(["--trust_cache"], tmp_path, ["--vram_budget"])
     (tmp_path / "train.py").write_text("args = parse()\n")  # declares nothing this way: nothing is refused
     check_passthrough_flags(["--trust_cache"], tmp_path, ["--vram_budget"])
+
+
+LISTEN = "import socket, sys, time\ns = socket.socket()\ns.bind(('127.0.0.1', 0))\ns.listen()\n"
+LISTEN += "print(s.getsockname()[1], flush=True)\ntime.sleep(60)\n"
+
+
+@pytest.fixture
+def busy_port():
+    """A port another program listens on (as one more training run's rank 0 would; a listener of this very
+    process would not count, as torch's stores in one process share their server)."""
+    other = subprocess.Popen([sys.executable, "-c", LISTEN], stdout=subprocess.PIPE, text=True)
+    try:
+        yield int(other.stdout.readline())
+    finally:
+        other.kill()
+        other.communicate()
+
+
+BUSY_PORT_CASES = {
+    "one-process-master-port": (
+        lambda tmp, port: demo()(tmp),
+        {"MASTER_PORT": "{port}"},
+        "port {port} is in use by another program (another training run?); it is the environment's MASTER_PORT: set "
+        "a free one, or unset MASTER_PORT (a free one is picked)",
+    ),
+    "drop-in-master-port-flag": (
+        lambda tmp, port: dp("--master_port", str(port))(tmp),
+        {},
+        "port {port} is in use by another program (another training run?): pass a free port with --master_port, or "
+        "drop it (a free one is picked)",
+    ),
+    "launcher-rank-0": (
+        lambda tmp, port: demo()(tmp),
+        {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": "{port}"},
+        "it is MASTER_PORT, which the deepspeed launcher sets from its --master_port (default 29500): launch with "
+        "deepspeed --master_port N, a free port N",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", BUSY_PORT_CASES)
+def test_a_busy_master_port_is_one_line_before_anything_starts(
+    name, busy_port, tmp_path, monkeypatch, capsys, user_env
+):
+    """Refused up front by the process that would listen there (rank 0), instead of torch's DistNetworkError
+    traceback once DeepSpeed starts."""
+    argv, variables, message = BUSY_PORT_CASES[name]
+    argv = argv(tmp_path, busy_port)
+    for key, value in variables.items():
+        monkeypatch.setenv(key, value.format(port=busy_port))
+    before = snapshot(tmp_path)
+    code, _out, err = run_in_process(argv, capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("dgls: error: "), err
+    assert message.format(port=busy_port) in err, err
+    assert snapshot(tmp_path) == before
+
+
+def test_a_pipeline_stage_without_layers_stops_every_process_naming_pipeline_stages():
+    """diffusion-pipe's layer count is known only once train.py built the model: when DeepSpeed's split leaves a
+    stage empty, each process (each sees the whole split) stops at the build, before the swapper and before any
+    process communicates; before, the empty stage's process said 'the layer list is empty' and the others died
+    in gloo. (Three real processes: test_multi_process.py, slow.)"""
+    from utils.dgls.errors import DGLSUserError
+    from utils.dgls.pipeline_hook import StageHook
+
+    hook = StageHook(lambda stage: pytest.fail("nothing is installed"))
+    build = hook._wrap_build(lambda module: pytest.fail("nothing is built"))
+    module = SimpleNamespace(parts=[0, 1, 2, 2], _layer_specs=["first", "last"])
+    expected = (
+        "pipeline_stages = 3 leaves pipeline stage(s) 3 of 3 without any of the model's 2 layers: set "
+        "pipeline_stages lower in the training TOML (2 at most)"
+    )
+    with pytest.raises(DGLSUserError) as raised:
+        build(module)
+    assert str(raised.value) == expected

@@ -21,6 +21,8 @@ from cli_helpers import FAKE, deepspeed_cmd, demo_toml, fake_config, python_cmd,
 from conftest import ROOT
 from safetensors.torch import load_file
 
+from utils.dgls.distributed import free_port
+
 pytestmark = pytest.mark.slow  # each launch starts 1-2 Python processes with torch and deepspeed: 20-60 s
 
 
@@ -121,3 +123,20 @@ def test_drop_in_data_parallel_and_pipeline_stages_on_the_stand_in_checkout(tmp_
     )
     assert_same_training(stages, one, fake_losses(out), fake_losses(one_out))
     assert "stage 2 of 2" in out
+
+
+def test_drop_in_with_more_pipeline_stages_than_layers_is_one_line_on_every_process(tmp_path):
+    """The stand-in's model made 2 layers, split over 3 stages: every process stops with the line that names
+    pipeline_stages, before any of them communicates (before: the empty stage's 'the layer list is empty', and
+    gloo tracebacks on the others). A process the launcher stops first, once another failed, says so instead."""
+    config = fake_config(tmp_path, top="pipeline_stages = 3\nfake_model = {double_blocks = 0, single_blocks = 0}")
+    cmd = deepspeed_cmd("--num_gpus=3", f"--master_port={free_port()}", str(ROOT / "dgls_train.py"), "--deepspeed")
+    proc = run_user_command([*cmd, "--config", str(config), "--diffusion_pipe", str(FAKE)], tmp_path)
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
+    expected = (
+        "dgls: error: pipeline_stages = 3 leaves pipeline stage(s) 3 of 3 without any of the model's 2 layers: set "
+        "pipeline_stages lower in the training TOML (2 at most)"
+    )
+    stopped = "dgls: terminated (SIGTERM) before training started; nothing was saved"
+    lines = proc.stderr.splitlines()
+    assert expected in lines and set(lines) <= {expected, stopped}, proc.stderr

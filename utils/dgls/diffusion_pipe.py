@@ -42,6 +42,7 @@ from .monitor import MemoryMonitor, MemoryReading
 from .options import swap_config
 from .patches import Patches
 from .pipeline_hook import Stage, StageHook
+from .rendezvous import peers_arrived
 from .resume import ResumeChecks
 from .shm_op import without_shm_op
 from .shm_space import check_before_start
@@ -303,12 +304,17 @@ def config_for_train_py(run: DropInRun) -> Iterator[str]:
 
 def _what_was_saved(output_dir: Path, started: float) -> str:
     """For the interrupt line: the run folder train.py wrote in (diffusion-pipe names them by time),
-    what it holds, and whether it can be resumed."""
+    what it holds, and whether it can be resumed. A save folder that still holds diffusion-pipe's ``tmp``
+    folder (the stages' parts, removed once the save is written) was interrupted while saving."""
     runs = [p for p in run_dirs(output_dir) if p.stat().st_mtime >= started]
     if not runs:
         return "nothing was saved"
     run_dir = runs[-1]
-    saves = sorted(p.name for p in run_dir.iterdir() if p.is_dir() and not p.name.startswith("global_step"))
+    saves = sorted(
+        p.name + (" (incomplete: stopped while saving)" if (p / "tmp").is_dir() else "")
+        for p in run_dir.iterdir()
+        if p.is_dir() and not p.name.startswith("global_step")
+    )
     text = f"diffusion-pipe's run folder is {run_dir}"
     text += f" (saved: {', '.join(saves)})" if saves else " (no LoRA saved yet)"
     if (run_dir / "latest").is_file():
@@ -328,7 +334,9 @@ def run_drop_in(run: DropInRun) -> None:
     os.environ.update(run.dist.env)
     if str(run.checkout) not in sys.path:
         sys.path.insert(0, str(run.checkout))
-    with config_for_train_py(run) as config_path, without_shm_op():  # train.py calls init_distributed itself
+    # every process of the job is here before train.py starts; its process group shares rank 0's server;
+    # train.py calls init_distributed itself (without DeepSpeed's shm op)
+    with peers_arrived(run.dist), config_for_train_py(run) as config_path, without_shm_op():
         os.chdir(run.checkout)
         sys.argv = [str(run.checkout / "train.py"), "--config", config_path, *run.train_args]
         try:

@@ -11,10 +11,15 @@ diffusion-pipe's train.py overwrites MASTER_PORT with its own ``--master_port`` 
 machine would collide there. A one-process run therefore gets a free port unless one was
 chosen (train.py's ``--master_port``, or a MASTER_PORT other than 29500), and train.py is
 told the port the run uses.
+
+Every variable is checked here, before anything starts: ranks count from 0 to WORLD_SIZE - 1, and
+``DGLS_RENDEZVOUS_TIMEOUT`` (seconds) is how long the processes of a job wait for each other at
+start-up (:mod:`.rendezvous`).
 """
 
 from __future__ import annotations
 
+import math
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,6 +28,9 @@ from .errors import DGLSUserError
 
 LAUNCHER_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 DEFAULT_PORT = 29500  # the deepspeed launcher's and diffusion-pipe's train.py's default
+RENDEZVOUS_VAR = "DGLS_RENDEZVOUS_TIMEOUT"
+AGENT_STORE_VAR = "TORCHELASTIC_USE_AGENT_STORE"  # set by torchrun: its agent serves the store on MASTER_PORT
+DEFAULT_RENDEZVOUS_S = 30.0  # how long the processes of a job wait for each other (see rendezvous.py)
 
 
 def free_port() -> int:
@@ -42,6 +50,13 @@ class DistEnv:
     local_rank: int
     port: int
     env: dict[str, str] = field(default_factory=dict)  # to put into os.environ
+    # where the port came from, for messages: "free" (DGLS chose it), "MASTER_PORT" (the environment: the
+    # deepspeed launcher's --master_port under it), "--master_port" (train.py's flag)
+    port_from: str = "free"
+    addr: str = "127.0.0.1"  # MASTER_ADDR: where rank 0 listens
+    rendezvous_s: float = DEFAULT_RENDEZVOUS_S
+    # torchrun: its agent holds the job's store on MASTER_PORT and has gathered the processes itself
+    agent_store: bool = False
 
 
 def _int_var(environ: Mapping[str, str], key: str) -> int:
@@ -49,6 +64,37 @@ def _int_var(environ: Mapping[str, str], key: str) -> int:
         return int(environ[key])
     except ValueError:
         raise DGLSUserError(f"the environment variable {key}={environ[key]!r} is not a whole number") from None
+
+
+def _check_ranks(rank: int, world_size: int, local_rank: int) -> None:
+    """A launcher's variables that no job can have: one line instead of a silent wait for ranks that never come."""
+    if world_size < 1:
+        raise DGLSUserError(
+            f"the environment variable WORLD_SIZE={world_size} must be 1 or more (the number of processes)"
+        )
+    for key, value in (("RANK", rank), ("LOCAL_RANK", local_rank)):
+        if not 0 <= value < world_size:
+            raise DGLSUserError(
+                f"the environment variable {key}={value} must be from 0 to WORLD_SIZE - 1 = {world_size - 1}: start "
+                "the processes with a launcher (deepspeed --num_gpus=N ...), which sets them, or correct them"
+            )
+
+
+def rendezvous_timeout(environ: Mapping[str, str]) -> float:
+    """Seconds the processes of a job wait for each other at start-up: ``DGLS_RENDEZVOUS_TIMEOUT``, or 30."""
+    text = environ.get(RENDEZVOUS_VAR)
+    if text is None:
+        return DEFAULT_RENDEZVOUS_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise DGLSUserError(
+            f"the environment variable {RENDEZVOUS_VAR}={text!r} must be a number of seconds > 0 (default "
+            f"{DEFAULT_RENDEZVOUS_S:g})"
+        )
+    return seconds
 
 
 def option_value(args: list[str], name: str) -> str | None:
@@ -82,27 +128,33 @@ def dist_env(environ: Mapping[str, str], gpu_id: int, gpu_id_given: bool, train_
                 "--gpu_id does nothing under the deepspeed launcher, which gives each process its GPU: choose GPUs "
                 "with the launcher (deepspeed --include localhost:N ...) and drop --gpu_id"
             )
-        world_size, local_rank = _int_var(environ, "WORLD_SIZE"), _int_var(environ, "LOCAL_RANK")
+        rank, world_size = _int_var(environ, "RANK"), _int_var(environ, "WORLD_SIZE")
+        local_rank = _int_var(environ, "LOCAL_RANK")
+        _check_ranks(rank, world_size, local_rank)
         env_port = int(environ["MASTER_PORT"]) if environ.get("MASTER_PORT", "").isdigit() else None
-        if port is None and world_size > 1:
+        port_from = "--master_port" if port is not None else "MASTER_PORT"
+        agent_store = environ.get(AGENT_STORE_VAR) == "True"  # as torch.distributed.rendezvous reads it
+        if port is None and (world_size > 1 or agent_store):
             port = env_port or DEFAULT_PORT  # every process must agree: the launcher's port
         elif port is None:
             port = env_port if env_port not in (None, DEFAULT_PORT) else free_port()
+            port_from = "MASTER_PORT" if port == env_port else "free"
         env = {"MASTER_PORT": str(port)}
         if "MASTER_ADDR" not in environ:
             env["MASTER_ADDR"] = "127.0.0.1"
-        return DistEnv(True, _int_var(environ, "RANK"), world_size, local_rank, port, env)
+        addr = environ.get("MASTER_ADDR", "127.0.0.1")
+        wait = rendezvous_timeout(environ)
+        return DistEnv(True, rank, world_size, local_rank, port, env, port_from, addr, wait, agent_store)
+    port_from = "--master_port" if port is not None else "free"
     if port is None:
         env_port = environ.get("MASTER_PORT", "")
-        port = int(env_port) if env_port.isdigit() and int(env_port) != DEFAULT_PORT else free_port()
-    env = {
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": str(gpu_id),
-        "MASTER_ADDR": environ.get("MASTER_ADDR", "127.0.0.1"),
-        "MASTER_PORT": str(port),
-    }
-    return DistEnv(False, 0, 1, gpu_id, port, env)
+        if env_port.isdigit() and int(env_port) != DEFAULT_PORT:
+            port, port_from = int(env_port), "MASTER_PORT"
+        else:
+            port = free_port()
+    addr = environ.get("MASTER_ADDR", "127.0.0.1")
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": str(gpu_id), "MASTER_ADDR": addr, "MASTER_PORT": str(port)}
+    return DistEnv(False, 0, 1, gpu_id, port, env, port_from, addr, rendezvous_timeout(environ))
 
 
 def destroy_process_group() -> None:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
 from . import options as opts
 from .errors import DGLSUserError, RunInterrupted
+from .stop_signals import StopSignals
 
 DEMO_MODEL_TYPE = "dgls_demo"
 # diffusion-pipe's model types (models/*.py) as of 2026; a checkout may know more (checked there).
@@ -41,7 +41,6 @@ DIFFUSION_PIPE_MODEL_TYPES = frozenset(
     }
 )
 USER_ERROR_EXIT = 2
-INTERRUPT_EXIT = 130  # 128 + SIGINT, what a shell reports for a process stopped by Ctrl-C
 
 EPILOG = """\
 Arguments dgls_train.py does not know are passed to diffusion-pipe's train.py (--resume_from_checkpoint,
@@ -132,50 +131,27 @@ def check_known_type(kind: str, checkout: Path | None) -> None:
 
 
 def entry(main: Callable[[], int]) -> int:
-    """Run ``main`` as the program: a user mistake is one line and exit code 2, Ctrl-C one line
-    (what was saved, how to resume) and 130; the runs' own clean-up has happened by then.
-    Anything else is a bug and keeps its traceback, unless it followed a Ctrl-C: a child process
-    stopped by the same Ctrl-C (a compiler: "ninja: build stopped: interrupted by user") can make
-    the code waiting on it raise something other than ``KeyboardInterrupt``."""
-    with _CtrlC() as ctrl_c:
+    """Run ``main`` as the program: a user mistake is one line and exit code 2, Ctrl-C or SIGTERM one line
+    (what was saved, how to resume) and 130 or 143 (:mod:`.stop_signals`); the runs' own clean-up has
+    happened by then. Anything else is a bug and keeps its traceback, unless it followed a stop signal: a
+    child process stopped by the same Ctrl-C (a compiler: "ninja: build stopped: interrupted by user") can
+    make the code waiting on it raise something other than ``KeyboardInterrupt``."""
+    with StopSignals() as stop:
         try:
             return main()
         except DGLSUserError as exc:
             print(f"dgls: error: {exc}", file=sys.stderr)
             return USER_ERROR_EXIT
         except RunInterrupted as exc:
-            print(f"dgls: interrupted: {exc}", file=sys.stderr)
-            return INTERRUPT_EXIT
+            print(f"dgls: {stop.how}: {exc}", file=sys.stderr)
+            return stop.exit_code
         except KeyboardInterrupt:
-            print("dgls: interrupted before training started; nothing was saved", file=sys.stderr)
-            return INTERRUPT_EXIT
+            print(f"dgls: {stop.how} before training started; nothing was saved", file=sys.stderr)
+            return stop.exit_code
         except Exception as exc:
-            if not ctrl_c.pressed:
+            if stop.received is None:
                 raise
             what = (str(exc).strip().splitlines() or [""])[-1][:200]
-            print(f"dgls: interrupted: Ctrl-C stopped the run ({type(exc).__name__}: {what})", file=sys.stderr)
-            return INTERRUPT_EXIT
-
-
-class _CtrlC:
-    """Notes whether Ctrl-C (SIGINT) arrived while the program ran; Python's own handling is kept (the
-    handler raises ``KeyboardInterrupt`` as Python's does). Installed only from the main thread over
-    Python's default handler, and the previous handler is restored on exit."""
-
-    def __init__(self) -> None:
-        self.pressed = False
-        self._previous: Any = None
-
-    def _on_sigint(self, signum: int, frame: Any) -> None:
-        self.pressed = True
-        signal.default_int_handler(signum, frame)
-
-    def __enter__(self) -> _CtrlC:
-        if threading.current_thread() is threading.main_thread():
-            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-                self._previous = signal.signal(signal.SIGINT, self._on_sigint)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+            signal_name = "Ctrl-C" if stop.received == signal.SIGINT else "SIGTERM"
+            print(f"dgls: {stop.how}: {signal_name} stopped the run ({type(exc).__name__}: {what})", file=sys.stderr)
+            return stop.exit_code

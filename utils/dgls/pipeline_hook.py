@@ -58,6 +58,22 @@ class Stage:
         return f"stage {self.stage_id + 1} of {self.num_stages} (layers {self.start}-{self.stop - 1}): "
 
 
+def check_every_stage_has_layers(parts: list[int], count: int) -> None:
+    """DeepSpeed's split of the layer list (stage i holds ``parts[i]:parts[i + 1]``) leaves no stage empty.
+
+    With more stages than layers (or a split by parameters that gives one stage nothing) the process of an
+    empty stage could place nothing while the others go on into gloo and fail there. Every process sees the
+    whole split, so every one of them stops here, with the same line, before any of them communicates."""
+    empty = [i + 1 for i in range(len(parts) - 1) if parts[i + 1] <= parts[i]]
+    if empty:
+        stages = len(parts) - 1
+        raise DGLSUserError(
+            f"pipeline_stages = {stages} leaves pipeline stage(s) {', '.join(map(str, empty))} of {stages} without "
+            f"any of the model's {count} layers: set pipeline_stages lower in the training TOML"
+            + (f" ({count} at most)" if stages > count else "")
+        )
+
+
 class StageHook:
     """A context manager: while it is open, each ``PipelineModule`` built calls ``install(stage)``, which
     returns the stage's swapper (or None)."""
@@ -81,6 +97,8 @@ class StageHook:
 
     def _wrap_build(self, original):
         def build_then_install(module, *args, **kwargs):
+            if (parts := getattr(module, "parts", None)) is not None:  # set by _partition_layers, before _build
+                check_every_stage_has_layers(parts, len(module._layer_specs))
             result = original(module, *args, **kwargs)
             grid = module._grid
             stage = Stage(

@@ -22,6 +22,7 @@ from .errors import DGLSUserError
 from .launch import DEMO_MODEL_TYPE, build_parser, check_known_type, load_toml, model_type
 from .paths import check_output_dir, check_output_file
 from .precision import dtype_of, is_fp8, name_of
+from .rendezvous import check_port
 from .spelling import check_dgls_table_name, check_passthrough_flags, check_top_level, did_you_mean
 
 # Arguments the deepspeed launcher adds (--local_rank=N) or its users write (--deepspeed): the demo takes them.
@@ -158,6 +159,7 @@ def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, 
     if values["dynamic_swapping"]:
         _check_demo_layers(settings, swap, resolved)
     dist = dist_env(os.environ, values["gpu_id"], resolved.given("gpu_id"))
+    _check_demo_stages(path, settings)
     if dist.world_size % settings.pipeline_stages:
         raise DGLSUserError(
             f"{path}: [demo] pipeline_stages = {settings.pipeline_stages} must divide the {dist.world_size} processes "
@@ -186,6 +188,7 @@ def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, 
         check_output_dir(settings.output_dir, where, count * 4 + SAFETENSORS_HEADER)
     if values["dynamic_swapping"]:
         check_precision(swap, {name_of(settings.dtype)}, False, f"[model] dtype = '{settings.dtype_name}'")
+    check_port(dist)  # last: the settings come first, whatever else holds the port
     return DemoRun(path, settings, values, swap, device, dist, tuple(notes))
 
 
@@ -210,6 +213,19 @@ def _check_demo_layers(settings, swap: SwapConfig, resolved: options.Resolved) -
                     f"of the {stages} stages ([demo] pipeline_stages) holds {smallest} of the {count}: set {name} "
                     f"<= {smallest}"
                 )
+
+
+def _check_demo_stages(path: str, settings) -> None:
+    """Every pipeline stage gets layers: DeepSpeed's uniform split leaves the last stages empty when there are
+    more stages than layers, and a process with no layers stops while the others fail inside gloo."""
+    from .demo.model import layer_count
+
+    count = layer_count(settings.model)
+    if settings.pipeline_stages > count:
+        raise DGLSUserError(
+            f"{path}: [demo] pipeline_stages = {settings.pipeline_stages} is more than the model's {count} layers "
+            f"(double_blocks + single_blocks + 2), so a stage would have none: set pipeline_stages to {count} or fewer"
+        )
 
 
 _OFFLOADS = {  # the flags that need activation checkpointing, and what each sends to host memory
@@ -343,6 +359,7 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
         train_args += ["--master_port", str(dist.port)]
     if not dist.launched:
         train_args.append(f"--local_rank={dist.local_rank}")
+    check_port(dist)  # last: the settings come first, whatever else holds the port
     return DropInRun(path, config, checkout, tuple(train_args), values, swap, dist, tuple(notes))
 
 

@@ -168,7 +168,8 @@ def layer_count(cfg: DemoModelConfig) -> int:
 
 
 def build_layers(cfg: DemoModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> list[nn.Module]:
-    """The model as an ordered layer list, deterministic for a seed, all params frozen."""
+    """The model as an ordered layer list (:func:`layer_count` of them), deterministic for a seed, all params
+    frozen."""
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     layers: list[nn.Module] = [InitialLayer(cfg)]

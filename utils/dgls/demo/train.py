@@ -11,6 +11,7 @@ runs (``utils/dgls/validate.py``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import logging
 import os
@@ -31,6 +32,7 @@ from ..errors import DGLSUserError, RunInterrupted
 from ..monitor import MemoryMonitor
 from ..paths import new_run_dir
 from ..pipeline_hook import Stage, StageHook
+from ..rendezvous import peers_arrived
 from ..shm_op import without_shm_op
 from ..shm_space import check_before_start
 from ..stats import StepReader, StepWindow, human_bytes
@@ -111,7 +113,7 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     try:
-        with quiet_deepspeed():
+        with peers_arrived(run.dist), quiet_deepspeed():
             _init_distributed(run)
     except KeyboardInterrupt:
         raise _interrupted(0, s.steps) from None
@@ -162,12 +164,22 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
             destroy_process_group()
     if rank != 0 or planned_only:
         return result
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
-    name = "model.safetensors" if s.full else "adapter_model.safetensors"
-    result.lora_path = new_run_dir(s.output_dir) / name
-    save_file(result.lora, str(result.lora_path))
-    log(summary(result))
+    what = "model" if s.full else "LoRA"
+    path: Path | None = None
+    try:
+        data = save(result.lora)  # in memory first: a failed write is then Python's OSError, with its errno
+        try:
+            path = new_run_dir(s.output_dir) / ("model.safetensors" if s.full else "adapter_model.safetensors")
+        except OSError as exc:
+            raise DGLSUserError(cannot_save(exc, f"the trained {what}", len(data), s.output_dir)) from None
+        write_whole(path, data, f"the trained {what}", s.output_dir)
+        result.lora_path = path
+        log(summary(result))
+    except KeyboardInterrupt:
+        saved = f"the {what} was saved to {path}" if path is not None and path.is_file() else "nothing was saved"
+        raise RunInterrupted(f"stopped after all {s.steps} steps, while saving; {saved}") from None
     return result
 
 
@@ -177,6 +189,38 @@ def _interrupted(done: int, steps: int) -> RunInterrupted:
         f"stopped at step {done} of {steps}; nothing was saved (the demo saves its LoRA at the end, and has no "
         "checkpoint to resume from)"
     )
+
+
+def cannot_save(exc: OSError, what: str, size: int, output_dir: Path) -> str:
+    why = "its disk is full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else (exc.strerror or str(exc))
+    return (
+        f"could not save {what} ({size / 2**20:.1f} MiB) under {output_dir}: {why}; nothing was saved and no run "
+        "folder was left: free space there (or choose another output_dir) and run again"
+    )
+
+
+def write_whole(path: Path, data: bytes, what: str, output_dir: Path) -> None:
+    """Write ``data`` to ``path``, the file of a new run folder: the whole file, or no file and no run folder.
+
+    * the bytes go to a ``.partial`` file, renamed when complete: ``path`` never holds part of a save;
+    * a write that fails (a disk that filled during training: the free space was checked before it) is one
+      line that says so (:func:`cannot_save`), with the partial file and the run folder removed;
+    * an interrupt (Ctrl-C, SIGTERM) before the rename removes them too and is raised on: ``path`` exists
+      afterwards exactly when the save is whole."""
+    partial = path.with_name(path.name + ".partial")
+    try:
+        with open(partial, "wb") as f:
+            f.write(data)
+        os.replace(partial, path)
+    except BaseException as exc:
+        if path.is_file():  # saved whole; only what came after the rename was interrupted
+            raise
+        partial.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()  # the run folder, empty now
+        if isinstance(exc, OSError):
+            raise DGLSUserError(cannot_save(exc, what, len(data), output_dir)) from None
+        raise
 
 
 class HeldLog:

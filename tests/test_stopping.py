@@ -1,0 +1,183 @@
+"""How a run stops: SIGTERM as Ctrl-C (one line, clean-up done, 143), and a save that is whole or absent and
+reported as it is (Ctrl-C while saving, a disk that fills at the save).
+
+The demo runs in this process through dgls_train.py's entry point; signals are sent to this process from
+inside the run (at a step, or at the save). The launcher's own behaviour is in test_launch_lines.py (slow).
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import signal
+import time
+
+import pytest
+from cli_helpers import demo_toml, run_in_process
+
+import utils.dgls.demo.train as demo_train
+from utils.dgls.distributed import LAUNCHER_KEYS
+from utils.dgls.stop_signals import StopSignals
+
+
+@pytest.fixture
+def user_env(tmp_path, monkeypatch):
+    """No torch.distributed variables; the test's folder current; os.environ restored afterwards."""
+    saved = dict(os.environ)
+    for key in (*LAUNCHER_KEYS, "MASTER_ADDR", "MASTER_PORT", "DGLS_DIFFUSION_PIPE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(tmp_path)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_sigterm_raises_keyboard_interrupt_once_and_the_handlers_come_back():
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with StopSignals() as stop:
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.sigtimedwait([], 0.1)  # a bytecode boundary, where Python runs the handler
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher's SIGTERM after the first stop: the clean-up goes on
+        signal.sigtimedwait([], 0.1)
+        assert (stop.how, stop.exit_code) == ("terminated (SIGTERM)", 143)
+        with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C still interrupts
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.sigtimedwait([], 0.1)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_a_signal_ignored_by_whoever_started_the_process_stays_ignored(monkeypatch):
+    """nohup, or a shell's background job: SIG_IGN is kept."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        with StopSignals() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.sigtimedwait([], 0.1)
+            assert stop.received is None
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_forked_child_ends_on_sigterm_as_python_would():
+    """A multiprocessing pool (diffusion-pipe's caching) forks workers and ends them with SIGTERM: they die as
+    before, without a KeyboardInterrupt traceback each."""
+    ready, told = os.pipe()
+    with StopSignals():
+        pid = os.fork()
+        if pid == 0:  # the child: wait for the signal; a KeyboardInterrupt would exit 3
+            try:
+                os.write(told, b"x")  # Python drops signals that arrive while it sets up a forked child
+                time.sleep(30)
+            except BaseException:
+                os._exit(3)
+            os._exit(0)
+        os.read(ready, 1)
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+    os.close(ready)
+    os.close(told)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
+
+
+def signal_at_step(monkeypatch, signum: int, step: int) -> None:
+    """Send ``signum`` to this process when the demo reads memory after step ``step`` (once per step; the step
+    then counts as not done)."""
+    read = demo_train.MemoryMonitor.read
+    seen = []
+
+    def read_then_signal(monitor):
+        seen.append(1)
+        if len(seen) == step:
+            os.kill(os.getpid(), signum)
+        return read(monitor)
+
+    monkeypatch.setattr(demo_train.MemoryMonitor, "read", read_then_signal)
+
+
+def test_sigterm_in_the_demo_is_one_line_like_ctrl_c(tmp_path, user_env, monkeypatch, capsys):
+    """Before: Python's default ended the process at once, with no line and no clean-up."""
+    signal_at_step(monkeypatch, signal.SIGTERM, 3)
+    code, _out, err = run_in_process(["--config", str(demo_toml(tmp_path, steps=30))], capsys)
+    assert code == 143, err
+    assert err == (
+        "dgls: terminated (SIGTERM): stopped at step 2 of 30; nothing was saved (the demo saves its LoRA at the end, "
+        "and has no checkpoint to resume from)\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_while_saving_says_the_lora_was_saved_when_it_was(tmp_path, user_env, monkeypatch, capsys):
+    """Ctrl-C once the file is written (during the summary): before, 'interrupted before training started;
+    nothing was saved' while the LoRA was on disk."""
+
+    def interrupted(result):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo_train, "summary", interrupted)
+    code, _out, err = run_in_process(["--config", str(demo_toml(tmp_path, steps=2))], capsys)
+    (run_dir,) = (tmp_path / "out").iterdir()
+    saved = run_dir / "adapter_model.safetensors"
+    assert code == 130 and saved.is_file() and list(run_dir.iterdir()) == [saved], err
+    assert err == f"dgls: interrupted: stopped after all 2 steps, while saving; the LoRA was saved to {saved}\n"
+
+
+def test_ctrl_c_before_the_save_is_whole_leaves_no_file_and_no_run_folder(tmp_path, user_env, monkeypatch, capsys):
+    """A save interrupted before its file is complete: nothing under the file's name, and no empty run folder."""
+
+    def interrupted_rename(source, target):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo_train.os, "replace", interrupted_rename)
+    code, _out, err = run_in_process(["--config", str(demo_toml(tmp_path, steps=2))], capsys)
+    assert code == 130, err
+    assert err == "dgls: interrupted: stopped after all 2 steps, while saving; nothing was saved\n"
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+class FullDisk(io.BytesIO):
+    """A file on a disk that fills after 100 bytes."""
+
+    def write(self, data: bytes) -> int:
+        super().write(data[:100])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_disk_that_fills_at_the_save_is_one_line_and_leaves_no_empty_run_folder(
+    tmp_path, user_env, monkeypatch, capsys
+):
+    """The free space was checked before training; something else filled the disk meanwhile."""
+    written = []
+
+    def open_on_full_disk(path, mode):
+        written.append(path)
+        open(path, mode).close()  # the partial file exists, as on a real disk
+        return FullDisk()
+
+    monkeypatch.setattr(demo_train, "open", open_on_full_disk, raising=False)
+    out = tmp_path / "out"
+    code, _out, err = run_in_process(["--config", str(demo_toml(tmp_path, steps=2))], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"dgls: error: could not save the trained LoRA (0.4 MiB) under {out}: its disk is full; ")
+    assert "nothing was saved and no run folder was left: free space there" in err
+    assert written and list(out.iterdir()) == []
+
+
+def test_the_drop_in_interrupt_line_names_a_save_cut_short_as_incomplete(tmp_path):
+    """diffusion-pipe writes each save through a tmp folder inside it, removed once the save is written: Ctrl-C
+    while saving leaves it, and that save is not reported as saved."""
+    import time
+
+    from utils.dgls.diffusion_pipe import _what_was_saved
+
+    started = time.time() - 1
+    run_dir = tmp_path / "20260101_00-00-00"
+    (run_dir / "epoch1").mkdir(parents=True)
+    (run_dir / "epoch1" / "adapter_model.safetensors").write_bytes(b"x")
+    (run_dir / "epoch2" / "tmp").mkdir(parents=True)
+    assert _what_was_saved(tmp_path, started) == (
+        f"diffusion-pipe's run folder is {run_dir} (saved: epoch1, epoch2 (incomplete: stopped while saving)); it has "
+        "no checkpoint to resume from yet"
+    )

@@ -1,0 +1,118 @@
+"""How a DGLS process stops when it is asked to: SIGTERM like Ctrl-C, once, also when its launcher is gone.
+
+Python ends a process on SIGTERM at once, without running ``finally`` blocks or printing anything: no
+clean-up (DeepSpeed's /dev/shm buffer stays, a half-written save stays) and no line saying what was
+saved. The deepspeed launcher stops its processes with SIGTERM (right after the Ctrl-C they also got from
+the terminal, or when one of them failed), as schedulers and ``kill`` do. :class:`StopSignals` turns
+SIGTERM into what Ctrl-C is, a ``KeyboardInterrupt`` in the main thread, so the same clean-up and the same
+one line follow.
+
+What it cannot change is deepspeed's own launcher: Ctrl-C prints the ``deepspeed`` command's
+``KeyboardInterrupt`` traceback (it waits for launch.py without a handler), and SIGTERM or Ctrl-C sent to
+that command alone ends only it (on one machine it passes nothing on), leaving launch.py and every process
+of the job running. For that case, each process watches its launcher and stops as on SIGTERM once the
+``deepspeed`` command is gone; launch.py then sees a process fail and ends the others and itself.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from types import FrameType
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+DEFAULT_HANDLERS = (signal.SIG_DFL, signal.default_int_handler)
+LAUNCH_MODULE = "deepspeed.launcher.launch"  # launch.py, started by the `deepspeed` command on each machine
+WATCH_S = 1.0  # how often the launcher is looked at
+
+
+class StopSignals:
+    """A context manager around a whole run (``dgls_train.py``'s entry point).
+
+    * SIGTERM raises ``KeyboardInterrupt`` in the main thread, as SIGINT does;
+    * once a stop signal has arrived, SIGTERM is ignored, so the launcher's SIGTERM after the terminal's
+      Ctrl-C cannot cut the clean-up short (a second Ctrl-C still interrupts it);
+    * only default handlers are replaced: a signal that whoever started the process ignores (nohup, a
+      background job) stays ignored; outside the main thread nothing is installed;
+    * a process forked from this one (a multiprocessing pool's worker, which the pool ends with SIGTERM)
+      gets Python's default behaviour back, not a KeyboardInterrupt and its traceback;
+    * under deepspeed's launch.py, a daemon thread sends this process SIGTERM once the ``deepspeed`` command
+      that started launch.py is gone (launch.py has a new parent, or is gone itself);
+    * on exit the handlers from before are back and the watch thread stops.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None  # the first stop signal
+        self.launcher_gone = False
+        self._pid = os.getpid()
+        self._previous: dict[int, object] = {}
+        self._done = threading.Event()
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for signum in STOP_SIGNALS:
+            current = signal.getsignal(signum)
+            if current in DEFAULT_HANDLERS:
+                self._previous[signum] = current
+                signal.signal(signum, self._handle)
+        if signal.SIGTERM in self._previous:
+            self._watch_launcher()
+        return self
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self._pid:  # a forked child: what Python does by default
+            signal.signal(signum, self._previous[signum])
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signum)
+            return
+        if self.received is None:
+            self.received = signum
+            raise KeyboardInterrupt
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+    @property
+    def how(self) -> str:
+        """How the run was stopped, for its one line."""
+        if self.launcher_gone:
+            return "terminated (the deepspeed command that started this job is gone)"
+        return "terminated (SIGTERM)" if self.received == signal.SIGTERM else "interrupted"
+
+    @property
+    def exit_code(self) -> int:
+        """What a shell reports for a process ended by the signal: 128 + its number (130 for Ctrl-C)."""
+        return 128 + (self.received or signal.SIGINT)
+
+    def _watch_launcher(self) -> None:
+        import psutil
+
+        try:
+            launch = psutil.Process(os.getppid())
+            if LAUNCH_MODULE not in launch.cmdline():
+                return
+            command = launch.ppid()
+        except psutil.Error:
+            return
+
+        def watch() -> None:
+            while not self._done.wait(WATCH_S):
+                try:
+                    gone = launch.ppid() != command
+                except psutil.Error:
+                    gone = True
+                if gone:
+                    if self.received is None:
+                        self.launcher_gone = True
+                        os.kill(os.getpid(), signal.SIGTERM)
+                    return
+
+        threading.Thread(target=watch, name="dgls-launcher-watch", daemon=True).start()
