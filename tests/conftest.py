@@ -33,3 +33,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# What a user's shell does not have: torch.distributed's variables (a launcher sets them), the launcher's
+# local sizes, DGLS's checkout and rendezvous-timeout variables.
+USER_UNSET = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "LOCAL_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "DGLS_DIFFUSION_PIPE",
+    "DGLS_RENDEZVOUS_TIMEOUT",
+)
+
+
+@pytest.fixture
+def user_env(tmp_path, monkeypatch):
+    """A user's environment (none of ``USER_UNSET``), the test's folder as the current one; os.environ is
+    restored afterwards, as an in-process run sets the one-process job's variables."""
+    saved = dict(os.environ)
+    for key in USER_UNSET:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(tmp_path)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

@@ -27,10 +27,7 @@ from conftest import ROOT
 
 from utils.dgls import DGLSUserError, SwapConfig
 from utils.dgls.demo.model import DemoModelConfig, build_layers, layer_count
-from utils.dgls.distributed import LAUNCHER_KEYS, RENDEZVOUS_VAR
 from utils.dgls.spelling import check_passthrough_flags
-
-DIST_VARS = (*LAUNCHER_KEYS, "MASTER_ADDR", "MASTER_PORT", "DGLS_DIFFUSION_PIPE", RENDEZVOUS_VAR)
 
 
 @dataclass(frozen=True)
@@ -687,19 +684,6 @@ if NOT_ROOT:
     CASES.append(
         Case("output-dir-chmod", lambda t: demo(output_dir=str(t / "ro" / "out"))(t), "not writable", read_only)
     )
-
-
-@pytest.fixture
-def user_env(tmp_path, monkeypatch):
-    """No torch.distributed variables and no checkout variable, as on a user's machine; the test's
-    folder as the current one. os.environ is restored afterwards (a run may set variables)."""
-    saved = dict(os.environ)
-    for key in DIST_VARS:
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.chdir(tmp_path)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -21,19 +21,6 @@ from utils.dgls.launch import build_parser
 from utils.dgls.validate import prepare
 
 
-@pytest.fixture
-def user_env(tmp_path, monkeypatch):
-    """A user's environment (no torch.distributed variables), the test's folder as the current
-    one; os.environ is restored afterwards, as an in-process run sets the one-process job's."""
-    saved = dict(os.environ)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DGLS_DIFFUSION_PIPE"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.chdir(tmp_path)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 def run_dirs(folder):
     return sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
 

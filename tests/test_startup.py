@@ -25,7 +25,7 @@ import pytest
 import torch
 from cli_helpers import FAKE, deepspeed_cmd, demo_toml, fake_config, python_cmd, run_in_process
 from conftest import ROOT
-from helpers import DIST_KEYS, child_env
+from helpers import child_env
 
 from utils.dgls.distributed import DistEnv
 from utils.dgls.errors import DGLSUserError
@@ -64,18 +64,6 @@ def locked_extensions(tmp_path, monkeypatch):
 
     monkeypatch.setattr(FileBaton, "wait", wait)
     return SimpleNamespace(folder=folder, lock=lock)
-
-
-@pytest.fixture
-def user_env(tmp_path, monkeypatch):
-    """A user's shell (no torch.distributed variables), restored afterwards: an in-process run sets them."""
-    saved = dict(os.environ)
-    for key in (*DIST_KEYS, "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "DGLS_DIFFUSION_PIPE"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.chdir(tmp_path)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def files_under(folder: Path) -> list[str]:

@@ -17,20 +17,7 @@ import pytest
 from cli_helpers import demo_toml, run_in_process
 
 import utils.dgls.demo.train as demo_train
-from utils.dgls.distributed import LAUNCHER_KEYS
 from utils.dgls.stop_signals import StopSignals
-
-
-@pytest.fixture
-def user_env(tmp_path, monkeypatch):
-    """No torch.distributed variables; the test's folder current; os.environ restored afterwards."""
-    saved = dict(os.environ)
-    for key in (*LAUNCHER_KEYS, "MASTER_ADDR", "MASTER_PORT", "DGLS_DIFFUSION_PIPE"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.chdir(tmp_path)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def test_sigterm_raises_keyboard_interrupt_once_and_the_handlers_come_back():
