@@ -102,7 +102,7 @@ def test_host_updates_on_the_worker_use_three_quarters_of_the_threads_and_leave_
         assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(before)
-    assert set(seen) == {("dgls-worker", 3), ("MainThread", 4)}  # the host's, and the trainer's own AdamW
+    assert set(seen) == {("dgls-jobs", 3), ("MainThread", 4)}  # the host's, and the trainer's own AdamW
     assert_same(record, references("nonreentrant", names))
 
 

@@ -63,6 +63,24 @@ def test_the_mutation_skips_only_its_direction(monkeypatch, direction):
     assert {d for d, t in dsts.items() if torch.isnan(t).any()} == {direction}
 
 
+def test_a_copy_to_issue_never_waits_for_a_running_host_job():
+    """Copies and host optimizer jobs run on two threads: a copy is issued while a long host update runs (on one
+    thread it would have waited for the whole update, and the next layer's weights with it)."""
+    transport = Transport(CPU)
+    running, release = threading.Event(), threading.Event()
+    transport.copy_worker.start()
+    transport.job_worker.start()
+    try:
+        transport.job_worker.put(lambda: (running.set(), release.wait(10)))
+        assert running.wait(10)
+        issued = transport.copy_worker.put(lambda: None, urgent=True)
+        assert issued.wait(5), "the copy waited for the running job"
+        assert {transport.copy_worker.name, transport.job_worker.name} == {"dgls-copies", "dgls-jobs"}
+    finally:
+        release.set()
+        transport.close()
+
+
 def test_the_worker_runs_copies_to_issue_ahead_of_queued_jobs_in_order():
     worker = Worker()
     order, gate = [], threading.Event()

@@ -102,7 +102,7 @@ class Copier:
         self._slots: dict[Slot, _SlotState] = {}
         self.threaded = use_thread
         if use_thread:
-            transport.worker.start()
+            transport.copy_worker.start()
 
     # ---------------------------------------------------------------- protocol (main thread)
     def submit(self, requests: list[tuple[Slot, HostLayer, bool]], after: list | None = None) -> list[Token]:
@@ -126,7 +126,8 @@ class Copier:
             state.write = token
             tokens.append(token)
         if self.threaded:
-            self.transport.worker.put(partial(self._issue_later, tokens), urgent=True, failed=partial(_wake, tokens))
+            worker = self.transport.copy_worker
+            worker.put(partial(self._issue_later, tokens), urgent=True, failed=partial(_wake, tokens))
         else:
             self._issue(tokens)
         return tokens
@@ -157,20 +158,20 @@ class Copier:
     # ---------------------------------------------------------------- lifecycle
     def check(self) -> None:
         """Surface a worker failure in the calling thread."""
-        self.transport.worker.check()
+        self.transport.copy_worker.check()
 
     def drain(self) -> None:
         """Wait until every submitted write has been issued and has finished."""
         if self.threaded:
-            worker = self.transport.worker
+            worker = self.transport.copy_worker
             worker.wait(worker.put(_nothing, urgent=True))
         self.transport.synchronize(Direction.WEIGHTS_IN)
         self.check()
 
     def close(self) -> None:
         """Wait for outstanding copies and drop what this copier holds of the pool (tokens, slots must not
-        outlive ``remove()``); the transport stops its worker thread itself."""
-        if self.threaded and self.transport.worker.error is None:
+        outlive ``remove()``); the transport stops its worker threads itself."""
+        if self.threaded and self.transport.copy_worker.error is None:
             self.drain()
         self.transport.synchronize(Direction.WEIGHTS_IN)
         self._slots.clear()
@@ -178,7 +179,7 @@ class Copier:
 
     def _wait_issued(self, token: Token) -> None:
         if not token.issued.is_set():
-            self.transport.worker.wait(token.issued)
+            self.transport.copy_worker.wait(token.issued)
         self.check()
 
     def _issue_later(self, tokens: list[Token]) -> None:

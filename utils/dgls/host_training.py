@@ -41,10 +41,9 @@ Mechanics
 
 Device updates (``--host_adam device``, :mod:`.device_update`): the update of step 3 runs on the
 device instead, its master and moments copied in and back out through the transport's optimizer-state
-directions; on CUDA it is
-enqueued at once (no job), and a fetch of the layer waits for it on the device (``wait_update`` returns
-its event, a gate of the copy). With one micro-batch a step it reads the gradient landings (after their
-copies, an event), as host updates do.
+directions; on CUDA it is enqueued at once (no job), and a fetch of the layer waits for it on the device
+(``wait_update`` returns its :class:`~.transport.Copy`, a gate of the weight copy). With one micro-batch
+a step it reads the gradient landings (after their copies), as host updates do.
 
 Split updates (``--host_adam split``, :mod:`.update_split`): before a step's updates are queued, each
 layer is given to the device or to the host (torch's fused CPU AdamW), whichever would finish it sooner
@@ -65,8 +64,8 @@ every core busy on the update it was descheduled, which made the step slower wit
 with fewer (benchmarks/results/noclip_omp16.md, noclip_omp12.md, noclip_omp8.md). The update is
 elementwise, so its numbers do not depend on the thread count; the norms (reductions, whose numbers do)
 keep the default. ``torch.set_num_threads`` also sets the count that a thread running its
-first parallel kernel meanwhile takes up for good; it is restored after each update, and DGLS's own other
-thread (the copier's) only copies, whose numbers do not depend on it either.
+first parallel kernel meanwhile takes up for good; it is restored after each update, and the transport's
+other worker thread (the copier's) only issues copies, whose numbers do not depend on it either.
 
 Hazards handled
     - A landing is rewritten by the next micro-batch's copy only after its accumulation finished.
@@ -204,7 +203,7 @@ class HostTraining:
     ) -> None:
         self.spec, self.implementation = spec, spec.kernel
         self.transport = transport  # gradients home (its CPU backend lands them late unless ``threaded``)
-        self.worker = transport.worker  # the jobs (accumulations, host updates) run on its thread, or deferred
+        self.worker = transport.job_worker  # the jobs (accumulations, host updates) run on its thread, or deferred
         self._late_grads = not threaded
         self.updater = updater
         # with one micro-batch a step, updates read it straight from its landings (no fp32 sum on the host)

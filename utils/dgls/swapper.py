@@ -709,7 +709,7 @@ class LayerSwapper:
 
     def remove(self) -> None:
         """Put every module back as it was (params and buffers on their original devices, in their
-        original dtypes); free the pool, the pinned memory, the hooks and the copier thread. Also undoes
+        original dtypes); free the pool, the pinned memory, the hooks and the transport's worker threads. Also undoes
         a swapper whose construction failed half-way (the parts it did not get to are skipped). Values
         ``cast_target`` rounded (fp8, or a 16-bit TO) come back rounded: the originals are not kept, since
         keeping them would double the host RAM a large model needs."""

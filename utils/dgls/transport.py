@@ -1,4 +1,4 @@
-"""Transport: the one owner of DGLS's copy streams, events and worker thread, for every direction.
+"""Transport: the one owner of DGLS's copy streams, events and worker threads, for every direction.
 
 A copy is a copy whatever it carries. Clients keep their policies (which bytes move, and when) and
 say what to move in one vocabulary:
@@ -18,12 +18,15 @@ Who owns what:
 - Every CUDA stream DGLS creates is created in :meth:`CudaTransport.__init__`, one (or, for
   weights, ``weight_lanes``) per :class:`Direction`, each with a comment saying why.
 - Every event is recorded here (:meth:`mark`, :meth:`issue`).
-- The one worker thread (:class:`Worker`): the weight copier's issuing (``--threading``) and the
-  host optimizer's jobs run on it, in submission order, copies to issue ahead of queued jobs.
+- The worker threads (:class:`Worker`), two of them, each for one kind of work, in submission order:
+  ``copy_worker`` issues the weight copier's copies (``--threading``), ``job_worker`` runs the host
+  optimizer's jobs (gradient sums, updates). Two, because an item cannot be interrupted: on one
+  thread a copy the next layer needs would wait for the host update that is running, which takes
+  many times a copy's issuing.
 - One delay hook for tests (:attr:`Transport.delay`, CUDA): a ``torch.cuda._sleep`` before the work
   of every copy of a direction, so every GPU ordering test widens every race the same way.
 - One listener event per copy (``copied(copy)``), with its direction and bytes, for the stats, the
-  profiler and the planner.
+  profiler.
 
 Backends:
 
@@ -115,7 +118,8 @@ class Transport:
         # Tests (CUDA): torch.cuda._sleep cycles before the work of every copy of a direction (the one delay hook)
         self.delay: dict[Direction, int] = {}
         self.poison = False  # tests (CUDA): device destinations of a submit hold NaN bytes until the copy lands
-        self.worker = Worker()
+        self.copy_worker = Worker("dgls-copies")  # issues weight copies (--threading): never behind an update
+        self.job_worker = Worker("dgls-jobs")  # host optimizer jobs: gradient sums and updates
 
     # ---------------------------------------------------------------- vocabulary
     def submit(
@@ -202,8 +206,9 @@ class Transport:
         """Block until everything enqueued on these directions' streams (all, if none given) ran."""
 
     def close(self) -> None:
-        """Stop the worker thread (after the work it was given) and wait for every stream."""
-        self.worker.close()
+        """Stop the worker threads (after the work they were given) and wait for every stream."""
+        self.copy_worker.close()
+        self.job_worker.close()
         self.synchronize()
 
     # ---------------------------------------------------------------- mechanism
@@ -408,7 +413,7 @@ def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]], then: Callable[[
         then()
 
 
-# -------------------------------------------------------------------- the worker thread
+# -------------------------------------------------------------------- the worker threads
 @dataclass(eq=False)
 class _Item:
     run: Callable[[], None]
@@ -417,8 +422,8 @@ class _Item:
 
 
 class Worker:
-    """The one worker thread: runs work in submission order, work marked ``urgent`` (copies to issue) ahead
-    of queued jobs (host optimizer updates), so a copy never queues behind a whole step's updates.
+    """A worker thread: runs work in submission order, work marked ``urgent`` ahead of queued jobs (the
+    transport has one for copies to issue and one for host optimizer jobs, so neither waits for the other).
 
     Until :meth:`start` (a client that wants the thread), nothing runs by itself: :meth:`wait` runs the
     queued work in order on the calling thread up to what it waits for (deferred, the CPU tests' mode, where
