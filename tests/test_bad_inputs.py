@@ -733,6 +733,62 @@ def test_train_py_flags_and_their_abbreviations_pass_through(tmp_path):
     check_passthrough_flags(["--trust_cache"], tmp_path, ["--vram_budget"])
 
 
+def test_an_abbreviated_train_py_flag_reaches_train_py_in_full_and_an_ambiguous_one_is_refused(tmp_path):
+    """DGLS's own checks of train.py's flags (the resume check, --reset_optimizer) match full names: an
+    abbreviation is written out before they run and before train.py gets it; one that abbreviates several of
+    train.py's flags (diffusion-pipe's --reset: three --reset_* flags) is one line naming them, where
+    train.py's argparse would stop with a usage dump after its imports (issue 39 review)."""
+    (tmp_path / "train.py").write_text(
+        "".join(
+            f"parser.add_argument('{flag}', action='store_true')\n"
+            for flag in (
+                "--resume_from_checkpoint",
+                "--reset_dataloader",
+                "--reset_optimizer",
+                "--reset_optimizer_params",
+                "--regenerate_cache",
+            )
+        )
+    )
+    args = [
+        "--resume",
+        "run1",
+        "--reset_optimizer",
+        "--reset_optimizer_p",
+        "--reg",
+        "--deepspeed_c=z.json",
+        "--",
+        "--res",
+    ]
+    assert check_passthrough_flags(args, tmp_path, []) == [
+        "--resume_from_checkpoint",
+        "run1",
+        "--reset_optimizer",
+        "--reset_optimizer_params",
+        "--regenerate_cache",
+        "--deepspeed_config=z.json",
+        "--",
+        "--res",
+    ]
+    expected = (
+        "--reset is ambiguous: it abbreviates train.py's --reset_dataloader, --reset_optimizer, "
+        "--reset_optimizer_params: write the flag in full"
+    )
+    with pytest.raises(DGLSUserError) as raised:
+        check_passthrough_flags(["--reset"], tmp_path, [])
+    assert str(raised.value) == expected
+
+
+def test_an_abbreviated_resume_flag_is_checked_up_front_and_passed_in_full(tmp_path):
+    """``--resume`` resumed in train.py (its argparse expands it) but skipped DGLS's resume check."""
+    from utils.dgls.validate import prepare
+
+    with pytest.raises(DGLSUserError, match="has no earlier run to resume"):
+        prepare(dp("--resume")(tmp_path), ROOT)
+    run = prepare(dp("--cache")(tmp_path), ROOT)
+    assert "--cache_only" in run.train_args and "--cache" not in run.train_args
+
+
 LISTEN = "import socket, sys, time\ns = socket.socket()\ns.bind(('127.0.0.1', 0))\ns.listen()\n"
 LISTEN += "print(s.getsockname()[1], flush=True)\ntime.sleep(60)\n"
 

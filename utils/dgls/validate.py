@@ -315,7 +315,7 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
         check_known_type(kind, None)  # a typo reads better as "unknown model type" than "no checkout"
         raise
     check_known_type(kind, checkout)
-    check_passthrough_flags(rest, checkout, dgls_flags())
+    rest = check_passthrough_flags(rest, checkout, dgls_flags())  # abbreviations of train.py's flags in full
     values, notes = resolved.values, list(resolved.notes)
     swapping = values["dynamic_swapping"]
     dp_config.check_train_config(config, path, swapping)
