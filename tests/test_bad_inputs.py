@@ -415,8 +415,21 @@ CASES = [
     Case(
         "demo-stages-not-dividing",
         demo(pipeline_stages=3),
-        "pipeline_stages = 3 must divide the 2 processes",
+        "pipeline_stages = 3 must divide the 2 process(es) the launcher started: launch with deepspeed "
+        "--num_gpus=3 dgls_train.py --deepspeed --config ",
         env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"),
+    ),
+    # the layout in the order a user fixes it: the stages need processes before a stage's placement is checked
+    Case(
+        "demo-stages-one-process-before-placement",
+        demo("--blocks_to_swap", "3", pipeline_stages=4),
+        "[demo] pipeline_stages = 4 runs one process per stage, and python dgls_train.py starts 1 process: launch "
+        "with deepspeed --num_gpus=4 dgls_train.py --deepspeed --config ",
+    ),
+    Case(
+        "demo-stages-more-than-layers-before-placement",
+        demo("--blocks_to_swap", "5", pipeline_stages=4, double_blocks=1, single_blocks=0),
+        "[demo] pipeline_stages = 4 is more than the model's 3 layers",
     ),
     Case(
         "rank-not-below-world-size",
