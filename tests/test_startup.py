@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cli_helpers import FAKE, deepspeed_cmd, demo_toml, fake_config, python_cmd, run_in_process
+from cli_helpers import FAKE, FAKE_TABLES, deepspeed_cmd, demo_toml, fake_config, python_cmd, run_in_process
 from conftest import ROOT
 from helpers import child_env
 
@@ -150,6 +150,27 @@ def test_a_stale_lock_of_the_host_adam_op_is_one_line_naming_the_file(empty_exte
     with pytest.raises(DGLSUserError, match=f"^{lock} is left from a build of DeepSpeed's cpu_adam op") as info:
         HostOptimizerSpec(implementation="deepspeed").build([torch.zeros(4, 4)])
     assert f"delete it (rm {lock})" in str(info.value)
+
+
+@pytest.mark.parametrize("drop_in", [False, True], ids=["demo", "drop-in"])
+def test_a_stale_host_adam_lock_is_refused_before_deepspeed_starts(drop_in, empty_extensions, tmp_path, user_env):
+    """A full fine-tune with --host_adam deepspeed: the lock is refused by the checks before anything starts
+    (it was refused only once DeepSpeed had started and placed the layers); DeepSpeed is not needed to find
+    it (the build folder is torch's)."""
+    from utils.dgls.validate import prepare
+
+    lock = empty_extensions / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    lock.write_text("")
+    if drop_in:
+        full = FAKE_TABLES.replace('[adapter]\ntype = "lora"\nrank = 4\n', "")
+        argv = ["--config", str(fake_config(tmp_path / "cfg", tables=full)), "--diffusion_pipe", str(FAKE)]
+    else:
+        argv = ["--config", str(demo_toml(tmp_path, base="demo_full.toml"))]
+    with pytest.raises(DGLSUserError, match=f"^{lock} is left from a build of DeepSpeed's cpu_adam op"):
+        prepare([*argv, "--host_adam", "deepspeed", "--blocks_to_swap", "2"], ROOT)
+    lock.unlink()
+    prepare([*argv, "--host_adam", "deepspeed", "--blocks_to_swap", "2"], ROOT)  # without the lock it passes
 
 
 def test_a_first_build_and_a_build_in_progress_are_said_before_loading(empty_extensions):

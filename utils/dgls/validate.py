@@ -280,8 +280,19 @@ def _drop_in_full_fine_tune(
         )
     steps = int(config.get("gradient_accumulation_steps", 1)) * resolved.values["lazy_lora_steps"]
     spec = dataclasses.replace(spec, implementation=resolved.values["host_adam"])
+    _check_host_adam_build(spec)
     clip = config.get("gradient_clipping", 1.0)  # train.py's default; 0 lets host updates start during backward
     return swap.replace(host_optimizer=spec, accumulation_steps=steps, clip_grads=bool(clip))
+
+
+def _check_host_adam_build(spec) -> None:
+    """``--host_adam deepspeed`` loads DeepSpeedCPUAdam, compiled on first use: a lock a stopped build left
+    is refused here, not after DeepSpeed started and placed the layers (where :func:`.jit_ops.before_loading`
+    says what is compiled)."""
+    if spec.implementation == "deepspeed":
+        from .jit_ops import refuse_stale_lock
+
+        refuse_stale_lock("cpu_adam")  # DeepSpeed's CPUAdamBuilder.NAME, on every accelerator
 
 
 def _full_fine_tune(path: str, settings, swap: SwapConfig, dist: DistEnv, resolved: options.Resolved) -> SwapConfig:
@@ -298,6 +309,7 @@ def _full_fine_tune(path: str, settings, swap: SwapConfig, dist: DistEnv, resolv
             "layers while training, and full fine-tuning places them once; give --blocks_to_swap or --gpu_layers"
         )
     spec = dataclasses.replace(settings.optimizer, implementation=resolved.values["host_adam"])
+    _check_host_adam_build(spec)
     return swap.replace(host_optimizer=spec, accumulation_steps=resolved.values["lazy_lora_steps"])
 
 
