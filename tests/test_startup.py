@@ -236,6 +236,33 @@ def test_a_job_that_will_share_refuses_a_read_only_shm_before_deepspeed_starts(t
     check_before_start(two, 1, True, {}, tmp_path, read_only)  # not said: Peers.discover checks, with every rank
 
 
+def test_the_demo_checks_shm_before_its_processes_meet(tmp_path, user_env, monkeypatch, capsys):
+    """As the drop-in does: a process refuses a /dev/shm it cannot share through on its own, before it waits
+    for the others (it checked inside ``peers_arrived``)."""
+    import contextlib
+
+    import utils.dgls.demo.train as demo_train
+
+    order = []
+
+    def check(dist, stages, streaming, environ):
+        order.append("check")
+        raise DGLSUserError("/dev/shm is read-only")
+
+    @contextlib.contextmanager
+    def meet(dist):
+        order.append("peers")
+        yield
+
+    monkeypatch.setattr(demo_train, "check_before_start", check)
+    monkeypatch.setattr(demo_train, "peers_arrived", meet)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    code, _out, err = run_in_process(["--config", str(demo_toml(tmp_path))], capsys)
+    assert (code, err) == (2, "dgls: error: /dev/shm is read-only\n")
+    assert order == ["check"]
+
+
 def test_every_rank_refuses_when_one_that_would_share_found_no_room():
     """Peers.discover gathers each rank's /dev/shm verdict, made before any rank writes: every rank
     gets the same list, so all refuse together and none waits in a barrier for a peer that stopped."""

@@ -90,12 +90,9 @@ class _BelowError(logging.Filter):
 
 def _init_distributed(run: DemoRun) -> None:
     """A one-process group (or the launcher's), with the environment checked in validate; without
-    DeepSpeed's CPU shared-memory op, which training never uses (:mod:`..shm_op`). A job whose
-    processes will share host memory first checks that /dev/shm takes files (:mod:`..shm_space`)."""
+    DeepSpeed's CPU shared-memory op, which training never uses (:mod:`..shm_op`)."""
     import deepspeed
 
-    s = run.settings
-    check_before_start(run.dist, s.pipeline_stages, run.values["dynamic_swapping"], os.environ)
     os.environ.update(run.dist.env)
     if not torch.distributed.is_initialized():
         backend = "nccl" if run.device.type == "cuda" else "gloo"
@@ -115,6 +112,9 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
     s, device = run.settings, run.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    # a job whose processes will share host memory checks that /dev/shm takes files (:mod:`..shm_space`) before
+    # its processes meet, as the drop-in does: each refuses on its own instead of waiting for the others
+    check_before_start(run.dist, s.pipeline_stages, run.values["dynamic_swapping"], os.environ)
     try:
         with peers_arrived(run.dist), quiet_deepspeed():
             _init_distributed(run)
