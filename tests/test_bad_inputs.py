@@ -94,10 +94,11 @@ def diffusers_flux(double: int, single: int) -> Callable[[Path, pytest.MonkeyPat
 
 
 def checkout_copy(
-    train_head: str = "", saver_head: str = "", submodules: tuple[str, ...] = ()
+    train_head: str = "", saver_head: str = "", submodules: tuple[str, ...] = (), remove: str | None = None
 ) -> Callable[[Path, pytest.MonkeyPatch], None]:
     """tmp/ckpt: the stand-in checkout with lines put before its train.py and utils/saver.py, and git submodules
-    (in .gitmodules) whose folders are empty, as in a clone without --recurse-submodules. The run imports from
+    (in .gitmodules) whose folders are empty, as in a clone without --recurse-submodules; ``remove``: a file
+    of it to delete (an incomplete checkout). The run imports from
     it in this process: sys.path and sys.argv are the test's own copies, and utils.pipeline is the stand-in's
     (loaded here, removed after the test) so that no module of the copy stays imported."""
 
@@ -110,6 +111,8 @@ def checkout_copy(
         (checkout / ".gitmodules").write_text(gitmodules)
         for folder in submodules:
             (checkout / folder).mkdir(parents=True)
+        if remove is not None:
+            (checkout / remove).unlink()
         mp.setattr(sys, "path", list(sys.path))
         mp.setattr(sys, "argv", list(sys.argv))
         spec = importlib.util.spec_from_file_location("utils.pipeline", FAKE / "utils" / "pipeline.py")
@@ -679,6 +682,20 @@ CASES += [
         "diffusion-pipe's train.py needs the Python package 'dgls_test_absent_package', which is not installed",
         checkout_copy(saver_head="import dgls_test_absent_package  # noqa\n"),
     ),
+    # a file of the checkout itself is missing: not a package to install
+    Case(
+        "dp-plan-saver-needs-a-file-of-the-checkout",
+        dp("--vram_budget", "1", "--plan", checkout="ckpt"),
+        "diffusion-pipe's train.py imports utils.dgls_test_absent_module, and the checkout {tmp}/ckpt has no "
+        "utils/dgls_test_absent_module.py: the checkout is incomplete",
+        checkout_copy(saver_head="import utils.dgls_test_absent_module  # noqa\n"),
+    ),
+    Case(
+        "dp-plan-checkout-without-saver",
+        dp("--vram_budget", "1", "--plan", checkout="ckpt"),
+        "the checkout {tmp}/ckpt has no utils/saver.py: the checkout is incomplete",
+        checkout_copy(remove="utils/saver.py"),
+    ),
     Case(
         "dp-submodule-not-cloned",
         dp("--no-dynamic_swapping", checkout="ckpt"),
@@ -709,7 +726,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tmp_path, monkeyp
     assert code == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dgls: error: "), err
-    assert case.message in lines[0], lines[0]
+    assert case.message.replace("{tmp}", str(tmp_path)) in lines[0], lines[0]
     assert snapshot(tmp_path) == before, "a refused run wrote files"
 
 
