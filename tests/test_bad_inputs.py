@@ -94,10 +94,11 @@ def diffusers_flux(double: int, single: int) -> Callable[[Path, pytest.MonkeyPat
 
 
 def checkout_copy(
-    train_head: str = "", saver_head: str = "", submodules: tuple[str, ...] = ()
+    train_head: str = "", saver_head: str = "", submodules: tuple[str, ...] = (), remove: str | None = None
 ) -> Callable[[Path, pytest.MonkeyPatch], None]:
     """tmp/ckpt: the stand-in checkout with lines put before its train.py and utils/saver.py, and git submodules
-    (in .gitmodules) whose folders are empty, as in a clone without --recurse-submodules. The run imports from
+    (in .gitmodules) whose folders are empty, as in a clone without --recurse-submodules; ``remove``: a file
+    of it to delete (an incomplete checkout). The run imports from
     it in this process: sys.path and sys.argv are the test's own copies, and utils.pipeline is the stand-in's
     (loaded here, removed after the test) so that no module of the copy stays imported."""
 
@@ -110,6 +111,8 @@ def checkout_copy(
         (checkout / ".gitmodules").write_text(gitmodules)
         for folder in submodules:
             (checkout / folder).mkdir(parents=True)
+        if remove is not None:
+            (checkout / remove).unlink()
         mp.setattr(sys, "path", list(sys.path))
         mp.setattr(sys, "argv", list(sys.argv))
         spec = importlib.util.spec_from_file_location("utils.pipeline", FAKE / "utils" / "pipeline.py")
@@ -415,8 +418,21 @@ CASES = [
     Case(
         "demo-stages-not-dividing",
         demo(pipeline_stages=3),
-        "pipeline_stages = 3 must divide the 2 processes",
+        "pipeline_stages = 3 must divide the 2 process(es) the launcher started: launch with deepspeed "
+        "--num_gpus=3 dgls_train.py --deepspeed --config ",
         env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"),
+    ),
+    # the layout in the order a user fixes it: the stages need processes before a stage's placement is checked
+    Case(
+        "demo-stages-one-process-before-placement",
+        demo("--blocks_to_swap", "3", pipeline_stages=4),
+        "[demo] pipeline_stages = 4 runs one process per stage, and python dgls_train.py starts 1 process: launch "
+        "with deepspeed --num_gpus=4 dgls_train.py --deepspeed --config ",
+    ),
+    Case(
+        "demo-stages-more-than-layers-before-placement",
+        demo("--blocks_to_swap", "5", pipeline_stages=4, double_blocks=1, single_blocks=0),
+        "[demo] pipeline_stages = 4 is more than the model's 3 layers",
     ),
     Case(
         "rank-not-below-world-size",
@@ -666,6 +682,20 @@ CASES += [
         "diffusion-pipe's train.py needs the Python package 'dgls_test_absent_package', which is not installed",
         checkout_copy(saver_head="import dgls_test_absent_package  # noqa\n"),
     ),
+    # a file of the checkout itself is missing: not a package to install
+    Case(
+        "dp-plan-saver-needs-a-file-of-the-checkout",
+        dp("--vram_budget", "1", "--plan", checkout="ckpt"),
+        "diffusion-pipe's train.py imports utils.dgls_test_absent_module, and the checkout {tmp}/ckpt has no "
+        "utils/dgls_test_absent_module.py: the checkout is incomplete",
+        checkout_copy(saver_head="import utils.dgls_test_absent_module  # noqa\n"),
+    ),
+    Case(
+        "dp-plan-checkout-without-saver",
+        dp("--vram_budget", "1", "--plan", checkout="ckpt"),
+        "the checkout {tmp}/ckpt has no utils/saver.py: the checkout is incomplete",
+        checkout_copy(remove="utils/saver.py"),
+    ),
     Case(
         "dp-submodule-not-cloned",
         dp("--no-dynamic_swapping", checkout="ckpt"),
@@ -696,7 +726,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tmp_path, monkeyp
     assert code == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dgls: error: "), err
-    assert case.message in lines[0], lines[0]
+    assert case.message.replace("{tmp}", str(tmp_path)) in lines[0], lines[0]
     assert snapshot(tmp_path) == before, "a refused run wrote files"
 
 
@@ -731,6 +761,62 @@ def test_train_py_flags_and_their_abbreviations_pass_through(tmp_path):
         check_passthrough_flags(["--trust_cache"], tmp_path, ["--vram_budget"])
     (tmp_path / "train.py").write_text("args = parse()\n")  # declares nothing this way: nothing is refused
     check_passthrough_flags(["--trust_cache"], tmp_path, ["--vram_budget"])
+
+
+def test_an_abbreviated_train_py_flag_reaches_train_py_in_full_and_an_ambiguous_one_is_refused(tmp_path):
+    """DGLS's own checks of train.py's flags (the resume check, --reset_optimizer) match full names: an
+    abbreviation is written out before they run and before train.py gets it; one that abbreviates several of
+    train.py's flags (diffusion-pipe's --reset: three --reset_* flags) is one line naming them, where
+    train.py's argparse would stop with a usage dump after its imports (issue 39 review)."""
+    (tmp_path / "train.py").write_text(
+        "".join(
+            f"parser.add_argument('{flag}', action='store_true')\n"
+            for flag in (
+                "--resume_from_checkpoint",
+                "--reset_dataloader",
+                "--reset_optimizer",
+                "--reset_optimizer_params",
+                "--regenerate_cache",
+            )
+        )
+    )
+    args = [
+        "--resume",
+        "run1",
+        "--reset_optimizer",
+        "--reset_optimizer_p",
+        "--reg",
+        "--deepspeed_c=z.json",
+        "--",
+        "--res",
+    ]
+    assert check_passthrough_flags(args, tmp_path, []) == [
+        "--resume_from_checkpoint",
+        "run1",
+        "--reset_optimizer",
+        "--reset_optimizer_params",
+        "--regenerate_cache",
+        "--deepspeed_config=z.json",
+        "--",
+        "--res",
+    ]
+    expected = (
+        "--reset is ambiguous: it abbreviates train.py's --reset_dataloader, --reset_optimizer, "
+        "--reset_optimizer_params: write the flag in full"
+    )
+    with pytest.raises(DGLSUserError) as raised:
+        check_passthrough_flags(["--reset"], tmp_path, [])
+    assert str(raised.value) == expected
+
+
+def test_an_abbreviated_resume_flag_is_checked_up_front_and_passed_in_full(tmp_path):
+    """``--resume`` resumed in train.py (its argparse expands it) but skipped DGLS's resume check."""
+    from utils.dgls.validate import prepare
+
+    with pytest.raises(DGLSUserError, match="has no earlier run to resume"):
+        prepare(dp("--resume")(tmp_path), ROOT)
+    run = prepare(dp("--cache")(tmp_path), ROOT)
+    assert "--cache_only" in run.train_args and "--cache" not in run.train_args
 
 
 LISTEN = "import socket, sys, time\ns = socket.socket()\ns.bind(('127.0.0.1', 0))\ns.listen()\n"

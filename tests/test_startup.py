@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cli_helpers import FAKE, deepspeed_cmd, demo_toml, fake_config, python_cmd, run_in_process
+from cli_helpers import FAKE, FAKE_TABLES, deepspeed_cmd, demo_toml, fake_config, python_cmd, run_in_process
 from conftest import ROOT
 from helpers import child_env
 
@@ -152,6 +152,27 @@ def test_a_stale_lock_of_the_host_adam_op_is_one_line_naming_the_file(empty_exte
     assert f"delete it (rm {lock})" in str(info.value)
 
 
+@pytest.mark.parametrize("drop_in", [False, True], ids=["demo", "drop-in"])
+def test_a_stale_host_adam_lock_is_refused_before_deepspeed_starts(drop_in, empty_extensions, tmp_path, user_env):
+    """A full fine-tune with --host_adam deepspeed: the lock is refused by the checks before anything starts
+    (it was refused only once DeepSpeed had started and placed the layers); DeepSpeed is not needed to find
+    it (the build folder is torch's)."""
+    from utils.dgls.validate import prepare
+
+    lock = empty_extensions / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    lock.write_text("")
+    if drop_in:
+        full = FAKE_TABLES.replace('[adapter]\ntype = "lora"\nrank = 4\n', "")
+        argv = ["--config", str(fake_config(tmp_path / "cfg", tables=full)), "--diffusion_pipe", str(FAKE)]
+    else:
+        argv = ["--config", str(demo_toml(tmp_path, base="demo_full.toml"))]
+    with pytest.raises(DGLSUserError, match=f"^{lock} is left from a build of DeepSpeed's cpu_adam op"):
+        prepare([*argv, "--host_adam", "deepspeed", "--blocks_to_swap", "2"], ROOT)
+    lock.unlink()
+    prepare([*argv, "--host_adam", "deepspeed", "--blocks_to_swap", "2"], ROOT)  # without the lock it passes
+
+
 def test_a_first_build_and_a_build_in_progress_are_said_before_loading(empty_extensions):
     from utils.dgls.jit_ops import before_loading, lock_holders
 
@@ -213,6 +234,33 @@ def test_a_job_that_will_share_refuses_a_read_only_shm_before_deepspeed_starts(t
     check_before_start(two, 1, False, {"LOCAL_SIZE": "2"}, tmp_path, read_only)  # nothing streams
     check_before_start(two, 1, True, {"LOCAL_SIZE": "1"}, tmp_path, read_only)  # one process per machine
     check_before_start(two, 1, True, {}, tmp_path, read_only)  # not said: Peers.discover checks, with every rank
+
+
+def test_the_demo_checks_shm_before_its_processes_meet(tmp_path, user_env, monkeypatch, capsys):
+    """As the drop-in does: a process refuses a /dev/shm it cannot share through on its own, before it waits
+    for the others (it checked inside ``peers_arrived``)."""
+    import contextlib
+
+    import utils.dgls.demo.train as demo_train
+
+    order = []
+
+    def check(dist, stages, streaming, environ):
+        order.append("check")
+        raise DGLSUserError("/dev/shm is read-only")
+
+    @contextlib.contextmanager
+    def meet(dist):
+        order.append("peers")
+        yield
+
+    monkeypatch.setattr(demo_train, "check_before_start", check)
+    monkeypatch.setattr(demo_train, "peers_arrived", meet)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    code, _out, err = run_in_process(["--config", str(demo_toml(tmp_path))], capsys)
+    assert (code, err) == (2, "dgls: error: /dev/shm is read-only\n")
+    assert order == ["check"]
 
 
 def test_every_rank_refuses_when_one_that_would_share_found_no_room():

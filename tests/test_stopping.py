@@ -84,6 +84,37 @@ def signal_at_step(monkeypatch, signum: int, step: int) -> None:
     monkeypatch.setattr(demo_train.MemoryMonitor, "read", read_then_signal)
 
 
+def test_a_failure_after_ctrl_c_at_start_up_is_one_line_without_deepspeeds_muted_output(
+    tmp_path, user_env, monkeypatch, capsys
+):
+    """Ctrl-C while DeepSpeed compiles an op stops the compiler too, and torch raises ``RuntimeError``
+    ("ninja: build stopped: interrupted by user"): the muted start-up output is not replayed (it was, above
+    the one line); a failure there without a stop signal (a bug) still replays it."""
+    stop_now = {"signal": True}
+
+    def start_up(run):
+        print("DeepSpeed start-up chatter")
+        if stop_now["signal"]:
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                signal.sigtimedwait([], 0.1)
+            except KeyboardInterrupt:  # what torch's build does: the interrupted ninja fails
+                raise RuntimeError("Error building extension: ninja: build stopped: interrupted by user") from None
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(demo_train, "_init_distributed", start_up)
+    code, out, err = run_in_process(["--config", str(demo_toml(tmp_path))], capsys)
+    assert code == 130, err
+    assert err == (
+        "dgls: interrupted: Ctrl-C stopped the run (RuntimeError: Error building extension: ninja: build stopped: "
+        "interrupted by user)\n"
+    )
+    stop_now["signal"] = False
+    with pytest.raises(RuntimeError, match="a bug"):
+        run_in_process(["--config", str(demo_toml(tmp_path))], capsys)
+    assert "DeepSpeed start-up chatter" in capsys.readouterr().err
+
+
 def test_sigterm_in_the_demo_is_one_line_like_ctrl_c(tmp_path, user_env, monkeypatch, capsys):
     """Before: Python's default ended the process at once, with no line and no clean-up."""
     signal_at_step(monkeypatch, signal.SIGTERM, 3)

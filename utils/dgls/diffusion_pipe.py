@@ -161,10 +161,10 @@ class PipelineInterception:
     def _saver_for_plan():
         try:
             import utils.saver as dp_saver
-        except ModuleNotFoundError as exc:
-            if exc.name not in ("utils", "utils.saver"):
-                raise  # a package the checkout's saver imports (imageio): run_drop_in names it
-            dp_saver = None
+        except ModuleNotFoundError:
+            # a package the checkout's saver imports (imageio), or a file of the checkout itself (utils/saver.py,
+            # utils/common.py: an incomplete checkout): run_drop_in names it (missing_module_error)
+            raise
         except ImportError as exc:
             raise DGLSUserError(
                 f"--plan: this checkout's utils/saver.py does not import ({exc}): check its requirements "
@@ -386,9 +386,22 @@ def empty_submodules(checkout: Path) -> list[str]:
 
 
 def missing_module_error(exc: ModuleNotFoundError, checkout: Path) -> DGLSUserError:
-    """The line for a module train.py could not import: from a submodule folder left empty, the git command
-    that fills it; otherwise the package to install (and the empty submodules, if there are any)."""
-    name = (exc.name or str(exc)).split(".")[0]
+    """The line for a module train.py could not import: a file of the checkout itself (``utils.*``), an
+    incomplete checkout; from a submodule folder left empty, the git command that fills it; otherwise the
+    package to install (and the empty submodules, if there are any)."""
+    full = exc.name or str(exc)
+    if full == "utils" or full.startswith("utils."):  # not a package to install: a file missing from a folder
+        path = full.replace(".", "/") + ".py"
+        if full.startswith("utils.dgls."):
+            return DGLSUserError(
+                f"{path} is missing next to dgls_train.py: copy the whole utils/dgls folder along with "
+                "dgls_train.py (see the README)"
+            )
+        return DGLSUserError(
+            f"diffusion-pipe's train.py imports {full}, and the checkout {checkout} has no {path}: the checkout is "
+            "incomplete; restore its files (git status, git checkout -- utils in the checkout) or clone it again"
+        )
+    name = full.split(".")[0]
     empty = empty_submodules(checkout)
     fill = f"git submodule update --init --recursive (in {checkout})"
     folder = SUBMODULE_MODULES.get(name)

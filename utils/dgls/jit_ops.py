@@ -17,12 +17,18 @@ it without a word. DGLS mutes DeepSpeed's start-up output, so a first build (min
   waits for;
 - no library built yet: one line saying what is compiled, where, and that it takes minutes.
 
+:func:`refuse_stale_lock` is the stale-lock refusal alone, without importing DeepSpeed, for the checks
+that run before anything starts (``--host_adam deepspeed`` in a full fine-tune: a stale lock is refused
+before DeepSpeed starts and places layers; the "compiling" line stays with :func:`before_loading`).
+
 Invariants: nothing is deleted or built here; an op the wheel carries, or one this process loaded
 already, is left alone (DeepSpeed takes no lock for them).
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
 import sys
 from collections.abc import Callable
@@ -50,10 +56,7 @@ def before_loading(builder_name: str, log: Callable[[str], None] = _say) -> None
     if lock.exists():
         holders = lock_holders(lock)
         if holders == []:
-            raise DGLSUserError(
-                f"{lock} is left from a build of DeepSpeed's {builder.name} op that was stopped, and every run "
-                f"would wait for it forever: delete it (rm {lock}) and start again"
-            )
+            raise _stale(lock, builder.name)
         if holders is None:  # no /proc: whether a build is running cannot be seen
             log(
                 f"DGLS: waiting for {lock}: another run may be building DeepSpeed's {builder.name} op (if none is, "
@@ -67,6 +70,44 @@ def before_loading(builder_name: str, log: Callable[[str], None] = _say) -> None
             f"DGLS: compiling DeepSpeed's {builder.name} op into {folder} (C++, once per machine and DeepSpeed "
             "version; minutes on a small CPU)"
         )
+
+
+def refuse_stale_lock(op_name: str) -> None:
+    """Refuse a lock that no running process holds in the build folder of the DeepSpeed op ``op_name`` (its
+    builder's ``NAME``, for example ``"cpu_adam"``), without importing DeepSpeed; an op the installed wheel
+    carries is left alone. A lock some process holds passes: :func:`before_loading` says whose build the run
+    waits for."""
+    if op_in_wheel(op_name):
+        return
+    lock = build_folder(op_name) / "lock"
+    if lock.exists() and lock_holders(lock) == []:
+        raise _stale(lock, op_name)
+
+
+def op_in_wheel(op_name: str) -> bool:
+    """Whether the installed DeepSpeed was built with ``op_name`` (its setup.py writes ``installed_ops`` into
+    ``git_version_info_installed.py``), read without importing DeepSpeed; False where that cannot be read
+    (DeepSpeed then compiles the op on first use)."""
+    try:
+        spec = importlib.util.find_spec("deepspeed")
+        origin = Path(spec.origin).parent / "git_version_info_installed.py"  # type: ignore[union-attr, arg-type]
+        tree = ast.parse(origin.read_text(encoding="utf-8"))
+    except (ImportError, AttributeError, TypeError, ValueError, OSError, SyntaxError):
+        return False
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "installed_ops" for t in node.targets):
+            try:
+                return bool(ast.literal_eval(node.value).get(op_name, False))
+            except (ValueError, AttributeError):
+                return False
+    return False
+
+
+def _stale(lock: Path, op_name: str) -> DGLSUserError:
+    return DGLSUserError(
+        f"{lock} is left from a build of DeepSpeed's {op_name} op that was stopped, and every run "
+        f"would wait for it forever: delete it (rm {lock}) and start again"
+    )
 
 
 def build_folder(name: str) -> Path:

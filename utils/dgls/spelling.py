@@ -7,9 +7,9 @@ know, so ``--vram_buget 10`` would reach its argparse (a usage dump after the im
 ``[dlgs]`` table would train with the defaults without a word.
 
 - Suggestions come from :func:`difflib.get_close_matches`; a name with no close match gets none.
-- Nothing here refuses a name someone reads: train.py's own flags (and their abbreviations, which
-  its argparse accepts) pass, and so do every top-level key of a diffusion-pipe config but those
-  that are spelled like ``dgls``.
+- Nothing here refuses a name someone reads: train.py's own flags pass (an unambiguous
+  abbreviation, which its argparse accepts, is written out in full), and so do every top-level key
+  of a diffusion-pipe config but those that are spelled like ``dgls``.
 """
 
 from __future__ import annotations
@@ -69,20 +69,44 @@ def train_py_flags(checkout: Path) -> set[str]:
     return found | set(DEEPSPEED_FLAGS) if found else set()
 
 
-def check_passthrough_flags(args: list[str], checkout: Path, dgls_flags: Iterable[str]) -> None:
-    """Arguments dgls_train.py does not know go to train.py: a flag train.py does not know either would
-    stop it after its imports with a usage dump (or be dropped, by a parser that ignores extras)."""
+def check_passthrough_flags(args: list[str], checkout: Path, dgls_flags: Iterable[str]) -> list[str]:
+    """The arguments dgls_train.py does not know, as train.py is to receive them: each abbreviation of one of
+    train.py's flags written out in full (``--resume`` -> ``--resume_from_checkpoint``).
+
+    Why: a flag train.py does not know either would stop it after its imports with a usage dump (or be
+    dropped, by a parser that ignores extras); an ambiguous abbreviation (``--reset``: three ``--reset_*``
+    flags) would too; and DGLS's own checks of train.py's flags (the resume check, ``--reset_optimizer``)
+    match full names only, so an abbreviation passed on as written would slip past them.
+
+    - A flag spelled out in full stays as it is; ``--flag=value`` keeps its value.
+    - Everything after a bare ``--`` is positional for argparse and passes unchanged.
+    - If train.py declares no flags this way, nothing is refused or expanded.
+    """
     known = train_py_flags(checkout)
     if not known:
-        return
-    for arg in args:
+        return list(args)
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return out + list(args[i:])
         if not arg.startswith("--"):
+            out.append(arg)
             continue
-        flag = arg.split("=", 1)[0]
-        if any(k.startswith(flag) for k in known):  # train.py's argparse takes unambiguous abbreviations
+        flag, sep, value = arg.partition("=")
+        if flag in known:
+            out.append(arg)
             continue
+        matches = sorted(k for k in known if k.startswith(flag))  # argparse takes an unambiguous abbreviation
+        if len(matches) == 1:
+            out.append(matches[0] + sep + value)
+            continue
+        if matches:
+            raise DGLSUserError(
+                f"{flag} is ambiguous: it abbreviates train.py's {', '.join(matches)}: write the flag in full"
+            )
         candidates = sorted(set(dgls_flags) | known)
         raise DGLSUserError(
             f"unknown argument {flag}{did_you_mean(flag, candidates)}: neither dgls_train.py nor this "
             f"checkout's train.py takes it (dgls_train.py --help lists the flags)"
         )
+    return out

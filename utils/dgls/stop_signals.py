@@ -116,3 +116,19 @@ class StopSignals:
                     return
 
         threading.Thread(target=watch, name="dgls-launcher-watch", daemon=True).start()
+
+
+def stop_signal_received() -> bool:
+    """Whether a stop signal has reached this process's :class:`StopSignals` (the one whose handler is
+    installed now); False where none is installed (outside ``dgls_train.py``'s entry point, or in a thread).
+
+    Why: code deep in a run (the demo's muted DeepSpeed start-up) must tell a failure that a stop signal
+    caused (Ctrl-C stops the compiler DeepSpeed waits on, which then raises ``RuntimeError``) from a bug,
+    and the entry point's object is not passed down that far. The installed handler is the process's own
+    record of which object handles its signals, so no module-level state is kept for this.
+    """
+    for signum in STOP_SIGNALS:
+        owner = getattr(signal.getsignal(signum), "__self__", None)
+        if isinstance(owner, StopSignals):
+            return owner.received is not None
+    return False

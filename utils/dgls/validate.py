@@ -156,15 +156,8 @@ def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, 
     settings = demo_settings(config, path)
     require_modules(("deepspeed", "peft", "safetensors", "tqdm"), "the demo needs it")
     values, notes = resolved.values, list(resolved.notes)
-    if values["dynamic_swapping"]:
-        _check_demo_layers(settings, swap, resolved)
     dist = dist_env(os.environ, values["gpu_id"], resolved.given("gpu_id"))
-    _check_demo_stages(path, settings)
-    if dist.world_size % settings.pipeline_stages:
-        raise DGLSUserError(
-            f"{path}: [demo] pipeline_stages = {settings.pipeline_stages} must divide the {dist.world_size} processes "
-            f"the launcher started: launch with --num_gpus={settings.pipeline_stages} (or a multiple of it)"
-        )
+    _check_demo_layout(path, settings, swap, dist, resolved)
     device = _demo_device(settings.device, resolved, dist)
     if values["vram_budget"] == "auto" and device.type != "cuda":
         raise DGLSUserError(f"{resolved.label('vram_budget')} auto measures free VRAM: give a number of GiB on CPU")
@@ -192,19 +185,45 @@ def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, 
     return DemoRun(path, settings, values, swap, device, dist, tuple(notes))
 
 
-def _check_demo_layers(settings, swap: SwapConfig, resolved: options.Resolved) -> None:
-    """Placement settings the demo model cannot hold, before DeepSpeed starts: its layer count follows from
-    [demo] double_blocks and single_blocks."""
+def _check_demo_layout(path: str, settings, swap: SwapConfig, dist: DistEnv, resolved: options.Resolved) -> None:
+    """The demo's layers, pipeline stages, processes and placement settings fit together, before DeepSpeed
+    starts: its layer count follows from [demo] double_blocks and single_blocks.
+
+    - One check, in the order a user fixes them (each fix can change what the next one says): stages
+      against layers, processes against stages, placement against the whole model, placement against
+      each stage's layers; a later check may assume the earlier ones held.
+    - Every stage gets layers: DeepSpeed's uniform split leaves the last stages empty when there are more
+      stages than layers, and a process with no layers stops while the others fail inside gloo.
+    - Placement is checked only where DGLS places layers (dynamic swapping on).
+    """
     from .demo.model import layer_count
 
     model = settings.model
+    count, stages = layer_count(model), settings.pipeline_stages
+    if stages > count:
+        raise DGLSUserError(
+            f"{path}: [demo] pipeline_stages = {stages} is more than the model's {count} layers "
+            f"(double_blocks + single_blocks + 2), so a stage would have none: set pipeline_stages to {count} or fewer"
+        )
+    if dist.world_size % stages:
+        command = f"deepspeed --num_gpus={stages} dgls_train.py --deepspeed --config {path}"
+        if dist.launched:
+            raise DGLSUserError(
+                f"{path}: [demo] pipeline_stages = {stages} must divide the {dist.world_size} process(es) the "
+                f"launcher started: launch with {command} (or a multiple of {stages} GPUs), or set pipeline_stages = 1"
+            )
+        raise DGLSUserError(
+            f"{path}: [demo] pipeline_stages = {stages} runs one process per stage, and python dgls_train.py "
+            f"starts 1 process: launch with {command}, or set pipeline_stages = 1"
+        )
+    if not resolved.values["dynamic_swapping"]:
+        return
     described = (
         f"the demo model ({model.double_blocks} double and {model.single_blocks} single blocks, with its input "
         "and output layers)"
     )
-    count, stages = layer_count(model), settings.pipeline_stages
     swap.check_layer_count(count, described, resolved.label)
-    if 1 < stages <= count:  # each stage places its own layers; DeepSpeed's uniform split: count // stages or 1 more
+    if stages > 1:  # each stage places its own layers; DeepSpeed's uniform split: count // stages or 1 more
         smallest = count // stages
         for name in ("blocks_to_swap", "initial_gpu_layers", "final_gpu_layers"):
             if (value := getattr(swap, name)) is not None and value > smallest:
@@ -213,19 +232,6 @@ def _check_demo_layers(settings, swap: SwapConfig, resolved: options.Resolved) -
                     f"of the {stages} stages ([demo] pipeline_stages) holds {smallest} of the {count}: set {name} "
                     f"<= {smallest}"
                 )
-
-
-def _check_demo_stages(path: str, settings) -> None:
-    """Every pipeline stage gets layers: DeepSpeed's uniform split leaves the last stages empty when there are
-    more stages than layers, and a process with no layers stops while the others fail inside gloo."""
-    from .demo.model import layer_count
-
-    count = layer_count(settings.model)
-    if settings.pipeline_stages > count:
-        raise DGLSUserError(
-            f"{path}: [demo] pipeline_stages = {settings.pipeline_stages} is more than the model's {count} layers "
-            f"(double_blocks + single_blocks + 2), so a stage would have none: set pipeline_stages to {count} or fewer"
-        )
 
 
 _OFFLOADS = {  # the flags that need activation checkpointing, and what each sends to host memory
@@ -274,8 +280,19 @@ def _drop_in_full_fine_tune(
         )
     steps = int(config.get("gradient_accumulation_steps", 1)) * resolved.values["lazy_lora_steps"]
     spec = dataclasses.replace(spec, implementation=resolved.values["host_adam"])
+    _check_host_adam_build(spec)
     clip = config.get("gradient_clipping", 1.0)  # train.py's default; 0 lets host updates start during backward
     return swap.replace(host_optimizer=spec, accumulation_steps=steps, clip_grads=bool(clip))
+
+
+def _check_host_adam_build(spec) -> None:
+    """``--host_adam deepspeed`` loads DeepSpeedCPUAdam, compiled on first use: a lock a stopped build left
+    is refused here, not after DeepSpeed started and placed the layers (where :func:`.jit_ops.before_loading`
+    says what is compiled)."""
+    if spec.implementation == "deepspeed":
+        from .jit_ops import refuse_stale_lock
+
+        refuse_stale_lock("cpu_adam")  # DeepSpeed's CPUAdamBuilder.NAME, on every accelerator
 
 
 def _full_fine_tune(path: str, settings, swap: SwapConfig, dist: DistEnv, resolved: options.Resolved) -> SwapConfig:
@@ -292,6 +309,7 @@ def _full_fine_tune(path: str, settings, swap: SwapConfig, dist: DistEnv, resolv
             "layers while training, and full fine-tuning places them once; give --blocks_to_swap or --gpu_layers"
         )
     spec = dataclasses.replace(settings.optimizer, implementation=resolved.values["host_adam"])
+    _check_host_adam_build(spec)
     return swap.replace(host_optimizer=spec, accumulation_steps=resolved.values["lazy_lora_steps"])
 
 
@@ -315,7 +333,7 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
         check_known_type(kind, None)  # a typo reads better as "unknown model type" than "no checkout"
         raise
     check_known_type(kind, checkout)
-    check_passthrough_flags(rest, checkout, dgls_flags())
+    rest = check_passthrough_flags(rest, checkout, dgls_flags())  # abbreviations of train.py's flags in full
     values, notes = resolved.values, list(resolved.notes)
     swapping = values["dynamic_swapping"]
     dp_config.check_train_config(config, path, swapping)

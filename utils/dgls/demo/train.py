@@ -36,6 +36,7 @@ from ..rendezvous import peers_arrived
 from ..shm_op import without_shm_op
 from ..shm_space import check_before_start
 from ..stats import StepReader, StepWindow, human_bytes
+from ..stop_signals import stop_signal_received
 from ..swapper import LayerSwapper
 from ..validate import DemoRun
 from .data import SyntheticLatents
@@ -59,8 +60,9 @@ class DemoResult:
 def quiet_deepspeed() -> Iterator[io.StringIO]:
     """DeepSpeed's start-up chatter (its accelerator warning, PipelineModule's layer listing, the
     topology) says nothing a demo user needs: it goes to a buffer, replayed on stderr if
-    something fails inside (a bug: a user mistake or Ctrl-C stays one line). Its logger is held at
-    ERROR for the block."""
+    something fails inside (a bug: a user mistake or Ctrl-C stays one line, and so does a failure
+    that follows a stop signal, such as the interrupted compiler's ``RuntimeError``:
+    :func:`..stop_signals.stop_signal_received`). Its logger is held at ERROR for the block."""
     logger = logging.getLogger("DeepSpeed")
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -73,7 +75,8 @@ def quiet_deepspeed() -> Iterator[io.StringIO]:
     except DGLSUserError:
         raise
     except Exception:
-        sys.stderr.write(buffer.getvalue())
+        if not stop_signal_received():
+            sys.stderr.write(buffer.getvalue())
         raise
     finally:
         logger.removeFilter(muted)
@@ -87,12 +90,9 @@ class _BelowError(logging.Filter):
 
 def _init_distributed(run: DemoRun) -> None:
     """A one-process group (or the launcher's), with the environment checked in validate; without
-    DeepSpeed's CPU shared-memory op, which training never uses (:mod:`..shm_op`). A job whose
-    processes will share host memory first checks that /dev/shm takes files (:mod:`..shm_space`)."""
+    DeepSpeed's CPU shared-memory op, which training never uses (:mod:`..shm_op`)."""
     import deepspeed
 
-    s = run.settings
-    check_before_start(run.dist, s.pipeline_stages, run.values["dynamic_swapping"], os.environ)
     os.environ.update(run.dist.env)
     if not torch.distributed.is_initialized():
         backend = "nccl" if run.device.type == "cuda" else "gloo"
@@ -112,6 +112,9 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
     s, device = run.settings, run.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    # a job whose processes will share host memory checks that /dev/shm takes files (:mod:`..shm_space`) before
+    # its processes meet, as the drop-in does: each refuses on its own instead of waiting for the others
+    check_before_start(run.dist, s.pipeline_stages, run.values["dynamic_swapping"], os.environ)
     try:
         with peers_arrived(run.dist), quiet_deepspeed():
             _init_distributed(run)
