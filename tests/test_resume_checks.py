@@ -264,25 +264,24 @@ def test_every_process_raises_the_problem_one_found(tmp_path):
 
 
 # ---------------------------------------------------------------- real DeepSpeed checkpoints, in this process
-# Slow: DeepSpeed's CPU process group start (its shared-memory op) and peft's import take most of 20 s.
+# Slow: DeepSpeed's CPU process group start and peft's import take most of 20 s.
 
 
 @pytest.fixture
 def process_group(monkeypatch):
     """A one-process gloo group, as train.py has when it loads a checkpoint; ended afterwards."""
-    import os
-
     import deepspeed
 
-    from utils.dgls.distributed import destroy_process_group, free_port, remove_deepspeed_shm
+    from utils.dgls.distributed import destroy_process_group, free_port
+    from utils.dgls.shm_op import without_shm_op
 
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
     for key, value in {**env, "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    with without_shm_op():  # as every DGLS run starts DeepSpeed: no C++ build, nothing in /dev/shm
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     yield
     destroy_process_group()
-    remove_deepspeed_shm(os.environ)
 
 
 def engine_with_dgls(layers, swap: SwapConfig, hooks=None):
