@@ -138,14 +138,12 @@ class Transport:
         stream's work so far: the sources were just produced there), then run ``then`` (CPU only: the CUDA
         weights path upcasts inside :meth:`issue`). ``late`` (CPU): the destinations (or ``poison``) hold NaN
         until the copy is acquired or landed; otherwise the bytes land now. ``into``: the token to fill."""
-        copy = into if into is not None else Copy(direction=direction)
-        if not copy.nbytes:
-            copy.nbytes = sum(src.nbytes for _, src in pairs)
+        copy = _token(direction, pairs, into)
         for gate in gates:
             self.land(gate)
         copy.pending = partial(_copy_pairs, pairs, then)
         if late:
-            for dst in poison if poison is not None else [dst for dst, _ in pairs]:
+            for dst in _poison_targets(pairs, poison):
                 _poison(dst)
         else:
             self._perform(copy)
@@ -274,12 +272,10 @@ class CudaTransport(Transport):
         then: Callable[[], None] | None = None,
     ) -> Copy:
         if self.poison:
-            for dst in poison if poison is not None else [dst for dst, _ in pairs]:
+            for dst in _poison_targets(pairs, poison):
                 if dst.device.type == "cuda":
                     _poison(dst)
-        copy = into if into is not None else Copy(direction=direction)
-        if not copy.nbytes:
-            copy.nbytes = sum(src.nbytes for _, src in pairs)
+        copy = _token(direction, pairs, into)
         with self.issue(direction, gates, into=copy, after_compute=after_compute):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
@@ -404,6 +400,19 @@ def _poison(tensor: torch.Tensor) -> None:
         tensor.fill_(float("nan"))
     else:
         tensor.fill_(POISON)
+
+
+def _token(direction: Direction, pairs: list[tuple[torch.Tensor, torch.Tensor]], into: Copy | None) -> Copy:
+    """The copy to hand out for ``pairs``: ``into`` (a token given out earlier) or a new one, with its bytes."""
+    copy = into if into is not None else Copy(direction=direction)
+    if not copy.nbytes:
+        copy.nbytes = sum(src.nbytes for _, src in pairs)
+    return copy
+
+
+def _poison_targets(pairs: list[tuple[torch.Tensor, torch.Tensor]], poison: list[torch.Tensor] | None):
+    """What holds NaN until a copy lands: ``poison`` where given, else the copy's destinations."""
+    return poison if poison is not None else [dst for dst, _ in pairs]
 
 
 def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]], then: Callable[[], None] | None) -> None:
