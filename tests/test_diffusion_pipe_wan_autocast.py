@@ -13,7 +13,7 @@ from functools import partial
 
 import pytest
 import torch
-from test_diffusion_pipe_wan_pieces import CHECKOUT, DIM, GRID, HEADS, Layer, sdpa_attention
+from test_diffusion_pipe_wan_pieces import CHECKOUT, DIM, HEADS, Layer, block_inputs, sdpa_attention
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -54,18 +54,8 @@ def run(wan, mode: str, keep: bool):
     layers = build(wan)
     lora = [p for layer in layers for name, p in layer.named_parameters() if "lora_" in name]
     assert lora and all(p.requires_grad for p in lora)
-    d = DIM // HEADS
-    freqs = torch.cat(
-        [
-            wan.rope_params(1024, d - 4 * (d // 6)),
-            wan.rope_params(1024, 2 * (d // 6)),
-            wan.rope_params(1024, 2 * (d // 6)),
-        ],
-        dim=1,
-    )
-    tokens = GRID[0] * GRID[1] * GRID[2]
-    x = torch.randn(1, tokens, DIM, requires_grad=True)
-    inputs = (x, torch.randn(1, 1, 6, DIM), torch.tensor([tokens]), torch.tensor([GRID]), freqs, torch.randn(1, 8, DIM))
+    inputs = block_inputs(wan)
+    x = inputs[0]
     ckpt = partial(checkpoint, use_reentrant=mode == "reentrant")
     config = SwapConfig(prefetch=1, checkpoint_units=True, keep_piece_outputs=True)
     with LayerSwapper(layers, config, device=torch.device("cpu"), log=None) if keep else nullcontext() as swapper:

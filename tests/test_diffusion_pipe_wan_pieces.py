@@ -52,11 +52,9 @@ class Layer(nn.Module):
         return x, e, seq_lens, grid_sizes, freqs, context
 
 
-def run(wan, mode: str, keep: bool):
-    torch.manual_seed(0)
-    layers = [Layer(wan.WanAttentionBlock("default", DIM, 2 * DIM, HEADS)) for _ in range(3)]
-    for p in (p for layer in layers for p in layer.parameters()):
-        p.requires_grad_(False)
+def block_inputs(wan) -> tuple:
+    """A Wan block's arguments at the test's size: hidden states (a leaf that requires grad), modulation, sequence
+    lengths, the token grid, rotary frequencies, context."""
     d = DIM // HEADS
     freqs = torch.cat(
         [
@@ -68,7 +66,16 @@ def run(wan, mode: str, keep: bool):
     )
     tokens = GRID[0] * GRID[1] * GRID[2]
     x = torch.randn(1, tokens, DIM, requires_grad=True)
-    inputs = (x, torch.randn(1, 1, 6, DIM), torch.tensor([tokens]), torch.tensor([GRID]), freqs, torch.randn(1, 8, DIM))
+    return x, torch.randn(1, 1, 6, DIM), torch.tensor([tokens]), torch.tensor([GRID]), freqs, torch.randn(1, 8, DIM)
+
+
+def run(wan, mode: str, keep: bool):
+    torch.manual_seed(0)
+    layers = [Layer(wan.WanAttentionBlock("default", DIM, 2 * DIM, HEADS)) for _ in range(3)]
+    for p in (p for layer in layers for p in layer.parameters()):
+        p.requires_grad_(False)
+    inputs = block_inputs(wan)
+    x = inputs[0]
     ckpt = partial(checkpoint, use_reentrant=mode == "reentrant")
     config = SwapConfig(prefetch=1, checkpoint_units=True, keep_piece_outputs=True, offload_recompute=True)
     with LayerSwapper(layers, config, device=torch.device("cpu"), log=None) if keep else nullcontext() as swapper:
