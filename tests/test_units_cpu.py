@@ -303,23 +303,21 @@ class RandomBlock(nn.Module):
         return x + self.second(x, scale=x[:, 1:2])[0]
 
 
-@pytest.mark.parametrize("mode", ["nonreentrant", "reentrant"])
-def test_kept_outputs_reproduce_random_draws_none_arguments_and_keywords(mode):
-    """Kept outputs, bitwise as plain per-layer checkpointing: each piece's rerun draws the dropout mask of its
-    first run, the recompute leaves the RNG where the skipped piece left it (the layer's own dropout after it
-    draws the same), and ``None`` inputs, keyword inputs and a ``None`` output pass through."""
+def assert_kept_equals_plain(build, shape, mode: str, reseed: int | None = None) -> None:
+    """Three frozen layers from ``build`` (two pieces each) under per-layer checkpoints: the output and input
+    gradient with ``keep_piece_outputs`` (every piece replayed) are bitwise those of plain checkpointing.
+    ``reseed``: the RNG seed set again just before the forward (layers that draw random numbers)."""
 
     def run(keep):
         torch.manual_seed(0)
-        layers = [RandomBlock() for _ in range(3)]
-        for p in (p for layer in layers for p in layer.parameters()):
-            p.requires_grad_(False)
-        x = torch.randn(4, 64, requires_grad=True)
+        layers = build()
+        x = torch.randn(*shape, requires_grad=True)
         ckpt = partial(checkpoint, use_reentrant=mode == "reentrant")
         config = SwapConfig(prefetch=1, checkpoint_units=True, keep_piece_outputs=True)
         with LayerSwapper(layers, config, device=CPU, log=None) if keep else nullcontext() as swapper:
             ckpt = swapper.checkpoint_function(ckpt) if keep else ckpt
-            torch.manual_seed(1)
+            if reseed is not None:
+                torch.manual_seed(reseed)
             h = x
             for layer in layers:
                 h = ckpt(layer, h)
@@ -329,6 +327,15 @@ def test_kept_outputs_reproduce_random_draws_none_arguments_and_keywords(mode):
 
     (out, grad), (kept_out, kept_grad) = run(False), run(True)
     assert torch.equal(out, kept_out) and torch.equal(grad, kept_grad)
+
+
+@pytest.mark.parametrize("mode", ["nonreentrant", "reentrant"])
+def test_kept_outputs_reproduce_random_draws_none_arguments_and_keywords(mode):
+    """Kept outputs, bitwise as plain per-layer checkpointing: each piece's rerun draws the dropout mask of its
+    first run, the recompute leaves the RNG where the skipped piece left it (the layer's own dropout after it
+    draws the same), and ``None`` inputs, keyword inputs and a ``None`` output pass through."""
+
+    assert_kept_equals_plain(lambda: [RandomBlock().requires_grad_(False) for _ in range(3)], (4, 64), mode, 1)
 
 
 AUTOCAST_SHAPE = flux_autocast.FluxShape(heads=4, image_side=8, text_tokens=16)  # Flux's head width, 4 heads
@@ -423,23 +430,7 @@ def test_a_reruns_inputs_are_leaves_where_the_pieces_inputs_were(mode):
     of plain checkpointing (a rerun of leaves alone differs at the second piece, one of views alone at the
     first)."""
 
-    def run(keep):
-        torch.manual_seed(0)
-        layers = [CastingBlock().requires_grad_(False) for _ in range(3)]
-        x = torch.randn(4, 8, 64, requires_grad=True)
-        ckpt = partial(checkpoint, use_reentrant=mode == "reentrant")
-        config = SwapConfig(prefetch=1, checkpoint_units=True, keep_piece_outputs=True)
-        with LayerSwapper(layers, config, device=CPU, log=None) if keep else nullcontext() as swapper:
-            ckpt = swapper.checkpoint_function(ckpt) if keep else ckpt
-            h = x
-            for layer in layers:
-                h = ckpt(layer, h)
-            h.square().sum().backward()
-            assert not keep or swapper._unit_checkpoints.replayed == 6
-        return h.detach(), x.grad
-
-    (out, grad), (kept_out, kept_grad) = run(False), run(True)
-    assert torch.equal(out, kept_out) and torch.equal(grad, kept_grad)
+    assert_kept_equals_plain(lambda: [CastingBlock().requires_grad_(False) for _ in range(3)], (4, 8, 64), mode)
 
 
 class ReordersInRecompute(nn.Module):
