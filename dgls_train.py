@@ -24,19 +24,17 @@ except ModuleNotFoundError as exc:  # an incomplete copy into a checkout, or a p
     missing = exc.name or str(exc)
     if missing.split(".")[0] == "utils":
         path = missing.replace(".", "/") + (".py" if missing.count(".") >= 2 else "/")
-        print(
+        sys.stderr.write(  # one write per line: DeepSpeed starts each process with python -u (errors.print_line)
             f"dgls: error: {path} is missing next to {Path(__file__).name} in {HERE}: "
-            "copy the whole utils/dgls folder along with dgls_train.py (see the README)",
-            file=sys.stderr,
+            "copy the whole utils/dgls folder along with dgls_train.py (see the README)\n"
         )
     else:
-        print(
-            f"dgls: error: the Python package {missing!r} is not installed: pip install -r requirements.txt",
-            file=sys.stderr,
+        sys.stderr.write(
+            f"dgls: error: the Python package {missing!r} is not installed: pip install -r requirements.txt\n"
         )
     sys.exit(2)
 except KeyboardInterrupt:  # Ctrl-C while torch loads
-    print("dgls: interrupted before training started; nothing was saved", file=sys.stderr)
+    sys.stderr.write("dgls: interrupted before training started; nothing was saved\n")
     sys.exit(130)
 
 

@@ -351,6 +351,20 @@ def test_what_a_ctrl_c_makes_a_child_process_raise_is_one_line(capsys):
         entry(build_failed)
 
 
+def test_every_one_line_message_is_one_write_as_under_python_u(monkeypatch):
+    """DeepSpeed's launcher starts each process with ``python -u``, where ``print`` writes a line's text and
+    its newline in two writes: three processes refusing the same setting printed ``lineline`` and empty
+    lines (CI, test_multi_process). Each message must reach stderr whole, in one write."""
+    writes: list[str] = []
+    monkeypatch.setattr(sys, "stderr", SimpleNamespace(write=writes.append, flush=lambda: None))
+
+    def refused() -> int:
+        raise DGLSUserError("pipeline_stages = 3 leaves a stage without layers")
+
+    assert entry(refused) == 2
+    assert writes == ["dgls: error: pipeline_stages = 3 leaves a stage without layers\n"]
+
+
 # ------------------------------------------------------------------ the real program (slow)
 
 

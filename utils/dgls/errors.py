@@ -4,6 +4,8 @@
 and exits; any other exception is a bug and keeps its traceback.
 """
 
+import sys
+
 
 class DGLSUserError(Exception):
     """A setting, file or machine limit the user can fix; the message says how."""
@@ -15,3 +17,11 @@ class RunInterrupted(Exception):
 
 class SwapWorkerError(RuntimeError):
     """The background prefetch worker failed; raised in the main thread."""
+
+
+def print_line(line: str) -> None:
+    """Write ``line`` and its newline to stderr in one write. DeepSpeed's launcher starts every process with
+    ``python -u``, where ``print`` writes the text and the newline separately, so the same error from three
+    processes came out as ``lineline`` and two empty lines."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

@@ -30,15 +30,14 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import DGLSUserError
+from .errors import DGLSUserError, print_line
 
 
 def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)  # stderr: DGLS mutes DeepSpeed's stdout while it starts
+    print_line(line)  # stderr: DGLS mutes DeepSpeed's stdout while it starts
 
 
 def before_loading(builder_name: str, log: Callable[[str], None] = _say) -> None:

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
 from . import options as opts
-from .errors import DGLSUserError, RunInterrupted
+from .errors import DGLSUserError, RunInterrupted, print_line
 from .stop_signals import StopSignals
 
 DEMO_MODEL_TYPE = "dgls_demo"
@@ -140,18 +139,18 @@ def entry(main: Callable[[], int]) -> int:
         try:
             return main()
         except DGLSUserError as exc:
-            print(f"dgls: error: {exc}", file=sys.stderr)
+            print_line(f"dgls: error: {exc}")
             return USER_ERROR_EXIT
         except RunInterrupted as exc:
-            print(f"dgls: {stop.how}: {exc}", file=sys.stderr)
+            print_line(f"dgls: {stop.how}: {exc}")
             return stop.exit_code
         except KeyboardInterrupt:
-            print(f"dgls: {stop.how} before training started; nothing was saved", file=sys.stderr)
+            print_line(f"dgls: {stop.how} before training started; nothing was saved")
             return stop.exit_code
         except Exception as exc:
             if stop.received is None:
                 raise
             what = (str(exc).strip().splitlines() or [""])[-1][:200]
             signal_name = "Ctrl-C" if stop.received == signal.SIGINT else "SIGTERM"
-            print(f"dgls: {stop.how}: {signal_name} stopped the run ({type(exc).__name__}: {what})", file=sys.stderr)
+            print_line(f"dgls: {stop.how}: {signal_name} stopped the run ({type(exc).__name__}: {what})")
             return stop.exit_code
