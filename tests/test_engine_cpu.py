@@ -308,10 +308,11 @@ def test_plan_only_with_explicit_placement_never_trains():
         assert swapper.plan_finished
 
 
-@pytest.mark.parametrize("where", ["host RAM", "device pool"])
+@pytest.mark.parametrize("where", ["host RAM", "device pool", "a feature"])
 def test_a_swapper_that_fails_to_start_changes_nothing(monkeypatch, where):
-    """Failing while packing the masters, or later (the pool: after layers were streamed), leaves the
-    modules exactly as they were, dtypes included (mixed_precision is applied last)."""
+    """Failing while packing the masters, while building the pool, or later (a feature's install: after layers
+    were streamed and the hooks installed) leaves the modules exactly as they were, dtypes included
+    (mixed_precision is applied last)."""
     layers, trainable = make_layers()
     before = {id(p): (p.detach().clone(), p.dtype) for layer in layers for p in layer.parameters()}
 
@@ -320,8 +321,10 @@ def test_a_swapper_that_fails_to_start_changes_nothing(monkeypatch, where):
 
     if where == "host RAM":
         monkeypatch.setattr("utils.dgls.masters.check_ram", fail)
+    elif where == "device pool":
+        monkeypatch.setattr("utils.dgls.build.DevicePool", fail)
     else:
-        monkeypatch.setattr("utils.dgls.swapper.DevicePool", fail)
+        monkeypatch.setattr("utils.dgls.forward_patches.ForwardPatches.install", fail)
     with pytest.raises(DGLSUserError, match="ran out"):
         LayerSwapper(layers, SwapConfig(mixed_precision="bf16", prefetch=1), device=CPU, log=None)
     for layer in layers:
@@ -329,3 +332,4 @@ def test_a_swapper_that_fails_to_start_changes_nothing(monkeypatch, where):
         for p in layer.parameters():
             value, dtype = before[id(p)]
             assert p.dtype == dtype and torch.equal(p, value)
+
