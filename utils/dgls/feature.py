@@ -27,9 +27,9 @@ What the engine promises
       param's value if this feature keeps it (full fine-tuning's fp32 masters), else ``None``.
     - ``pinned_bytes()``: whenever asked (stats, the memory monitor): page-locked host bytes it holds now.
     - ``describe()``: once, after ``install``: lines for the start-up report (none by default).
-    - ``close()``: once, from :meth:`~.swapper.LayerSwapper.remove`, even when construction failed before
-      ``install`` (so it must not assume ``install`` ran), before the transport closes: finish in-flight work,
-      undo what ``install`` changed, free memory.
+    - ``close()``: once, from :meth:`~.swapper.LayerSwapper.remove`, or from the builder when a part made after
+      the feature fails; so also without ``install``. Before the transport closes: finish in-flight work, undo
+      what ``install`` changed, free memory.
 
 Invariants
     - A feature gets what it needs at construction (from the builder) or through ``engine`` in ``install``:
