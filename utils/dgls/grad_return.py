@@ -17,19 +17,27 @@ Mechanics
        update (one micro-batch a step, nothing summed yet: no fp32 pass on the host), or summed by an
        *accumulate* job (the first batch of a step copies, as autograd assigns a first grad). On a step's
        last micro-batch the job also takes each summed param's norm, for clipping.
-    4. The update takes the step's gradients (:meth:`GradReturn.take`): the direct batch and the summed
+    4. The update takes the step's gradients (:meth:`LayerGrads.take`): the direct batch and the summed
        params, with the job the sums wait for.
 
-States (:class:`LayerGrads`, one per layer; every transition a method that asserts its start state)::
+States (:class:`LayerGrads`, one per layer; each transition is a method that asserts its start state)::
 
-               open                close_direct              take
-      IDLE ───────────► OPEN ──────────────────► DIRECT ──────────────► IDLE
-       ▲  ◄───────────── ▲ │                      │ promote (a second batch)
-       │     take        │ │ close_summed         ▼                take_early (no clipping)
-       │        open     │ └──────────────────► SUMMED ──────────────────────► QUEUED
-       └─────────────────┴────────────────────────┘   take                       │ settle (the step)
-                                                                                 ▼
-                                                                                IDLE
+    transition     from                    to       when
+    open           IDLE, SUMMED            OPEN     a grad of a new batch arrives
+    close_direct   OPEN                    DIRECT   the batch closes, one micro-batch a step, nothing summed
+    close_summed   OPEN                    SUMMED   the batch closes into the sums (an accumulate job)
+    promote        DIRECT                  SUMMED   a second batch arrives: the first is summed after all
+    take           IDLE, DIRECT, SUMMED    IDLE     the step queues the layer's update
+    take_early     DIRECT, SUMMED          QUEUED   no clipping: the step's last batch closed
+    settle         QUEUED                  IDLE     the step leaves the update queued early
+
+- IDLE: nothing of this step yet, or its update took the step's gradients (``take`` also from IDLE:
+  a layer without a gradient still gets its update).
+- OPEN: a batch collects grads; groups go home as they fill.
+- DIRECT: closed; the update reads its landings (one micro-batch a step, nothing summed).
+- SUMMED: closed into the fp32 sums; ``summing`` is the job that writes them. A grad arriving opens
+  the next batch once that job ran (it reads the landings the new batch's copies rewrite).
+- QUEUED: the update was queued during backward (no clipping); the step leaves it (``settle``).
 
 Threads
     - Every transition, and every field of :class:`LayerGrads` and :class:`TrainedParam`, is written by the
@@ -39,9 +47,10 @@ Threads
       result after :meth:`Jobs.wait` (the job's ``done`` event is the happens-before).
 
 Hazards handled
-    - A landing is rewritten by the next batch's copy only after the job summing it ran (``open`` waits
-      for ``summing``); a landing the update reads directly is rewritten only after a forward that waited
-      for that update (the engine's fetch, :meth:`~.host_training.HostTraining.wait_update`).
+    - A landing is rewritten by the next batch's copy only after the job summing it ran (the hook waits
+      for ``summing`` before ``open``); a landing the update reads directly is rewritten only after a
+      forward that waited for that update (the engine's fetch,
+      :meth:`~.host_training.HostTraining.wait_update`).
     - A grad waiting in a group is referenced only by the group; once sent, the transport keeps its
       device memory until the copy ran.
     - A param with no grad in a step keeps its layer's batch open to the end of the backward, but its
@@ -237,13 +246,12 @@ class TrainedLayer:
     in_groups: list[tuple[TrainedParam, dict]] = field(default_factory=list)
     numel: int = 0  # trained params
     flat: FlatLayer | None = None  # device updates in bf16/fp16: masters, state and landings back to back
-    grads: LayerGrads | None = None
+    grads: LayerGrads = field(init=False)  # its gradient state this step
     update: Job | None = None  # the latest update job not yet waited for (a fetch waits for it)
     home: Copy | None = None  # the latest device update's copy home, once known on the training thread
 
     def __post_init__(self) -> None:
-        if self.grads is None:
-            self.grads = LayerGrads(self.index)
+        self.grads = LayerGrads(self.index)
 
 
 # ---------------------------------------------------------------- the gradient return

@@ -31,6 +31,7 @@ step. ``cast_target`` pairs are applied here (:class:`~.precision.CastRules`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -305,7 +306,7 @@ class TrainedParamPlace:
 
     @property
     def numel(self) -> int:
-        return self.param.param.numel()
+        return math.prod(self.param.shape)  # the param itself may be streamed out (an empty placeholder)
 
     @property
     def own_master(self) -> bool:
@@ -383,11 +384,11 @@ class TrainingLayout:
             return None
         dtypes = {p.dtype for _, p in chosen}
         if self.device_updates and len(dtypes) == 1 and dtypes <= {torch.bfloat16, torch.float16}:
-            order = [kp for kp in chosen if kp[1].param.ndim > 1] + [kp for kp in chosen if kp[1].param.ndim <= 1]
+            order = [kp for kp in chosen if len(kp[1].shape) > 1] + [kp for kp in chosen if len(kp[1].shape) <= 1]
             flat, offset = {}, 0
             for k, p in order:
                 flat[k] = offset
-                offset += p.param.numel()
+                offset += math.prod(p.shape)
             params = tuple(TrainedParamPlace(k, p, flat[k], flat[k]) for k, p in chosen)
             return TrainedLayerPlace(idx, params, True, offset * chosen[0][1].dtype.itemsize)
         places, offset = [], 0
@@ -417,7 +418,7 @@ class TrainingLayout:
             dtype = layer.params[0].param.dtype
             masters, landing = held((total,), torch.float32), pinned((total,), dtype)
             state = {key: held((total,), torch.float32).zero_() for key in self.state_keys}
-            views = [(p.flat, p.numel, p.param.shape) for p in layer.params]
+            views = [(p.flat, p.numel, p.param.shape) for p in layer.params]  # ParamLayout shapes
             return TrainedBuffers(
                 [masters[o : o + n].view(shape) for o, n, shape in views],
                 [landing[o : o + n].view(shape) for o, n, shape in views],
