@@ -192,13 +192,19 @@ def test_a_landing_read_before_its_copy_landed_fails_with_one_micro_batch(monkey
 
 @pytest.mark.parametrize(
     "spec, dtype, accumulate",
-    [(SPEC, torch.float32, 2), (DEVICE_SPEC, torch.bfloat16, 1), (SPLIT_SPEC, torch.bfloat16, 1)],
-    ids=["host", "device-flat", "split-flat"],
+    [
+        (SPEC, torch.float32, 2),
+        (DEVICE_SPEC, torch.bfloat16, 1),
+        (SPLIT_SPEC, torch.bfloat16, 1),
+        (dataclasses.replace(SPEC, type="sgd", momentum=0.9, implementation="device"), torch.bfloat16, 1),
+    ],
+    ids=["host", "device-flat", "split-flat", "sgd-device-flat"],
 )
 def test_save_and_resume_equal_an_uninterrupted_run(spec, dtype, accumulate):
     """Two steps, save (model state dict with the true weights, host and trainer optimizer states); a new
     model and swapper load them and run the third step: the same losses and weights as three in a row.
-    Device and split updates in bf16 keep their moments in flat buffers, which a load refills."""
+    Device and split updates in bf16 keep their moments (SGD: its momentum buffers) in flat buffers, which a load
+    refills."""
     cfg = SwapConfig(host_optimizer=spec, accumulation_steps=accumulate)
     kw = {"accumulate": accumulate, "dtype": dtype}
     layers = full_layers(dtype)

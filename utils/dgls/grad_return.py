@@ -93,7 +93,10 @@ class Job:
 
 class Jobs:
     """Host jobs in submission order on the transport's job worker (its thread, or deferred: see
-    :class:`~.transport.Worker`), with the time they took and the time the training thread waited."""
+    :class:`~.transport.Worker`), with the time they took and the time the training thread waited.
+
+    - ``waited_s`` is written by the training thread, ``job_s`` by the thread that runs jobs (one at a
+      time); both are statistics that no decision reads."""
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker

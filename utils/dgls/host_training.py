@@ -107,6 +107,8 @@ class HostTraining:
         self.direct = accumulation_steps == 1
         self.lr_source: Callable[[], float | None] = lambda: None  # the lr of early updates (clipping off)
         self.layout = layout or training_layout({i: h.layout for i, h in layers.items()}, spec, accumulation_steps)
+        if self.layout.device_updates != (updater is not None):
+            raise AssertionError("the training layout was placed for another update strategy than this one")
         # landings, and for device updates masters, sums and state: page-locked at their exact size (:mod:`.pinned`)
         self._memory = PinnedMemory(pin, "stream fewer layers (blocks_to_swap), or free RAM")
         self._coef: torch.Tensor | None = None
