@@ -8,7 +8,7 @@ import pytest
 import torch
 from full_ft import MAX_NORM, SPEC, assert_same, flip_sides_every_step, full_layers, train_dgls, train_reference
 
-from utils.dgls import LayerSwapper, SwapConfig
+from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.device_update import DeviceUpdater
 from utils.dgls.grad_return import GradBatch, GradState, Job, LayerGrads
 from utils.dgls.host_optimizer import HostOptimizerSpec
@@ -229,3 +229,13 @@ def test_sgd_device_updates_without_clipping_and_with_threads_equal_unstreamed_t
     spec = dataclasses.replace(SGD, implementation="device")
     got, want = sgd_run(spec, 1, torch.bfloat16, max_norm=None, clip_grads=False, threading=True, prefetch=2)
     assert_same(got, want)
+
+
+def test_a_gradient_after_an_early_update_is_refused_in_one_line():
+    """Without clipping a layer's update starts once its step's last micro-batch closed: a further backward
+    before the step (more micro-batches than accumulation_steps) has no step to go to."""
+    layers = full_layers()
+    cfg = SwapConfig(host_optimizer=SGD, accumulation_steps=1, clip_grads=False)
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        with pytest.raises(DGLSUserError, match="more backward passes in a step than accumulation_steps"):
+            train_dgls(layers, swapper, CPU, "nonreentrant", steps=1, accumulate=2, max_norm=None)

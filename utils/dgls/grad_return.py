@@ -58,6 +58,8 @@ Hazards handled
     - A second batch of a layer read directly (told one micro-batch a step, given two) sums the first on
       the host before its landings are rewritten (``promote``), in sums allocated then (beyond the
       training layout's figure).
+    - Without clipping, a grad arriving after its layer's update was queued (more micro-batches than
+      ``accumulation_steps``) is refused in one line: it would belong to no step.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ import torch
 from torch import nn
 
 from .device_update import FlatLayer
+from .errors import DGLSUserError
 from .host_store import HostLayer
 from .optimizer_kernels import grad_norms
 from .transport import Copy, Direction, Transport, Worker
@@ -314,6 +317,12 @@ class GradReturn:
         if g.state is GradState.OPEN and tp.position in g.batch.params:  # a second grad in one pass: its own batch
             self._close(layer)
         if g.state is not GradState.OPEN:
+            if g.state is GradState.QUEUED:
+                raise DGLSUserError(
+                    f"layer {layer.index} got gradients from more backward passes in a step than accumulation_steps "
+                    f"({self.accumulation_steps}) says, and without clipping its update had started: set "
+                    "accumulation_steps to the micro-batches of each optimizer step"
+                )
             if g.state is GradState.DIRECT:  # a second batch this step: sum on the host after all
                 self._promote(layer)
             if g.summing is not None:

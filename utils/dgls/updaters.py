@@ -160,23 +160,8 @@ class HostUpdater(Updater):
         if home is not None:  # the previous update ran on the device: its state must be home
             self.transport.land(home)
         on_worker = self.jobs.worker.on_thread()
-        offset = 0
         with torch.no_grad(), _threads(update_threads(torch.get_num_threads()) if on_worker else None):
-            for tp in layer.params:
-                if direct is not None and tp.position in direct.params:
-                    grad = tp.landing
-                    if grad.dtype != torch.float32:
-                        n = grad.numel()
-                        grad = self._grads(layer.numel)[offset : offset + n].view(grad.shape).copy_(grad)
-                        offset += n
-                elif tp.position in grads.summed:
-                    grad = tp.acc
-                else:
-                    tp.master.grad = None
-                    continue
-                if coef is not None:
-                    grad.mul_(coef)
-                tp.master.grad = grad
+            self._give_grads(layer, grads, coef)
             if lr is not None:
                 for group in layer.optimizer.param_groups:
                     group["lr"] = lr
@@ -187,6 +172,27 @@ class HostUpdater(Updater):
                     if tp.packed is not None:
                         tp.packed.copy_(tp.master)
         return UpdateDone(None, "host", layer.numel, time.perf_counter() - began)
+
+    def _give_grads(self, layer: TrainedLayer, grads: StepGrads, coef: torch.Tensor | None) -> None:
+        """Each master's ``.grad`` for the optimizer: its landing (converted to fp32 in the reused buffer) or
+        its sum, scaled by ``coef``; None for a param without a gradient this step (the optimizer skips it)."""
+        direct = grads.direct
+        offset = 0
+        for tp in layer.params:
+            if direct is not None and tp.position in direct.params:
+                grad = tp.landing
+                if grad.dtype != torch.float32:
+                    n = grad.numel()
+                    grad = self._grads(layer.numel)[offset : offset + n].view(grad.shape).copy_(grad)
+                    offset += n
+            elif tp.position in grads.summed:
+                grad = tp.acc
+            else:
+                tp.master.grad = None
+                continue
+            if coef is not None:
+                grad.mul_(coef)
+            tp.master.grad = grad
 
     def _grads(self, numel: int) -> torch.Tensor:
         """The reused fp32 buffer a host update converts a layer's gradient landings into (job thread only)."""
