@@ -15,6 +15,7 @@ from utils.dgls.autoplan import (
     REFINE_MARGIN,
     REFINE_MARGIN_SHARE,
     SHORTLIST,
+    DriverPhase,
     PlacementDriver,
 )
 from utils.dgls.layout import LayerSizes, measure
@@ -265,11 +266,13 @@ def test_shortlist_is_distinct_close_and_led_by_the_plan():
 
 
 class FakeSwapper:
-    """What PlacementDriver touches of a LayerSwapper: the sizes, the config, apply_placement."""
+    """A Placeable: what PlacementDriver touches of a LayerSwapper (the placement, the offloader, apply_placement)."""
 
     def __init__(self, sizes):
-        self.placement = SimpleNamespace(sizes=sizes, streamed=[s.index for s in sizes if s.streamable_bytes])
-        self.config = SimpleNamespace(prefetch=1)
+        self.placement = SimpleNamespace(
+            sizes=sizes, streamed=[s.index for s in sizes if s.streamable_bytes], prefetch=1
+        )
+        self.activations = None
         self.applied: list[tuple[tuple[int, ...], int]] = []
         self.kept: list[int | None] = []  # kept_activations of each apply_placement
 
@@ -277,6 +280,7 @@ class FakeSwapper:
         self.applied.append((tuple(streamed), prefetch))
         self.kept.append(kept_activations)
         self.placement.streamed = list(streamed)
+        self.placement.prefetch = prefetch
 
 
 class ScriptedPlanner(PlacementDriver):
@@ -287,7 +291,7 @@ class ScriptedPlanner(PlacementDriver):
         self.probe_profile, self.wall, self.peak = profile, wall, peak
         self.log = lambda line: None
 
-    def _start_timing(self, record):
+    def _start_timing(self, target, record):
         pass
 
     def _reset_peak(self):
@@ -296,8 +300,8 @@ class ScriptedPlanner(PlacementDriver):
     def _peak_since_reset(self):
         return self.peak(self.plan)
 
-    def _stop_timing(self, swapper, stats, steps):
-        if self._phase == "probe":
+    def _stop_timing(self, target, steps):
+        if self.state.phase is DriverPhase.PROBE:
             self.profile, self._wall_ms, self._peak_reserved = self.probe_profile, 1000.0, 0
         else:
             self._wall_ms, self._peak_reserved = self.wall(self.plan), self.peak(self.plan)
@@ -306,7 +310,7 @@ class ScriptedPlanner(PlacementDriver):
 def drive(planner, swapper, limit=100):
     steps = 0
     while not planner.done and steps < limit:
-        planner.step_done(swapper, None)
+        planner.step_done(swapper)
         steps += 1
     assert planner.done, f"not settled after {limit} steps"
     return steps

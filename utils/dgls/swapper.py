@@ -16,7 +16,8 @@ Mechanics
     streamed layers, each into a free slot or else the least recently used slot that no protected
     layer (the current one and those being prefetched) holds. ``pass_end`` hands the step boundary
     to the listeners: stats (:mod:`.stats`), the profiler, and the VRAM-budget planner
-    (:mod:`.autoplan`), which may re-place layers there, between passes.
+    (:mod:`.autoplan`), which records it; the planner acts (and may re-place layers) when ``use`` steps
+    it, at the first use after a pass ended that is not inside a backward.
 
 Hazards handled
     - Slot reuse. A layer's use lasts from its start until another layer's use begins. By then every
@@ -425,6 +426,8 @@ class LayerSwapper:
     def use(self, idx: int, phase: Phase) -> None:
         """A use of layer ``idx`` begins: release the previous one, make this one resident, prefetch."""
         with self._lock:
+            if self.driver is not None and self.driver.due and phase is not Phase.BACKWARD:
+                self.driver.step()  # between passes, after the loop's optimizer step (autoplan.py)
             self.copier.check()
             if (idx, phase) == self._last_use:
                 return
@@ -443,7 +446,7 @@ class LayerSwapper:
             self._prefetch()
 
     def pass_end(self) -> None:
-        """A backward pass finished: the listeners' step boundary (the planner may re-place here). With
+        """A backward pass finished: the listeners' step boundary (the planner re-places at the next use). With
         host training, every host-trained layer is evicted: its slot copy is older than its next update."""
         with self._lock:
             if self.training is not None:
@@ -601,6 +604,9 @@ class LayerSwapper:
         placement is shown at construction, so there is nothing to train for)."""
         if not self.config.plan_only:
             return False
+        if self.driver is not None and self.driver.due:  # the last pass's decision, before the caller stops
+            with self._lock:
+                self.driver.step()
         return self.driver is None or self.driver.done
 
     def placement_table(self) -> str:
