@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import assert_bitwise_equal, make_layers, train
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.autoplan import (
@@ -16,6 +17,7 @@ from utils.dgls.autoplan import (
     REFINE_MARGIN_SHARE,
     SHORTLIST,
     DriverPhase,
+    DriverState,
     PlacementDriver,
 )
 from utils.dgls.layout import LayerSizes, measure
@@ -438,3 +440,60 @@ def test_a_model_far_off_the_measurement_is_reported():
     planner.log = lines.append
     drive(planner, FakeSwapper(sizes))
     assert any("slower than the planner's model predicts" in line for line in lines)
+
+
+def test_the_phase_machine_refuses_an_out_of_order_transition():
+    state = DriverState()
+    with pytest.raises(AssertionError, match="in warm, expected"):
+        state.settle()  # nothing was timed yet: no plan to settle on
+    with pytest.raises(AssertionError, match="in warm, expected"):
+        state.count_pass()  # a warm-up pass is not timed
+    state.warmed()
+    assert state.phase is DriverPhase.PROBE
+    with pytest.raises(AssertionError, match="in probe, expected warm"):
+        state.warmed()
+    with pytest.raises(AssertionError, match="in probe, expected trial"):
+        state.time_again()  # only a trial's next visit may run on the plan in force
+    with pytest.raises(AssertionError, match="for a trial or a check"):
+        state.placed(DriverPhase.PROBE)  # the probe runs once, on everything streamed
+    state.placed(DriverPhase.CHECK)
+    assert (state.phase, state.after_warm) == (DriverPhase.WARM, DriverPhase.CHECK)
+
+
+def test_the_driver_acts_after_the_optimizer_step_never_in_the_backward_callback():
+    """The driver records at the end of each backward (autograd's callback) and acts at the next forward: every
+    re-placement comes after the optimizer step that followed a pass, outside autograd."""
+    layers, trainable = make_layers()
+    sizes = [layout.sizes for layout in measure(layers)]
+    middle = (minimum_bytes(sizes, None) + sum(s.streamable_bytes + s.fixed_bytes for s in sizes)) / 2
+    events: list[str] = []
+    in_pass_end = []
+    with LayerSwapper(layers, SwapConfig(vram_budget_gb=middle / GiB, swap_unit_mb=0), device=CPU, log=None) as s:
+        original_pass_end, original_apply = s.pass_end, s.apply_placement
+
+        def pass_end():
+            in_pass_end.append(True)
+            try:
+                original_pass_end()
+            finally:
+                in_pass_end.pop()
+            events.append("pass end")
+
+        def apply_placement(*args, **kwargs):
+            assert not in_pass_end, "re-placed inside autograd's end-of-backward callback"
+            assert torch._C._current_autograd_node() is None and torch.is_grad_enabled()
+            events.append("apply")
+            original_apply(*args, **kwargs)
+
+        s.pass_end, s.apply_placement = pass_end, apply_placement  # the hooks and the driver call these attributes
+        handle = register_optimizer_step_post_hook(lambda *_: events.append("optimizer step"))
+        try:
+            train(layers, trainable, CPU, "nonreentrant", steps=12, accumulate=1, eval_between=False)
+        finally:
+            handle.remove()
+        driver = s.driver
+    applies = [k for k, e in enumerate(events) if e == "apply"]
+    assert len(applies) >= 3 and driver.trials
+    for k in applies:
+        before = [e for e in events[:k] if e != "apply"]
+        assert before[-2:] == ["pass end", "optimizer step"], events[: k + 1]
