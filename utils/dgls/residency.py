@@ -18,6 +18,11 @@ States and transitions (each method asserts the state it starts from)::
   copier has a release marker behind them. The slot may be reclaimed (evict), or the layer used
   again without a copy (acquire).
 
+Every transition runs inside a ``torch.profiler`` range ``DGLS layer <i> <transition>: <new state>``
+(an acquire's range holds its wait for the copy and the binding), so a profiler trace shows each
+layer's weight states beside the transport's copies; while no profiler records, a range is a bool read
+and a shared no-op context (:func:`~.transport.profiler_range`).
+
 Binding costs one ``param.data =`` per param: the views of a layer in a slot are built the first
 time it lands there and kept (``views``), and placeholders are shared per dtype. Parameter
 objects are never replaced, so optimizers, PEFT and state dicts keep working.
@@ -26,14 +31,17 @@ objects are never replaced, so optimizers, PEFT and state dicts keep working.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from enum import Enum
 
 import torch
 from torch import nn
+from torch.autograd.profiler import record_function
 
 from .copier import Copier, Token, Wait
 from .device_pool import Slot
 from .host_store import HostLayer
+from .transport import NO_RANGE, profiler_recording
 
 
 class Residency(Enum):
@@ -71,33 +79,37 @@ class StreamedLayer:
 
     def fetch(self, slot: Slot, token: Token) -> None:
         """HOST -> FETCHING: the copier has a write of this layer into ``slot``."""
-        self._expect(Residency.HOST)
-        slot.owner = self.index
-        self.slot, self.token = slot, token
-        self._enter(Residency.FETCHING, "fetch")
+        with self._range("fetch", Residency.FETCHING):
+            self._expect(Residency.HOST)
+            slot.owner = self.index
+            self.slot, self.token = slot, token
+            self._enter(Residency.FETCHING, "fetch")
 
     def acquire(self, copier: Copier) -> Wait | None:
         """FETCHING or RELEASED -> IN_USE: the compute stream waits for the copy; params bound."""
-        self._expect(Residency.FETCHING, Residency.RELEASED)
-        waited = copier.acquire(self.token)
-        if self.state is Residency.FETCHING:
-            self._bind()
-        self._enter(Residency.IN_USE, "acquire")
+        with self._range("acquire", Residency.IN_USE):
+            self._expect(Residency.FETCHING, Residency.RELEASED)
+            waited = copier.acquire(self.token)
+            if self.state is Residency.FETCHING:
+                self._bind()
+            self._enter(Residency.IN_USE, "acquire")
         return waited
 
     def release(self, copier: Copier) -> None:
         """IN_USE -> RELEASED: a later use began; the slot is free after the reads enqueued so far."""
-        self._expect(Residency.IN_USE)
-        copier.release(self.slot)
-        self._enter(Residency.RELEASED, "release")
+        with self._range("release", Residency.RELEASED):
+            self._expect(Residency.IN_USE)
+            copier.release(self.slot)
+            self._enter(Residency.RELEASED, "release")
 
     def evict(self) -> None:
         """FETCHING or RELEASED -> HOST: drop the device copy (frozen weights never travel back)."""
-        self._expect(Residency.FETCHING, Residency.RELEASED)
-        self._unbind()
-        self.slot.owner = None
-        self.slot, self.token = None, None
-        self._enter(Residency.HOST, "evict")
+        with self._range("evict", Residency.HOST):
+            self._expect(Residency.FETCHING, Residency.RELEASED)
+            self._unbind()
+            self.slot.owner = None
+            self.slot, self.token = None, None
+            self._enter(Residency.HOST, "evict")
 
     def show(self, values: list[torch.Tensor]) -> None:
         """HOST only: point the params at ``values`` (their true values in host memory) for code that reads
@@ -129,6 +141,12 @@ class StreamedLayer:
     def _unbind(self) -> None:
         for param, placeholder in zip(self.params, self._placeholders):
             param.data = placeholder
+
+    def _range(self, transition: str, state: Residency) -> AbstractContextManager:
+        """The profiler range of a transition (its name is built only while a profiler records)."""
+        if not profiler_recording():
+            return NO_RANGE
+        return record_function(f"DGLS layer {self.index} {transition}: {state.value}")
 
     def _expect(self, *states: Residency) -> None:
         if self.state not in states:
