@@ -29,9 +29,8 @@ Who owns what:
   profiler and the planner's probe.
 - ``torch.profiler`` ranges (:func:`profiler_range`): ``DGLS <direction>`` around every copy's work (CUDA:
   its enqueue on the direction's stream, where the profiler links the kernels to it; CPU: the bytes
-  landing), ``DGLS <direction> submitted`` around a CPU submit (the poisoning), and ``DGLS host waits
-  for <direction>`` around every host wait (``land``). While no profiler records, a range is one bool
-  read and a shared no-op context: the ranges cost nothing worth measuring in an unprofiled run.
+  landing), and ``DGLS host waits for <direction>`` around every host wait (CUDA ``land``). While no
+  profiler records, a range is one bool read and a shared no-op context.
 
 Backends:
 
@@ -83,7 +82,6 @@ class Direction(Enum):
 
 # The ranges' names, made once (a range's name is built per call only when a profiler records).
 RANGES = {d: f"DGLS {d.value}" for d in Direction}
-SUBMITTED = {d: f"DGLS {d.value} submitted" for d in Direction}
 HOST_WAITS = {d: f"DGLS host waits for {d.value}" for d in Direction}
 HOST_WAITS_MARKER = "DGLS host waits for a marker"
 NO_RANGE: AbstractContextManager = nullcontext()  # stateless: one object serves every unprofiled range
@@ -165,15 +163,14 @@ class Transport:
         weights path upcasts inside :meth:`issue`). ``late`` (CPU): the destinations (or ``poison``) hold NaN
         until the copy is acquired or landed; otherwise the bytes land now. ``into``: the token to fill."""
         copy = _token(direction, pairs, into)
-        with profiler_range(SUBMITTED[direction]):
-            for gate in gates:
-                self.land(gate)
-            copy.pending = partial(_copy_pairs, pairs, then)
-            if late:
-                for dst in _poison_targets(pairs, poison):
-                    _poison(dst)
-            else:
-                self._perform(copy)
+        for gate in gates:
+            self.land(gate)
+        copy.pending = partial(_copy_pairs, pairs, then)
+        if late:
+            for dst in _poison_targets(pairs, poison):
+                _poison(dst)
+        else:
+            self._perform(copy)
         self._report(copy)
         return copy
 
