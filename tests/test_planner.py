@@ -11,6 +11,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.autoplan import (
+    CPU_BYTES_PER_MS,
     PEAK_MARGIN,
     PEAK_MARGIN_SHARE,
     REFINE_MARGIN,
@@ -497,3 +498,26 @@ def test_the_driver_acts_after_the_optimizer_step_never_in_the_backward_callback
     for k in applies:
         before = [e for e in events[:k] if e != "apply"]
         assert before[-2:] == ["pass end", "optimizer step"], events[: k + 1]
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_probe_reads_the_transport_copies_and_pass_end_peaks_and_acts_outside_autograd():
+    """CUDA: the probe's copy bandwidth comes from the weights-in copies the transport reported (their events),
+    the peaks and step times from what the pass ends recorded; re-placement happens outside autograd."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    layers, trainable = make_layers(torch.bfloat16)
+    outside_autograd = []
+    with LayerSwapper(layers, SwapConfig(vram_budget_gb=1.0), device=dev, log=None) as swapper:
+        original = swapper.apply_placement
+
+        def apply_placement(*args, **kwargs):
+            outside_autograd.append(torch._C._current_autograd_node() is None)
+            original(*args, **kwargs)
+
+        swapper.apply_placement = apply_placement  # the driver calls this attribute
+        train(layers, trainable, dev, "nonreentrant", steps=6, dtype=torch.bfloat16)
+        driver = swapper.driver
+    assert driver.done and outside_autograd and all(outside_autograd)
+    assert driver.profile.bytes_per_ms != CPU_BYTES_PER_MS and driver.profile.bytes_per_ms > 0
+    assert driver.profile.activation_bytes > 0 and len(driver.profile.uses) > 0
+    assert driver.trials and all(t.wall_ms > 0 and t.peak_reserved > 0 for t in driver.trials)

@@ -270,9 +270,11 @@ class PlacementDriver(Listener):
     Observing and acting are apart:
 
     - As a :class:`~.listener.Listener` it only records: use starts and waits (the probe's
-      :class:`UseRecorder`), weights-in copies (the transport's ``copied`` event, the one the
-      profiler draws: the probe's copy bandwidth), and at each pass end a :class:`PassEnd`
-      (a timestamp and allocator counters, no device wait). Windows run from pass end to pass end.
+      :class:`UseRecorder`), weights-in copies (the transport's ``copied`` event, which the profiler
+      reads for every other direction; its weight lanes draw the same copies, those the compute side
+      acquired: the probe's copy bandwidth is every weights-in copy of the probe's window), and at each
+      pass end a :class:`PassEnd` (a timestamp and allocator counters, no device wait). Windows run
+      from pass end to pass end.
     - It acts in :meth:`step`: it waits for the device, turns the windows into measurements, moves
       its phase (:class:`DriverState`) and calls ``apply_placement`` on its :class:`Placeable`.
     - Who steps it: the engine, at the first use after a pass ended that is not inside a backward
@@ -395,7 +397,7 @@ class PlacementDriver(Listener):
             self._after_check(target)
 
     # ---------------------------------------------------------------- phases
-    def _after_probe(self, target) -> None:
+    def _after_probe(self, target: Placeable) -> None:
         profile, sizes = self.profile, target.placement.sizes
         current = simulate(sizes, profile, target.placement.streamed, target.placement.prefetch)
         self._offset_ms = max(0.0, self._wall_ms - current)
@@ -420,7 +422,7 @@ class PlacementDriver(Listener):
         self.log(f"DGLS: measuring the {len(plans)} best predicted plans on the next steps (A..Z Z..A):")
         self._start_round(target, [Trial(p) for p in plans])
 
-    def _start_round(self, target, trials: list[Trial]) -> None:
+    def _start_round(self, target: Placeable, trials: list[Trial]) -> None:
         """Visit the trials in the order A B .. Z Z .. B A: a linear drift in step time cancels."""
         self.trials += trials
         self._round = trials
@@ -428,7 +430,7 @@ class PlacementDriver(Listener):
         self._visit = -1
         self._next_visit(target)
 
-    def _next_visit(self, target) -> None:
+    def _next_visit(self, target: Placeable) -> None:
         self._visit += 1
         plan = self._round[self._schedule[self._visit]].plan
         if plan is self.plan:  # already in force and warm: time it straight away
@@ -438,7 +440,7 @@ class PlacementDriver(Listener):
         self._apply(target, plan, quiet=self._visit >= len(self._round))
         self.state.placed(DriverPhase.TRIAL)
 
-    def _after_visit(self, target) -> None:
+    def _after_visit(self, target: Placeable) -> None:
         trial = self._round[self._schedule[self._visit]]
         trial.samples_ms.append(self._wall_ms)
         trial.peak_reserved = max(trial.peak_reserved, self._peak_reserved)
@@ -480,7 +482,7 @@ class PlacementDriver(Listener):
             )
         self._settle()
 
-    def _refined_plan(self, target, best: Plan) -> Plan | None:
+    def _refined_plan(self, target: Placeable, best: Plan) -> Plan | None:
         """The plan for the budget less the peak error the trials measured (plus a small margin),
         when that is a new placement: the up-front margin may have been wider than needed."""
         sizes = target.placement.sizes
@@ -505,7 +507,7 @@ class PlacementDriver(Listener):
         if self.device.type == "cuda":
             self._reset_peak()  # the trials' peaks are not the plan's
 
-    def _watch(self, target) -> None:
+    def _watch(self, target: Placeable) -> None:
         """A pass after settling went over the budget (the peak since settling, or since the trainer last
         reset it): re-plan once with the measured error, as a failed check does; after that, fall back to
         the probe's placement. Reads one counter per pass."""
@@ -523,14 +525,14 @@ class PlacementDriver(Listener):
         else:
             self._fall_back(target)
 
-    def _fall_back(self, target, why: str = "still over budget after re-planning") -> None:
+    def _fall_back(self, target: Placeable, why: str = "still over budget after re-planning") -> None:
         streamed = [s.index for s in target.placement.sizes if s.streamable_bytes]
         self.log(f"DGLS: {why}: using the probe's placement (everything streamed, prefetch 1)")
         target.apply_placement(streamed, 1)
         self._fallen_back = True
         self._settle()
 
-    def _after_check(self, target) -> None:
+    def _after_check(self, target: Placeable) -> None:
         if self.trials and self.trials[-1].plan is self.plan:
             self.trials[-1].samples_ms.append(self._wall_ms)
             self.trials[-1].peak_reserved = max(self.trials[-1].peak_reserved, self._peak_reserved)
@@ -547,7 +549,7 @@ class PlacementDriver(Listener):
         else:
             self._fall_back(target)
 
-    def _replan(self, target, over: int, error: int) -> None:
+    def _replan(self, target: Placeable, over: int, error: int) -> None:
         """Re-plan once, with the measured peak error (measured less predicted) added to the
         allocator slack: the new plan then keeps the whole margin. Adding only the overshoot past
         the budget would spend the margin on the error, and a later step's fragmentation went over.
@@ -642,7 +644,7 @@ class PlacementDriver(Listener):
                 f"manage: it counts against the budget), copies {bytes_per_ms / 1e6:.1f} GB/s"
             )
 
-    def _apply(self, target, plan: Plan, quiet: bool = False) -> None:
+    def _apply(self, target: Placeable, plan: Plan, quiet: bool = False) -> None:
         self.plan = plan
         target.apply_placement(plan.streamed, plan.prefetch, plan.kept_activations or None)
         if not quiet:
