@@ -228,8 +228,9 @@ class Directions(Listener):
 
 def test_a_torch_profiler_trace_shows_every_direction_and_the_weight_states():
     """A torch.profiler trace of a full fine-tune step with activation offload and device updates (CPU backend)
-    holds a ``DGLS <direction>`` range for every direction the transport moved bytes in, and a range for each
-    residency transition of the streamed layers (fetch, acquire, release, evict), named with the state."""
+    holds a ``DGLS <direction>`` range for every direction the transport moved bytes in, one per host optimizer
+    job, and a range for each residency transition of the streamed layers (fetch, acquire, release, evict), named
+    with the state."""
     layers = full_layers()
     config = SwapConfig(
         host_optimizer=dataclasses.replace(SPEC, implementation="device"),
@@ -250,5 +251,6 @@ def test_a_torch_profiler_trace_shows_every_direction_and_the_weight_states():
     assert directions.seen == set(Direction), "a full fine-tune step with offload and device updates uses all"
     for direction in directions.seen:
         assert f"DGLS {direction.value}" in names, direction
+    assert "DGLS host optimizer job" in names  # the job worker's items (run deferred on the CPU)
     for transition, state in [("fetch", "fetching"), ("acquire", "in use"), ("release", "released"), ("evict", "host")]:
         assert {f"DGLS layer {i} {transition}: {state}" for i in streamed} <= names, transition

@@ -29,8 +29,9 @@ Who owns what:
   profiler and the planner's probe.
 - ``torch.profiler`` ranges (:func:`profiler_range`): ``DGLS <direction>`` around every copy's work (CUDA:
   its enqueue on the direction's stream, where the profiler links the kernels to it; CPU: the bytes
-  landing), and ``DGLS host waits for <direction>`` around every host wait (CUDA ``land``). While no
-  profiler records, a range is one bool read and a shared no-op context.
+  landing), ``DGLS host waits for <direction>`` around every host wait (CUDA ``land``), and each worker
+  item in its worker's range (``DGLS host optimizer job``, ``DGLS issue weight copies``), on the thread
+  that runs it. While no profiler records, a range is one bool read and a shared no-op context.
 
 Backends:
 
@@ -142,8 +143,8 @@ class Transport:
         # Tests (CUDA): torch.cuda._sleep cycles before the work of every copy of a direction (the one delay hook)
         self.delay: dict[Direction, int] = {}
         self.poison = False  # tests (CUDA): device destinations of a submit hold NaN bytes until the copy lands
-        self.copy_worker = Worker("dgls-copies")  # issues weight copies (--threading): never behind an update
-        self.job_worker = Worker("dgls-jobs")  # host optimizer jobs: gradient sums and updates
+        self.copy_worker = Worker("dgls-copies", "DGLS issue weight copies")  # --threading: never behind an update
+        self.job_worker = Worker("dgls-jobs", "DGLS host optimizer job")  # gradient sums and updates
 
     # ---------------------------------------------------------------- vocabulary
     def submit(
@@ -471,8 +472,9 @@ class Worker:
     - A failure stops the thread; every later :meth:`check` and :meth:`wait` raises it in the caller.
     """
 
-    def __init__(self, name: str = "dgls-worker") -> None:
+    def __init__(self, name: str = "dgls-worker", label: str = "DGLS worker item") -> None:
         self.name = name
+        self.label = label  # the torch.profiler range around each item it runs
         self.error: BaseException | None = None
         self._cond = threading.Condition()
         self._urgent: deque[_Item] = deque()
@@ -559,7 +561,8 @@ class Worker:
 
     def _run(self, item: _Item) -> bool:
         try:
-            item.run()
+            with profiler_range(self.label):
+                item.run()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
             self.error = exc
             if item.failed is not None:
