@@ -254,3 +254,20 @@ def test_a_torch_profiler_trace_shows_every_direction_and_the_weight_states():
     assert "DGLS host optimizer job" in names  # the job worker's items (run deferred on the CPU)
     for transition, state in [("fetch", "fetching"), ("acquire", "in use"), ("release", "released"), ("evict", "host")]:
         assert {f"DGLS layer {i} {transition}: {state}" for i in streamed} <= names, transition
+
+
+@pytest.mark.gpu
+def test_a_cuda_torch_profiler_trace_shows_weight_copies_and_states():
+    """CUDA (no worker threads): the weights-in enqueues and the residency transitions are ranges of the trace,
+    beside the copy kernels. Ranges on DGLS's own worker threads show only where the profiler records them."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    layers, trainable = make_layers(torch.bfloat16)
+    with LayerSwapper(layers, SwapConfig(prefetch=1, threading=False), device=dev, log=None) as swapper:
+        train(layers, trainable, dev, "nonreentrant", steps=1, dtype=torch.bfloat16)
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as profile:
+            train(layers, trainable, dev, "nonreentrant", steps=1, dtype=torch.bfloat16)
+        streamed = swapper.streamed_layers
+    names = {event.name for event in profile.events()}
+    assert "DGLS weights in" in names
+    assert streamed and all(f"DGLS layer {i} acquire: in use" in names for i in streamed)
