@@ -157,7 +157,8 @@ class PlacementView(Protocol):
 
 
 class Placeable(Protocol):
-    """What :class:`PlacementDriver` reads and calls of the engine it places layers for (the target satisfies it):
+    """What :class:`PlacementDriver` reads and calls of the engine it places layers for (:class:`~.swapper.LayerSwapper`
+    satisfies it):
     the layers' sizes and the placement in force, the activation offloader's counters (None without offload), and
     re-placement between passes."""
 
@@ -183,7 +184,7 @@ class DriverPhase(Enum):
 class DriverState:
     """The driver's phase, with one method per transition; each asserts the phase it starts from::
 
-        WARM --warmed()--> PROBE | TRIAL | CHECK      (the phase ``placed`` named; timing starts)
+        WARM --warmed()--> PROBE | TRIAL | CHECK      (PROBE first, then the phase ``placed`` named; timing starts)
         PROBE | TRIAL | CHECK | SETTLED --placed(then)--> WARM    (a plan was applied)
         TRIAL --time_again()--> TRIAL                  (the next visit's plan is in force and warm)
         PROBE | TRIAL | CHECK | SETTLED --settle()--> SETTLED     (chosen, or fallen back)
@@ -238,8 +239,9 @@ class PassEnd:
 
 @dataclass
 class Window:
-    """A timed stretch: from one pass end to a later one. Its peaks are the largest read at its pass ends (a trainer
-    that resets the peak counters after each step, as DGLS's DeepSpeed wrappers do, hides no pass of it)."""
+    """A timed stretch: from one pass end to a later one. Its peaks are the largest read at its pass ends, counted
+    from where the driver reset them, when the window opened (after the loop's optimizer step); a trainer that
+    resets them after each step, as DGLS's DeepSpeed wrappers do, hides no pass of it."""
 
     start: PassEnd
     end: PassEnd | None = None
