@@ -7,14 +7,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import assert_bitwise_equal, make_layers, train
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.autoplan import (
+    CPU_BYTES_PER_MS,
     PEAK_MARGIN,
     PEAK_MARGIN_SHARE,
     REFINE_MARGIN,
     REFINE_MARGIN_SHARE,
     SHORTLIST,
+    DriverPhase,
+    DriverState,
     PlacementDriver,
 )
 from utils.dgls.layout import LayerSizes, measure
@@ -265,11 +269,13 @@ def test_shortlist_is_distinct_close_and_led_by_the_plan():
 
 
 class FakeSwapper:
-    """What PlacementDriver touches of a LayerSwapper: the sizes, the config, apply_placement."""
+    """A Placeable: what PlacementDriver touches of a LayerSwapper (the placement, the offloader, apply_placement)."""
 
     def __init__(self, sizes):
-        self.placement = SimpleNamespace(sizes=sizes, streamed=[s.index for s in sizes if s.streamable_bytes])
-        self.config = SimpleNamespace(prefetch=1)
+        self.placement = SimpleNamespace(
+            sizes=sizes, streamed=[s.index for s in sizes if s.streamable_bytes], prefetch=1
+        )
+        self.activations = None
         self.applied: list[tuple[tuple[int, ...], int]] = []
         self.kept: list[int | None] = []  # kept_activations of each apply_placement
 
@@ -277,6 +283,7 @@ class FakeSwapper:
         self.applied.append((tuple(streamed), prefetch))
         self.kept.append(kept_activations)
         self.placement.streamed = list(streamed)
+        self.placement.prefetch = prefetch
 
 
 class ScriptedPlanner(PlacementDriver):
@@ -287,7 +294,7 @@ class ScriptedPlanner(PlacementDriver):
         self.probe_profile, self.wall, self.peak = profile, wall, peak
         self.log = lambda line: None
 
-    def _start_timing(self, record):
+    def _start_timing(self, target, record):
         pass
 
     def _reset_peak(self):
@@ -296,8 +303,8 @@ class ScriptedPlanner(PlacementDriver):
     def _peak_since_reset(self):
         return self.peak(self.plan)
 
-    def _stop_timing(self, swapper, stats, steps):
-        if self._phase == "probe":
+    def _stop_timing(self, target, steps):
+        if self.state.phase is DriverPhase.PROBE:
             self.profile, self._wall_ms, self._peak_reserved = self.probe_profile, 1000.0, 0
         else:
             self._wall_ms, self._peak_reserved = self.wall(self.plan), self.peak(self.plan)
@@ -306,7 +313,7 @@ class ScriptedPlanner(PlacementDriver):
 def drive(planner, swapper, limit=100):
     steps = 0
     while not planner.done and steps < limit:
-        planner.step_done(swapper, None)
+        planner.step_done(swapper)
         steps += 1
     assert planner.done, f"not settled after {limit} steps"
     return steps
@@ -434,3 +441,83 @@ def test_a_model_far_off_the_measurement_is_reported():
     planner.log = lines.append
     drive(planner, FakeSwapper(sizes))
     assert any("slower than the planner's model predicts" in line for line in lines)
+
+
+def test_the_phase_machine_refuses_an_out_of_order_transition():
+    state = DriverState()
+    with pytest.raises(AssertionError, match="in warm, expected"):
+        state.settle()  # nothing was timed yet: no plan to settle on
+    with pytest.raises(AssertionError, match="in warm, expected"):
+        state.count_pass()  # a warm-up pass is not timed
+    state.warmed()
+    assert state.phase is DriverPhase.PROBE
+    with pytest.raises(AssertionError, match="in probe, expected warm"):
+        state.warmed()
+    with pytest.raises(AssertionError, match="in probe, expected trial"):
+        state.time_again()  # only a trial's next visit may run on the plan in force
+    with pytest.raises(AssertionError, match="for a trial or a check"):
+        state.placed(DriverPhase.PROBE)  # the probe runs once, on everything streamed
+    state.placed(DriverPhase.CHECK)
+    assert (state.phase, state.after_warm) == (DriverPhase.WARM, DriverPhase.CHECK)
+
+
+def test_the_driver_acts_after_the_optimizer_step_never_in_the_backward_callback():
+    """The driver records at the end of each backward (autograd's callback) and acts at the next forward: every
+    re-placement comes after the optimizer step that followed a pass, outside autograd."""
+    layers, trainable = make_layers()
+    sizes = [layout.sizes for layout in measure(layers)]
+    middle = (minimum_bytes(sizes, None) + sum(s.streamable_bytes + s.fixed_bytes for s in sizes)) / 2
+    events: list[str] = []
+    in_pass_end = []
+    with LayerSwapper(layers, SwapConfig(vram_budget_gb=middle / GiB, swap_unit_mb=0), device=CPU, log=None) as s:
+        original_pass_end, original_apply = s.pass_end, s.apply_placement
+
+        def pass_end():
+            in_pass_end.append(True)
+            try:
+                original_pass_end()
+            finally:
+                in_pass_end.pop()
+            events.append("pass end")
+
+        def apply_placement(*args, **kwargs):
+            assert not in_pass_end, "re-placed inside autograd's end-of-backward callback"
+            assert torch._C._current_autograd_node() is None and torch.is_grad_enabled()
+            events.append("apply")
+            original_apply(*args, **kwargs)
+
+        s.pass_end, s.apply_placement = pass_end, apply_placement  # the hooks and the driver call these attributes
+        handle = register_optimizer_step_post_hook(lambda *_: events.append("optimizer step"))
+        try:
+            train(layers, trainable, CPU, "nonreentrant", steps=12, accumulate=1, eval_between=False)
+        finally:
+            handle.remove()
+        driver = s.driver
+    applies = [k for k, e in enumerate(events) if e == "apply"]
+    assert len(applies) >= 3 and driver.trials
+    for k in applies:
+        before = [e for e in events[:k] if e != "apply"]
+        assert before[-2:] == ["pass end", "optimizer step"], events[: k + 1]
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_probe_reads_the_transport_copies_and_pass_end_peaks_and_acts_outside_autograd():
+    """CUDA: the probe's copy bandwidth comes from the weights-in copies the transport reported (their events),
+    the peaks and step times from what the pass ends recorded; re-placement happens outside autograd."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    layers, trainable = make_layers(torch.bfloat16)
+    outside_autograd = []
+    with LayerSwapper(layers, SwapConfig(vram_budget_gb=1.0), device=dev, log=None) as swapper:
+        original = swapper.apply_placement
+
+        def apply_placement(*args, **kwargs):
+            outside_autograd.append(torch._C._current_autograd_node() is None)
+            original(*args, **kwargs)
+
+        swapper.apply_placement = apply_placement  # the driver calls this attribute
+        train(layers, trainable, dev, "nonreentrant", steps=6, dtype=torch.bfloat16)
+        driver = swapper.driver
+    assert driver.done and outside_autograd and all(outside_autograd)
+    assert driver.profile.bytes_per_ms != CPU_BYTES_PER_MS and driver.profile.bytes_per_ms > 0
+    assert driver.profile.activation_bytes > 0 and len(driver.profile.uses) > 0
+    assert driver.trials and all(t.wall_ms > 0 and t.peak_reserved > 0 for t in driver.trials)

@@ -214,3 +214,60 @@ def test_profile_of_a_full_fine_tune_with_offload_shows_every_direction(tmp_path
     others = {d.value for d in Direction if d is not Direction.WEIGHTS_IN}
     assert others <= lanes(trace).keys()
     assert {e["args"]["direction"] for e in spans(trace, "transfer") if e["args"]["bytes"] > 0} == others
+
+
+class Directions(Listener):
+    """The directions the transport reported copies of."""
+
+    def __init__(self):
+        self.seen = set()
+
+    def copied(self, copy):
+        self.seen.add(copy.direction)
+
+
+def test_a_torch_profiler_trace_shows_every_direction_and_the_weight_states():
+    """A torch.profiler trace of a full fine-tune step with activation offload and device updates (CPU backend)
+    holds a ``DGLS <direction>`` range for every direction the transport moved bytes in, one per host optimizer
+    job, and a range for each residency transition of the streamed layers (fetch, acquire, release, evict), named
+    with the state."""
+    layers = full_layers()
+    config = SwapConfig(
+        host_optimizer=dataclasses.replace(SPEC, implementation="device"),
+        accumulation_steps=1,
+        prefetch=1,
+        offload_activations=True,
+    )
+    with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
+        directions = Directions()
+        swapper.add_listener(directions)
+        ckpt = swapper.checkpoint_function(checkpoint_for("nonreentrant"))
+        train_dgls(layers, swapper, CPU, "nonreentrant", steps=1, accumulate=1, checkpoint_fn=ckpt)  # warm-up
+        directions.seen.clear()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            train_dgls(layers, swapper, CPU, "nonreentrant", steps=1, accumulate=1, checkpoint_fn=ckpt, start_step=1)
+        streamed = swapper.streamed_layers
+    names = {event.name for event in profile.events()}
+    assert directions.seen == set(Direction), "a full fine-tune step with offload and device updates uses all"
+    for direction in directions.seen:
+        assert f"DGLS {direction.value}" in names, direction
+    assert "DGLS host optimizer job" in names  # the job worker's items (run deferred on the CPU)
+    for transition, state in [("fetch", "fetching"), ("acquire", "in use"), ("release", "released"), ("evict", "host")]:
+        assert {f"DGLS layer {i} {transition}: {state}" for i in streamed} <= names, transition
+
+
+@pytest.mark.gpu
+def test_a_cuda_torch_profiler_trace_shows_weight_copies_and_states():
+    """CUDA (no worker threads): the weights-in enqueues and the residency transitions are ranges of the trace,
+    beside the copy kernels. Ranges on DGLS's own worker threads show only where the profiler records them."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    layers, trainable = make_layers(torch.bfloat16)
+    with LayerSwapper(layers, SwapConfig(prefetch=1, threading=False), device=dev, log=None) as swapper:
+        train(layers, trainable, dev, "nonreentrant", steps=1, dtype=torch.bfloat16)
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as profile:
+            train(layers, trainable, dev, "nonreentrant", steps=1, dtype=torch.bfloat16)
+        streamed = swapper.streamed_layers
+    names = {event.name for event in profile.events()}
+    assert "DGLS weights in" in names
+    assert streamed and all(f"DGLS layer {i} acquire: in use" in names for i in streamed)

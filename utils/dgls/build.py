@@ -215,7 +215,8 @@ def start_report(parts: Parts) -> list[str]:
 
 
 class _Planner(Feature):
-    """The VRAM-budget planner (:mod:`.autoplan`): it listens to the engine and re-places layers between passes."""
+    """The VRAM-budget planner (:mod:`.autoplan`): it listens to the engine (records) and re-places layers between
+    passes, when the engine steps it (``between_passes``)."""
 
     def __init__(self, driver: PlacementDriver) -> None:
         self.driver = driver
@@ -223,6 +224,9 @@ class _Planner(Feature):
     def install(self, engine: Engine) -> None:
         self.driver.attach(engine)
         engine.add_listener(self.driver)
+
+    def between_passes(self) -> None:
+        self.driver.step()
 
 
 class _TrainableCast(Feature):
@@ -250,7 +254,14 @@ def _plan_finished(plan_only: bool, driver: PlacementDriver | None) -> Callable[
     """``plan_only``: finished once the plan was shown (an explicit placement is shown at construction)."""
     if not plan_only:
         return lambda: False
-    return (lambda: driver.done) if driver is not None else (lambda: True)
+    if driver is None:
+        return lambda: True
+
+    def finished() -> bool:
+        driver.step()  # the last pass's decision, before the caller stops (nothing when no pass is pending)
+        return driver.done
+
+    return finished
 
 
 def _start_driver(config: SwapConfig, device: torch.device, log: Callable[[str], None]) -> PlacementDriver | None:

@@ -15,6 +15,9 @@ What the engine promises
       :class:`~.transport.Copy`, or a :class:`~.copier.Marker`). Called on the hot path: keep it a lookup.
     - ``after_backward()``: under the engine lock, from autograd's end-of-backward callback, before the
       listeners hear ``pass_ended`` (a distinct name: a part may be a feature and a listener at once).
+    - ``between_passes()``: under the engine lock, at the first use after a backward ended that is not inside
+      a backward (the next forward or eval forward), before that use does anything: after whatever the loop
+      ran between passes (the optimizer step), never in autograd's callback. The planner acts here.
     - ``before_placement()`` / ``placement_changed(placement, kept_activations)``: under the engine lock,
       between passes, around a re-placement (:meth:`~.swapper.LayerSwapper.apply_placement`).
       ``before_placement`` runs before anything changes and may refuse with a :class:`~.errors.DGLSUserError`;
@@ -78,6 +81,10 @@ class Feature:
 
     def after_backward(self) -> None:
         """A backward pass finished (before the listeners hear it)."""
+
+    def between_passes(self) -> None:
+        """A backward ended and the next use that is not inside a backward begins (after the loop's optimizer
+        step, outside autograd): act on the step boundary (the planner re-places layers here)."""
 
     def before_placement(self) -> None:
         """A re-placement is about to start: raise :class:`~.errors.DGLSUserError` to refuse it."""

@@ -18,6 +18,11 @@ States and transitions (each method asserts the state it starts from)::
   copier has a release marker behind them. The slot may be reclaimed (evict), or the layer used
   again without a copy (acquire).
 
+Every transition runs inside a ``torch.profiler`` range ``DGLS layer <i> <transition>: <new state>``
+(an acquire's range holds its wait for the copy and the binding), so a profiler trace shows each
+layer's weight states beside the transport's copies; while no profiler records, a range is a bool read
+(``_expect`` opens the range and ``_enter`` closes it: no context manager or wrapper per transition).
+
 Binding costs one ``param.data =`` per param: the views of a layer in a slot are built the first
 time it lands there and kept (``views``), and placeholders are shared per dtype. Parameter
 objects are never replaced, so optimizers, PEFT and state dicts keep working.
@@ -30,10 +35,12 @@ from enum import Enum
 
 import torch
 from torch import nn
+from torch.autograd.profiler import record_function
 
 from .copier import Copier, Token, Wait
 from .device_pool import Slot
 from .host_store import HostLayer
+from .transport import profiler_recording
 
 
 class Residency(Enum):
@@ -41,6 +48,14 @@ class Residency(Enum):
     FETCHING = "fetching"
     IN_USE = "in use"
     RELEASED = "released"
+
+
+LEADS_TO = {  # each transition's end state (named in its profiler range)
+    "fetch": Residency.FETCHING,
+    "acquire": Residency.IN_USE,
+    "release": Residency.RELEASED,
+    "evict": Residency.HOST,
+}
 
 
 class StreamedLayer:
@@ -63,6 +78,7 @@ class StreamedLayer:
         self.slot: Slot | None = None
         self.token: Token | None = None
         self.handles: list = []  # state-dict hooks, removed with the layer
+        self._range: record_function | None = None  # the profiler range of the transition under way
         self._unbind()
 
     @property
@@ -71,14 +87,14 @@ class StreamedLayer:
 
     def fetch(self, slot: Slot, token: Token) -> None:
         """HOST -> FETCHING: the copier has a write of this layer into ``slot``."""
-        self._expect(Residency.HOST)
+        self._expect(Residency.HOST, transition="fetch")
         slot.owner = self.index
         self.slot, self.token = slot, token
         self._enter(Residency.FETCHING, "fetch")
 
     def acquire(self, copier: Copier) -> Wait | None:
         """FETCHING or RELEASED -> IN_USE: the compute stream waits for the copy; params bound."""
-        self._expect(Residency.FETCHING, Residency.RELEASED)
+        self._expect(Residency.FETCHING, Residency.RELEASED, transition="acquire")
         waited = copier.acquire(self.token)
         if self.state is Residency.FETCHING:
             self._bind()
@@ -87,13 +103,13 @@ class StreamedLayer:
 
     def release(self, copier: Copier) -> None:
         """IN_USE -> RELEASED: a later use began; the slot is free after the reads enqueued so far."""
-        self._expect(Residency.IN_USE)
+        self._expect(Residency.IN_USE, transition="release")
         copier.release(self.slot)
         self._enter(Residency.RELEASED, "release")
 
     def evict(self) -> None:
         """FETCHING or RELEASED -> HOST: drop the device copy (frozen weights never travel back)."""
-        self._expect(Residency.FETCHING, Residency.RELEASED)
+        self._expect(Residency.FETCHING, Residency.RELEASED, transition="evict")
         self._unbind()
         self.slot.owner = None
         self.slot, self.token = None, None
@@ -130,12 +146,24 @@ class StreamedLayer:
         for param, placeholder in zip(self.params, self._placeholders):
             param.data = placeholder
 
-    def _expect(self, *states: Residency) -> None:
+    def _expect(self, *states: Residency, transition: str | None = None) -> None:
+        """Assert the start state; a transition's range opens here while a profiler records (``_enter`` closes it)."""
         if self.state not in states:
             allowed = " or ".join(s.value for s in states)
             raise AssertionError(f"layer {self.index} is {self.state.value}, expected {allowed}")
+        if transition is not None and profiler_recording():
+            self._close_range()  # one a failed transition left open
+            self._range = record_function(f"DGLS layer {self.index} {transition}: {LEADS_TO[transition].value}")
+            self._range.__enter__()
+
+    def _close_range(self) -> None:
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
 
     def _enter(self, state: Residency, transition: str) -> None:
         self.state = state
+        if self._range is not None:
+            self._close_range()
         if self._on_transition is not None:
             self._on_transition(self, transition)

@@ -17,7 +17,10 @@ Mechanics
       into a free slot or else the least recently used slot that no protected layer (the current one and
       those being prefetched) holds. A copy also waits behind the features' fetch gates.
     - ``pass_end`` runs the features' ``after_backward``, then hands the step boundary to the listeners
-      (stats, the profiler, the planner, which may re-place layers there: :meth:`apply_placement`).
+      (stats, the profiler, the planner: they record it).
+    - The first use after a pass ended that is not inside a backward runs the features' ``between_passes``
+      first: it comes after whatever the loop ran between passes (the optimizer step), outside autograd's
+      callback. The planner acts there (and may re-place layers: :meth:`apply_placement`).
 
 Hazards handled
     - Slot reuse. A layer's use lasts from its start until another layer's use begins. By then every kernel
@@ -88,6 +91,8 @@ class LayerSwapper:
         self.masters, self.transport, self.pool, self.copier = p.masters, p.transport, p.pool, p.copier
         self.features = p.features
         self._gating = [f for f in p.features if overrides(f, "fetch_gates")]  # the hot path asks only these
+        self._between = [f for f in p.features if overrides(f, "between_passes")]
+        self._pass_ended = False  # a backward ended and no use outside a backward began since
         self.driver, self.training, self.activations = p.driver, p.training, p.activations  # for readers only
         self._batch_move, self._sync_each_step = p.batch_move, p.sync_each_step
         self._copy_streams, self._plan_finished = p.copy_streams, p.plan_finished
@@ -136,6 +141,10 @@ class LayerSwapper:
     def use(self, idx: int, phase: Phase) -> None:
         """A use of layer ``idx`` begins: release the previous one, make this one resident, prefetch."""
         with self._lock:
+            if self._pass_ended and phase is not Phase.BACKWARD:  # after the loop's optimizer step
+                self._pass_ended = False
+                for feature in self._between:
+                    feature.between_passes()
             self.copier.check()
             if (idx, phase) == self._last_use:
                 return
@@ -155,7 +164,7 @@ class LayerSwapper:
 
     def pass_end(self) -> None:
         """A backward pass finished: the features' ``after_backward`` (full fine-tuning evicts its layers
-        there), then the listeners' step boundary (the planner may re-place here)."""
+        there), then the listeners' step boundary (they record it; the planner acts at the next use)."""
         with self._lock:
             for feature in self.features:
                 feature.after_backward()
@@ -163,6 +172,7 @@ class LayerSwapper:
                 torch.cuda.synchronize(self.device)
             for listener in list(self._listeners):
                 listener.pass_ended()
+            self._pass_ended = True
 
     def is_streamed(self, idx: int) -> bool:
         return idx in self._streamed

@@ -26,7 +26,12 @@ Who owns what:
 - One delay hook for tests (:attr:`Transport.delay`, CUDA): a ``torch.cuda._sleep`` before the work
   of every copy of a direction, so every GPU ordering test widens every race the same way.
 - One listener event per copy (``copied(copy)``), with its direction and bytes, for the stats, the
-  profiler.
+  profiler and the planner's probe.
+- ``torch.profiler`` ranges (:func:`profiler_range`): ``DGLS <direction>`` around every copy's work (CUDA:
+  its enqueue on the direction's stream, where the profiler links the kernels to it; CPU: the bytes
+  landing), ``DGLS host waits for <direction>`` around every host wait (CUDA ``land``), and each worker
+  item in its worker's range (``DGLS host optimizer job``, ``DGLS issue weight copies``), on the thread
+  that runs it. While no profiler records, a range is one bool read and a shared no-op context.
 
 Backends:
 
@@ -51,13 +56,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import partial
 from typing import Protocol
 
 import torch
+from torch.autograd import profiler as autograd_profiler
 
 from .errors import SwapWorkerError
 
@@ -73,6 +79,25 @@ class Direction(Enum):
     ACTIVATIONS_IN = "activations in"  # and back before their recompute or backward reads them
     STATE_IN = "optimizer state in"  # device updates: masters, moments and gradients in, and the step
     STATE_OUT = "optimizer state out"  # device updates: masters, moments and the compute-dtype copy home
+
+
+# The ranges' names, made once (a range's name is built per call only when a profiler records).
+RANGES = {d: f"DGLS {d.value}" for d in Direction}
+HOST_WAITS = {d: f"DGLS host waits for {d.value}" for d in Direction}
+HOST_WAITS_MARKER = "DGLS host waits for a marker"
+NO_RANGE: AbstractContextManager = nullcontext()  # stateless: one object serves every unprofiled range
+
+
+def profiler_recording() -> bool:
+    """Whether a ``torch.profiler`` (or ``torch.autograd.profiler``) profile is recording now: torch's own fast
+    check, a module bool its profilers set on start and stop (private: ``_is_profiler_enabled``)."""
+    return autograd_profiler._is_profiler_enabled
+
+
+def profiler_range(name: str) -> AbstractContextManager:
+    """A ``record_function`` range named ``name`` while a profiler records; otherwise a shared no-op context
+    (``record_function`` itself calls into the dispatcher even with no profiler running)."""
+    return autograd_profiler.record_function(name) if autograd_profiler._is_profiler_enabled else NO_RANGE
 
 
 @dataclass(eq=False)
@@ -118,8 +143,8 @@ class Transport:
         # Tests (CUDA): torch.cuda._sleep cycles before the work of every copy of a direction (the one delay hook)
         self.delay: dict[Direction, int] = {}
         self.poison = False  # tests (CUDA): device destinations of a submit hold NaN bytes until the copy lands
-        self.copy_worker = Worker("dgls-copies")  # issues weight copies (--threading): never behind an update
-        self.job_worker = Worker("dgls-jobs")  # host optimizer jobs: gradient sums and updates
+        self.copy_worker = Worker("dgls-copies", "DGLS issue weight copies")  # --threading: never behind an update
+        self.job_worker = Worker("dgls-jobs", "DGLS host optimizer job")  # gradient sums and updates
 
     # ---------------------------------------------------------------- vocabulary
     def submit(
@@ -184,7 +209,8 @@ class Transport:
         for gate in gates:
             self.land(gate)
         began = time.perf_counter()
-        yield copy
+        with profiler_range(RANGES[direction]):
+            yield copy
         copy.span = (began, time.perf_counter())
         self._report(copy)
 
@@ -217,9 +243,10 @@ class Transport:
     def _perform(self, copy: Copy) -> None:
         pending, copy.pending = copy.pending, None
         if pending is not None:
-            began = time.perf_counter()
-            pending()
-            copy.span = (began, time.perf_counter())
+            with profiler_range(RANGES[copy.direction]):
+                began = time.perf_counter()
+                pending()
+                copy.span = (began, time.perf_counter())
 
     def _report(self, copy: Copy) -> None:
         for listener in self.listeners:
@@ -302,7 +329,9 @@ class CudaTransport(Transport):
     def land(self, gate: Gate) -> None:
         event = _event_of(gate)
         if event is not None:
-            event.synchronize()
+            waits = HOST_WAITS[gate.direction] if isinstance(gate, Copy) else HOST_WAITS_MARKER
+            with profiler_range(waits):
+                event.synchronize()
 
     def mark(self, direction: Direction | None = None, timed: bool = False) -> Marker:
         event = torch.cuda.Event(enable_timing=timed)
@@ -329,7 +358,7 @@ class CudaTransport(Transport):
             copy.ready = torch.cuda.Event(enable_timing=timed)
         if after_compute:
             stream.wait_stream(self._compute())
-        with torch.cuda.stream(stream):  # also makes the stream's device current
+        with profiler_range(RANGES[direction]), torch.cuda.stream(stream):  # the stream's device current too
             for gate in gates:
                 event = _event_of(gate)
                 if event is None:
@@ -443,8 +472,9 @@ class Worker:
     - A failure stops the thread; every later :meth:`check` and :meth:`wait` raises it in the caller.
     """
 
-    def __init__(self, name: str = "dgls-worker") -> None:
+    def __init__(self, name: str = "dgls-worker", label: str = "DGLS worker item") -> None:
         self.name = name
+        self.label = label  # the torch.profiler range around each item it runs
         self.error: BaseException | None = None
         self._cond = threading.Condition()
         self._urgent: deque[_Item] = deque()
@@ -531,7 +561,8 @@ class Worker:
 
     def _run(self, item: _Item) -> bool:
         try:
-            item.run()
+            with profiler_range(self.label):
+                item.run()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
             self.error = exc
             if item.failed is not None:
