@@ -126,7 +126,7 @@ def plan_and_sweep(bench: Bench, measure: Measure, args, budget: float, resident
     device = measure.device
     lines: list[str] = []
     rows = []
-    with LayerSwapper(bench.layers, SwapConfig(vram_budget_gb=budget), device=device, log=lines.append) as swapper:
+    with LayerSwapper(bench.layers, SwapConfig.of(vram_budget=budget), device=device, log=lines.append) as swapper:
         planner = swapper.driver
         planning = []
         while not planner.done and len(planning) < 80:

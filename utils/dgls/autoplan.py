@@ -195,7 +195,7 @@ class PlacementDriver(Listener):
     # ---------------------------------------------------------------- phases
     def _after_probe(self, swapper) -> None:
         profile, sizes = self.profile, swapper.placement.sizes
-        current = simulate(sizes, profile, swapper.placement.streamed, swapper.config.prefetch)
+        current = simulate(sizes, profile, swapper.placement.streamed, swapper.config.placement.prefetch)
         self._offset_ms = max(0.0, self._wall_ms - current)
         plans = shortlist(
             sizes,

@@ -67,11 +67,11 @@ class Masters:
             lay.sizes.streamable_bytes for lay in hosted if all(p.param.device.type == "cpu" for p in lay.params)
         )
         total = sum(lay.host_bytes for lay in hosted)
-        budget = config.pinned_ram_budget_gb
+        budget = config.transfer.pinned_ram_budget_gb
         budget = int(budget * GiB) if budget is not None else default_pinned_budget(on_cpu)
         signature = ";".join(f"{lay.index}:{lay.sizes.class_name}:{lay.host_bytes}" for lay in hosted)
         self.peers = Peers.discover(share_group, signature, sum(whole_pages(lay.host_bytes) for lay in hosted))
-        self.store = HostStore(device, budget, int(config.selective_packing * MB), self.peers)
+        self.store = HostStore(device, budget, int(config.transfer.selective_packing * MB), self.peers)
         if self.peers.leader:
             check_ram(total - on_cpu)
             if self.store.use_pinning and (note := check_pinned_budget(min(total, budget), freed_bytes=on_cpu)):
@@ -200,7 +200,7 @@ class Masters:
         self.remove_hooks(idx)
         self.store.remove_layer(idx)
         old = self.layouts[idx].sizes
-        layout = measure_layer(self.layers, idx, CastRules.from_config(self.config))
+        layout = measure_layer(self.layers, idx, CastRules.from_policy(self.config.compute))
         self.layouts[idx] = layout.of_entry(old.layer, old.part, old.holder)  # a swap unit stays labelled
         self.add(idx)
         self.on_adopted(idx)

@@ -116,16 +116,18 @@ class LayerSwapper:
         self._log = log or (lambda *_: None)
         self._removed = False
         # Checks first: nothing is changed before every setting is known to fit the model.
-        cast_rules = CastRules.from_config(self.config)
+        cast_rules = CastRules.from_policy(self.config.compute)
         check_device_support(self.device, cast_rules)
-        host_trained = self.config.host_optimizer is not None
+        host_trained = self.config.training.host_optimizer is not None
         self.driver = self._start_driver()
         # The engine's entries: the layers, some split into swap units (units.py); indices below are theirs.
         self.unit_bytes = self._unit_bytes(given, cast_rules, host_trained)
         self.entries: list[Entry] = split_layers(given, self.unit_bytes, trainable_streams=host_trained)
         self.layers: list = [entry.value for entry in self.entries]
-        self.pieces = pieces_to_checkpoint(self.entries, host_trained) if self.config.checkpoint_units else []
-        if self.config.checkpoint_units and not self.pieces:
+        self.pieces = (
+            pieces_to_checkpoint(self.entries, host_trained) if self.config.activations.checkpoint_units else []
+        )
+        if self.config.activations.checkpoint_units and not self.pieces:
             raise DGLSUserError(
                 "checkpoint_units checkpoints the child modules of each layer, and no layer has child modules with "
                 "params: drop checkpoint_units"
@@ -137,19 +139,22 @@ class LayerSwapper:
             for _, module in modules_of(self.layers)
             for t in (*module.parameters(), *module.buffers())
         }
-        measured = measure(self.layers, cast_rules, self.config.mixed_precision, host_trained=host_trained)
+        measured = measure(self.layers, cast_rules, self.config.compute.mixed_precision, host_trained=host_trained)
         self.layouts: list[LayerLayout] = [
             layout.of_entry(entry.layer, entry.part, entry.holder) for layout, entry in zip(measured, self.entries)
         ]
         self._check_casts_match(cast_rules)
         sizes = tuple(layout.sizes for layout in self.layouts)
-        self.placement: Placement = plan_placement(sizes, self.config)
+        self.placement: Placement = plan_placement(sizes, self.config.placement, self.config.transfer.cuda_streams)
         if self.driver is not None:
             self.driver.check_static_minimum(sizes)
         self._training_note = ""
         if host_trained:
             self._training_note = check_host_training(
-                self.layouts, self.placement.streamed, self.config.host_optimizer, self.config.accumulation_steps
+                self.layouts,
+                self.placement.streamed,
+                self.config.training.host_optimizer,
+                self.config.training.accumulation_steps,
             )
         try:
             self._build(share_group)
@@ -167,19 +172,19 @@ class LayerSwapper:
         )
         c = self.config
         # weight copies are timed for the stats (collect_timing); the other directions only for --profile
-        timed = {d for d in Direction if d is not Direction.WEIGHTS_IN} if c.profile_path else set()
-        timed |= {Direction.WEIGHTS_IN} if c.collect_timing else set()
-        self.transport = make_transport(self.device, weight_lanes=c.cuda_streams, timed=timed)
+        timed = {d for d in Direction if d is not Direction.WEIGHTS_IN} if c.observe.profile else set()
+        timed |= {Direction.WEIGHTS_IN} if c.observe.collect_timing else set()
+        self.transport = make_transport(self.device, weight_lanes=c.transfer.cuda_streams, timed=timed)
         self.training: HostTraining | None = None
         self.activations: ActivationOffloader | None = None
         if self._offloads_activations():
             self.activations = ActivationOffloader(
                 self.device,
-                keep=max(1, self.config.prefetch),
-                recompute=self.config.offload_recompute,
+                keep=max(1, self.config.placement.prefetch),
+                recompute=self.config.activations.offload_recompute,
                 transport=self.transport,
             )
-        if self.config.host_optimizer is not None:
+        if self.config.training.host_optimizer is not None:
             self._start_training()
         for idx in self.placement.streamed:
             self._stream(idx)
@@ -197,21 +202,28 @@ class LayerSwapper:
             self.copier = CudaCopier(
                 self.transport,
                 self.store,
-                event_sync=self.config.event_sync,
-                use_thread=self.config.threading,
+                event_sync=self.config.transfer.ordered_by_events,
+                use_thread=self.config.transfer.threading,
                 landing_bytes=self.placement.landing_bytes,
             )
         else:
-            self.copier = DeferredCopier(self.store, use_thread=self.config.threading, transport=self.transport)
+            self.copier = DeferredCopier(
+                self.store, use_thread=self.config.transfer.threading, transport=self.transport
+            )
         self.predictor = UsePredictor(len(self.layers))
         self.stats = StatsCollector(self.device, lambda: self.pinned_bytes)
         self.profiler: Profiler | None = None
         self._listeners: list[Listener] = []
         self.add_listener(self.stats)
-        if self.config.profile_path:
+        if self.config.observe.profile:
             c = self.config
             self.profiler = Profiler(
-                c.profile_path, self.device, c.profile_warmup_steps, c.profile_steps, c.cuda_streams, self._log
+                c.observe.profile,
+                self.device,
+                c.observe.profile_warmup_steps,
+                c.observe.profile_steps,
+                c.transfer.cuda_streams,
+                self._log,
             )
             self.add_listener(self.profiler)
         if self.driver is not None:
@@ -229,17 +241,19 @@ class LayerSwapper:
         self._unit_checkpoints: UnitCheckpoints | None = None
         if self.pieces:
             hooks, offloader = self._hooks, self.activations
-            calling = (lambda: offloader.calling) if self.config.keep_piece_outputs else None
+            calling = (lambda: offloader.calling) if self.config.activations.keep_piece_outputs else None
             self._unit_checkpoints = UnitCheckpoints(
                 self.pieces, hooks.saved_tensor_hooks, hooks.use_inside, self.device, calling
             )
             self._unit_checkpoints.install()
             hooks.replays = self._unit_checkpoints.replays
-        compile_backend = self.config.compile_backend if self.config.compile_resident else None
-        self._patches = ForwardPatches(self.layers, self.device, self.config.autocast, compile_backend)
+        compile_backend = self.config.compute.compile_backend if self.config.compute.compile else None
+        self._patches = ForwardPatches(self.layers, self.device, self.config.compute.autocast, compile_backend)
         self._patches.placement_changed(self._runs_eager)
         # Last: a cast is lossy, and nothing after it can fail.
-        self._trainable_cast = cast_trainable([m for _, m in modules_of(self.layers)], self.config.mixed_precision)
+        self._trainable_cast = cast_trainable(
+            [m for _, m in modules_of(self.layers)], self.config.compute.mixed_precision
+        )
 
     @property
     def store(self) -> HostStore:
@@ -257,23 +271,23 @@ class LayerSwapper:
             )
         cuda = self.device.type == "cuda"
         hosts = {idx: self.masters.host(idx) for idx in self.placement.streamed}
-        spec = self.config.host_optimizer
+        spec = self.config.training.host_optimizer
         self.training = HostTraining(
             hosts,
             spec,
             self.transport,
             pin=cuda,
-            threaded=cuda or self.config.threading,
-            accumulation_steps=self.config.accumulation_steps,
-            clipping=self.config.clip_grads,
+            threaded=cuda or self.config.transfer.threading,
+            accumulation_steps=self.config.training.accumulation_steps,
+            clipping=self.config.training.clip_grads,
             updater=DeviceUpdater(self.transport) if spec.on_device else None,
         )
 
     def _offloads_activations(self) -> bool:
         """``offload_activations`` resolved: unset means offload what a VRAM budget needs, on CUDA (on the CPU
         there is no device memory to save, and the planner measures none)."""
-        wanted = self.config.offload_activations
-        if self.config.offload_recompute or self.config.keep_piece_outputs:
+        wanted = self.config.activations.offload_activations
+        if self.config.activations.offload_recompute or self.config.activations.keep_piece_outputs:
             return True
         if wanted is None:
             return self.driver is not None and self.device.type == "cuda"
@@ -282,12 +296,12 @@ class LayerSwapper:
     def _unit_bytes(self, layers: list, rules: CastRules | None, host_trained: bool) -> int | None:
         """The largest swap unit in bytes (None: whole layers): ``swap_unit_mb`` if given, else the planner's
         choice for the VRAM budget (from the whole layers' sizes)."""
-        given = self.config.swap_unit_mb
+        given = self.config.placement.swap_unit_mb
         if given is not None:  # rounded up: any size above 0, however small, splits (0 alone means whole layers)
             return math.ceil(given * MB) or None
         if self.driver is None:
             return None
-        whole = measure(layers, rules, self.config.mixed_precision, host_trained=host_trained)
+        whole = measure(layers, rules, self.config.compute.mixed_precision, host_trained=host_trained)
         unit = unit_bytes_for_budget([layout.sizes for layout in whole], self.driver.budget)
         if unit is not None:
             self._log(
@@ -298,28 +312,28 @@ class LayerSwapper:
 
     def _start_driver(self) -> PlacementDriver | None:
         config = self.config
-        if config.vram_budget_gb is None:
+        if config.placement.vram_budget is None:
             return None
-        if config.host_optimizer is not None and not config.explicit_placement:
+        if config.training.host_optimizer is not None and not config.placement.explicit:
             raise DGLSUserError(
                 "full fine-tuning places layers once, at start-up (the optimizer state of a streamed layer lives "
                 "on the host), and the VRAM-budget planner re-places layers while training: give blocks_to_swap "
                 "or gpu_layers instead of vram_budget"
             )
-        if config.explicit_placement:
+        if config.placement.explicit:
             self._log(
-                f"DGLS: {', '.join(config.explicit_placement)} given: explicit placement wins over vram_budget "
-                f"{config.vram_budget_gb} (the planner is off)"
+                f"DGLS: {', '.join(config.placement.explicit)} given: explicit placement wins over vram_budget "
+                f"{config.placement.vram_budget} (the planner is off)"
             )
             return None
-        budget = resolve_budget(config.vram_budget_gb, self.device)
+        budget = resolve_budget(config.placement.vram_budget, self.device)
         self._log(
             f"DGLS: planning for a {human_bytes(budget)} VRAM budget: steps 1-2 run with every layer streamed "
             "(warm-up, then the probe); then the best predicted plans are measured on the next steps (about 35), "
             "and the fastest that fits is kept"
         )
         return PlacementDriver(
-            budget, self.device, self._log, plan_only=config.plan_only, copy_streams=config.cuda_streams
+            budget, self.device, self._log, plan_only=config.placement.plan, copy_streams=config.transfer.cuda_streams
         )
 
     def _check_casts_match(self, rules: CastRules | None) -> None:
@@ -395,7 +409,7 @@ class LayerSwapper:
             layers = len({self.entries[piece.entry].layer for piece in self.pieces})
             cost = (
                 "their outputs wait in host memory for their layer's recompute"
-                if self.config.keep_piece_outputs
+                if self.config.activations.keep_piece_outputs
                 else "each piece's forward runs once more per step"
             )
             self._log(
@@ -410,8 +424,10 @@ class LayerSwapper:
         for note in self.placement.notes():
             self._log(note)
         config = self.config
-        if cast_rules or config.autocast or config.mixed_precision != "auto":
-            self._log(describe(cast_rules, config.autocast, config.mixed_precision, self._trainable_cast))
+        if cast_rules or config.compute.autocast or config.compute.mixed_precision != "auto":
+            self._log(
+                describe(cast_rules, config.compute.autocast, config.compute.mixed_precision, self._trainable_cast)
+            )
         pageable = self.store.pageable_layers
         if pageable:
             self._log(
@@ -449,7 +465,7 @@ class LayerSwapper:
             if self.training is not None:
                 self.training.backward_done()
                 self._evict(self.training.layers)
-            if self.config.sync_each_step and self.device.type == "cuda":
+            if self.config.transfer.sync_each_step and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             for listener in list(self._listeners):
                 listener.pass_ended()
@@ -511,7 +527,7 @@ class LayerSwapper:
             if slot is None:
                 break
             requests.append((layer, slot))
-        if self.config.batch_move:
+        if self.config.transfer.batch_move:
             self._fetch(requests, demand=False)
         else:
             for request in requests:
@@ -599,7 +615,7 @@ class LayerSwapper:
     def plan_finished(self) -> bool:
         """True once a ``plan_only`` run has shown its plan: the caller should stop (an explicit
         placement is shown at construction, so there is nothing to train for)."""
-        if not self.config.plan_only:
+        if not self.config.placement.plan:
             return False
         return self.driver is None or self.driver.done
 
@@ -647,7 +663,9 @@ class LayerSwapper:
                     self.masters.add(idx)
                 self._stream(idx)
             sizes = tuple(layout.sizes for layout in self.layouts)
-            self.placement = Placement(sizes, tuple(sorted(self._streamed)), prefetch, self.config.cuda_streams)
+            self.placement = Placement(
+                sizes, tuple(sorted(self._streamed)), prefetch, self.config.transfer.cuda_streams
+            )
             self.config = self.config.replace(prefetch=prefetch)
             if self.activations is not None:  # restores ahead: as deep as weights; kept: at least as many
                 depth = max(1, prefetch)
