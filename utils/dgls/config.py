@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from .errors import DGLSUserError
 from .host_optimizer import HostOptimizerSpec
@@ -123,7 +123,7 @@ class _Policy:
     def _check_together(self) -> None:
         """Settings of this policy that make no sense together."""
 
-    def replace(self, **changes: Any) -> Any:
+    def replace(self, **changes: Any) -> Self:
         """A checked copy with some fields changed."""
         return dataclasses.replace(self, **changes)
 
