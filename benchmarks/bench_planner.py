@@ -1,6 +1,6 @@
 """VRAM-budget planner on the Flux-dev-size model: the automatic plan against a hand grid.
 
-For each budget, DGLS plans from its probe steps (``vram_budget_gb``), then the same swapper is
+For each budget, DGLS plans from its probe steps (``vram_budget``), then the same swapper is
 switched (``apply_placement``) through a grid of hand configurations: resident layers at both ends
 or spread evenly, prefetch 1-3, the largest resident count the planner's memory model says fits
 (and one fewer). Every configuration is measured in this one process on the same model and inputs;

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_full  # noqa: E402
 import machine  # noqa: E402
 
-from utils.dgls import host_training  # noqa: E402
+from utils.dgls import grad_return  # noqa: E402
 
 
 def summarize(trace: Path, bucket_ms: float = 50.0) -> None:
@@ -93,7 +93,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.send_group_mib is not None:  # this probe's own process, before anything is built; never undone
-        host_training.SEND_GROUP_BYTES = int(args.send_group_mib * 2**20)
+        grad_return.SEND_GROUP_BYTES = int(args.send_group_mib * 2**20)
     with machine.session(False) as (device, dtype):
         bench = bench_full.fresh_bench(False, device, dtype, torch.device("cpu"))
         step, swapper, _ = bench_full.dgls_step(bench, device, args.impl, 64.0, 2, 1.0)

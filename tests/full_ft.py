@@ -201,11 +201,9 @@ def _move_for_update(optimizer, master: torch.Tensor, grad: torch.Tensor | None,
     """Move ``master`` (in place: the optimizer keys on it) and its state to ``device``; return ``grad`` there."""
     master.data = master.data.to(device)
     state = optimizer.state[master]
-    for key in ("exp_avg", "exp_avg_sq"):
-        if key in state:
-            state[key] = state[key].to(device)
-    if "step" in state:
-        state["step"] = state["step"].to(device)
+    for key, value in state.items():  # AdamW's moments and step, SGD's momentum buffer
+        if isinstance(value, torch.Tensor):
+            state[key] = value.to(device)
     return grad.to(device) if grad is not None else None
 
 

@@ -508,9 +508,9 @@ CASES = [
         "has no activation_checkpointing",
     ),
     Case(
-        "demo-full-device-sgd",
-        demo("--host_adam", "device", base="demo_full.toml", optimizer={"type": "sgd", "lr": 1e-3}),
-        "the device host optimizer is AdamW: use type = 'adamw', or --host_adam torch_fused",
+        "demo-full-deepspeed-sgd",
+        demo("--host_adam", "deepspeed", base="demo_full.toml", optimizer={"type": "sgd", "lr": 1e-3}),
+        "the deepspeed host optimizer is AdamW: use type = 'adamw', or --host_adam torch_fused",
     ),
     Case(
         "demo-full-data-parallel",

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from utils.dgls import LayerSwapper, SwapConfig
+from utils.dgls.unit_checkpoints import UnitCheckpoints
 
 pytestmark = pytest.mark.skipif(not CHECKOUT, reason="set DGLS_DIFFUSION_PIPE to a diffusion-pipe checkout")
 
@@ -65,7 +66,7 @@ def run(wan, mode: str, keep: bool):
             h = ckpt(lambda *xs, layer=layer: layer(xs), *h)
         h[0].float().square().sum().backward()
         if keep:
-            assert swapper._unit_checkpoints.replayed == 3 * len(layers)
+            assert swapper.feature(UnitCheckpoints).replayed == 3 * len(layers)
     return [h[0].detach(), x.grad, *(p.grad for p in lora)]
 
 

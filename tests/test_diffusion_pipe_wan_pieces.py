@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from utils.dgls import LayerSwapper, SwapConfig
+from utils.dgls.unit_checkpoints import UnitCheckpoints
 
 CHECKOUT = os.environ.get("DGLS_DIFFUSION_PIPE")
 pytestmark = pytest.mark.skipif(not CHECKOUT, reason="set DGLS_DIFFUSION_PIPE to a diffusion-pipe checkout")
@@ -88,7 +89,7 @@ def run(wan, mode: str, keep: bool):
             h = ckpt(lambda *xs, layer=layer: layer(xs), *h)
         h[0].square().sum().backward()
         if keep:
-            assert swapper._unit_checkpoints.replayed == 3 * len(layers)
+            assert swapper.feature(UnitCheckpoints).replayed == 3 * len(layers)
     return h[0].detach(), x.grad
 
 

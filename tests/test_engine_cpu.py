@@ -9,7 +9,9 @@ import torch
 from helpers import SMALL, assert_bitwise_equal, make_layers, train
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig, SwapWorkerError
+from utils.dgls.build import build
 from utils.dgls.demo.model import DemoModelConfig, build_layers
+from utils.dgls.feature import Feature
 from utils.dgls.schedule import Phase, UsePredictor
 
 CPU = torch.device("cpu")
@@ -308,10 +310,11 @@ def test_plan_only_with_explicit_placement_never_trains():
         assert swapper.plan_finished
 
 
-@pytest.mark.parametrize("where", ["host RAM", "device pool"])
+@pytest.mark.parametrize("where", ["host RAM", "device pool", "a feature"])
 def test_a_swapper_that_fails_to_start_changes_nothing(monkeypatch, where):
-    """Failing while packing the masters, or later (the pool: after layers were streamed), leaves the
-    modules exactly as they were, dtypes included (mixed_precision is applied last)."""
+    """Failing while packing the masters, while building the pool, or later (a feature's install: after layers
+    were streamed and the hooks installed) leaves the modules exactly as they were, dtypes included
+    (mixed_precision is applied last)."""
     layers, trainable = make_layers()
     before = {id(p): (p.detach().clone(), p.dtype) for layer in layers for p in layer.parameters()}
 
@@ -320,8 +323,10 @@ def test_a_swapper_that_fails_to_start_changes_nothing(monkeypatch, where):
 
     if where == "host RAM":
         monkeypatch.setattr("utils.dgls.masters.check_ram", fail)
+    elif where == "device pool":
+        monkeypatch.setattr("utils.dgls.build.DevicePool", fail)
     else:
-        monkeypatch.setattr("utils.dgls.swapper.DevicePool", fail)
+        monkeypatch.setattr("utils.dgls.forward_patches.ForwardPatches.install", fail)
     with pytest.raises(DGLSUserError, match="ran out"):
         LayerSwapper(layers, SwapConfig.of(mixed_precision="bf16", prefetch=1), device=CPU, log=None)
     for layer in layers:
@@ -329,3 +334,75 @@ def test_a_swapper_that_fails_to_start_changes_nothing(monkeypatch, where):
         for p in layer.parameters():
             value, dtype = before[id(p)]
             assert p.dtype == dtype and torch.equal(p, value)
+
+
+class RecordingFeature(Feature):
+    """Records the engine's calls of each lifecycle hook; gates every fetch on a copy it owns."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.gated: list[int] = []
+
+    def install(self, engine) -> None:
+        self.calls.append("install")
+
+    def fetch_gates(self, idx: int) -> list:
+        self.gated.append(idx)
+        return []
+
+    def after_backward(self) -> None:
+        self.calls.append("after_backward")
+
+    def before_placement(self) -> None:
+        self.calls.append("before_placement")
+
+    def placement_changed(self, placement, kept_activations) -> None:
+        self.calls.append(f"placement_changed {placement.streamed} {kept_activations}")
+
+    def wrap_checkpoint(self, checkpoint):
+        self.calls.append("wrap_checkpoint")
+        return checkpoint
+
+    def flush(self) -> None:
+        self.calls.append("flush")
+
+    def pinned_bytes(self) -> int:
+        return 7
+
+    def describe(self) -> list[str]:
+        return ["recording feature"]
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+
+def test_a_feature_hears_each_hook_in_lifecycle_order(monkeypatch):
+    """The engine calls a feature's hooks at the points feature.py promises: install once, a fetch gate for
+    every copy of a streamed layer, after_backward once per backward, the placement hooks around a
+    re-placement, flush before true weights are read, close once at removal; its lines join the report."""
+    recorder = RecordingFeature()
+
+    def with_recorder(*args, **kwargs):
+        parts = build(*args, **kwargs)
+        parts.features.append(recorder)
+        return parts
+
+    monkeypatch.setattr("utils.dgls.swapper.build", with_recorder)
+    layers, trainable = make_layers()
+    lines: list[str] = []
+    with LayerSwapper(layers, SwapConfig.of(blocks_to_swap=4, prefetch=1), device=CPU, log=lines.append) as swapper:
+        assert recorder.calls == ["install"] and "recording feature" in lines
+        swapper.checkpoint_function(torch.utils.checkpoint.checkpoint)
+        pinned = swapper.store.pinned_bytes
+        assert swapper.pinned_bytes == pinned + 7
+        train(layers, trainable, CPU, "nonreentrant", steps=1, accumulate=2, eval_between=False)
+        assert recorder.calls == ["install", "wrap_checkpoint", "after_backward", "after_backward"]
+        assert set(recorder.gated) == set(swapper.streamed_layers), "every streamed layer's copies ask for gates"
+        resident = swapper.streamed_layers[0]
+        streamed = tuple(i for i in swapper.streamed_layers if i != resident)
+        swapper.apply_placement(streamed, 1, 3)
+        with swapper.true_weights():
+            pass
+        del recorder.calls[:4]
+        assert recorder.calls == ["before_placement", f"placement_changed {streamed} 3", "flush"]
+    assert recorder.calls[-1] == "close" and recorder.calls.count("close") == 1

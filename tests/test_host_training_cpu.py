@@ -25,10 +25,12 @@ from full_ft import (
 )
 from helpers import skip_waits
 
-from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig, device_update, host_training
+from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig, device_update, grad_return, host_training
+from utils.dgls.grad_return import GradReturn, GradState
 from utils.dgls.host_training import HostTraining
 from utils.dgls.transport import Direction, Transport
 from utils.dgls.update_split import UpdateSplit
+from utils.dgls.updaters import DeviceSide
 
 CPU = torch.device("cpu")
 MODES = ["none", "nonreentrant", "reentrant"]
@@ -128,7 +130,8 @@ def test_without_clipping_updates_start_during_backward_and_equal_unstreamed_tra
         original = training.backward_done
 
         def backward_done():
-            queued_in_backward.append(sum(layer.updated_early for layer in training.layers.values()))
+            queued = [layer.grads.state is GradState.QUEUED for layer in training.layers.values()]
+            queued_in_backward.append(sum(queued))
             original()
 
         training.backward_done = backward_done
@@ -193,13 +196,19 @@ def test_a_landing_read_before_its_copy_landed_fails_with_one_micro_batch(monkey
 
 @pytest.mark.parametrize(
     "spec, dtype, accumulate",
-    [(SPEC, torch.float32, 2), (DEVICE_SPEC, torch.bfloat16, 1), (SPLIT_SPEC, torch.bfloat16, 1)],
-    ids=["host", "device-flat", "split-flat"],
+    [
+        (SPEC, torch.float32, 2),
+        (DEVICE_SPEC, torch.bfloat16, 1),
+        (SPLIT_SPEC, torch.bfloat16, 1),
+        (dataclasses.replace(SPEC, type="sgd", momentum=0.9, implementation="device"), torch.bfloat16, 1),
+    ],
+    ids=["host", "device-flat", "split-flat", "sgd-device-flat"],
 )
 def test_save_and_resume_equal_an_uninterrupted_run(spec, dtype, accumulate):
     """Two steps, save (model state dict with the true weights, host and trainer optimizer states); a new
     model and swapper load them and run the third step: the same losses and weights as three in a row.
-    Device and split updates in bf16 keep their moments in flat buffers, which a load refills."""
+    Device and split updates in bf16 keep their moments (SGD: its momentum buffers) in flat buffers, which a load
+    refills."""
     cfg = SwapConfig.of(host_optimizer=spec, accumulation_steps=accumulate)
     kw = {"accumulate": accumulate, "dtype": dtype}
     layers = full_layers(dtype)
@@ -346,7 +355,7 @@ def test_gradients_sent_home_in_groups_equal_unstreamed_training(references, mon
     """A layer's grads go home in groups of at least ``SEND_GROUP_BYTES`` (one param at a time, or several
     groups a layer with its last one sent when the layer closes): the sums, the direct reads and the norms
     (taken a group at a time) stay those of training without streaming."""
-    monkeypatch.setattr(host_training, "SEND_GROUP_BYTES", group_bytes)
+    monkeypatch.setattr(grad_return, "SEND_GROUP_BYTES", group_bytes)
     sizes = []
     submit = Transport.submit
 
@@ -371,15 +380,15 @@ def test_a_param_without_a_grad_does_not_hold_its_layers_group_until_backward_en
     """Every streamed layer gets a param no forward uses, so its batch stays open to the end of the
     backward: its grads still go home once another layer's grads arrive (at most one layer holds unsent
     grads at any time), and the numbers stay those of training without streaming."""
-    monkeypatch.setattr(host_training, "SEND_GROUP_BYTES", 2**30)
+    monkeypatch.setattr(grad_return, "SEND_GROUP_BYTES", 2**30)
     open_groups = []
-    ready = HostTraining._grad_ready
+    ready = GradReturn._grad_ready
 
     def counting(self, layer, tp, param):
         ready(self, layer, tp, param)
-        open_groups.append(sum(1 for trained in self.layers.values() if trained.group))
+        open_groups.append(sum(1 for trained in self.layers.values() if trained.grads.group))
 
-    monkeypatch.setattr(HostTraining, "_grad_ready", counting)
+    monkeypatch.setattr(GradReturn, "_grad_ready", counting)
 
     def with_unused(dtype=torch.float32):
         layers = full_layers(dtype)
@@ -426,13 +435,13 @@ def test_device_updates_sum_on_the_host_when_a_layer_gets_a_second_batch_in_a_st
     promoted = []
     with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
         training = swapper.training
-        original = training._accumulate_direct
+        original = training.grads._promote
 
-        def accumulate_direct(layer):
+        def promote(layer):
             promoted.append(layer.index)
             original(layer)
 
-        training._accumulate_direct = accumulate_direct
+        training.grads._promote = promote
         names = host_names(swapper, layers)
         record = train_dgls(layers, swapper, CPU, "nonreentrant", accumulate=2)
     assert len(promoted) == 3 * len(training.layers)  # every layer, every step: direct again after each update
@@ -462,17 +471,17 @@ def test_split_updates_without_clipping_run_where_they_were_queued_though_the_st
     device updates, from the worker (the GPU test of this case gave other numbers)."""
     on_device = flip_sides_every_step(monkeypatch)
     ran: list[tuple[object, str]] = []
-    original_device, original_step = HostTraining._update_on_device, torch.optim.AdamW.step
+    original_device, original_step = DeviceSide.enqueue, torch.optim.AdamW.step
 
-    def update_on_device(self, layer, coef, lr):
+    def enqueue(self, layer, grads, coef, lr, previous):
         ran.append((layer.index, "device"))
-        return original_device(self, layer, coef, lr)
+        return original_device(self, layer, grads, coef, lr, previous)
 
     def step(self, *args, **kwargs):
         ran.append((self, "host"))  # a layer's optimizer or the trainer's own (told apart below)
         return original_step(self, *args, **kwargs)
 
-    monkeypatch.setattr(HostTraining, "_update_on_device", update_on_device)
+    monkeypatch.setattr(DeviceSide, "enqueue", enqueue)
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
     seen = []
     record, reference, _ = device_run(

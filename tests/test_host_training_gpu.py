@@ -23,6 +23,7 @@ from test_ordering_gpu import MS, ComputeDelay, delay_every_copy, deterministic,
 
 from utils.dgls import LayerSwapper, SwapConfig
 from utils.dgls.demo.model import DemoModelConfig
+from utils.dgls.host_optimizer import HostOptimizerSpec
 from utils.dgls.pinned import WHOLE_MAX, PinnedMemory, whole_pages
 from utils.dgls.transport import Direction
 
@@ -35,6 +36,9 @@ MODES = ["none", "nonreentrant", "reentrant"]
 DEVICE_SPEC = dataclasses.replace(SPEC, implementation="device")  # AdamW steps on the GPU (--host_adam device)
 FUSED_SPEC = dataclasses.replace(SPEC, implementation="torch_fused")
 SPLIT_SPEC = dataclasses.replace(SPEC, implementation="split")  # each layer on the GPU or the CPU (--host_adam split)
+# a second kernel on the device: SGD with momentum (torch.optim.SGD(fused=True)'s kernel, .optimizer_kernels)
+SGD_DEVICE_SPEC = HostOptimizerSpec(type="sgd", lr=1e-2, momentum=0.9, weight_decay=0.01, implementation="device")
+SGD_SPLIT_SPEC = dataclasses.replace(SGD_DEVICE_SPEC, implementation="split")
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +163,49 @@ def test_device_updates_from_host_sums_without_clipping_stay_bitwise_equal(templ
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_sgd_device_updates_with_delays_everywhere_stay_bitwise_equal(template, monkeypatch, mode):
+    """A second kernel on the device (--host_adam device, [optimizer] type = 'sgd' with momentum), one micro-batch a
+    step: the momentum buffers stream in and out as AdamW's moments do; equal to resident training whose masters
+    and torch.optim.SGD(fused=True) are on the GPU."""
+    got, names = swapped(template, mode, monkeypatch, accumulate=1, spec=SGD_DEVICE_SPEC, prefetch=2, threading=True)
+    want = reference(template, names, mode, accumulate=1, host_spec=SGD_DEVICE_SPEC, master_device=device())
+    assert_same(got, want)
+
+
+def test_sgd_device_updates_from_host_sums_without_momentum_or_clipping_stay_bitwise_equal(template, monkeypatch):
+    """SGD without momentum (no state at all: the scratch holds master and gradient only), two micro-batches a
+    step summed on the host, no clipping: each update starts during backward."""
+    spec = dataclasses.replace(SGD_DEVICE_SPEC, momentum=0.0)
+    got, names = swapped(template, "nonreentrant", monkeypatch, max_norm=None, spec=spec, clip_grads=False, prefetch=1)
+    want = reference(template, names, "nonreentrant", max_norm=None, host_spec=spec, master_device=device())
+    assert_same(got, want)
+
+
+def test_sgd_split_updates_changing_side_every_step_with_delays_stay_bitwise_equal(template, monkeypatch):
+    """--host_adam split with SGD: every layer changes side every step; the host side runs torch.optim.SGD(fused=True)
+    on the CPU on the same pinned momentum buffers the device streams."""
+    on_device = flip_sides_every_step(monkeypatch)
+    got, names = swapped(
+        template, "nonreentrant", monkeypatch, accumulate=1, spec=SGD_SPLIT_SPEC, prefetch=2, threading=True
+    )
+    ranks = {layer: rank for rank, layer in enumerate(sorted({int(n.split(".")[0]) for n in names}))}
+
+    def update_device(step, name):
+        return device() if on_device(step, ranks[int(name.split(".")[0])]) else torch.device("cpu")
+
+    want = reference(
+        template,
+        names,
+        "nonreentrant",
+        accumulate=1,
+        host_spec=SGD_SPLIT_SPEC,
+        master_device=device(),
+        update_device=update_device,
+    )
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_split_updates_changing_side_every_step_with_delays_stay_bitwise_equal(template, monkeypatch, mode):
     """--host_adam split, every layer changing side at every step: a host update must wait for the layer's
     previous device update to be home (10 ms before each of its copies out), and a device update for the
@@ -216,7 +263,9 @@ def test_split_updates_without_clipping_measure_the_devices_rate_and_stay_bitwis
     assert rates["device"] is not None and rates["host"] is not None, rates
 
 
-@pytest.mark.parametrize("spec", [SPEC, DEVICE_SPEC, SPLIT_SPEC], ids=["host", "device", "split"])
+@pytest.mark.parametrize(
+    "spec", [SPEC, DEVICE_SPEC, SPLIT_SPEC, SGD_SPLIT_SPEC], ids=["host", "device", "split", "sgd-split"]
+)
 def test_fifty_steps_do_not_grow_device_memory_or_host_ram(spec):
     gc.collect()  # what earlier tests left in reference cycles would be freed during these 50 steps
     torch.cuda.empty_cache()

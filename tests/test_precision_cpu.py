@@ -7,6 +7,7 @@ from helpers import SMALL, assert_bitwise_equal, make_layers, train
 from torch import nn
 
 from utils.dgls import DGLSUserError, LayerSwapper, Listener, SwapConfig
+from utils.dgls.forward_patches import ForwardPatches
 from utils.dgls.precision import CastRules, ParamCast, dequantize, fake_quantize, quantize
 
 CPU = torch.device("cpu")
@@ -213,7 +214,7 @@ def test_bf16_cast_training_equals_unswapped_bf16_model(mode):
     layers, trainable = make_layers()
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
         got = train(layers, trainable, CPU, mode)
-        assert not swapper._patches._contexts and not torch.is_autocast_enabled("cpu")
+        assert not swapper.feature(ForwardPatches)._contexts and not torch.is_autocast_enabled("cpu")
     assert_bitwise_equal(reference, got)
 
 
@@ -226,7 +227,7 @@ def test_autocast_hooks_under_checkpointing(mode):
     handle = layers[2].img_qkv.base_layer.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
     with LayerSwapper(layers, SwapConfig.of(autocast="bf16", prefetch=2), device=CPU, log=None) as swapper:
         got = train(layers, trainable, CPU, mode)
-        assert not swapper._patches._contexts
+        assert not swapper.feature(ForwardPatches)._contexts
     handle.remove()
     assert not torch.is_autocast_enabled("cpu")
     assert set(seen) == {BF16}

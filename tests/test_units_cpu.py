@@ -30,6 +30,7 @@ from utils.dgls.copier import DeferredCopier
 from utils.dgls.hooks import HookAdapter
 from utils.dgls.layout import measure
 from utils.dgls.planner import unit_bytes_for_budget
+from utils.dgls.unit_checkpoints import UnitCheckpoints
 from utils.dgls.units import checkpoint_pieces, split_layers
 
 CPU = torch.device("cpu")
@@ -236,7 +237,7 @@ def test_every_piece_runs_again_in_backward_and_remove_puts_the_class_forward_ba
         assert all("forward" in vars(piece.module) for piece in pieces)
         assert any("checkpoint_units: " in line and "run under checkpoints of their own" in line for line in lines)
         train(layers, trainable, CPU, "nonreentrant", steps=1)
-        installed = swapper._unit_checkpoints._installed
+        installed = swapper.feature(UnitCheckpoints)._installed
         trained = [w.reruns for w in installed if any(p.requires_grad for p in w.piece.module.parameters())]
         assert trained and min(trained) == 2, "each piece with a LoRA runs again in each micro-batch's backward"
     assert not any("forward" in vars(piece.module) for piece in pieces)
@@ -260,11 +261,12 @@ def counted_step(mode, keep):
         entries = {p.entry for p in swapper.pieces if p.is_entry}
         uses, runs, use = [], [], swapper.use
         swapper.use = lambda idx, phase: (uses.append(idx), use(idx, phase))[1]
-        for wrapper in swapper._unit_checkpoints._installed:
+        unit_checkpoints = swapper.feature(UnitCheckpoints)
+        for wrapper in unit_checkpoints._installed:
             wrapper.forward = lambda *a, _f=wrapper.forward, **k: (runs.append(1), _f(*a, **k))[1]
         ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=mode == "reentrant"))
         train(layers, trainable, CPU, mode, steps=1, accumulate=1, eval_between=False, checkpoint_fn=ckpt)
-        return len(runs), sum(idx in entries for idx in uses), swapper._unit_checkpoints.replayed, len(swapper.pieces)
+        return len(runs), sum(idx in entries for idx in uses), unit_checkpoints.replayed, len(swapper.pieces)
 
 
 @pytest.mark.parametrize("mode", ["nonreentrant", "reentrant"])
@@ -323,7 +325,7 @@ def assert_kept_equals_plain(build, shape, mode: str, reseed: int | None = None)
             for layer in layers:
                 h = ckpt(layer, h)
             h.square().sum().backward()
-            assert not keep or swapper._unit_checkpoints.replayed == 6
+            assert not keep or swapper.feature(UnitCheckpoints).replayed == 6
         return h.detach(), x.grad
 
     (out, grad), (kept_out, kept_grad) = run(False), run(True)
@@ -365,7 +367,7 @@ def kept_autocast_run(template, shape, reentrant, unit_mb):
         assert any(entry.holder for entry in swapper.entries) == bool(unit_mb)
         ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=reentrant))
         record = flux_autocast.train(layers, trainable, shape, CPU, reentrant, checkpoint_fn=ckpt)
-        assert swapper._unit_checkpoints.replayed == 3 * len(swapper.pieces), "every piece's output, every step"
+        assert swapper.feature(UnitCheckpoints).replayed == 3 * len(swapper.pieces), "every piece's output, every step"
     return record
 
 
@@ -474,7 +476,7 @@ def test_checkpointed_units_in_eval_and_full_fine_tuning(unit_mb, keep):
         with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
             ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=False))
             assert torch.equal(run_layers(layers, inputs, "nonreentrant", ckpt), expected)
-            assert swapper._unit_checkpoints.reruns == swapper._unit_checkpoints.replayed == 0
+            assert swapper.feature(UnitCheckpoints).reruns == swapper.feature(UnitCheckpoints).replayed == 0
     layers = full_layers()
     config = SwapConfig.of(
         host_optimizer=SPEC,
@@ -488,7 +490,7 @@ def test_checkpointed_units_in_eval_and_full_fine_tuning(unit_mb, keep):
         names = host_trained_names(layers, swapper)
         ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=False)) if keep else None
         record = train_dgls(layers, swapper, CPU, "nonreentrant", checkpoint_fn=ckpt)
-        assert swapper._unit_checkpoints.replayed > 0 or not keep
+        assert swapper.feature(UnitCheckpoints).replayed > 0 or not keep
     assert_same(record, train_reference(full_layers(), names, CPU, "nonreentrant"))
 
 

@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from utils.dgls import LayerSwapper, SwapConfig
 from utils.dgls.activation_offload import ActivationOffloader
 from utils.dgls.copier import CudaCopier
+from utils.dgls.unit_checkpoints import UnitCheckpoints
 
 pytestmark = pytest.mark.gpu
 MODES = ["none", "nonreentrant", "reentrant", "unsloth"]
@@ -96,7 +97,7 @@ def split_run(
         if offload:
             assert swapper.total_stats(sync=True).activation_bytes > 0
         if keep_outputs:
-            assert swapper._unit_checkpoints.replayed > 0
+            assert swapper.feature(UnitCheckpoints).replayed > 0
     return record
 
 
@@ -184,7 +185,7 @@ def test_kept_piece_outputs_of_flux_blocks_under_autocast_stay_bitwise_equal(aut
         delay_every_copy(swapper)  # 20 ms before weight copies, 10 ms before the others; restores poisoned
         ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=reentrant))
         got = flux_autocast.train(layers, trainable, FLUX_AUTOCAST, device(), reentrant, checkpoint_fn=ckpt)
-        assert swapper._unit_checkpoints.replayed == 3 * len(swapper.pieces)
+        assert swapper.feature(UnitCheckpoints).replayed == 3 * len(swapper.pieces)
     flux_autocast.assert_same(reference(reentrant), got)
 
 

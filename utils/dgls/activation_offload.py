@@ -57,16 +57,21 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
 
 from .errors import DGLSUserError
+from .feature import Feature
 from .host_store import ram_reserve
 from .pinned import PinnedMemory
 from .recompute_offload import Recomputed, RecomputeOffload, function_kind
 from .stats import human_bytes
 from .transport import Copy, Direction, Transport, make_transport
+
+if TYPE_CHECKING:
+    from .placement import Placement
 
 MIN_BYTES = 64 * 1024  # on CUDA smaller tensors stay: not worth a copy each way (on the CPU, where offload
 # only exercises the mechanics for tests, every size goes)
@@ -97,7 +102,7 @@ class Segment:
     done: bool = False
 
 
-class ActivationOffloader:
+class ActivationOffloader(Feature):
     """Sends the inputs of checkpointed calls home during forward, brings them back before recompute."""
 
     def __init__(
@@ -168,6 +173,18 @@ class ActivationOffloader:
 
     def synchronize(self) -> None:
         self.transport.synchronize(Direction.ACTIVATIONS_OUT, Direction.ACTIVATIONS_IN)
+
+    # ---------------------------------------------------------------- as a feature of the engine
+    def wrap_checkpoint(self, checkpoint: Callable) -> Callable:
+        return self.wrap(checkpoint)
+
+    def placement_changed(self, placement: Placement, kept_activations: int | None) -> None:
+        """Restores run as far ahead as weights are prefetched; at least that many segments stay."""
+        depth = max(1, placement.prefetch)
+        self.set_depth(max(depth, kept_activations or 0), depth)
+
+    def close(self) -> None:
+        self.synchronize()
 
     # ---------------------------------------------------------------- forward
     def _enter(self, args: tuple, kwargs: dict) -> Segment:

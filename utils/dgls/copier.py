@@ -107,7 +107,7 @@ class Copier:
     # ---------------------------------------------------------------- protocol (main thread)
     def submit(self, requests: list[tuple[Slot, HostLayer, bool]], after: list | None = None) -> list[Token]:
         """Write each host layer into its slot (after the slot's latest release and write, and after the
-        request's gate in ``after``: a device update that rewrites the host copy)."""
+        request's gates in ``after``, a list per request: a device update that rewrites the host copy)."""
         self.check()
         tokens = []
         for k, (slot, host, demand) in enumerate(requests):
@@ -119,8 +119,8 @@ class Copier:
                     "read it: release the slot before writing it"
                 )
             gates = [g for g in (state.release, state.write) if g is not None]
-            if after is not None and after[k] is not None:
-                gates.append(after[k])
+            if after is not None:
+                gates.extend(after[k])
             token = Token(nbytes=host.nbytes, layer=host.index, slot=slot, host=host, demand=demand, gates=gates)
             self._prepare(token)
             state.write = token

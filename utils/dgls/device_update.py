@@ -1,4 +1,4 @@
-"""Device updates: the AdamW step of a host-trained layer run on the device, its state streamed in and out.
+"""Device updates: the optimizer step of a host-trained layer run on the device, its state streamed in and out.
 
 Why
     The host AdamW of a streamed layer reads and writes about 44 bytes of host memory per param per step
@@ -8,30 +8,31 @@ Why
     dtype) and 14 out (master, moments, the new compute-dtype copy) over a full-duplex link, and the
     arithmetic is a fused kernel.
 
-Layout (the host side stays where :mod:`.host_training` keeps it)
-    - per trained param, in pinned host memory: the fp32 master, ``exp_avg`` and ``exp_avg_sq`` (the
-      layer's ``torch.optim.AdamW`` state, so checkpoints are the host optimizer's), the gradient (the
+Layout (the host side is placed by :class:`~.layout.TrainingLayout`)
+    - per trained param, in pinned host memory: the fp32 master, the optimizer state the kernel names
+      (:mod:`.optimizer_kernels`: AdamW's ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum_buffer``; the
+      layer's torch optimizer's state, so checkpoints are the host optimizer's), the gradient (the
       pinned landing in the compute dtype, or the fp32 sum over micro-batches) and the packed
       compute-dtype copy the copier streams;
     - on the device, two scratch buffers (:class:`Scratch`), each with room for ``capacity`` params:
-      fp32 master, moments and gradient, and the compute-dtype gradient and copy.
+      fp32 master, state and gradient, and the compute-dtype gradient and copy.
 
 Mechanics (:meth:`DeviceUpdater.update`, one layer; its params in chunks of at most ``capacity``). The
 in-stream and the out-stream are the transport's optimizer-state-in and -out streams (:mod:`.transport`),
 each half of a chunk one :meth:`~.transport.Transport.issue` behind its gates:
     1. In-stream: wait for the buffer's previous chunk to be copied out, for this layer's previous update
        (its host state is read now) and for the gradients' copy home (``after``); copy master, moments and
-       gradient in; scale the gradient by the clip coefficient; ``torch._fused_adamw_`` (the kernel of
-       ``torch.optim.AdamW(fused=True)``: the same arithmetic as that optimizer on this device); write the
-       compute-dtype copy. Step counts stay on the host (one per param, as in the optimizer's state).
-    2. Out-stream: wait for (1); copy master, moments and the compute-dtype copy home; mark the buffer
+       gradient in; scale the gradient by the clip coefficient; the kernel's step (:class:`~.optimizer_kernels.
+       OptimizerKernel`: the fused torch optimizer's arithmetic on this device); write the compute-dtype
+       copy. Step counts stay on the host (one per param, as in the optimizer's state).
+    2. Out-stream: wait for (1); copy master, state and the compute-dtype copy home; mark the buffer
        free. The layer's last chunk's copy home is ``done``: a fetch of the layer waits for it on the device
        (the copier's gate), and the host waits for it before it reads a master (:meth:`synchronize`).
     Buffers alternate, so chunk k+1 comes in while chunk k goes out.
 
 On the CPU (tests) the same steps run in order on the calling thread with plain copies, after the transport's
-CPU backend landed their gates (the gradients' copies): the numbers are ``torch.optim.AdamW(fused=True)``'s on
-the CPU, bitwise.
+CPU backend landed their gates (the gradients' copies): the numbers are the fused torch optimizer's on the CPU,
+bitwise.
 
 Timing (split updates without clipping, :mod:`.update_split`): with a :attr:`DeviceUpdater.timeline`, each
 chunk records a timing event on the in-stream once its waits are met and makes its ``free`` event a timing
@@ -50,14 +51,15 @@ Hazards handled
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from .optimizer_kernels import AdamWKernel, OptimizerKernel, scale_
 from .pinned import PinnedMemory
 from .transport import Copy, Direction, Gate, Transport
 
-DEFAULT_CAPACITY = 8 * 2**20  # params per chunk: two buffers of 24 bytes a param, 384 MiB in all
+DEFAULT_CAPACITY = 8 * 2**20  # params per chunk: two buffers of 24 bytes a param (AdamW), 384 MiB in all
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ class FlatParam:
 @dataclass(eq=False)
 class FlatLayer:
     """A layer's trained params back to back in the optimizer's order (groups contiguous): one pinned fp32
-    buffer each for the masters and both moments, one in the compute dtype for the gradient landings.
+    buffer each for the masters and each state tensor, one in the compute dtype for the gradient landings.
 
     Why: a chunk of params then comes in with four copies and goes home with three (plus one per param
     for its compute-dtype copy, whose host layout is the streamed layer's), and one fused kernel steps it.
@@ -85,8 +87,7 @@ class FlatLayer:
     masters: torch.Tensor  # fp32, pinned on CUDA
     landings: torch.Tensor  # compute dtype, pinned on CUDA
     params: list[FlatParam]
-    exp_avg: torch.Tensor | None = None  # created by DeviceUpdater.prepare
-    exp_avg_sq: torch.Tensor | None = None
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # the kernel's state keys -> fp32 flat buffers
 
 
 @dataclass(frozen=True)
@@ -100,36 +101,40 @@ class ParamUpdate:
 
 
 class Scratch:
-    """One device buffer: fp32 master, moments and gradient, compute-dtype gradient and copy."""
+    """One device buffer: fp32 master, ``states`` state tensors and gradient, compute-dtype gradient and copy."""
 
-    def __init__(self, capacity: int, device: torch.device) -> None:
+    def __init__(self, capacity: int, device: torch.device, states: int = 2) -> None:
         self.capacity = capacity
-        self.state = torch.empty(4 * capacity, dtype=torch.float32, device=device)
+        self.states = states
+        self.state = torch.empty((2 + states) * capacity, dtype=torch.float32, device=device)
         self.raw_grad = torch.empty(4 * capacity, dtype=torch.uint8, device=device)
         self.raw_out = torch.empty(4 * capacity, dtype=torch.uint8, device=device)
         self.free: Copy | None = None  # its last chunk's copy home
 
     @property
     def nbytes(self) -> int:
-        return 24 * self.capacity
+        return (4 * (2 + self.states) + 8) * self.capacity
 
-    def views(self, offset: int, n: int) -> tuple[torch.Tensor, ...]:
-        """fp32 master, exp_avg, exp_avg_sq and gradient views of ``n`` params at ``offset``."""
+    def views(self, offset: int, n: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """fp32 master, state (one per state key) and gradient views of ``n`` params at ``offset``."""
         c = self.capacity
-        return tuple(self.state[k * c + offset : k * c + offset + n] for k in range(4))
+        parts = [self.state[k * c + offset : k * c + offset + n] for k in range(2 + self.states)]
+        return parts[0], parts[1:-1], parts[-1]
 
     def raw(self, buffer: torch.Tensor, offset: int, n: int, dtype: torch.dtype) -> torch.Tensor:
         return buffer[offset * dtype.itemsize : (offset + n) * dtype.itemsize].view(dtype)
 
 
 class DeviceUpdater:
-    """AdamW steps of host-trained layers on ``device`` (see the module doc)."""
+    """Optimizer steps of host-trained layers on ``device`` (see the module doc), by ``kernel`` (AdamW unless
+    :meth:`reserve` is given another)."""
 
     def __init__(self, transport: Transport, capacity: int | None = None) -> None:
         self.transport = transport  # its optimizer-state-in and -out streams (the in-stream and the out-stream)
         self.device = transport.device
         self.cuda = transport.cuda
         self.capacity = DEFAULT_CAPACITY if capacity is None else capacity
+        self.kernel: OptimizerKernel = AdamWKernel()
         self.buffers: list[Scratch] = []
         self._turn = 0
         # the moments, page-locked at their exact size on CUDA (the copies in and out are asynchronous)
@@ -138,13 +143,17 @@ class DeviceUpdater:
         # waits are met and on the out-stream after its last copy home (:func:`timeline_busy` reads them)
         self.timeline: list[tuple] | None = None
 
-    def reserve(self, largest_param: int, largest_layer: int) -> int:
+    def reserve(self, largest_param: int, largest_layer: int, kernel: OptimizerKernel | None = None) -> int:
         """Allocate the two buffers: room for a chunk, for the largest param at least and for the largest
-        layer's params at most; returns their device bytes."""
+        layer's params at most, with ``kernel``'s state (the kernel every later update runs); returns their
+        device bytes."""
+        if kernel is not None:
+            self.kernel = kernel
         capacity = max(min(self.capacity, largest_layer), largest_param)
-        if not self.buffers or self.buffers[0].capacity < capacity:
+        states = len(self.kernel.state_keys)
+        if not self.buffers or self.buffers[0].capacity < capacity or self.buffers[0].states != states:
             self.synchronize()
-            self.buffers = [Scratch(capacity, self.device) for _ in range(2)]
+            self.buffers = [Scratch(capacity, self.device, states) for _ in range(2)]
             # the memory may have been freed by kernels still queued on the compute stream
             self.transport.after_compute(Direction.STATE_IN, Direction.STATE_OUT)
         return sum(b.nbytes for b in self.buffers)
@@ -168,36 +177,38 @@ class DeviceUpdater:
             self.reserve(max(sizes), sum(sizes))
         stepped = []
         for p in params:
-            state = self._state(optimizer, p.master)
-            state["step"] += 1
-            stepped.append((p, float(state["step"])))
+            stepped.append((p, self._count_step(self._state(optimizer, p.master))))
         done = None
         for chunk in _chunks(stepped, self.buffers[0].capacity):
             done = self._chunk(optimizer, chunk, coef, lr, after, previous)
         return done
 
     def _state(self, optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict:
-        """``master``'s AdamW state, created as ``torch.optim.AdamW(fused=True)`` would (a float32 step
-        count, zero moments), with the moments pinned on CUDA (the copies in and out are asynchronous)."""
+        """``master``'s optimizer state, created as the fused torch optimizer would (:meth:`~.optimizer_kernels.
+        OptimizerKernel.new_state`), pinned on CUDA (the copies in and out are asynchronous)."""
         state = optimizer.state[master]
         if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = self._memory.zeros(master.shape, torch.float32)
-            state["exp_avg_sq"] = self._memory.zeros(master.shape, torch.float32)
+            self.kernel.new_state(state, master.shape, self._memory.zeros)
         return state
+
+    def _count_step(self, state: dict) -> float:
+        """One more step in ``state``'s count (kernels that count them); the count the kernel reads."""
+        if not self.kernel.counts_steps:
+            return 0.0
+        state["step"] += 1
+        return float(state["step"])
 
     def prepare(self, optimizer: torch.optim.Optimizer, flat: FlatLayer | None = None) -> None:
         """Create every param's state now (pinned), so a host step of the same optimizer finds it there and
         a later device step can copy it asynchronously (an update split between the two). With ``flat``,
-        the moments are views of two flat buffers laid out as its masters."""
+        the state tensors are views of its flat buffers (``flat.state``, placed by the training layout)."""
         if flat is not None:
-            flat.exp_avg = self._memory.zeros(flat.masters.shape, torch.float32)
-            flat.exp_avg_sq = self._memory.zeros(flat.masters.shape, torch.float32)
             for fp in flat.params:
                 state = optimizer.state[fp.master]
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = _view(flat.exp_avg, fp)
-                state["exp_avg_sq"] = _view(flat.exp_avg_sq, fp)
+                if self.kernel.counts_steps:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                for key in self.kernel.state_keys:
+                    state[key] = _view(flat.state[key], fp)
             return
         for group in optimizer.param_groups:
             for master in group["params"]:
@@ -213,14 +224,14 @@ class DeviceUpdater:
             return
         for fp in flat.params:
             state = optimizer.state[fp.master]
-            for key, buffer in (("exp_avg", flat.exp_avg), ("exp_avg_sq", flat.exp_avg_sq)):
+            for key, buffer in flat.state.items():
                 view = _view(buffer, fp)
-                if key in state:
+                if state.get(key) is not None:
                     view.copy_(state[key])
                 else:
                     view.zero_()
                 state[key] = view
-            if "step" not in state:
+            if self.kernel.counts_steps and "step" not in state:
                 state["step"] = torch.zeros((), dtype=torch.float32)
 
     def update_flat(
@@ -242,9 +253,7 @@ class DeviceUpdater:
         keys: list[tuple[int, float]] = []
         size = 0
         for fp in flat.params:
-            state = self._state(optimizer, fp.master)
-            state["step"] += 1
-            key = (id(fp.group), float(state["step"]))
+            key = (id(fp.group), self._count_step(self._state(optimizer, fp.master)))
             if not chunks or size + fp.numel > capacity or keys[-1] != key:
                 chunks.append([])
                 keys.append(key)
@@ -260,26 +269,30 @@ class DeviceUpdater:
         start, end = chunk[0].offset, chunk[-1].offset + chunk[-1].numel
         n = end - start
         buf = self._next_buffer()
+        keys = self.kernel.state_keys
+        fp32 = 4 * (1 + len(keys))  # master and state bytes a param
         with self._coming_in(buf, after, previous) as came_in:
-            m, a, s, g = buf.views(0, n)
+            m, state, g = buf.views(0, n)
             m.copy_(flat.masters[start:end], non_blocking=True)
-            a.copy_(flat.exp_avg[start:end], non_blocking=True)
-            s.copy_(flat.exp_avg_sq[start:end], non_blocking=True)
+            for key, s in zip(keys, state):
+                s.copy_(flat.state[key][start:end], non_blocking=True)
             raw = buf.raw(buf.raw_grad, 0, n, flat.landings.dtype)
             raw.copy_(flat.landings[start:end], non_blocking=True)
             g.copy_(raw)
             if coef is not None:
                 g.mul_(_to_device(coef, self.device))
-            step_tensor = _to_device(torch.tensor(step, dtype=torch.float32), self.device)
-            _fused_adamw([m], [g], [a], [s], [step_tensor], group, lr)
+            steps = []
+            if self.kernel.counts_steps:
+                steps = [_to_device(torch.tensor(step, dtype=torch.float32), self.device)]
+            self.kernel.step([m], [g], [[s] for s in state], steps, group, lr)
             out = buf.raw(buf.raw_out, 0, n, flat.landings.dtype)
             out.copy_(m)
-            came_in.nbytes = n * (12 + flat.landings.itemsize)  # master, moments, gradient
+            came_in.nbytes = n * (fp32 + flat.landings.itemsize)  # master, state, gradient
         with self._going_home(came_in) as home:
-            home.nbytes = n * (12 + flat.landings.itemsize)  # master, moments, compute-dtype copy
+            home.nbytes = n * (fp32 + flat.landings.itemsize)  # master, state, compute-dtype copy
             flat.masters[start:end].copy_(m, non_blocking=True)
-            flat.exp_avg[start:end].copy_(a, non_blocking=True)
-            flat.exp_avg_sq[start:end].copy_(s, non_blocking=True)
+            for key, s in zip(keys, state):
+                flat.state[key][start:end].copy_(s, non_blocking=True)
             for fp in chunk:
                 fp.packed.view(-1).copy_(out[fp.offset - start : fp.offset - start + fp.numel], non_blocking=True)
         return self._home(buf, came_in, home, n)
@@ -294,16 +307,18 @@ class DeviceUpdater:
         buf = self._next_buffer()
         steps = [step for _, step in chunk]
         group = items[0].group
+        keys = self.kernel.state_keys
         with self._coming_in(buf, after, previous) as came_in:
-            masters, avgs, sqs, grads = [], [], [], []
+            masters, states, grads = [], [[] for _ in keys], []
             offset = 0
             for p in items:
                 n = p.master.numel()
-                m, a, s, g = buf.views(offset, n)
+                m, views, g = buf.views(offset, n)
                 state = optimizer.state[p.master]
                 m.copy_(p.master.view(-1), non_blocking=True)
-                a.copy_(state["exp_avg"].view(-1), non_blocking=True)
-                s.copy_(state["exp_avg_sq"].view(-1), non_blocking=True)
+                for key, s, listed in zip(keys, views, states):
+                    s.copy_(state[key].view(-1), non_blocking=True)
+                    listed.append(s)
                 if p.grad.dtype == torch.float32:
                     g.copy_(p.grad.view(-1), non_blocking=True)
                 else:
@@ -311,15 +326,16 @@ class DeviceUpdater:
                     raw.copy_(p.grad.view(-1), non_blocking=True)
                     g.copy_(raw)
                 masters.append(m)
-                avgs.append(a)
-                sqs.append(s)
                 grads.append(g)
                 offset += n
-            came_in.nbytes = sum(12 * p.master.numel() + p.grad.nbytes for p in items)  # master, moments, gradient
+            fp32 = 4 * (1 + len(keys))  # master and state bytes a param
+            came_in.nbytes = sum(fp32 * p.master.numel() + p.grad.nbytes for p in items)  # master, state, gradient
             if coef is not None:
-                torch._foreach_mul_(grads, _to_device(coef, self.device))
-            step_tensors = _to_device(torch.tensor(steps, dtype=torch.float32), self.device).unbind()
-            _fused_adamw(masters, grads, avgs, sqs, list(step_tensors), group, lr)
+                scale_(grads, _to_device(coef, self.device))
+            step_tensors = []
+            if self.kernel.counts_steps:
+                step_tensors = list(_to_device(torch.tensor(steps, dtype=torch.float32), self.device).unbind())
+            self.kernel.step(masters, grads, states, step_tensors, group, lr)
             outs = []
             offset = 0
             for p, m in zip(items, masters):
@@ -332,15 +348,15 @@ class DeviceUpdater:
                     outs.append(None)
                 offset += n
         with self._going_home(came_in) as home:
-            for p, m, a, s, out in zip(items, masters, avgs, sqs, outs):
+            for k, (p, m, out) in enumerate(zip(items, masters, outs)):
                 state = optimizer.state[p.master]
                 p.master.view(-1).copy_(m, non_blocking=True)
-                state["exp_avg"].view(-1).copy_(a, non_blocking=True)
-                state["exp_avg_sq"].view(-1).copy_(s, non_blocking=True)
+                for key, listed in zip(keys, states):
+                    state[key].view(-1).copy_(listed[k], non_blocking=True)
                 if out is not None:
                     p.packed.view(-1).copy_(out, non_blocking=True)
             home.nbytes = sum(
-                12 * m.numel() + (p.packed.nbytes if p.packed is not None else 0) for p, m in zip(items, masters)
+                fp32 * m.numel() + (p.packed.nbytes if p.packed is not None else 0) for p, m in zip(items, masters)
             )
         return self._home(buf, came_in, home, sum(p.master.numel() for p in items))
 
@@ -380,12 +396,12 @@ class DeviceUpdater:
         for old in replaced:
             self._memory.free(old)
         for state in optimizer.state.values():
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in state:
+            for key in self.kernel.state_keys:
+                if state.get(key) is not None:
                     state[key] = self._memory.copy_of(state[key])
 
     def pinned_bytes(self) -> int:
-        """Host bytes of the moments this module pinned."""
+        """Host bytes of the optimizer state this module pinned (per-param layers; flat ones are the layout's)."""
         return self._memory.nbytes
 
 
@@ -402,26 +418,6 @@ def _chunks(stepped: Sequence[tuple[ParamUpdate, float]], capacity: int) -> list
         chunks[-1].append((p, step))
         size += n
     return chunks
-
-
-def _fused_adamw(masters, grads, avgs, sqs, steps, group: dict, lr: float | None) -> None:
-    """``torch.optim.AdamW(fused=True)``'s kernel on the lists given, with ``group``'s hyper-parameters."""
-    beta1, beta2 = group["betas"]
-    torch._fused_adamw_(
-        masters,
-        grads,
-        avgs,
-        sqs,
-        [],
-        steps,
-        lr=float(group["lr"] if lr is None else lr),
-        beta1=float(beta1),
-        beta2=float(beta2),
-        weight_decay=float(group["weight_decay"]),
-        eps=float(group["eps"]),
-        amsgrad=False,
-        maximize=False,
-    )
 
 
 def _view(buffer: torch.Tensor, fp: FlatParam) -> torch.Tensor:

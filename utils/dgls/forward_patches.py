@@ -8,32 +8,52 @@
   between slots), so :meth:`ForwardPatches.placement_changed` compiles or un-compiles layers when
   placement changes.
 
-Both are undone by :meth:`ForwardPatches.remove` (hooks removed, instance ``forward`` deleted).
+Both are installed by :meth:`ForwardPatches.install` and undone by :meth:`ForwardPatches.remove` (hooks
+removed, instance ``forward`` deleted).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 import torch
 
+from .feature import Engine, Feature
 from .layout import modules_of
 from .precision import autocast_context
 
+if TYPE_CHECKING:
+    from .placement import Placement
 
-class ForwardPatches:
-    def __init__(self, layers: list, device: torch.device, autocast: str | None, compile_backend: str | None) -> None:
+
+class ForwardPatches(Feature):
+    """``eager``: entries never compiled whatever the placement (holders of swap units, which run streamed
+    units, and entries with checkpointed pieces, :mod:`.unit_checkpoints`); streamed entries are eager too."""
+
+    def __init__(
+        self,
+        layers: list,
+        device: torch.device,
+        autocast: str | None,
+        compile_backend: str | None,
+        eager: Collection[int] = (),
+    ) -> None:
         self.layers = layers
         self.device = device
         self.autocast = autocast
         self.compile_backend = compile_backend  # None: no compile
+        self.eager = set(eager)
         self._handles: list = []
         self._contexts: list = []
         self._compiled: set[int] = set()
-        if autocast is not None:
-            for _, module in modules_of(layers):
+
+    def install(self, engine: Engine) -> None:
+        if self.autocast is not None:
+            for _, module in modules_of(self.layers):
                 self._handles.append(module.register_forward_pre_hook(self._enter_autocast))
                 self._handles.append(module.register_forward_hook(self._exit_autocast, always_call=True))
+        self.placement_changed(engine.placement, None)
 
     def _enter_autocast(self, module, args) -> None:
         context = autocast_context(self.device, self.autocast)
@@ -47,16 +67,18 @@ class ForwardPatches:
     def compiled(self) -> set[int]:
         return set(self._compiled)
 
-    def placement_changed(self, eager: Callable[[int], bool]) -> None:
+    def placement_changed(self, placement: Placement, kept_activations: int | None) -> None:
         """Compile the forwards of the layers that may be compiled (resident ones), un-compile those that
-        must run ``eager`` (streamed ones, and layers split into swap units)."""
+        must run eager (streamed ones, and :attr:`eager`)."""
         if self.compile_backend is None:
             return
+        streamed = set(placement.streamed)
         for idx, module in modules_of(self.layers):
-            if eager(idx) and idx in self._compiled:
+            eager = idx in streamed or idx in self.eager
+            if eager and idx in self._compiled:
                 del module.forward
                 self._compiled.discard(idx)
-            elif not eager(idx) and idx not in self._compiled:
+            elif not eager and idx not in self._compiled:
                 module.forward = torch.compile(module.forward, backend=self.compile_backend)
                 self._compiled.add(idx)
 
@@ -67,3 +89,6 @@ class ForwardPatches:
         for idx in self._compiled:
             del self.layers[idx].forward
         self._compiled.clear()
+
+    def close(self) -> None:
+        self.remove()

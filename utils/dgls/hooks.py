@@ -100,7 +100,12 @@ class HookAdapter:
     """Installs the hooks on every module of a layer list; :meth:`remove` takes them all off."""
 
     def __init__(
-        self, layers: list, engine: Engine, owners: Sequence[int] | None = None, holders: Iterable[int] = ()
+        self,
+        layers: list,
+        engine: Engine,
+        owners: Sequence[int] | None = None,
+        holders: Iterable[int] = (),
+        replays: Callable[[nn.Module], bool] | None = None,
     ) -> None:
         self.layers = layers
         self.engine = engine
@@ -111,8 +116,8 @@ class HookAdapter:
         self._saved_hooks: list = []  # pushed in a pre-hook, popped in the post hook (recompute nests them)
         self._queued = False
         # A module whose next call runs nothing of its own (a piece whose layer's recompute takes its kept
-        # output, :meth:`~.unit_checkpoints.UnitCheckpoints.replays`): no use starts. Set by the swapper.
-        self.replays: Callable[[nn.Module], bool] = lambda module: False
+        # output, :meth:`~.unit_checkpoints.UnitCheckpoints.replays`): no use starts.
+        self.replays: Callable[[nn.Module], bool] = replays or (lambda module: False)
 
     def install(self) -> None:
         for idx, module in modules_of(self.layers):

@@ -19,7 +19,12 @@ optimizer (:class:`HostOptimizerSpec`) and builds one per layer (:meth:`HostOpti
   - ``"split"``: both at once: each layer's step runs on the device or on the CPU (torch's fused kernel),
     whichever would finish it sooner at the rates measured on earlier steps (:mod:`.update_split`); the
     two kernels do the same arithmetic, so the split changes the speed only.
-- ``sgd``: ``torch.optim.SGD`` (momentum as given) on the CPU (``"auto"`` is ``"torch_fused"``).
+- ``sgd``: ``torch.optim.SGD`` (momentum as given) on the CPU (``"auto"`` is ``"torch_fused"``); ``"device"`` and
+  ``"split"`` run ``torch.optim.SGD(fused=True)``'s kernel on the device as for AdamW, and build the host's SGD
+  fused too (on the CPU the fused and the single-tensor SGD give the same numbers, bitwise).
+
+The device's arithmetic is an :class:`~.optimizer_kernels.OptimizerKernel` per type (:meth:`HostOptimizerSpec.
+device_kernel`): a type with a kernel there runs on the device; DeepSpeed's CPU Adam is AdamW only.
 
 Param groups follow diffusion-pipe's rule: 1-D params (biases, norm scales) get no weight decay.
 One optimizer per layer gives each param exactly the update one optimizer over all params gives it
@@ -42,6 +47,7 @@ from typing import Any
 import torch
 
 from .errors import DGLSUserError
+from .optimizer_kernels import OptimizerKernel, kernel_for
 
 HOST_OPTIMIZERS = ("adamw", "sgd")
 # diffusion-pipe's [optimizer] types that run on the host: what each is here, the defaults of the class
@@ -60,6 +66,10 @@ NAMES = {
     "torch": "torch.optim.AdamW (single-tensor)",
     "device": "torch's fused AdamW kernel on the training device, state streamed from host memory",
     "split": "AdamW split between the training device (state streamed) and the CPU (torch.optim.AdamW(fused=True))",
+}
+SGD_NAMES = {
+    "device": "torch's fused SGD kernel on the training device, state streamed from host memory",
+    "split": "SGD split between the training device (state streamed) and the CPU (torch.optim.SGD(fused=True))",
 }
 
 
@@ -140,7 +150,7 @@ class HostOptimizerSpec:
                 f"host optimizer implementation must be one of {', '.join(IMPLEMENTATIONS)}, "
                 f"got {self.implementation!r}"
             )
-        if self.implementation in ("deepspeed", "device", "split") and self.type != "adamw":
+        if self.implementation == "deepspeed" and self.type != "adamw":
             raise DGLSUserError(
                 f"the {self.implementation} host optimizer is AdamW: use type = 'adamw', or --host_adam torch_fused"
             )
@@ -190,7 +200,10 @@ class HostOptimizerSpec:
     @property
     def kernel(self) -> str:
         """The optimizer class that runs, in words (for the start-up line)."""
-        name = "torch.optim.SGD" if self.type == "sgd" else NAMES[self.implementation]
+        if self.type == "sgd":
+            name = SGD_NAMES.get(self.implementation, "torch.optim.SGD")
+        else:
+            name = NAMES[self.implementation]
         if self.table_type == "adamw_optimi":
             name += (
                 " ([optimizer] type 'adamw_optimi': optimi's AdamW is AdamW, its moments kept debiased; its Kahan "
@@ -217,8 +230,9 @@ class HostOptimizerSpec:
     def build(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
         """One optimizer over ``params`` (fp32 CPU tensors), 1-D params without weight decay."""
         groups = self.param_groups(params)
-        if self.type == "sgd":
-            return torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        if self.type == "sgd":  # device and split: the kernel the device runs (.optimizer_kernels), on the host too
+            fused = {"fused": True} if self.on_device else {}
+            return torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay, **fused)
         if self.implementation == "deepspeed":
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -244,9 +258,11 @@ class HostOptimizerSpec:
         """Steps run on the device and on the CPU at once (:mod:`.update_split`)."""
         return self.implementation == "split"
 
+    def device_kernel(self) -> OptimizerKernel:
+        """The arithmetic of this optimizer as the device runs it (and what the training layout gives state)."""
+        return kernel_for(self.type, self.momentum)
+
     @property
     def state_bytes_per_param(self) -> int:
         """Host bytes of optimizer state per param (fp32 moments)."""
-        if self.type == "sgd":
-            return 4 if self.momentum else 0
-        return 8
+        return 4 * len(self.device_kernel().state_keys)

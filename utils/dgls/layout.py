@@ -31,7 +31,8 @@ step. ``cast_target`` pairs are applied here (:class:`~.precision.CastRules`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -288,3 +289,149 @@ def device_bytes(sizes: Sequence[LayerSizes], streamed: Iterable[int], prefetch:
     """Device memory DGLS places before any activation: resident weights and buffers plus the pool."""
     streamed = list(streamed)
     return resident_bytes(sizes, streamed) + pool_bytes(sizes, streamed, prefetch, copy_streams)
+
+
+# ---------------------------------------------------------------- the training layout (full fine-tuning)
+Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]  # an empty host tensor (pinned or not)
+
+
+@dataclass(frozen=True)
+class TrainedParamPlace:
+    """Where one host-trained param's training state lives in its layer's buffers."""
+
+    position: int  # in its layer's ``LayerLayout.params``
+    param: ParamLayout
+    landing: int  # its gradient landing: a byte offset in the layer's landing buffer (an element offset if flat)
+    flat: int = -1  # flat layers: its element offset in the flat masters and state buffers
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.param.shape)  # the param itself may be streamed out (an empty placeholder)
+
+    @property
+    def own_master(self) -> bool:
+        """It has an fp32 master of its own (for fp32 compute outside a flat layer, the packed copy is the master)."""
+        return self.flat >= 0 or self.param.dtype != torch.float32
+
+
+@dataclass(frozen=True)
+class TrainedLayerPlace:
+    """One streamed layer's training state: its trained params (layout order) and its buffers' sizes."""
+
+    index: int
+    params: tuple[TrainedParamPlace, ...]
+    flat: bool  # masters, state and landings back to back in the optimizer's order (device updates, bf16/fp16)
+    landing_bytes: int
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+
+@dataclass(eq=False)
+class TrainedBuffers:
+    """What :meth:`TrainingLayout.allocate` gives one layer, per param in layout order (None: not held)."""
+
+    masters: list[torch.Tensor | None]  # fp32, uninitialized (None: the packed copy is the master)
+    landings: list[torch.Tensor]  # compute dtype, views of ``landing``
+    sums: list[torch.Tensor | None]  # fp32 zeros (None: no sums, one micro-batch a step)
+    landing: torch.Tensor  # the layer's landing buffer (flat layers: in the compute dtype)
+    flat_masters: torch.Tensor | None = None  # flat layers: fp32, the masters' storage
+    flat_state: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # flat layers: key -> fp32 zeros
+
+
+class TrainingLayout:
+    """Where the training state of host-trained (streamed) layers goes in host memory, and how much it takes.
+
+    Layout (per streamed layer with trainable params)
+        - an fp32 master per param; for fp32 compute the packed copy in the host store is the master;
+        - a gradient landing per param in the compute dtype, 256-byte aligned in one buffer a layer (what the
+          device-to-host copy writes; page-locked on CUDA);
+        - an fp32 gradient sum per param when a step has several micro-batches (``sums``);
+        - the optimizer state: ``state_keys``, fp32 tensors shaped as the param (AdamW's two moments, SGD's
+          momentum buffer).
+        - Flat layers (``device_updates`` and one compute dtype, bf16 or fp16): masters, each state tensor and
+          landings are one buffer each, the params back to back in the optimizer's order (2-D and larger
+          first, then the 1-D ones: diffusion-pipe's param groups), so a device update moves a chunk with a
+          few copies (:class:`~.device_update.FlatLayer`).
+
+    Mechanics
+        - :meth:`allocate` hands out exactly the bytes :meth:`parts` counts (the RAM check's figure), except
+          the optimizer state of layers that are not flat, which the optimizer (host) or the device updater
+          (per-param, pinned) creates on its first step, at the size counted here.
+        - Page-locked: the landings always (``pinned``); masters, sums and state only with device updates,
+          whose copies in are asynchronous (``plain`` otherwise).
+
+    Hazards
+        - A sum allocated later (a second micro-batch in a step told to have one) is outside this figure.
+    """
+
+    def __init__(
+        self, layouts: Mapping[int, LayerLayout], *, state_keys: Sequence[str], sums: bool, device_updates: bool
+    ) -> None:
+        self.state_keys = tuple(state_keys)
+        self.sums = sums
+        self.device_updates = device_updates
+        self.layers: dict[int, TrainedLayerPlace] = {}
+        for idx in sorted(layouts):
+            place = self._place(idx, layouts[idx])
+            if place is not None:
+                self.layers[idx] = place
+
+    def _place(self, idx: int, layout: LayerLayout) -> TrainedLayerPlace | None:
+        chosen = [(k, p) for k, p in enumerate(layout.params) if p.param.requires_grad]
+        if not chosen:
+            return None
+        dtypes = {p.dtype for _, p in chosen}
+        if self.device_updates and len(dtypes) == 1 and dtypes <= {torch.bfloat16, torch.float16}:
+            order = [kp for kp in chosen if len(kp[1].shape) > 1] + [kp for kp in chosen if len(kp[1].shape) <= 1]
+            flat, offset = {}, 0
+            for k, p in order:
+                flat[k] = offset
+                offset += math.prod(p.shape)
+            params = tuple(TrainedParamPlace(k, p, flat[k], flat[k]) for k, p in chosen)
+            return TrainedLayerPlace(idx, params, True, offset * chosen[0][1].dtype.itemsize)
+        places, offset = [], 0
+        for k, p in chosen:
+            places.append(TrainedParamPlace(k, p, offset))
+            offset += aligned(p.nbytes)
+        return TrainedLayerPlace(idx, tuple(places), False, offset)
+
+    def parts(self) -> dict[str, int]:
+        """Host bytes of the training state beyond the packed copies: masters, gradients (landings and sums),
+        optimizer state (the start-up line and the RAM check)."""
+        masters = gradients = optimizer = 0
+        for layer in self.layers.values():
+            gradients += layer.landing_bytes
+            for p in layer.params:
+                masters += 4 * p.numel if p.own_master else 0
+                gradients += 4 * p.numel if self.sums else 0
+                optimizer += 4 * p.numel * len(self.state_keys)
+        return {"masters": masters, "gradients": gradients, "optimizer": optimizer}
+
+    def allocate(self, idx: int, pinned: Allocate, plain: Allocate) -> TrainedBuffers:
+        """Layer ``idx``'s buffers (see the class doc for which are page-locked); state tensors only if flat."""
+        layer = self.layers[idx]
+        held = pinned if self.device_updates else plain
+        if layer.flat:
+            total = layer.numel
+            dtype = layer.params[0].param.dtype
+            masters, landing = held((total,), torch.float32), pinned((total,), dtype)
+            state = {key: held((total,), torch.float32).zero_() for key in self.state_keys}
+            views = [(p.flat, p.numel, p.param.shape) for p in layer.params]  # ParamLayout shapes
+            return TrainedBuffers(
+                [masters[o : o + n].view(shape) for o, n, shape in views],
+                [landing[o : o + n].view(shape) for o, n, shape in views],
+                [held((n,), torch.float32).zero_().view(shape) if self.sums else None for _, n, shape in views],
+                landing,
+                masters,
+                state,
+            )
+        landing = pinned((layer.landing_bytes,), torch.uint8)
+        landings = [landing[p.landing : p.landing + p.param.nbytes] for p in layer.params]
+        return TrainedBuffers(
+            [held(tuple(p.param.shape), torch.float32) if p.own_master else None for p in layer.params],
+            [raw.view(p.param.dtype).view(p.param.shape) for raw, p in zip(landings, layer.params)],
+            [held(tuple(p.param.shape), torch.float32).zero_() if self.sums else None for p in layer.params],
+            landing,
+        )

@@ -14,7 +14,7 @@ a placeholder or a slot view. ``load_state_dict()`` first evicts every streamed 
 ``evict_all``), points a streamed layer's params at its master (fp8: at a dequantized copy) so the loader
 writes there, then re-quantizes fp8 values and points the params back at their placeholders (resident
 fp8 layers take the new dequantized value). ``load_state_dict(assign=True)`` replaces Parameter
-objects: the new ones are measured and packed again (``on_adopted`` lets the engine rebuild its view of
+objects: the new ones are measured and packed again (the engine's ``adopted`` rebuilds its view of
 the layer), so the layer keeps streaming instead of silently keeping the loaded tensors.
 """
 
@@ -22,14 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from .config import SwapConfig
 from .errors import DGLSUserError
 from .host_store import HostLayer, HostStore, check_ram, default_pinned_budget
-from .host_training import HostTraining
 from .layout import MB, LayerLayout, measure_layer
 from .monitor import check_pinned_budget
 from .peers import Peers, remove_orphans
@@ -42,6 +41,22 @@ GiB = 1024**3
 
 def has_fp8(layout: LayerLayout) -> bool:
     return any(p.scaled for p in layout.params)
+
+
+class MastersEngine(Protocol):
+    """What the state-dict hooks ask the engine (:class:`~.swapper.LayerSwapper`), given in :meth:`Masters.install`."""
+
+    def evict_all(self) -> None: ...
+    def is_streamed(self, idx: int) -> bool: ...
+    def placeholder(self, dtype: torch.dtype) -> torch.Tensor: ...
+    def adopted(self, idx: int) -> None:
+        """A layer's Parameter objects were replaced and packed again: rebuild the engine's view of it."""
+
+    def true_value(self, param: torch.Tensor) -> torch.Tensor | None:
+        """A param's true value where a feature keeps it (full fine-tuning's fp32 master), else ``None``."""
+
+    def flush(self) -> None:
+        """Write pending updates to the true values (full fine-tuning's queued host updates)."""
 
 
 class Masters:
@@ -57,34 +72,29 @@ class Masters:
         layouts: list[LayerLayout],
         streamed: tuple[int, ...],
         device: torch.device,
-        config: SwapConfig,
+        cast_rules: CastRules | None,
+        pinned_budget_gb: float | None,
+        packing_threshold_mb: float,
         log: Callable[[str], None],
         share_group: str = "",
     ) -> None:
-        self.layers, self.layouts, self.device, self.config = layers, layouts, device, config
+        self.layers, self.layouts, self.device, self.cast_rules = layers, layouts, device, cast_rules
         hosted = [layout for layout in layouts if layout.index in streamed or has_fp8(layout)]
         on_cpu = sum(
             lay.sizes.streamable_bytes for lay in hosted if all(p.param.device.type == "cpu" for p in lay.params)
         )
         total = sum(lay.host_bytes for lay in hosted)
-        budget = config.transfer.pinned_ram_budget_gb
-        budget = int(budget * GiB) if budget is not None else default_pinned_budget(on_cpu)
+        budget = int(pinned_budget_gb * GiB) if pinned_budget_gb is not None else default_pinned_budget(on_cpu)
         signature = ";".join(f"{lay.index}:{lay.sizes.class_name}:{lay.host_bytes}" for lay in hosted)
         self.peers = Peers.discover(share_group, signature, sum(whole_pages(lay.host_bytes) for lay in hosted))
-        self.store = HostStore(device, budget, int(config.transfer.selective_packing * MB), self.peers)
+        self.store = HostStore(device, budget, int(packing_threshold_mb * MB), self.peers)
         if self.peers.leader:
             check_ram(total - on_cpu)
             if self.store.use_pinning and (note := check_pinned_budget(min(total, budget), freed_bytes=on_cpu)):
                 log(note)
         self._pack(hosted, log)
         self._handles: dict[int, list] = {}
-        # Set by the engine: evict every streamed layer, say whether a layer streams, give a placeholder,
-        # and rebuild a streamed layer whose Parameter objects were replaced.
-        self.evict_all: Callable[[], None] = lambda: None
-        self.is_streamed: Callable[[int], bool] = lambda idx: False
-        self.placeholder: Callable[[torch.dtype], torch.Tensor] = lambda dtype: torch.empty(0, dtype=dtype)
-        self.on_adopted: Callable[[int], None] = lambda idx: None
-        self.training: HostTraining | None = None  # full fine-tuning: trainable params' fp32 masters live there
+        self._engine: MastersEngine | None = None  # from install(), before any state-dict hook exists
 
     def _pack(self, hosted: list[LayerLayout], log: Callable[[str], None]) -> None:
         """Pack the hosted layers: privately, or once per machine into shared segments (:mod:`.peers`)."""
@@ -135,6 +145,12 @@ class Masters:
             self.store.remove_layer(idx)
 
     # ---------------------------------------------------------------- state-dict hooks
+    def install(self, engine: MastersEngine) -> None:
+        """The state-dict hooks of every layer with a master, asking ``engine`` what only it knows."""
+        self._engine = engine
+        for idx in self.store.layers:
+            self.install_hooks(idx)
+
     def install_hooks(self, idx: int) -> None:
         module = self.layers[idx]
         self._handles[idx] = [
@@ -148,12 +164,11 @@ class Masters:
             handle.remove()
 
     def _trained_master(self, p) -> torch.Tensor | None:
-        return self.training.master_of(p.param) if self.training is not None else None
+        return self._engine.true_value(p.param)
 
     def _finish_updates(self) -> None:
         """Full fine-tuning: every queued host update written before the masters are read or loaded (once per hook)."""
-        if self.training is not None:
-            self.training.finish()
+        self._engine.flush()
 
     def _state_dict_post(self, idx: int, module: nn.Module, state_dict, prefix, local_metadata) -> None:
         host = self.host(idx)
@@ -165,9 +180,9 @@ class Masters:
                     state_dict[prefix + name] = master.detach() if master is not None else host.value(k)
 
     def _load_pre(self, idx: int, module: nn.Module, state_dict, prefix, *args) -> None:
-        self.evict_all()
+        self._engine.evict_all()
         self._finish_updates()
-        if self.is_streamed(idx):
+        if self._engine.is_streamed(idx):
             host = self.host(idx)
             for k, p in enumerate(host.layout.params):
                 master = self._trained_master(p)  # full fine-tuning: load into the fp32 master
@@ -175,7 +190,7 @@ class Masters:
                 p.param.data = master if master is not None else host.value(k)
 
     def _load_post(self, idx: int, module: nn.Module, incompatible_keys) -> None:
-        host, streamed = self.host(idx), self.is_streamed(idx)
+        host, streamed = self.host(idx), self._engine.is_streamed(idx)
         if any(module.get_parameter(p.names[0]) is not p.param for p in host.layout.params):
             self._adopt(idx)
             return
@@ -186,7 +201,7 @@ class Masters:
                     host.store_value(k, master)  # the streamed copy of the loaded fp32 master
                 elif p.scaled or not streamed:  # a streamed direct param was loaded into the master itself
                     host.store_value(k, p.param.data)
-                p.param.data = self.placeholder(p.dtype) if streamed else self.device_value(idx, k)
+                p.param.data = self._engine.placeholder(p.dtype) if streamed else self.device_value(idx, k)
 
     def _adopt(self, idx: int) -> None:
         """``assign=True`` put new Parameter objects in: measure and pack them in place of the old ones."""
@@ -200,10 +215,10 @@ class Masters:
         self.remove_hooks(idx)
         self.store.remove_layer(idx)
         old = self.layouts[idx].sizes
-        layout = measure_layer(self.layers, idx, CastRules.from_policy(self.config.compute))
+        layout = measure_layer(self.layers, idx, self.cast_rules)
         self.layouts[idx] = layout.of_entry(old.layer, old.part, old.holder)  # a swap unit stays labelled
         self.add(idx)
-        self.on_adopted(idx)
+        self._engine.adopted(idx)
 
     def release(self) -> None:
         for idx in list(self._handles):

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .copier import Token, Wait
+from .feature import Engine, Feature
 from .listener import Listener
 from .schedule import Phase
 from .stats import elapsed_ms, timestamp
@@ -71,7 +72,7 @@ def png_path(path: Path) -> Path:
     return path.with_suffix(".png") if path.suffix == ".json" else path.with_name(path.name + ".png")
 
 
-class Profiler(Listener):
+class Profiler(Listener, Feature):
     """Records steps ``warmup_steps + 1 .. warmup_steps + steps`` (1-based), then writes ``path``."""
 
     def __init__(
@@ -99,7 +100,13 @@ class Profiler(Listener):
         self._waits: list[_Wait] = []
         self._transfers: list[tuple[Copy, int]] = []  # copies of the other directions, with their step
         self._boundaries: list[Any] = []  # start of the first recorded step, then the end of each
+        self.installed = False  # an engine that failed to start closes its profiler unheard: nothing to say
         self._mark_boundary()
+
+    def install(self, engine: Engine) -> None:
+        """A feature of the engine (--profile): it listens to the engine and the transport."""
+        engine.add_listener(self)
+        self.installed = True
 
     # ---------------------------------------------------------------- recording (called by the swapper)
     @property
@@ -148,6 +155,9 @@ class Profiler(Listener):
 
     def close(self) -> None:
         """At the end of a run: write what was recorded if the run ended before the last profiled step."""
+        if not self.installed:
+            self.done = True
+            return
         if not self.done and len(self._boundaries) > 1:
             self.notes.append(f"the run ended after {len(self._boundaries) - 1} of {self.steps} profiled steps")
             self.write()

@@ -1,88 +1,60 @@
 """LayerSwapper: keep some layers of a list resident on the device and stream the others in just before use.
 
 Layout
-    Host: one packed master per streamed layer (:mod:`.host_store`, laid out by :mod:`.layout`).
-    Device: the resident layers' weights, the trainable params and buffers of every layer, and
-    ``prefetch + 1`` slots of the largest streamed layer (:mod:`.device_pool`), plus fp8 landing
-    buffers (:mod:`.copier`). Every streamed param points at an empty placeholder, or at a view of
-    its layer's slot while the layer is on the device (:mod:`.residency`).
+    - Host: one packed master per streamed layer (:mod:`.masters`, laid out by :mod:`.layout`).
+    - Device: the resident layers' weights, the trainable params and buffers of every layer, and
+      ``prefetch + 1`` slots of the largest streamed layer (:mod:`.device_pool`), plus fp8 landing buffers
+      (:mod:`.copier`). What each param points at, and its home: :mod:`.bindings`.
+    - The parts and the list of features (:mod:`.feature`) come from the builder (:mod:`.build`); the engine
+      iterates over the features and never asks which there are.
 
 Mechanics
-    :mod:`.hooks` calls :meth:`LayerSwapper.use` when a layer's use begins (forward, recompute,
-    backward, saved-tensor unpack) and :meth:`LayerSwapper.pass_end` when a backward finishes.
-    ``use(i)`` releases the layer used before (the copier puts a marker behind its kernels), makes
-    layer ``i`` resident (a demand copy if no copy was on its way), then prefetches: it walks the
-    uses the predictor (:mod:`.schedule`) expects and starts copies of the next ``prefetch``
-    streamed layers, each into a free slot or else the least recently used slot that no protected
-    layer (the current one and those being prefetched) holds. ``pass_end`` hands the step boundary
-    to the listeners: stats (:mod:`.stats`), the profiler, and the VRAM-budget planner
-    (:mod:`.autoplan`), which may re-place layers there, between passes.
+    - :mod:`.hooks` calls :meth:`LayerSwapper.use` when a layer's use begins (forward, recompute, backward,
+      saved-tensor unpack) and :meth:`LayerSwapper.pass_end` when a backward finishes.
+    - ``use(i)`` releases the layer used before (the copier puts a marker behind its kernels), makes layer
+      ``i`` resident (a demand copy if no copy was on its way), then prefetches: it walks the uses the
+      predictor (:mod:`.schedule`) expects and starts copies of the next ``prefetch`` streamed layers, each
+      into a free slot or else the least recently used slot that no protected layer (the current one and
+      those being prefetched) holds. A copy also waits behind the features' fetch gates.
+    - ``pass_end`` runs the features' ``after_backward``, then hands the step boundary to the listeners
+      (stats, the profiler, the planner, which may re-place layers there: :meth:`apply_placement`).
 
 Hazards handled
-    - Slot reuse. A layer's use lasts from its start until another layer's use begins. By then every
-      kernel that reads it is enqueued (forward runs layers in order; the autograd engine runs one
-      device's nodes in decreasing sequence number), so the release marker is behind its last
-      reader, and the copier writes the slot only after that marker (and refuses to write a slot
-      that was not released: :class:`~.copier.OrderingError`).
-    - Saved tensors of layers that are not checkpointed would keep views of a slot: :mod:`.hooks`
-      swaps them for references that are re-resolved in backward.
-    - State dicts read and write the host masters (true weights wherever a layer lives);
-      ``load_state_dict(assign=True)`` new Parameter objects are adopted, not silently dropped.
-    - ``cast_target`` applies wherever a layer lives (fp8-stored layers keep their fp8 master even
-      while resident), so placement, and re-placement by the planner, never changes the numbers.
-    - :meth:`remove` puts every param and buffer back on its original device in its original dtype
-      (fp8-stored values come back dequantized: the full-precision originals are not kept).
-    - Full fine-tuning (``host_optimizer``): trainable params of streamed layers stream too, and are
-      trained on the host (:mod:`.host_training`): a fetch waits for its layer's update, a gradient
-      arriving is a use of its layer, and every host-trained layer is evicted at the end of each
-      backward (its slot copy is older than its next update). Placement is then fixed. With
-      ``host_optimizer.on_device`` the update runs on the device (:mod:`.device_update`) and a fetch
-      waits for it there, through the copier's gate.
-    - ``offload_activations``: the trainer's checkpoint function, wrapped by :meth:`checkpoint_function`,
-      sends checkpointed layers' inputs home (:mod:`.activation_offload`); weights and activations move
-      on separate streams and never share a buffer. With a VRAM budget (on CUDA, unless it is False) the
-      probe sends all but the last ``prefetch`` home and each plan keeps as many on the device as the
-      budget has room for (:meth:`apply_placement`'s ``kept_activations``). ``offload_recompute`` (which turns
-      it on) also sends home what each recompute saves for its layer's backward (:mod:`.recompute_offload`);
-      ``keep_piece_outputs`` (which turns it on too) sends home the outputs of ``checkpoint_units``' pieces
-      with their layer's inputs, and the layer's recompute takes them instead of running the pieces
-      (:mod:`.unit_checkpoints`).
+    - Slot reuse. A layer's use lasts from its start until another layer's use begins. By then every kernel
+      that reads it is enqueued (forward runs layers in order; the autograd engine runs one device's nodes in
+      decreasing sequence number), so the release marker is behind its last reader, and the copier writes the
+      slot only after that marker (and refuses to write a slot that was not released:
+      :class:`~.copier.OrderingError`).
+    - Saved tensors of layers that are not checkpointed would keep views of a slot: :mod:`.hooks` swaps them
+      for references that are re-resolved in backward.
+    - State dicts read and write the true weights wherever a layer lives (:mod:`.masters`); :meth:`remove`
+      puts every param and buffer back as it was (:mod:`.bindings`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 import torch
-from torch import nn
 
-from .activation_offload import ActivationOffloader
-from .autoplan import PlacementDriver, resolve_budget
+from .bindings import Bindings
+from .build import build, resolve_device, start_report
 from .config import SwapConfig
-from .copier import CudaCopier, DeferredCopier
 from .device_pool import DevicePool, Slot
-from .device_update import DeviceUpdater
 from .errors import DGLSUserError
-from .forward_patches import ForwardPatches
+from .feature import Feature, overrides
 from .hooks import HookAdapter, SlotRef
 from .host_store import HostStore
-from .host_training import HostTraining, check_host_training
-from .layout import MB, LayerLayout, measure, modules_of
 from .listener import Listener
-from .masters import Masters
-from .placement import Placement, plan_placement
-from .planner import unit_bytes_for_budget
-from .precision import CastRules, cast_trainable, check_device_support, describe, name_of
-from .profiler import Profiler
+from .placement import Placement
 from .residency import Residency, StreamedLayer
 from .schedule import Phase, UsePredictor, current_phase
-from .stats import StatsCollector, StepStats, human_bytes
-from .transport import CudaTransport, Direction, make_transport
-from .unit_checkpoints import UnitCheckpoints
-from .units import Entry, pieces_to_checkpoint, split_layers, split_note
+from .stats import StatsCollector, StepStats
+
+F = TypeVar("F", bound=Feature)
 
 
 class LayerSwapper:
@@ -106,129 +78,24 @@ class LayerSwapper:
         log=print,
         share_group: str = "",
     ) -> None:
-        given = list(layers)
-        if not given:
-            raise DGLSUserError("no layers to place: the layer list is empty")
         self.config = config or SwapConfig()
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self._log = log or (lambda *_: None)
+        self.device = resolve_device(device)
+        log = log or (lambda *_: None)
         self._removed = False
-        # Checks first: nothing is changed before every setting is known to fit the model.
-        cast_rules = CastRules.from_policy(self.config.compute)
-        check_device_support(self.device, cast_rules)
-        host_trained = self.config.training.host_optimizer is not None
-        self.driver = self._start_driver()
-        # The engine's entries: the layers, some split into swap units (units.py); indices below are theirs.
-        self.unit_bytes = self._unit_bytes(given, cast_rules, host_trained)
-        self.entries: list[Entry] = split_layers(given, self.unit_bytes, trainable_streams=host_trained)
-        self.layers: list = [entry.value for entry in self.entries]
-        self.pieces = (
-            pieces_to_checkpoint(self.entries, host_trained) if self.config.activations.checkpoint_units else []
-        )
-        if self.config.activations.checkpoint_units and not self.pieces:
-            raise DGLSUserError(
-                "checkpoint_units checkpoints the child modules of each layer, and no layer has child modules with "
-                "params: drop checkpoint_units"
-            )
-        UnitCheckpoints.check(self.pieces)
-        self._piece_entries = {piece.entry for piece in self.pieces}  # never compiled (_runs_eager)
-        self._home = {
-            id(t): (t, t.device, t.dtype)
-            for _, module in modules_of(self.layers)
-            for t in (*module.parameters(), *module.buffers())
-        }
-        measured = measure(self.layers, cast_rules, self.config.compute.mixed_precision, host_trained=host_trained)
-        self.layouts: list[LayerLayout] = [
-            layout.of_entry(entry.layer, entry.part, entry.holder) for layout, entry in zip(measured, self.entries)
-        ]
-        self._check_casts_match(cast_rules)
-        sizes = tuple(layout.sizes for layout in self.layouts)
-        self.placement: Placement = plan_placement(sizes, self.config.placement, self.config.transfer.cuda_streams)
-        if self.driver is not None:
-            self.driver.check_static_minimum(sizes)
-        self._training_note = ""
-        if host_trained:
-            self._training_note = check_host_training(
-                self.layouts,
-                self.placement.streamed,
-                self.config.training.host_optimizer,
-                self.config.training.accumulation_steps,
-            )
-        try:
-            self._build(share_group)
-        except BaseException:
-            self.remove()  # a half-built swapper puts back what it changed
-            raise
-        self._report_start(cast_rules)
-
-    def _build(self, share_group: str) -> None:
-        """Pack the masters, move the rest to the device, make the pool and the copier, install the hooks."""
-        self._placeholders: dict[torch.dtype, torch.Tensor] = {}
-        self._streamed: dict[int, StreamedLayer] = {}
-        self.masters = Masters(
-            self.layers, self.layouts, self.placement.streamed, self.device, self.config, self._log, share_group
-        )
-        c = self.config
-        # weight copies are timed for the stats (collect_timing); the other directions only for --profile
-        timed = {d for d in Direction if d is not Direction.WEIGHTS_IN} if c.observe.profile else set()
-        timed |= {Direction.WEIGHTS_IN} if c.observe.collect_timing else set()
-        self.transport = make_transport(self.device, weight_lanes=c.transfer.cuda_streams, timed=timed)
-        self.training: HostTraining | None = None
-        self.activations: ActivationOffloader | None = None
-        if self._offloads_activations():
-            self.activations = ActivationOffloader(
-                self.device,
-                keep=max(1, self.config.placement.prefetch),
-                recompute=self.config.activations.offload_recompute,
-                transport=self.transport,
-            )
-        if self.config.training.host_optimizer is not None:
-            self._start_training()
-        for idx in self.placement.streamed:
-            self._stream(idx)
-        self._place_resident_parts()
-        self.masters.evict_all, self.masters.is_streamed = self.evict_all, self.is_streamed
-        self.masters.placeholder, self.masters.on_adopted = self._placeholder, self._adopted
-        if self.training is not None:
-            self.masters.training = self.training
-            self.training.install(lambda idx: self.use(idx, current_phase()))
-        for idx in self.store.layers:
-            self.masters.install_hooks(idx)
-        self.pool = DevicePool(self.device, self.placement.slot_count, self.placement.slot_bytes)
-        self.store.ensure_staging(2, self.placement.slot_bytes)
-        if isinstance(self.transport, CudaTransport):
-            self.copier = CudaCopier(
-                self.transport,
-                self.store,
-                event_sync=self.config.transfer.ordered_by_events,
-                use_thread=self.config.transfer.threading,
-                landing_bytes=self.placement.landing_bytes,
-            )
-        else:
-            self.copier = DeferredCopier(
-                self.store, use_thread=self.config.transfer.threading, transport=self.transport
-            )
+        p = build(list(layers), self.config, self.device, log, share_group)  # checks first; the model is unchanged
+        self.entries, self.layouts, self.pieces, self.unit_bytes = p.entries, p.layouts, p.pieces, p.unit_bytes
+        self.layers, self.placement = p.layers, p.placement
+        self.masters, self.transport, self.pool, self.copier = p.masters, p.transport, p.pool, p.copier
+        self.features = p.features
+        self._gating = [f for f in p.features if overrides(f, "fetch_gates")]  # the hot path asks only these
+        self.driver, self.training, self.activations = p.driver, p.training, p.activations  # for readers only
+        self._batch_move, self._sync_each_step = p.batch_move, p.sync_each_step
+        self._copy_streams, self._plan_finished = p.copy_streams, p.plan_finished
+        self.bindings = Bindings(self.layers, self.layouts, self.masters, self.device, self.true_value)
+        self._streamed = self.bindings.streamed  # the slot policy's view: index -> StreamedLayer
         self.predictor = UsePredictor(len(self.layers))
         self.stats = StatsCollector(self.device, lambda: self.pinned_bytes)
-        self.profiler: Profiler | None = None
         self._listeners: list[Listener] = []
-        self.add_listener(self.stats)
-        if self.config.observe.profile:
-            c = self.config
-            self.profiler = Profiler(
-                c.observe.profile,
-                self.device,
-                c.observe.profile_warmup_steps,
-                c.observe.profile_steps,
-                c.transfer.cuda_streams,
-                self._log,
-            )
-            self.add_listener(self.profiler)
-        if self.driver is not None:
-            self.driver.attach(self)
-            self.add_listener(self.driver)
         self._current: int | None = None
         self._last_use: tuple[int, Phase] | None = None
         self._plans: dict[tuple, tuple[int, ...]] = {}  # prefetch targets per (previous, current) use
@@ -236,206 +103,34 @@ class LayerSwapper:
         self._clock = 0
         self._lock = threading.RLock()
         owners, holders = [e.layer for e in self.entries], [i for i, e in enumerate(self.entries) if e.holder]
-        self._hooks = HookAdapter(self.layers, self, owners, holders)
-        self._hooks.install()
-        self._unit_checkpoints: UnitCheckpoints | None = None
-        if self.pieces:
-            hooks, offloader = self._hooks, self.activations
-            calling = (lambda: offloader.calling) if self.config.activations.keep_piece_outputs else None
-            self._unit_checkpoints = UnitCheckpoints(
-                self.pieces, hooks.saved_tensor_hooks, hooks.use_inside, self.device, calling
-            )
-            self._unit_checkpoints.install()
-            hooks.replays = self._unit_checkpoints.replays
-        compile_backend = self.config.compute.compile_backend if self.config.compute.compile else None
-        self._patches = ForwardPatches(self.layers, self.device, self.config.compute.autocast, compile_backend)
-        self._patches.placement_changed(self._runs_eager)
-        # Last: a cast is lossy, and nothing after it can fail.
-        self._trainable_cast = cast_trainable(
-            [m for _, m in modules_of(self.layers)], self.config.compute.mixed_precision
-        )
+        self.hooks = HookAdapter(self.layers, self, owners, holders, p.replays)
+        try:
+            self._start()
+        except BaseException:
+            self.remove()  # a half-built swapper puts back what it changed
+            raise
+        for line in start_report(p):
+            log(line)
+
+    def _start(self) -> None:
+        """Stream and place the layers, install the state-dict and module hooks, then the features."""
+        for idx in self.placement.streamed:
+            self.bindings.stream(idx)
+        self.bindings.place_resident_parts()
+        self.masters.install(self)
+        self.add_listener(self.stats)
+        self.hooks.install()
+        for feature in self.features:
+            feature.install(self)
 
     @property
     def store(self) -> HostStore:
         """The packed host masters of the streamed layers (owned by :attr:`masters`)."""
         return self.masters.store
 
-    # ---------------------------------------------------------------- set-up
-    def _start_training(self) -> None:
-        """Full fine-tuning: fp32 masters, gradient landings and the optimizer of streamed layers on the host."""
-        if self.masters.peers.shared:
-            raise DGLSUserError(
-                "full fine-tuning of streamed layers runs one process per set of layers: data parallel "
-                "processes would each update the shared host masters; use pipeline_stages = number of GPUs, "
-                "or train a LoRA"
-            )
-        cuda = self.device.type == "cuda"
-        hosts = {idx: self.masters.host(idx) for idx in self.placement.streamed}
-        spec = self.config.training.host_optimizer
-        self.training = HostTraining(
-            hosts,
-            spec,
-            self.transport,
-            pin=cuda,
-            threaded=cuda or self.config.transfer.threading,
-            accumulation_steps=self.config.training.accumulation_steps,
-            clipping=self.config.training.clip_grads,
-            updater=DeviceUpdater(self.transport) if spec.on_device else None,
-        )
-
-    def _offloads_activations(self) -> bool:
-        """``offload_activations`` resolved: unset means offload what a VRAM budget needs, on CUDA (on the CPU
-        there is no device memory to save, and the planner measures none)."""
-        wanted = self.config.activations.offload_activations
-        if self.config.activations.offload_recompute or self.config.activations.keep_piece_outputs:
-            return True
-        if wanted is None:
-            return self.driver is not None and self.device.type == "cuda"
-        return wanted
-
-    def _unit_bytes(self, layers: list, rules: CastRules | None, host_trained: bool) -> int | None:
-        """The largest swap unit in bytes (None: whole layers): ``swap_unit_mb`` if given, else the planner's
-        choice for the VRAM budget (from the whole layers' sizes)."""
-        given = self.config.placement.swap_unit_mb
-        if given is not None:  # rounded up: any size above 0, however small, splits (0 alone means whole layers)
-            return math.ceil(given * MB) or None
-        if self.driver is None:
-            return None
-        whole = measure(layers, rules, self.config.compute.mixed_precision, host_trained=host_trained)
-        unit = unit_bytes_for_budget([layout.sizes for layout in whole], self.driver.budget)
-        if unit is not None:
-            self._log(
-                f"DGLS: two slots of the largest layer would take over a quarter of the budget: layers over "
-                f"{human_bytes(unit)} stream as swap units (--swap_unit_mb to choose, 0 for whole layers)"
-            )
-        return unit
-
-    def _start_driver(self) -> PlacementDriver | None:
-        config = self.config
-        if config.placement.vram_budget is None:
-            return None
-        if config.training.host_optimizer is not None and not config.placement.explicit:
-            raise DGLSUserError(
-                "full fine-tuning places layers once, at start-up (the optimizer state of a streamed layer lives "
-                "on the host), and the VRAM-budget planner re-places layers while training: give blocks_to_swap "
-                "or gpu_layers instead of vram_budget"
-            )
-        if config.placement.explicit:
-            self._log(
-                f"DGLS: {', '.join(config.placement.explicit)} given: explicit placement wins over vram_budget "
-                f"{config.placement.vram_budget} (the planner is off)"
-            )
-            return None
-        budget = resolve_budget(config.placement.vram_budget, self.device)
-        self._log(
-            f"DGLS: planning for a {human_bytes(budget)} VRAM budget: steps 1-2 run with every layer streamed "
-            "(warm-up, then the probe); then the best predicted plans are measured on the next steps (about 35), "
-            "and the fastest that fits is kept"
-        )
-        return PlacementDriver(
-            budget, self.device, self._log, plan_only=config.placement.plan, copy_streams=config.transfer.cuda_streams
-        )
-
-    def _check_casts_match(self, rules: CastRules | None) -> None:
-        """Refuse a cast_target pair that casts nothing: never report a cast that does not happen."""
-        if rules is None:
-            return
-        cast_from = {p.param.dtype for layout in self.layouts for p in layout.params if p.stored != p.param.dtype}
-        unused = [(a, b) for a, b in rules.pairs if a not in cast_from]
-        if unused:
-            present = sorted({name_of(p.param.dtype) for layout in self.layouts for p in layout.params})
-            pairs = ", ".join(f"{name_of(a)} {name_of(b)}" for a, b in unused)
-            raise DGLSUserError(
-                f"cast_target {pairs} casts nothing: no frozen param of a layer is {name_of(unused[0][0])} (they are "
-                f"{', '.join(present) or 'absent'}; norm layers only count with --cast_norms): drop the pair"
-            )
-
-    def _stream(self, idx: int) -> None:
-        """Make a layer streamed: its master is in the store; its params now point at placeholders."""
-        layer = StreamedLayer(self.layers[idx], self.masters.host(idx), self._placeholder)
-        self._streamed[idx] = layer
-
-    def _unstream(self, idx: int) -> None:
-        """Make a streamed layer resident: its params get device copies of the master's values."""
-        layer = self._streamed.pop(idx)
-        with torch.no_grad():
-            for k, param in enumerate(layer.params):
-                param.data = self.masters.device_value(idx, k)
-        self.masters.became_resident(idx)
-
-    def _adopted(self, idx: int) -> None:
-        """``load_state_dict(assign=True)`` replaced a layer's Parameter objects (see :mod:`.masters`)."""
-        for t in (*self.layers[idx].parameters(), *self.layers[idx].buffers()):
-            self._home.setdefault(id(t), (t, t.device, t.dtype))
-        if self._streamed.pop(idx, None) is not None:
-            self._stream(idx)
-        else:
-            with torch.no_grad():
-                for k, p in enumerate(self.layouts[idx].params):
-                    p.param.data = self.masters.device_value(idx, k)
-
-    def _place_resident_parts(self) -> None:
-        """Every param and buffer that does not stream goes to the device; the streamable params of
-        resident layers take their cast (fp8 ones the values of their master)."""
-        streamed = {id(p) for layer in self._streamed.values() for p in layer.params}
-        cast = {
-            id(p.param): (layout.index, k, p)
-            for layout in self.layouts
-            if layout.index not in self._streamed
-            for k, p in enumerate(layout.params)
-        }
-        with torch.no_grad():
-            for t, _, _ in self._home.values():
-                if id(t) in streamed:
-                    continue
-                if id(t) in cast:
-                    idx, k, p = cast[id(t)]
-                    has = self.masters.has(idx)
-                    t.data = self.masters.device_value(idx, k) if has else t.data.to(self.device, p.dtype)
-                else:
-                    t.data = t.data.to(self.device)
-
-    def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
-        """An empty tensor: an evicted param points here, so any use of it fails."""
-        if dtype not in self._placeholders:
-            self._placeholders[dtype] = torch.empty(0, dtype=dtype, device=self.device)
-        return self._placeholders[dtype]
-
-    def _report_start(self, cast_rules: CastRules | None) -> None:
-        self._log(self.placement.table())
-        if split_note(self.entries, self.unit_bytes):
-            self._log(split_note(self.entries, self.unit_bytes))
-        if self.pieces:
-            layers = len({self.entries[piece.entry].layer for piece in self.pieces})
-            cost = (
-                "their outputs wait in host memory for their layer's recompute"
-                if self.config.activations.keep_piece_outputs
-                else "each piece's forward runs once more per step"
-            )
-            self._log(
-                f"DGLS: checkpoint_units: {len(self.pieces)} swap units or child modules of {layers} layers run "
-                f"under checkpoints of their own (a layer's backward holds one piece's activations; {cost})"
-            )
-        if self._training_note:
-            scratch = self.training.device_bytes
-            on_device = f" ({human_bytes(scratch)} of device buffers)" if scratch else ""
-            kernel = self.training.implementation
-            self._log(f"{self._training_note}; optimizer of the streamed layers: {kernel}{on_device}")
-        for note in self.placement.notes():
-            self._log(note)
-        config = self.config
-        if cast_rules or config.compute.autocast or config.compute.mixed_precision != "auto":
-            self._log(
-                describe(cast_rules, config.compute.autocast, config.compute.mixed_precision, self._trainable_cast)
-            )
-        pageable = self.store.pageable_layers
-        if pageable:
-            self._log(
-                f"DGLS: the pinned-RAM budget ({human_bytes(self.store.pinned_budget)}) covers "
-                f"{len(self.store.layers) - len(pageable)} of {len(self.store.layers)} streamed layers; the other "
-                f"{len(pageable)} stay pageable and are staged through 2 pinned buffers (slower): free RAM or raise "
-                "pinned_ram_budget_gb"
-            )
+    def feature(self, kind: type[F]) -> F | None:
+        """The feature of this type, if it was built (tests and tools)."""
+        return next((f for f in self.features if isinstance(f, kind)), None)
 
     # ---------------------------------------------------------------- what the hooks call
     def use(self, idx: int, phase: Phase) -> None:
@@ -459,24 +154,18 @@ class LayerSwapper:
             self._prefetch()
 
     def pass_end(self) -> None:
-        """A backward pass finished: the listeners' step boundary (the planner may re-place here). With
-        host training, every host-trained layer is evicted: its slot copy is older than its next update."""
+        """A backward pass finished: the features' ``after_backward`` (full fine-tuning evicts its layers
+        there), then the listeners' step boundary (the planner may re-place here)."""
         with self._lock:
-            if self.training is not None:
-                self.training.backward_done()
-                self._evict(self.training.layers)
-            if self.config.transfer.sync_each_step and self.device.type == "cuda":
+            for feature in self.features:
+                feature.after_backward()
+            if self._sync_each_step and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             for listener in list(self._listeners):
                 listener.pass_ended()
 
     def is_streamed(self, idx: int) -> bool:
         return idx in self._streamed
-
-    def _runs_eager(self, idx: int) -> bool:
-        """Never compiled: streamed entries (their weights move), holders (they run streamed units) and
-        entries with checkpointed pieces (:mod:`.unit_checkpoints`)."""
-        return idx in self._streamed or self.entries[idx].holder or idx in self._piece_entries
 
     def slot_ref(self, tensor: torch.Tensor) -> SlotRef | None:
         slot = self.pool.slot_of(tensor)
@@ -527,7 +216,7 @@ class LayerSwapper:
             if slot is None:
                 break
             requests.append((layer, slot))
-        if self.config.transfer.batch_move:
+        if self._batch_move:
             self._fetch(requests, demand=False)
         else:
             for request in requests:
@@ -580,32 +269,51 @@ class LayerSwapper:
     def _fetch(self, requests: list[tuple[StreamedLayer, Slot]], demand: bool) -> None:
         if not requests:
             return
-        after = None
-        if self.training is not None:  # the packed copy must hold the layer's latest update
-            after = [self.training.wait_update(layer.index) for layer, _ in requests]
+        gating = self._gating  # e.g. full fine-tuning: the packed copy must hold the layer's latest update
+        after = [[g for f in gating for g in f.fetch_gates(layer.index)] for layer, _ in requests] if gating else None
         tokens = self.copier.submit([(slot, layer.host, demand) for layer, slot in requests], after)
         for (layer, slot), token in zip(requests, tokens):
             layer.fetch(slot, token)
 
+    # ---------------------------------------------------------------- what the masters and features ask
+    def placeholder(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.bindings.placeholder(dtype)
+
+    def adopted(self, idx: int) -> None:
+        self.bindings.adopted(idx)
+
+    def true_value(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The value a feature keeps for ``param`` (full fine-tuning's fp32 master), else ``None``."""
+        return next((v for f in self.features if (v := f.true_value(param)) is not None), None)
+
+    def flush(self) -> None:
+        for feature in self.features:
+            feature.flush()
+
+    def evict(self, indices: Iterable[int]) -> None:
+        """Release the current use and drop these layers' device copies (the release markers keep the
+        slots from being rewritten before the kernels that read them, so the host need not wait)."""
+        self._release_current()
+        for idx in indices:
+            layer = self._streamed[idx]
+            if layer.state is not Residency.HOST:
+                layer.evict()
+        self._current = None
+        self._last_use = None
+
     # ---------------------------------------------------------------- public
     @property
     def pinned_bytes(self) -> int:
-        """Host memory DGLS page-locked: packed copies, and with full fine-tuning the gradient landings
-        (and, for device updates, the masters and moments); offloaded activations' buffers."""
-        training, activations = self.training, self.activations
-        return (
-            self.store.pinned_bytes
-            + (training.pinned_bytes() if training is not None else 0)
-            + (activations.pinned_bytes() if activations is not None else 0)
-        )
+        """Host memory DGLS page-locked: packed copies, and what features hold (full fine-tuning's gradient
+        landings, and for device updates masters and moments; offloaded activations' buffers)."""
+        return self.store.pinned_bytes + sum(feature.pinned_bytes() for feature in self.features)
 
     def checkpoint_function(self, checkpoint: Callable) -> Callable:
-        """The trainer's checkpoint function (``checkpoint(function, *args, **kwargs)``), with activation
-        offload around it when activations are offloaded (``offload_activations``, or a VRAM budget on CUDA
-        unless it is False); unchanged otherwise."""
-        if self.activations is None:
-            return checkpoint
-        return self.activations.wrap(checkpoint)
+        """The trainer's checkpoint function (``checkpoint(function, *args, **kwargs)``), wrapped by the features
+        (activation offload, when activations are offloaded); unchanged otherwise."""
+        for feature in self.features:
+            checkpoint = feature.wrap_checkpoint(checkpoint)
+        return checkpoint
 
     @property
     def streamed_layers(self) -> tuple[int, ...]:
@@ -615,9 +323,7 @@ class LayerSwapper:
     def plan_finished(self) -> bool:
         """True once a ``plan_only`` run has shown its plan: the caller should stop (an explicit
         placement is shown at construction, so there is nothing to train for)."""
-        if not self.config.placement.plan:
-            return False
-        return self.driver is None or self.driver.done
+        return self._plan_finished()
 
     def placement_table(self) -> str:
         return self.placement.table()
@@ -646,10 +352,8 @@ class LayerSwapper:
         (default and least: ``max(1, prefetch)``), and restores run ``prefetch`` calls ahead.
         """
         with self._lock:
-            if self.training is not None:
-                raise DGLSUserError(
-                    "full fine-tuning places layers once: the optimizer state of streamed layers lives on the host"
-                )
+            for feature in self.features:
+                feature.before_placement()
             wanted = set(streamed)
             bad = [i for i in wanted if not 0 <= i < len(self.layers)]
             if bad:
@@ -657,19 +361,14 @@ class LayerSwapper:
             wanted = {i for i in wanted if self.layouts[i].sizes.streamable_bytes}
             self.evict_all()
             for idx in sorted(set(self._streamed) - wanted):
-                self._unstream(idx)
+                self.bindings.unstream(idx)
             for idx in sorted(wanted - set(self._streamed)):
                 if not self.masters.has(idx):
                     self.masters.add(idx)
-                self._stream(idx)
+                self.bindings.stream(idx)
             sizes = tuple(layout.sizes for layout in self.layouts)
-            self.placement = Placement(
-                sizes, tuple(sorted(self._streamed)), prefetch, self.config.transfer.cuda_streams
-            )
+            self.placement = Placement(sizes, tuple(sorted(self._streamed)), prefetch, self._copy_streams)
             self.config = self.config.replace(prefetch=prefetch)
-            if self.activations is not None:  # restores ahead: as deep as weights; kept: at least as many
-                depth = max(1, prefetch)
-                self.activations.set_depth(max(depth, kept_activations or 0), depth)
             self._plans.clear()
             self.pool.release()
             self.pool = DevicePool(self.device, self.placement.slot_count, self.placement.slot_bytes)
@@ -678,7 +377,8 @@ class LayerSwapper:
             self.store.ensure_staging(2, self.placement.slot_bytes)
             for layer in self._streamed.values():
                 layer.forget_views()
-            self._patches.placement_changed(self._runs_eager)
+            for feature in self.features:
+                feature.placement_changed(self.placement, kept_activations)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
@@ -688,7 +388,7 @@ class LayerSwapper:
             self.copier.drain()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self._evict(self._streamed)
+            self.evict(self._streamed)
 
     @contextlib.contextmanager
     def true_weights(self) -> Iterator[None]:
@@ -697,77 +397,34 @@ class LayerSwapper:
         saver). Nothing may run the layers meanwhile."""
         with self._lock:
             self.evict_all()
-            if self.training is not None:
-                self.training.finish()
+            self.flush()
             for layer in self._streamed.values():
-                layer.show(self._true_values(layer, self.training))
+                layer.show(self.bindings.true_values(layer))
             try:
                 yield
             finally:
                 for layer in self._streamed.values():
                     layer.hide()
 
-    @staticmethod
-    def _true_values(layer: StreamedLayer, training: HostTraining | None) -> list[torch.Tensor]:
-        """A streamed layer's params as they truly are: the fp32 masters of host-trained ones, the host
-        copy's values of the others (fp8-stored ones dequantized)."""
-        masters = [training.master_of(p) if training is not None else None for p in layer.params]
-        return [m if m is not None else layer.host.value(k) for k, m in enumerate(masters)]
-
-    def _evict(self, indices: Iterable[int]) -> None:
-        """Release the current use and drop these layers' device copies (the release markers keep the
-        slots from being rewritten before the kernels that read them, so the host need not wait)."""
-        self._release_current()
-        for idx in indices:
-            layer = self._streamed[idx]
-            if layer.state is not Residency.HOST:
-                layer.evict()
-        self._current = None
-        self._last_use = None
-
     def remove(self) -> None:
         """Put every module back as it was (params and buffers on their original devices, in their
-        original dtypes); free the pool, the pinned memory, the hooks and the transport's worker threads. Also undoes
-        a swapper whose construction failed half-way (the parts it did not get to are skipped). Values
-        ``cast_target`` rounded (fp8, or a 16-bit TO) come back rounded: the originals are not kept, since
-        keeping them would double the host RAM a large model needs."""
+        original dtypes); close the features; free the pool, the pinned memory, the hooks and the transport's
+        worker threads. Also undoes a swapper whose construction failed half-way (what it did not get to is
+        left as it was). Values ``cast_target`` rounded (fp8, or a 16-bit TO) come back rounded: the originals
+        are not kept, since keeping them would double the host RAM a large model needs."""
         if self._removed:
             return
         self._removed = True
-        built = self.__dict__
-        if built.get("profiler") is not None:
-            self.profiler.close()
-        if built.get("training") is not None:
-            self.training.close()
-        if built.get("activations") is not None:
-            self.activations.synchronize()
-        if "copier" in built:
-            self.copier.close()
-        if "transport" in built:
-            self.transport.close()
+        for feature in reversed(self.features):
+            feature.close()
+        self.copier.close()
+        self.transport.close()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        for part in ("_hooks", "_patches", "_unit_checkpoints"):
-            if built.get(part) is not None:
-                built[part].remove()
-        with torch.no_grad():
-            streamed = set()
-            training = built.get("training")
-            for layer in built.get("_streamed", {}).values():
-                for param, value in zip(layer.params, self._true_values(layer, training)):
-                    _, device, dtype = self._home[id(param)]
-                    param.data = value.to(device, dtype, copy=True)
-                    streamed.add(id(param))
-            for t, device, dtype in self._home.values():
-                if id(t) not in streamed and (t.device != device or t.dtype != dtype):
-                    t.data = t.data.to(device, dtype)
-                if isinstance(t, nn.Parameter) and t.grad is not None and t.grad.dtype != dtype:
-                    t.grad = t.grad.to(dtype)
-        built.get("_streamed", {}).clear()
-        if "pool" in built:
-            self.pool.release()
-        if "masters" in built:
-            self.masters.release()
+        self.hooks.remove()
+        self.bindings.restore()
+        self.pool.release()
+        self.masters.release()
 
     def __enter__(self) -> LayerSwapper:
         return self

@@ -90,6 +90,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from .errors import DGLSUserError
+from .feature import Engine, Feature
 
 if TYPE_CHECKING:
     from .activation_offload import CheckpointedCall
@@ -360,25 +361,24 @@ class _PieceForward:
         return call.recomputing and bool(call.outputs) and call.outputs[0].piece is self
 
 
-class UnitCheckpoints:
-    """Installs :class:`_PieceForward` on the pieces; :meth:`remove` puts the class forwards back.
+class UnitCheckpoints(Feature):
+    """Installs :class:`_PieceForward` on the pieces; :meth:`remove` (or :meth:`close`) puts the class forwards back.
 
-    ``hooks_for(entry)`` pushes DGLS's saved-tensor hooks for an entry above those active now;
-    ``use_inside(entry)`` starts a use of an entry and pushes its hooks (both :class:`~.hooks.HookAdapter`)."""
+    At :meth:`install` it takes from the engine's hooks (:class:`~.hooks.HookAdapter`) ``saved_tensor_hooks(entry)``,
+    which pushes DGLS's saved-tensor hooks for an entry above those active now, and ``use_inside(entry)``, which
+    starts a use of an entry and pushes its hooks. ``layers``: how many layers the pieces belong to (the report)."""
 
     def __init__(
         self,
         pieces: list[Piece],
-        hooks_for: Callable[[int], AbstractContextManager],
-        use_inside: Callable[[int], AbstractContextManager],
         device: torch.device,
         calling: Callable[[], CheckpointedCall | None] | None = None,
+        layers: int = 0,
     ) -> None:
         self.pieces = pieces
-        self.hooks_for = hooks_for
-        self.use_inside = use_inside
         self.device = device
         self.calling = calling  # keep_piece_outputs: the checkpointed call running now (activation offload's)
+        self.layers = layers
         self._anchor = torch.empty(0, requires_grad=True)  # see _KeptPiece
         self._installed: list[_PieceForward] = []
         self._by_module: dict[int, _PieceForward] = {}
@@ -386,7 +386,7 @@ class UnitCheckpoints:
     @staticmethod
     def check(pieces: list[Piece]) -> None:
         """Refuse pieces whose ``forward`` someone already replaced: call it before changing anything (the
-        swapper does, at start-up), since :meth:`install` would replace that forward."""
+        builder does, at start-up), since :meth:`install` would replace that forward."""
         for piece in pieces:
             if "forward" in vars(piece.module):
                 raise DGLSUserError(
@@ -394,9 +394,12 @@ class UnitCheckpoints:
                     "patched by the trainer), which its checkpoint would replace: drop checkpoint_units"
                 )
 
-    def install(self) -> None:
+    def install(self, engine: Engine) -> None:
+        hooks = engine.hooks
         for piece in self.pieces:
-            wrapper = _PieceForward(piece, self.hooks_for, self.use_inside, self.calling, self._anchor, self.device)
+            wrapper = _PieceForward(
+                piece, hooks.saved_tensor_hooks, hooks.use_inside, self.calling, self._anchor, self.device
+            )
             piece.module.forward = wrapper
             self._installed.append(wrapper)
             self._by_module[id(piece.module)] = wrapper
@@ -407,6 +410,20 @@ class UnitCheckpoints:
                 del wrapper.piece.module.forward
         self._installed.clear()
         self._by_module.clear()
+
+    def close(self) -> None:
+        self.remove()
+
+    def describe(self) -> list[str]:
+        cost = (
+            "their outputs wait in host memory for their layer's recompute"
+            if self.calling is not None
+            else "each piece's forward runs once more per step"
+        )
+        return [
+            f"DGLS: checkpoint_units: {len(self.pieces)} swap units or child modules of {self.layers} layers run "
+            f"under checkpoints of their own (a layer's backward holds one piece's activations; {cost})"
+        ]
 
     def replays(self, module: nn.Module) -> bool:
         """The next call of ``module`` is a layer's recompute taking its kept output (``keep_piece_outputs``):

@@ -1,8 +1,9 @@
-"""Update split: which host-trained layers take their AdamW step on the device, and which on the CPU.
+"""Update split: which host-trained layers take their optimizer step on the device, and which on the CPU.
 
 Why
-    A streamed layer's AdamW step can run on the CPU (torch's fused kernel, bound by the cores and host
-    memory) or on the device (:mod:`.device_update`, bound by the link: 14 bytes in and 14 out per param).
+    A streamed layer's step (AdamW, or SGD: :mod:`.optimizer_kernels`) can run on the CPU (torch's fused
+    kernel, bound by the cores and host memory) or on the device (:mod:`.device_update`, bound by the link:
+    for AdamW 14 bytes in and 14 out per param). The strategy that uses this is :class:`~.updaters.SplitUpdater`.
     The two use different resources, so running both at once updates a step's params faster than either
     alone. With gradient clipping every update waits for the end of backward, and the next forward
     waits for each layer's update in turn: how fast all updates are done, in the forward's order, is
@@ -25,8 +26,8 @@ Rates
 
 Invariants
     - Every layer is on exactly one side for a step; the split only changes between steps.
-    - Which side updates a layer never changes its numbers: both run the same fused AdamW arithmetic on
-      the same host state (checked bitwise on the CPU), so the split is a matter of speed alone.
+    - Which side updates a layer never changes its numbers: both run the same fused arithmetic (AdamW or
+      SGD) on the same host state (checked bitwise on the CPU), so the split is a matter of speed alone.
 """
 
 from __future__ import annotations

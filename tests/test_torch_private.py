@@ -1,0 +1,54 @@
+"""The private torch APIs DGLS calls sit in one module, and start-up checks them against the installed torch."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import ROOT
+
+from utils.dgls import torch_private
+from utils.dgls.errors import DGLSUserError
+
+
+def test_every_used_private_api_exists_in_this_torch():
+    assert torch_private.missing_apis() == []
+    assert torch_private.check_torch() == ""
+
+
+@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.12.1", "2.13.0"])
+def test_the_tested_range_starts_without_a_notice(version):
+    assert torch_private.check_torch(version) == ""
+
+
+@pytest.mark.parametrize("version", ["2.10.0", "2.14.0.dev20270101", "3.0.0"])
+def test_a_torch_outside_the_tested_range_gets_one_notice(version):
+    notice = torch_private.check_torch(version)
+    assert notice.startswith(f"DGLS: torch {version} is outside the tested range (2.11 to 2.13)")
+    assert "\n" not in notice
+
+
+def test_a_torch_without_one_of_the_apis_is_refused_in_one_line_naming_it():
+    fake = SimpleNamespace(_C=SimpleNamespace(_autograd=SimpleNamespace()))
+    with pytest.raises(DGLSUserError) as caught:
+        torch_private.check_torch("2.15.0", root=fake)
+    message = str(caught.value)
+    assert "torch 2.15.0 lacks torch._C._current_autograd_node, torch._C._autograd._top_saved" in message
+    assert message.endswith("install torch 2.11 to 2.13 (pip install 'torch>=2.11,<2.14')")
+    assert "\n" not in message
+
+
+def test_the_tested_range_is_the_one_requirements_txt_states():
+    line = next(x for x in (ROOT / "requirements.txt").read_text().splitlines() if x.startswith("torch"))
+    (low, high) = torch_private.TESTED
+    assert line == f"torch>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}"
+
+
+def test_the_helpers_do_what_torch_does():
+    x = torch.arange(6.0)
+    assert torch_private.storage_key(x[2:]) == torch_private.storage_key(x)
+    assert torch_private.is_view(x[2:]) and not torch_private.is_view(x)
+    assert torch_private.view_base(x[2:]) is x
+    norms = torch_private.foreach_norm([x, -x[:2]])
+    assert torch.equal(torch.stack(norms), torch.stack([x.norm(), x[:2].norm()]))

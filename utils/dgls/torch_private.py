@@ -1,0 +1,173 @@
+"""Every private torch API DGLS uses, named once: what it is for, and what would replace it.
+
+Why one module
+    - DGLS hooks into autograd below its public surface (which node runs, which saved-tensor hooks are
+      active, the end-of-backward callback) and calls three fused kernels that ``torch.optim`` uses but does
+      not export. A torch release may rename any of them; here a reader sees the whole exposure at once, and
+      :func:`check_torch` finds a missing one at start-up instead of in the middle of a step.
+    - The rest of ``utils/dgls`` calls these functions and never spells ``torch._``.
+
+Tested range
+    - ``TESTED`` (torch 2.11 to 2.13): the GPU tests ran on 2.11, CI runs 2.13 on the CPU, and
+      ``requirements.txt`` bounds torch to the same range.
+    - A torch outside it that still has every API below starts with one notice; one that lacks any is
+      refused in one line that names what is missing and the range to install.
+
+Hazards
+    - These are private for a reason: semantics may shift without a rename. The CPU and GPU ordering tests
+      are what catch that; a torch outside ``TESTED`` has not been through them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import reduce
+
+import torch
+from torch.autograd import Variable
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from .errors import DGLSUserError
+
+TESTED = ((2, 11), (2, 13))  # (oldest, newest) major.minor tested; requirements.txt: torch>=2.11,<2.14
+
+# re-exported: unit_checkpoints.py flattens a piece's outputs with torch's own pytree (public only as private)
+TreeSpec = pytree.TreeSpec
+tree_flatten = pytree.tree_flatten
+tree_unflatten = pytree.tree_unflatten
+
+
+# ---------------------------------------------------------------- autograd's state
+def in_backward() -> bool:
+    """True while autograd's engine runs a node on this thread (a backward or a checkpoint's recompute).
+    ``torch._C._current_autograd_node``: the only way to tell a recompute from a forward without frames."""
+    return torch._C._current_autograd_node() is not None
+
+
+def top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
+    """The innermost active ``saved_tensors_hooks`` pair (pack, unpack), or None: DGLS stacks its own on top
+    of a checkpoint's. ``torch._C._autograd._top_saved_tensors_default_hooks``."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True)
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward pass finishes (autograd's engine callback queue).
+    ``Variable._execution_engine.queue_callback``: what DDP and FSDP use for the same purpose."""
+    Variable._execution_engine.queue_callback(callback)
+
+
+def under_selective_checkpoint() -> bool:
+    """True inside ``torch.utils.checkpoint``'s selective-checkpoint caching mode, whose cached tensors DGLS
+    can't swap. ``torch.utils._python_dispatch._get_current_dispatch_mode_stack``."""
+    return any(type(m).__name__ == "_CachingTorchDispatchMode" for m in _get_current_dispatch_mode_stack())
+
+
+# ---------------------------------------------------------------- tensors and storages
+def storage_key(tensor: torch.Tensor) -> int:
+    """The identity of ``tensor``'s storage: the same for every view of it, and before and after a resize
+    (``data_ptr`` is 0 once a storage is resized to nothing). ``UntypedStorage._cdata``."""
+    return tensor.untyped_storage()._cdata
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """``Tensor._is_view``: autocast caches a cast only for a leaf that is no view."""
+    return tensor._is_view()
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``tensor`` is a view of, or None. ``Tensor._base``."""
+    return tensor._base
+
+
+# ---------------------------------------------------------------- fused kernels of torch.optim
+def foreach_norm(tensors: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """The 2-norm of each tensor, one fused kernel per device (``clip_grad_norm_``'s). ``torch._foreach_norm``."""
+    return list(torch._foreach_norm(list(tensors), 2, dtype=dtype))
+
+
+def foreach_mul_(tensors: Sequence[torch.Tensor], factor: torch.Tensor | float) -> None:
+    """Multiply every tensor in place by ``factor`` in one kernel. ``torch._foreach_mul_``."""
+    torch._foreach_mul_(list(tensors), factor)
+
+
+def fused_adamw_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    amsgrad: bool = False,
+    maximize: bool = False,
+) -> None:
+    """One AdamW step over the lists in place: ``torch.optim.AdamW(fused=True)``'s kernel,
+    ``torch._fused_adamw_``, called without the optimizer object around it (DGLS streams the state)."""
+    torch._fused_adamw_(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=weight_decay,
+        eps=eps,
+        amsgrad=amsgrad,
+        maximize=maximize,
+    )
+
+
+# ---------------------------------------------------------------- the start-up check
+USED = (
+    "torch._C._current_autograd_node",
+    "torch._C._autograd._top_saved_tensors_default_hooks",
+    "torch.autograd.Variable._execution_engine",
+    "torch._foreach_norm",
+    "torch._foreach_mul_",
+    "torch._fused_adamw_",
+    "torch.Tensor._is_view",
+    "torch.UntypedStorage._cdata",
+)
+
+
+def missing_apis(root: object = torch) -> list[str]:
+    """The names in :data:`USED` that ``root`` (torch) lacks."""
+    missing = []
+    for name in USED:
+        try:
+            reduce(getattr, name.split(".")[1:], root)
+        except AttributeError:
+            missing.append(name)
+    return missing
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = text.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def check_torch(version: str | None = None, root: object = torch) -> str:
+    """Refuse a torch that lacks a private API DGLS calls; return a one-line notice (empty in the tested range)
+    for a torch outside the tested range that has them all."""
+    version = version or torch.__version__
+    low, high = (".".join(map(str, v)) for v in TESTED)
+    missing = missing_apis(root)
+    if missing:
+        raise DGLSUserError(
+            f"torch {version} lacks {', '.join(missing)}, which DGLS calls (utils/dgls/torch_private.py): "
+            f"install torch {low} to {high} (pip install 'torch>={low},<{TESTED[1][0]}.{TESTED[1][1] + 1}')"
+        )
+    if TESTED[0] <= _version(version) <= TESTED[1]:
+        return ""
+    return (
+        f"DGLS: torch {version} is outside the tested range ({low} to {high}); the private torch APIs DGLS uses "
+        "are all present, but if training fails or its numbers look wrong, install a tested torch"
+    )
