@@ -74,7 +74,7 @@ def errors(got: Probe, reference: Probe) -> dict:
 
 def storage_runs(args, blocks_to_swap: int, source: str) -> list[tuple[str, SwapConfig]]:
     """bf16 storage, each fp8 format, then (--pageable) bf16 and the first fp8 format with pageable masters."""
-    base = SwapConfig(blocks_to_swap=blocks_to_swap, prefetch=args.prefetch)
+    base = SwapConfig.of(blocks_to_swap=blocks_to_swap, prefetch=args.prefetch)
     runs = [("bf16 storage", base)]
     for fmt in (f for f in args.formats.split(",") if f):
         runs.append((f"fp8 {fmt} storage", base.replace(cast_target=[(source, FORMATS[fmt])])))
@@ -150,7 +150,7 @@ def measure(args, device: torch.device, dtype: torch.dtype, command: str) -> dic
             extra = {
                 "blocks_to_swap": n,
                 "prefetch": args.prefetch,
-                "cast_target": config.cast_target,
+                "cast_target": config.compute.cast_target,
                 "streamed_gib": placement.streamed_bytes / GiB,
                 "pool_gib": placement.pool_bytes / GiB,
                 "landing_gib": placement.landing_bytes / GiB,

@@ -203,7 +203,7 @@ def dgls_step(bench, device, implementation: str, stream_mib: float, prefetch: i
     spec = host_spec(optimizer, implementation)
     sizes = bench.sizes  # measured before anything was trainable: streamable = every param of the layer
     resident = [s.index for s in sizes if s.streamable_bytes < stream_mib * 2**20]
-    config = SwapConfig(gpu_layers=resident, prefetch=prefetch, host_optimizer=spec, clip_grads=bool(clip))
+    config = SwapConfig.of(gpu_layers=resident, prefetch=prefetch, host_optimizer=spec, clip_grads=bool(clip))
     swapper = LayerSwapper(bench.layers, config, device=device, log=None)
     training = swapper.training
     params = [p for layer in bench.layers for p in layer.parameters()]

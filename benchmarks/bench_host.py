@@ -100,7 +100,7 @@ def run_arm(bench: Bench, device, engine, resident: list[int], prefetch: int, st
     cls, names = ENTRY_POINTS[kind]
     cls = cls or engine.LayerSwapper
     with timed_entry_points(cls, names, timer):
-        config = engine.SwapConfig(gpu_layers=resident, prefetch=prefetch)
+        config = engine.SwapConfig.of(gpu_layers=resident, prefetch=prefetch)
         with engine.LayerSwapper(bench.layers, config, device=device, log=None):
             time_steps(bench.training_step(), device, warmup, 0)
             timer.seconds = 0.0

@@ -48,16 +48,16 @@ NOTE = (
 
 def arms(bench: Bench, gib: float, prefetch: int) -> dict[str, SwapConfig]:
     return {
-        "resident": SwapConfig(blocks_to_swap=0, prefetch=prefetch),
+        "resident": SwapConfig.of(blocks_to_swap=0, prefetch=prefetch),
         "spread": bench.spread_config(gib, prefetch)[1],
-        "ends": SwapConfig(blocks_to_swap=bench.blocks_to_swap_for_gib(gib), prefetch=prefetch),
+        "ends": SwapConfig.of(blocks_to_swap=bench.blocks_to_swap_for_gib(gib), prefetch=prefetch),
     }
 
 
 def profiled_steps(bench: Bench, device, config: SwapConfig, trace: Path, steps: int) -> tuple[list[float], dict, set]:
     """One warm-up step then ``steps`` profiled ones; their wall times, the trace, the streamed set."""
     place(bench.layers, device)
-    config = config.replace(profile_path=str(trace), profile_warmup_steps=1, profile_steps=steps)
+    config = config.replace(profile=str(trace), profile_warmup_steps=1, profile_steps=steps)
     with LayerSwapper(bench.layers, config, device, log=None) as swapper:
         times, _ = time_steps(bench.training_step(), device, 1, steps)
         streamed = set(swapper.placement.streamed)

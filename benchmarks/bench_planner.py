@@ -1,6 +1,6 @@
 """VRAM-budget planner on the Flux-dev-size model: the automatic plan against a hand grid.
 
-For each budget, DGLS plans from its probe steps (``vram_budget_gb``), then the same swapper is
+For each budget, DGLS plans from its probe steps (``vram_budget``), then the same swapper is
 switched (``apply_placement``) through a grid of hand configurations: resident layers at both ends
 or spread evenly, prefetch 1-3, the largest resident count the planner's memory model says fits
 (and one fewer). Every configuration is measured in this one process on the same model and inputs;
@@ -126,7 +126,7 @@ def plan_and_sweep(bench: Bench, measure: Measure, args, budget: float, resident
     device = measure.device
     lines: list[str] = []
     rows = []
-    with LayerSwapper(bench.layers, SwapConfig(vram_budget_gb=budget), device=device, log=lines.append) as swapper:
+    with LayerSwapper(bench.layers, SwapConfig.of(vram_budget=budget), device=device, log=lines.append) as swapper:
         planner = swapper.driver
         planning = []
         while not planner.done and len(planning) < 80:

@@ -119,10 +119,12 @@ def main(argv: list[str] | None = None) -> dict:
             for threading in (False, True):
                 for batch in (False, True):
                     name = f"prefetch={prefetch} threading={on[threading]} batch_move={on[batch]}"
-                    cfg = SwapConfig(blocks_to_swap=streamed, prefetch=prefetch, threading=threading, batch_move=batch)
+                    cfg = SwapConfig.of(
+                        blocks_to_swap=streamed, prefetch=prefetch, threading=threading, batch_move=batch
+                    )
                     rows.append(run_config(name, cfg, big, x, args, device, dtype))
         for label, packing in (("65 params/layer, packed", 0.0), ("65 params/layer, param by param", 1e6)):
-            cfg = SwapConfig(blocks_to_swap=streamed, prefetch=2, selective_packing=packing)
+            cfg = SwapConfig.of(blocks_to_swap=streamed, prefetch=2, selective_packing=packing)
             rows.append(run_config(label, cfg, small, x, args, device, dtype))
         bandwidth = machine.pinned_bandwidth(device, 1 << 30 if not args.tiny else 1 << 20)
         derive(rows, bandwidth)

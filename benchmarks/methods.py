@@ -191,9 +191,9 @@ class Methods:
         placement = swapper.placement
         return {
             "blocks_to_swap": len(placement.streamed),
-            "prefetch": swapper.config.prefetch,
-            "threading": swapper.config.threading,
-            "batch_move": swapper.config.batch_move,
+            "prefetch": swapper.config.placement.prefetch,
+            "threading": swapper.config.transfer.threading,
+            "batch_move": swapper.config.transfer.batch_move,
             "streamed_layers": list(placement.streamed),
             "streamed_gib": placement.streamed_bytes / GiB,
             "predicted_weights_pool_gib": placement.predicted_device_bytes / GiB,
@@ -232,7 +232,7 @@ class Methods:
             labels.setdefault(n, []).append(label)
         prefetch = self.options.prefetch
         place(self.bench.layers, self.device)
-        config = SwapConfig(blocks_to_swap=min(labels), prefetch=prefetch)
+        config = SwapConfig.of(blocks_to_swap=min(labels), prefetch=prefetch)
         swapper = LayerSwapper(self.bench.layers, config, self.device, log=None)
         try:
             for n in sorted(labels):
@@ -257,7 +257,7 @@ class Methods:
             n = self.bench.blocks_to_swap_for_gib(float(gib))
             spread, spread_config = self.bench.spread_config(float(gib), prefetch)
             placements = (
-                (f"blocks_to_swap={n}, prefetch={prefetch}", SwapConfig(blocks_to_swap=n, prefetch=prefetch)),
+                (f"blocks_to_swap={n}, prefetch={prefetch}", SwapConfig.of(blocks_to_swap=n, prefetch=prefetch)),
                 (f"spread, {len(spread)} streamed, prefetch={prefetch}", spread_config),
             )
             for label, config in placements:
@@ -298,7 +298,7 @@ class Methods:
             for t in (False, True):
                 for b in (False, True):
                     name = f"DGLS {where} threading={on[t]} batch_move={on[b]} (blocks_to_swap={n}, prefetch={p})"
-                    config = SwapConfig(blocks_to_swap=n, prefetch=p, threading=t, batch_move=b)
+                    config = SwapConfig.of(blocks_to_swap=n, prefetch=p, threading=t, batch_move=b)
                     yield Case("options", name, partial(self.measure_fresh, config))
 
     def measure_fresh(self, config: SwapConfig):
@@ -381,7 +381,7 @@ class Methods:
         reset_peaks(self.device)
         before = torch.cuda.memory_allocated(self.device) / GiB if self.device.type == "cuda" else 0.0
         offload = {"auto": None, "on": True, "off": False}[self.options.budget_offload]
-        config = SwapConfig(vram_budget_gb=budget, offload_activations=offload, checkpoint_units=checkpoint_units)
+        config = SwapConfig.of(vram_budget=budget, offload_activations=offload, checkpoint_units=checkpoint_units)
         with LayerSwapper(self.bench.layers, config, self.device, log=lines.append) as swapper:
             planner = swapper.driver
             planning = []
@@ -446,7 +446,7 @@ class Methods:
     ):
         place(self.bench.layers, self.device)
         prefetch = self.options.prefetch
-        config = SwapConfig(
+        config = SwapConfig.of(
             blocks_to_swap=blocks_to_swap,
             prefetch=prefetch,
             offload_activations=True,

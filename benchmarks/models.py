@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from units import GiB
 
 from utils.dgls import SwapConfig
+from utils.dgls.config import PlacementPolicy
 from utils.dgls.layout import LayerSizes, measure  # noqa: E402
 from utils.dgls.placement import choose_streamed
 from utils.dgls.planner import resident_patterns
@@ -146,7 +147,7 @@ class Bench:
         return step
 
     def streamed_for(self, blocks_to_swap: int) -> tuple[int, ...]:
-        return tuple(choose_streamed(list(self.sizes), SwapConfig(blocks_to_swap=blocks_to_swap)))
+        return tuple(choose_streamed(list(self.sizes), PlacementPolicy(blocks_to_swap=blocks_to_swap)))
 
     def streamed_bytes(self, streamed) -> int:
         return sum(self.sizes[i].streamable_bytes for i in streamed)
@@ -170,4 +171,4 @@ class Bench:
         options = [tuple(sorted(streamed_by(candidates, k, "spread"))) for k in range(len(candidates) + 1)]
         spread = min(options, key=lambda streamed: abs(self.streamed_bytes(streamed) / GiB - gib))
         resident = [i for i in candidates if i not in spread]
-        return spread, SwapConfig(gpu_layers=resident, prefetch=prefetch)
+        return spread, SwapConfig.of(gpu_layers=resident, prefetch=prefetch)

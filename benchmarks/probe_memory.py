@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     with machine.session(args.tiny) as (device, dtype):
         bench = BUILDERS[args.model](args.tiny, device, dtype, args)
         place(bench.layers, device)
-        config = SwapConfig(
+        config = SwapConfig.of(
             blocks_to_swap=len(bench.blocks),
             prefetch=args.prefetch,
             offload_activations=True,

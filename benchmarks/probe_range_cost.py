@@ -39,7 +39,7 @@ def ranges_per_use() -> tuple[float, float]:
         return recording()
 
     layers = [nn.Linear(16, 16).requires_grad_(False) for _ in range(LAYERS)]
-    config = SwapConfig(blocks_to_swap=LAYERS, prefetch=1, swap_unit_mb=0)
+    config = SwapConfig.of(blocks_to_swap=LAYERS, prefetch=1, swap_unit_mb=0)
     with LayerSwapper(layers, config, device="cpu", log=None) as swapper:
         for idx in range(LAYERS):  # warm: every layer has been fetched once
             swapper.use(idx, Phase.NO_GRAD)

@@ -168,7 +168,7 @@ def test_a_forward_without_backward_gives_its_host_buffers_back():
 def test_with_streamed_weights_training_is_bitwise_the_same(references, mode, kw):
     """The swapper streams the blocks' weights and sends their inputs home: both come back in time."""
     layers, trainable = make_layers()
-    with LayerSwapper(layers, SwapConfig(offload_activations=True, **kw), device=CPU, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(offload_activations=True, **kw), device=CPU, log=None) as swapper:
         ckpt = swapper.checkpoint_function(checkpoint_for(mode))
         got = train(
             layers, trainable, CPU, "nonreentrant" if mode == "nonreentrant" else "reentrant", checkpoint_fn=ckpt
@@ -193,7 +193,7 @@ def test_with_full_fine_tuning_training_is_bitwise_the_same(mode, recompute):
     also brings the inputs back, and with offload_recompute what the recomputes saved): the numbers of training
     without streaming or offload."""
     layers = full_layers()
-    config = SwapConfig(
+    config = SwapConfig.of(
         host_optimizer=SPEC, accumulation_steps=2, prefetch=2, offload_activations=True, offload_recompute=recompute
     )
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
@@ -210,7 +210,7 @@ def test_with_the_vram_budget_planner_training_is_bitwise_the_same():
     and re-places layers between steps; the inputs kept on the device follow its plan (on the CPU, where it
     measures no activations, every block's: nothing goes home after the probe)."""
     layers, trainable = make_layers()
-    config = SwapConfig(vram_budget_gb=1.0, offload_activations=True)
+    config = SwapConfig.of(vram_budget=1.0, offload_activations=True)
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
         ckpt = swapper.checkpoint_function(checkpoint_for("nonreentrant"))
         got = train(layers, trainable, CPU, "nonreentrant", steps=4, checkpoint_fn=ckpt)
@@ -227,7 +227,7 @@ def test_a_plan_that_keeps_more_inputs_on_the_device_sends_only_the_rest_home(re
     """``apply_placement(..., kept_activations)``: the inputs of the last ``kept`` blocks of each forward stay,
     the others go home and come back, restores still one block ahead; the numbers do not change."""
     layers, trainable = make_layers()
-    with LayerSwapper(layers, SwapConfig(offload_activations=True, prefetch=1), device=CPU, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(offload_activations=True, prefetch=1), device=CPU, log=None) as swapper:
         swapper.apply_placement(swapper.streamed_layers, 1, kept_activations=kept)
         assert (swapper.activations.keep, swapper.activations.ahead) == (kept, 1)
         got = train(
@@ -263,7 +263,7 @@ def test_with_recompute_offload_training_is_bitwise_the_same(references, mode, k
 def test_with_streamed_weights_and_recompute_offload_training_is_bitwise_the_same(references, mode, prefetch):
     """offload_recompute turns activation offload on; views of the streamed weights' slots bypass it."""
     layers, trainable = make_layers()
-    config = SwapConfig(offload_recompute=True, prefetch=prefetch)
+    config = SwapConfig.of(offload_recompute=True, prefetch=prefetch)
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
         ckpt = swapper.checkpoint_function(checkpoint_for(mode))
         got = train(

@@ -58,7 +58,7 @@ def references(template):
 
 def offloaded_run(template, mode, monkeypatch, prefetch=2, compute_ms=5.0, kept=None, recompute=False):
     layers, trainable = fresh(template)
-    config = SwapConfig(prefetch=prefetch, offload_activations=True, offload_recompute=recompute)
+    config = SwapConfig.of(prefetch=prefetch, offload_activations=True, offload_recompute=recompute)
     with LayerSwapper(layers, config, device=device(), log=None) as swapper:
         delay_every_copy(swapper)  # 20 ms before weight copies, 10 ms before activations out and in
         if kept is not None:  # as a plan with room for more inputs applies it
@@ -120,7 +120,7 @@ def test_a_vram_budget_offloads_by_itself_and_stays_bitwise_equal(template, refe
     """offload_activations unset with a VRAM budget on CUDA: the probe sends inputs home, the plan keeps
     what fits, the planner re-places layers between steps; the numbers are all-resident training's."""
     layers, trainable = fresh(template)
-    with LayerSwapper(layers, SwapConfig(vram_budget_gb=4.0), device=device(), log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(vram_budget=4.0), device=device(), log=None) as swapper:
         assert swapper.activations is not None
         delay_every_copy(swapper)
         ckpt = swapper.checkpoint_function(checkpoint_for("nonreentrant"))

@@ -735,11 +735,11 @@ def test_a_pipeline_stage_checks_placement_against_the_whole_layer_list():
     refuses what does not fit instead of keeping the indices in its range: ``--gpu_layers 0,99`` on 10 layers
     dropped 99 without a word (issue 39, a regression of the per-stage split)."""
     with pytest.raises(DGLSUserError, match="gpu_layers names layer 99, but the model has 10 layers: indices run 0-9"):
-        SwapConfig(gpu_layers=[0, 99]).for_stage(0, 10, 10)
+        SwapConfig.of(gpu_layers=[0, 99]).for_stage(0, 10, 10)
     with pytest.raises(DGLSUserError, match="blocks_to_swap is 11, but the model has only 10 layers"):
-        SwapConfig(blocks_to_swap=11).for_stage(0, 5, 10)
-    assert SwapConfig(gpu_layers=[0, 7]).for_stage(5, 10, 10).gpu_layers == [2]
-    assert SwapConfig(gpu_layers=[0, 9]).for_stage(0, 10, 10).gpu_layers == [0, 9]
+        SwapConfig.of(blocks_to_swap=11).for_stage(0, 5, 10)
+    assert SwapConfig.of(gpu_layers=[0, 7]).for_stage(5, 10, 10).placement.gpu_layers == [2]
+    assert SwapConfig.of(gpu_layers=[0, 9]).for_stage(0, 10, 10).placement.gpu_layers == [0, 9]
 
 
 @pytest.mark.parametrize("double, single", [(4, 4), (0, 1), (3, 0)])

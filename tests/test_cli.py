@@ -52,7 +52,7 @@ def test_command_line_overrides_toml():
     assert values["prefetch"] == 4 and values["threading"] is False and values["gpu_layers"] == [0, 5]
     assert resolved.sources["prefetch"] == "command line" and resolved.sources["gpu_layers"] == "x.toml"
     config = options.swap_config(values)
-    assert config.prefetch == 4 and config.gpu_layers == [0, 5]
+    assert config.placement.prefetch == 4 and config.placement.gpu_layers == [0, 5]
 
 
 @pytest.mark.parametrize(
@@ -60,17 +60,17 @@ def test_command_line_overrides_toml():
     [
         (["--blocks_to_swap", "3"], "blocks_to_swap", 3),
         (["--gpu_layers", "0,1"], "gpu_layers", [0, 1]),
-        (["--vram_budget", "1"], "vram_budget_gb", 1.0),
+        (["--vram_budget", "1"], "vram_budget", 1.0),
     ],
 )
 def test_placement_on_the_command_line_replaces_the_tomls(tmp_path, user_env, flags, field, value):
     """toml/demo.toml keeps the ends resident (initial/final_gpu_layers); a placement style given on
     the command line replaces that before anything is built, and start-up says so."""
     run = prepare(["--config", str(ROOT / "toml" / "demo.toml"), *flags], ROOT)
-    assert getattr(run.swap, field) == value
-    assert run.swap.initial_gpu_layers is None and run.swap.final_gpu_layers is None
+    assert getattr(run.swap.placement, field) == value
+    assert run.swap.placement.initial_gpu_layers is None and run.swap.placement.final_gpu_layers is None
     (note,) = run.notes
-    replaced = "initial_gpu_layers = 1, final_gpu_layers = 1" + (", prefetch = 2" if field == "vram_budget_gb" else "")
+    replaced = "initial_gpu_layers = 1, final_gpu_layers = 1" + (", prefetch = 2" if field == "vram_budget" else "")
     assert (
         note
         == f"DGLS: {flags[0]} {flags[1]} on the command line replaces {replaced} from {ROOT / 'toml' / 'demo.toml'}"
@@ -79,7 +79,7 @@ def test_placement_on_the_command_line_replaces_the_tomls(tmp_path, user_env, fl
 
 def test_same_style_on_the_command_line_keeps_the_tomls_other_end(tmp_path, user_env):
     run = prepare(["--config", str(ROOT / "toml" / "demo.toml"), "--initial_gpu_layers", "3"], ROOT)
-    assert (run.swap.initial_gpu_layers, run.swap.final_gpu_layers) == (3, 1) and run.notes == ()
+    assert (run.swap.placement.initial_gpu_layers, run.swap.placement.final_gpu_layers) == (3, 1) and run.notes == ()
 
 
 def test_gpu_layers_flag_parses_lists():

@@ -30,8 +30,8 @@ def full_run(folder, capsys, *flags, optimizer=None):
 def test_demo_full_config_passes_the_checks():
     run = prepare(["--config", str(ROOT / "toml" / "demo_full.toml")], ROOT)
     assert isinstance(run, DemoRun) and run.settings.full
-    assert run.swap.host_optimizer.type == "adamw" and run.swap.host_optimizer.lr == 2e-4
-    assert run.swap.host_optimizer.implementation == "split", "auto: split for AdamW"
+    assert run.swap.training.host_optimizer.type == "adamw" and run.swap.training.host_optimizer.lr == 2e-4
+    assert run.swap.training.host_optimizer.implementation == "split", "auto: split for AdamW"
 
 
 @pytest.mark.parametrize("optimizer", [None, {"type": "sgd", "lr": 0.05, "momentum": 0.9}], ids=["adamw", "sgd"])

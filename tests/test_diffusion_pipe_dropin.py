@@ -308,7 +308,7 @@ def test_a_run_too_short_for_the_profile_says_so():
 
     lines = []
     values = {"verbose": False, "verbose_every": 10, "plan": False}
-    interception = PipelineInterception(values, log=lines.append, swap=SwapConfig(profile_path="/tmp/t.json"))
+    interception = PipelineInterception(values, log=lines.append, swap=SwapConfig.of(profile="/tmp/t.json"))
     interception.swapper, interception.steps = object(), 2
     interception.finish()
     assert lines == [

@@ -58,7 +58,7 @@ def run(wan, mode: str, keep: bool):
     inputs = block_inputs(wan)
     x = inputs[0]
     ckpt = partial(checkpoint, use_reentrant=mode == "reentrant")
-    config = SwapConfig(prefetch=1, checkpoint_units=True, keep_piece_outputs=True)
+    config = SwapConfig.of(prefetch=1, checkpoint_units=True, keep_piece_outputs=True)
     with LayerSwapper(layers, config, device=torch.device("cpu"), log=None) if keep else nullcontext() as swapper:
         ckpt = swapper.checkpoint_function(ckpt) if keep else ckpt
         h = inputs

@@ -78,7 +78,7 @@ def run(wan, mode: str, keep: bool):
     inputs = block_inputs(wan)
     x = inputs[0]
     ckpt = partial(checkpoint, use_reentrant=mode == "reentrant")
-    config = SwapConfig(prefetch=1, checkpoint_units=True, keep_piece_outputs=True, offload_recompute=True)
+    config = SwapConfig.of(prefetch=1, checkpoint_units=True, keep_piece_outputs=True, offload_recompute=True)
     with LayerSwapper(layers, config, device=torch.device("cpu"), log=None) if keep else nullcontext() as swapper:
         if keep:
             block = layers[0].block

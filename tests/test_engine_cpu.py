@@ -35,7 +35,7 @@ def references():
 @pytest.mark.parametrize("mode", ["none", "nonreentrant", "reentrant"])
 def test_swapped_training_is_bitwise_equal(references, mode, prefetch, threading_on):
     layers, trainable = make_layers()
-    config = SwapConfig(prefetch=prefetch, threading=threading_on)
+    config = SwapConfig.of(prefetch=prefetch, threading=threading_on)
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
         got = train(layers, trainable, CPU, mode)
         stats = swapper.step_stats()
@@ -47,14 +47,14 @@ def test_swapped_training_is_bitwise_equal(references, mode, prefetch, threading
 
 def test_batch_move_and_blocks_to_swap_are_equal(references):
     layers, trainable = make_layers()
-    with LayerSwapper(layers, SwapConfig(blocks_to_swap=4, prefetch=2, batch_move=True), device=CPU, log=None):
+    with LayerSwapper(layers, SwapConfig.of(blocks_to_swap=4, prefetch=2, batch_move=True), device=CPU, log=None):
         got = train(layers, trainable, CPU, "nonreentrant")
     assert_bitwise_equal(references("nonreentrant"), got)
 
 
 def test_evicted_layer_points_at_empty_placeholder():
     layers, _ = make_layers()
-    with LayerSwapper(layers, SwapConfig(prefetch=0), device=CPU, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(prefetch=0), device=CPU, log=None) as swapper:
         block = layers[swapper.streamed_layers[0]]
         assert block.img_qkv.base_layer.weight.numel() == 0
         with pytest.raises(RuntimeError):
@@ -66,7 +66,7 @@ def test_evicted_layer_points_at_empty_placeholder():
 def test_state_dict_has_true_weights_and_load_round_trips():
     layers, _ = make_layers()
     expected = [{k: v.clone() for k, v in layer.state_dict().items()} for layer in layers]
-    with LayerSwapper(layers, SwapConfig(prefetch=1), device=CPU, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(prefetch=1), device=CPU, log=None) as swapper:
         idx = swapper.streamed_layers[0]
         got = layers[idx].state_dict()
         for key, value in expected[idx].items():
@@ -86,7 +86,7 @@ def test_remove_restores_modules_and_frees_everything():
     layers, trainable = make_layers()
     before = {(i, n): p.detach().clone() for i, layer in enumerate(layers) for n, p in layer.named_parameters()}
     threads_before = threading.active_count()
-    swapper = LayerSwapper(layers, SwapConfig(prefetch=2, threading=True), device=CPU, log=None)
+    swapper = LayerSwapper(layers, SwapConfig.of(prefetch=2, threading=True), device=CPU, log=None)
     train(layers, trainable, CPU, "nonreentrant", steps=1, accumulate=1, eval_between=False)
     swapper.remove()
     assert threading.active_count() == threads_before
@@ -108,7 +108,7 @@ def test_remove_frees_the_slots_at_once_not_at_the_next_garbage_collection(threa
     gc.collect()
     gc.disable()
     try:
-        swapper = LayerSwapper(layers, SwapConfig(prefetch=2, threading=threading_on), device=CPU, log=None)
+        swapper = LayerSwapper(layers, SwapConfig.of(prefetch=2, threading=threading_on), device=CPU, log=None)
         buffers = [weakref.ref(slot.buffer) for slot in swapper.pool.slots]
         train(layers, trainable, CPU, "nonreentrant", steps=1, accumulate=1, eval_between=False)
         swapper.remove()
@@ -119,7 +119,7 @@ def test_remove_frees_the_slots_at_once_not_at_the_next_garbage_collection(threa
 
 def test_worker_error_surfaces_in_main_thread(monkeypatch):
     layers, trainable = make_layers()
-    swapper = LayerSwapper(layers, SwapConfig(prefetch=2, threading=True), device=CPU, log=None)
+    swapper = LayerSwapper(layers, SwapConfig.of(prefetch=2, threading=True), device=CPU, log=None)
 
     def broken(tokens):
         raise OSError("simulated copy failure")
@@ -158,7 +158,7 @@ def test_layer_returning_a_view_of_its_weights_is_refused():
 )
 def test_bad_config_values(kwargs, message):
     with pytest.raises(DGLSUserError, match=message):
-        SwapConfig(**kwargs)
+        SwapConfig.of(**kwargs)
 
 
 @pytest.mark.parametrize(
@@ -172,12 +172,12 @@ def test_bad_config_values(kwargs, message):
 def test_settings_that_do_not_fit_the_model(kwargs, message):
     layers, _ = make_layers()
     with pytest.raises(DGLSUserError, match=message):
-        LayerSwapper(layers, SwapConfig(**kwargs), device=CPU, log=None)
+        LayerSwapper(layers, SwapConfig.of(**kwargs), device=CPU, log=None)
 
 
 def test_placement_by_blocks_to_swap_keeps_both_ends():
     layers = build_layers(DemoModelConfig(double_blocks=4, single_blocks=4))
-    with LayerSwapper(layers, SwapConfig(blocks_to_swap=6), device=CPU, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(blocks_to_swap=6), device=CPU, log=None) as swapper:
         assert swapper.streamed_layers == (2, 3, 4, 5, 6, 7)
         table = swapper.placement_table()
     assert "DoubleBlock" in table and "streamed" in table and "before activations" in table
@@ -213,7 +213,7 @@ def test_predictor_learns_turnarounds_and_eval():
 
 def test_compile_wraps_resident_layers_only_and_stays_exact(references):
     layers, trainable = make_layers()
-    config = SwapConfig(compile_resident=True, compile_backend="eager", prefetch=1)
+    config = SwapConfig.of(compile=True, compile_backend="eager", prefetch=1)
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
         compiled = {i for i, layer in enumerate(layers) if "forward" in vars(layer)}
         assert compiled == set(range(len(layers))) - set(swapper.streamed_layers) and compiled
@@ -238,7 +238,7 @@ def test_plain_functions_in_the_layer_list_are_kept_and_not_streamed(mode):
 
     reference = train(*with_function(), CPU, mode)
     layers, trainable = with_function()
-    with LayerSwapper(layers, SwapConfig(prefetch=1), device=CPU, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(prefetch=1), device=CPU, log=None) as swapper:
         assert 4 not in swapper.streamed_layers and len(swapper.placement.sizes) == len(layers)
         assert "_concat" in swapper.placement_table()
         got = train(layers, trainable, CPU, mode)
@@ -248,7 +248,7 @@ def test_plain_functions_in_the_layer_list_are_kept_and_not_streamed(mode):
 def test_remove_restores_dtypes_changed_by_mixed_precision_and_casts():
     layers, trainable = make_layers()
     frozen = next(p for p in layers[0].parameters() if not p.requires_grad)
-    config = SwapConfig(mixed_precision="bf16", cast_target=[("f32", "bf16")], autocast="bf16", prefetch=1)
+    config = SwapConfig.of(mixed_precision="bf16", cast_target=[("f32", "bf16")], autocast="bf16", prefetch=1)
     swapper = LayerSwapper(layers, config, device=CPU, log=None)
     assert all(p.dtype == torch.bfloat16 for p in trainable) and frozen.dtype == torch.bfloat16
     train(layers, trainable, CPU, "nonreentrant", steps=1, accumulate=1, eval_between=False)
@@ -259,7 +259,7 @@ def test_remove_restores_dtypes_changed_by_mixed_precision_and_casts():
 
 def test_a_pass_ends_at_every_backward_and_stats_are_pure_reads():
     layers, trainable = make_layers()
-    with LayerSwapper(layers, SwapConfig(prefetch=1), device=CPU, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(prefetch=1), device=CPU, log=None) as swapper:
         assert swapper.step_stats().passes == 0
         train(layers, trainable, CPU, "reentrant", steps=2, accumulate=2, eval_between=True)
         total = swapper.total_stats()
@@ -273,7 +273,7 @@ def test_a_pass_ends_at_every_backward_and_stats_are_pure_reads():
 def test_load_state_dict_with_assign_keeps_the_layer_streaming():
     """assign=True puts new Parameter objects in: they are adopted (packed), not silently left resident."""
     layers, trainable = make_layers()
-    with LayerSwapper(layers, SwapConfig(prefetch=1), device=CPU, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(prefetch=1), device=CPU, log=None) as swapper:
         idx = swapper.streamed_layers[0]
         state = {k: v.clone() * 2 if "lora" not in k else v.clone() for k, v in layers[idx].state_dict().items()}
         layers[idx].load_state_dict(state, assign=True)
@@ -288,11 +288,11 @@ def test_load_state_dict_with_assign_keeps_the_layer_streaming():
 def test_a_pool_larger_than_what_streams_is_said_at_start_up():
     layers, _ = make_layers()
     lines = []
-    with LayerSwapper(layers, SwapConfig(blocks_to_swap=2, prefetch=2), device=CPU, log=lines.append) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(blocks_to_swap=2, prefetch=2), device=CPU, log=lines.append) as swapper:
         assert swapper.placement.saved_bytes <= 0
     assert any("so it saves no VRAM" in line for line in lines)
     lines.clear()
-    with LayerSwapper(layers, SwapConfig(prefetch=1), device=CPU, log=lines.append):
+    with LayerSwapper(layers, SwapConfig.of(prefetch=1), device=CPU, log=lines.append):
         pass
     assert not any("so it saves no VRAM" in line for line in lines)
 
@@ -300,13 +300,13 @@ def test_a_pool_larger_than_what_streams_is_said_at_start_up():
 def test_a_cast_that_matches_no_param_is_refused():
     layers, _ = make_layers()  # float32 model
     with pytest.raises(DGLSUserError, match="cast_target bf16 f8_e4m3 casts nothing"):
-        LayerSwapper(layers, SwapConfig(cast_target=[("bf16", "f8_e4m3")]), device=CPU, log=None)
+        LayerSwapper(layers, SwapConfig.of(cast_target=[("bf16", "f8_e4m3")]), device=CPU, log=None)
     assert all(p.dtype == torch.float32 and p.numel() > 0 for layer in layers for p in layer.parameters())
 
 
 def test_plan_only_with_explicit_placement_never_trains():
     layers, _ = make_layers()
-    with LayerSwapper(layers, SwapConfig(blocks_to_swap=2, plan_only=True), device=CPU, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(blocks_to_swap=2, plan=True), device=CPU, log=None) as swapper:
         assert swapper.plan_finished
 
 
@@ -328,7 +328,7 @@ def test_a_swapper_that_fails_to_start_changes_nothing(monkeypatch, where):
     else:
         monkeypatch.setattr("utils.dgls.forward_patches.ForwardPatches.install", fail)
     with pytest.raises(DGLSUserError, match="ran out"):
-        LayerSwapper(layers, SwapConfig(mixed_precision="bf16", prefetch=1), device=CPU, log=None)
+        LayerSwapper(layers, SwapConfig.of(mixed_precision="bf16", prefetch=1), device=CPU, log=None)
     for layer in layers:
         assert not layer._forward_pre_hooks and not layer._state_dict_hooks
         for p in layer.parameters():
@@ -390,7 +390,7 @@ def test_a_feature_hears_each_hook_in_lifecycle_order(monkeypatch):
     monkeypatch.setattr("utils.dgls.swapper.build", with_recorder)
     layers, trainable = make_layers()
     lines: list[str] = []
-    with LayerSwapper(layers, SwapConfig(blocks_to_swap=4, prefetch=1), device=CPU, log=lines.append) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(blocks_to_swap=4, prefetch=1), device=CPU, log=lines.append) as swapper:
         assert recorder.calls == ["install"] and "recording feature" in lines
         swapper.checkpoint_function(torch.utils.checkpoint.checkpoint)
         pinned = swapper.store.pinned_bytes

@@ -37,13 +37,13 @@ def run(mode, swap_config=None, cfg=SMALL):
 @pytest.mark.parametrize(
     "swap_config",
     [
-        SwapConfig(prefetch=0),
-        SwapConfig(prefetch=1, threading=True),
-        SwapConfig(prefetch=3),
-        SwapConfig(prefetch=2, batch_move=True, cuda_streams=2),
-        SwapConfig(prefetch=2, event_sync=False),
-        SwapConfig(prefetch=2, pinned_ram_budget_gb=0.0),  # pageable masters, staged
-        SwapConfig(prefetch=2, selective_packing=1000.0),  # param-by-param copies
+        SwapConfig.of(prefetch=0),
+        SwapConfig.of(prefetch=1, threading=True),
+        SwapConfig.of(prefetch=3),
+        SwapConfig.of(prefetch=2, batch_move=True, cuda_streams=2),
+        SwapConfig.of(prefetch=2, event_sync=False),
+        SwapConfig.of(prefetch=2, pinned_ram_budget_gb=0.0),  # pageable masters, staged
+        SwapConfig.of(prefetch=2, selective_packing=1000.0),  # param-by-param copies
     ],
     ids=["pf0", "pf1-thread", "pf3", "batch-2streams", "host-sync", "pageable", "unpacked"],
 )
@@ -74,7 +74,7 @@ def test_peak_vram_within_prediction_and_no_growth():
 
     layers, trainable = make_layers(BF16, cfg)
     base = torch.cuda.memory_allocated(dev)
-    swapper = LayerSwapper(layers, SwapConfig(blocks_to_swap=8, prefetch=2), device=dev, log=None)
+    swapper = LayerSwapper(layers, SwapConfig.of(blocks_to_swap=8, prefetch=2), device=dev, log=None)
     torch.cuda.reset_peak_memory_stats(dev)
     predicted = swapper.placement.predicted_device_bytes
     train(layers, trainable, dev, "nonreentrant", steps=3, dtype=BF16, cfg=cfg)
@@ -93,7 +93,7 @@ def test_peak_vram_within_prediction_and_no_growth():
 def test_swapped_layers_are_real_cuda_copies():
     dev = device()
     layers, trainable = make_layers(BF16)
-    with LayerSwapper(layers, SwapConfig(prefetch=1), device=dev, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(prefetch=1), device=dev, log=None) as swapper:
         train(layers, trainable, dev, "nonreentrant", steps=1, dtype=BF16)
         stats = swapper.step_stats()
         assert stats.bytes_moved > 0 and stats.copy_ms > 0 and stats.peak_vram_bytes > 0

@@ -56,10 +56,11 @@ def test_diffusion_pipe_config_passes_the_checks(name, tmp_path, monkeypatch):
     run = prepare(["--config", str(config), "--diffusion_pipe", str(checkout)], ROOT)
     assert isinstance(run, DropInRun)
     if name in FLUX_CONFIGS:
-        assert run.swap.vram_budget_gb is not None
+        assert run.swap.placement.vram_budget is not None
     else:  # the long-video recipe, set by hand as measured
-        swap = run.swap
-        assert swap.checkpoint_units and swap.keep_piece_outputs and swap.offload_recompute and swap.prefetch == 1
+        acts = run.swap.activations
+        assert acts.checkpoint_units and acts.keep_piece_outputs and acts.offload_recompute
+        assert run.swap.placement.prefetch == 1
 
 
 def test_demo_config_passes_the_checks():

@@ -40,7 +40,7 @@ SPLIT_SPEC = dataclasses.replace(SPEC, implementation="split")
 
 
 def config(**kw) -> SwapConfig:
-    return SwapConfig(host_optimizer=SPEC, accumulation_steps=2, **kw)
+    return SwapConfig.of(host_optimizer=SPEC, accumulation_steps=2, **kw)
 
 
 def host_names(swapper, layers) -> set[str]:
@@ -167,7 +167,7 @@ def test_host_updates_of_one_micro_batch_read_the_landings_and_equal_unstreamed_
     """One micro-batch a step: no fp32 gradient sum is kept on the host (4 bytes a param); each update
     converts the layer's landings into one reused fp32 buffer, with norms taken before the grads left."""
     layers = full_layers(torch.bfloat16)
-    cfg = SwapConfig(host_optimizer=spec, accumulation_steps=1, prefetch=2, threading=mode == "none")
+    cfg = SwapConfig.of(host_optimizer=spec, accumulation_steps=1, prefetch=2, threading=mode == "none")
     with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
         names = host_names(swapper, layers)
         record = train_dgls(layers, swapper, CPU, mode, accumulate=1, dtype=torch.bfloat16)
@@ -180,12 +180,16 @@ def test_host_updates_of_one_micro_batch_read_the_landings_and_equal_unstreamed_
 
 def test_a_landing_read_before_its_copy_landed_fails_with_one_micro_batch(monkeypatch):
     layers = full_layers()
-    with LayerSwapper(layers, SwapConfig(host_optimizer=SPEC, accumulation_steps=1), device=CPU, log=None) as swapper:
+    with LayerSwapper(
+        layers, SwapConfig.of(host_optimizer=SPEC, accumulation_steps=1), device=CPU, log=None
+    ) as swapper:
         names = host_names(swapper, layers)
         good = train_dgls(layers, swapper, CPU, "nonreentrant", accumulate=1)
     skip_waits(monkeypatch, Direction.GRADS_HOME)  # the mutation
     layers = full_layers()
-    with LayerSwapper(layers, SwapConfig(host_optimizer=SPEC, accumulation_steps=1), device=CPU, log=None) as swapper:
+    with LayerSwapper(
+        layers, SwapConfig.of(host_optimizer=SPEC, accumulation_steps=1), device=CPU, log=None
+    ) as swapper:
         assert host_names(swapper, layers) == names
         assert differs(train_dgls(layers, swapper, CPU, "nonreentrant", accumulate=1), good)
 
@@ -205,7 +209,7 @@ def test_save_and_resume_equal_an_uninterrupted_run(spec, dtype, accumulate):
     model and swapper load them and run the third step: the same losses and weights as three in a row.
     Device and split updates in bf16 keep their moments (SGD: its momentum buffers) in flat buffers, which a load
     refills."""
-    cfg = SwapConfig(host_optimizer=spec, accumulation_steps=accumulate)
+    cfg = SwapConfig.of(host_optimizer=spec, accumulation_steps=accumulate)
     kw = {"accumulate": accumulate, "dtype": dtype}
     layers = full_layers(dtype)
     with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
@@ -236,7 +240,7 @@ def test_save_and_resume_equal_an_uninterrupted_run(spec, dtype, accumulate):
 
 def test_refusals_are_one_clear_line():
     with pytest.raises(DGLSUserError, match="VRAM-budget planner re-places"):
-        LayerSwapper(full_layers(), config(vram_budget_gb=4), device=CPU, log=None)
+        LayerSwapper(full_layers(), config(vram_budget=4), device=CPU, log=None)
     with pytest.raises(DGLSUserError, match="cannot run on the host"):
         type(SPEC)(type="prodigy")
     layers = full_layers()
@@ -304,7 +308,7 @@ def device_run(
 ):
     """``build(dtype)``: the layers, for DGLS and (built again) for the reference."""
     layers = build(dtype)
-    cfg = SwapConfig(host_optimizer=spec, accumulation_steps=accumulate, **kw)
+    cfg = SwapConfig.of(host_optimizer=spec, accumulation_steps=accumulate, **kw)
     with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
         names = host_names(swapper, layers)
         record = train_dgls(layers, swapper, CPU, mode, accumulate=accumulate, dtype=dtype, max_norm=max_norm)
@@ -427,7 +431,7 @@ def test_device_updates_sum_on_the_host_when_a_layer_gets_a_second_batch_in_a_st
     """Told one micro-batch a step but given two: each layer's first batch, meant to be read from its
     landings, is summed on the host before the second one lands; the numbers stay the reference's."""
     layers = full_layers()
-    cfg = SwapConfig(host_optimizer=DEVICE_SPEC, accumulation_steps=1, prefetch=2)
+    cfg = SwapConfig.of(host_optimizer=DEVICE_SPEC, accumulation_steps=1, prefetch=2)
     promoted = []
     with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
         training = swapper.training

@@ -47,7 +47,7 @@ def template():
 
 
 def config(spec=SPEC, accumulate=2, **kw):
-    return SwapConfig(host_optimizer=spec, accumulation_steps=accumulate, gpu_layers=[0], **kw)
+    return SwapConfig.of(host_optimizer=spec, accumulation_steps=accumulate, gpu_layers=[0], **kw)
 
 
 def swapped(template, mode, monkeypatch, accumulate=2, max_norm=MAX_NORM, steps=2, seen=None, **kw):
@@ -296,7 +296,7 @@ def test_every_direction_delayed_at_once_stays_bitwise_equal_and_is_profiled(tem
         accumulate=1,
         prefetch=1,
         offload_activations=True,
-        profile_path=str(profile),
+        profile=str(profile),
         profile_warmup_steps=0,
         profile_steps=2,
     )

@@ -42,7 +42,7 @@ def swapped_run(mode, prefetch=1, seed=None, threading=False):
     """Train with most layers streamed; ``seed`` picks victim slots at random (other slot assignments
     than LRU's, as a different schedule would give)."""
     layers, trainable = make_layers()
-    with LayerSwapper(layers, SwapConfig(prefetch=prefetch, threading=threading), device=CPU, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(prefetch=prefetch, threading=threading), device=CPU, log=None) as swapper:
         if seed is not None:
             rng = random.Random(seed)
             swapper._victim = lambda candidates: rng.choice(candidates)
@@ -140,7 +140,7 @@ def steady_state_misses(mode, prefetch, order=None):
     reuses blocks would): the swapper is given the list in index order either way."""
     layers, trainable = make_layers()
     per_step = []
-    with LayerSwapper(layers, SwapConfig(prefetch=prefetch), device=CPU, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(prefetch=prefetch), device=CPU, log=None) as swapper:
         marks = [swapper.total_stats()]
 
         def on_step(_):
@@ -180,7 +180,7 @@ def test_outer_saved_tensor_hooks_that_keep_tensors_are_composed(references):
         kept.append(1)
         return tensor
 
-    with LayerSwapper(layers, SwapConfig(prefetch=1), device=CPU, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(prefetch=1), device=CPU, log=None) as swapper:
         rng = random.Random(0)
         swapper._victim = lambda candidates: rng.choice(candidates)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -191,7 +191,7 @@ def test_outer_saved_tensor_hooks_that_keep_tensors_are_composed(references):
 
 def test_save_on_cpu_around_dgls_stays_exact(references):
     layers, trainable = make_layers()
-    with LayerSwapper(layers, SwapConfig(prefetch=1), device=CPU, log=None):
+    with LayerSwapper(layers, SwapConfig.of(prefetch=1), device=CPU, log=None):
         with torch.autograd.graph.save_on_cpu():
             got = train(layers, trainable, CPU, "none")
     assert_bitwise_equal(references("none"), got)
@@ -204,7 +204,7 @@ def region_grads(swap: bool, victims_seed: int = 0):
     data = train.__globals__["SyntheticLatents"](SMALL, samples=4, image_tokens=4, text_tokens=2, seed=0)
     batches = data.batches(2, torch.float32, CPU)
     grads = []
-    swapper = LayerSwapper(layers, SwapConfig(prefetch=1), device=CPU, log=None) if swap else None
+    swapper = LayerSwapper(layers, SwapConfig.of(prefetch=1), device=CPU, log=None) if swap else None
     try:
         if swapper is not None:
             assert {1, 2, 3} <= set(swapper.streamed_layers)
@@ -256,7 +256,7 @@ def test_selective_checkpointing_of_a_streamed_layer_is_refused():
     layers, _ = make_layers()
     data = train.__globals__["SyntheticLatents"](SMALL, samples=2, image_tokens=4, text_tokens=2, seed=0)
     inputs, _ = next(data.batches(2, torch.float32, CPU))
-    with LayerSwapper(layers, SwapConfig(prefetch=1), device=CPU, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(prefetch=1), device=CPU, log=None) as swapper:
         a = swapper.streamed_layers[0]
         h = run_layers(layers[:a], inputs, "none")
 

@@ -16,6 +16,7 @@ import torch
 from helpers import assert_bitwise_equal, make_layers, train
 
 from utils.dgls import LayerSwapper, Listener, SwapConfig
+from utils.dgls.config import ComputePolicy
 from utils.dgls.copier import CudaCopier
 from utils.dgls.demo.model import DemoModelConfig
 from utils.dgls.precision import CastRules, fake_quantize
@@ -55,7 +56,7 @@ def template():
 def fresh(template, fp8_rounding=False):
     layers = copy.deepcopy(template)
     if fp8_rounding:  # the reference for fp8 storage: every cast param rounded as DGLS rounds it
-        rules = CastRules.from_config(SwapConfig(cast_target=FP8))
+        rules = CastRules.from_policy(ComputePolicy(cast_target=FP8))
         with torch.no_grad():
             for layer in layers:
                 casts = rules.plan(layer)
@@ -122,14 +123,14 @@ def references(template):
 
 
 CONFIGS = {
-    "pf0": SwapConfig(prefetch=0),
-    "pf1": SwapConfig(prefetch=1),
-    "pf2": SwapConfig(prefetch=2),
-    "pf3": SwapConfig(prefetch=3),
-    "thread": SwapConfig(prefetch=2, threading=True),
-    "batch-2streams": SwapConfig(prefetch=2, batch_move=True, cuda_streams=2),
-    "pageable": SwapConfig(prefetch=2, pinned_ram_budget_gb=0.0),
-    "fp8": SwapConfig(prefetch=2, cast_target=FP8),
+    "pf0": SwapConfig.of(prefetch=0),
+    "pf1": SwapConfig.of(prefetch=1),
+    "pf2": SwapConfig.of(prefetch=2),
+    "pf3": SwapConfig.of(prefetch=3),
+    "thread": SwapConfig.of(prefetch=2, threading=True),
+    "batch-2streams": SwapConfig.of(prefetch=2, batch_move=True, cuda_streams=2),
+    "pageable": SwapConfig.of(prefetch=2, pinned_ram_budget_gb=0.0),
+    "fp8": SwapConfig.of(prefetch=2, cast_target=FP8),
 }
 
 
@@ -143,7 +144,7 @@ def test_delayed_copies_and_compute_stay_bitwise_equal(template, references, mon
 def test_fp8_landing_buffers_grow_when_a_larger_layer_starts_streaming(template, references, monkeypatch):
     """Re-placement sizes the landing buffers anew (streaming only single blocks first, then a double)."""
     layers, trainable = fresh(template)
-    config = SwapConfig(gpu_layers=[0, 1, 2, 5], prefetch=1, cast_target=FP8)
+    config = SwapConfig.of(gpu_layers=[0, 1, 2, 5], prefetch=1, cast_target=FP8)
     with LayerSwapper(layers, config, device=device(), log=None) as s:
         small = s.copier.landing_bytes
 
@@ -160,7 +161,7 @@ def test_canary_without_the_compute_side_wait_differs(template, references, monk
         self._wait_issued(token)  # the copy is issued, but compute does not wait for it
 
     monkeypatch.setattr(CudaCopier, "_wait", no_wait)
-    config = SwapConfig(prefetch=1)
+    config = SwapConfig.of(prefetch=1)
     got = swapped_run(template, "nonreentrant", config, compute_ms=0, monkeypatch=monkeypatch, expect_waits=False)
     with pytest.raises(AssertionError):
         assert_bitwise_equal(references("nonreentrant"), got)
@@ -176,7 +177,7 @@ def test_canary_without_the_release_gate_differs(template, references, monkeypat
 
     monkeypatch.setattr(CudaCopier, "_issue", ungated)
     layers, trainable = fresh(template)
-    with LayerSwapper(layers, SwapConfig(prefetch=1), device=device(), log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(prefetch=1), device=device(), log=None) as swapper:
         swapper.add_listener(ComputeDelay(50))  # slow compute: the next copies land while it still reads
         got = train(layers, trainable, device(), "nonreentrant", dtype=BF16, cfg=FLUX_WIDTH)
     with pytest.raises(AssertionError):

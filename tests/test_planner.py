@@ -172,7 +172,7 @@ def test_apply_placement_between_steps_keeps_training_exact():
     reference = train(layers, trainable, CPU, "nonreentrant", steps=5)
     layers, trainable = make_layers()
     rng = random.Random(0)
-    with LayerSwapper(layers, SwapConfig(prefetch=1), device=CPU, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(prefetch=1), device=CPU, log=None) as swapper:
 
         def shuffle(step):
             chosen = [i for i in range(len(layers)) if rng.random() < 0.6]
@@ -192,7 +192,7 @@ def test_auto_plan_on_cpu_probes_plans_and_stays_exact():
     sizes = [layout.sizes for layout in measure(layers)]
     middle = (minimum_bytes(sizes, None) + sum(s.streamable_bytes + s.fixed_bytes for s in sizes)) / 2
     lines = []
-    config = SwapConfig(vram_budget_gb=middle / GiB, swap_unit_mb=0)  # whole layers: the plans the test counts
+    config = SwapConfig.of(vram_budget=middle / GiB, swap_unit_mb=0)  # whole layers: the plans the test counts
     with LayerSwapper(layers, config, device=CPU, log=lines.append) as swapper:
         assert len(swapper.streamed_layers) == sum(1 for s in sizes if s.streamable_bytes)  # probe: all stream
         got = train(layers, trainable, CPU, "nonreentrant", steps=steps)
@@ -213,7 +213,7 @@ def test_auto_plan_on_cpu_probes_plans_and_stays_exact():
 def test_explicit_placement_wins_over_the_budget():
     layers, _ = make_layers()
     lines = []
-    with LayerSwapper(layers, SwapConfig(vram_budget_gb=1.0, blocks_to_swap=2), device=CPU, log=lines.append) as s:
+    with LayerSwapper(layers, SwapConfig.of(vram_budget=1.0, blocks_to_swap=2), device=CPU, log=lines.append) as s:
         assert s.driver is None and len(s.streamed_layers) == 2
     assert any("explicit placement wins" in line for line in lines)
 
@@ -221,13 +221,13 @@ def test_explicit_placement_wins_over_the_budget():
 def test_budget_below_the_static_minimum_stops_before_step_one():
     layers, _ = make_layers()
     with pytest.raises(DGLSUserError, match="below the minimum"):
-        LayerSwapper(layers, SwapConfig(vram_budget_gb=1e-6), device=CPU, log=None)
+        LayerSwapper(layers, SwapConfig.of(vram_budget=1e-6), device=CPU, log=None)
 
 
 @pytest.mark.parametrize("value", [0, -1, "lots", True])
 def test_bad_budget_values(value):
     with pytest.raises(DGLSUserError, match="vram_budget"):
-        SwapConfig(vram_budget_gb=value)
+        SwapConfig.of(vram_budget=value)
 
 
 def test_fp8_storage_is_planned_with_its_copy_and_slot_bytes():
@@ -469,7 +469,7 @@ def test_the_driver_acts_after_the_optimizer_step_never_in_the_backward_callback
     middle = (minimum_bytes(sizes, None) + sum(s.streamable_bytes + s.fixed_bytes for s in sizes)) / 2
     events: list[str] = []
     in_pass_end = []
-    with LayerSwapper(layers, SwapConfig(vram_budget_gb=middle / GiB, swap_unit_mb=0), device=CPU, log=None) as s:
+    with LayerSwapper(layers, SwapConfig.of(vram_budget=middle / GiB, swap_unit_mb=0), device=CPU, log=None) as s:
         original_pass_end, original_apply = s.pass_end, s.apply_placement
 
         def pass_end():
@@ -507,7 +507,7 @@ def test_on_cuda_the_probe_reads_the_transport_copies_and_pass_end_peaks_and_act
     dev = torch.device("cuda", torch.cuda.current_device())
     layers, trainable = make_layers(torch.bfloat16)
     outside_autograd = []
-    with LayerSwapper(layers, SwapConfig(vram_budget_gb=1.0), device=dev, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(vram_budget=1.0), device=dev, log=None) as swapper:
         original = swapper.apply_placement
 
         def apply_placement(*args, **kwargs):

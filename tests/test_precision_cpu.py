@@ -41,7 +41,7 @@ class Mixed(nn.Module):
 
 def cast_all(layers, config, fn):
     """Apply ``fn(param, ParamCast)`` to what cast_target casts: in every layer, wherever it lives."""
-    rules = CastRules.from_config(config)
+    rules = CastRules.from_policy(config.compute)
     with torch.no_grad():
         for layer in layers:
             casts = rules.plan(layer)
@@ -83,7 +83,7 @@ def frozen_f32_bytes(index):
 def test_casts_apply_wherever_a_layer_lives():
     """Resident layers take the cast too, so placement never changes the numbers."""
     layers, _ = make_layers()
-    config = SwapConfig(cast_target=[("f32", "bf16")], autocast="bf16", prefetch=0)
+    config = SwapConfig.of(cast_target=[("f32", "bf16")], autocast="bf16", prefetch=0)
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
         first, streamed = layers[0], layers[swapper.streamed_layers[0]]
         assert 0 not in swapper.streamed_layers and first.img_in.weight.dtype == BF16
@@ -96,7 +96,7 @@ def test_casts_apply_wherever_a_layer_lives():
 
 
 def test_fp8_storage_keeps_fp8_bytes_on_the_host_and_copies_them():
-    config = SwapConfig(cast_target=[("f32", "f8_e4m3")], prefetch=1)
+    config = SwapConfig.of(cast_target=[("f32", "f8_e4m3")], prefetch=1)
     layers, trainable = make_layers()
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
         streamed = swapper.streamed_layers
@@ -115,7 +115,7 @@ def test_fp8_storage_keeps_fp8_bytes_on_the_host_and_copies_them():
 
 def test_fp8_storage_numbers_do_not_depend_on_placement():
     """Resident fp8-cast layers hold the same rounded values as streamed ones, also across re-placement."""
-    config = SwapConfig(cast_target=[("f32", "f8_e4m3")])
+    config = SwapConfig.of(cast_target=[("f32", "f8_e4m3")])
     records = []
     for streamed in ([1, 2, 3, 4, 5, 6], [2, 5]):
         layers, trainable = make_layers()
@@ -170,7 +170,7 @@ def test_fake_quantize_keeps_dtype_and_zero_rows():
     ],
 )
 def test_fp8_storage_equals_fake_quantized_model(mode, prefetch, threading_on):
-    config = SwapConfig(cast_target=[("f32", "f8_e4m3")], prefetch=prefetch, threading=threading_on)
+    config = SwapConfig.of(cast_target=[("f32", "f8_e4m3")], prefetch=prefetch, threading=threading_on)
     reference = train(*fake_quantized_layers(config), CPU, mode)
     layers, trainable = make_layers()
     with LayerSwapper(layers, config, device=CPU, log=None):
@@ -179,7 +179,7 @@ def test_fp8_storage_equals_fake_quantized_model(mode, prefetch, threading_on):
 
 
 def test_fp8_storage_differs_from_full_precision_by_little():
-    config = SwapConfig(cast_target=[("f32", "f8_e4m3")], prefetch=2)
+    config = SwapConfig.of(cast_target=[("f32", "f8_e4m3")], prefetch=2)
     full = train(*make_layers(), CPU, "none")
     layers, trainable = make_layers()
     with LayerSwapper(layers, config, device=CPU, log=None):
@@ -209,7 +209,7 @@ def bf16_reference(config, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_bf16_cast_training_equals_unswapped_bf16_model(mode):
-    config = SwapConfig(cast_target=[("f32", "bf16")], autocast="bf16", prefetch=1)
+    config = SwapConfig.of(cast_target=[("f32", "bf16")], autocast="bf16", prefetch=1)
     reference = bf16_reference(config, mode)
     layers, trainable = make_layers()
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
@@ -225,7 +225,7 @@ def test_autocast_hooks_under_checkpointing(mode):
     layers, trainable = make_layers()
     seen = []
     handle = layers[2].img_qkv.base_layer.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
-    with LayerSwapper(layers, SwapConfig(autocast="bf16", prefetch=2), device=CPU, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(autocast="bf16", prefetch=2), device=CPU, log=None) as swapper:
         got = train(layers, trainable, CPU, mode)
         assert not swapper.feature(ForwardPatches)._contexts
     handle.remove()
@@ -238,7 +238,7 @@ def test_autocast_fp32_turns_an_outer_autocast_off_inside_layers():
     layers, _ = make_layers()
     seen = []
     layers[1].img_qkv.base_layer.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
-    with LayerSwapper(layers, SwapConfig(autocast="fp32"), device=CPU, log=None):
+    with LayerSwapper(layers, SwapConfig.of(autocast="fp32"), device=CPU, log=None):
         inputs = (torch.randn(1, 3, SMALL.latent_channels), torch.randn(1, 2, SMALL.text_dim), torch.rand(1))
         with torch.autocast("cpu", dtype=BF16):
             h = inputs
@@ -252,7 +252,7 @@ def test_mixed_precision_casts_trainable_params_only():
     layers, trainable = make_layers()
     frozen_before = {id(p): p.dtype for layer in layers for p in layer.parameters() if not p.requires_grad}
     lines = []
-    with LayerSwapper(layers, SwapConfig(mixed_precision="bf16"), device=CPU, log=lines.append):
+    with LayerSwapper(layers, SwapConfig.of(mixed_precision="bf16"), device=CPU, log=lines.append):
         assert all(p.dtype == BF16 for p in trainable)
         record = train(layers, trainable, CPU, "nonreentrant", steps=1)
         assert all(g.dtype == BF16 for g in record.grads[0])
@@ -260,13 +260,13 @@ def test_mixed_precision_casts_trainable_params_only():
     assert any("trainable params bf16" in line for line in lines)
     assert all(p.dtype == frozen_before[id(p)] for layer in layers for p in layer.parameters() if not p.requires_grad)
     layers, trainable = make_layers()
-    with LayerSwapper(layers, SwapConfig(mixed_precision="auto"), device=CPU, log=None):
+    with LayerSwapper(layers, SwapConfig.of(mixed_precision="auto"), device=CPU, log=None):
         assert all(p.dtype == F32 for p in trainable)
 
 
 # ---------------------------------------------------------------- state dicts and removal
 def test_state_dict_and_load_with_fp8_storage():
-    config = SwapConfig(cast_target=[("f32", "f8_e4m3")], prefetch=1)
+    config = SwapConfig.of(cast_target=[("f32", "f8_e4m3")], prefetch=1)
     layers, _ = make_layers()
     original = [{k: v.clone() for k, v in layer.state_dict().items()} for layer in layers]
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
@@ -291,7 +291,7 @@ def test_state_dict_and_load_with_fp8_storage():
 
 
 def test_remove_restores_cast_params_in_their_original_dtype():
-    config = SwapConfig(cast_target=[("f32", "f8_e5m2")])
+    config = SwapConfig.of(cast_target=[("f32", "f8_e5m2")])
     layers, _ = make_layers()
     before = {(i, n): p.detach().clone() for i, layer in enumerate(layers) for n, p in layer.named_parameters()}
     with LayerSwapper(layers, config, device=CPU, log=None):
@@ -302,7 +302,7 @@ def test_remove_restores_cast_params_in_their_original_dtype():
             assert p.dtype == F32 and torch.equal(p, expected), (i, n)
 
     layers, _ = make_layers()
-    with LayerSwapper(layers, SwapConfig(cast_target=[("f32", "bf16")]), device=CPU, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(cast_target=[("f32", "bf16")]), device=CPU, log=None) as swapper:
         idx = swapper.streamed_layers[0]
     weight = layers[idx].img_qkv.base_layer.weight
     assert weight.dtype == F32 and torch.equal(weight, before[(idx, "img_qkv.base_layer.weight")].to(BF16).float())
@@ -325,19 +325,19 @@ def test_remove_restores_cast_params_in_their_original_dtype():
 )
 def test_bad_precision_settings(kwargs, message):
     with pytest.raises(DGLSUserError, match=message):
-        SwapConfig(**kwargs)
+        SwapConfig.of(**kwargs)
 
 
 def test_aliases_and_several_pairs_are_accepted():
-    config = SwapConfig(cast_target=[["fp32", "bf16"], ("bf16", "f8_e4m3")], autocast="fp16", mixed_precision="fp32")
-    assert config.cast_target == [("f32", "bf16"), ("bf16", "f8_e4m3")]
-    assert (config.autocast, config.mixed_precision) == ("f16", "f32")
+    config = SwapConfig.of(cast_target=[["fp32", "bf16"], ("bf16", "f8_e4m3")], autocast="fp16", mixed_precision="fp32")
+    assert config.compute.cast_target == [("f32", "bf16"), ("bf16", "f8_e4m3")]
+    assert (config.compute.autocast, config.compute.mixed_precision) == ("f16", "f32")
 
 
 def test_torch_without_fp8_is_refused(monkeypatch):
     monkeypatch.delattr(torch, "float8_e4m3fn")
     with pytest.raises(DGLSUserError, match="has no float8_e4m3fn"):
-        SwapConfig(cast_target=[("bf16", "f8_e4m3")])
+        SwapConfig.of(cast_target=[("bf16", "f8_e4m3")])
 
 
 def test_a_cast_the_device_cannot_do_is_refused_at_start_up(monkeypatch):
@@ -349,4 +349,4 @@ def test_a_cast_the_device_cannot_do_is_refused_at_start_up(monkeypatch):
     monkeypatch.setattr(precision, "quantize", broken)
     layers, _ = make_layers()
     with pytest.raises(DGLSUserError, match=r"cast_target f32 f8_e4m3 does not run on cpu .*not implemented.*drop"):
-        LayerSwapper(layers, SwapConfig(cast_target=[("f32", "f8_e4m3")]), device=CPU, log=None)
+        LayerSwapper(layers, SwapConfig.of(cast_target=[("f32", "f8_e4m3")]), device=CPU, log=None)

@@ -14,7 +14,7 @@ from utils.dgls.precision import CastRules, fake_quantize
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
-FP8 = SwapConfig(cast_target=[("bf16", "f8_e4m3")], prefetch=2)
+FP8 = SwapConfig.of(cast_target=[("bf16", "f8_e4m3")], prefetch=2)
 
 
 def device():
@@ -37,7 +37,7 @@ def fake_quantized_reference(mode, config=FP8):
     """Unswapped, on the device, with the cast params fake-quantized there (in every layer: casts apply
     wherever a layer lives)."""
     layers, trainable = make_layers(BF16)
-    rules = CastRules.from_config(config)
+    rules = CastRules.from_policy(config.compute)
     for layer in layers:
         layer.to(device())
     with torch.no_grad():
@@ -84,7 +84,7 @@ def test_fp8_storage_equals_fake_quantized_model(mode, config):
 
 
 def test_fp8_error_vs_bf16_storage_within_bound():
-    bf16, bf16_stats, _ = swapped("nonreentrant", SwapConfig(prefetch=2))
+    bf16, bf16_stats, _ = swapped("nonreentrant", SwapConfig.of(prefetch=2))
     fp8, fp8_stats, _ = swapped("nonreentrant", FP8)
     loss_err = max(abs(a.item() - b.item()) / abs(b.item()) for a, b in zip(fp8.losses, bf16.losses))
     out_err = max(rel_rms(a, b) for a, b in zip(fp8.eval_outputs, bf16.eval_outputs))

@@ -36,9 +36,9 @@ class Recorder(Listener):
 def profiled_run(tmp_path, device=CPU, steps=4, dtype=torch.float32, **config):
     """Train with a profile (one backward per step); return the trace, each step's stats and uses."""
     layers, trainable = make_layers(dtype)
-    config = {"prefetch": 2, "profile_path": str(tmp_path / "trace.json"), **config}
+    config = {"prefetch": 2, "profile": str(tmp_path / "trace.json"), **config}
     lines = []
-    with LayerSwapper(layers, SwapConfig(**config), device=device, log=lines.append) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(**config), device=device, log=lines.append) as swapper:
         recorder = Recorder(swapper)
         swapper.add_listener(recorder)
         record = train(layers, trainable, device, "nonreentrant", steps=steps, accumulate=1, dtype=dtype)
@@ -97,7 +97,7 @@ def test_profile_holds_every_use_and_copy_of_the_profiled_steps(tmp_path, thread
 def test_profile_changes_no_numerics(tmp_path):
     *_, profiled = profiled_run(tmp_path, steps=3, profile_warmup_steps=0, profile_steps=2)
     layers, trainable = make_layers()
-    with LayerSwapper(layers, SwapConfig(prefetch=2), device=CPU, log=None):
+    with LayerSwapper(layers, SwapConfig.of(prefetch=2), device=CPU, log=None):
         plain = train(layers, trainable, CPU, "nonreentrant", steps=3, accumulate=1)
     assert_bitwise_equal(plain, profiled)
 
@@ -175,10 +175,10 @@ def test_profile_shows_every_direction_through_the_transport(tmp_path):
     """Activation offload's copies out and back reach the profile through the transport's one event per copy,
     a lane each, with the bytes the stats count."""
     layers, trainable = make_layers()
-    config = SwapConfig(
+    config = SwapConfig.of(
         prefetch=1,
         offload_activations=True,
-        profile_path=str(tmp_path / "trace.json"),
+        profile=str(tmp_path / "trace.json"),
         profile_warmup_steps=1,
         profile_steps=2,
     )
@@ -198,12 +198,12 @@ def test_profile_of_a_full_fine_tune_with_offload_shows_every_direction(tmp_path
     """Full fine-tuning with AdamW on the device and activation offload: gradients home, activations out and in,
     optimizer state in and out each get a lane of their own, from the one event the transport sends per copy."""
     layers = full_layers()
-    config = SwapConfig(
+    config = SwapConfig.of(
         host_optimizer=dataclasses.replace(SPEC, implementation="device"),
         accumulation_steps=1,
         prefetch=1,
         offload_activations=True,
-        profile_path=str(tmp_path / "trace.json"),
+        profile=str(tmp_path / "trace.json"),
         profile_warmup_steps=0,
         profile_steps=2,
     )
@@ -232,7 +232,7 @@ def test_a_torch_profiler_trace_shows_every_direction_and_the_weight_states():
     job, and a range for each residency transition of the streamed layers (fetch, acquire, release, evict), named
     with the state."""
     layers = full_layers()
-    config = SwapConfig(
+    config = SwapConfig.of(
         host_optimizer=dataclasses.replace(SPEC, implementation="device"),
         accumulation_steps=1,
         prefetch=1,
@@ -262,7 +262,7 @@ def test_a_cuda_torch_profiler_trace_shows_weight_copies_and_states():
     beside the copy kernels. Ranges on DGLS's own worker threads show only where the profiler records them."""
     dev = torch.device("cuda", torch.cuda.current_device())
     layers, trainable = make_layers(torch.bfloat16)
-    with LayerSwapper(layers, SwapConfig(prefetch=1, threading=False), device=dev, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(prefetch=1, threading=False), device=dev, log=None) as swapper:
         train(layers, trainable, dev, "nonreentrant", steps=1, dtype=torch.bfloat16)
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as profile:

@@ -148,7 +148,7 @@ def host_state(tmp_path: Path, spec=SPEC, blocks_to_swap: int = 3) -> tuple[Path
     """Two steps of host training, its optimizer state saved where EngineHooks saves it; returns the run folder
     and the state."""
     layers = full_layers()
-    cfg = SwapConfig(host_optimizer=spec, accumulation_steps=1, blocks_to_swap=blocks_to_swap)
+    cfg = SwapConfig.of(host_optimizer=spec, accumulation_steps=1, blocks_to_swap=blocks_to_swap)
     with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
         train_dgls(layers, swapper, CPU, "none", steps=2, accumulate=1)
         state = swapper.training.state_dict()
@@ -162,7 +162,7 @@ def host_state(tmp_path: Path, spec=SPEC, blocks_to_swap: int = 3) -> tuple[Path
 def load_into(run: Path, spec=SPEC, blocks_to_swap: int = 3, keep: bool = False, **kwargs):
     """EngineHooks' load_checkpoint on a stand-in engine whose module is trained by a new swapper."""
     layers = full_layers()
-    cfg = SwapConfig(host_optimizer=spec, accumulation_steps=1, blocks_to_swap=blocks_to_swap)
+    cfg = SwapConfig.of(host_optimizer=spec, accumulation_steps=1, blocks_to_swap=blocks_to_swap)
     loaded = []
     with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
         hooks = EngineHooks(lambda module: swapper.training, keep_hyper_parameters=keep)
@@ -332,7 +332,7 @@ def lora_layers(rank: int):
 def test_a_real_lora_checkpoint_of_another_rank_is_refused_before_deepspeed_loads(tmp_path, process_group):
     """train.py's load_checkpoint(load_module_strict=False) under DGLS: a LoRA of rank 2 loads into rank 2 layers
     (streamed ones included), and into rank 3 layers it is one line before DeepSpeed reads a file."""
-    swap = SwapConfig(blocks_to_swap=3)
+    swap = SwapConfig.of(blocks_to_swap=3)
     engine, swapper = engine_with_dgls(lora_layers(2), swap)
     with swapper:
         one_step_and_save(engine, tmp_path)
@@ -351,7 +351,7 @@ def test_a_real_full_fine_tune_checkpoint_resumes_only_with_its_placement(tmp_pa
     """DGLS's full fine-tune saves its host optimizer state beside DeepSpeed's files; a resume with another
     placement, or with that file damaged, is one line before DeepSpeed loads (its own optimizer load would
     otherwise fail with a traceback: the resident params differ)."""
-    swap = SwapConfig(host_optimizer=SPEC, accumulation_steps=1, blocks_to_swap=3)
+    swap = SwapConfig.of(host_optimizer=SPEC, accumulation_steps=1, blocks_to_swap=3)
     engine, swapper = engine_with_dgls(full_layers(), swap)
     with swapper, EngineHooks(lambda module: swapper.training):
         one_step_and_save(engine, tmp_path)

@@ -116,7 +116,7 @@ def test_the_training_layout_allocates_what_the_ram_check_counts(spec, dtype, ac
     """After a step (torch creates host optimizer state on its first step), the masters, landings, sums and
     optimizer state held are exactly the figure the RAM check and the start-up line use."""
     layers = full_layers(dtype)
-    cfg = SwapConfig(host_optimizer=spec, accumulation_steps=accumulate)
+    cfg = SwapConfig.of(host_optimizer=spec, accumulation_steps=accumulate)
     with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
         figure = host_training_bytes(swapper.layouts, swapper.placement.streamed, spec, sums=accumulate != 1)
         assert swapper.training.layout.parts() == figure
@@ -185,7 +185,7 @@ def test_sgd_on_the_device_is_accepted_and_deepspeed_stays_adamw_only():
 
 def sgd_run(spec, accumulate, dtype, max_norm=MAX_NORM, **kw):
     layers = full_layers(dtype)
-    cfg = SwapConfig(host_optimizer=spec, accumulation_steps=accumulate, **kw)
+    cfg = SwapConfig.of(host_optimizer=spec, accumulation_steps=accumulate, **kw)
     with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
         names = {
             f"{i}.{n}"
@@ -235,7 +235,7 @@ def test_a_gradient_after_an_early_update_is_refused_in_one_line():
     """Without clipping a layer's update starts once its step's last micro-batch closed: a further backward
     before the step (more micro-batches than accumulation_steps) has no step to go to."""
     layers = full_layers()
-    cfg = SwapConfig(host_optimizer=SGD, accumulation_steps=1, clip_grads=False)
+    cfg = SwapConfig.of(host_optimizer=SGD, accumulation_steps=1, clip_grads=False)
     with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
         with pytest.raises(DGLSUserError, match="more backward passes in a step than accumulation_steps"):
             train_dgls(layers, swapper, CPU, "nonreentrant", steps=1, accumulate=2, max_norm=None)

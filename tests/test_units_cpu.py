@@ -58,14 +58,15 @@ def references():
 
 def split_run(mode, prefetch=1, seed=None, **config):
     layers, trainable = make_layers()
-    config = SwapConfig(prefetch=prefetch, **{"swap_unit_mb": UNIT_MB, **config})
+    config = SwapConfig.of(prefetch=prefetch, **{"swap_unit_mb": UNIT_MB, **config})
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
-        assert any(entry.holder for entry in swapper.entries) == bool(config.swap_unit_mb)
+        assert any(entry.holder for entry in swapper.entries) == bool(config.placement.swap_unit_mb)
         if seed is not None:
             rng = random.Random(seed)
             swapper._victim = lambda candidates: rng.choice(candidates)
         ckpt = checkpoint_for(mode)
-        if config.offload_activations or config.offload_recompute or config.keep_piece_outputs:
+        acts = config.activations
+        if acts.offload_activations or acts.offload_recompute or acts.keep_piece_outputs:
             ckpt = swapper.checkpoint_function(ckpt or (lambda f, *a: checkpoint(f, *a, use_reentrant=False)))
         return train(layers, trainable, CPU, loop_mode(mode), checkpoint_fn=ckpt)
 
@@ -100,20 +101,20 @@ def test_a_large_layer_becomes_a_holder_and_its_children_in_order_of_definition(
 def test_the_table_lists_units_under_their_layer_and_placement_settings_name_layers():
     layers, _ = make_layers()
     lines = []
-    config = SwapConfig(swap_unit_mb=UNIT_MB, gpu_layers=[0, 2, 7])
+    config = SwapConfig.of(swap_unit_mb=UNIT_MB, gpu_layers=[0, 2, 7])
     with LayerSwapper(layers, config, device=CPU, log=lines.append) as swapper:
         table = lines[0]
         assert "  1.img_mlp.0 Linear" in table and "swap units below" in table
         owners = {swapper.entries[i].layer for i in swapper.streamed_layers}
         assert owners == {1, 3, 4, 5, 6}, "gpu_layers names the caller's layers: all units of layer 2 stay"
         assert any("run as" in line and "swap units" in line for line in lines)
-    with LayerSwapper(layers, SwapConfig(swap_unit_mb=UNIT_MB, blocks_to_swap=2), device=CPU, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(swap_unit_mb=UNIT_MB, blocks_to_swap=2), device=CPU, log=None) as swapper:
         assert len({swapper.entries[i].layer for i in swapper.streamed_layers}) == 2
 
 
 def test_a_holders_own_params_and_small_children_stay_resident():
     layers, _ = make_layers()
-    with LayerSwapper(layers, SwapConfig(swap_unit_mb=UNIT_MB), device=CPU, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(swap_unit_mb=UNIT_MB), device=CPU, log=None) as swapper:
         for idx, entry in enumerate(swapper.entries):
             if entry.holder:
                 assert swapper.layouts[idx].sizes.streamable_bytes == 0
@@ -129,7 +130,7 @@ def test_a_holders_own_params_and_small_children_stay_resident():
 @pytest.mark.parametrize("bad", [-1, float("nan"), "big"])
 def test_a_bad_unit_size_is_one_line(bad):
     with pytest.raises(DGLSUserError, match="swap_unit_mb is a size in MB >= 0"):
-        SwapConfig(swap_unit_mb=bad)
+        SwapConfig.of(swap_unit_mb=bad)
 
 
 # ---------------------------------------------------------------- exactness
@@ -155,7 +156,7 @@ def test_units_with_activation_offload_are_bitwise_the_same(references, mode):
 def test_full_fine_tuning_with_units_is_bitwise_the_same(mode):
     """Streamed units' params train on the host; each holder's own params by the trainer's optimizer."""
     layers = full_layers()
-    config = SwapConfig(host_optimizer=SPEC, accumulation_steps=2, prefetch=2, swap_unit_mb=UNIT_MB)
+    config = SwapConfig.of(host_optimizer=SPEC, accumulation_steps=2, prefetch=2, swap_unit_mb=UNIT_MB)
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
         assert any(entry.holder for entry in swapper.entries)
         names = host_trained_names(layers, swapper)
@@ -226,7 +227,7 @@ def test_mutation_a_recompute_taking_a_kept_output_before_its_restore_landed_fai
 @pytest.mark.parametrize("unit_mb", [UNIT_MB, 0])
 def test_every_piece_runs_again_in_backward_and_remove_puts_the_class_forward_back(unit_mb):
     layers, trainable = make_layers()
-    config = SwapConfig(prefetch=1, swap_unit_mb=unit_mb, checkpoint_units=True)
+    config = SwapConfig.of(prefetch=1, swap_unit_mb=unit_mb, checkpoint_units=True)
     lines = []
     with LayerSwapper(layers, config, device=CPU, log=lines.append) as swapper:
         pieces = swapper.pieces
@@ -255,7 +256,7 @@ def counted_step(mode, keep):
     """One micro-batch with swap units as pieces: (class-forward runs of pieces, uses of piece entries, replays,
     pieces)."""
     layers, trainable = make_layers()
-    config = SwapConfig(prefetch=1, swap_unit_mb=UNIT_MB, checkpoint_units=True, keep_piece_outputs=keep)
+    config = SwapConfig.of(prefetch=1, swap_unit_mb=UNIT_MB, checkpoint_units=True, keep_piece_outputs=keep)
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
         entries = {p.entry for p in swapper.pieces if p.is_entry}
         uses, runs, use = [], [], swapper.use
@@ -315,7 +316,7 @@ def assert_kept_equals_plain(build, shape, mode: str, reseed: int | None = None)
         layers = build()
         x = torch.randn(*shape, requires_grad=True)
         ckpt = partial(checkpoint, use_reentrant=mode == "reentrant")
-        config = SwapConfig(prefetch=1, checkpoint_units=True, keep_piece_outputs=True)
+        config = SwapConfig.of(prefetch=1, checkpoint_units=True, keep_piece_outputs=True)
         with LayerSwapper(layers, config, device=CPU, log=None) if keep else nullcontext() as swapper:
             ckpt = swapper.checkpoint_function(ckpt) if keep else ckpt
             if reseed is not None:
@@ -360,7 +361,7 @@ def autocast_references():
 
 def kept_autocast_run(template, shape, reentrant, unit_mb):
     layers, trainable = flux_autocast.fresh(template, None)
-    config = SwapConfig(prefetch=1, checkpoint_units=True, keep_piece_outputs=True, swap_unit_mb=unit_mb)
+    config = SwapConfig.of(prefetch=1, checkpoint_units=True, keep_piece_outputs=True, swap_unit_mb=unit_mb)
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
         assert {type(p.module).__name__ for p in swapper.pieces} >= {"TimeModulation", "Modulation", "Sequential"}
         assert any(entry.holder for entry in swapper.entries) == bool(unit_mb)
@@ -390,7 +391,7 @@ def test_kept_outputs_of_diffusers_flux_blocks_under_autocast_train_bitwise_the_
     template = flux_autocast.build_layers(AUTOCAST_SHAPE, diffusers=True)
     expected = flux_autocast.train(*flux_autocast.fresh(template, CPU), AUTOCAST_SHAPE, CPU, reentrant)
     layers, trainable = flux_autocast.fresh(template, None)
-    config = SwapConfig(prefetch=1, checkpoint_units=True, keep_piece_outputs=True, swap_unit_mb=0)
+    config = SwapConfig.of(prefetch=1, checkpoint_units=True, keep_piece_outputs=True, swap_unit_mb=0)
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
         assert "FluxAttention" in {type(p.module).__name__ for p in swapper.pieces}
         ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=reentrant))
@@ -452,7 +453,7 @@ class ReordersInRecompute(nn.Module):
 def test_a_recompute_calling_its_pieces_in_another_order_is_one_line():
     layers = [ReordersInRecompute().requires_grad_(False) for _ in range(2)]
     x = torch.randn(4, 64, requires_grad=True)
-    config = SwapConfig(prefetch=1, checkpoint_units=True, keep_piece_outputs=True)
+    config = SwapConfig.of(prefetch=1, checkpoint_units=True, keep_piece_outputs=True)
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
         ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=False))
         h = x
@@ -469,7 +470,7 @@ def test_checkpointed_units_in_eval_and_full_fine_tuning(unit_mb, keep):
     layers, _ = make_layers()
     data = train.__globals__["SyntheticLatents"](SMALL, samples=2, image_tokens=4, text_tokens=2, seed=0)
     inputs, _ = next(data.batches(2, torch.float32, CPU))
-    config = SwapConfig(swap_unit_mb=unit_mb, checkpoint_units=True, keep_piece_outputs=keep)
+    config = SwapConfig.of(swap_unit_mb=unit_mb, checkpoint_units=True, keep_piece_outputs=keep)
     with torch.no_grad():
         expected = run_layers(reference_layers, inputs, "none")
         with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
@@ -477,7 +478,7 @@ def test_checkpointed_units_in_eval_and_full_fine_tuning(unit_mb, keep):
             assert torch.equal(run_layers(layers, inputs, "nonreentrant", ckpt), expected)
             assert swapper.feature(UnitCheckpoints).reruns == swapper.feature(UnitCheckpoints).replayed == 0
     layers = full_layers()
-    config = SwapConfig(
+    config = SwapConfig.of(
         host_optimizer=SPEC,
         accumulation_steps=2,
         prefetch=2,
@@ -526,7 +527,7 @@ def test_a_pieces_keyword_inputs_are_not_held_from_forward_to_backward():
 
     loss().backward()
     expected, x.grad = x.grad, None
-    with LayerSwapper(layers, SwapConfig(checkpoint_units=True, prefetch=1), device=CPU, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(checkpoint_units=True, prefetch=1), device=CPU, log=None) as swapper:
         assert [type(p.module).__name__ for p in swapper.pieces] == ["Sequential"] * 6
         value = loss()
         gc.collect()
@@ -538,7 +539,7 @@ def test_a_pieces_keyword_inputs_are_not_held_from_forward_to_backward():
 def test_checkpoint_units_without_child_modules_is_refused_in_one_line():
     layers = [nn.Linear(8, 8) for _ in range(3)]
     with pytest.raises(DGLSUserError, match="no layer has child modules with params: drop checkpoint_units"):
-        LayerSwapper(layers, SwapConfig(checkpoint_units=True), device=CPU, log=None)
+        LayerSwapper(layers, SwapConfig.of(checkpoint_units=True), device=CPU, log=None)
 
 
 def test_a_piece_with_a_forward_of_its_own_is_refused_before_anything_changes():
@@ -547,7 +548,7 @@ def test_a_piece_with_a_forward_of_its_own_is_refused_before_anything_changes():
     mlp.forward = mlp.forward  # as torch.compile(module.forward) or a trainer's patch would
     devices = {p.device for layer in layers for p in layer.parameters()}
     with pytest.raises(DGLSUserError, match="Sequential already has a forward of its own"):
-        LayerSwapper(layers, SwapConfig(checkpoint_units=True), device=CPU, log=None)
+        LayerSwapper(layers, SwapConfig.of(checkpoint_units=True), device=CPU, log=None)
     assert {p.device for layer in layers for p in layer.parameters()} == devices
     assert not layers[1]._forward_pre_hooks, "nothing was installed"
 
@@ -596,7 +597,7 @@ def test_a_holder_reading_a_units_weights_fails_with_a_note_naming_the_setting()
     layers = [nn.Linear(64, 64), ReadsChildWeight(), ReadsChildWeight(), nn.Linear(64, 64)]
     for p in (p for layer in layers for p in layer.parameters()):
         p.requires_grad_(False)
-    with LayerSwapper(layers, SwapConfig(swap_unit_mb=0.01, prefetch=0), device=CPU, log=None):
+    with LayerSwapper(layers, SwapConfig.of(swap_unit_mb=0.01, prefetch=0), device=CPU, log=None):
         with pytest.raises(RuntimeError) as failure:
             x = torch.randn(2, 64)
             for layer in layers:
@@ -618,12 +619,12 @@ def test_under_a_tight_vram_budget_layers_are_split_and_training_stays_exact(ref
     layers, trainable = make_layers()
     lines = []
     budget_gb = 2**20 / 2**30  # 1 MiB: two slots of a whole double block take over a quarter
-    with LayerSwapper(layers, SwapConfig(vram_budget_gb=budget_gb), device=CPU, log=lines.append) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(vram_budget=budget_gb), device=CPU, log=lines.append) as swapper:
         assert any(entry.holder for entry in swapper.entries)
         assert any("stream as swap units" in line for line in lines)
         got = train(layers, trainable, CPU, "nonreentrant", steps=4)
     assert_bitwise_equal(train(*make_layers(), CPU, "nonreentrant", steps=4), got)
-    with LayerSwapper(*make_layers()[:1], SwapConfig(vram_budget_gb=1.0), device=CPU, log=None) as swapper:
+    with LayerSwapper(*make_layers()[:1], SwapConfig.of(vram_budget=1.0), device=CPU, log=None) as swapper:
         assert not any(entry.holder for entry in swapper.entries), "a roomy budget keeps layers whole"
 
 
@@ -631,7 +632,7 @@ def test_a_unit_size_under_a_byte_still_splits_and_trains_bitwise_the_same(refer
     """``--swap_unit_mb 1e-9`` (a thousandth of a byte) asks for the smallest units, not for whole layers: it
     rounds up to one byte, so every child with weights is a unit of its own (weightless ones are never units)."""
     layers, _ = make_layers()
-    with LayerSwapper(layers, SwapConfig(swap_unit_mb=1e-9), device=CPU, log=None) as swapper:
+    with LayerSwapper(layers, SwapConfig.of(swap_unit_mb=1e-9), device=CPU, log=None) as swapper:
         assert swapper.unit_bytes == 1
         parts = [e for e in swapper.entries if e.part and not e.holder]
         assert parts and all(any(True for _ in e.value.parameters()) for e in parts)
@@ -641,7 +642,7 @@ def test_a_unit_size_under_a_byte_still_splits_and_trains_bitwise_the_same(refer
 
 def test_swap_unit_mb_zero_keeps_layers_whole_under_any_budget():
     layers, _ = make_layers()
-    config = SwapConfig(vram_budget_gb=2**20 / 2**30, swap_unit_mb=0)
+    config = SwapConfig.of(vram_budget=2**20 / 2**30, swap_unit_mb=0)
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
         assert not any(entry.holder for entry in swapper.entries)
 
@@ -654,5 +655,5 @@ def test_units_forward_in_eval_mode_matches():
     inputs, _ = next(data.batches(2, torch.float32, CPU))
     with torch.no_grad():
         expected = run_layers(reference_layers, inputs, "none")
-        with LayerSwapper(layers, SwapConfig(swap_unit_mb=UNIT_MB), device=CPU, log=None):
+        with LayerSwapper(layers, SwapConfig.of(swap_unit_mb=UNIT_MB), device=CPU, log=None):
             assert torch.equal(run_layers(layers, inputs, "none"), expected)

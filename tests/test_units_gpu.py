@@ -76,7 +76,7 @@ def split_run(
     keep_outputs=False,
 ):
     layers, trainable = fresh(template)
-    config = SwapConfig(
+    config = SwapConfig.of(
         prefetch=prefetch,
         swap_unit_mb=unit_mb,
         offload_activations=offload,
@@ -174,7 +174,7 @@ def test_kept_piece_outputs_of_flux_blocks_under_autocast_stay_bitwise_equal(aut
     their float32 inputs as autocast takes them, the step-2 loss and the LoRA weights differed.)"""
     template, diffusers, reference = autocast_flux
     layers, trainable = flux_autocast.fresh(template, None)
-    config = SwapConfig(
+    config = SwapConfig.of(
         prefetch=1, swap_unit_mb=unit_mb, offload_activations=True, checkpoint_units=True, keep_piece_outputs=True
     )
     with LayerSwapper(layers, config, device=device(), log=None) as swapper:
@@ -215,7 +215,7 @@ def test_checkpointed_units_lower_the_peak_of_a_layers_backward(unit_mb):
     results = {}
     for checkpoint_units in (False, True):
         layers = [copy.deepcopy(layer).requires_grad_(False) for layer in template]
-        config = SwapConfig(prefetch=1, swap_unit_mb=unit_mb, checkpoint_units=checkpoint_units)
+        config = SwapConfig.of(prefetch=1, swap_unit_mb=unit_mb, checkpoint_units=checkpoint_units)
         with LayerSwapper(layers, config, device=device(), log=None) as swapper:
             assert len(swapper.pieces) == (12 if checkpoint_units else 0)
             h = inputs = x.clone().requires_grad_()

@@ -6,10 +6,10 @@ The library API, for a training loop of your own (``dgls_train.py`` is the one f
 
     layers = model.to_layers()  # an ordered list of modules (plain functions in between are fine)
     # Frozen params of streamed layers go to pinned host memory; trainable params and buffers to the GPU.
-    with LayerSwapper(layers, SwapConfig(vram_budget_gb=10), device="cuda") as swapper:
+    with LayerSwapper(layers, SwapConfig.of(vram_budget=10), device="cuda") as swapper:
         for batch in data:
             loss = run(layers, batch)  # checkpointing (reentrant or not), eval passes: all fine
-            # with SwapConfig(offload_activations=True), checkpoint with swapper.checkpoint_function(checkpoint)
+            # with SwapConfig.of(offload_activations=True), checkpoint with swapper.checkpoint_function(checkpoint)
             loss.backward()  # DGLS sees the end of each backward by itself
             optimizer.step()
             optimizer.zero_grad()
@@ -21,7 +21,7 @@ A full fine-tune: give the host optimizer, and let DGLS clip and step the params
 
     from utils.dgls.host_optimizer import HostOptimizerSpec
 
-    config = SwapConfig(blocks_to_swap=20, host_optimizer=HostOptimizerSpec(lr=1e-5), accumulation_steps=1)
+    config = SwapConfig.of(blocks_to_swap=20, host_optimizer=HostOptimizerSpec(lr=1e-5), accumulation_steps=1)
     with LayerSwapper(layers, config, device="cuda") as swapper:
         params = [p for layer in layers for p in layer.parameters()]
         optimizer = torch.optim.AdamW([p for p in params if not swapper.training.owns(p)], lr=1e-5)
@@ -31,6 +31,10 @@ A full fine-tune: give the host optimizer, and let DGLS clip and step the params
             optimizer.step()
             optimizer.zero_grad()
             swapper.training.step()  # queue the host updates; the next forward waits per layer
+
+``SwapConfig.of`` takes each setting by its option's name (``--prefetch`` is ``prefetch``); the same settings
+grouped by the part that reads them are ``SwapConfig``'s policies (``config.placement.prefetch``,
+``SwapConfig(placement=PlacementPolicy(blocks_to_swap=20))``, :mod:`utils.dgls.config`).
 
 ``swapper.total_stats()`` counts everything since the start (``later.since(earlier)`` gives a stretch,
 such as an optimizer step of several micro-batches); neither call waits for the GPU unless asked

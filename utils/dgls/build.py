@@ -13,7 +13,7 @@ Order
 
 Invariants
     - Every ``config.<field>`` the engine's parts need is read here; the parts get values, not the config
-      (the engine keeps ``config`` only for readers, such as the planner's ``config.prefetch``).
+      (the engine keeps ``config`` only for readers, such as the planner's ``config.placement.prefetch``).
     - A build that fails half-way frees what it made (pinned memory, shared segments, worker threads) and has
       changed no param.
 """
@@ -90,74 +90,87 @@ def build(
     if not layers:
         raise DGLSUserError("no layers to place: the layer list is empty")
     c = config
-    cast_rules = CastRules.from_config(c)
+    cast_rules = CastRules.from_policy(c.compute)
     check_device_support(device, cast_rules)
-    host_trained = c.host_optimizer is not None
+    host_trained = c.training.host_optimizer is not None
     driver = _start_driver(c, device, log)
     unit_bytes = _unit_bytes(layers, c, cast_rules, host_trained, driver, log)
     entries = split_layers(layers, unit_bytes, trainable_streams=host_trained)
     values = [entry.value for entry in entries]
-    pieces = pieces_to_checkpoint(entries, host_trained) if c.checkpoint_units else []
-    if c.checkpoint_units and not pieces:
+    pieces = pieces_to_checkpoint(entries, host_trained) if c.activations.checkpoint_units else []
+    if c.activations.checkpoint_units and not pieces:
         raise DGLSUserError(
             "checkpoint_units checkpoints the child modules of each layer, and no layer has child modules with "
             "params: drop checkpoint_units"
         )
     UnitCheckpoints.check(pieces)
-    measured = measure(values, cast_rules, c.mixed_precision, host_trained=host_trained)
+    measured = measure(values, cast_rules, c.compute.mixed_precision, host_trained=host_trained)
     layouts = [layout.of_entry(entry.layer, entry.part, entry.holder) for layout, entry in zip(measured, entries)]
     _check_casts_match(layouts, cast_rules)
     sizes = tuple(layout.sizes for layout in layouts)
-    placement = plan_placement(sizes, c)
+    placement = plan_placement(sizes, c.placement, c.transfer.cuda_streams)
     if driver is not None:
         driver.check_static_minimum(sizes)
     training_note = (
-        check_host_training(layouts, placement.streamed, c.host_optimizer, c.accumulation_steps) if host_trained else ""
+        check_host_training(layouts, placement.streamed, c.training.host_optimizer, c.training.accumulation_steps)
+        if host_trained
+        else ""
     )
     with ExitStack() as undo:  # a failure below frees what was made
         masters = Masters(
-            values, layouts, placement.streamed, device, cast_rules, c.pinned_ram_budget_gb, c.selective_packing, log,
-            share_group,
+            values, layouts, placement.streamed, device, cast_rules, c.transfer.pinned_ram_budget_gb,
+            c.transfer.selective_packing, log, share_group,
         )  # fmt: skip
         undo.callback(masters.release)
         # weight copies are timed for the stats (collect_timing); the other directions only for --profile
-        timed = {d for d in Direction if d is not Direction.WEIGHTS_IN} if c.profile_path else set()
-        timed |= {Direction.WEIGHTS_IN} if c.collect_timing else set()
-        transport = make_transport(device, weight_lanes=c.cuda_streams, timed=timed)
+        timed = {d for d in Direction if d is not Direction.WEIGHTS_IN} if c.observe.profile else set()
+        timed |= {Direction.WEIGHTS_IN} if c.observe.collect_timing else set()
+        transport = make_transport(device, weight_lanes=c.transfer.cuda_streams, timed=timed)
         undo.callback(transport.close)
         features: list[Feature] = []
         undo.callback(lambda: [feature.close() for feature in reversed(features)])
         training = None
         if host_trained:
             trainer = TrainingFeature.start(
-                masters, placement.streamed, transport, c.host_optimizer, training_note, device=device,
-                threading=c.threading, accumulation_steps=c.accumulation_steps, clipping=c.clip_grads,
+                masters, placement.streamed, transport, c.training.host_optimizer, training_note, device=device,
+                threading=c.transfer.threading, accumulation_steps=c.training.accumulation_steps,
+                clipping=c.training.clip_grads,
             )  # fmt: skip
             features.append(trainer)
             training = trainer.training
         activations = None
         if _offloads_activations(c, driver, device):
             activations = ActivationOffloader(
-                device, keep=max(1, c.prefetch), recompute=c.offload_recompute, transport=transport
+                device,
+                keep=max(1, c.placement.prefetch),
+                recompute=c.activations.offload_recompute,
+                transport=transport,
             )
             features.append(activations)
         unit_checkpoints = None
         if pieces:
-            calling = (lambda: activations.calling) if c.keep_piece_outputs else None
+            calling = (lambda: activations.calling) if c.activations.keep_piece_outputs else None
             unit_checkpoints = UnitCheckpoints(
                 pieces, device, calling, layers=len({entries[piece.entry].layer for piece in pieces})
             )
             features.append(unit_checkpoints)
         eager = {idx for idx, entry in enumerate(entries) if entry.holder} | {piece.entry for piece in pieces}
-        compile_backend = c.compile_backend if c.compile_resident else None
-        features.append(ForwardPatches(values, device, c.autocast, compile_backend, eager))
-        if c.profile_path:
+        compile_backend = c.compute.compile_backend if c.compute.compile else None
+        features.append(ForwardPatches(values, device, c.compute.autocast, compile_backend, eager))
+        if c.observe.profile:
             features.append(
-                Profiler(c.profile_path, device, c.profile_warmup_steps, c.profile_steps, c.cuda_streams, log)
+                Profiler(
+                    c.observe.profile,
+                    device,
+                    c.observe.profile_warmup_steps,
+                    c.observe.profile_steps,
+                    c.transfer.cuda_streams,
+                    log,
+                )
             )
         if driver is not None:
             features.append(_Planner(driver))
-        features.append(_TrainableCast(values, cast_rules, c.autocast, c.mixed_precision))
+        features.append(_TrainableCast(values, cast_rules, c.compute.autocast, c.compute.mixed_precision))
         pool = DevicePool(device, placement.slot_count, placement.slot_bytes)
         undo.callback(pool.release)
         masters.store.ensure_staging(2, placement.slot_bytes)
@@ -165,12 +178,12 @@ def build(
             copier: Copier = CudaCopier(
                 transport,
                 masters.store,
-                event_sync=c.event_sync,
-                use_thread=c.threading,
+                event_sync=c.transfer.ordered_by_events,
+                use_thread=c.transfer.threading,
                 landing_bytes=placement.landing_bytes,
             )
         else:
-            copier = DeferredCopier(masters.store, use_thread=c.threading, transport=transport)
+            copier = DeferredCopier(masters.store, use_thread=c.transfer.threading, transport=transport)
         undo.callback(copier.close)
         undo.pop_all()
     return Parts(
@@ -186,10 +199,10 @@ def build(
         copier=copier,
         features=features,
         replays=unit_checkpoints.replays if unit_checkpoints is not None else _replays_nothing,
-        batch_move=c.batch_move,
-        sync_each_step=c.sync_each_step,
-        copy_streams=c.cuda_streams,
-        plan_finished=_plan_finished(c.plan_only, driver),
+        batch_move=c.transfer.batch_move,
+        sync_each_step=c.transfer.sync_each_step,
+        copy_streams=c.transfer.cuda_streams,
+        plan_finished=_plan_finished(c.placement.plan, driver),
         driver=driver,
         training=training,
         activations=activations,
@@ -265,27 +278,29 @@ def _plan_finished(plan_only: bool, driver: PlacementDriver | None) -> Callable[
 
 
 def _start_driver(config: SwapConfig, device: torch.device, log: Callable[[str], None]) -> PlacementDriver | None:
-    if config.vram_budget_gb is None:
+    if config.placement.vram_budget is None:
         return None
-    if config.host_optimizer is not None and not config.explicit_placement:
+    if config.training.host_optimizer is not None and not config.placement.explicit:
         raise DGLSUserError(
             "full fine-tuning places layers once, at start-up (the optimizer state of a streamed layer lives "
             "on the host), and the VRAM-budget planner re-places layers while training: give blocks_to_swap "
             "or gpu_layers instead of vram_budget"
         )
-    if config.explicit_placement:
+    if config.placement.explicit:
         log(
-            f"DGLS: {', '.join(config.explicit_placement)} given: explicit placement wins over vram_budget "
-            f"{config.vram_budget_gb} (the planner is off)"
+            f"DGLS: {', '.join(config.placement.explicit)} given: explicit placement wins over vram_budget "
+            f"{config.placement.vram_budget} (the planner is off)"
         )
         return None
-    budget = resolve_budget(config.vram_budget_gb, device)
+    budget = resolve_budget(config.placement.vram_budget, device)
     log(
         f"DGLS: planning for a {human_bytes(budget)} VRAM budget: steps 1-2 run with every layer streamed "
         "(warm-up, then the probe); then the best predicted plans are measured on the next steps (about 35), "
         "and the fastest that fits is kept"
     )
-    return PlacementDriver(budget, device, log, plan_only=config.plan_only, copy_streams=config.cuda_streams)
+    return PlacementDriver(
+        budget, device, log, plan_only=config.placement.plan, copy_streams=config.transfer.cuda_streams
+    )
 
 
 def _unit_bytes(
@@ -298,12 +313,12 @@ def _unit_bytes(
 ) -> int | None:
     """The largest swap unit in bytes (None: whole layers): ``swap_unit_mb`` if given, else the planner's
     choice for the VRAM budget (from the whole layers' sizes)."""
-    given = config.swap_unit_mb
+    given = config.placement.swap_unit_mb
     if given is not None:  # rounded up: any size above 0, however small, splits (0 alone means whole layers)
         return math.ceil(given * MB) or None
     if driver is None:
         return None
-    whole = measure(layers, rules, config.mixed_precision, host_trained=host_trained)
+    whole = measure(layers, rules, config.compute.mixed_precision, host_trained=host_trained)
     unit = unit_bytes_for_budget([layout.sizes for layout in whole], driver.budget)
     if unit is not None:
         log(
@@ -316,11 +331,11 @@ def _unit_bytes(
 def _offloads_activations(config: SwapConfig, driver: PlacementDriver | None, device: torch.device) -> bool:
     """``offload_activations`` resolved: unset means offload what a VRAM budget needs, on CUDA (on the CPU
     there is no device memory to save, and the planner measures none)."""
-    if config.offload_recompute or config.keep_piece_outputs:
+    if config.activations.offload_recompute or config.activations.keep_piece_outputs:
         return True
-    if config.offload_activations is None:
+    if config.activations.offload_activations is None:
         return driver is not None and device.type == "cuda"
-    return config.offload_activations
+    return config.activations.offload_activations
 
 
 def _check_casts_match(layouts: list[LayerLayout], rules: CastRules | None) -> None:

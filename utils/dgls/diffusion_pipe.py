@@ -122,7 +122,7 @@ class PipelineInterception:
             for name in ("save_model", "save_checkpoint"):
                 self.patches.replace(saver, name, lambda original: lambda *args, **kwargs: None)
         self.stage_hook.__enter__()
-        if self.swap is not None and self.swap.host_optimizer is not None:
+        if self.swap is not None and self.swap.training.host_optimizer is not None:
             self._hook_full_fine_tune()
         self.resume_checks.__enter__()  # after the engine hooks: it wraps their load_checkpoint
         self.patches.replace(PipelineEngine, "train_batch", self._wrap_train_batch)
@@ -238,13 +238,14 @@ class PipelineInterception:
                 f"--plan: train.py stopped after {self.steps} training step(s), before the planner had measured "
                 "its probe (2 steps); nothing was saved: let the run go longer (epochs, max_steps)"
             )
-        if self.swapper is None or not self.swap.profile_path:
+        if self.swapper is None or not self.swap.observe.profile:
             return
-        first = self.swap.profile_warmup_steps + 1
+        observe = self.swap.observe
+        first = observe.profile_warmup_steps + 1
         if self.steps < first:
             self.log(
                 f"DGLS: --profile: train.py ran {self.steps} training step(s), fewer than the {first} the profile "
-                f"starts at: no trace was written to {self.swap.profile_path}"
+                f"starts at: no trace was written to {observe.profile}"
             )
 
     def install(self, stage: Stage) -> LayerSwapper:
@@ -326,8 +327,8 @@ def run_drop_in(run: DropInRun) -> None:
     """Run the checkout's train.py as ``__main__`` with DGLS installed (or not, if swapping is off)."""
     values = run.values
     swap = run.swap
-    if swap.profile_path:  # a relative --profile path means where the command ran, not the checkout
-        swap = swap.replace(profile_path=str(Path(swap.profile_path).expanduser().resolve()))
+    if swap.observe.profile:  # a relative --profile path means where the command ran, not the checkout
+        swap = swap.replace(profile=str(Path(swap.observe.profile).resolve()))
     output_dir = run.checkout / str(run.config["output_dir"])
     started = time.time()
     check_before_start(run.dist, run.config.get("pipeline_stages", 1), values["dynamic_swapping"], os.environ)

@@ -13,7 +13,7 @@ missing checkpoint or ``--blocks_to_swap 60`` for a 59-layer Flux would otherwis
 - Layer counts: only for the types whose layer list (``to_layers()``) is an input layer, the blocks
   a ``config.json`` counts and an output layer, read from the file diffusion-pipe builds the
   transformer from (:data:`LAYER_RULES`). For other types, or when that file is not there, the
-  placement is checked against the real layer list when the stage is built (``SwapConfig.for_stage``).
+  placement is checked against the real layer list when the stage is built (``PlacementPolicy.for_stage``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import SwapConfig
+from .config import PlacementPolicy
 from .errors import DGLSUserError
 
 FOLDER_KEYS = ("diffusers_path", "ckpt_path")  # read as folders (from_pretrained, a checkpoint folder)
@@ -127,10 +127,10 @@ def layer_count(config: dict[str, Any], checkout: Path) -> tuple[int, str] | Non
 
 
 def check_placement(
-    config: dict[str, Any], checkout: Path, swap: SwapConfig, label: Callable[[str], str] = str
+    config: dict[str, Any], checkout: Path, placement: PlacementPolicy, label: Callable[[str], str] = str
 ) -> None:
     """Placement settings the model cannot hold, where its layer count is known before it loads."""
     known = layer_count(config, checkout)
     if known is not None:
         count, source = known
-        swap.check_layer_count(count, f"the {config['model']['type']} model ({source})", label)
+        placement.check_layer_count(count, f"the {config['model']['type']} model ({source})", label)

@@ -6,23 +6,25 @@ placement style given on the command line (``gpu_layers``, ``blocks_to_swap``,
 ``initial_gpu_layers``/``final_gpu_layers`` or ``vram_budget``) replaces the TOML's keys of
 the other styles, so ``--blocks_to_swap 3`` works with a TOML that keeps the ends resident;
 two styles from one place are a conflict, reported with where each value came from.
+
+Each row names the :class:`.config.SwapConfig` policy holding a field of the option's own name
+(:func:`swap_config` fills it; no setting is renamed on the way), so a new engine flag is one row
+here and one policy field in :mod:`.config`.
 """
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from .config import SwapConfig
+from .config import SYNC_MODES, SwapConfig, policy_types
 from .errors import DGLSUserError
 from .host_optimizer import IMPLEMENTATIONS
 from .spelling import did_you_mean
 
-SYNC_MODES = ("none", "step", "layer")
 AUTOCAST_MODES = ("fp32", "fp16", "bf16")
-# Names --autocast takes only to refuse them with what to do instead (SwapConfig: fp8 storage, bf16 compute).
+# Names --autocast takes only to refuse them with what to do instead (ComputePolicy: fp8 storage, bf16 compute).
 AUTOCAST_REFUSED = ("f8_e4m3", "f8_e5m2")
 MIXED_PRECISION_MODES = ("auto", "f32", "bf16", "f16")
 
@@ -58,8 +60,8 @@ def _cli_float(text: str) -> float:
 
 
 def _cli_choice(option: Option):
-    """The value of a choice flag that also takes ``option.refused`` names (SwapConfig refuses them with what
-    to do instead); --help lists only the choices."""
+    """The value of a choice flag that also takes ``option.refused`` names (the option's policy refuses them with
+    what to do instead); --help lists only the choices."""
 
     def parse(text: str) -> str:
         if text in option.choices or text in option.refused:
@@ -78,6 +80,13 @@ def _cli_int(text: str) -> int:
 
 @dataclass(frozen=True)
 class Option:
+    """One setting users give, as a flag and a ``[dgls]`` key of the same name.
+
+    - ``policy``: the :class:`.config.SwapConfig` policy with a field of this name, which
+      :func:`swap_config` fills; None for a setting of the run around the engine (it is read from
+      :attr:`Resolved.values` by the start-up checks and the trainer integration). Every row states it.
+    """
+
     name: str
     kind: str  # bool | int | float | str | budget | int_list | cast_pairs | choice
     default: Any
@@ -86,7 +95,8 @@ class Option:
     group: str
     choices: tuple[str, ...] = ()
     shown: str | None = None  # the default as --help and the README show it, where None means something
-    refused: tuple[str, ...] = ()  # values taken only so that SwapConfig refuses them with the alternative
+    refused: tuple[str, ...] = ()  # values taken only so that the policy refuses them with the alternative
+    policy: str | None = field(kw_only=True)
 
     @property
     def flag(self) -> str:
@@ -119,6 +129,7 @@ OPTIONS: tuple[Option, ...] = (
         "stream layers with DGLS; off runs the trainer unchanged",
         "turn off to compare against the plain trainer",
         "placement",
+        policy=None,
     ),
     Option(
         "gpu_id",
@@ -127,6 +138,7 @@ OPTIONS: tuple[Option, ...] = (
         "CUDA device index to train on, in a one-process run (the deepspeed launcher picks GPUs itself)",
         "multi-GPU machines",
         "placement",
+        policy=None,
     ),
     Option(
         "initial_gpu_layers",
@@ -135,6 +147,7 @@ OPTIONS: tuple[Option, ...] = (
         "keep the first N layers resident (default 1)",
         "more VRAM left over: keep more of the ends resident",
         "placement",
+        policy="placement",
     ),
     Option(
         "final_gpu_layers",
@@ -143,6 +156,7 @@ OPTIONS: tuple[Option, ...] = (
         "keep the last N layers resident (default 1)",
         "as above",
         "placement",
+        policy="placement",
     ),
     Option(
         "gpu_layers",
@@ -151,6 +165,7 @@ OPTIONS: tuple[Option, ...] = (
         "explicit comma-separated list of resident layer indices (of the whole layer list, also with pipeline stages)",
         "full control over placement",
         "placement",
+        policy="placement",
     ),
     Option(
         "blocks_to_swap",
@@ -159,6 +174,7 @@ OPTIONS: tuple[Option, ...] = (
         "stream this many layers; the rest stay resident, split between both ends",
         "the knob kohya and diffusion-pipe users know",
         "placement",
+        policy="placement",
     ),
     Option(
         "vram_budget",
@@ -168,6 +184,7 @@ OPTIONS: tuple[Option, ...] = (
         "resident and the prefetch depth from a probe of the first steps",
         "you don't want to guess blocks_to_swap",
         "placement",
+        policy="placement",
     ),
     Option(
         "plan",
@@ -177,6 +194,7 @@ OPTIONS: tuple[Option, ...] = (
         "and exit without saving anything",
         "see what fits before a long run",
         "placement",
+        policy="placement",
     ),
     Option(
         "prefetch",
@@ -185,6 +203,7 @@ OPTIONS: tuple[Option, ...] = (
         "how many streamed layers ahead to copy; the pool holds prefetch+1 layers",
         "raise if compute waits on copies and VRAM allows; 0 copies on demand",
         "streaming",
+        policy="placement",
     ),
     Option(
         "threading",
@@ -193,6 +212,7 @@ OPTIONS: tuple[Option, ...] = (
         "issue copies (and stage pageable memory) from a background thread",
         "pageable fallback in use; see Performance for measurements",
         "streaming",
+        policy="transfer",
     ),
     Option(
         "offload_activations",
@@ -206,6 +226,7 @@ OPTIONS: tuple[Option, ...] = (
         "keeps every activation on the device",
         "streaming",
         shown="auto",
+        policy="activations",
     ),
     Option(
         "offload_recompute",
@@ -216,6 +237,7 @@ OPTIONS: tuple[Option, ...] = (
         "backward reads it; turns --offload_activations on; needs activation checkpointing",
         "one layer's backward fills the card (long videos) even with --offload_activations",
         "streaming",
+        policy="activations",
     ),
     Option(
         "swap_unit_mb",
@@ -227,6 +249,7 @@ OPTIONS: tuple[Option, ...] = (
         "the slots of large layers crowd a small card; a model whose layers read their children's weights "
         "themselves needs 0",
         "streaming",
+        policy="placement",
     ),
     Option(
         "checkpoint_units",
@@ -237,6 +260,7 @@ OPTIONS: tuple[Option, ...] = (
         "runs once more per step",
         "one layer's recompute fills the card (long videos) even with --offload_activations",
         "streaming",
+        policy="activations",
     ),
     Option(
         "keep_piece_outputs",
@@ -248,6 +272,7 @@ OPTIONS: tuple[Option, ...] = (
         "1 GB a block); turns --offload_activations on; needs activation checkpointing",
         "--checkpoint_units makes steps slower and host RAM has room",
         "streaming",
+        policy="activations",
     ),
     Option(
         "batch_move",
@@ -256,9 +281,16 @@ OPTIONS: tuple[Option, ...] = (
         "issue the copies of several upcoming layers as one batch",
         "see Performance for measurements",
         "streaming",
+        policy="transfer",
     ),
     Option(
-        "cuda_streams", "int", 1, "number of copy streams, used round-robin", "one stream saturates PCIe", "streaming"
+        "cuda_streams",
+        "int",
+        1,
+        "number of copy streams, used round-robin",
+        "one stream saturates PCIe",
+        "streaming",
+        policy="transfer",
     ),
     Option(
         "selective_packing",
@@ -267,6 +299,7 @@ OPTIONS: tuple[Option, ...] = (
         "layers smaller than this many MB are copied param by param instead of as one packed block",
         "leave at 0 (pack everything) unless measuring",
         "streaming",
+        policy="transfer",
     ),
     Option(
         "event_sync",
@@ -275,6 +308,7 @@ OPTIONS: tuple[Option, ...] = (
         "order copies with CUDA events; off makes the host wait for every copy",
         "turn off only to debug a suspected ordering problem",
         "streaming",
+        policy="transfer",
     ),
     Option(
         "device_sync_mode",
@@ -285,6 +319,7 @@ OPTIONS: tuple[Option, ...] = (
         "step: exact step timings and errors reported at the step that caused them; layer: debugging",
         "streaming",
         SYNC_MODES,
+        policy="transfer",
     ),
     Option(
         "pinned_ram_budget_gb",
@@ -293,6 +328,7 @@ OPTIONS: tuple[Option, ...] = (
         "most host RAM to page-lock (default: available RAM less a reserve)",
         "WSL, or machines shared with other jobs",
         "streaming",
+        policy="transfer",
     ),
     Option(
         "compile",
@@ -301,6 +337,7 @@ OPTIONS: tuple[Option, ...] = (
         "torch.compile the forward of resident layers (streamed layers stay eager: their weights move)",
         "many layers resident and a working compiler toolchain",
         "streaming",
+        policy="compute",
     ),
     Option(
         "cast_target",
@@ -311,6 +348,7 @@ OPTIONS: tuple[Option, ...] = (
         "FROM on the GPU just before use; repeat the flag for more pairs",
         "copies limit the step (PCIe gen3/4, pageable memory, little RAM): fp8 halves the bytes",
         "precision",
+        policy="compute",
     ),
     Option(
         "cast_norms",
@@ -319,6 +357,7 @@ OPTIONS: tuple[Option, ...] = (
         "let cast_target cast norm layers too (they are left alone by default)",
         "rarely: norm weights are tiny",
         "precision",
+        policy="compute",
     ),
     Option(
         "autocast",
@@ -330,6 +369,7 @@ OPTIONS: tuple[Option, ...] = (
         "precision",
         AUTOCAST_MODES,
         refused=AUTOCAST_REFUSED,
+        policy="compute",
     ),
     Option(
         "mixed_precision",
@@ -339,6 +379,7 @@ OPTIONS: tuple[Option, ...] = (
         "force float32 LoRA params under a bf16 model",
         "precision",
         MIXED_PRECISION_MODES,
+        policy="compute",
     ),
     Option(
         "lazy_lora_steps",
@@ -348,6 +389,7 @@ OPTIONS: tuple[Option, ...] = (
         "gradient_accumulation_steps by N)",
         "larger effective batch at the same VRAM; the streamed bytes per optimizer step grow N-fold",
         "training",
+        policy=None,
     ),
     Option(
         "host_adam",
@@ -363,6 +405,7 @@ OPTIONS: tuple[Option, ...] = (
         "or the GPU and the CPU together (split)",
         "training",
         IMPLEMENTATIONS,
+        policy=None,
     ),
     Option(
         "profile",
@@ -372,11 +415,20 @@ OPTIONS: tuple[Option, ...] = (
         "for a few steps after warm-up to this path",
         "see where compute waits on copies",
         "output",
+        policy="observe",
     ),
     Option(
-        "verbose", "bool", False, "print swap stats every step, and a windowed summary with ETA", "tuning", "output"
+        "verbose",
+        "bool",
+        False,
+        "print swap stats every step, and a windowed summary with ETA",
+        "tuning",
+        "output",
+        policy=None,
     ),
-    Option("verbose_every", "int", 10, "steps per windowed summary under --verbose", "long runs", "output"),
+    Option(
+        "verbose_every", "int", 10, "steps per windowed summary under --verbose", "long runs", "output", policy=None
+    ),
 )
 
 OPTION_BY_NAME = {o.name: o for o in OPTIONS}
@@ -477,7 +529,7 @@ def _coerce(option: Option, value: Any, where: str) -> Any:
         if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
             raise fail("a list of layer indices like [0, 1, 40]")
         return value
-    # cast_pairs: one [FROM, TO] pair or a list of them; SwapConfig checks the names
+    # cast_pairs: one [FROM, TO] pair or a list of them; ComputePolicy checks the names
     if isinstance(value, list) and len(value) == 2 and all(isinstance(x, str) for x in value):
         return [value]
     return value
@@ -580,37 +632,14 @@ def check(resolved: Resolved) -> None:
 
 
 def swap_config(values: dict[str, Any]) -> SwapConfig:
-    """The engine settings from resolved option values."""
-    keys = (
-        "initial_gpu_layers",
-        "final_gpu_layers",
-        "gpu_layers",
-        "blocks_to_swap",
-        "prefetch",
-        "threading",
-        "offload_activations",
-        "offload_recompute",
-        "swap_unit_mb",
-        "checkpoint_units",
-        "keep_piece_outputs",
-        "batch_move",
-        "cuda_streams",
-        "selective_packing",
-        "event_sync",
-        "pinned_ram_budget_gb",
-        "cast_target",
-        "cast_norms",
-        "autocast",
-        "mixed_precision",
-    )
-    config = {k: values[k] for k in keys}
-    config["profile_path"] = str(Path(values["profile"]).expanduser()) if values["profile"] else None
-    config["vram_budget_gb"] = values["vram_budget"]
-    config["plan_only"] = values["plan"]
-    config["event_sync"] = values["event_sync"] and values["device_sync_mode"] != "layer"
-    config["sync_each_step"] = values["device_sync_mode"] == "step"
-    config["compile_resident"] = values["compile"]
-    return SwapConfig(**config)
+    """The engine settings from resolved option values: each option's value in the field of its name of the
+    policy its row names (the fields no option sets keep their defaults)."""
+    settings: dict[str, dict[str, Any]] = {}
+    for o in OPTIONS:
+        if o.policy is not None:
+            settings.setdefault(o.policy, {})[o.name] = values[o.name]
+    kinds = policy_types()
+    return SwapConfig(**{policy: kinds[policy](**fields) for policy, fields in settings.items()})
 
 
 def markdown_table() -> str:

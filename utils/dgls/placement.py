@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .config import SwapConfig
+from .config import PlacementPolicy
 from .errors import DGLSUserError
 from .layout import MB, LayerSizes, device_bytes, pool_bytes, resident_bytes, slot_count
 
@@ -112,31 +112,31 @@ class Placement:
         return []
 
 
-def choose_streamed(sizes: Sequence[LayerSizes], config: SwapConfig) -> list[int]:
+def choose_streamed(sizes: Sequence[LayerSizes], policy: PlacementPolicy) -> list[int]:
     """Apply the explicit placement settings to the measured layers; raise on settings that don't fit.
 
     The settings name the caller's layers; a layer split into swap units (:mod:`.units`) streams all
     its units or none."""
     n = max(s.owner for s in sizes) + 1
     candidates = sorted({s.owner for s in sizes if s.streamable_bytes > 0})
-    if config.gpu_layers is not None:
-        bad = [i for i in config.gpu_layers if not 0 <= i < n]
+    if policy.gpu_layers is not None:
+        bad = [i for i in policy.gpu_layers if not 0 <= i < n]
         if bad:
             raise DGLSUserError(f"gpu_layers {bad} out of range: the model has {n} layers (0..{n - 1})")
-        keep = set(config.gpu_layers)
+        keep = set(policy.gpu_layers)
         chosen = [i for i in candidates if i not in keep]
-    elif config.blocks_to_swap is not None:
-        if config.blocks_to_swap > len(candidates):
+    elif policy.blocks_to_swap is not None:
+        if policy.blocks_to_swap > len(candidates):
             raise DGLSUserError(
-                f"blocks_to_swap={config.blocks_to_swap} but only {len(candidates)} of the {n} layers "
+                f"blocks_to_swap={policy.blocks_to_swap} but only {len(candidates)} of the {n} layers "
                 f"have frozen weights that can stream: set blocks_to_swap <= {len(candidates)}"
             )
-        keep = len(candidates) - config.blocks_to_swap
+        keep = len(candidates) - policy.blocks_to_swap
         head = (keep + 1) // 2  # resident layers split between the two ends: they cover the turnarounds
         chosen = candidates[head : len(candidates) - (keep - head)]
     else:
-        initial = 1 if config.initial_gpu_layers is None else config.initial_gpu_layers
-        final = 1 if config.final_gpu_layers is None else config.final_gpu_layers
+        initial = 1 if policy.initial_gpu_layers is None else policy.initial_gpu_layers
+        final = 1 if policy.final_gpu_layers is None else policy.final_gpu_layers
         for name, value in (("initial_gpu_layers", initial), ("final_gpu_layers", final)):
             if value > n:
                 raise DGLSUserError(f"{name}={value} but the model has only {n} layers")
@@ -145,9 +145,10 @@ def choose_streamed(sizes: Sequence[LayerSizes], config: SwapConfig) -> list[int
     return [s.index for s in sizes if s.streamable_bytes > 0 and s.owner in layers]
 
 
-def plan_placement(sizes: Sequence[LayerSizes], config: SwapConfig) -> Placement:
-    """The placement the explicit settings give (everything streamed under a VRAM budget: the probe)."""
-    if config.vram_budget_gb is not None and not config.explicit_placement:
+def plan_placement(sizes: Sequence[LayerSizes], policy: PlacementPolicy, copy_streams: int = 1) -> Placement:
+    """The placement the explicit settings give (everything streamed under a VRAM budget: the probe);
+    ``copy_streams``: the transfer policy's ``cuda_streams``."""
+    if policy.planned:
         streamed = [s.index for s in sizes if s.streamable_bytes > 0]
-        return Placement(tuple(sizes), tuple(streamed), 1, config.cuda_streams)
-    return Placement(tuple(sizes), tuple(choose_streamed(sizes, config)), config.prefetch, config.cuda_streams)
+        return Placement(tuple(sizes), tuple(streamed), 1, copy_streams)
+    return Placement(tuple(sizes), tuple(choose_streamed(sizes, policy)), policy.prefetch, copy_streams)

@@ -19,11 +19,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .errors import DGLSUserError
+
+if TYPE_CHECKING:  # config.py imports this module's validators
+    from .config import ComputePolicy
 
 # Name -> dtype; the float8 dtypes exist from torch 2.1, looked up by name so older torch only loses them.
 _DTYPES: dict[str, str] = {
@@ -141,11 +145,12 @@ class CastRules:
     cast_norms: bool = False
 
     @classmethod
-    def from_config(cls, config) -> CastRules | None:
-        if not config.cast_target:
+    def from_policy(cls, policy: ComputePolicy) -> CastRules | None:
+        """The rules of a compute policy's ``cast_target`` and ``cast_norms``; None: nothing is cast."""
+        if not policy.cast_target:
             return None
-        pairs = tuple((dtype_of(a), dtype_of(b)) for a, b in config.cast_target)
-        return cls(pairs, bool(config.cast_norms))
+        pairs = tuple((dtype_of(a), dtype_of(b)) for a, b in policy.cast_target)
+        return cls(pairs, bool(policy.cast_norms))
 
     def plan(self, layer: nn.Module) -> dict[int, ParamCast]:
         """``id(param) -> ParamCast`` for the frozen params of ``layer`` that these rules cast."""

@@ -32,7 +32,7 @@ Hazards
     - Under non-reentrant checkpointing a layer's region now spans several entries; :mod:`.hooks` keeps
       views of a streamed part's slot out of the checkpoint's storage (they are rebuilt from the part's
       current slot when backward needs them), so the region is safe.
-    - ``compile_resident`` never compiles a holder (its parts stream), only whole resident entries.
+    - ``compile`` never compiles a holder (its parts stream), only whole resident entries.
 
 Checkpoint pieces
     :func:`pieces_to_checkpoint` says what ``checkpoint_units`` (:mod:`.unit_checkpoints`) runs under

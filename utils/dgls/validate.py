@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from . import options
-from .config import SwapConfig
+from .config import ComputePolicy, PlacementPolicy, SwapConfig, TrainingPolicy
 from .distributed import DistEnv, dist_env, option_value
 from .errors import DGLSUserError
 from .launch import DEMO_MODEL_TYPE, build_parser, check_known_type, load_toml, model_type
@@ -99,16 +99,16 @@ def check_gpu_id(resolved: options.Resolved, dist: DistEnv, wanted: str = "auto"
         raise DGLSUserError(f"{label} {gpu_id} but only {count} CUDA device(s) are visible (0-{count - 1})")
 
 
-def check_precision(swap: SwapConfig, dtypes: set[str], trainer_autocasts: bool, where: str) -> None:
+def check_precision(compute: ComputePolicy, dtypes: set[str], trainer_autocasts: bool, where: str) -> None:
     """Refuse casts that match no weights (they would be reported but do nothing) and, where the
     trainer does not autocast, casts that would leave inputs and weights in different dtypes."""
-    for source, target in swap.cast_target or ():
+    for source, target in compute.cast_target or ():
         if dtypes and source not in dtypes:
             raise DGLSUserError(
                 f"cast_target {source} {target} casts nothing: the model's weights are {', '.join(sorted(dtypes))} "
                 f"({where}); use cast_target {sorted(dtypes)[0]} {target}"
             )
-        if not is_fp8(dtype_of(target, "cast_target")) and not trainer_autocasts and swap.autocast is None:
+        if not is_fp8(dtype_of(target, "cast_target")) and not trainer_autocasts and compute.autocast is None:
             raise DGLSUserError(
                 f"cast_target {source} {target} makes the streamed weights {target} while the inputs stay {source}: "
                 f"add --autocast {AUTOCAST_NAME[target]}, or store as fp8 (cast_target {source} f8_e4m3), which "
@@ -157,16 +157,17 @@ def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, 
     require_modules(("deepspeed", "peft", "safetensors", "tqdm"), "the demo needs it")
     values, notes = resolved.values, list(resolved.notes)
     dist = dist_env(os.environ, values["gpu_id"], resolved.given("gpu_id"))
-    _check_demo_layout(path, settings, swap, dist, resolved)
+    _check_demo_layout(path, settings, swap.placement, dist, resolved)
     device = _demo_device(settings.device, resolved, dist)
     if values["vram_budget"] == "auto" and device.type != "cuda":
         raise DGLSUserError(f"{resolved.label('vram_budget')} auto measures free VRAM: give a number of GiB on CPU")
     if values["profile"] is not None and values["dynamic_swapping"] and not values["plan"]:
-        last = swap.profile_warmup_steps + swap.profile_steps
+        observe = swap.observe
+        last = observe.profile_warmup_steps + observe.profile_steps
         if settings.steps < last:
             raise DGLSUserError(
-                f"{resolved.label('profile')} records steps {swap.profile_warmup_steps + 1}-{last}, but [demo] steps = "
-                f"{settings.steps} in {path}: raise steps to {last} or more, or drop the profile"
+                f"{resolved.label('profile')} records steps {observe.profile_warmup_steps + 1}-{last}, but [demo] "
+                f"steps = {settings.steps} in {path}: raise steps to {last} or more, or drop the profile"
             )
     _check_profile(resolved, notes)
     if values["dynamic_swapping"] and not settings.activation_checkpointing:
@@ -180,12 +181,14 @@ def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, 
         where = f"[demo] output_dir = '{settings.output_dir}' in {path}"
         check_output_dir(settings.output_dir, where, count * 4 + SAFETENSORS_HEADER)
     if values["dynamic_swapping"]:
-        check_precision(swap, {name_of(settings.dtype)}, False, f"[model] dtype = '{settings.dtype_name}'")
+        check_precision(swap.compute, {name_of(settings.dtype)}, False, f"[model] dtype = '{settings.dtype_name}'")
     check_port(dist)  # last: the settings come first, whatever else holds the port
     return DemoRun(path, settings, values, swap, device, dist, tuple(notes))
 
 
-def _check_demo_layout(path: str, settings, swap: SwapConfig, dist: DistEnv, resolved: options.Resolved) -> None:
+def _check_demo_layout(
+    path: str, settings, placement: PlacementPolicy, dist: DistEnv, resolved: options.Resolved
+) -> None:
     """The demo's layers, pipeline stages, processes and placement settings fit together, before DeepSpeed
     starts: its layer count follows from [demo] double_blocks and single_blocks.
 
@@ -222,11 +225,11 @@ def _check_demo_layout(path: str, settings, swap: SwapConfig, dist: DistEnv, res
         f"the demo model ({model.double_blocks} double and {model.single_blocks} single blocks, with its input "
         "and output layers)"
     )
-    swap.check_layer_count(count, described, resolved.label)
+    placement.check_layer_count(count, described, resolved.label)
     if stages > 1:  # each stage places its own layers; DeepSpeed's uniform split: count // stages or 1 more
         smallest = count // stages
         for name in ("blocks_to_swap", "initial_gpu_layers", "final_gpu_layers"):
-            if (value := getattr(swap, name)) is not None and value > smallest:
+            if (value := getattr(placement, name)) is not None and value > smallest:
                 raise DGLSUserError(
                     f"{resolved.label(name)} is {value}, but it counts each pipeline stage's layers, and the smallest "
                     f"of the {stages} stages ([demo] pipeline_stages) holds {smallest} of the {count}: set {name} "
@@ -268,7 +271,7 @@ def _drop_in_full_fine_tune(
             "stage(s) would be data parallel: full fine-tuning of streamed layers runs one process per stage; set "
             f"pipeline_stages = {dist.world_size}"
         )
-    if swap.vram_budget_gb is not None and not swap.explicit_placement:
+    if swap.placement.planned:
         raise DGLSUserError(
             f"{resolved.label('vram_budget')} with a full fine-tune ({path} has no [adapter]): the planner re-places "
             "layers while training, and full fine-tuning places them once; give --blocks_to_swap or --gpu_layers"
@@ -282,7 +285,7 @@ def _drop_in_full_fine_tune(
     spec = dataclasses.replace(spec, implementation=resolved.values["host_adam"])
     _check_host_adam_build(spec)
     clip = config.get("gradient_clipping", 1.0)  # train.py's default; 0 lets host updates start during backward
-    return swap.replace(host_optimizer=spec, accumulation_steps=steps, clip_grads=bool(clip))
+    return swap.replace(training=TrainingPolicy(host_optimizer=spec, accumulation_steps=steps, clip_grads=bool(clip)))
 
 
 def _check_host_adam_build(spec) -> None:
@@ -303,14 +306,16 @@ def _full_fine_tune(path: str, settings, swap: SwapConfig, dist: DistEnv, resolv
             f"{settings.pipeline_stages} pipeline stage(s) would be data parallel: full fine-tuning of streamed "
             f"layers runs one process per stage; set [demo] pipeline_stages = {dist.world_size}"
         )
-    if swap.vram_budget_gb is not None and not swap.explicit_placement:
+    if swap.placement.planned:
         raise DGLSUserError(
             f"{resolved.label('vram_budget')} with a full fine-tune ({path} has no [adapter]): the planner re-places "
             "layers while training, and full fine-tuning places them once; give --blocks_to_swap or --gpu_layers"
         )
     spec = dataclasses.replace(settings.optimizer, implementation=resolved.values["host_adam"])
     _check_host_adam_build(spec)
-    return swap.replace(host_optimizer=spec, accumulation_steps=resolved.values["lazy_lora_steps"])
+    return swap.replace(
+        training=TrainingPolicy(host_optimizer=spec, accumulation_steps=resolved.values["lazy_lora_steps"])
+    )
 
 
 def _demo_device(wanted: str, resolved: options.Resolved, dist: DistEnv) -> torch.device:
@@ -340,7 +345,7 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
     dp_config.check_dataset_files(config, path, checkout)
     dp_model.check_model_paths(config, path, checkout)
     if swapping:
-        dp_model.check_placement(config, checkout, swap, resolved.label)
+        dp_model.check_placement(config, checkout, swap.placement, resolved.label)
     output_dir = config["output_dir"]
     check_output_dir(checkout / output_dir, f"output_dir = '{output_dir}' in {path}")
     require_modules(("deepspeed",), "diffusion-pipe's train.py needs it")
@@ -370,7 +375,7 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
         _host_adam_unused(resolved, path)
     if swapping:
         # diffusion-pipe autocasts each layer's forward to [model] dtype itself
-        check_precision(swap, dp_config.model_dtypes(config), True, "[model] dtype/transformer_dtype")
+        check_precision(swap.compute, dp_config.model_dtypes(config), True, "[model] dtype/transformer_dtype")
         notes += dp_config.startup_notes(config)
     train_args = list(rest)
     if option_value(rest, "--master_port") is None:
@@ -388,7 +393,7 @@ def prepare(argv: list[str] | None, here: Path) -> DemoRun | DropInRun:
     config = load_toml(args.config)
     check_dgls_table_name(config, args.config)
     resolved = options.resolve(config.get("dgls"), args, args.config)
-    swap = options.swap_config(resolved.values)  # every engine setting, checked by SwapConfig
+    swap = options.swap_config(resolved.values)  # every engine setting, each checked by its policy
     options.check(resolved)
     if model_type(config, args.config) == DEMO_MODEL_TYPE:
         return _demo(args.config, config, rest, resolved, swap, args.diffusion_pipe)
