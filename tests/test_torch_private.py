@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -52,3 +53,36 @@ def test_the_helpers_do_what_torch_does():
     assert torch_private.view_base(x[2:]) is x
     norms = torch_private.foreach_norm([x, -x[:2]])
     assert torch.equal(torch.stack(norms), torch.stack([x.norm(), x[:2].norm()]))
+
+
+def test_no_other_module_calls_a_private_torch_api():
+    """Only torch_private.py spells ``torch._`` or a private torch module (docstrings and comments aside)."""
+    pattern = re.compile(r"torch\._|torch\.utils\._|_execution_engine|\._cdata|\._is_view\(|\._base\b")
+    found = []
+    for path in sorted((ROOT / "utils" / "dgls").rglob("*.py")):
+        if path.name == "torch_private.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            if pattern.search(code) and not code.lstrip().startswith(("f\"", '"', "'")):
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)
+
+
+def test_a_torch_outside_the_range_is_said_once_when_the_engine_is_built(monkeypatch):
+    from utils.dgls import LayerSwapper, SwapConfig
+
+    monkeypatch.setattr(torch, "__version__", "2.14.0")
+    lines: list[str] = []
+    layers = [torch.nn.Linear(4, 4).requires_grad_(False) for _ in range(2)]
+    with LayerSwapper(layers, SwapConfig.of(blocks_to_swap=1), device="cpu", log=lines.append):
+        pass
+    assert sum("torch 2.14.0 is outside the tested range" in line for line in lines) == 1, lines
+
+
+def test_the_program_refuses_a_torch_without_the_apis_before_reading_the_config(monkeypatch, tmp_path, capsys):
+    from cli_helpers import run_in_process
+
+    monkeypatch.delattr(torch, "_fused_sgd_")
+    code, _, err = run_in_process(["--config", str(tmp_path / "absent.toml")], capsys)
+    assert code == 2 and err.startswith("dgls: error: torch ") and "lacks torch._fused_sgd_," in err, err

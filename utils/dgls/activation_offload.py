@@ -68,6 +68,7 @@ from .host_store import ram_reserve
 from .pinned import PinnedMemory
 from .recompute_offload import Recomputed, RecomputeOffload, function_kind
 from .stats import human_bytes
+from .torch_private import in_backward, storage_key
 from .transport import Copy, Direction, Transport, make_transport
 
 if TYPE_CHECKING:
@@ -144,7 +145,7 @@ class ActivationOffloader(Feature):
         """``checkpoint(function, *args, **kwargs)`` with this offloader around it."""
 
         def dgls_checkpoint(function: Callable, *args, **kwargs):
-            if not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
+            if not torch.is_grad_enabled() or in_backward():
                 return checkpoint(function, *args, **kwargs)
             segment = self._enter(args, kwargs)
             return checkpoint(CheckpointedCall(self, segment, function), *args, **kwargs)
@@ -379,16 +380,16 @@ class CheckpointedCall:
 
     def __call__(self, *args, **kwargs):
         recompute = self.offloader.recompute
-        in_backward = torch._C._current_autograd_node() is not None  # the recompute
-        if in_backward:
+        recomputing = in_backward()  # the recompute
+        if recomputing:
             self.offloader.before_recompute(self.segment)
         if recompute is None:
             hooks = nullcontext()
-        elif in_backward:
+        elif recomputing:
             hooks = recompute.recomputing((self.segment.position, function_kind(self.function)), self.record)
         else:
             hooks = recompute.forwarding(self.record)
-        outer, self.offloader.calling, self.recomputing = self.offloader.calling, self, in_backward
+        outer, self.offloader.calling, self.recomputing = self.offloader.calling, self, recomputing
         try:
             with hooks:
                 return self.function(*args, **kwargs)
@@ -416,7 +417,7 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 def _storage_key(tensor: torch.Tensor) -> int:
     """The storage's identity: the same for every view of it, and before and after a resize."""
-    return tensor.untyped_storage()._cdata
+    return storage_key(tensor)
 
 
 def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:

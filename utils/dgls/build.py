@@ -44,6 +44,7 @@ from .planner import unit_bytes_for_budget
 from .precision import CastRules, cast_trainable, check_device_support, describe, name_of
 from .profiler import Profiler
 from .stats import human_bytes
+from .torch_private import check_torch
 from .training_feature import TrainingFeature
 from .transport import CudaTransport, Direction, Transport, make_transport
 from .unit_checkpoints import Piece, UnitCheckpoints
@@ -89,6 +90,9 @@ def build(
     """Check the configuration against the layers, then make the parts (nothing in the model changes here)."""
     if not layers:
         raise DGLSUserError("no layers to place: the layer list is empty")
+    notice = check_torch()  # refuses a torch that lacks a private API DGLS calls
+    if notice:
+        log(notice)
     c = config
     cast_rules = CastRules.from_policy(c.compute)
     check_device_support(device, cast_rules)

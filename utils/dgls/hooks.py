@@ -39,11 +39,11 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.autograd import Variable
 
 from .errors import DGLSUserError
 from .layout import modules_of
 from .schedule import Phase, current_phase
+from .torch_private import queue_end_of_backward, top_saved_tensors_hooks, under_selective_checkpoint
 
 
 @dataclass(frozen=True)
@@ -91,9 +91,7 @@ def _is_torch_checkpoint(hooks) -> bool:
 
 
 def _under_selective_checkpoint() -> bool:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return any(type(m).__name__ == "_CachingTorchDispatchMode" for m in _get_current_dispatch_mode_stack())
+    return under_selective_checkpoint()
 
 
 class HookAdapter:
@@ -140,7 +138,7 @@ class HookAdapter:
             self._queue_pass_end()
         pushed = None
         if torch.is_grad_enabled() and self.engine.is_streamed(idx):
-            outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
+            outer = top_saved_tensors_hooks()
             if outer is not None and _is_torch_checkpoint(outer) and _under_selective_checkpoint():
                 raise DGLSUserError(
                     f"layer {self.owners[idx]} streams under selective activation checkpointing, which caches op "
@@ -185,7 +183,7 @@ class HookAdapter:
     # ---------------------------------------------------------------- end of backward
     def _queue_pass_end(self) -> None:
         if not self._queued:
-            Variable._execution_engine.queue_callback(self._on_backward_end)
+            queue_end_of_backward(self._on_backward_end)
             self._queued = True
 
     def _on_backward_end(self) -> None:
@@ -210,7 +208,7 @@ class HookAdapter:
         the ``with``: :mod:`.unit_checkpoints` puts them above a unit's own checkpoint."""
         pushed = None
         if torch.is_grad_enabled() and self.engine.is_streamed(idx):
-            pushed = self._push_saved_tensor_hooks(torch._C._autograd._top_saved_tensors_default_hooks(True))
+            pushed = self._push_saved_tensor_hooks(top_saved_tensors_hooks())
         try:
             yield
         finally:

@@ -15,14 +15,13 @@ Contract of a kernel
       with one param group's hyper-parameters: the same numbers as that optimizer on the same device.
 
 Kernels
-    - :class:`AdamWKernel`: ``torch._fused_adamw_``; two moments, a step count.
-    - :class:`SGDKernel`: ``torch._fused_sgd_``; a momentum buffer when momentum is set, no step count.
+    - :class:`AdamWKernel`: torch's fused AdamW kernel; two moments, a step count.
+    - :class:`SGDKernel`: torch's fused SGD kernel; a momentum buffer when momentum is set, no step count.
       The buffer is created as zeros and every step runs as a later one (``is_first_step=False``): with
       dampening 0 (the only one DGLS builds), ``0 * momentum + grad`` is the first step's ``grad``, bitwise.
 
 Private torch APIs
-    - Every private torch call of the training path (``torch._fused_adamw_``, ``torch._fused_sgd_``,
-      ``torch._foreach_norm``, ``torch._foreach_mul_``) is in this module and nowhere else.
+    - The fused kernels are private torch functions: they are called through :mod:`.torch_private`.
 """
 
 from __future__ import annotations
@@ -32,17 +31,19 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from . import torch_private
+
 Zeros = Callable[[torch.Size, torch.dtype], torch.Tensor]
 
 
 def grad_norms(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The fp32 2-norm of each of ``grads``, in one fused kernel per device (the norms clipping adds up)."""
-    return list(torch._foreach_norm(list(grads), 2, dtype=torch.float32))
+    return torch_private.foreach_norm(grads)
 
 
 def scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
     """Multiply each of ``tensors`` in place by the scalar tensor ``coef`` (a clip coefficient), in one kernel."""
-    torch._foreach_mul_(list(tensors), coef)
+    torch_private.foreach_mul_(tensors, coef)
 
 
 class OptimizerKernel(ABC):
@@ -84,20 +85,17 @@ class AdamWKernel(OptimizerKernel):
     def step(self, masters, grads, state, steps, group, lr) -> None:
         avgs, sqs = state
         beta1, beta2 = group["betas"]
-        torch._fused_adamw_(
+        torch_private.fused_adamw_(
             masters,
             grads,
             avgs,
             sqs,
-            [],
             steps,
             lr=float(group["lr"] if lr is None else lr),
             beta1=float(beta1),
             beta2=float(beta2),
             weight_decay=float(group["weight_decay"]),
             eps=float(group["eps"]),
-            amsgrad=False,
-            maximize=False,
         )
 
 
@@ -112,7 +110,7 @@ class SGDKernel(OptimizerKernel):
         self.state_keys = ("momentum_buffer",) if momentum else ()
 
     def step(self, masters, grads, state, steps, group, lr) -> None:
-        torch._fused_sgd_(
+        torch_private.fused_sgd_(
             masters,
             grads,
             state[0] if self.state_keys else [],
@@ -121,10 +119,7 @@ class SGDKernel(OptimizerKernel):
             lr=float(group["lr"] if lr is None else lr),
             dampening=float(group.get("dampening", 0.0)),
             nesterov=bool(group.get("nesterov", False)),
-            maximize=False,
             is_first_step=False,
-            grad_scale=None,
-            found_inf=None,
         )
 
 

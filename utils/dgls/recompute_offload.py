@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .torch_private import top_saved_tensors_hooks, view_base
 from .transport import Marker
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ class RecomputeOffload:
         """The checkpointed function's first run: number what it saves (on top of the checkpoint's hooks), so
         that an unpack by the original graph knows which recomputed tensor it gets. ``cell`` is a one-item list
         the recompute fills with its record."""
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        outer = top_saved_tensors_hooks()
         if outer is None or not torch.is_grad_enabled():  # nothing is saved for a recompute to replace
             yield
             return
@@ -147,7 +148,7 @@ class RecomputeOffload:
         self._live.append(record)
         profile = self._profiles.get(key)
         head = profile * (1 - KEEP_SHARE) if profile else float("inf")
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        outer = top_saved_tensors_hooks()
         transfers = self.transfers
 
         def pack(tensor: torch.Tensor) -> Saved:
@@ -188,7 +189,7 @@ class RecomputeOffload:
 
     def _eligible(self, tensor: torch.Tensor) -> bool:
         """Activation offload's rule, less weights (a parameter, a view of one, a leaf that trains)."""
-        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
+        if isinstance(tensor, nn.Parameter) or isinstance(view_base(tensor), nn.Parameter):
             return False
         return not (tensor.requires_grad and tensor.is_leaf) and self.transfers.eligible(tensor)
 

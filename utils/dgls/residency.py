@@ -40,7 +40,7 @@ from torch.autograd.profiler import record_function
 from .copier import Copier, Token, Wait
 from .device_pool import Slot
 from .host_store import HostLayer
-from .transport import profiler_recording
+from .torch_private import profiler_recording
 
 
 class Residency(Enum):

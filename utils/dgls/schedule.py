@@ -13,6 +13,8 @@ from enum import Enum
 
 import torch
 
+from .torch_private import in_backward
+
 
 class Phase(Enum):
     FORWARD = "F"  # forward with grad
@@ -28,7 +30,7 @@ Use = tuple[int, Phase]
 
 def current_phase() -> Phase:
     """The phase of a use happening now, from autograd's state (never from Python frames)."""
-    if torch._C._current_autograd_node() is not None:
+    if in_backward():
         return Phase.BACKWARD
     return Phase.FORWARD if torch.is_grad_enabled() else Phase.NO_GRAD
 

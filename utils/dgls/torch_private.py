@@ -25,6 +25,7 @@ from functools import reduce
 
 import torch
 from torch.autograd import Variable
+from torch.autograd import profiler as autograd_profiler
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -125,6 +126,43 @@ def fused_adamw_(
     )
 
 
+def fused_sgd_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    momentum_buffers: list[torch.Tensor],
+    *,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    dampening: float,
+    nesterov: bool,
+    is_first_step: bool,
+) -> None:
+    """One SGD step over the lists in place: ``torch.optim.SGD(fused=True)``'s kernel, ``torch._fused_sgd_``."""
+    torch._fused_sgd_(
+        params,
+        grads,
+        momentum_buffers,
+        weight_decay=weight_decay,
+        momentum=momentum,
+        lr=lr,
+        dampening=dampening,
+        nesterov=nesterov,
+        maximize=False,
+        is_first_step=is_first_step,
+        grad_scale=None,
+        found_inf=None,
+    )
+
+
+# ---------------------------------------------------------------- the profiler
+def profiler_recording() -> bool:
+    """True while a ``torch.profiler`` (or ``torch.autograd.profiler``) records: the check
+    ``record_function`` itself makes, without its cost when nothing records.
+    ``torch.autograd.profiler._is_profiler_enabled``, a module bool the profilers set on start and stop."""
+    return autograd_profiler._is_profiler_enabled
+
+
 # ---------------------------------------------------------------- the start-up check
 USED = (
     "torch._C._current_autograd_node",
@@ -133,6 +171,8 @@ USED = (
     "torch._foreach_norm",
     "torch._foreach_mul_",
     "torch._fused_adamw_",
+    "torch._fused_sgd_",
+    "torch.autograd.profiler._is_profiler_enabled",
     "torch.Tensor._is_view",
     "torch.UntypedStorage._cdata",
 )

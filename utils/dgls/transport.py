@@ -66,6 +66,7 @@ import torch
 from torch.autograd import profiler as autograd_profiler
 
 from .errors import SwapWorkerError
+from .torch_private import profiler_recording
 
 POISON = 0xFF  # a NaN in every float dtype DGLS moves (fp32, bf16, fp16, fp8 e4m3fn/e5m2)
 
@@ -88,16 +89,10 @@ HOST_WAITS_MARKER = "DGLS host waits for a marker"
 NO_RANGE: AbstractContextManager = nullcontext()  # stateless: one object serves every unprofiled range
 
 
-def profiler_recording() -> bool:
-    """Whether a ``torch.profiler`` (or ``torch.autograd.profiler``) profile is recording now: torch's own fast
-    check, a module bool its profilers set on start and stop (private: ``_is_profiler_enabled``)."""
-    return autograd_profiler._is_profiler_enabled
-
-
 def profiler_range(name: str) -> AbstractContextManager:
     """A ``record_function`` range named ``name`` while a profiler records; otherwise a shared no-op context
     (``record_function`` itself calls into the dispatcher even with no profiler running)."""
-    return autograd_profiler.record_function(name) if autograd_profiler._is_profiler_enabled else NO_RANGE
+    return autograd_profiler.record_function(name) if profiler_recording() else NO_RANGE
 
 
 @dataclass(eq=False)

@@ -86,11 +86,11 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from .errors import DGLSUserError
 from .feature import Engine, Feature
+from .torch_private import TreeSpec, is_view, storage_key, tree_flatten, tree_unflatten
 
 if TYPE_CHECKING:
     from .activation_offload import CheckpointedCall
@@ -121,7 +121,7 @@ def _others(leaves: list) -> list:
 def _autocast_caches(tensor: torch.Tensor) -> bool:
     """Autocast's rule for the casts it caches (within one autocast region): a leaf that requires grad and is no
     view. Such an input's casts are one node in its graph; any other input's are one node per use."""
-    return tensor.requires_grad and tensor.is_leaf and not tensor._is_view()
+    return tensor.requires_grad and tensor.is_leaf and not is_view(tensor)
 
 
 @dataclass(frozen=True)
@@ -222,11 +222,11 @@ class KeptRun:
         (``leaves``), else a view of its leaf: autocast shares one cast among the reads of a float32 leaf and
         casts anything else at each read, and the reads' gradients sum differently (see the module docstring)."""
         grad_leaves = [t.detach().requires_grad_(need) for t, need in zip(saved, needs)]
-        read = {t.untyped_storage()._cdata for t in grad_leaves}  # storages backward still reads: the inputs, and
+        read = {storage_key(t) for t in grad_leaves}  # storages backward still reads: the inputs, and
         # what the rerun saves (DGLS's own hooks, pushed above these, turn views of slots into references)
 
         def note_saved(tensor: torch.Tensor) -> torch.Tensor:
-            read.add(tensor.untyped_storage()._cdata)
+            read.add(storage_key(tensor))
             return tensor
 
         with torch.enable_grad():  # a view made here is part of the graph (backward runs without grad)
@@ -237,7 +237,7 @@ class KeptRun:
         pairs = [(o, g) for o, g in zip(flat, grads) if g is not None and o.requires_grad]
         for o, _ in pairs:  # an output nothing saved is read by no one: only its graph is needed from here on
             storage = o.untyped_storage()
-            if storage._cdata not in read and storage.resizable():
+            if storage_key(o) not in read and storage.resizable():
                 storage.resize_(0)
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])

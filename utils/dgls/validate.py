@@ -24,6 +24,7 @@ from .paths import check_output_dir, check_output_file
 from .precision import dtype_of, is_fp8, name_of
 from .rendezvous import check_port
 from .spelling import check_dgls_table_name, check_passthrough_flags, check_top_level, did_you_mean
+from .torch_private import check_torch
 
 # Arguments the deepspeed launcher adds (--local_rank=N) or its users write (--deepspeed): the demo takes them.
 LAUNCHER_ARGS = ("--local_rank", "--deepspeed")
@@ -390,6 +391,7 @@ def prepare(argv: list[str] | None, here: Path) -> DemoRun | DropInRun:
     """Every check, in the order a user would fix them; ``here`` is the folder of dgls_train.py."""
     args, rest = build_parser().parse_known_args(argv)
     options.refuse_retired(rest)
+    check_torch()  # a torch without the private APIs DGLS calls; the engine's build says if it is untested
     config = load_toml(args.config)
     check_dgls_table_name(config, args.config)
     resolved = options.resolve(config.get("dgls"), args, args.config)
