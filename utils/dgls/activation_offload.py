@@ -65,9 +65,9 @@ import torch
 from .errors import DGLSUserError
 from .feature import Feature
 from .host_store import ram_reserve
+from .layout import human_bytes
 from .pinned import PinnedMemory
 from .recompute_offload import Recomputed, RecomputeOffload, function_kind
-from .stats import human_bytes
 from .torch_private import in_backward, storage_key
 from .transport import Copy, Direction, Transport, make_transport
 

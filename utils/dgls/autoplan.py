@@ -35,11 +35,11 @@ import torch
 
 from .copier import Wait
 from .errors import DGLSUserError
-from .layout import LayerSizes
+from .layout import LayerSizes, human_bytes
 from .listener import Listener
 from .planner import GiB, Plan, StepProfile, UseTiming, minimum_bytes, plan_for_budget, shortlist, simulate
 from .schedule import Phase
-from .stats import elapsed_ms, human_bytes, timestamp
+from .stats import elapsed_ms, timestamp
 from .transport import Copy, Direction
 
 AUTO_MARGIN = 1 * GiB  # kept free under "auto": CUDA context growth, other processes, fragmentation

@@ -37,18 +37,17 @@ from .errors import DGLSUserError
 from .feature import Engine, Feature
 from .forward_patches import ForwardPatches
 from .host_training import HostTraining, check_host_training
-from .layout import MB, LayerLayout, measure, modules_of
+from .layout import MB, LayerLayout, human_bytes, measure, modules_of
 from .masters import Masters
 from .placement import Placement, plan_placement
 from .planner import unit_bytes_for_budget
 from .precision import CastRules, cast_trainable, check_device_support, describe, name_of
 from .profiler import Profiler
-from .stats import human_bytes
 from .torch_private import check_torch
 from .training_feature import TrainingFeature
 from .transport import CudaTransport, Direction, Transport, make_transport
-from .unit_checkpoints import Piece, UnitCheckpoints
-from .units import Entry, pieces_to_checkpoint, split_layers, split_note
+from .unit_checkpoints import Piece, UnitCheckpoints, pieces_to_checkpoint
+from .units import Entry, split_layers, split_note
 
 
 @dataclass

@@ -26,12 +26,14 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from .errors import DGLSUserError
-from .host_optimizer import HostOptimizerSpec
 from .precision import validate_autocast, validate_cast_target, validate_mixed_precision
 from .spelling import did_you_mean
+
+if TYPE_CHECKING:  # a TrainingPolicy holds the spec the trainer built; the engine's settings never build one
+    from .host_optimizer import HostOptimizerSpec
 
 PLACEMENT_KEYS = ("gpu_layers", "blocks_to_swap", "initial_gpu_layers", "final_gpu_layers")
 SYNC_MODES = ("none", "step", "layer")

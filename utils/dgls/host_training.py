@@ -49,10 +49,9 @@ from .errors import DGLSUserError
 from .grad_return import SEND_GROUP_BYTES, GradReturn, GradState, Jobs, TrainedLayer, TrainedParam
 from .host_optimizer import HostOptimizerSpec
 from .host_store import HostLayer, ram_reserve
-from .layout import LayerLayout, TrainingLayout
+from .layout import LayerLayout, TrainingLayout, human_bytes
 from .optimizer_kernels import grad_norms
 from .pinned import PinnedMemory
-from .stats import human_bytes
 from .transport import Copy, Direction, Transport
 from .updaters import DeviceSide, HostUpdater, SplitUpdater, Updater, update_threads
 

@@ -45,6 +45,11 @@ GiB = 1024**3
 ALIGN = 256  # bytes: every packed param starts on this boundary (safe for any dtype view)
 
 
+def human_bytes(n: float) -> str:
+    """GiB for large amounts, MiB for small ones (the demo moves a few MiB)."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def aligned(nbytes: int) -> int:
     """Round up to the packing alignment."""
     return (nbytes + ALIGN - 1) // ALIGN * ALIGN

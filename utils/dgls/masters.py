@@ -29,12 +29,11 @@ from torch import nn
 
 from .errors import DGLSUserError
 from .host_store import HostLayer, HostStore, check_ram, default_pinned_budget
-from .layout import MB, LayerLayout, measure_layer
+from .layout import MB, LayerLayout, human_bytes, measure_layer
 from .monitor import check_pinned_budget
 from .peers import Peers, remove_orphans
 from .pinned import whole_pages
 from .precision import CastRules
-from .stats import human_bytes
 
 GiB = 1024**3
 

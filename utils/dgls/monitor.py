@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from .stats import human_bytes
+from .layout import human_bytes
 
 GiB = 1024**3
 MiB = 1024**2

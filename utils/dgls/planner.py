@@ -28,9 +28,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from .errors import DGLSUserError
-from .layout import GiB, LayerSizes, device_bytes, pool_bytes, resident_bytes
+from .layout import GiB, LayerSizes, device_bytes, human_bytes, pool_bytes, resident_bytes
 from .schedule import Phase
-from .stats import human_bytes
 
 PREFETCH_CHOICES = (1, 2, 3, 4)
 # Split layers when 2 slots exceed 1/4 of the budget, into units <= 1/24 of it: a Wan-14B block at 4 GiB into its

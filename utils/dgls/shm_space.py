@@ -27,6 +27,7 @@ from pathlib import Path
 
 from .distributed import DistEnv
 from .errors import DGLSUserError
+from .layout import human_bytes
 
 SHM = Path("/dev/shm")
 WHO = "the processes of this job on this machine share the streamed layers' weights through files there"
@@ -48,8 +49,6 @@ def shm_problem(nbytes: int, folder: Path = SHM, statvfs: Callable[[Path], os.st
         )
     free = st.f_bavail * st.f_frsize
     if nbytes > free:
-        from .stats import human_bytes  # here: stats imports the copier, which imports peers, which imports this
-
         used = (st.f_blocks - st.f_bfree) * st.f_frsize
         return (
             f"{folder} has {human_bytes(free)} free, and {WHO} ({human_bytes(nbytes)}): make it at least "

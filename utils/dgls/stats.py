@@ -18,14 +18,10 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from .copier import Token, Wait
+from .layout import human_bytes
 from .listener import Listener
 from .schedule import Phase
 from .transport import Copy, Direction
-
-
-def human_bytes(n: float) -> str:
-    """GiB for large amounts, MiB for small ones (the demo moves a few MiB)."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def timestamp(device: torch.device):

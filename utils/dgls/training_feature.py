@@ -22,9 +22,9 @@ from .errors import DGLSUserError
 from .feature import Engine, Feature
 from .host_optimizer import HostOptimizerSpec
 from .host_training import HostTraining
+from .layout import human_bytes
 from .masters import Masters
 from .schedule import current_phase
-from .stats import human_bytes
 from .transport import Transport
 
 

@@ -79,7 +79,7 @@ Invariants
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -91,6 +91,7 @@ from torch.utils.checkpoint import checkpoint
 from .errors import DGLSUserError
 from .feature import Engine, Feature
 from .torch_private import TreeSpec, is_view, storage_key, tree_flatten, tree_unflatten
+from .units import Entry, checkpoint_pieces, path_and_parents
 
 if TYPE_CHECKING:
     from .activation_offload import CheckpointedCall
@@ -439,3 +440,18 @@ class UnitCheckpoints(Feature):
     @property
     def replayed(self) -> int:
         return sum(w.replayed for w in self._installed)
+
+
+def pieces_to_checkpoint(entries: Sequence[Entry], trainable_streams: bool = False) -> list[Piece]:
+    """What ``checkpoint_units`` checkpoints: the :func:`checkpoint_pieces` of each of the caller's layers, each
+    with the entry that runs it: itself where it is a swap unit or a holder of units, else the nearest entry
+    that contains it (the whole layer, or the unit it is part of)."""
+    pieces: list[Piece] = []
+    for entry in entries:
+        if entry.part or not isinstance(entry.value, nn.Module):
+            continue  # only the caller's layers (whole, or the holder of their units)
+        paths = {e.part: i for i, e in enumerate(entries) if e.layer == entry.layer}
+        for path, module in checkpoint_pieces(entry.value, trainable_streams):
+            owner = next(paths[p] for p in path_and_parents(path) if p in paths)
+            pieces.append(Piece(module, owner, is_entry=path in paths))
+    return pieces

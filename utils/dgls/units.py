@@ -35,7 +35,7 @@ Hazards
     - ``compile`` never compiles a holder (its parts stream), only whole resident entries.
 
 Checkpoint pieces
-    :func:`pieces_to_checkpoint` says what ``checkpoint_units`` (:mod:`.unit_checkpoints`) runs under
+    :func:`~.unit_checkpoints.pieces_to_checkpoint` says what ``checkpoint_units`` runs under
     checkpoints of its own: each layer's children at half its size by the same rule, split into units or not.
 """
 
@@ -45,8 +45,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from torch import nn
-
-from .unit_checkpoints import Piece
 
 MIN_PART_BYTES = 1024 * 1024  # children smaller than this (or than 1/16 of a unit) stay with their holder
 MIN_PART_SHARE = 16  # (resident): not worth a copy of their own
@@ -134,22 +132,7 @@ def checkpoint_pieces(layer: nn.Module, trainable_streams: bool = False) -> list
     ]
 
 
-def pieces_to_checkpoint(entries: Sequence[Entry], trainable_streams: bool = False) -> list[Piece]:
-    """What ``checkpoint_units`` checkpoints: the :func:`checkpoint_pieces` of each of the caller's layers, each
-    with the entry that runs it: itself where it is a swap unit or a holder of units, else the nearest entry
-    that contains it (the whole layer, or the unit it is part of)."""
-    pieces: list[Piece] = []
-    for entry in entries:
-        if entry.part or not isinstance(entry.value, nn.Module):
-            continue  # only the caller's layers (whole, or the holder of their units)
-        paths = {e.part: i for i, e in enumerate(entries) if e.layer == entry.layer}
-        for path, module in checkpoint_pieces(entry.value, trainable_streams):
-            owner = next(paths[p] for p in _path_and_parents(path) if p in paths)
-            pieces.append(Piece(module, owner, is_entry=path in paths))
-    return pieces
-
-
-def _path_and_parents(path: str) -> Iterator[str]:
+def path_and_parents(path: str) -> Iterator[str]:
     """'a.b.c', 'a.b', 'a', then '' (the layer itself)."""
     while path:
         yield path

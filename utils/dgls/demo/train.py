@@ -29,13 +29,14 @@ import torch.nn.functional as F
 from ..distributed import destroy_process_group
 from ..engine_hooks import EngineHooks
 from ..errors import DGLSUserError, RunInterrupted
+from ..layout import human_bytes
 from ..monitor import MemoryMonitor
 from ..paths import new_run_dir
 from ..pipeline_hook import Stage, StageHook
 from ..rendezvous import peers_arrived
 from ..shm_op import without_shm_op
 from ..shm_space import check_before_start
-from ..stats import StepReader, StepWindow, human_bytes
+from ..stats import StepReader, StepWindow
 from ..stop_signals import stop_signal_received
 from ..swapper import LayerSwapper
 from ..validate import DemoRun
