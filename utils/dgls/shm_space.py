@@ -24,10 +24,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .distributed import DistEnv
 from .errors import DGLSUserError
 from .layout import human_bytes
+
+if TYPE_CHECKING:  # the job's processes, as the caller read them
+    from .distributed import DistEnv
 
 SHM = Path("/dev/shm")
 WHO = "the processes of this job on this machine share the streamed layers' weights through files there"
