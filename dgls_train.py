@@ -18,12 +18,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 try:
-    from utils.dgls.launch import entry
-    from utils.dgls.validate import DemoRun, prepare
+    from utils.dgls.program.launch import entry
+    from utils.dgls.program.validate import DemoRun, prepare
 except ModuleNotFoundError as exc:  # an incomplete copy into a checkout, or a package not installed
     missing = exc.name or str(exc)
     if missing.split(".")[0] == "utils":
-        path = missing.replace(".", "/") + (".py" if missing.count(".") >= 2 else "/")
+        depth = missing.count(".")  # utils.dgls: the package; utils.dgls.x: a folder or a root module; deeper: a module
+        path = missing.replace(".", "/") + ("/" if depth < 2 else "" if depth == 2 else ".py")
         sys.stderr.write(  # one write per line: DeepSpeed starts each process with python -u (errors.print_line)
             f"dgls: error: {path} is missing next to {Path(__file__).name} in {HERE}: "
             "copy the whole utils/dgls folder along with dgls_train.py (see the README)\n"
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
         run_demo(run)
     else:
-        from utils.dgls.diffusion_pipe import run_drop_in
+        from utils.dgls.trainers.diffusion_pipe import run_drop_in
 
         run_drop_in(run)
     return 0

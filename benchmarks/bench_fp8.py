@@ -32,7 +32,7 @@ from timing import peaks, reset_peaks, time_steps  # noqa: E402
 from units import GiB  # noqa: E402
 
 from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
-from utils.dgls.stats import StepReader  # noqa: E402
+from utils.dgls.watching.stats import StepReader  # noqa: E402
 
 FORMATS = {"e4m3": "f8_e4m3", "e5m2": "f8_e5m2"}
 NOTE = (

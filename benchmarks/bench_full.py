@@ -64,8 +64,8 @@ from timing import peaks, reset_peaks, time_steps  # noqa: E402
 from units import GiB  # noqa: E402
 
 from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
-from utils.dgls.host_optimizer import HostOptimizerSpec  # noqa: E402
-from utils.dgls.shm_op import without_shm_op  # noqa: E402
+from utils.dgls.trainers.shm_op import without_shm_op  # noqa: E402
+from utils.dgls.training.host_optimizer import HostOptimizerSpec  # noqa: E402
 
 LR, BETAS, WD, EPS = 1e-5, (0.9, 0.99), 0.01, 1e-8
 OPTIMIZERS = {"adamw": "AdamW", "sgd": "SGD without momentum"}

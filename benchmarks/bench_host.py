@@ -33,7 +33,7 @@ from timing import time_steps  # noqa: E402
 from units import GiB  # noqa: E402
 
 import utils.dgls  # noqa: E402
-from utils.dgls.hooks import HookAdapter  # noqa: E402
+from utils.dgls.streaming.hooks import HookAdapter  # noqa: E402
 
 # The hook entry points of each engine: every host call DGLS makes during a step starts in one of them.
 ENTRY_POINTS = {

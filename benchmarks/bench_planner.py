@@ -33,7 +33,7 @@ from timing import peaks, reset_peaks, time_steps  # noqa: E402
 from units import GiB  # noqa: E402
 
 from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
-from utils.dgls.planner import predict_peak  # noqa: E402
+from utils.dgls.planning.planner import predict_peak  # noqa: E402
 
 NOTE = (
     "Each budget's rows (and its all-resident reference) come from one process. A/B: the auto plan and the "

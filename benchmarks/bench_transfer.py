@@ -29,7 +29,7 @@ from timing import peaks, reset_peaks, time_steps  # noqa: E402
 from units import MiB  # noqa: E402
 
 from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
-from utils.dgls.stats import StepReader  # noqa: E402
+from utils.dgls.watching.stats import StepReader  # noqa: E402
 
 NOTE = (
     "floor = max(resident step, bytes copied per step / pinned bandwidth). The last two rows use blocks made of "

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from units import GiB
 
 from utils.dgls import LayerSwapper, SwapConfig
-from utils.dgls.stats import StepReader
+from utils.dgls.watching.stats import StepReader
 
 METHODS = {
     "resident": "all-resident",

@@ -20,10 +20,10 @@ from torch.utils.checkpoint import checkpoint
 from units import GiB
 
 from utils.dgls import SwapConfig
-from utils.dgls.config import PlacementPolicy
-from utils.dgls.layout import LayerSizes, measure  # noqa: E402
-from utils.dgls.placement import choose_streamed
-from utils.dgls.planner import resident_patterns
+from utils.dgls.memory.layout import LayerSizes, measure  # noqa: E402
+from utils.dgls.planning.planner import resident_patterns
+from utils.dgls.streaming.config import PlacementPolicy
+from utils.dgls.streaming.placement import choose_streamed
 
 LORA_RANK = 16
 

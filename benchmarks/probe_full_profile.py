@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_full  # noqa: E402
 import machine  # noqa: E402
 
-from utils.dgls import grad_return  # noqa: E402
+from utils.dgls.training import grad_return  # noqa: E402
 
 
 def summarize(trace: Path, bucket_ms: float = 50.0) -> None:

@@ -19,8 +19,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from utils.dgls import LayerSwapper, SwapConfig, residency, transport  # noqa: E402
-from utils.dgls.schedule import Phase  # noqa: E402
+from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
+from utils.dgls.memory import transport  # noqa: E402
+from utils.dgls.streaming import residency  # noqa: E402
+from utils.dgls.streaming.schedule import Phase  # noqa: E402
 
 LAYERS, ROUNDS, LOOPS = 24, 50, 300_000
 

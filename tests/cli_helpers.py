@@ -13,7 +13,7 @@ from conftest import ROOT
 from helpers import child_env
 
 import dgls_train
-from utils.dgls.launch import entry
+from utils.dgls.program.launch import entry
 
 FAKE = ROOT / "tests" / "fixtures" / "fake_checkout"
 

@@ -94,7 +94,7 @@ def extensions_dir() -> Path:
     """Where DeepSpeed's JIT-built ops go for these runs: one folder per DeepSpeed install.
 
     DeepSpeed builds its C++ ops on first use into torch's extensions folder, by name only (DGLS
-    and run_dp_train.py keep its CPU communication op, deepspeed_shm_comm, out: utils/dgls/shm_op.py;
+    and run_dp_train.py keep its CPU communication op, deepspeed_shm_comm, out: utils/dgls/trainers/shm_op.py;
     --host_adam deepspeed builds cpu_adam). A DeepSpeed of another version (another virtualenv on
     the same machine) rebuilding one there concurrently made this one load an op that lacks what it
     calls (``module 'deepspeed_shm_comm' has no attribute ...``)."""

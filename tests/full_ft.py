@@ -19,9 +19,9 @@ from helpers import SMALL, run_layers
 
 from utils.dgls.demo.data import SyntheticLatents
 from utils.dgls.demo.model import build_layers
-from utils.dgls.host_optimizer import HostOptimizerSpec
-from utils.dgls.host_training import grad_norms
-from utils.dgls.update_split import UpdateSplit
+from utils.dgls.training.host_optimizer import HostOptimizerSpec
+from utils.dgls.training.host_training import grad_norms
+from utils.dgls.training.update_split import UpdateSplit
 
 SPEC = HostOptimizerSpec(lr=1e-2, weight_decay=0.01, implementation="torch")
 MAX_NORM = 0.05  # small enough that clipping acts on every step

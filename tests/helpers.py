@@ -25,7 +25,7 @@ def child_env(*drop: str) -> dict[str, str]:
 def skip_waits(monkeypatch, direction) -> None:
     """The mutation of every CPU ordering test: the CPU transport never lands ``direction``'s copies when
     something waits for them (``acquire``, ``land``, a later copy gated on them), so readers see NaN bytes."""
-    from utils.dgls.transport import Transport
+    from utils.dgls.memory.transport import Transport
 
     land = Transport._land
 

@@ -25,12 +25,13 @@ from helpers import (
     train,
 )
 
-from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig, activation_offload
-from utils.dgls.activation_offload import ActivationOffloader
+from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
+from utils.dgls.activations import activation_offload
+from utils.dgls.activations.activation_offload import ActivationOffloader
+from utils.dgls.activations.recompute_offload import AHEAD_BYTES
 from utils.dgls.demo.data import SyntheticLatents
-from utils.dgls.layout import GiB
-from utils.dgls.recompute_offload import AHEAD_BYTES
-from utils.dgls.transport import Direction
+from utils.dgls.memory.layout import GiB
+from utils.dgls.memory.transport import Direction
 
 CPU = torch.device("cpu")
 MODES = ["nonreentrant", "reentrant", "unsloth"]

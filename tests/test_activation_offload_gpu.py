@@ -22,7 +22,7 @@ from test_ordering_gpu import (  # noqa: F401 (fixtures)
 )
 
 from utils.dgls import LayerSwapper, SwapConfig
-from utils.dgls.activation_offload import ActivationOffloader
+from utils.dgls.activations.activation_offload import ActivationOffloader
 
 pytestmark = pytest.mark.gpu
 MODES = ["nonreentrant", "reentrant", "unsloth"]

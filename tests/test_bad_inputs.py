@@ -811,7 +811,7 @@ def test_an_abbreviated_train_py_flag_reaches_train_py_in_full_and_an_ambiguous_
 
 def test_an_abbreviated_resume_flag_is_checked_up_front_and_passed_in_full(tmp_path):
     """``--resume`` resumed in train.py (its argparse expands it) but skipped DGLS's resume check."""
-    from utils.dgls.validate import prepare
+    from utils.dgls.program.validate import prepare
 
     with pytest.raises(DGLSUserError, match="has no earlier run to resume"):
         prepare(dp("--resume")(tmp_path), ROOT)
@@ -880,7 +880,7 @@ def test_a_pipeline_stage_without_layers_stops_every_process_naming_pipeline_sta
     process communicates; before, the empty stage's process said 'the layer list is empty' and the others died
     in gloo. (Three real processes: test_multi_process.py, slow.)"""
     from utils.dgls.errors import DGLSUserError
-    from utils.dgls.pipeline_hook import StageHook
+    from utils.dgls.trainers.pipeline_hook import StageHook
 
     hook = StageHook(lambda stage: pytest.fail("nothing is installed"))
     build = hook._wrap_build(lambda module: pytest.fail("nothing is built"))

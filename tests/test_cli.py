@@ -14,11 +14,11 @@ from conftest import ROOT
 from safetensors.torch import load_file
 
 import dgls_train
-from utils.dgls import options
 from utils.dgls.demo.settings import demo_settings
-from utils.dgls.distributed import DEFAULT_PORT, dist_env
-from utils.dgls.launch import build_parser
-from utils.dgls.validate import prepare
+from utils.dgls.program import options
+from utils.dgls.program.distributed import DEFAULT_PORT, dist_env
+from utils.dgls.program.launch import build_parser
+from utils.dgls.program.validate import prepare
 
 
 def run_dirs(folder):
@@ -162,7 +162,7 @@ def test_one_process_job_gets_a_free_port_unless_one_was_chosen():
 
 def test_lazy_lora_steps_config_is_temporary_and_keeps_the_file_name(tmp_path):
     import toml
-    from utils.dgls.diffusion_pipe import config_for_train_py
+    from utils.dgls.trainers.diffusion_pipe import config_for_train_py
 
     original = tmp_path / "my_flux.toml"
     config = {"gradient_accumulation_steps": 2, "dataset": "d.toml", "dgls": {"prefetch": 1}}

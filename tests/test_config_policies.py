@@ -8,8 +8,9 @@ import math
 
 import pytest
 
-from utils.dgls import options
-from utils.dgls.config import (
+from utils.dgls.errors import DGLSUserError
+from utils.dgls.program import options
+from utils.dgls.streaming.config import (
     ActivationPolicy,
     ComputePolicy,
     ObservePolicy,
@@ -20,7 +21,6 @@ from utils.dgls.config import (
     policy_types,
     setting_owners,
 )
-from utils.dgls.errors import DGLSUserError
 
 # Engine settings no option row sets: the start-up checks set the training policy from the trainer's config
 # (--host_adam and --lazy_lora_steps reach it there), and the rest are library and test settings.

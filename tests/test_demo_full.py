@@ -1,7 +1,7 @@
 """The demo as a full fine-tune (toml/demo_full.toml: no [adapter]), through DeepSpeed's pipeline engine.
 
 Streamed blocks train on the host and the resident ends with DeepSpeed's optimizer; one gradient norm
-covers both (utils/dgls/engine_hooks.py). The saved model matches the same run with every layer resident
+covers both (utils/dgls/trainers/engine_hooks.py). The saved model matches the same run with every layer resident
 (DGLS off), up to the optimizer kernels: the host runs torch's fused CPU AdamW, DeepSpeed the trainer's
 foreach AdamW, and the clipping norms are summed in another order (tests/test_host_training_cpu.py
 checks bitwise equality with one implementation).
@@ -14,9 +14,9 @@ from cli_helpers import demo_toml, run_in_process
 from conftest import ROOT
 from safetensors.torch import load_file
 
-from utils.dgls.engine_hooks import EngineHooks
 from utils.dgls.errors import DGLSUserError
-from utils.dgls.validate import DemoRun, prepare
+from utils.dgls.program.validate import DemoRun, prepare
+from utils.dgls.trainers.engine_hooks import EngineHooks
 
 
 def full_run(folder, capsys, *flags, optimizer=None):

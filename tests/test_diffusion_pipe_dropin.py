@@ -19,8 +19,9 @@ from helpers import child_env
 from safetensors.torch import load_file
 
 import dgls_train
-from utils.dgls.distributed import DEFAULT_PORT
-from utils.dgls.dp_config import (
+from utils.dgls.errors import DGLSUserError
+from utils.dgls.program.distributed import DEFAULT_PORT
+from utils.dgls.program.dp_config import (
     ENV_CHECKOUT,
     check_dataset_files,
     check_train_config,
@@ -28,8 +29,7 @@ from utils.dgls.dp_config import (
     host_optimizer_spec,
     startup_notes,
 )
-from utils.dgls.errors import DGLSUserError
-from utils.dgls.launch import build_parser
+from utils.dgls.program.launch import build_parser
 
 BASE = {
     "output_dir": "out",
@@ -250,11 +250,15 @@ def test_an_incomplete_copy_into_a_checkout_names_what_is_missing(tmp_path):
     proc = _run_dgls_train(checkout / "dgls_train.py", tmp_path)
     assert proc.returncode == 2 and "utils/dgls/ is missing next to dgls_train.py" in proc.stderr, proc.stderr
     shutil.copytree(ROOT / "utils" / "dgls", checkout / "utils" / "dgls")
-    (checkout / "utils" / "dgls" / "launch.py").unlink()
+    (checkout / "utils" / "dgls" / "program" / "launch.py").unlink()
     proc = _run_dgls_train(checkout / "dgls_train.py", tmp_path)
-    assert proc.returncode == 2 and "utils/dgls/launch.py is missing" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "utils/dgls/program/launch.py is missing" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
-    shutil.copy(ROOT / "utils" / "dgls" / "launch.py", checkout / "utils" / "dgls")
+    shutil.copy(ROOT / "utils" / "dgls" / "program" / "launch.py", checkout / "utils" / "dgls" / "program")
+    shutil.rmtree(checkout / "utils" / "dgls" / "memory")
+    proc = _run_dgls_train(checkout / "dgls_train.py", tmp_path)
+    assert proc.returncode == 2 and "utils/dgls/memory is missing" in proc.stderr, proc.stderr
+    shutil.copytree(ROOT / "utils" / "dgls" / "memory", checkout / "utils" / "dgls" / "memory")
     shutil.rmtree(checkout / "utils" / "dgls" / "demo")  # the drop-in runs without it; the demo names it
     demo = subprocess.run(
         [sys.executable, str(checkout / "dgls_train.py"), "--config", str(ROOT / "toml" / "demo.toml")],
@@ -289,7 +293,7 @@ def test_gpu_id_selects_the_device_of_a_one_process_run(tmp_path, monkeypatch):
     it) and LOCAL_RANK=1 (DeepSpeed's PipelineModule places the module by it)."""
     import torch
 
-    from utils.dgls.validate import prepare
+    from utils.dgls.program.validate import prepare
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
@@ -304,7 +308,7 @@ def test_gpu_id_selects_the_device_of_a_one_process_run(tmp_path, monkeypatch):
 
 def test_a_run_too_short_for_the_profile_says_so():
     from utils.dgls import SwapConfig
-    from utils.dgls.diffusion_pipe import PipelineInterception
+    from utils.dgls.trainers.diffusion_pipe import PipelineInterception
 
     lines = []
     values = {"verbose": False, "verbose_every": 10, "plan": False}

@@ -35,7 +35,7 @@ from tiny_models import SPECS, ModelSpec, files  # noqa: E402
 from tiny_models.checkout import shadow_checkout  # noqa: E402
 from tiny_models.flux import build_tiny_flux  # noqa: E402
 
-from utils.dgls.dp_model import layer_count  # noqa: E402
+from utils.dgls.program.dp_model import layer_count  # noqa: E402
 
 pytestmark = [pytest.mark.slow, requires_checkout]
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from utils.dgls import LayerSwapper, SwapConfig
-from utils.dgls.unit_checkpoints import UnitCheckpoints
+from utils.dgls.activations.unit_checkpoints import UnitCheckpoints
 
 pytestmark = pytest.mark.skipif(not CHECKOUT, reason="set DGLS_DIFFUSION_PIPE to a diffusion-pipe checkout")
 

@@ -9,10 +9,10 @@ import torch
 from helpers import SMALL, assert_bitwise_equal, make_layers, train
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig, SwapWorkerError
-from utils.dgls.build import build
 from utils.dgls.demo.model import DemoModelConfig, build_layers
-from utils.dgls.feature import Feature
-from utils.dgls.schedule import Phase, UsePredictor
+from utils.dgls.engine.build import build
+from utils.dgls.streaming.feature import Feature
+from utils.dgls.streaming.schedule import Phase, UsePredictor
 
 CPU = torch.device("cpu")
 
@@ -184,7 +184,7 @@ def test_placement_by_blocks_to_swap_keeps_both_ends():
 
 
 def test_too_little_ram_is_a_clear_error(monkeypatch):
-    import utils.dgls.host_store as host_store
+    import utils.dgls.memory.host_store as host_store
 
     class Tiny:
         available = 1024
@@ -322,11 +322,11 @@ def test_a_swapper_that_fails_to_start_changes_nothing(monkeypatch, where):
         raise DGLSUserError(f"{where} ran out (simulated)")
 
     if where == "host RAM":
-        monkeypatch.setattr("utils.dgls.masters.check_ram", fail)
+        monkeypatch.setattr("utils.dgls.streaming.masters.check_ram", fail)
     elif where == "device pool":
-        monkeypatch.setattr("utils.dgls.build.DevicePool", fail)
+        monkeypatch.setattr("utils.dgls.engine.build.DevicePool", fail)
     else:
-        monkeypatch.setattr("utils.dgls.forward_patches.ForwardPatches.install", fail)
+        monkeypatch.setattr("utils.dgls.streaming.forward_patches.ForwardPatches.install", fail)
     with pytest.raises(DGLSUserError, match="ran out"):
         LayerSwapper(layers, SwapConfig.of(mixed_precision="bf16", prefetch=1), device=CPU, log=None)
     for layer in layers:
@@ -387,7 +387,7 @@ def test_a_feature_hears_each_hook_in_lifecycle_order(monkeypatch):
         parts.features.append(recorder)
         return parts
 
-    monkeypatch.setattr("utils.dgls.swapper.build", with_recorder)
+    monkeypatch.setattr("utils.dgls.engine.swapper.build", with_recorder)
     layers, trainable = make_layers()
     lines: list[str] = []
     with LayerSwapper(layers, SwapConfig.of(blocks_to_swap=4, prefetch=1), device=CPU, log=lines.append) as swapper:

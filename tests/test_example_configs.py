@@ -11,7 +11,7 @@ import torch
 from cli_helpers import FAKE
 from conftest import ROOT
 
-from utils.dgls.validate import DemoRun, DropInRun, prepare
+from utils.dgls.program.validate import DemoRun, DropInRun, prepare
 
 FLUX_CONFIGS = sorted(p.name for p in (ROOT / "toml").glob("flux_*.toml"))
 DP_CONFIGS = [*FLUX_CONFIGS, "wan_lora_long_video.toml"]  # diffusion-pipe's

@@ -25,12 +25,13 @@ from full_ft import (
 )
 from helpers import skip_waits
 
-from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig, device_update, grad_return, host_training
-from utils.dgls.grad_return import GradReturn, GradState
-from utils.dgls.host_training import HostTraining
-from utils.dgls.transport import Direction, Transport
-from utils.dgls.update_split import UpdateSplit
-from utils.dgls.updaters import DeviceSide
+from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
+from utils.dgls.memory.transport import Direction, Transport
+from utils.dgls.training import device_update, grad_return, host_training
+from utils.dgls.training.grad_return import GradReturn, GradState
+from utils.dgls.training.host_training import HostTraining
+from utils.dgls.training.update_split import UpdateSplit
+from utils.dgls.training.updaters import DeviceSide
 
 CPU = torch.device("cpu")
 MODES = ["none", "nonreentrant", "reentrant"]

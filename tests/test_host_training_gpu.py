@@ -23,9 +23,9 @@ from test_ordering_gpu import MS, ComputeDelay, delay_every_copy, deterministic,
 
 from utils.dgls import LayerSwapper, SwapConfig
 from utils.dgls.demo.model import DemoModelConfig
-from utils.dgls.host_optimizer import HostOptimizerSpec
-from utils.dgls.pinned import WHOLE_MAX, PinnedMemory, whole_pages
-from utils.dgls.transport import Direction
+from utils.dgls.memory.pinned import WHOLE_MAX, PinnedMemory, whole_pages
+from utils.dgls.memory.transport import Direction
+from utils.dgls.training.host_optimizer import HostOptimizerSpec
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16

@@ -23,7 +23,7 @@ import pytest
 from cli_helpers import FAKE, deepspeed_cmd, demo_toml, fake_config, python_cmd, run_user_command, user_env
 from conftest import ROOT
 
-from utils.dgls.distributed import free_port
+from utils.dgls.program.distributed import free_port
 
 
 def only_run_dir(folder: Path) -> Path:

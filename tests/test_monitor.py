@@ -5,10 +5,10 @@ import dataclasses
 import psutil
 import pytest
 
-from utils.dgls import monitor as monitor_module
-from utils.dgls.diffusion_pipe import PipelineInterception
-from utils.dgls.monitor import MemoryMonitor, check_pinned_budget, is_wsl
-from utils.dgls.stats import StepStats, StepWindow, clock
+from utils.dgls.memory import monitor as monitor_module
+from utils.dgls.memory.monitor import MemoryMonitor, check_pinned_budget, is_wsl
+from utils.dgls.trainers.diffusion_pipe import PipelineInterception
+from utils.dgls.watching.stats import StepStats, StepWindow, clock
 
 GiB = 1024**3
 MiB = 1024**2

@@ -21,7 +21,7 @@ from cli_helpers import FAKE, deepspeed_cmd, demo_toml, fake_config, python_cmd,
 from conftest import ROOT
 from safetensors.torch import load_file
 
-from utils.dgls.distributed import free_port
+from utils.dgls.program.distributed import free_port
 
 pytestmark = pytest.mark.slow  # each launch starts 1-2 Python processes with torch and deepspeed: 20-60 s
 
@@ -62,7 +62,8 @@ def test_demo_pipeline_stages_stream_their_own_layers_and_train_exactly(tmp_path
     )
     assert_same_training(two, one, out, one_out)
     assert "stage 1 of 2 (layers 0-4):" in out and "stage 2 of 2 (layers 5-9):" in out
-    # DeepSpeed's CPU allreduce buffers (66 MB each, never unlinked by DeepSpeed) never appear (utils/dgls/shm_op.py)
+    # DeepSpeed's CPU allreduce buffers (66 MB each, never unlinked by DeepSpeed) never appear
+    # (utils/dgls/trainers/shm_op.py)
     assert not list(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*_29500_*"))
 
 

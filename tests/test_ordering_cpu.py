@@ -15,12 +15,12 @@ from helpers import SMALL, assert_bitwise_equal, make_layers, run_layers, train
 from torch.utils.checkpoint import checkpoint
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
-from utils.dgls.copier import Copier, DeferredCopier, OrderingError
-from utils.dgls.device_pool import DevicePool
-from utils.dgls.hooks import HookAdapter
-from utils.dgls.host_store import HostStore
-from utils.dgls.layout import measure
-from utils.dgls.schedule import UsePredictor
+from utils.dgls.memory.copier import Copier, DeferredCopier, OrderingError
+from utils.dgls.memory.device_pool import DevicePool
+from utils.dgls.memory.host_store import HostStore
+from utils.dgls.memory.layout import measure
+from utils.dgls.streaming.hooks import HookAdapter
+from utils.dgls.streaming.schedule import UsePredictor
 
 CPU = torch.device("cpu")
 MODES = ["none", "nonreentrant", "reentrant"]

@@ -16,11 +16,11 @@ import torch
 from helpers import assert_bitwise_equal, make_layers, train
 
 from utils.dgls import LayerSwapper, Listener, SwapConfig
-from utils.dgls.config import ComputePolicy
-from utils.dgls.copier import CudaCopier
 from utils.dgls.demo.model import DemoModelConfig
-from utils.dgls.precision import CastRules, fake_quantize
-from utils.dgls.transport import Direction
+from utils.dgls.memory.copier import CudaCopier
+from utils.dgls.memory.precision import CastRules, fake_quantize
+from utils.dgls.memory.transport import Direction
+from utils.dgls.streaming.config import ComputePolicy
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16

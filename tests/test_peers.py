@@ -17,7 +17,7 @@ import torch
 from conftest import ROOT
 from helpers import assert_bitwise_equal, child_env, make_layers, train
 
-from utils.dgls import peers
+from utils.dgls.memory import peers
 
 RANK = ROOT / "tests" / "fixtures" / "shared_masters_rank.py"
 

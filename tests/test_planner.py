@@ -10,7 +10,8 @@ from helpers import assert_bitwise_equal, make_layers, train
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
-from utils.dgls.autoplan import (
+from utils.dgls.memory.layout import LayerSizes, measure
+from utils.dgls.planning.autoplan import (
     CPU_BYTES_PER_MS,
     PEAK_MARGIN,
     PEAK_MARGIN_SHARE,
@@ -21,8 +22,7 @@ from utils.dgls.autoplan import (
     DriverState,
     PlacementDriver,
 )
-from utils.dgls.layout import LayerSizes, measure
-from utils.dgls.planner import (
+from utils.dgls.planning.planner import (
     GiB,
     Plan,
     StepProfile,
@@ -33,7 +33,7 @@ from utils.dgls.planner import (
     shortlist,
     simulate,
 )
-from utils.dgls.schedule import Phase
+from utils.dgls.streaming.schedule import Phase
 
 CPU = torch.device("cpu")
 MiB = 2**20

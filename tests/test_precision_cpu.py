@@ -7,8 +7,8 @@ from helpers import SMALL, assert_bitwise_equal, make_layers, train
 from torch import nn
 
 from utils.dgls import DGLSUserError, LayerSwapper, Listener, SwapConfig
-from utils.dgls.forward_patches import ForwardPatches
-from utils.dgls.precision import CastRules, ParamCast, dequantize, fake_quantize, quantize
+from utils.dgls.memory.precision import CastRules, ParamCast, dequantize, fake_quantize, quantize
+from utils.dgls.streaming.forward_patches import ForwardPatches
 
 CPU = torch.device("cpu")
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -341,7 +341,7 @@ def test_torch_without_fp8_is_refused(monkeypatch):
 
 
 def test_a_cast_the_device_cannot_do_is_refused_at_start_up(monkeypatch):
-    import utils.dgls.precision as precision
+    import utils.dgls.memory.precision as precision
 
     def broken(*args, **kwargs):
         raise RuntimeError("float8 copy not implemented for this device\nmore detail")

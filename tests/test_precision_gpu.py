@@ -10,7 +10,7 @@ import torch
 from helpers import make_layers, train
 
 from utils.dgls import LayerSwapper, SwapConfig
-from utils.dgls.precision import CastRules, fake_quantize
+from utils.dgls.memory.precision import CastRules, fake_quantize
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16

@@ -13,7 +13,7 @@ from full_ft import SPEC, full_layers, train_dgls
 from helpers import assert_bitwise_equal, checkpoint_for, child_env, make_layers, train
 
 from utils.dgls import LayerSwapper, Listener, SwapConfig
-from utils.dgls.transport import Direction
+from utils.dgls.memory.transport import Direction
 
 CPU = torch.device("cpu")
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None

@@ -17,9 +17,9 @@ from datetime import timedelta
 import pytest
 from cli_helpers import FAKE, demo_toml, fake_config, run_in_process, snapshot
 
-from utils.dgls.distributed import LAUNCHER_KEYS, RENDEZVOUS_VAR, DistEnv, free_port
 from utils.dgls.errors import DGLSUserError
-from utils.dgls.rendezvous import peers_arrived
+from utils.dgls.program.distributed import LAUNCHER_KEYS, RENDEZVOUS_VAR, DistEnv, free_port
+from utils.dgls.program.rendezvous import peers_arrived
 
 WAIT_S = 1.0
 
@@ -145,8 +145,8 @@ def test_the_drop_in_started_alone_in_a_job_of_two_is_one_line_before_train_py(t
 def test_under_torchrun_its_agent_holds_the_port_and_has_gathered_the_processes():
     """torchrun's agent serves the job's store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True): that busy port
     is not refused, a one-process job keeps it (torch's clients connect there), and DGLS meets no one."""
-    from utils.dgls.distributed import dist_env
-    from utils.dgls.rendezvous import check_port
+    from utils.dgls.program.distributed import dist_env
+    from utils.dgls.program.rendezvous import check_port
 
     with socket.socket() as agent:
         agent.bind(("127.0.0.1", 0))

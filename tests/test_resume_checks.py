@@ -1,4 +1,4 @@
-"""Resuming a diffusion-pipe run: the checkpoint is checked before start-up (utils/dgls/resume.py, from
+"""Resuming a diffusion-pipe run: the checkpoint is checked before start-up (utils/dgls/program/resume.py, from
 dp_config.check_resume) and again where DeepSpeed loads it (the layer files against the layers, DGLS's host
 optimizer state against the host training), each problem one line naming the file and what to do.
 
@@ -20,9 +20,9 @@ from full_ft import SPEC, full_layers, train_dgls
 from torch import nn
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
-from utils.dgls.dp_config import check_resume
-from utils.dgls.engine_hooks import EngineHooks
-from utils.dgls.resume import ResumeChecks, agree, layer_fit_problem, torch_file_problem
+from utils.dgls.program.dp_config import check_resume
+from utils.dgls.program.resume import ResumeChecks, agree, layer_fit_problem, torch_file_problem
+from utils.dgls.trainers.engine_hooks import EngineHooks
 
 CPU = torch.device("cpu")
 LORA = {"output_dir": "out", "model": {"type": "flux"}, "adapter": {"type": "lora", "rank": 2}}
@@ -256,7 +256,7 @@ def _agree_in(rank: int, port: int, folder: Path) -> None:
 
 def test_every_process_raises_the_problem_one_found(tmp_path):
     """A process that raised alone would leave the others waiting in DeepSpeed's collectives."""
-    from utils.dgls.distributed import free_port
+    from utils.dgls.program.distributed import free_port
 
     torch.multiprocessing.spawn(_agree_in, args=(free_port(), tmp_path), nprocs=2)
     for rank in (0, 1):
@@ -272,8 +272,8 @@ def process_group(monkeypatch):
     """A one-process gloo group, as train.py has when it loads a checkpoint; ended afterwards."""
     import deepspeed
 
-    from utils.dgls.distributed import destroy_process_group, free_port
-    from utils.dgls.shm_op import without_shm_op
+    from utils.dgls.program.distributed import destroy_process_group, free_port
+    from utils.dgls.trainers.shm_op import without_shm_op
 
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
     for key, value in {**env, "LOCAL_RANK": "0"}.items():
@@ -291,7 +291,7 @@ def engine_with_dgls(layers, swap: SwapConfig, hooks=None):
     import torch.nn.functional as F
     from deepspeed.pipe import PipelineModule
 
-    from utils.dgls.pipeline_hook import StageHook
+    from utils.dgls.trainers.pipeline_hook import StageHook
 
     placed = {}
 

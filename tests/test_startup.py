@@ -2,10 +2,10 @@
 
 DeepSpeed's ``init_distributed`` used to load its CPU shared-memory op (``deepspeed_shm_comm``), building
 it on the first run (minutes, in silence) and waiting forever on the build's ``lock`` file once a build
-was killed; DGLS runs keep it out (utils/dgls/shm_op.py). An op DGLS does load (``--host_adam
-deepspeed``'s) is announced before it is compiled, and a stale lock is refused (utils/dgls/jit_ops.py).
+was killed; DGLS runs keep it out (utils/dgls/trainers/shm_op.py). An op DGLS does load (``--host_adam
+deepspeed``'s) is announced before it is compiled, and a stale lock is refused (utils/dgls/training/jit_ops.py).
 The processes of a data-parallel job share their host copy through /dev/shm, which is checked before
-anything is written there (utils/dgls/shm_space.py). The stale lock is made in a temporary
+anything is written there (utils/dgls/memory/shm_space.py). The stale lock is made in a temporary
 ``TORCH_EXTENSIONS_DIR``; torch's wait on it raises in the fast tests (so that a run that would wait fails
 instead of hanging). The real read-only or 1 MiB /dev/shm needs a private mount namespace (root and
 ``unshare``): the slow tests that use one skip without it.
@@ -27,12 +27,12 @@ from cli_helpers import FAKE, FAKE_TABLES, deepspeed_cmd, demo_toml, fake_config
 from conftest import ROOT
 from helpers import child_env
 
-from utils.dgls.distributed import DistEnv
 from utils.dgls.errors import DGLSUserError
-from utils.dgls.launch import entry
-from utils.dgls.peers import sharing_problems
-from utils.dgls.shm_op import without_shm_op
-from utils.dgls.shm_space import check_before_start, shm_problem
+from utils.dgls.memory.peers import sharing_problems
+from utils.dgls.memory.shm_space import check_before_start, shm_problem
+from utils.dgls.program.distributed import DistEnv
+from utils.dgls.program.launch import entry
+from utils.dgls.trainers.shm_op import without_shm_op
 
 SHM_OP = "deepspeed_shm_comm"
 MiB = 2**20
@@ -105,8 +105,8 @@ def test_the_drop_in_runs_train_py_without_the_shm_op(tmp_path, user_env, locked
 
     from deepspeed.comm.torch import build_shm_op
 
-    from utils.dgls.diffusion_pipe import run_drop_in
-    from utils.dgls.validate import prepare
+    from utils.dgls.program.validate import prepare
+    from utils.dgls.trainers.diffusion_pipe import run_drop_in
 
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setattr(sys, "argv", list(sys.argv))
@@ -142,7 +142,7 @@ def empty_extensions(tmp_path, monkeypatch):
 def test_a_stale_lock_of_the_host_adam_op_is_one_line_naming_the_file(empty_extensions):
     """--host_adam deepspeed loads DeepSpeedCPUAdam, compiled on first use: a lock left by a killed build
     is refused with the file to delete, before torch would wait on it forever."""
-    from utils.dgls.host_optimizer import HostOptimizerSpec
+    from utils.dgls.training.host_optimizer import HostOptimizerSpec
 
     lock = empty_extensions / "cpu_adam" / "lock"
     lock.parent.mkdir()
@@ -157,7 +157,7 @@ def test_a_stale_host_adam_lock_is_refused_before_deepspeed_starts(drop_in, empt
     """A full fine-tune with --host_adam deepspeed: the lock is refused by the checks before anything starts
     (it was refused only once DeepSpeed had started and placed the layers); DeepSpeed is not needed to find
     it (the build folder is torch's)."""
-    from utils.dgls.validate import prepare
+    from utils.dgls.program.validate import prepare
 
     lock = empty_extensions / "cpu_adam" / "lock"
     lock.parent.mkdir()
@@ -174,7 +174,7 @@ def test_a_stale_host_adam_lock_is_refused_before_deepspeed_starts(drop_in, empt
 
 
 def test_a_first_build_and_a_build_in_progress_are_said_before_loading(empty_extensions):
-    from utils.dgls.jit_ops import before_loading, lock_holders
+    from utils.dgls.training.jit_ops import before_loading, lock_holders
 
     said = []
     before_loading("CPUAdamBuilder", said.append)

@@ -17,7 +17,7 @@ import pytest
 from cli_helpers import demo_toml, run_in_process
 
 import utils.dgls.demo.train as demo_train
-from utils.dgls.stop_signals import StopSignals
+from utils.dgls.program.stop_signals import StopSignals
 
 
 def test_sigterm_raises_keyboard_interrupt_once_and_the_handlers_come_back():
@@ -188,7 +188,7 @@ def test_the_drop_in_interrupt_line_names_a_save_cut_short_as_incomplete(tmp_pat
     while saving leaves it, and that save is not reported as saved."""
     import time
 
-    from utils.dgls.diffusion_pipe import _what_was_saved
+    from utils.dgls.trainers.diffusion_pipe import _what_was_saved
 
     started = time.time() - 1
     run_dir = tmp_path / "20260101_00-00-00"

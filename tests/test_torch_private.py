@@ -64,7 +64,7 @@ def test_no_other_module_calls_a_private_torch_api():
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#")[0]
-            if pattern.search(code) and not code.lstrip().startswith(("f\"", '"', "'")):
+            if pattern.search(code) and not code.lstrip().startswith(('f"', '"', "'")):
                 found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not found, "\n".join(found)
 

@@ -9,12 +9,12 @@ import torch
 from full_ft import MAX_NORM, SPEC, assert_same, flip_sides_every_step, full_layers, train_dgls, train_reference
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
-from utils.dgls.device_update import DeviceUpdater
-from utils.dgls.grad_return import GradBatch, GradState, Job, LayerGrads
-from utils.dgls.host_optimizer import HostOptimizerSpec
-from utils.dgls.host_training import host_training_bytes
-from utils.dgls.optimizer_kernels import AdamWKernel, SGDKernel
-from utils.dgls.transport import Transport
+from utils.dgls.memory.transport import Transport
+from utils.dgls.training.device_update import DeviceUpdater
+from utils.dgls.training.grad_return import GradBatch, GradState, Job, LayerGrads
+from utils.dgls.training.host_optimizer import HostOptimizerSpec
+from utils.dgls.training.host_training import host_training_bytes
+from utils.dgls.training.optimizer_kernels import AdamWKernel, SGDKernel
 
 CPU = torch.device("cpu")
 SGD = HostOptimizerSpec(type="sgd", lr=1e-2, momentum=0.9, weight_decay=0.01, implementation="torch")

@@ -12,7 +12,7 @@ import torch
 from helpers import skip_waits
 
 from utils.dgls import SwapWorkerError
-from utils.dgls.transport import Direction, Marker, Transport, Worker
+from utils.dgls.memory.transport import Direction, Marker, Transport, Worker
 
 CPU = torch.device("cpu")
 

@@ -25,13 +25,13 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
-from utils.dgls.activation_offload import ActivationOffloader
-from utils.dgls.copier import DeferredCopier
-from utils.dgls.hooks import HookAdapter
-from utils.dgls.layout import measure
-from utils.dgls.planner import unit_bytes_for_budget
-from utils.dgls.unit_checkpoints import UnitCheckpoints
-from utils.dgls.units import checkpoint_pieces, split_layers
+from utils.dgls.activations.activation_offload import ActivationOffloader
+from utils.dgls.activations.unit_checkpoints import UnitCheckpoints
+from utils.dgls.memory.copier import DeferredCopier
+from utils.dgls.memory.layout import measure
+from utils.dgls.planning.planner import unit_bytes_for_budget
+from utils.dgls.streaming.hooks import HookAdapter
+from utils.dgls.streaming.units import checkpoint_pieces, split_layers
 
 CPU = torch.device("cpu")
 UNIT_MB = 0.03

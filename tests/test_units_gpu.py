@@ -32,9 +32,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from utils.dgls import LayerSwapper, SwapConfig
-from utils.dgls.activation_offload import ActivationOffloader
-from utils.dgls.copier import CudaCopier
-from utils.dgls.unit_checkpoints import UnitCheckpoints
+from utils.dgls.activations.activation_offload import ActivationOffloader
+from utils.dgls.activations.unit_checkpoints import UnitCheckpoints
+from utils.dgls.memory.copier import CudaCopier
 
 pytestmark = pytest.mark.gpu
 MODES = ["none", "nonreentrant", "reentrant", "unsloth"]

@@ -19,7 +19,7 @@ The library API, for a training loop of your own (``dgls_train.py`` is the one f
 A full fine-tune: give the host optimizer, and let DGLS clip and step the params it trains on the host
 (they never hold a ``.grad`` at the step, so your optimizer skips them)::
 
-    from utils.dgls.host_optimizer import HostOptimizerSpec
+    from utils.dgls.training.host_optimizer import HostOptimizerSpec
 
     config = SwapConfig.of(blocks_to_swap=20, host_optimizer=HostOptimizerSpec(lr=1e-5), accumulation_steps=1)
     with LayerSwapper(layers, config, device="cuda") as swapper:
@@ -34,7 +34,7 @@ A full fine-tune: give the host optimizer, and let DGLS clip and step the params
 
 ``SwapConfig.of`` takes each setting by its option's name (``--prefetch`` is ``prefetch``); the same settings
 grouped by the part that reads them are ``SwapConfig``'s policies (``config.placement.prefetch``,
-``SwapConfig(placement=PlacementPolicy(blocks_to_swap=20))``, :mod:`utils.dgls.config`).
+``SwapConfig(placement=PlacementPolicy(blocks_to_swap=20))``, :mod:`utils.dgls.streaming.config`).
 
 ``swapper.total_stats()`` counts everything since the start (``later.since(earlier)`` gives a stretch,
 such as an optimizer step of several micro-batches); neither call waits for the GPU unless asked
@@ -42,13 +42,27 @@ such as an optimizer step of several micro-batches); neither call waits for the 
 ``swapper.placement.predicted_device_bytes`` the device memory of weights, buffers and the slot pool
 before step 1 (activations come on top). ``state_dict()`` of a streamed layer returns its true weights
 and ``load_state_dict()`` writes them, wherever they live.
+
+The package, from the bottom up: each folder's ``__init__`` says what it owns and what it may import, and
+``tests/test_layers.py`` holds every import to that.
+
+    errors.py, spelling.py, torch_private.py   what everything may use: error types, "did you mean", the
+                                               private torch APIs DGLS calls
+    memory/       the transport (every stream, event and copy worker) and the memories it moves bytes between
+    streaming/    the parts each streamed layer goes through: settings, placement, hooks, residency, masters;
+                  the feature lifecycle
+    watching/     listeners: statistics and the --profile timeline
+    activations/  training/  planning/        the features: activation offload, full fine-tuning, the planner
+    engine/       LayerSwapper and the builder that makes its parts
+    program/      dgls_train.py's process: options, checks, processes, how it ends
+    trainers/     demo/         diffusion-pipe's train.py and DeepSpeed's engine; the embedded demo
 """
 
-from .config import SwapConfig
+from .engine.swapper import LayerSwapper
 from .errors import DGLSUserError, SwapWorkerError
-from .listener import Listener
-from .placement import Placement
-from .stats import StepStats
-from .swapper import LayerSwapper
+from .streaming.config import SwapConfig
+from .streaming.placement import Placement
+from .watching.listener import Listener
+from .watching.stats import StepStats
 
 __all__ = ["DGLSUserError", "LayerSwapper", "Listener", "Placement", "StepStats", "SwapConfig", "SwapWorkerError"]

@@ -3,10 +3,11 @@ checked in full before anything is built, so a bad value is one line instead of 
 (or, for ``output_dir``, after every step has run).
 
 As in diffusion-pipe, a config with an ``[adapter]`` table trains a LoRA, and one without trains every
-weight (full fine-tuning: streamed layers are trained on the host, :mod:`utils.dgls.host_training`).
+weight (full fine-tuning: streamed layers are trained on the host, :mod:`utils.dgls.training.host_training`).
 ``[optimizer]`` (type, lr, betas, weight_decay, eps; momentum for sgd) sets the optimizer of a full fine-tune,
-each value checked for its range (:mod:`utils.dgls.host_optimizer`); a LoRA trains with AdamW at ``[demo] lr``, so
-an ``[optimizer]`` beside ``[adapter]`` is refused rather than ignored, as is a learning rate set in both tables."""
+each value checked for its range (:mod:`utils.dgls.training.host_optimizer`); a LoRA trains with AdamW at
+``[demo] lr``, so an ``[optimizer]`` beside ``[adapter]`` is refused rather than ignored, as is a learning rate set
+in both tables."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import DGLSUserError
-from ..host_optimizer import HostOptimizerSpec
+from ..training.host_optimizer import HostOptimizerSpec
 from .model import DemoModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

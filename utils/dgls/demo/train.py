@@ -3,9 +3,9 @@
 ``PipelineModule`` from a layer list, ``deepspeed.initialize``, ``train_batch``: the same
 path diffusion-pipe takes, so the demo exercises the real DeepSpeed integration,
 including keeping DeepSpeed from moving streamed layers to the device. A config without
-``[adapter]`` trains every weight: streamed layers on the host (:mod:`..host_training`), joined to
-DeepSpeed's optimizer step by :class:`~..engine_hooks.EngineHooks`. Every setting was checked before this
-runs (``utils/dgls/validate.py``).
+``[adapter]`` trains every weight: streamed layers on the host (:mod:`..training.host_training`), joined to
+DeepSpeed's optimizer step by :class:`~..trainers.engine_hooks.EngineHooks`. Every setting was checked before this
+runs (``utils/dgls/program/validate.py``).
 """
 
 from __future__ import annotations
@@ -26,20 +26,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..distributed import destroy_process_group
-from ..engine_hooks import EngineHooks
+from ..engine.swapper import LayerSwapper
 from ..errors import DGLSUserError, RunInterrupted
-from ..layout import human_bytes
-from ..monitor import MemoryMonitor
-from ..paths import new_run_dir
-from ..pipeline_hook import Stage, StageHook
-from ..rendezvous import peers_arrived
-from ..shm_op import without_shm_op
-from ..shm_space import check_before_start
-from ..stats import StepReader, StepWindow
-from ..stop_signals import stop_signal_received
-from ..swapper import LayerSwapper
-from ..validate import DemoRun
+from ..memory.layout import human_bytes
+from ..memory.monitor import MemoryMonitor
+from ..memory.shm_space import check_before_start
+from ..program.distributed import destroy_process_group
+from ..program.paths import new_run_dir
+from ..program.rendezvous import peers_arrived
+from ..program.stop_signals import stop_signal_received
+from ..program.validate import DemoRun
+from ..trainers.engine_hooks import EngineHooks
+from ..trainers.pipeline_hook import Stage, StageHook
+from ..trainers.shm_op import without_shm_op
+from ..watching.stats import StepReader, StepWindow
 from .data import SyntheticLatents
 from .model import BLOCK_CLASSES, add_lora, build_layers
 
@@ -63,7 +63,7 @@ def quiet_deepspeed() -> Iterator[io.StringIO]:
     topology) says nothing a demo user needs: it goes to a buffer, replayed on stderr if
     something fails inside (a bug: a user mistake or Ctrl-C stays one line, and so does a failure
     that follows a stop signal, such as the interrupted compiler's ``RuntimeError``:
-    :func:`..stop_signals.stop_signal_received`). Its logger is held at ERROR for the block."""
+    :func:`..program.stop_signals.stop_signal_received`). Its logger is held at ERROR for the block."""
     logger = logging.getLogger("DeepSpeed")
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -91,7 +91,7 @@ class _BelowError(logging.Filter):
 
 def _init_distributed(run: DemoRun) -> None:
     """A one-process group (or the launcher's), with the environment checked in validate; without
-    DeepSpeed's CPU shared-memory op, which training never uses (:mod:`..shm_op`)."""
+    DeepSpeed's CPU shared-memory op, which training never uses (:mod:`..trainers.shm_op`)."""
     import deepspeed
 
     os.environ.update(run.dist.env)
@@ -113,7 +113,7 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
     s, device = run.settings, run.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # a job whose processes will share host memory checks that /dev/shm takes files (:mod:`..shm_space`) before
+    # a job whose processes will share host memory checks that /dev/shm takes files (:mod:`..memory.shm_space`) before
     # its processes meet, as the drop-in does: each refuses on its own instead of waiting for the others
     check_before_start(run.dist, s.pipeline_stages, run.values["dynamic_swapping"], os.environ)
     try:

@@ -1,0 +1,10 @@
+"""Engine: ``LayerSwapper`` and the builder that makes its parts.
+
+Modules
+    - ``swapper.py``: ``LayerSwapper``, the engine's entry: which layer gets a slot, prefetch, re-placement,
+      removal; it iterates over its features and never asks which there are.
+    - ``build.py``: turns the configuration into the parts (layouts, placement, masters, the transport) and
+      the list of features, after every check.
+
+May import: memory, streaming, watching, activations, training, planning.
+"""

@@ -1,0 +1,357 @@
+"""Build: turn a :class:`~..streaming.config.SwapConfig` into the engine's parts, and say at start-up what was built.
+
+Order
+    - Checks first, before anything is packed or moved: device support of the casts, the planner's budget,
+      swap units (:mod:`..streaming.units`) and checkpointed pieces, the measured layouts (a cast that casts nothing is
+      refused), the placement (:mod:`..streaming.placement`), the host RAM full fine-tuning needs.
+    - Then the parts, none of which changes the model: the masters (packed host copies, :mod:`..streaming.masters`), the
+      transport (:mod:`..memory.transport`), the slot pool and the weight copier, and the features
+      (:mod:`..streaming.feature`):
+      full fine-tuning, activation offload (with recompute offload), unit checkpoints, forward patches, the
+      profiler, the VRAM-budget planner and the trainable params' cast, in the order the engine installs them.
+    - The engine (:class:`~.swapper.LayerSwapper`) streams and places the layers, installs its hooks, then the
+      features in list order; the cast comes last (it is lossy, and nothing after it can fail).
+
+Invariants
+    - Every ``config.<field>`` the engine's parts need is read here; the parts get values, not the config
+      (the engine keeps ``config`` only for readers, such as the planner's ``config.placement.prefetch``).
+    - A build that fails half-way frees what it made (pinned memory, shared segments, worker threads) and has
+      changed no param.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..activations.activation_offload import ActivationOffloader
+from ..activations.unit_checkpoints import Piece, UnitCheckpoints, pieces_to_checkpoint
+from ..errors import DGLSUserError
+from ..memory.copier import Copier, CudaCopier, DeferredCopier
+from ..memory.device_pool import DevicePool
+from ..memory.layout import MB, LayerLayout, human_bytes, measure, modules_of
+from ..memory.precision import CastRules, cast_trainable, check_device_support, describe, name_of
+from ..memory.transport import CudaTransport, Direction, Transport, make_transport
+from ..planning.autoplan import PlacementDriver, resolve_budget
+from ..planning.planner import unit_bytes_for_budget
+from ..streaming.config import SwapConfig
+from ..streaming.feature import Engine, Feature
+from ..streaming.forward_patches import ForwardPatches
+from ..streaming.masters import Masters
+from ..streaming.placement import Placement, plan_placement
+from ..streaming.units import Entry, split_layers, split_note
+from ..torch_private import check_torch
+from ..training.host_training import HostTraining, check_host_training
+from ..training.training_feature import TrainingFeature
+from ..watching.profiler import Profiler
+
+
+@dataclass
+class Parts:
+    """What the engine is made of (see :func:`build`)."""
+
+    layers: list  # the entries' modules
+    entries: list[Entry]  # the layers, some split into swap units (units.py); indices below are theirs
+    layouts: list[LayerLayout]
+    unit_bytes: int | None
+    pieces: list[Piece]
+    placement: Placement
+    masters: Masters
+    transport: Transport
+    pool: DevicePool
+    copier: Copier
+    features: list[Feature]  # installed in this order, closed in reverse
+    replays: Callable[[nn.Module], bool]  # modules whose next call starts no use (unit checkpoints' kept outputs)
+    batch_move: bool  # one submit for all the prefetches of a use
+    sync_each_step: bool
+    copy_streams: int
+    plan_finished: Callable[[], bool]
+    # for readers (the planner, the drop-in, tests); the engine itself only iterates ``features``
+    driver: PlacementDriver | None
+    training: HostTraining | None
+    activations: ActivationOffloader | None
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def build(
+    layers: list, config: SwapConfig, device: torch.device, log: Callable[[str], None], share_group: str = ""
+) -> Parts:
+    """Check the configuration against the layers, then make the parts (nothing in the model changes here)."""
+    if not layers:
+        raise DGLSUserError("no layers to place: the layer list is empty")
+    notice = check_torch()  # refuses a torch that lacks a private API DGLS calls
+    if notice:
+        log(notice)
+    c = config
+    cast_rules = CastRules.from_policy(c.compute)
+    check_device_support(device, cast_rules)
+    host_trained = c.training.host_optimizer is not None
+    driver = _start_driver(c, device, log)
+    unit_bytes = _unit_bytes(layers, c, cast_rules, host_trained, driver, log)
+    entries = split_layers(layers, unit_bytes, trainable_streams=host_trained)
+    values = [entry.value for entry in entries]
+    pieces = pieces_to_checkpoint(entries, host_trained) if c.activations.checkpoint_units else []
+    if c.activations.checkpoint_units and not pieces:
+        raise DGLSUserError(
+            "checkpoint_units checkpoints the child modules of each layer, and no layer has child modules with "
+            "params: drop checkpoint_units"
+        )
+    UnitCheckpoints.check(pieces)
+    measured = measure(values, cast_rules, c.compute.mixed_precision, host_trained=host_trained)
+    layouts = [layout.of_entry(entry.layer, entry.part, entry.holder) for layout, entry in zip(measured, entries)]
+    _check_casts_match(layouts, cast_rules)
+    sizes = tuple(layout.sizes for layout in layouts)
+    placement = plan_placement(sizes, c.placement, c.transfer.cuda_streams)
+    if driver is not None:
+        driver.check_static_minimum(sizes)
+    training_note = (
+        check_host_training(layouts, placement.streamed, c.training.host_optimizer, c.training.accumulation_steps)
+        if host_trained
+        else ""
+    )
+    with ExitStack() as undo:  # a failure below frees what was made
+        masters = Masters(
+            values, layouts, placement.streamed, device, cast_rules, c.transfer.pinned_ram_budget_gb,
+            c.transfer.selective_packing, log, share_group,
+        )  # fmt: skip
+        undo.callback(masters.release)
+        # weight copies are timed for the stats (collect_timing); the other directions only for --profile
+        timed = {d for d in Direction if d is not Direction.WEIGHTS_IN} if c.observe.profile else set()
+        timed |= {Direction.WEIGHTS_IN} if c.observe.collect_timing else set()
+        transport = make_transport(device, weight_lanes=c.transfer.cuda_streams, timed=timed)
+        undo.callback(transport.close)
+        features: list[Feature] = []
+        undo.callback(lambda: [feature.close() for feature in reversed(features)])
+        training = None
+        if host_trained:
+            trainer = TrainingFeature.start(
+                masters, placement.streamed, transport, c.training.host_optimizer, training_note, device=device,
+                threading=c.transfer.threading, accumulation_steps=c.training.accumulation_steps,
+                clipping=c.training.clip_grads,
+            )  # fmt: skip
+            features.append(trainer)
+            training = trainer.training
+        activations = None
+        if _offloads_activations(c, driver, device):
+            activations = ActivationOffloader(
+                device,
+                keep=max(1, c.placement.prefetch),
+                recompute=c.activations.offload_recompute,
+                transport=transport,
+            )
+            features.append(activations)
+        unit_checkpoints = None
+        if pieces:
+            calling = (lambda: activations.calling) if c.activations.keep_piece_outputs else None
+            unit_checkpoints = UnitCheckpoints(
+                pieces, device, calling, layers=len({entries[piece.entry].layer for piece in pieces})
+            )
+            features.append(unit_checkpoints)
+        eager = {idx for idx, entry in enumerate(entries) if entry.holder} | {piece.entry for piece in pieces}
+        compile_backend = c.compute.compile_backend if c.compute.compile else None
+        features.append(ForwardPatches(values, device, c.compute.autocast, compile_backend, eager))
+        if c.observe.profile:
+            features.append(
+                Profiler(
+                    c.observe.profile,
+                    device,
+                    c.observe.profile_warmup_steps,
+                    c.observe.profile_steps,
+                    c.transfer.cuda_streams,
+                    log,
+                )
+            )
+        if driver is not None:
+            features.append(_Planner(driver))
+        features.append(_TrainableCast(values, cast_rules, c.compute.autocast, c.compute.mixed_precision))
+        pool = DevicePool(device, placement.slot_count, placement.slot_bytes)
+        undo.callback(pool.release)
+        masters.store.ensure_staging(2, placement.slot_bytes)
+        if isinstance(transport, CudaTransport):
+            copier: Copier = CudaCopier(
+                transport,
+                masters.store,
+                event_sync=c.transfer.ordered_by_events,
+                use_thread=c.transfer.threading,
+                landing_bytes=placement.landing_bytes,
+            )
+        else:
+            copier = DeferredCopier(masters.store, use_thread=c.transfer.threading, transport=transport)
+        undo.callback(copier.close)
+        undo.pop_all()
+    return Parts(
+        layers=values,
+        entries=entries,
+        layouts=layouts,
+        unit_bytes=unit_bytes,
+        pieces=pieces,
+        placement=placement,
+        masters=masters,
+        transport=transport,
+        pool=pool,
+        copier=copier,
+        features=features,
+        replays=unit_checkpoints.replays if unit_checkpoints is not None else _replays_nothing,
+        batch_move=c.transfer.batch_move,
+        sync_each_step=c.transfer.sync_each_step,
+        copy_streams=c.transfer.cuda_streams,
+        plan_finished=_plan_finished(c.placement.plan, driver),
+        driver=driver,
+        training=training,
+        activations=activations,
+    )
+
+
+def start_report(parts: Parts) -> list[str]:
+    """The start-up lines: the placement, swap units, each feature's lines, warnings."""
+    lines = [parts.placement.table()]
+    if note := split_note(parts.entries, parts.unit_bytes):
+        lines.append(note)
+    lines += [line for feature in parts.features for line in feature.describe()]
+    lines += parts.placement.notes()
+    store = parts.masters.store
+    if pageable := store.pageable_layers:
+        lines.append(
+            f"DGLS: the pinned-RAM budget ({human_bytes(store.pinned_budget)}) covers "
+            f"{len(store.layers) - len(pageable)} of {len(store.layers)} streamed layers; the other "
+            f"{len(pageable)} stay pageable and are staged through 2 pinned buffers (slower): free RAM or raise "
+            "pinned_ram_budget_gb"
+        )
+    return lines
+
+
+class _Planner(Feature):
+    """The VRAM-budget planner (:mod:`..planning.autoplan`): it listens to the engine (records) and re-places layers
+    between passes, when the engine steps it (``between_passes``)."""
+
+    def __init__(self, driver: PlacementDriver) -> None:
+        self.driver = driver
+
+    def install(self, engine: Engine) -> None:
+        self.driver.attach(engine)
+        engine.add_listener(self.driver)
+
+    def between_passes(self) -> None:
+        self.driver.step()
+
+
+class _TrainableCast(Feature):
+    """``mixed_precision``: the trainable params (and any grads) in its dtype. Installed last: the cast is lossy
+    (:meth:`~.swapper.LayerSwapper.remove` casts back, rounded), so nothing after it may fail."""
+
+    def __init__(self, layers: list, rules: CastRules | None, autocast: str | None, mixed_precision: str) -> None:
+        self.layers, self.rules, self.autocast, self.mixed_precision = layers, rules, autocast, mixed_precision
+        self.changed = 0
+
+    def install(self, engine: Engine) -> None:
+        self.changed = cast_trainable([m for _, m in modules_of(self.layers)], self.mixed_precision)
+
+    def describe(self) -> list[str]:
+        if not (self.rules or self.autocast or self.mixed_precision != "auto"):
+            return []
+        return [describe(self.rules, self.autocast, self.mixed_precision, self.changed)]
+
+
+def _replays_nothing(module: nn.Module) -> bool:
+    return False
+
+
+def _plan_finished(plan_only: bool, driver: PlacementDriver | None) -> Callable[[], bool]:
+    """``plan_only``: finished once the plan was shown (an explicit placement is shown at construction)."""
+    if not plan_only:
+        return lambda: False
+    if driver is None:
+        return lambda: True
+
+    def finished() -> bool:
+        driver.step()  # the last pass's decision, before the caller stops (nothing when no pass is pending)
+        return driver.done
+
+    return finished
+
+
+def _start_driver(config: SwapConfig, device: torch.device, log: Callable[[str], None]) -> PlacementDriver | None:
+    if config.placement.vram_budget is None:
+        return None
+    if config.training.host_optimizer is not None and not config.placement.explicit:
+        raise DGLSUserError(
+            "full fine-tuning places layers once, at start-up (the optimizer state of a streamed layer lives "
+            "on the host), and the VRAM-budget planner re-places layers while training: give blocks_to_swap "
+            "or gpu_layers instead of vram_budget"
+        )
+    if config.placement.explicit:
+        log(
+            f"DGLS: {', '.join(config.placement.explicit)} given: explicit placement wins over vram_budget "
+            f"{config.placement.vram_budget} (the planner is off)"
+        )
+        return None
+    budget = resolve_budget(config.placement.vram_budget, device)
+    log(
+        f"DGLS: planning for a {human_bytes(budget)} VRAM budget: steps 1-2 run with every layer streamed "
+        "(warm-up, then the probe); then the best predicted plans are measured on the next steps (about 35), "
+        "and the fastest that fits is kept"
+    )
+    return PlacementDriver(
+        budget, device, log, plan_only=config.placement.plan, copy_streams=config.transfer.cuda_streams
+    )
+
+
+def _unit_bytes(
+    layers: list,
+    config: SwapConfig,
+    rules: CastRules | None,
+    host_trained: bool,
+    driver: PlacementDriver | None,
+    log: Callable[[str], None],
+) -> int | None:
+    """The largest swap unit in bytes (None: whole layers): ``swap_unit_mb`` if given, else the planner's
+    choice for the VRAM budget (from the whole layers' sizes)."""
+    given = config.placement.swap_unit_mb
+    if given is not None:  # rounded up: any size above 0, however small, splits (0 alone means whole layers)
+        return math.ceil(given * MB) or None
+    if driver is None:
+        return None
+    whole = measure(layers, rules, config.compute.mixed_precision, host_trained=host_trained)
+    unit = unit_bytes_for_budget([layout.sizes for layout in whole], driver.budget)
+    if unit is not None:
+        log(
+            f"DGLS: two slots of the largest layer would take over a quarter of the budget: layers over "
+            f"{human_bytes(unit)} stream as swap units (--swap_unit_mb to choose, 0 for whole layers)"
+        )
+    return unit
+
+
+def _offloads_activations(config: SwapConfig, driver: PlacementDriver | None, device: torch.device) -> bool:
+    """``offload_activations`` resolved: unset means offload what a VRAM budget needs, on CUDA (on the CPU
+    there is no device memory to save, and the planner measures none)."""
+    if config.activations.offload_recompute or config.activations.keep_piece_outputs:
+        return True
+    if config.activations.offload_activations is None:
+        return driver is not None and device.type == "cuda"
+    return config.activations.offload_activations
+
+
+def _check_casts_match(layouts: list[LayerLayout], rules: CastRules | None) -> None:
+    """Refuse a cast_target pair that casts nothing: never report a cast that does not happen."""
+    if rules is None:
+        return
+    cast_from = {p.param.dtype for layout in layouts for p in layout.params if p.stored != p.param.dtype}
+    unused = [(a, b) for a, b in rules.pairs if a not in cast_from]
+    if unused:
+        present = sorted({name_of(p.param.dtype) for layout in layouts for p in layout.params})
+        pairs = ", ".join(f"{name_of(a)} {name_of(b)}" for a, b in unused)
+        raise DGLSUserError(
+            f"cast_target {pairs} casts nothing: no frozen param of a layer is {name_of(unused[0][0])} (they are "
+            f"{', '.join(present) or 'absent'}; norm layers only count with --cast_norms): drop the pair"
+        )

@@ -1,0 +1,24 @@
+"""Memory: where bytes live and how they move between the device and host memory.
+
+Owns every CUDA stream, event and copy worker (``transport``), the memories (device slots, pinned and
+packed host copies, the machine's shared copy) and the model of a layer's bytes they are sized from.
+Knows nothing of layers' order, hooks or training.
+
+Modules
+    - ``transport.py``: every copy in every direction (weights in, gradients home, activations out and back,
+      optimizer state in and out) behind one vocabulary (submit, acquire, mark, land); the one owner of the
+      copy streams, events and the worker threads; its CPU backend poisons a destination and lands the bytes
+      late, so a missing wait in any direction fails a CPU test.
+    - ``copier.py``: the weight slot rule on top of the transport (a slot is written only after its readers).
+    - ``device_pool.py``: the fixed device slots that streamed layers occupy.
+    - ``host_store.py``: the packed host copies of streamed layers, pinned within the budget.
+    - ``pinned.py``: page-locked host memory of exact size.
+    - ``peers.py``: one shared host copy per machine for the processes that hold the same layers.
+    - ``shm_space.py``: room in ``/dev/shm`` for that shared copy, checked before anything is written.
+    - ``layout.py``: the one model of a layer's bytes (params, casts, slot, copy and landing sizes) and of the
+      training state's (``TrainingLayout``); byte units.
+    - ``precision.py``: dtype names, which frozen params ``cast_target`` casts, fp8 scaling, autocast's dtypes.
+    - ``monitor.py``: VRAM and RAM readings, and warnings before the host runs short.
+
+May import: nothing else of DGLS but the root modules.
+"""

@@ -1,0 +1,329 @@
+"""Planner: the fastest placement that fits a VRAM budget, from measured sizes and timings.
+
+A probe (the first real training steps, run with every layer streamed) gives one step's
+sequence of layer uses with each use's compute time, the activation peak and the copy
+bandwidth. ``simulate`` replays that sequence on a model of the two streams: compute
+runs the uses in order and waits for a streamed layer's copy; the copy stream copies one
+layer at a time, each copy issued ``prefetch`` streamed uses ahead and into the slot that
+the use ``prefetch + 1`` streamed uses earlier has finished with. ``plan_for_budget``
+searches which layers stay resident (which ones, not only how many: resident layers
+spread between streamed ones give the copies compute to hide behind) and the prefetch
+depth, and keeps the placement with the lowest predicted step time that fits;
+``shortlist`` also returns the best plans of other families predicted close to it, which
+the swapper measures on real steps before it settles (see autoplan.py).
+
+Activations are planned with the weights. With activation offload the probe sends home the
+inputs of every checkpointed call but the last ``prefetch`` (the smallest footprint) and
+measures the largest call's inputs. Placements are searched at that footprint; then each plan
+keeps on the device as many calls' inputs as its leftover budget holds (``keep_activations``):
+offload only what the budget needs. Weights take the room first, since a resident byte saves two
+copies a step (forward and backward fetch) and a kept activation byte one (its restore; the copy
+home runs on the otherwise idle direction). The time model leaves restores out; the measured
+trials rank the plans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from ..errors import DGLSUserError
+from ..memory.layout import GiB, LayerSizes, device_bytes, human_bytes, pool_bytes, resident_bytes
+from ..streaming.schedule import Phase
+
+PREFETCH_CHOICES = (1, 2, 3, 4)
+# Split layers when 2 slots exceed 1/4 of the budget, into units <= 1/24 of it: a Wan-14B block at 4 GiB into its
+# 50-135 MiB Linears' modules, a Flux block at 3 GiB into <= 128 MB, where 4 slots (prefetch 3) of them trained
+# within those budgets (benchmarks/results/wan_fit_9f_p3.md, flux_fit_u128.md).
+UNIT_SLOTS_SHARE, UNIT_SHARE = 4, 24
+
+
+@dataclass(frozen=True)
+class UseTiming:
+    """One use of a layer in the probe step: its phase and the compute time it took."""
+
+    layer: int
+    phase: Phase
+    compute_ms: float
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """What the probe measured."""
+
+    uses: tuple[UseTiming, ...]  # one whole step, in order (the next step repeats it)
+    activation_bytes: int  # peak allocated during the step less what was allocated at its start
+    reserved_overhead: int  # peak reserved less peak allocated: allocator slack
+    bytes_per_ms: float  # host-to-device copy bandwidth
+    # Activation offload (0 without): checkpointed calls of a pass whose inputs went home, the inputs of the
+    # largest of them, and the calls whose inputs stayed on the device (the last max(1, prefetch)).
+    sent_segments: int = 0
+    segment_bytes: int = 0
+    probe_kept: int = 0
+
+    @property
+    def compute_ms(self) -> float:
+        return sum(u.compute_ms for u in self.uses)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A placement with its predictions."""
+
+    streamed: tuple[int, ...]
+    prefetch: int
+    predicted_ms: float
+    predicted_peak: int
+    budget: int
+    pattern: str
+    kept_activations: int = 0  # checkpointed calls of a pass whose inputs stay on the device (0: no offload)
+
+    def runs_like(self, other: Plan) -> bool:
+        """Same streamed layers, and a prefetch depth that makes no difference (deeper than the
+        streamed layers, it changes nothing: there are no more slots to fill)."""
+        depth = max(len(self.streamed) - 1, 0)
+        return self.streamed == other.streamed and min(self.prefetch, depth) == min(other.prefetch, depth)
+
+    def describe(self, sizes: Sequence[LayerSizes]) -> str:
+        resident = [s.index for s in sizes if s.streamable_bytes and s.index not in set(self.streamed)]
+        return (
+            f"DGLS plan ({self.pattern}): {len(self.streamed)} layers streamed, "
+            f"resident {_ranges(resident) or 'none'}, "
+            f"prefetch {self.prefetch}{self._activations()}; predicted step {self.predicted_ms:.0f} ms, "
+            f"peak {self.predicted_peak / GiB:.2f} GiB of the {self.budget / GiB:.2f} GiB budget"
+        )
+
+    def _activations(self) -> str:
+        return f", inputs of the last {self.kept_activations} checkpointed calls kept" if self.kept_activations else ""
+
+
+def _ranges(indices: Iterable[int]) -> str:
+    """0,1,2,5,7,8 -> '0-2,5,7-8'."""
+    out: list[str] = []
+    for i in sorted(indices):
+        if out and out[-1][1] == i - 1:
+            out[-1] = (out[-1][0], i)
+        else:
+            out.append((i, i))
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)
+
+
+# ---------------------------------------------------------------- memory
+def planned_activation_bytes(profile: StepProfile, prefetch: int, kept: int | None = None) -> int:
+    """The probe's activation peak, for a plan that keeps the inputs of ``kept`` checkpointed calls on the
+    device (default and least: ``max(1, prefetch)``, as many as restores run ahead)."""
+    if not profile.sent_segments:
+        return profile.activation_bytes
+    kept = max(1, prefetch) if kept is None else kept
+    return max(0, profile.activation_bytes + (kept - profile.probe_kept) * profile.segment_bytes)
+
+
+def predict_peak(
+    sizes: Sequence[LayerSizes],
+    profile: StepProfile,
+    streamed: Iterable[int],
+    prefetch: int,
+    copy_streams: int = 1,
+    kept: int | None = None,
+) -> int:
+    """Peak reserved bytes: resident weights and buffers, the pool, activations, allocator slack."""
+    placed = device_bytes(sizes, streamed, prefetch, copy_streams)
+    return placed + planned_activation_bytes(profile, prefetch, kept) + profile.reserved_overhead
+
+
+def minimum_bytes(
+    sizes: Sequence[LayerSizes], profile: StepProfile | None, prefetch: int = 1, copy_streams: int = 1
+) -> int:
+    """The smallest footprint: every streamable layer streamed, ``prefetch + 1`` slots, and with activation
+    offload the inputs of only the last ``prefetch`` checkpointed calls on the device."""
+    streamed = [s.index for s in sizes if s.streamable_bytes]
+    extra = (planned_activation_bytes(profile, prefetch) + profile.reserved_overhead) if profile else 0
+    return device_bytes(sizes, streamed, prefetch, copy_streams) + extra
+
+
+def keep_activations(profile: StepProfile, plan: Plan) -> Plan:
+    """``plan`` keeping on the device the inputs of as many more checkpointed calls as its budget has room for
+    (up to all of them: then nothing goes home). Its placement is searched at the least kept (see the
+    module doc), so this only spends what the weights left."""
+    if not profile.sent_segments or not profile.segment_bytes:
+        return plan
+    least = max(1, plan.prefetch)
+    every = profile.probe_kept + profile.sent_segments
+    extra = max(0, min(every - least, (plan.budget - plan.predicted_peak) // profile.segment_bytes))
+    return replace(
+        plan, kept_activations=least + extra, predicted_peak=plan.predicted_peak + extra * profile.segment_bytes
+    )
+
+
+def unit_bytes_for_budget(sizes: Sequence[LayerSizes], budget: int) -> int | None:
+    """The swap-unit size for a VRAM budget (:mod:`..streaming.units`): None (whole layers) while two slots of the
+    largest layer take at most a quarter of the budget, as for a Flux LoRA at 8 GiB; otherwise layers
+    larger than a 24th of the budget are split into their child modules (a Wan-14B block at 4 GiB,
+    a Flux block at 3 GiB), so the slots stop crowding out activations and the planner can afford a
+    deeper prefetch of small units (which a layer's recompute and backward need twice)."""
+    largest = max((s.slot_bytes for s in sizes if s.streamable_bytes), default=0)
+    if 2 * largest <= budget // UNIT_SLOTS_SHARE:
+        return None
+    return budget // UNIT_SHARE
+
+
+# ---------------------------------------------------------------- time
+def simulate(
+    sizes: Sequence[LayerSizes], profile: StepProfile, streamed: Iterable[int], prefetch: int, steps: int = 3
+) -> float:
+    """Predicted milliseconds of one step in steady state (the last of ``steps`` replayed steps).
+
+    The host runs ahead of the GPU, so a copy starts as soon as the copy stream is free and
+    its slot is: the slot of the copy ``prefetch + 1`` copies earlier, free once that
+    layer's last consecutive use has finished computing.
+    """
+    streamed = set(streamed)
+    n = len(profile.uses)
+    sequence = [profile.uses[k % n] for k in range(steps * n)]
+    slots = max(prefetch, 0) + 1
+    hold_end: list[float] = []  # per copy: when its layer's run of consecutive uses ends
+    copy_free = t = 0.0
+    step_end = [0.0] * steps
+    for k, use in enumerate(sequence):
+        continues = k > 0 and sequence[k - 1].layer == use.layer
+        if use.layer in streamed and not continues:
+            issue = hold_end[-slots] if len(hold_end) >= slots else 0.0
+            copy_free = max(issue, copy_free) + sizes[use.layer].copy_bytes / profile.bytes_per_ms
+            t = max(t, copy_free)
+            hold_end.append(0.0)
+        t += use.compute_ms
+        if use.layer in streamed:
+            hold_end[-1] = t
+        step_end[k // n] = t
+    return step_end[-1] - step_end[-2] if steps > 1 else step_end[-1]
+
+
+# ---------------------------------------------------------------- search
+def resident_patterns(candidates: list[int], resident_count: int) -> dict[str, list[int]]:
+    """Resident sets of a given size: at both ends, spread evenly, or all at the start."""
+    k, m = resident_count, len(candidates)
+    head = (k + 1) // 2
+    spread = sorted({candidates[min(m - 1, int((i + 0.5) * m / k))] for i in range(k)}) if k else []
+    return {
+        "ends": candidates[:head] + candidates[m - (k - head) :] if k - head else candidates[:head],
+        "spread": spread,
+        "first": candidates[:k],
+    }
+
+
+def _check_minimum(sizes, profile, budget, prefetch_choices, copy_streams) -> None:
+    prefetch = min(prefetch_choices)
+    need = minimum_bytes(sizes, profile, prefetch, copy_streams)
+    if need > budget:
+        streamed = [s.index for s in sizes if s.streamable_bytes]
+        parts = {
+            "resident weights and buffers": resident_bytes(sizes, streamed),
+            "layer slots": pool_bytes(sizes, streamed, prefetch, copy_streams),
+            "activations": planned_activation_bytes(profile, prefetch) + profile.reserved_overhead,
+        }
+        largest = max(parts, key=parts.get)
+        offloading = (
+            "--checkpoint_units, --offload_recompute"  # inputs of checkpointed calls were offloaded already
+            if profile.sent_segments
+            else "--offload_activations with activation_checkpointing, --checkpoint_units, --offload_recompute"
+        )
+        remedy = {
+            "activations": f"lower the activations ({offloading}, a smaller batch or resolution; "
+            "--keep_piece_outputs wins back the time --checkpoint_units costs, for host RAM)",
+            "layer slots": "stream smaller pieces (--swap_unit_mb, the MB of the largest swap unit: the slots hold "
+            "two of the largest)",
+            "resident weights and buffers": "train fewer params on the device, or store frozen weights smaller "
+            "(--cast_target)",
+        }[largest]
+        described = " + ".join(f"{human_bytes(n)} of {name}" for name, n in parts.items())
+        raise DGLSUserError(
+            f"VRAM budget {human_bytes(budget)} is below the minimum {human_bytes(need)} ({described}; {largest} "
+            f"dominate): raise --vram_budget, or {remedy}"
+        )
+
+
+def shortlist(
+    sizes: Sequence[LayerSizes],
+    profile: StepProfile,
+    budget: int,
+    count: int = 3,
+    prefetch_choices: Sequence[int] = PREFETCH_CHOICES,
+    copy_streams: int = 1,
+    within: float = 0.15,
+) -> list[Plan]:
+    """The best fitting plan of each (pattern, prefetch) family, fastest first: the planner's
+    choice (improved greedily) and up to ``count - 1`` runners-up predicted within ``within``
+    of it, distinct in pattern or prefetch, for the swapper to measure (the model ranks
+    near-equal plans less reliably than one real step does)."""
+    _check_minimum(sizes, profile, budget, prefetch_choices, copy_streams)
+    candidates = [s.index for s in sizes if s.streamable_bytes]
+    families: dict[tuple[str, int], Plan] = {}
+    for prefetch in prefetch_choices:
+        for k in range(len(candidates) + 1):
+            for name, resident in resident_patterns(candidates, k).items():
+                streamed = set(candidates) - set(resident)
+                peak = predict_peak(sizes, profile, streamed, prefetch, copy_streams)
+                if peak > budget:
+                    continue
+                ms = simulate(sizes, profile, streamed, prefetch)
+                plan = Plan(tuple(sorted(streamed)), prefetch, ms, peak, budget, name)
+                best = families.get((name, prefetch))
+                if best is None or _better(plan, best, sizes):
+                    families[(name, prefetch)] = plan
+    assert families  # the minimum fits, so "everything streamed" was considered
+    ranked = sorted(families.values(), key=lambda p: (p.predicted_ms, sum(sizes[i].copy_bytes for i in p.streamed)))
+    first = _improve(sizes, profile, ranked[0], copy_streams)
+    picks = [first]
+    for plan in ranked[1:]:
+        if len(picks) == count or plan.predicted_ms > first.predicted_ms * (1 + within):
+            break
+        if not any(plan.runs_like(p) for p in picks):
+            picks.append(plan)
+    return [keep_activations(profile, plan) for plan in picks]
+
+
+def plan_for_budget(
+    sizes: Sequence[LayerSizes],
+    profile: StepProfile,
+    budget: int,
+    prefetch_choices: Sequence[int] = PREFETCH_CHOICES,
+    copy_streams: int = 1,
+) -> Plan:
+    """The fitting placement with the lowest predicted step time (ties: fewer bytes streamed).
+
+    Tries resident sets of every size in three patterns and each prefetch depth, then
+    improves the best one greedily (see ``_improve``).
+    """
+    return shortlist(sizes, profile, budget, 1, prefetch_choices, copy_streams)[0]
+
+
+def _improve(sizes: Sequence[LayerSizes], profile: StepProfile, best: Plan, copy_streams: int) -> Plan:
+    """While a streamed layer can become resident within the budget, make resident the one
+    that lowers the predicted time most."""
+    streamed = set(best.streamed)
+    while True:
+        options = []
+        for i in sorted(streamed):
+            trial = streamed - {i}
+            if predict_peak(sizes, profile, trial, best.prefetch, copy_streams) <= best.budget:
+                options.append((simulate(sizes, profile, trial, best.prefetch), -sizes[i].copy_bytes, i))
+        if not options:
+            return best
+        ms, _, i = min(options)
+        if ms > best.predicted_ms * 0.999:
+            return best
+        streamed.discard(i)
+        peak = predict_peak(sizes, profile, streamed, best.prefetch, copy_streams)
+        pattern = best.pattern if best.pattern.endswith("+greedy") else best.pattern + "+greedy"
+        best = Plan(tuple(sorted(streamed)), best.prefetch, ms, peak, best.budget, pattern)
+
+
+def _better(a: Plan, b: Plan, sizes: Sequence[LayerSizes]) -> bool:
+    """Lower predicted time wins by more than 0.1%; otherwise fewer streamed bytes, then less memory."""
+    if a.predicted_ms < b.predicted_ms * 0.999:
+        return True
+    if a.predicted_ms > b.predicted_ms * 1.001:
+        return False
+    bytes_a = sum(sizes[i].copy_bytes for i in a.streamed)
+    bytes_b = sum(sizes[i].copy_bytes for i in b.streamed)
+    return (bytes_a, a.predicted_peak) < (bytes_b, b.predicted_peak)

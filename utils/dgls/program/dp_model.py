@@ -1,0 +1,136 @@
+"""diffusion-pipe's ``[model]`` table, read before anything loads: the files and folders it names must
+exist, and where a ``config.json`` says how many blocks the model has, placement settings must fit.
+
+Why: train.py opens the model files only after DeepSpeed has started and the dataset is cached, and
+DGLS sees the layer list only once the model is loaded (when DeepSpeed builds the pipeline stage). A
+missing checkpoint or ``--blocks_to_swap 60`` for a 59-layer Flux would otherwise cost those minutes.
+
+- Paths: every ``[model]`` key a model type reads a file or folder from (any ``*_path``; ComfyUI-style
+  types' ``diffusion_model``, ``vae``, ``text_encoder``, ``audio_vae``, ``merge_adapters`` and
+  ``[[model.text_encoders]]`` paths), and ``[adapter] init_from_existing``. Relative paths start at
+  the checkout, where train.py runs; diffusion-pipe does not expand ``~``. Only keys that are present
+  are checked (which a type requires is diffusion-pipe's to say).
+- Layer counts: only for the types whose layer list (``to_layers()``) is an input layer, the blocks
+  a ``config.json`` counts and an output layer, read from the file diffusion-pipe builds the
+  transformer from (:data:`LAYER_RULES`). For other types, or when that file is not there, the
+  placement is checked against the real layer list when the stage is built (``PlacementPolicy.for_stage``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import DGLSUserError
+from ..streaming.config import PlacementPolicy
+
+FOLDER_KEYS = ("diffusers_path", "ckpt_path")  # read as folders (from_pretrained, a checkpoint folder)
+COMFY_FILE_KEYS = ("diffusion_model", "vae", "text_encoder", "audio_vae")
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class LayerRule:
+    """A model type whose ``to_layers()`` is ``extra`` layers around the blocks that ``keys`` of a
+    ``config.json`` count; the file is ``config_file`` under ``[model] root`` (or under the checkout when
+    ``root`` is None); the rule does not apply when ``[model]`` sets one of ``unless``."""
+
+    root: str | None
+    config_file: str
+    keys: tuple[str, ...]
+    extra: int = 2
+    unless: tuple[str, ...] = ()
+
+
+# From diffusion-pipe's models/flux.py, sd3.py and qwen_image.py: [input layer] + blocks + [output layer].
+LAYER_RULES = {
+    "flux": LayerRule(
+        "diffusers_path", "transformer/config.json", ("num_layers", "num_single_layers"), unless=("transformer_path",)
+    ),
+    "sd3": LayerRule("diffusers_path", "transformer/config.json", ("num_layers",)),
+    "qwen_image": LayerRule(None, "configs/qwen_image/transformer/config.json", ("num_layers",)),
+}
+
+
+def _named_paths(config: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """(how the user wrote the key, value) of every model file or folder the config names."""
+    model = config.get("model", {})
+    for key, value in model.items():
+        if key.endswith("_path") or key in COMFY_FILE_KEYS:
+            yield f"[model] {key}", value
+    adapters = model.get("merge_adapters", [])
+    for i, value in enumerate(adapters if isinstance(adapters, list) else [adapters]):
+        yield f"[model] merge_adapters[{i}]", value
+    encoders = model.get("text_encoders", [])
+    for i, encoder in enumerate(encoders if isinstance(encoders, list) else []):
+        if isinstance(encoder, dict):
+            paths = encoder.get("paths", encoder.get("path"))
+            for j, value in enumerate(paths if isinstance(paths, list) else [paths]):
+                yield f"[[model.text_encoders]] {i} path" + (f"[{j}]" if isinstance(paths, list) else ""), value
+    adapter = config.get("adapter")
+    if isinstance(adapter, dict) and "init_from_existing" in adapter:
+        yield "[adapter] init_from_existing", adapter["init_from_existing"]
+
+
+def check_model_paths(config: dict[str, Any], path: str, checkout: Path) -> None:
+    """Each model file or folder the config names exists (a folder where diffusion-pipe reads one)."""
+    for key, value in _named_paths(config):
+        if not isinstance(value, str) or not value.strip():
+            raise DGLSUserError(f"{path}: {key} = {value!r} must be a path in quotes")
+        if value.startswith("~"):
+            raise DGLSUserError(
+                f"{path}: {key} = {value!r}: diffusion-pipe does not expand '~'; write the full path "
+                f"{os.path.expanduser(value)!r}"
+            )
+        target = checkout / value  # an absolute value stays itself
+        if not target.exists():
+            hub = (
+                f"; diffusion-pipe reads models from disk: download {value} first and give its folder"
+                if HUB_ID.match(value) and not value.startswith(".")
+                else ""
+            )
+            raise DGLSUserError(
+                f"{path}: {key} = {value!r} not found (relative paths start at the checkout {checkout}){hub}"
+            )
+        if key.split()[-1] in FOLDER_KEYS and not target.is_dir():
+            raise DGLSUserError(f"{path}: {key} = {value!r} is a file; diffusion-pipe reads a model folder there")
+
+
+def layer_count(config: dict[str, Any], checkout: Path) -> tuple[int, str] | None:
+    """(layers of the model's layer list, where that number comes from), or None where it is not known
+    before the model loads. A rule's file that is missing or names no whole block counts gives None."""
+    model = config.get("model", {})
+    rule = LAYER_RULES.get(model.get("type"))
+    if rule is None or any(key in model for key in rule.unless):
+        return None
+    if rule.root is None:
+        base = checkout
+    elif isinstance(model.get(rule.root), str):
+        base = checkout / model[rule.root]
+    else:
+        return None
+    file = base / rule.config_file
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    counts = [data.get(key) if isinstance(data, dict) else None for key in rule.keys]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+        return None
+    blocks = " + ".join(f"{key} {n}" for key, n in zip(rule.keys, counts, strict=True))
+    return sum(counts) + rule.extra, f"{blocks} in {file}, plus its input and output layers"
+
+
+def check_placement(
+    config: dict[str, Any], checkout: Path, placement: PlacementPolicy, label: Callable[[str], str] = str
+) -> None:
+    """Placement settings the model cannot hold, where its layer count is known before it loads."""
+    known = layer_count(config, checkout)
+    if known is not None:
+        count, source = known
+        placement.check_layer_count(count, f"the {config['model']['type']} model ({source})", label)

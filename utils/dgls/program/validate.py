@@ -1,0 +1,402 @@
+"""One pass over every input before anything slow starts: flags, the TOML, files, paths, the
+machine. It returns a complete description of the run, or stops with one line that says what
+to change. Nothing here imports DeepSpeed, builds a model or writes a file (a probe file to
+test that a folder is writable is removed at once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import DGLSUserError
+from ..memory.precision import dtype_of, is_fp8, name_of
+from ..spelling import check_dgls_table_name, check_passthrough_flags, check_top_level, did_you_mean
+from ..streaming.config import ComputePolicy, PlacementPolicy, SwapConfig, TrainingPolicy
+from ..torch_private import check_torch
+from . import options
+from .distributed import DistEnv, dist_env, option_value
+from .launch import DEMO_MODEL_TYPE, build_parser, check_known_type, load_toml, model_type
+from .paths import check_output_dir, check_output_file
+from .rendezvous import check_port
+
+# Arguments the deepspeed launcher adds (--local_rank=N) or its users write (--deepspeed): the demo takes them.
+LAUNCHER_ARGS = ("--local_rank", "--deepspeed")
+SAFETENSORS_HEADER = 64 << 10  # room for a LoRA file's header, beyond its tensors
+AUTOCAST_NAME = {"f32": "fp32", "f16": "fp16", "bf16": "bf16"}  # a cast_target TO -> the --autocast that computes in it
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """The built-in demo, checked."""
+
+    config_path: str
+    settings: Any  # demo.settings.DemoSettings (imported only for the demo)
+    values: dict[str, Any]
+    swap: SwapConfig
+    device: torch.device
+    dist: DistEnv
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DropInRun:
+    """diffusion-pipe's train.py in a checkout, checked."""
+
+    config_path: str
+    config: dict[str, Any]
+    checkout: Path
+    train_args: tuple[str, ...]  # what train.py receives after --config
+    values: dict[str, Any]
+    swap: SwapConfig
+    dist: DistEnv
+    notes: tuple[str, ...]
+
+
+def dgls_flags() -> list[str]:
+    """Every flag dgls_train.py takes (for "did you mean")."""
+    return [action for a in build_parser()._actions for action in a.option_strings if action.startswith("--")]
+
+
+def require_modules(names: tuple[str, ...], why: str) -> None:
+    """Each module must be importable (found without importing it)."""
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ModuleNotFoundError, ValueError):
+            found = False
+        if found:
+            continue
+        if name.startswith("utils."):
+            folder = "/".join(name.split(".")[:-1])
+            raise DGLSUserError(
+                f"{folder}/{name.rsplit('.', 1)[1]}.py is missing next to dgls_train.py: copy the whole utils/dgls "
+                "folder along with dgls_train.py (see the README)"
+            )
+        raise DGLSUserError(f"the Python package {name!r} is not installed ({why}): pip install -r requirements.txt")
+
+
+def _cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_gpu_id(resolved: options.Resolved, dist: DistEnv, wanted: str = "auto") -> None:
+    """--gpu_id names a visible GPU in a one-process run, or is not given."""
+    gpu_id, label = resolved.values["gpu_id"], resolved.label("gpu_id")
+    if dist.launched or not resolved.given("gpu_id"):
+        return
+    count = _cuda_count()
+    if wanted == "cpu":
+        raise DGLSUserError(f"{label} {gpu_id} has no effect: the config sets device = 'cpu'; drop one of them")
+    if count == 0:
+        raise DGLSUserError(f"{label} {gpu_id} but no CUDA device is visible: drop {label}")
+    if gpu_id >= count:
+        raise DGLSUserError(f"{label} {gpu_id} but only {count} CUDA device(s) are visible (0-{count - 1})")
+
+
+def check_precision(compute: ComputePolicy, dtypes: set[str], trainer_autocasts: bool, where: str) -> None:
+    """Refuse casts that match no weights (they would be reported but do nothing) and, where the
+    trainer does not autocast, casts that would leave inputs and weights in different dtypes."""
+    for source, target in compute.cast_target or ():
+        if dtypes and source not in dtypes:
+            raise DGLSUserError(
+                f"cast_target {source} {target} casts nothing: the model's weights are {', '.join(sorted(dtypes))} "
+                f"({where}); use cast_target {sorted(dtypes)[0]} {target}"
+            )
+        if not is_fp8(dtype_of(target, "cast_target")) and not trainer_autocasts and compute.autocast is None:
+            raise DGLSUserError(
+                f"cast_target {source} {target} makes the streamed weights {target} while the inputs stay {source}: "
+                f"add --autocast {AUTOCAST_NAME[target]}, or store as fp8 (cast_target {source} f8_e4m3), which "
+                f"computes in {source}"
+            )
+
+
+def _split_launcher_args(rest: list[str]) -> list[str]:
+    """The demo's leftover arguments less the deepspeed launcher's."""
+    out, skip = [], False
+    for i, arg in enumerate(rest):
+        if skip:
+            skip = False
+            continue
+        if arg.split("=", 1)[0] in LAUNCHER_ARGS:
+            skip = arg == "--local_rank" and i + 1 < len(rest) and not rest[i + 1].startswith("--")
+            continue
+        out.append(arg)
+    return out
+
+
+def _check_profile(resolved: options.Resolved, notes: list[str]) -> None:
+    path = resolved.values["profile"]
+    if path is None or not resolved.values["dynamic_swapping"]:
+        return
+    if (note := check_output_file(Path(path).expanduser(), f"{resolved.label('profile')} {path}")) is not None:
+        notes.append(note)
+
+
+def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, swap: SwapConfig, cli_dp: str | None):
+    require_modules(("utils.dgls.demo.settings", "utils.dgls.demo.train"), "")
+    from ..demo.model import lora_param_count, param_count
+    from ..demo.settings import DEMO_TABLES, demo_settings
+
+    if cli_dp is not None:
+        raise DGLSUserError(f"--diffusion_pipe has no effect: {path} is the built-in demo ([model] type = 'dgls_demo')")
+    unknown = _split_launcher_args(rest)
+    if unknown:
+        flags = [a.split("=", 1)[0] for a in unknown if a.startswith("--")]
+        hint = did_you_mean(flags[0], dgls_flags()) if flags else ""
+        raise DGLSUserError(
+            f"unknown argument(s) for the demo: {' '.join(unknown)}{hint} (dgls_train.py --help lists the flags)"
+        )
+    check_top_level(config, path, DEMO_TABLES, "the demo")
+    settings = demo_settings(config, path)
+    require_modules(("deepspeed", "peft", "safetensors", "tqdm"), "the demo needs it")
+    values, notes = resolved.values, list(resolved.notes)
+    dist = dist_env(os.environ, values["gpu_id"], resolved.given("gpu_id"))
+    _check_demo_layout(path, settings, swap.placement, dist, resolved)
+    device = _demo_device(settings.device, resolved, dist)
+    if values["vram_budget"] == "auto" and device.type != "cuda":
+        raise DGLSUserError(f"{resolved.label('vram_budget')} auto measures free VRAM: give a number of GiB on CPU")
+    if values["profile"] is not None and values["dynamic_swapping"] and not values["plan"]:
+        observe = swap.observe
+        last = observe.profile_warmup_steps + observe.profile_steps
+        if settings.steps < last:
+            raise DGLSUserError(
+                f"{resolved.label('profile')} records steps {observe.profile_warmup_steps + 1}-{last}, but [demo] "
+                f"steps = {settings.steps} in {path}: raise steps to {last} or more, or drop the profile"
+            )
+    _check_profile(resolved, notes)
+    if values["dynamic_swapping"] and not settings.activation_checkpointing:
+        _offload_needs_checkpointing(resolved, values, f"[demo] activation_checkpointing = false in {path}")
+    if settings.full and values["dynamic_swapping"]:
+        swap = _full_fine_tune(path, settings, swap, dist, resolved)
+    elif resolved.given("host_adam") and values["dynamic_swapping"]:
+        _host_adam_unused(resolved, path)
+    if not values["plan"]:
+        count = param_count(settings.model) if settings.full else lora_param_count(settings.model, settings.lora_rank)
+        where = f"[demo] output_dir = '{settings.output_dir}' in {path}"
+        check_output_dir(settings.output_dir, where, count * 4 + SAFETENSORS_HEADER)
+    if values["dynamic_swapping"]:
+        check_precision(swap.compute, {name_of(settings.dtype)}, False, f"[model] dtype = '{settings.dtype_name}'")
+    check_port(dist)  # last: the settings come first, whatever else holds the port
+    return DemoRun(path, settings, values, swap, device, dist, tuple(notes))
+
+
+def _check_demo_layout(
+    path: str, settings, placement: PlacementPolicy, dist: DistEnv, resolved: options.Resolved
+) -> None:
+    """The demo's layers, pipeline stages, processes and placement settings fit together, before DeepSpeed
+    starts: its layer count follows from [demo] double_blocks and single_blocks.
+
+    - One check, in the order a user fixes them (each fix can change what the next one says): stages
+      against layers, processes against stages, placement against the whole model, placement against
+      each stage's layers; a later check may assume the earlier ones held.
+    - Every stage gets layers: DeepSpeed's uniform split leaves the last stages empty when there are more
+      stages than layers, and a process with no layers stops while the others fail inside gloo.
+    - Placement is checked only where DGLS places layers (dynamic swapping on).
+    """
+    from ..demo.model import layer_count
+
+    model = settings.model
+    count, stages = layer_count(model), settings.pipeline_stages
+    if stages > count:
+        raise DGLSUserError(
+            f"{path}: [demo] pipeline_stages = {stages} is more than the model's {count} layers "
+            f"(double_blocks + single_blocks + 2), so a stage would have none: set pipeline_stages to {count} or fewer"
+        )
+    if dist.world_size % stages:
+        command = f"deepspeed --num_gpus={stages} dgls_train.py --deepspeed --config {path}"
+        if dist.launched:
+            raise DGLSUserError(
+                f"{path}: [demo] pipeline_stages = {stages} must divide the {dist.world_size} process(es) the "
+                f"launcher started: launch with {command} (or a multiple of {stages} GPUs), or set pipeline_stages = 1"
+            )
+        raise DGLSUserError(
+            f"{path}: [demo] pipeline_stages = {stages} runs one process per stage, and python dgls_train.py "
+            f"starts 1 process: launch with {command}, or set pipeline_stages = 1"
+        )
+    if not resolved.values["dynamic_swapping"]:
+        return
+    described = (
+        f"the demo model ({model.double_blocks} double and {model.single_blocks} single blocks, with its input "
+        "and output layers)"
+    )
+    placement.check_layer_count(count, described, resolved.label)
+    if stages > 1:  # each stage places its own layers; DeepSpeed's uniform split: count // stages or 1 more
+        smallest = count // stages
+        for name in ("blocks_to_swap", "initial_gpu_layers", "final_gpu_layers"):
+            if (value := getattr(placement, name)) is not None and value > smallest:
+                raise DGLSUserError(
+                    f"{resolved.label(name)} is {value}, but it counts each pipeline stage's layers, and the smallest "
+                    f"of the {stages} stages ([demo] pipeline_stages) holds {smallest} of the {count}: set {name} "
+                    f"<= {smallest}"
+                )
+
+
+_OFFLOADS = {  # the flags that need activation checkpointing, and what each sends to host memory
+    "offload_recompute": "what checkpointed layers' recomputes save",
+    "keep_piece_outputs": "the outputs of checkpointed layers' pieces",
+    "offload_activations": "the inputs checkpointed layers keep",
+}
+
+
+def _offload_needs_checkpointing(resolved: options.Resolved, values: dict, where: str) -> None:
+    """Activation checkpointing is off (``where`` says where): an offload flag that needs it is refused."""
+    for name, what in _OFFLOADS.items():
+        if values[name]:
+            raise DGLSUserError(
+                f"{resolved.label(name)} sends {what} to host memory, and {where}: turn activation checkpointing "
+                "on, or drop the flag"
+            )
+
+
+def _host_adam_unused(resolved: options.Resolved, path: str) -> None:
+    raise DGLSUserError(
+        f"{resolved.label('host_adam')} picks the host AdamW of a full fine-tune, and {path} trains a LoRA "
+        "([adapter]): drop it"
+    )
+
+
+def _drop_in_full_fine_tune(
+    path: str, config: dict, swap: SwapConfig, spec, dist: DistEnv, stages: int, resolved: options.Resolved, rest
+) -> SwapConfig:
+    """A diffusion-pipe config without [adapter]: streamed layers train on the host."""
+    if dist.world_size > stages:
+        raise DGLSUserError(
+            f"{path} has no [adapter] (a full fine-tune), and {dist.world_size} processes on {stages} pipeline "
+            "stage(s) would be data parallel: full fine-tuning of streamed layers runs one process per stage; set "
+            f"pipeline_stages = {dist.world_size}"
+        )
+    if swap.placement.planned:
+        raise DGLSUserError(
+            f"{resolved.label('vram_budget')} with a full fine-tune ({path} has no [adapter]): the planner re-places "
+            "layers while training, and full fine-tuning places them once; give --blocks_to_swap or --gpu_layers"
+        )
+    if option_value(rest, "--deepspeed_config") is not None:
+        raise DGLSUserError(
+            "--deepspeed_config: DGLS keeps the streamed layers' optimizer on the host itself (ZeRO offload would "
+            "partition what DGLS replaces); drop it"
+        )
+    steps = int(config.get("gradient_accumulation_steps", 1)) * resolved.values["lazy_lora_steps"]
+    spec = dataclasses.replace(spec, implementation=resolved.values["host_adam"])
+    _check_host_adam_build(spec)
+    clip = config.get("gradient_clipping", 1.0)  # train.py's default; 0 lets host updates start during backward
+    return swap.replace(training=TrainingPolicy(host_optimizer=spec, accumulation_steps=steps, clip_grads=bool(clip)))
+
+
+def _check_host_adam_build(spec) -> None:
+    """``--host_adam deepspeed`` loads DeepSpeedCPUAdam, compiled on first use: a lock a stopped build left
+    is refused here, not after DeepSpeed started and placed the layers (where :func:`..training.jit_ops.before_loading`
+    says what is compiled)."""
+    if spec.implementation == "deepspeed":
+        from ..training.jit_ops import refuse_stale_lock
+
+        refuse_stale_lock("cpu_adam")  # DeepSpeed's CPUAdamBuilder.NAME, on every accelerator
+
+
+def _full_fine_tune(path: str, settings, swap: SwapConfig, dist: DistEnv, resolved: options.Resolved) -> SwapConfig:
+    """A demo config without [adapter]: streamed layers are trained on the host; what that cannot do is refused."""
+    if dist.world_size > settings.pipeline_stages:
+        raise DGLSUserError(
+            f"{path} has no [adapter] (a full fine-tune), and {dist.world_size} processes on "
+            f"{settings.pipeline_stages} pipeline stage(s) would be data parallel: full fine-tuning of streamed "
+            f"layers runs one process per stage; set [demo] pipeline_stages = {dist.world_size}"
+        )
+    if swap.placement.planned:
+        raise DGLSUserError(
+            f"{resolved.label('vram_budget')} with a full fine-tune ({path} has no [adapter]): the planner re-places "
+            "layers while training, and full fine-tuning places them once; give --blocks_to_swap or --gpu_layers"
+        )
+    spec = dataclasses.replace(settings.optimizer, implementation=resolved.values["host_adam"])
+    _check_host_adam_build(spec)
+    return swap.replace(
+        training=TrainingPolicy(host_optimizer=spec, accumulation_steps=resolved.values["lazy_lora_steps"])
+    )
+
+
+def _demo_device(wanted: str, resolved: options.Resolved, dist: DistEnv) -> torch.device:
+    check_gpu_id(resolved, dist, wanted)
+    count = _cuda_count()
+    if wanted == "cpu" or (wanted == "auto" and count == 0):
+        return torch.device("cpu")
+    if count == 0:
+        raise DGLSUserError("[demo] device = 'cuda' but no CUDA device is visible: use device = 'auto' or 'cpu'")
+    return torch.device("cuda", dist.local_rank)
+
+
+def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolved, swap: SwapConfig, cli_dp, here):
+    from . import dp_config, dp_model
+
+    kind = model_type(config, path)
+    try:
+        checkout = dp_config.find_checkout(cli_dp, here)
+    except DGLSUserError:
+        check_known_type(kind, None)  # a typo reads better as "unknown model type" than "no checkout"
+        raise
+    check_known_type(kind, checkout)
+    rest = check_passthrough_flags(rest, checkout, dgls_flags())  # abbreviations of train.py's flags in full
+    values, notes = resolved.values, list(resolved.notes)
+    swapping = values["dynamic_swapping"]
+    dp_config.check_train_config(config, path, swapping)
+    dp_config.check_dataset_files(config, path, checkout)
+    dp_model.check_model_paths(config, path, checkout)
+    if swapping:
+        dp_model.check_placement(config, checkout, swap.placement, resolved.label)
+    output_dir = config["output_dir"]
+    check_output_dir(checkout / output_dir, f"output_dir = '{output_dir}' in {path}")
+    require_modules(("deepspeed",), "diffusion-pipe's train.py needs it")
+    if option_value(rest, "--local_rank") is not None and "LOCAL_RANK" not in os.environ:
+        raise DGLSUserError(
+            "--local_rank is the deepspeed launcher's: for a one-process run choose the GPU with --gpu_id"
+        )
+    dist = dist_env(os.environ, values["gpu_id"], resolved.given("gpu_id"), option_value(rest, "--master_port"))
+    check_gpu_id(resolved, dist)
+    stages = config.get("pipeline_stages", 1)
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        raise DGLSUserError(f"{path}: pipeline_stages must be a whole number >= 1, got {stages!r}")
+    if dist.world_size % stages:
+        raise DGLSUserError(
+            f"{path} sets pipeline_stages = {stages}, which must divide the {dist.world_size} process(es) of this "
+            f"run: launch with deepspeed --num_gpus={stages} (or a multiple of it), or set pipeline_stages = 1"
+        )
+    dp_config.check_resume(config, path, rest, checkout, swapping, stages)
+    if values["vram_budget"] == "auto" and _cuda_count() == 0:
+        raise DGLSUserError(f"{resolved.label('vram_budget')} auto measures free VRAM: give a number of GiB on CPU")
+    _check_profile(resolved, notes)
+    if swapping and not config.get("activation_checkpointing", False):
+        _offload_needs_checkpointing(resolved, values, f"{path} has no activation_checkpointing")
+    if swapping and (spec := dp_config.host_optimizer_spec(config, path)) is not None:
+        swap = _drop_in_full_fine_tune(path, config, swap, spec, dist, stages, resolved, rest)
+    elif swapping and resolved.given("host_adam"):
+        _host_adam_unused(resolved, path)
+    if swapping:
+        # diffusion-pipe autocasts each layer's forward to [model] dtype itself
+        check_precision(swap.compute, dp_config.model_dtypes(config), True, "[model] dtype/transformer_dtype")
+        notes += dp_config.startup_notes(config)
+    train_args = list(rest)
+    if option_value(rest, "--master_port") is None:
+        train_args += ["--master_port", str(dist.port)]
+    if not dist.launched:
+        train_args.append(f"--local_rank={dist.local_rank}")
+    check_port(dist)  # last: the settings come first, whatever else holds the port
+    return DropInRun(path, config, checkout, tuple(train_args), values, swap, dist, tuple(notes))
+
+
+def prepare(argv: list[str] | None, here: Path) -> DemoRun | DropInRun:
+    """Every check, in the order a user would fix them; ``here`` is the folder of dgls_train.py."""
+    args, rest = build_parser().parse_known_args(argv)
+    options.refuse_retired(rest)
+    check_torch()  # a torch without the private APIs DGLS calls; the engine's build says if it is untested
+    config = load_toml(args.config)
+    check_dgls_table_name(config, args.config)
+    resolved = options.resolve(config.get("dgls"), args, args.config)
+    swap = options.swap_config(resolved.values)  # every engine setting, each checked by its policy
+    options.check(resolved)
+    if model_type(config, args.config) == DEMO_MODEL_TYPE:
+        return _demo(args.config, config, rest, resolved, swap, args.diffusion_pipe)
+    return _drop_in(args.config, config, rest, resolved, swap, args.diffusion_pipe, here)

@@ -1,0 +1,82 @@
+"""Schedule: the phase of a layer use, and which uses come next, learned from the order observed.
+
+A use is ``(layer, phase)``. The predictor remembers, for each pair of consecutive uses, what came
+next; that covers forward/backward turnarounds, checkpoint recompute, eval passes and any layer
+layout (UNet skips, double/single blocks) without guessing from call stacks. Before anything was
+observed it falls back to "forward goes up, backward goes down".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from enum import Enum
+
+import torch
+
+from ..torch_private import in_backward
+
+
+class Phase(Enum):
+    FORWARD = "F"  # forward with grad
+    NO_GRAD = "N"  # forward without grad: eval, sampling, or a reentrant checkpoint's first pass
+    BACKWARD = "B"  # inside backward: checkpoint recompute, saved-tensor unpack, or the output's gradient
+
+    def __str__(self) -> str:
+        return self.name.lower().replace("_", " ")
+
+
+Use = tuple[int, Phase]
+
+
+def current_phase() -> Phase:
+    """The phase of a use happening now, from autograd's state (never from Python frames)."""
+    if in_backward():
+        return Phase.BACKWARD
+    return Phase.FORWARD if torch.is_grad_enabled() else Phase.NO_GRAD
+
+
+class UsePredictor:
+    """Successor tables learned online from the stream of uses."""
+
+    def __init__(self, layer_count: int) -> None:
+        self.layer_count = layer_count
+        self._after_pair: dict[tuple[Use, Use], Use] = {}
+        self._after_one: dict[Use, Use] = {}
+        self.previous: Use | None = None
+        self.current: Use | None = None
+        self.version = 0  # grows whenever a prediction changes: what was derived from the tables is stale
+
+    def observe(self, use: Use) -> None:
+        if self.current is not None:
+            if self._after_one.get(self.current) != use:
+                self._after_one[self.current] = use
+                self.version += 1
+            if self.previous is not None and self._after_pair.get((self.previous, self.current)) != use:
+                self._after_pair[(self.previous, self.current)] = use
+                self.version += 1
+        self.previous, self.current = self.current, use
+
+    def upcoming(self, limit: int) -> Iterator[Use]:
+        """Predicted uses after the current one, at most ``limit``."""
+        previous, current = self.previous, self.current
+        for _ in range(limit):
+            if current is None:
+                return
+            nxt = self._after_pair.get((previous, current)) if previous is not None else None
+            if nxt is None:
+                nxt = self._after_one.get(current)
+            if nxt is None:
+                nxt = self._guess(current)
+            if nxt is None:
+                return
+            yield nxt
+            previous, current = current, nxt
+
+    def _guess(self, use: Use) -> Use | None:
+        layer, phase = use
+        last = self.layer_count - 1
+        if phase is Phase.BACKWARD:
+            return (layer - 1, phase) if layer > 0 else None
+        if layer < last:
+            return (layer + 1, phase)
+        return (last, Phase.BACKWARD) if phase is Phase.FORWARD else (0, Phase.NO_GRAD)

@@ -1,0 +1,13 @@
+"""Trainers: DGLS inside diffusion-pipe's ``train.py`` and DeepSpeed's engine.
+
+Modules
+    - ``diffusion_pipe.py``: runs a checkout's own, unmodified ``train.py`` with DGLS placing its layers.
+    - ``pipeline_hook.py``: takes over each DeepSpeed pipeline stage's layers as it builds them, before they
+      move to the GPU.
+    - ``engine_hooks.py``: joins DeepSpeed's engine when streamed layers train on the host: clipping, the step,
+      checkpoints.
+    - ``shm_op.py``: keeps DeepSpeed's CPU shared-memory all-reduce op (a C++ build DGLS never uses) out of
+      every run.
+
+May import: memory, streaming, watching, training, engine, program.
+"""

@@ -1,0 +1,202 @@
+"""Where DGLS joins a DeepSpeed engine when it trains streamed layers on the host.
+
+Host-trained params (:mod:`..training.host_training`) hold no ``.grad`` at the optimizer step (their gradients
+are summed in host memory) and their optimizer state lives on the host. For the duration of a run,
+:class:`EngineHooks` wraps four methods of DeepSpeed's engines, for engines whose module has host
+training (``find(module)``; other engines pass straight through, but for a resume's check that the
+checkpoint holds no host optimizer state for them):
+
+- ``PipelineEngine.train_batch``: the host training reads the trainer's current learning rate from
+  this engine (for updates that start during backward, when there is no clipping);
+- ``_take_model_step`` (once per ``train_batch``: clip, the trainer's optimizer step, zero grads, the
+  LR scheduler):
+
+  1. one gradient norm over the engine's params and the host-trained ones (summed over the pipeline
+     stages, as DeepSpeed's own clipping does), its coefficient applied to both;
+  2. DeepSpeed's step with its own clipping held off (the grads are clipped already), so the trainer's
+     optimizer updates the resident params and the scheduler advances as usual;
+  3. the host updates, queued with the learning rate this step used (the trainer's first param group's,
+     read before the scheduler moves it).
+
+  ZeRO (DeepSpeed's own optimizer offload included) partitions and offloads the optimizer that DGLS
+  replaces for streamed layers: refused with a message at the first step.
+- ``save_checkpoint``: the model states hold the true weights already (state dicts read the host
+  masters); the host optimizer's state is saved beside them, ``dgls_host_optimizer_stage{N}.pt`` in the
+  checkpoint's tag folder.
+- ``load_checkpoint``: before DeepSpeed loads, this stage's file is read and checked against the host
+  training (:meth:`~..training.host_training.HostTraining.state_problem`: the same layers, shapes and optimizer kind),
+  every process together (:func:`~..program.resume.agree`); a checkpoint without it, or a file cut short or damaged,
+  is one line (written without host training, resuming would restart the moments silently). After DeepSpeed
+  loaded (masters included, through the state-dict hooks) the host optimizers take the state. With
+  ``load_optimizer_states=False`` (train.py's ``--reset_optimizer``) neither is read.
+
+The patches are on the class, installed in ``__enter__`` and removed in ``__exit__``
+(:class:`~..program.patches.Patches`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import DGLSUserError
+from ..program.patches import Patches
+from ..program.resume import agree, damaged, host_state_file, resolve_tag, torch_file_problem
+from ..training.host_training import HostTraining
+
+
+class EngineHooks:
+    """A context manager: while it is open, DeepSpeed steps and checkpoints include ``find(module)``'s host training."""
+
+    def __init__(self, find: Callable[[nn.Module], HostTraining | None], keep_hyper_parameters: bool = False) -> None:
+        """``keep_hyper_parameters``: a resume keeps the host optimizers' settings as built, not as saved (train.py's
+        ``--reset_optimizer_params`` does so for its own optimizer)."""
+        self.find = find
+        self.keep_hyper_parameters = keep_hyper_parameters
+        self.patches = Patches()
+
+    def __enter__(self) -> EngineHooks:
+        from deepspeed.runtime.engine import DeepSpeedEngine
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+
+        self.patches.replace(PipelineEngine, "train_batch", self._wrap_train_batch)
+        self.patches.replace(DeepSpeedEngine, "_take_model_step", self._wrap_step)
+        self.patches.replace(DeepSpeedEngine, "save_checkpoint", self._wrap_save)
+        self.patches.replace(DeepSpeedEngine, "load_checkpoint", self._wrap_load)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.patches.restore()
+
+    def _wrap_train_batch(self, original):
+        find = self.find
+
+        def train_batch(engine, *args, **kwargs):
+            training = find(engine.module)
+            if training is not None:  # early host updates (no clipping) use the lr this step runs with
+                training.lr_source = lambda: engine.optimizer.param_groups[0]["lr"]
+            return original(engine, *args, **kwargs)
+
+        return train_batch
+
+    def _wrap_step(self, original):
+        find = self.find
+
+        def take_model_step(engine, *args, **kwargs):
+            training = find(engine.module)
+            if training is None:
+                return original(engine, *args, **kwargs)
+            if engine.zero_optimization():
+                raise DGLSUserError(
+                    "DeepSpeed ZeRO partitions and offloads the optimizer, and DGLS already keeps the streamed layers' "
+                    "optimizer on the host (beside the GPU's work): turn zero_optimization off (stage 0)"
+                )
+            max_norm = engine.gradient_clipping()
+            if max_norm > 0 and not training.clipping:
+                raise DGLSUserError(
+                    f"DeepSpeed clips gradients (gradient_clipping = {max_norm}) but DGLS was set up without clipping "
+                    "(clip_grads = False): set clip_grads = True"
+                )
+            if max_norm > 0:
+                training.clip_grad_norm_(engine.module.parameters(), max_norm, reduce=_stage_sum(engine))
+            groups = engine.optimizer.param_groups
+            lr = groups[0]["lr"] if groups else None
+            config = engine._config
+            config.gradient_clipping = 0.0  # clipped above, host params included
+            try:
+                result = original(engine, *args, **kwargs)
+            finally:
+                config.gradient_clipping = max_norm
+            training.step(lr=lr)
+            return result
+
+        return take_model_step
+
+    def _wrap_save(self, original):
+        find = self.find
+
+        def save_checkpoint(engine, save_dir, tag=None, *args, **kwargs):
+            training = find(engine.module)
+            tag = tag if tag is not None else f"global_step{engine.global_steps}"
+            result = original(engine, save_dir, tag, *args, **kwargs)
+            grid = getattr(engine, "grid", None)
+            if training is not None and (grid is None or grid.get_data_parallel_id() == 0):
+                torch.save(training.state_dict(), _state_file(save_dir, tag, engine))
+            return result
+
+        return save_checkpoint
+
+    def _wrap_load(self, original):
+        find, keep = self.find, self.keep_hyper_parameters
+
+        def load_checkpoint(engine, load_dir, tag=None, *args, **kwargs):
+            training = find(engine.module)
+            state, problem = None, None
+            if kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False):
+                try:
+                    run_dir, tag = resolve_tag(load_dir, tag)
+                    state = _read_host_state(training, _state_file(run_dir, tag, engine), run_dir, tag)
+                except DGLSUserError as exc:
+                    problem = str(exc)
+            agree(problem)  # before DeepSpeed loads anything, every process together
+            result = original(engine, load_dir, tag, *args, **kwargs)
+            if state is not None:
+                training.load_state_dict(state, keep_hyper_parameters=keep)
+            return result
+
+        return load_checkpoint
+
+
+def _read_host_state(training: HostTraining | None, path: Path, run_dir: Path, tag: str) -> dict | None:
+    """This stage's host optimizer state from its checkpoint file, checked against ``training`` (None: this
+    stage trains nothing on the host, and the checkpoint must hold nothing for it either)."""
+    flag = "--resume_from_checkpoint"
+    if training is None:
+        if path.exists():
+            raise DGLSUserError(
+                f"{path} holds the host optimizer state of streamed layers, and this run trains no layer of this "
+                "pipeline stage on the host: resume with the placement it was saved with (the same --blocks_to_swap "
+                "or --gpu_layers), or pass --reset_optimizer to start the optimizer afresh"
+            )
+        return None
+    if not path.exists():
+        raise DGLSUserError(
+            f"the checkpoint in {path.parent} has no DGLS host optimizer state ({path.name}): it was saved without "
+            "full fine-tuning of streamed layers on this pipeline stage; resume it the way it was trained, or pass "
+            "--reset_optimizer to start the optimizer afresh"
+        )
+    if (problem := torch_file_problem(path)) is None:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # a damaged file fails in many ways (EOFError, UnpicklingError, KeyError ...)
+            problem = f"cannot be read ({type(exc).__name__})"
+        else:
+            if (problem := training.state_problem(state)) is None:
+                return state
+            raise DGLSUserError(f"{path} {problem}")
+    raise DGLSUserError(damaged(path, "DGLS's host optimizer state", problem, run_dir, tag, flag))
+
+
+def _state_file(folder, tag: str, engine) -> Path:
+    stage = engine.grid.get_pipe_parallel_rank() if getattr(engine, "grid", None) is not None else 0
+    return host_state_file(Path(folder) / str(tag), stage)
+
+
+def _stage_sum(engine) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Sum a squared norm over the pipeline stages (each holds its own layers' grads)."""
+    if not getattr(engine, "is_pipe_parallel", False) or engine.num_stages == 1:
+        return None
+    import torch.distributed as dist
+
+    group = engine.grid.get_pipe_parallel_group()
+
+    def reduce(squared: torch.Tensor) -> torch.Tensor:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        value = squared.to(device)
+        dist.all_reduce(value, group=group)
+        return value.cpu()
+
+    return reduce

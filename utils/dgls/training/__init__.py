@@ -1,0 +1,17 @@
+"""Training: full fine-tuning of streamed layers: their fp32 masters, gradients and optimizer steps.
+
+Modules
+    - ``host_training.py``: the facade the engine and the trainer call: layout, gradient return and updates.
+    - ``training_feature.py``: full fine-tuning as a feature of the engine (fetch gates, evictions, true
+      values).
+    - ``grad_return.py``: gradients sent home in groups and summed, each layer's gradient state an enum.
+    - ``updaters.py``: where a step runs: the CPU, the GPU, or split between them.
+    - ``host_optimizer.py``: which optimizer updates the host-trained params, built per layer.
+    - ``optimizer_kernels.py``: the arithmetic a step runs on the GPU, one kernel per optimizer (AdamW, SGD).
+    - ``device_update.py``: a layer's step on the GPU, its state streamed in and out.
+    - ``update_split.py``: which layers take that step on the GPU and which on the CPU (``--host_adam split``).
+    - ``jit_ops.py``: DeepSpeed's C++ optimizer op, built on first use: said before the build; a lock left by
+      a killed build refused in one line.
+
+May import: memory, streaming.
+"""

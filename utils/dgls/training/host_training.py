@@ -1,0 +1,405 @@
+"""Host training: full fine-tuning of streamed layers, with fp32 masters and the optimizer in host memory.
+
+A thin facade over three parts, each with its own module doc:
+
+- the training layout (:class:`~..memory.layout.TrainingLayout`): where masters, gradient landings, sums and
+  optimizer state go in host memory; the same object allocates them and answers the RAM check
+  (:func:`check_host_training`);
+- the gradient return (:class:`~.grad_return.GradReturn`): hooks, groups sent home, batches, sums, with
+  a per-layer :class:`~.grad_return.GradState`;
+- the update strategy (:mod:`.updaters`): host, device or split, the device's arithmetic an
+  :class:`~.optimizer_kernels.OptimizerKernel` (AdamW, SGD).
+
+What the trainer calls
+    1. Backward: the hooks take each grad off its param and send it home (the trainer's optimizer skips
+       host-trained params: they have no ``.grad``); :meth:`backward_done` closes what stayed open.
+    2. ``clip_grad_norm_(params, max_norm)``: one norm over host and device params (device norms on the
+       device, host norms from the sums or taken on the device before the grads left), the coefficient
+       applied to device grads now and to host grads in the update.
+    3. ``step(lr)``: each layer's update, in layer order (the next forward's order). The engine's fetch of
+       a layer waits for that layer's update only (:meth:`wait_update`), so the forward of layer k runs
+       while layers after k are updated. Without clipping (``clipping=False``) a layer's update is queued
+       as soon as its step's last micro-batch closed, with the trainer's current lr (``lr_source``), and
+       ``step`` queues only the layers that had no gradient.
+
+Threads
+    - Per-layer state (:class:`~.grad_return.LayerGrads`, ``layer.update``, ``layer.home``) is written by
+      the training thread only; jobs on the transport's job worker (its thread on CUDA or with
+      ``threaded``, deferred otherwise: a job runs only when something waits for it, so a missing wait
+      changes the numbers in a CPU test) get their inputs as arguments and hand back results that are
+      read after waiting for them.
+
+Hazards handled
+    - Slot copies made before an update hold old weights: the engine evicts every host-trained layer at
+      the end of each backward (:meth:`~..engine.swapper.LayerSwapper.pass_end`), so the next use fetches anew.
+      Evicted params point at empty placeholders, so a trainer that zero-fills missing grads
+      (DeepSpeed's gradient reduction) allocates nothing.
+    - A param with no grad in a step is skipped by its optimizer, as one without ``.grad`` is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+import psutil
+import torch
+
+from ..errors import DGLSUserError
+from ..memory.host_store import HostLayer, ram_reserve
+from ..memory.layout import LayerLayout, TrainingLayout, human_bytes
+from ..memory.pinned import PinnedMemory
+from ..memory.transport import Copy, Direction, Transport
+from .device_update import DeviceUpdater, FlatLayer, FlatParam
+from .grad_return import SEND_GROUP_BYTES, GradReturn, GradState, Jobs, TrainedLayer, TrainedParam
+from .host_optimizer import HostOptimizerSpec
+from .optimizer_kernels import grad_norms
+from .updaters import DeviceSide, HostUpdater, SplitUpdater, Updater, update_threads
+
+__all__ = [
+    "SEND_GROUP_BYTES",
+    "HostTraining",
+    "check_host_training",
+    "grad_norms",
+    "host_training_bytes",
+    "training_layout",
+    "update_threads",
+]
+
+
+def training_layout(
+    layouts: Mapping[int, LayerLayout], spec: HostOptimizerSpec, accumulation_steps: int = 1
+) -> TrainingLayout:
+    """The training layout of the streamed layers ``layouts`` for ``spec`` (sums with several micro-batches a
+    step; with one, the updates read the landings)."""
+    return TrainingLayout(
+        layouts,
+        state_keys=spec.device_kernel().state_keys,
+        sums=accumulation_steps != 1,
+        device_updates=spec.on_device,
+    )
+
+
+class HostTraining:
+    """Host masters, gradient returns and the host optimizer of the streamed layers (see the module doc)."""
+
+    def __init__(
+        self,
+        layers: dict[int, HostLayer],
+        spec: HostOptimizerSpec,
+        transport: Transport,
+        *,
+        pin: bool,
+        threaded: bool,
+        accumulation_steps: int = 1,
+        clipping: bool = True,
+        updater: DeviceUpdater | None = None,
+        layout: TrainingLayout | None = None,
+    ) -> None:
+        self.spec, self.implementation = spec, spec.kernel
+        self.transport = transport  # gradients home (its CPU backend lands them late unless ``threaded``)
+        self.worker = transport.job_worker  # the jobs (accumulations, host updates) run on its thread, or deferred
+        self.jobs = Jobs(self.worker)
+        self.updater = updater  # the device's updates (device and split), None for host updates
+        self.accumulation_steps = accumulation_steps
+        self.clipping = clipping
+        # with one micro-batch a step, updates read it straight from its landings (no fp32 sum on the host)
+        self.direct = accumulation_steps == 1
+        self.lr_source: Callable[[], float | None] = lambda: None  # the lr of early updates (clipping off)
+        self.layout = layout or training_layout({i: h.layout for i, h in layers.items()}, spec, accumulation_steps)
+        if self.layout.device_updates != (updater is not None):
+            raise AssertionError("the training layout was placed for another update strategy than this one")
+        # landings, and for device updates masters, sums and state: page-locked at their exact size
+        # (:mod:`..memory.pinned`)
+        self._memory = PinnedMemory(pin, "stream fewer layers (blocks_to_swap), or free RAM")
+        self._coef: torch.Tensor | None = None
+        kernel = spec.device_kernel()
+        if updater is not None and self.layout.layers:
+            sizes = [[p.numel for p in place.params] for place in self.layout.layers.values()]
+            self.device_bytes = updater.reserve(max(max(s) for s in sizes), max(sum(s) for s in sizes), kernel)
+        else:
+            self.device_bytes = 0  # device updates: their scratch buffers
+        self.layers: dict[int, TrainedLayer] = {idx: self._layer(idx, layers[idx]) for idx in self.layout.layers}
+        self.grads = GradReturn(
+            self.layers,
+            transport,
+            self.jobs,
+            direct=self.direct,
+            clipping=clipping,
+            accumulation_steps=accumulation_steps,
+            late=not threaded,
+            new_sum=self._new_sum,
+            last_closed=self._update_early,
+        )
+        self.updates = self._strategy(spec)
+        if threaded:
+            self.worker.start()
+
+    def _strategy(self, spec: HostOptimizerSpec) -> Updater:
+        largest = max((layer.numel for layer in self.layers.values()), default=0)
+        if self.updater is None:
+            return HostUpdater(self.jobs, self.transport, largest)
+        if not spec.split:
+            return DeviceSide(self.jobs, self.updater)
+        sizes = {idx: layer.numel for idx, layer in self.layers.items()}
+        split = SplitUpdater(self.jobs, self.transport, self.updater, sizes, self.clipping)
+        for layer in self.layers.values():
+            if layer.flat is None:  # flat layers have theirs
+                self.updater.prepare(layer.optimizer)  # pinned state, found by either side
+        return split
+
+    def _layer(self, idx: int, host: HostLayer) -> TrainedLayer:
+        """Layer ``idx``'s buffers from the training layout, its masters filled, its optimizer built."""
+        place = self.layout.layers[idx]
+        buffers = self.layout.allocate(idx, self._memory.empty, _plain)
+        params = []
+        with torch.no_grad():
+            for p, master, landing, acc in zip(place.params, buffers.masters, buffers.landings, buffers.sums):
+                packed = host.master_view(p.position)
+                if master is None:
+                    master, packed = packed, None  # the packed copy is the fp32 master itself
+                else:
+                    master.copy_(p.param.param.data if p.param.param.numel() else packed)
+                params.append(TrainedParam(p.position, p.param.param, master, packed, landing, acc))
+        optimizer = self.spec.build([tp.master for tp in params])
+        by_master = {id(tp.master): tp for tp in params}
+        in_groups = [(by_master[id(m)], group) for group in optimizer.param_groups for m in group["params"]]
+        layer = TrainedLayer(idx, host, params, optimizer, in_groups, place.numel)
+        if place.flat:
+            flat = []
+            for (tp, group), p in zip(in_groups, sorted(place.params, key=lambda p: p.flat)):
+                if tp.position != p.position:  # spec.build's order must be the one the buffers were laid out in
+                    raise AssertionError("the flat layout does not follow the optimizer's param order")
+                flat.append(FlatParam(p.flat, p.numel, tp.master, tp.packed, group))
+            layer.flat = FlatLayer(buffers.flat_masters, buffers.landing, flat, buffers.flat_state)
+            self.updater.prepare(optimizer, layer.flat)
+        return layer
+
+    def _new_sum(self, shape: torch.Size) -> torch.Tensor:
+        """An fp32 sum allocated after start-up (pinned for device updates, which copy it in asynchronously)."""
+        return self._memory.zeros(shape, torch.float32) if self.layout.device_updates else torch.zeros(shape)
+
+    # ---------------------------------------------------------------- what the engine calls
+    def install(self, grad_arriving: Callable[[int], None]) -> None:
+        """Hooks on every host-trained param: before its grad is accumulated, ``grad_arriving(layer)`` (the
+        engine makes the layer resident: autograd writes ``.grad`` with the param's shape, and a streamed
+        param's shape is empty while it is out); after, the grad is sent home."""
+        self.grads.install(grad_arriving)
+
+    def remove_hooks(self) -> None:
+        self.grads.remove_hooks()
+
+    def backward_done(self) -> None:
+        """The backward pass ended: close the batches of layers that did not get every grad."""
+        self.grads.backward_done()
+
+    def pinned_bytes(self) -> int:
+        """Page-locked bytes this module holds: landings, and for device updates the masters, sums and
+        state (packed copies are the host store's), counted where they are allocated."""
+        return self._memory.nbytes + self.updates.pinned_bytes()
+
+    def owns(self, param: torch.Tensor) -> bool:
+        return self.grads.owns(param) is not None
+
+    def master_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        tp = self.grads.owns(param)
+        return tp.master if tp is not None else None
+
+    @property
+    def split(self):
+        """Split updates: which side updates each layer (:class:`~.update_split.UpdateSplit`), else None."""
+        return self.updates.split
+
+    @property
+    def waited_s(self) -> float:
+        """Seconds the training thread spent blocked on host jobs (updates, accumulations)."""
+        return self.jobs.waited_s
+
+    @property
+    def job_s(self) -> dict[str, float]:
+        """Seconds the host spent on each kind of job."""
+        return self.jobs.job_s
+
+    def check(self) -> None:
+        self.worker.check()
+
+    def finish(self) -> None:
+        """Run every job submitted so far, and bring every device update home (state dicts, removal)."""
+        for layer in self.layers.values():
+            if layer.grads.summing is not None:
+                self.jobs.wait(layer.grads.summing)
+            self.updates.settle(layer)
+        self.transport.synchronize(Direction.GRADS_HOME)
+        self.updates.synchronize()
+
+    def wait_update(self, idx: int) -> Copy | None:
+        """Before layer ``idx``'s packed copy is streamed: its latest update must be written. Host updates
+        are waited for here; for a device update on CUDA the copy its fetch must wait for is returned."""
+        layer = self.layers.get(idx)
+        if layer is None:
+            return None
+        return self.updates.settle(layer)
+
+    # ---------------------------------------------------------------- what the trainer calls
+    def clip_grad_norm_(
+        self,
+        params: Iterable[torch.Tensor],
+        max_norm: float,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """One gradient norm over ``params`` (host-trained ones from their sums or their device norms, the
+        others from ``.grad``), in their order; device grads are scaled now, host ones in :meth:`step`.
+        ``reduce`` sums the squared norm over other processes that hold other layers (pipeline stages).
+        Returns the total norm (a CPU float32 tensor)."""
+        if not self.clipping:
+            raise DGLSUserError(
+                "gradient clipping was asked for, but DGLS was told there is none (clip_grads = False), so the host "
+                "updates of streamed layers ran during backward: set clip_grads = True"
+            )
+        host = self.grads.host_norms()
+        norms: list[torch.Tensor | int] = []  # a host norm, or the index of a device one
+        on_device: list[torch.Tensor] = []
+        device_grads = []
+        for p in params:
+            if self.grads.owns(p) is not None:
+                if id(p) in host:
+                    norm, device = host[id(p)]
+                    norms.append(len(on_device) if device else norm)
+                    if device:
+                        on_device.append(norm)
+            elif p.grad is not None:
+                norms.append(len(on_device))
+                on_device.append(torch.linalg.vector_norm(p.grad.detach().float(), 2))
+                device_grads.append(p.grad)
+        if on_device:  # one copy home for all of them
+            fetched = torch.stack([n.to(on_device[0].device) for n in on_device]).cpu().unbind()
+            norms = [fetched[n] if isinstance(n, int) else n for n in norms]
+        squared = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float32)
+        if reduce is not None:
+            squared = reduce(squared)
+        total = squared.sqrt()
+        coef = torch.clamp(torch.tensor(float(max_norm), dtype=torch.float32) / (total + 1e-6), max=1.0)
+        for grad in device_grads:
+            grad.detach().mul_(coef.to(grad.device))
+        self._coef = coef
+        return total
+
+    def step(self, lr: float | None = None) -> None:
+        """Queue every layer's update (layer order); ``lr`` overrides the spec's (a schedule's current lr)."""
+        coef, self._coef = self._coef, None
+        self.updates.begin_step(self.layers)
+        for layer in self.layers.values():
+            for tp in layer.params:
+                tp.param.grad = None  # a trainer may have zero-filled it (DeepSpeed's gradient reduction)
+            if layer.grads.state is GradState.QUEUED:
+                layer.grads.settle()
+            else:
+                self.updates.submit(layer, layer.grads.take(), coef, lr)
+        self.updates.end_step()
+        self.grads.step_taken()
+
+    def _update_early(self, layer: TrainedLayer) -> None:
+        """No clipping: the layer's step's last batch closed; its update starts now, at the trainer's lr."""
+        self.updates.submit(layer, layer.grads.take_early(), None, self.lr_source())
+
+    def state_dict(self) -> dict:
+        """The optimizer state of every host-trained layer (the masters are in the model's state dict)."""
+        self.finish()
+        return {idx: layer.optimizer.state_dict() for idx, layer in self.layers.items()}
+
+    def state_problem(self, state: object) -> str | None:
+        """Why ``state`` (a :meth:`state_dict` read back from a checkpoint) cannot be loaded into these layers, or
+        None: it must hold the optimizer state of exactly these layers, each param's moments of that param's shape
+        and of this optimizer's kind. torch's own ``load_state_dict`` checks only the number of params, so a
+        checkpoint saved with another placement or optimizer would load into the wrong layers, or be dropped."""
+        if not isinstance(state, dict) or not all(isinstance(v, dict) and "state" in v for v in state.values()):
+            return "holds no per-layer optimizer states"
+        try:
+            saved = {int(k): v for k, v in state.items()}
+        except (TypeError, ValueError):
+            return "holds no per-layer optimizer states (its keys are not layer numbers)"
+        if set(saved) != set(self.layers):
+            return (
+                f"holds the optimizer state of layers {sorted(saved)} of this pipeline stage, and this run trains "
+                f"layers {sorted(self.layers)} of it on the host: resume with the placement it was saved with (the "
+                "same --blocks_to_swap or --gpu_layers, and pipeline_stages)"
+            )
+        for idx, layer in self.layers.items():
+            groups = saved[idx].get("param_groups")
+            if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups):
+                return f"holds no optimizer state for layer {idx}"
+            if any(("betas" in g) != (self.spec.type == "adamw") for g in groups):
+                saved_kind = "AdamW" if "betas" in groups[0] else "SGD"
+                return f"holds {saved_kind} state for layer {idx}, and [optimizer] type is {self.spec.type!r} here"
+            here = [len(g["params"]) for g in layer.optimizer.param_groups]
+            if [len(g["params"]) for g in groups] != here:
+                count = sum(len(g["params"]) for g in groups)
+                return f"holds {count} params for layer {idx}, which trains {sum(here)} here: another model?"
+            params = [p for group in layer.optimizer.param_groups for p in group["params"]]
+            ids = [i for group in groups for i in group["params"]]
+            per_param = saved[idx]["state"] if isinstance(saved[idx]["state"], dict) else {}
+            for i, param in zip(ids, params):
+                for key, value in per_param.get(i, {}).items():
+                    if isinstance(value, torch.Tensor) and value.ndim and value.shape != param.shape:
+                        return (
+                            f"holds {key} of shape {list(value.shape)} for a param of layer {idx} of shape "
+                            f"{list(param.shape)}: another model?"
+                        )
+        return None
+
+    def load_state_dict(self, state: dict, keep_hyper_parameters: bool = False) -> None:
+        """Load a :meth:`state_dict` (checked: :meth:`state_problem`). ``keep_hyper_parameters``: the param groups'
+        settings (lr, betas, weight_decay ...) stay as built, not as saved (train.py's ``--reset_optimizer_params``)."""
+        if (problem := self.state_problem(state)) is not None:
+            raise DGLSUserError(f"the host optimizer state {problem}")
+        self.finish()
+        for idx, layer in self.layers.items():
+            replaced = [t for s in layer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+            settings = [{k: v for k, v in g.items() if k != "params"} for g in layer.optimizer.param_groups]
+            layer.optimizer.load_state_dict(state[idx] if idx in state else state[str(idx)])
+            if keep_hyper_parameters:
+                for group, kept in zip(layer.optimizer.param_groups, settings):
+                    group.update(kept)
+            if self.updater is not None:
+                self.updater.adopt_state(layer.optimizer, layer.flat, replaced)
+
+    def close(self) -> None:
+        """Finish the queued work (the transport stops its worker thread itself) and remove the hooks."""
+        try:
+            if self.worker.threaded and self.worker.error is None:
+                self.finish()
+        finally:
+            self.remove_hooks()
+
+
+def _plain(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def host_training_bytes(
+    layouts: list[LayerLayout], streamed: Iterable[int], spec: HostOptimizerSpec, sums: bool = True
+) -> dict[str, int]:
+    """Host bytes full fine-tuning of the streamed layers needs beyond their packed copies: the training
+    layout's figure (:meth:`~..memory.layout.TrainingLayout.parts`). ``sums``: fp32 gradient sums (kept with several
+    micro-batches a step; with one, the updates read the landings)."""
+    return training_layout({idx: layouts[idx] for idx in streamed}, spec, 2 if sums else 1).parts()
+
+
+def check_host_training(
+    layouts: list[LayerLayout], streamed: Iterable[int], spec: HostOptimizerSpec, accumulation_steps: int = 1
+) -> str:
+    """Refuse, with the numbers, when the host cannot hold the masters, gradients and optimizer state and
+    still keep its reserve (a tenth of its RAM, 2 GiB at least: the weight store's rule; much of this is
+    page-locked, which the host cannot swap out); otherwise the start-up line that says how much they take.
+    The figure is the training layout's, the one :class:`HostTraining` allocates."""
+    parts = training_layout({idx: layouts[idx] for idx in streamed}, spec, accumulation_steps).parts()
+    need = sum(parts.values())
+    memory = psutil.virtual_memory()
+    reserve = ram_reserve(memory.total)
+    described = ", ".join(f"{name} {human_bytes(n)}" for name, n in parts.items())
+    if need > memory.available - reserve:
+        raise DGLSUserError(
+            f"full fine-tuning of the streamed layers needs {human_bytes(need)} of host RAM ({described}) beyond "
+            f"their packed weights, and {human_bytes(memory.available)} is free, of which "
+            f"{human_bytes(reserve)} stays for the rest of the host: stream fewer layers (blocks_to_swap), or free RAM"
+        )
+    return f"DGLS host training: {human_bytes(need)} of host RAM ({described})"

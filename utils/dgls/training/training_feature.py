@@ -1,0 +1,106 @@
+"""Full fine-tuning as a feature of the engine: :class:`~.host_training.HostTraining` on its lifecycle.
+
+What it adds to the engine
+    - Fetch gates: a streamed layer's packed copy holds its latest update before it is copied into a slot
+      (host updates are waited for; a device update's copy is a gate the weight copy waits behind).
+    - A gradient arriving is a use of its layer (autograd writes ``.grad`` with the param's shape, and a
+      streamed param's shape is empty while it is out).
+    - After each backward: the open gradient batches are closed and every host-trained layer is evicted,
+      since its slot copy is older than its next update.
+    - True values: the fp32 masters of host-trained params (state dicts, ``true_weights``, ``remove``).
+    - Placement is fixed: the optimizer state of streamed layers lives on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from ..errors import DGLSUserError
+from ..memory.layout import human_bytes
+from ..memory.transport import Transport
+from ..streaming.feature import Engine, Feature
+from ..streaming.masters import Masters
+from ..streaming.schedule import current_phase
+from .device_update import DeviceUpdater
+from .host_optimizer import HostOptimizerSpec
+from .host_training import HostTraining
+
+
+class TrainingFeature(Feature):
+    """Full fine-tuning of the streamed layers' trainable params on the host (or the device's update path)."""
+
+    def __init__(self, training: HostTraining, note: str) -> None:
+        self.training = training
+        self.note = note  # the start-up line of its host RAM (check_host_training)
+        self._evict: Callable[[Iterable[int]], None] = lambda indices: None  # the engine's, from install
+
+    @classmethod
+    def start(
+        cls,
+        masters: Masters,
+        streamed: tuple[int, ...],
+        transport: Transport,
+        spec: HostOptimizerSpec,
+        note: str,
+        *,
+        device: torch.device,
+        threading: bool,
+        accumulation_steps: int,
+        clipping: bool,
+    ) -> TrainingFeature:
+        """fp32 masters, gradient landings and the optimizer of the streamed layers (``note``: the host RAM
+        they take, from :func:`~.host_training.check_host_training`, which the builder calls before packing)."""
+        if masters.peers.shared:
+            raise DGLSUserError(
+                "full fine-tuning of streamed layers runs one process per set of layers: data parallel "
+                "processes would each update the shared host masters; use pipeline_stages = number of GPUs, "
+                "or train a LoRA"
+            )
+        cuda = device.type == "cuda"
+        training = HostTraining(
+            {idx: masters.host(idx) for idx in streamed},
+            spec,
+            transport,
+            pin=cuda,
+            threaded=cuda or threading,
+            accumulation_steps=accumulation_steps,
+            clipping=clipping,
+            updater=DeviceUpdater(transport) if spec.on_device else None,
+        )
+        return cls(training, note)
+
+    def install(self, engine: Engine) -> None:
+        self._evict = engine.evict
+        self.training.install(lambda idx: engine.use(idx, current_phase()))
+
+    def fetch_gates(self, idx: int) -> list:
+        gate = self.training.wait_update(idx)
+        return [] if gate is None else [gate]
+
+    def after_backward(self) -> None:
+        self.training.backward_done()
+        self._evict(self.training.layers)
+
+    def before_placement(self) -> None:
+        raise DGLSUserError(
+            "full fine-tuning places layers once: the optimizer state of streamed layers lives on the host"
+        )
+
+    def true_value(self, param: torch.Tensor) -> torch.Tensor | None:
+        return self.training.master_of(param)
+
+    def flush(self) -> None:
+        self.training.finish()
+
+    def pinned_bytes(self) -> int:
+        return self.training.pinned_bytes()
+
+    def describe(self) -> list[str]:
+        scratch = self.training.device_bytes
+        on_device = f" ({human_bytes(scratch)} of device buffers)" if scratch else ""
+        return [f"{self.note}; optimizer of the streamed layers: {self.training.implementation}{on_device}"]
+
+    def close(self) -> None:
+        self.training.close()
