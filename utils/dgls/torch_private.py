@@ -155,6 +155,14 @@ def fused_sgd_(
     )
 
 
+# ---------------------------------------------------------------- tests' delays
+def sleep_on_stream(cycles: int) -> None:
+    """Keep the current CUDA stream busy for about ``cycles`` GPU clock cycles: the transport's one delay hook
+    for the GPU ordering tests (:attr:`~.memory.transport.Transport.delay`). ``torch.cuda._sleep``.
+    Test-only, so :func:`check_torch` does not require it."""
+    torch.cuda._sleep(cycles)
+
+
 # ---------------------------------------------------------------- the profiler
 def profiler_recording() -> bool:
     """True while a ``torch.profiler`` (or ``torch.autograd.profiler``) records: the check

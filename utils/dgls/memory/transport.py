@@ -23,8 +23,9 @@ Who owns what:
   optimizer's jobs (gradient sums, updates). Two, because an item cannot be interrupted: on one
   thread a copy the next layer needs would wait for the host update that is running, which takes
   many times a copy's issuing.
-- One delay hook for tests (:attr:`Transport.delay`, CUDA): a ``torch.cuda._sleep`` before the work
-  of every copy of a direction, so every GPU ordering test widens every race the same way.
+- One delay hook for tests (:attr:`Transport.delay`, CUDA): a GPU sleep
+  (:func:`~..torch_private.sleep_on_stream`) before the work of every copy of a direction, so every GPU
+  ordering test widens every race the same way.
 - One listener event per copy (``copied(copy)``), with its direction and bytes, for the stats, the
   profiler and the planner's probe.
 - ``torch.profiler`` ranges (:func:`profiler_range`): ``DGLS <direction>`` around every copy's work (CUDA:
@@ -66,7 +67,7 @@ import torch
 from torch.autograd import profiler as autograd_profiler
 
 from ..errors import SwapWorkerError
-from ..torch_private import profiler_recording
+from ..torch_private import profiler_recording, sleep_on_stream
 
 POISON = 0xFF  # a NaN in every float dtype DGLS moves (fp32, bf16, fp16, fp8 e4m3fn/e5m2)
 
@@ -135,7 +136,7 @@ class Transport:
         # while the profiler records)
         self.timed: set[Direction] = set(timed)
         self.listeners: list[CopyListener] = []
-        # Tests (CUDA): torch.cuda._sleep cycles before the work of every copy of a direction (the one delay hook)
+        # Tests (CUDA): GPU sleep cycles before the work of every copy of a direction (the one delay hook)
         self.delay: dict[Direction, int] = {}
         self.poison = False  # tests (CUDA): device destinations of a submit hold NaN bytes until the copy lands
         self.copy_worker = Worker("dgls-copies", "DGLS issue weight copies")  # --threading: never behind an update
@@ -368,7 +369,7 @@ class CudaTransport(Transport):
                 copy.start.record(stream)
             cycles = self.delay.get(direction, 0)
             if cycles:
-                torch.cuda._sleep(cycles)
+                sleep_on_stream(cycles)
             yield copy
             copy.ready.record(stream)
             if host_waits:
