@@ -42,10 +42,12 @@ def run(mode, swap_config=None, cfg=SMALL):
         SwapConfig.of(prefetch=3),
         SwapConfig.of(prefetch=2, batch_move=True, cuda_streams=2),
         SwapConfig.of(prefetch=2, event_sync=False),
+        SwapConfig.of(prefetch=2, device_sync_mode="layer"),  # the host waits for every copy
+        SwapConfig.of(prefetch=2, device_sync_mode="step"),  # and for the device at every pass end
         SwapConfig.of(prefetch=2, pinned_ram_budget_gb=0.0),  # pageable masters, staged
         SwapConfig.of(prefetch=2, selective_packing=1000.0),  # param-by-param copies
     ],
-    ids=["pf0", "pf1-thread", "pf3", "batch-2streams", "host-sync", "pageable", "unpacked"],
+    ids=["pf0", "pf1-thread", "pf3", "batch-2streams", "host-sync", "layer-sync", "step-sync", "pageable", "unpacked"],
 )
 def test_bf16_equal_to_unswapped(mode, swap_config):
     ref1, ref2 = run(mode), run(mode)
@@ -57,6 +59,23 @@ def test_bf16_equal_to_unswapped(mode, swap_config):
     else:
         assert diff <= 2 * spread, f"swapped differs by {diff}, two unswapped runs by {spread}"
     assert all(torch.isfinite(t).all() for t in flat(got))
+
+
+@pytest.mark.parametrize(
+    "settings, host_waits",
+    [
+        ({}, False),
+        ({"event_sync": False}, True),
+        ({"device_sync_mode": "layer"}, True),
+        ({"device_sync_mode": "step"}, False),
+    ],
+)
+def test_the_weight_copier_waits_on_the_host_as_the_transfer_policy_says(settings, host_waits):
+    """The builder hands the CUDA copier ``TransferPolicy.ordered_by_events`` (event_sync and device_sync_mode
+    together), which no CPU test reaches: the CPU copier always lands a copy when it is acquired."""
+    layers, _ = make_layers(BF16)
+    with LayerSwapper(layers, SwapConfig.of(prefetch=1, **settings), device=device(), log=None) as swapper:
+        assert swapper.copier.ordered_by_events is not host_waits
 
 
 def test_peak_vram_within_prediction_and_no_growth():

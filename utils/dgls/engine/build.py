@@ -182,7 +182,7 @@ def build(
             copier: Copier = CudaCopier(
                 transport,
                 masters.store,
-                event_sync=c.transfer.ordered_by_events,
+                ordered_by_events=c.transfer.ordered_by_events,
                 use_thread=c.transfer.threading,
                 landing_bytes=placement.landing_bytes,
             )

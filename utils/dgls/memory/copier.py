@@ -6,7 +6,8 @@ rule that makes slot reuse safe. Vocabulary, the same on every device:
 - ``submit([(slot, host layer, demand), ...]) -> [Token]``: copy each master into its slot
   (fp8-stored bytes through a landing buffer and an upcast). Nothing waits on the host.
 - ``acquire(token)``: from now on the compute stream may read the slot (it waits for the copy;
-  the host does not, unless ``event_sync`` is off).
+  the host does not, unless ``ordered_by_events`` is off: ``--no-event_sync`` or
+  ``--device_sync_mode layer``, when the host waits for each copy).
 - ``release(slot)``: every kernel enqueued so far that reads the slot is behind a marker; the
   next write into the slot waits for that marker.
 
@@ -244,12 +245,12 @@ class CudaCopier(Copier):
         transport: CudaTransport,
         store: HostStore,
         *,
-        event_sync: bool,
+        ordered_by_events: bool,
         use_thread: bool,
         landing_bytes: int,
     ) -> None:
         self.device = transport.device
-        self.event_sync = event_sync
+        self.ordered_by_events = ordered_by_events  # False: the host waits for each copy instead
         self.transport = transport
         self.lanes = transport.lanes(Direction.WEIGHTS_IN)
         self.landing: list[torch.Tensor] = []
@@ -276,7 +277,7 @@ class CudaCopier(Copier):
 
     def _wait(self, token: Token) -> Wait | None:
         self._wait_issued(token)
-        if not self.event_sync:
+        if not self.ordered_by_events:
             self.transport.land(token)
             return None
         if not self.timing:
@@ -294,7 +295,7 @@ class CudaCopier(Copier):
             for gate in token.gates:
                 if isinstance(gate, Token) and not gate.issued.is_set():
                     raise OrderingError(f"layer {token.layer}'s copy would wait on an unrecorded copy (FIFO broken)")
-            host_waits = not self.event_sync
+            host_waits = not self.ordered_by_events
             with self.transport.issue(Direction.WEIGHTS_IN, token.gates, into=token, lane=k, host_waits=host_waits):
                 self._copy(token, self.landing[k])
             token.issued.set()
