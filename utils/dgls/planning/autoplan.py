@@ -322,11 +322,6 @@ class PlacementDriver(Listener):
         """The plan is settled (or, with ``plan_only``, shown)."""
         return self.state.phase is DriverPhase.SETTLED
 
-    @property
-    def due(self) -> bool:
-        """A pass ended since the driver was last stepped: the engine should call :meth:`step`."""
-        return self._ended > 0
-
     def attach(self, target: Placeable) -> None:
         """The engine this driver places layers for."""
         self._target = target

@@ -90,10 +90,6 @@ def _is_torch_checkpoint(hooks) -> bool:
     return getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
 
 
-def _under_selective_checkpoint() -> bool:
-    return under_selective_checkpoint()
-
-
 class HookAdapter:
     """Installs the hooks on every module of a layer list; :meth:`remove` takes them all off."""
 
@@ -139,7 +135,7 @@ class HookAdapter:
         pushed = None
         if torch.is_grad_enabled() and self.engine.is_streamed(idx):
             outer = top_saved_tensors_hooks()
-            if outer is not None and _is_torch_checkpoint(outer) and _under_selective_checkpoint():
+            if outer is not None and _is_torch_checkpoint(outer) and under_selective_checkpoint():
                 raise DGLSUserError(
                     f"layer {self.owners[idx]} streams under selective activation checkpointing, which caches op "
                     "outputs (views of its weights among them) until backward: use plain checkpointing or keep it "

@@ -66,14 +66,12 @@ class StreamedLayer:
         module: nn.Module,
         host: HostLayer,
         placeholder: Callable[[torch.dtype], torch.Tensor],
-        on_transition: Callable[[StreamedLayer, str], None] | None = None,
     ) -> None:
         self.module = module
         self.host = host
         self.params = [p.param for p in host.layout.params]
         self._placeholders = [placeholder(p.dtype) for p in host.layout.params]
         self._views: dict[int, list[torch.Tensor]] = {}  # slot index -> views in that slot
-        self._on_transition = on_transition
         self.state = Residency.HOST
         self.slot: Slot | None = None
         self.token: Token | None = None
@@ -90,7 +88,7 @@ class StreamedLayer:
         self._expect(Residency.HOST, transition="fetch")
         slot.owner = self.index
         self.slot, self.token = slot, token
-        self._enter(Residency.FETCHING, "fetch")
+        self._enter(Residency.FETCHING)
 
     def acquire(self, copier: Copier) -> Wait | None:
         """FETCHING or RELEASED -> IN_USE: the compute stream waits for the copy; params bound."""
@@ -98,14 +96,14 @@ class StreamedLayer:
         waited = copier.acquire(self.token)
         if self.state is Residency.FETCHING:
             self._bind()
-        self._enter(Residency.IN_USE, "acquire")
+        self._enter(Residency.IN_USE)
         return waited
 
     def release(self, copier: Copier) -> None:
         """IN_USE -> RELEASED: a later use began; the slot is free after the reads enqueued so far."""
         self._expect(Residency.IN_USE, transition="release")
         copier.release(self.slot)
-        self._enter(Residency.RELEASED, "release")
+        self._enter(Residency.RELEASED)
 
     def evict(self) -> None:
         """FETCHING or RELEASED -> HOST: drop the device copy (frozen weights never travel back)."""
@@ -113,7 +111,7 @@ class StreamedLayer:
         self._unbind()
         self.slot.owner = None
         self.slot, self.token = None, None
-        self._enter(Residency.HOST, "evict")
+        self._enter(Residency.HOST)
 
     def show(self, values: list[torch.Tensor]) -> None:
         """HOST only: point the params at ``values`` (their true values in host memory) for code that reads
@@ -161,9 +159,7 @@ class StreamedLayer:
             self._range.__exit__(None, None, None)
             self._range = None
 
-    def _enter(self, state: Residency, transition: str) -> None:
+    def _enter(self, state: Residency) -> None:
         self.state = state
         if self._range is not None:
             self._close_range()
-        if self._on_transition is not None:
-            self._on_transition(self, transition)
