@@ -13,8 +13,9 @@ Order
       features in list order; the cast comes last (it is lossy, and nothing after it can fail).
 
 Invariants
-    - Every ``config.<field>`` the engine's parts need is read here; the parts get values, not the config
-      (the engine keeps ``config`` only for readers, such as the planner's ``config.placement.prefetch``).
+    - Every ``config.<field>`` the engine's parts need is read here; the parts get values (or a policy), not the
+      config (the engine keeps ``config`` only for readers: re-placement writes the prefetch depth it chose into
+      ``config.placement.prefetch``).
     - A build that fails half-way frees what it made (pinned memory, shared segments, worker threads) and has
       changed no param.
 """

@@ -199,7 +199,7 @@ class Transport:
         """Work enqueued inside the block runs on ``direction``'s stream (lane ``lane``) after ``gates``; the
         yielded copy (``into`` if given) is ready after it (the block may set its ``nbytes``). With
         ``host_waits`` the host waits for the gates and for the work instead of the stream
-        (``--device_sync_mode host``). On the CPU the work runs now."""
+        (``--no-event_sync`` or ``--device_sync_mode layer``). On the CPU the work runs now."""
         copy = into if into is not None else Copy(direction=direction)
         copy.lane = lane
         for gate in gates:

@@ -10,7 +10,7 @@ searches which layers stay resident (which ones, not only how many: resident lay
 spread between streamed ones give the copies compute to hide behind) and the prefetch
 depth, and keeps the placement with the lowest predicted step time that fits;
 ``shortlist`` also returns the best plans of other families predicted close to it, which
-the swapper measures on real steps before it settles (see autoplan.py).
+the placement driver measures on real steps before it settles (:mod:`.autoplan`).
 
 Activations are planned with the weights. With activation offload the probe sends home the
 inputs of every checkpointed call but the last ``prefetch`` (the smallest footprint) and

@@ -12,7 +12,7 @@ What the engine promises
       changes the model (hooks, patched forwards) only here, so a failed construction has nothing else to undo.
     - ``fetch_gates(idx)``: on the thread that runs the layers, under the engine lock, each time a copy of
       streamed layer ``idx`` into a slot is submitted: what the copy must wait for (a transport
-      :class:`~..memory.transport.Copy`, or a :class:`~..memory.copier.Marker`). Called on the hot path: keep it a
+      :class:`~..memory.transport.Copy`, or a :class:`~..memory.transport.Marker`). Called on the hot path: keep it a
       lookup.
     - ``after_backward()``: under the engine lock, from autograd's end-of-backward callback, before the
       listeners hear ``pass_ended`` (a distinct name: a part may be a feature and a listener at once).

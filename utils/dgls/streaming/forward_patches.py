@@ -3,7 +3,7 @@
 - ``autocast``: each layer's forward runs under ``torch.autocast`` (entered in a forward pre-hook,
   left in the forward hook; a checkpoint's recompute runs the hooks again, so the contexts are a
   stack).
-- ``compile_resident``: the forward of each resident layer is replaced by ``torch.compile`` of it,
+- ``compile`` (``--compile``): the forward of each resident layer is replaced by ``torch.compile`` of it,
   as an instance attribute over the class's forward. Streamed layers stay eager (their weights move
   between slots), so :meth:`ForwardPatches.placement_changed` compiles or un-compiles layers when
   placement changes.
