@@ -35,16 +35,17 @@ from ..activations.unit_checkpoints import Piece, UnitCheckpoints, pieces_to_che
 from ..errors import DGLSUserError
 from ..memory.copier import Copier, CudaCopier, DeferredCopier
 from ..memory.device_pool import DevicePool
-from ..memory.layout import MB, LayerLayout, human_bytes, measure, modules_of
-from ..memory.precision import CastRules, cast_trainable, check_device_support, describe, name_of
+from ..memory.layout import MB, LayerLayout, human_bytes, measure
+from ..memory.precision import CastRules, check_device_support, name_of
 from ..memory.transport import CudaTransport, Direction, Transport, make_transport
 from ..planning.autoplan import PlacementDriver, resolve_budget
 from ..planning.planner import unit_bytes_for_budget
 from ..streaming.config import SwapConfig
-from ..streaming.feature import Engine, Feature
+from ..streaming.feature import Feature
 from ..streaming.forward_patches import ForwardPatches
 from ..streaming.masters import Masters
 from ..streaming.placement import Placement, plan_placement
+from ..streaming.trainable_cast import TrainableCast
 from ..streaming.units import Entry, split_layers, split_note
 from ..torch_private import check_torch
 from ..training.host_training import HostTraining, check_host_training
@@ -174,8 +175,8 @@ def build(
                 )
             )
         if driver is not None:
-            features.append(_Planner(driver))
-        features.append(_TrainableCast(values, cast_rules, c.compute.autocast, c.compute.mixed_precision))
+            features.append(driver)
+        features.append(TrainableCast(values, cast_rules, c.compute.autocast, c.compute.mixed_precision))
         pool = DevicePool(device, placement.slot_count, placement.slot_bytes)
         undo.callback(pool.release)
         masters.store.ensure_staging(2, placement.slot_bytes)
@@ -230,38 +231,6 @@ def start_report(parts: Parts) -> list[str]:
             "pinned_ram_budget_gb"
         )
     return lines
-
-
-class _Planner(Feature):
-    """The VRAM-budget planner (:mod:`..planning.autoplan`): it listens to the engine (records) and re-places layers
-    between passes, when the engine steps it (``between_passes``)."""
-
-    def __init__(self, driver: PlacementDriver) -> None:
-        self.driver = driver
-
-    def install(self, engine: Engine) -> None:
-        self.driver.attach(engine)
-        engine.add_listener(self.driver)
-
-    def between_passes(self) -> None:
-        self.driver.step()
-
-
-class _TrainableCast(Feature):
-    """``mixed_precision``: the trainable params (and any grads) in its dtype. Installed last: the cast is lossy
-    (:meth:`~.swapper.LayerSwapper.remove` casts back, rounded), so nothing after it may fail."""
-
-    def __init__(self, layers: list, rules: CastRules | None, autocast: str | None, mixed_precision: str) -> None:
-        self.layers, self.rules, self.autocast, self.mixed_precision = layers, rules, autocast, mixed_precision
-        self.changed = 0
-
-    def install(self, engine: Engine) -> None:
-        self.changed = cast_trainable([m for _, m in modules_of(self.layers)], self.mixed_precision)
-
-    def describe(self) -> list[str]:
-        if not (self.rules or self.autocast or self.mixed_precision != "auto"):
-            return []
-        return [describe(self.rules, self.autocast, self.mixed_precision, self.changed)]
 
 
 def _replays_nothing(module: nn.Module) -> bool:

@@ -3,7 +3,7 @@
 Modules
     - ``planner.py``: a model of a step's copies and compute; the fastest placement that fits a budget.
     - ``autoplan.py``: ``--vram_budget``: probe, shortlist, measure, refine, settle; a typed driver stepped
-      between passes, its phases an enum.
+      between passes (a feature of the engine), its phases an enum.
 
 May import: memory, streaming, watching.
 """

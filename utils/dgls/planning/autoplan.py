@@ -37,6 +37,7 @@ from ..errors import DGLSUserError
 from ..memory.copier import Wait
 from ..memory.layout import LayerSizes, human_bytes
 from ..memory.transport import Copy, Direction
+from ..streaming.feature import Engine, Feature
 from ..streaming.schedule import Phase
 from ..watching.listener import Listener
 from ..watching.stats import elapsed_ms, timestamp
@@ -257,7 +258,7 @@ class Window:
 
 
 @dataclass
-class PlacementDriver(Listener):
+class PlacementDriver(Listener, Feature):
     """Drives probe -> shortlist -> measure each -> refine -> keep the fastest that fits.
 
     Every step is a real training step (placement never changes the numerics). A plan is
@@ -280,6 +281,8 @@ class PlacementDriver(Listener):
       from pass end to pass end.
     - It acts in :meth:`step`: it waits for the device, turns the windows into measurements, moves
       its phase (:class:`DriverState`) and calls ``apply_placement`` on its :class:`Placeable`.
+    - As a feature of the engine (:mod:`..streaming.feature`): ``install`` makes the engine its
+      :class:`Placeable` and a listener of it; ``between_passes`` is :meth:`step`.
     - Who steps it: the engine, at the first use after a pass ended that is not inside a backward
       (the next forward, or an eval forward), before that use does anything. In every training
       loop that point comes after whatever the loop runs between passes: the optimizer step and
@@ -322,9 +325,14 @@ class PlacementDriver(Listener):
         """The plan is settled (or, with ``plan_only``, shown)."""
         return self.state.phase is DriverPhase.SETTLED
 
-    def attach(self, target: Placeable) -> None:
-        """The engine this driver places layers for."""
-        self._target = target
+    # ---------------------------------------------------------------- feature
+    def install(self, engine: Engine) -> None:
+        """The engine this driver places layers for (a :class:`Placeable`), which it listens to."""
+        self._target = engine  # type: ignore[assignment]  # LayerSwapper is both
+        engine.add_listener(self)
+
+    def between_passes(self) -> None:
+        self.step()
 
     def check_static_minimum(self, sizes) -> None:
         """Before step 1: the budget must hold the essentials and two slots."""

@@ -15,6 +15,7 @@ Modules
     - ``units.py``: swap units: a large layer streamed as the child modules it runs.
     - ``forward_patches.py``: ``--autocast`` and ``--compile``: how a layer's forward runs, apart from where
       its weights are (a feature).
+    - ``trainable_cast.py``: ``--mixed_precision``: the trainable params in its dtype (a feature, installed last).
 
 May import: memory.
 """
