@@ -1,26 +1,28 @@
 """Automatic placement from a VRAM budget: probe, shortlist, measure, refine, settle.
 
-:class:`PlacementDriver` observes the engine as a listener (use starts, weight copies, pass ends:
-records only) and acts when the engine steps it, at the first use after a pass ended that is not
-inside a backward: after the loop's optimizer step, never in autograd's end-of-backward callback.
-It re-places layers through a typed :class:`Placeable` (``apply_placement``); its phases are a
-:class:`DriverPhase` with transitions as methods (:class:`DriverState`). Nothing else drives it;
-reading stats never changes what it does.
+Who does what
+    - :class:`PlacementDriver` observes the engine as a listener (use starts, weight copies, pass ends: records
+      only) and acts when the engine steps it (a feature's ``between_passes``): at the first use after a pass
+      ended that is not inside a backward, after the loop's optimizer step, never in autograd's end-of-backward
+      callback. Reading stats never changes what it does.
+    - It re-places layers through a typed :class:`Placeable` (``apply_placement``); its phases are a
+      :class:`DriverPhase` with transitions as methods (:class:`DriverState`).
 
-Step 1 runs with every layer streamed (the smallest footprint) and warms up; step 2 is
-the probe: each layer use's compute time, the copy bandwidth, the activation peak. The
-planner (planner.py) predicts every candidate placement and shortlists the best of each
-family (pattern x prefetch depth) predicted within 20% of its choice. Each shortlisted
-plan then runs for real, in the order A B C D D C B A (one warm-up step after each
-switch, ``TRIAL_STEPS`` timed steps per visit), so that a slow drift of the step time
-over the minutes of measuring cancels instead of favouring the plans measured first.
-DGLS keeps the fastest that stayed within the budget. The trials also measure how far
-the memory model's peaks were off; when that error is smaller than the safety margin
-the plans were made with, one refined plan made with the measured error instead of the
-margin is measured against the winner (A B B A) and kept if it is faster and fits.
-The model ranks plans that differ by a few percent less reliably than timed steps do,
-so the last word goes to the measurement; the model's job is to cut thousands of
-placements to a handful.
+Steps
+    - Step 1 runs with every layer streamed (the smallest footprint) and warms up; step 2 is the probe: each
+      layer use's compute time, the copy bandwidth, the activation peak.
+    - The planner (:mod:`.planner`) predicts every candidate placement and shortlists the best of each family
+      (pattern x prefetch depth) predicted within ``SHORTLIST_WITHIN`` of its choice.
+    - Each shortlisted plan runs for real in the order A B C D D C B A (one warm-up step after each switch,
+      ``TRIAL_STEPS`` timed steps per visit), so a slow drift of the step time cancels instead of favouring the
+      plans measured first. The fastest that stayed within the budget is kept.
+    - The trials also measure how far the memory model's peaks were off; when that error is smaller than the
+      safety margin the plans were made with, one refined plan made with the measured error instead of the
+      margin is measured against the winner (A B B A) and kept if it is faster and fits.
+
+Why measure at all
+    - The model ranks plans that differ by a few percent less reliably than timed steps do, so the last word
+      goes to the measurement; the model's job is to cut thousands of placements to a handful.
 """
 
 from __future__ import annotations
