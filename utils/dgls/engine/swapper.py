@@ -90,8 +90,9 @@ class LayerSwapper:
         self.layers, self.placement = p.layers, p.placement
         self.masters, self.transport, self.pool, self.copier = p.masters, p.transport, p.pool, p.copier
         self.features = p.features
-        self._gating = [f for f in p.features if overrides(f, "fetch_gates")]  # the hot path asks only these
-        self._between = [f for f in p.features if overrides(f, "between_passes")]
+        # the hot path and each use ask only the features that do something there
+        self._gate_fetches = [f for f in p.features if overrides(f, "fetch_gates")]
+        self._act_between_passes = [f for f in p.features if overrides(f, "between_passes")]
         self._pass_ended = False  # a backward ended and no use outside a backward began since
         self.driver, self.training, self.activations = p.driver, p.training, p.activations  # for readers only
         self._batch_move, self._sync_each_step = p.batch_move, p.sync_each_step
@@ -143,7 +144,7 @@ class LayerSwapper:
         with self._lock:
             if self._pass_ended and phase is not Phase.BACKWARD:  # after the loop's optimizer step
                 self._pass_ended = False
-                for feature in self._between:
+                for feature in self._act_between_passes:
                     feature.between_passes()
             self.copier.check()
             if (idx, phase) == self._last_use:
@@ -279,7 +280,7 @@ class LayerSwapper:
     def _fetch(self, requests: list[tuple[StreamedLayer, Slot]], demand: bool) -> None:
         if not requests:
             return
-        gating = self._gating  # e.g. full fine-tuning: the packed copy must hold the layer's latest update
+        gating = self._gate_fetches  # e.g. full fine-tuning: the packed copy must hold the layer's latest update
         after = [[g for f in gating for g in f.fetch_gates(layer.index)] for layer, _ in requests] if gating else None
         tokens = self.copier.submit([(slot, layer.host, demand) for layer, slot in requests], after)
         for (layer, slot), token in zip(requests, tokens):
@@ -302,14 +303,16 @@ class LayerSwapper:
 
     def evict(self, indices: Iterable[int]) -> None:
         """Release the current use and drop these layers' device copies (the release markers keep the
-        slots from being rewritten before the kernels that read them, so the host need not wait)."""
-        self._release_current()
-        for idx in indices:
-            layer = self._streamed[idx]
-            if layer.state is not Residency.HOST:
-                layer.evict()
-        self._current = None
-        self._last_use = None
+        slots from being rewritten before the kernels that read them, so the host need not wait). A feature
+        calls it (under the engine lock already); the lock is taken again for any other caller."""
+        with self._lock:
+            self._release_current()
+            for idx in indices:
+                layer = self._streamed[idx]
+                if layer.state is not Residency.HOST:
+                    layer.evict()
+            self._current = None
+            self._last_use = None
 
     # ---------------------------------------------------------------- public
     @property
