@@ -2,7 +2,7 @@
 
 Owns every CUDA stream, event and copy worker (``transport``), the memories (device slots, pinned and
 packed host copies, the machine's shared copy) and the model of a layer's bytes they are sized from.
-Knows nothing of layers' order, hooks or training.
+Knows nothing of layers' order or hooks, and of full fine-tuning only where its state lives (``TrainingLayout``).
 
 Modules
     - ``transport.py``: every copy in every direction (weights in, gradients home, activations out and back,
