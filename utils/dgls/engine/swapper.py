@@ -19,8 +19,9 @@ Mechanics
     - ``pass_end`` runs the features' ``after_backward``, then hands the step boundary to the listeners
       (stats, the profiler, the planner: they record it).
     - The first use after a pass ended that is not inside a backward runs the features' ``between_passes``
-      first: it comes after whatever the loop ran between passes (the optimizer step), outside autograd's
-      callback. The planner acts there (and may re-place layers: :meth:`apply_placement`).
+      first: it comes after whatever the loop ran between passes (the optimizer step; with gradient
+      accumulation, between micro-batches), outside autograd's callback. The planner acts there (and may
+      re-place layers: :meth:`apply_placement`).
 
 Hazards handled
     - Slot reuse. A layer's use lasts from its start until another layer's use begins. By then every kernel

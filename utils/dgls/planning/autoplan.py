@@ -294,6 +294,15 @@ class PlacementDriver(Listener, Feature):
       passes are stepped together, at the next forward: :meth:`step` takes every pass ended since).
       ``plan_finished`` steps it too (``--plan`` loops stop on the probe's decision, not a step later).
     - A pass that ends the run is never acted on: its decision would come with the next forward.
+
+    Hazards
+    - With gradient accumulation every micro-batch's backward is a pass, so the driver may act between
+      micro-batches, before the optimizer step (the trainable params and their grads stay on the device
+      whatever the placement, so the numbers do not change; a window's steps are passes).
+    - It acts inside the call of the forward's first module (its pre-hook): the params of that layer are
+      re-bound before its forward reads them, but torch has already chosen which forward to call, so a
+      ``--compile`` switch of that one layer takes effect from its next call; and a checkpoint wrapper around
+      that call (activation offload) entered before the new depth was set.
     """
 
     budget: int

@@ -18,7 +18,8 @@ What the engine promises
       listeners hear ``pass_ended`` (a distinct name: a part may be a feature and a listener at once).
     - ``between_passes()``: under the engine lock, at the first use after a backward ended that is not inside
       a backward (the next forward or eval forward), before that use does anything: after whatever the loop
-      ran between passes (the optimizer step), never in autograd's callback. The planner acts here.
+      ran between passes (the optimizer step; with gradient accumulation, between micro-batches), never in
+      autograd's callback. The planner acts here.
     - ``before_placement()`` / ``placement_changed(placement, kept_activations)``: under the engine lock,
       between passes, around a re-placement (:meth:`~..engine.swapper.LayerSwapper.apply_placement`).
       ``before_placement`` runs before anything changes and may refuse with a :class:`~..errors.DGLSUserError`;
