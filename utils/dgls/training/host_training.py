@@ -39,6 +39,7 @@ Hazards handled
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 
 import psutil
@@ -161,12 +162,10 @@ class HostTraining:
                     master.copy_(p.param.param.data if p.param.param.numel() else packed)
                 params.append(TrainedParam(p.position, p.param.param, master, packed, landing, acc))
         optimizer = self.spec.build([tp.master for tp in params])
-        by_master = {id(tp.master): tp for tp in params}
-        in_groups = [(by_master[id(m)], group) for group in optimizer.param_groups for m in group["params"]]
-        layer = TrainedLayer(idx, host, params, optimizer, in_groups, place.numel)
+        layer = TrainedLayer(idx, host, params, optimizer, _in_groups(params, optimizer), place.numel)
         if place.flat:
             flat = []
-            for (tp, group), p in zip(in_groups, sorted(place.params, key=lambda p: p.flat)):
+            for (tp, group), p in zip(layer.in_groups, sorted(place.params, key=lambda p: p.flat)):
                 if tp.position != p.position:  # spec.build's order must be the one the buffers were laid out in
                     raise AssertionError("the flat layout does not follow the optimizer's param order")
                 flat.append(FlatParam(p.flat, p.numel, tp.master, tp.packed, group))
@@ -359,6 +358,7 @@ class HostTraining:
             if keep_hyper_parameters:
                 for group, kept in zip(layer.optimizer.param_groups, settings):
                     group.update(kept)
+            _regroup(layer)  # torch's load replaced the param groups: the device path reads the new ones
             if self.updater is not None:
                 self.updater.adopt_state(layer.optimizer, layer.flat, replaced)
 
@@ -369,6 +369,22 @@ class HostTraining:
                 self.finish()
         finally:
             self.remove_hooks()
+
+
+def _in_groups(params: list[TrainedParam], optimizer: torch.optim.Optimizer) -> list[tuple[TrainedParam, dict]]:
+    """``params`` in ``optimizer``'s order, each with the param group it is in now (its hyper-parameters)."""
+    by_master = {id(tp.master): tp for tp in params}
+    return [(by_master[id(m)], group) for group in optimizer.param_groups for m in group["params"]]
+
+
+def _regroup(layer: TrainedLayer) -> None:
+    """After ``optimizer.load_state_dict``, which builds new param group dicts (the checkpoint's lr, betas,
+    weight decay ...): the device path's references to the old ones (``in_groups``, the flat params') are
+    replaced, so the device's kernel and the host's optimizer step with the same hyper-parameters."""
+    layer.in_groups = _in_groups(layer.params, layer.optimizer)
+    if layer.flat is not None:
+        group_of = {id(tp.master): group for tp, group in layer.in_groups}
+        layer.flat.params = [dataclasses.replace(fp, group=group_of[id(fp.master)]) for fp in layer.flat.params]
 
 
 def _plain(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
