@@ -29,6 +29,7 @@ from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.memory.transport import Direction, Transport
 from utils.dgls.training import device_update, grad_return, host_training
 from utils.dgls.training.grad_return import GradReturn, GradState
+from utils.dgls.training.host_optimizer import HostOptimizerSpec
 from utils.dgls.training.host_training import HostTraining
 from utils.dgls.training.update_split import UpdateSplit
 from utils.dgls.training.updaters import DeviceSide
@@ -278,6 +279,23 @@ def test_device_updates_after_a_resume_use_the_hyper_parameters_it_loaded(monkey
     want = resumed(FUSED_SPEC, dataclasses.replace(before, implementation="torch_fused"))
     assert_same(resumed(spec, before), want)
     assert differs(resumed(spec, spec), want)  # the saved hyper-parameters do change the numbers
+
+
+@pytest.mark.parametrize("saved, here", [(0.9, 0.0), (0.0, 0.9)])
+def test_an_sgd_resume_that_would_switch_the_devices_momentum_buffer_is_one_line_unless_kept(saved, here):
+    """SGD on the device keeps a momentum buffer only with momentum (:mod:`~utils.dgls.training.optimizer_kernels`):
+    a checkpoint whose momentum is zero where this run's is not (or the reverse) would run the kernel with the
+    checkpoint's momentum on the wrong state; refused in one line, and with the run's hyper-parameters kept the
+    resumed step equals torch.optim.SGD's."""
+    sgd = HostOptimizerSpec(type="sgd", lr=1e-2, weight_decay=0.01, implementation="device")
+    with pytest.raises(DGLSUserError, match=f"momentum {saved} for layer .* momentum is {here} here"):
+        resumed(dataclasses.replace(sgd, momentum=here), dataclasses.replace(sgd, momentum=saved))
+    torch_sgd = dataclasses.replace(sgd, implementation="torch")
+    want = resumed(
+        dataclasses.replace(torch_sgd, momentum=here), dataclasses.replace(torch_sgd, momentum=saved), keep=True
+    )
+    got = resumed(dataclasses.replace(sgd, momentum=here), dataclasses.replace(sgd, momentum=saved), keep=True)
+    assert_same(got, want)
 
 
 def test_refusals_are_one_clear_line():

@@ -305,11 +305,13 @@ class HostTraining:
         self.finish()
         return {idx: layer.optimizer.state_dict() for idx, layer in self.layers.items()}
 
-    def state_problem(self, state: object) -> str | None:
+    def state_problem(self, state: object, keep_hyper_parameters: bool = False) -> str | None:
         """Why ``state`` (a :meth:`state_dict` read back from a checkpoint) cannot be loaded into these layers, or
         None: it must hold the optimizer state of exactly these layers, each param's moments of that param's shape
         and of this optimizer's kind. torch's own ``load_state_dict`` checks only the number of params, so a
-        checkpoint saved with another placement or optimizer would load into the wrong layers, or be dropped."""
+        checkpoint saved with another placement or optimizer would load into the wrong layers, or be dropped.
+        SGD on the device: unless ``keep_hyper_parameters``, the saved momentum must be zero exactly where this
+        run's is (the device's kernel has a momentum buffer only with momentum, sized at start-up)."""
         if not isinstance(state, dict) or not all(isinstance(v, dict) and "state" in v for v in state.values()):
             return "holds no per-layer optimizer states"
         try:
@@ -329,6 +331,16 @@ class HostTraining:
             if any(("betas" in g) != (self.spec.type == "adamw") for g in groups):
                 saved_kind = "AdamW" if "betas" in groups[0] else "SGD"
                 return f"holds {saved_kind} state for layer {idx}, and [optimizer] type is {self.spec.type!r} here"
+            if self.spec.type == "sgd" and self.spec.on_device and not keep_hyper_parameters:
+                momenta = [
+                    g.get("momentum", 0.0) for g in groups if bool(g.get("momentum", 0.0)) != bool(self.spec.momentum)
+                ]
+                if momenta:
+                    return (
+                        f"holds SGD with momentum {momenta[0]} for layer {idx}, and [optimizer] momentum is "
+                        f"{self.spec.momentum} here: SGD on the device keeps a momentum buffer only with momentum, so "
+                        f"resume with momentum = {momenta[0]}, or pass --reset_optimizer_params to keep this run's"
+                    )
             here = [len(g["params"]) for g in layer.optimizer.param_groups]
             if [len(g["params"]) for g in groups] != here:
                 count = sum(len(g["params"]) for g in groups)
@@ -348,7 +360,7 @@ class HostTraining:
     def load_state_dict(self, state: dict, keep_hyper_parameters: bool = False) -> None:
         """Load a :meth:`state_dict` (checked: :meth:`state_problem`). ``keep_hyper_parameters``: the param groups'
         settings (lr, betas, weight_decay ...) stay as built, not as saved (train.py's ``--reset_optimizer_params``)."""
-        if (problem := self.state_problem(state)) is not None:
+        if (problem := self.state_problem(state, keep_hyper_parameters)) is not None:
             raise DGLSUserError(f"the host optimizer state {problem}")
         self.finish()
         for idx, layer in self.layers.items():
