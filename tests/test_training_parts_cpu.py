@@ -11,9 +11,10 @@ from full_ft import MAX_NORM, SPEC, assert_same, flip_sides_every_step, full_lay
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.memory.transport import Transport
 from utils.dgls.training.device_update import DeviceUpdater
-from utils.dgls.training.grad_return import GradBatch, GradState, Job, LayerGrads
+from utils.dgls.training.grad_return import GradBatch, GradState, LayerGrads
 from utils.dgls.training.host_optimizer import HostOptimizerSpec
 from utils.dgls.training.host_training import host_training_bytes
+from utils.dgls.training.jobs import Job
 from utils.dgls.training.optimizer_kernels import AdamWKernel, SGDKernel
 
 CPU = torch.device("cpu")

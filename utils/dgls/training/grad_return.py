@@ -42,9 +42,9 @@ States (:class:`LayerGrads`, one per layer; each transition is a method that ass
 Threads
     - Every transition, and every field of :class:`LayerGrads` and :class:`TrainedParam`, is written by the
       training thread only (the backward's hooks, the step).
-    - Jobs (:class:`Jobs`: the transport's job worker) get what they read as arguments and write only
-      tensors (landings read, sums written) and their own :attr:`Job.result`; the training thread reads a
-      result after :meth:`Jobs.wait` (the job's ``done`` event is the happens-before).
+    - Jobs (:class:`~.jobs.Jobs`: the transport's job worker) get what they read as arguments and write only
+      tensors (landings read, sums written) and their own :attr:`~.jobs.Job.result`; the training thread reads
+      a result after :meth:`~.jobs.Jobs.wait` (the job's ``done`` event is the happens-before).
 
 Hazards handled
     - A landing is rewritten by the next batch's copy only after the job summing it ran (the hook waits
@@ -64,8 +64,6 @@ Hazards handled
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -76,55 +74,12 @@ from torch import nn
 
 from ..errors import DGLSUserError
 from ..memory.host_store import HostLayer
-from ..memory.transport import Copy, Direction, Transport, Worker
+from ..memory.transport import Copy, Direction, Transport
 from .device_update import FlatLayer
+from .jobs import Job, Jobs
 from .optimizer_kernels import grad_norms
 
 SEND_GROUP_BYTES = 64 * 2**20  # a layer's grads wait on the device until this many bytes go home together
-
-
-# ---------------------------------------------------------------- jobs
-@dataclass(eq=False)
-class Job:
-    """One host job (an accumulation or an update) on the transport's job worker."""
-
-    layer: int
-    kind: str  # "accumulate" or "update"
-    done: threading.Event = field(default_factory=threading.Event)
-    result: object = None  # what it returned: read by another thread only after ``done``
-
-
-class Jobs:
-    """Host jobs in submission order on the transport's job worker (its thread, or deferred: see
-    :class:`~..memory.transport.Worker`), with the time they took and the time the training thread waited.
-
-    - ``waited_s`` is written by the training thread, ``job_s`` by the thread that runs jobs (one at a
-      time); both are statistics that no decision reads."""
-
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        self.waited_s = 0.0  # seconds the training thread spent blocked on jobs
-        self.job_s = {"accumulate": 0.0, "update": 0.0}  # seconds the host spent on each kind of job
-
-    def submit(self, layer: int, kind: str, run: Callable[[], object]) -> Job:
-        job = Job(layer, kind)
-        job.done = self.worker.put(partial(self._run, job, run))
-        return job
-
-    def wait(self, job: Job) -> object:
-        """Block until ``job`` ran; its result."""
-        if not job.done.is_set():
-            began = time.perf_counter()
-            try:
-                self.worker.wait(job.done)
-            finally:
-                self.waited_s += time.perf_counter() - began
-        return job.result
-
-    def _run(self, job: Job, run: Callable[[], object]) -> None:
-        began = time.perf_counter()
-        job.result = run()
-        self.job_s[job.kind] += time.perf_counter() - began
 
 
 # ---------------------------------------------------------------- per-layer state

@@ -51,8 +51,9 @@ from ..memory.layout import LayerLayout, TrainingLayout, human_bytes
 from ..memory.pinned import PinnedMemory
 from ..memory.transport import Copy, Direction, Transport
 from .device_update import DeviceUpdater, FlatLayer, FlatParam
-from .grad_return import SEND_GROUP_BYTES, GradReturn, GradState, Jobs, TrainedLayer, TrainedParam
+from .grad_return import SEND_GROUP_BYTES, GradReturn, GradState, TrainedLayer, TrainedParam
 from .host_optimizer import HostOptimizerSpec
+from .jobs import Jobs
 from .optimizer_kernels import grad_norms
 from .updaters import DeviceSide, HostUpdater, SplitUpdater, Updater, update_threads
 

@@ -17,7 +17,7 @@ Strategies
 
 Tokens (every field below is written on the training thread)
     - ``layer.update``: the latest update job not yet waited for; its result (:class:`UpdateDone`) is read
-      only after :meth:`~.grad_return.Jobs.wait`.
+      only after :meth:`~.jobs.Jobs.wait`.
     - ``layer.home``: the latest device update's copy home (a gate of the weight copy; the host lands it
       before it reads the state).
     - A job that needs the layer's previous update gets that job or copy as an argument; a previous job
@@ -51,7 +51,8 @@ import torch
 
 from ..memory.transport import Copy, Transport
 from .device_update import DeviceUpdater, ParamUpdate, timeline_busy
-from .grad_return import Job, Jobs, StepGrads, TrainedLayer
+from .grad_return import StepGrads, TrainedLayer
+from .jobs import Job, Jobs
 from .update_split import UpdateSplit
 
 
