@@ -55,6 +55,7 @@ from .grad_return import SEND_GROUP_BYTES, GradReturn, GradState, TrainedLayer, 
 from .host_optimizer import HostOptimizerSpec
 from .jobs import Jobs
 from .optimizer_kernels import grad_norms
+from .update_split import UpdateSplit
 from .updaters import DeviceSide, HostUpdater, SplitUpdater, Updater, update_threads
 
 __all__ = [
@@ -205,7 +206,7 @@ class HostTraining:
         return tp.master if tp is not None else None
 
     @property
-    def split(self):
+    def split(self) -> UpdateSplit | None:
         """Split updates: which side updates each layer (:class:`~.update_split.UpdateSplit`), else None."""
         return self.updates.split
 
@@ -308,7 +309,7 @@ class HostTraining:
 
     def state_problem(self, state: object, keep_hyper_parameters: bool = False) -> str | None:
         """Why ``state`` (a :meth:`state_dict` read back from a checkpoint) cannot be loaded into these layers, or
-        None: it must hold the optimizer state of exactly these layers, each param's moments of that param's shape
+        None: it must hold the optimizer state of exactly these layers, each param's state of that param's shape
         and of this optimizer's kind. torch's own ``load_state_dict`` checks only the number of params, so a
         checkpoint saved with another placement or optimizer would load into the wrong layers, or be dropped.
         SGD on the device: unless ``keep_hyper_parameters``, the saved momentum must be zero exactly where this
