@@ -203,7 +203,8 @@ class TrainedLayer:
     host: HostLayer
     params: list[TrainedParam]  # layout order (hooks, batches)
     optimizer: torch.optim.Optimizer
-    # the params in the optimizer's order, with their param groups (fixed at start-up)
+    # the params in the optimizer's order, with their param groups (the optimizer's current dicts: a checkpoint
+    # load replaces them, and :func:`~.host_training._regroup` re-points these)
     in_groups: list[tuple[TrainedParam, dict]] = field(default_factory=list)
     numel: int = 0  # trained params
     flat: FlatLayer | None = None  # device updates in bf16/fp16: masters, state and landings back to back
