@@ -58,8 +58,9 @@ Hazards handled
     - A second batch of a layer read directly (told one micro-batch a step, given two) sums the first on
       the host before its landings are rewritten (``promote``), in sums allocated then (beyond the
       training layout's figure).
-    - Without clipping, a grad arriving after its layer's update was queued (more micro-batches than
-      ``accumulation_steps``) is refused in one line: it would belong to no step.
+    - Without clipping, a grad arriving after its layer's update was queued is refused in one line: it would
+      belong to no step. Either more micro-batches came than ``accumulation_steps``, or (in the pass that
+      queued it) the layer ran twice under reentrant checkpointing, whose backwards each fire the hooks.
 """
 
 from __future__ import annotations
@@ -246,6 +247,7 @@ class GradReturn:
         self._hooks: list = []
         self._grouping: TrainedLayer | None = None  # the layer whose grads arrived last (the only open group)
         self._backwards = 0  # backward passes since the last step
+        self._queued_in: dict[int, int] = {}  # no clipping: layer -> the pass (``_backwards``) its update started in
 
     def owns(self, param: torch.Tensor) -> TrainedParam | None:
         return self._by_param.get(id(param))
@@ -274,6 +276,13 @@ class GradReturn:
             self._close(layer)
         if g.state is not GradState.OPEN:
             if g.state is GradState.QUEUED:
+                if self._queued_in.get(layer.index) == self._backwards:
+                    raise DGLSUserError(
+                        f"layer {layer.index} got a second gradient in one backward pass (it runs more than once, with "
+                        "reentrant checkpointing: each run's backward is its own), and without clipping its update "
+                        "started after the first: set clip_grads = True (updates then wait for the step), or "
+                        "checkpoint with use_reentrant=False"
+                    )
                 raise DGLSUserError(
                     f"layer {layer.index} got gradients from more backward passes in a step than accumulation_steps "
                     f"({self.accumulation_steps}) says, and without clipping its update had started: set "
@@ -324,6 +333,7 @@ class GradReturn:
             job = self._submit_sum(layer, batch, last)
             g.close_summed(job)
         if last and not self.clipping:  # nothing to wait for: update while the backward goes on
+            self._queued_in[layer.index] = self._backwards
             self._last_closed(layer)
 
     def _promote(self, layer: TrainedLayer) -> None:
@@ -353,6 +363,7 @@ class GradReturn:
     def step_taken(self) -> None:
         """The step's updates were queued: the next backward is a step's first micro-batch."""
         self._backwards = 0
+        self._queued_in.clear()
 
     # ---------------------------------------------------------------- norms (clipping)
     def host_norms(self) -> dict[int, tuple[torch.Tensor, bool]]:
