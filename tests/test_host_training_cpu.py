@@ -29,6 +29,7 @@ from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.memory.transport import Direction, Transport
 from utils.dgls.training import device_update, grad_return, host_training
 from utils.dgls.training.grad_return import GradReturn, GradState
+from utils.dgls.training.host_optimizer import HostOptimizerSpec
 from utils.dgls.training.host_training import HostTraining
 from utils.dgls.training.update_split import UpdateSplit
 from utils.dgls.training.updaters import DeviceSide
@@ -237,6 +238,64 @@ def test_save_and_resume_equal_an_uninterrupted_run(spec, dtype, accumulate):
     assert part2.weights.keys() == whole.weights.keys()
     for k, v in whole.weights.items():
         assert torch.equal(part2.weights[k], v), k
+
+
+def resumed(spec, saved_spec, dtype=torch.bfloat16, keep=False):
+    """One step with ``saved_spec`` and its host optimizer state saved; a new run with ``spec`` loads it (its
+    hyper-parameters as saved, unless ``keep``) and takes one more step, at the param groups' lr."""
+    kw = {"accumulate": 1, "dtype": dtype}
+    saved = {}
+
+    def save(step, trainer):
+        saved["model"] = [{k: v.clone() for k, v in layer.state_dict().items()} for layer in first]
+        saved["host"] = swapper.training.state_dict()
+        saved["trainer"] = trainer.state_dict()
+
+    first = full_layers(dtype)
+    with LayerSwapper(
+        first, SwapConfig.of(host_optimizer=saved_spec, accumulation_steps=1), device=CPU, log=None
+    ) as swapper:
+        train_dgls(first, swapper, CPU, "nonreentrant", steps=1, on_step=save, **kw)
+    second = full_layers(dtype)
+    with LayerSwapper(
+        second, SwapConfig.of(host_optimizer=spec, accumulation_steps=1), device=CPU, log=None
+    ) as swapper:
+        for layer, state in zip(second, saved["model"]):
+            layer.load_state_dict(state)
+        swapper.training.load_state_dict(saved["host"], keep_hyper_parameters=keep)
+        return train_dgls(
+            second, swapper, CPU, "nonreentrant", steps=1, start_step=1, trainer_state=saved["trainer"], **kw
+        )
+
+
+@pytest.mark.parametrize("implementation", ["device", "split"])
+def test_device_updates_after_a_resume_use_the_hyper_parameters_it_loaded(monkeypatch, implementation):
+    """A checkpoint saved with another lr and weight decay: torch's load replaces the optimizer's param groups, and
+    the device's kernel must read the new ones, as the host's optimizer does (split: both sides alike)."""
+    if implementation == "split":
+        flip_sides_every_step(monkeypatch)
+    spec = dataclasses.replace(SPEC, implementation=implementation)
+    before = dataclasses.replace(spec, lr=3e-2, weight_decay=0.3)
+    want = resumed(FUSED_SPEC, dataclasses.replace(before, implementation="torch_fused"))
+    assert_same(resumed(spec, before), want)
+    assert differs(resumed(spec, spec), want)  # the saved hyper-parameters do change the numbers
+
+
+@pytest.mark.parametrize("saved, here", [(0.9, 0.0), (0.0, 0.9)])
+def test_an_sgd_resume_that_would_switch_the_devices_momentum_buffer_is_one_line_unless_kept(saved, here):
+    """SGD on the device keeps a momentum buffer only with momentum (:mod:`~utils.dgls.training.optimizer_kernels`):
+    a checkpoint whose momentum is zero where this run's is not (or the reverse) would run the kernel with the
+    checkpoint's momentum on the wrong state; refused in one line, and with the run's hyper-parameters kept the
+    resumed step equals torch.optim.SGD's."""
+    sgd = HostOptimizerSpec(type="sgd", lr=1e-2, weight_decay=0.01, implementation="device")
+    with pytest.raises(DGLSUserError, match=f"momentum {saved} for layer .* momentum is {here} here"):
+        resumed(dataclasses.replace(sgd, momentum=here), dataclasses.replace(sgd, momentum=saved))
+    torch_sgd = dataclasses.replace(sgd, implementation="torch")
+    want = resumed(
+        dataclasses.replace(torch_sgd, momentum=here), dataclasses.replace(torch_sgd, momentum=saved), keep=True
+    )
+    got = resumed(dataclasses.replace(sgd, momentum=here), dataclasses.replace(sgd, momentum=saved), keep=True)
+    assert_same(got, want)
 
 
 def test_refusals_are_one_clear_line():

@@ -26,6 +26,7 @@ from utils.dgls.demo.model import DemoModelConfig
 from utils.dgls.memory.pinned import WHOLE_MAX, PinnedMemory, whole_pages
 from utils.dgls.memory.transport import Direction
 from utils.dgls.training.host_optimizer import HostOptimizerSpec
+from utils.dgls.training.update_split import UpdateSplit
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -261,6 +262,54 @@ def test_split_updates_without_clipping_measure_the_devices_rate_and_stay_bitwis
     assert_same(got, want)
     rates = seen[0].split.rates
     assert rates["device"] is not None and rates["host"] is not None, rates
+
+
+def half_on_each_side(monkeypatch) -> None:
+    """Split updates: every other host-trained layer on the GPU, at every step (a resumed run gets the sides of
+    one that never stopped, which flipping by the step count would not give)."""
+
+    def assign(self, order=None):
+        for rank, idx in enumerate(sorted(self.sizes)):
+            self.on_device[idx] = rank % 2 == 0
+        return self.on_device
+
+    monkeypatch.setattr(UpdateSplit, "assign", assign)
+
+
+@pytest.mark.parametrize("spec", [DEVICE_SPEC, SPLIT_SPEC, SGD_SPLIT_SPEC], ids=["device", "split", "sgd-split"])
+def test_a_resume_steps_with_the_saved_hyper_parameters_on_the_gpu_as_on_the_cpu(monkeypatch, spec):
+    """Saved with another lr and weight decay (SGD: another momentum too) than the resuming run's spec: torch's load
+    gives each host optimizer the saved param groups, and the GPU's kernel must read those too (split: half the
+    layers on each side), so the resumed run equals one that never stopped, bitwise."""
+    half_on_each_side(monkeypatch)
+    saved_spec = dataclasses.replace(spec, lr=3 * spec.lr, weight_decay=0.3)
+    if spec.type == "sgd":
+        saved_spec = dataclasses.replace(saved_spec, momentum=0.5)
+    kw = {"dtype": BF16, "cfg": SMALL_GPU, "accumulate": 1}
+    layers = full_layers(BF16, SMALL_GPU)
+    with LayerSwapper(layers, config(saved_spec, accumulate=1, prefetch=2), device=device(), log=None) as swapper:
+        whole = train_dgls(layers, swapper, device(), "nonreentrant", steps=2, **kw)
+    saved = {}
+
+    def save(step, trainer):
+        saved["model"] = [{k: v.clone() for k, v in layer.state_dict().items()} for layer in first]
+        saved["host"] = swapper.training.state_dict()
+        saved["trainer"] = trainer.state_dict()
+
+    first = full_layers(BF16, SMALL_GPU)
+    with LayerSwapper(first, config(saved_spec, accumulate=1, prefetch=2), device=device(), log=None) as swapper:
+        train_dgls(first, swapper, device(), "nonreentrant", steps=1, on_step=save, **kw)
+    second = full_layers(BF16, SMALL_GPU)
+    with LayerSwapper(second, config(spec, accumulate=1, prefetch=2), device=device(), log=None) as swapper:
+        for layer, state in zip(second, saved["model"]):
+            layer.load_state_dict(state)
+        swapper.training.load_state_dict(saved["host"])
+        part = train_dgls(
+            second, swapper, device(), "nonreentrant", steps=1, start_step=1, trainer_state=saved["trainer"], **kw
+        )
+    assert torch.equal(torch.stack(part.losses), torch.stack(whole.losses[1:]))
+    for k, v in whole.weights.items():
+        assert torch.equal(part.weights[k], v), k
 
 
 @pytest.mark.parametrize(

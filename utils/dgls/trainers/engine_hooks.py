@@ -138,7 +138,7 @@ class EngineHooks:
             if kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False):
                 try:
                     run_dir, tag = resolve_tag(load_dir, tag)
-                    state = _read_host_state(training, _state_file(run_dir, tag, engine), run_dir, tag)
+                    state = _read_host_state(training, _state_file(run_dir, tag, engine), run_dir, tag, keep)
                 except DGLSUserError as exc:
                     problem = str(exc)
             agree(problem)  # before DeepSpeed loads anything, every process together
@@ -150,9 +150,12 @@ class EngineHooks:
         return load_checkpoint
 
 
-def _read_host_state(training: HostTraining | None, path: Path, run_dir: Path, tag: str) -> dict | None:
+def _read_host_state(
+    training: HostTraining | None, path: Path, run_dir: Path, tag: str, keep_hyper_parameters: bool
+) -> dict | None:
     """This stage's host optimizer state from its checkpoint file, checked against ``training`` (None: this
-    stage trains nothing on the host, and the checkpoint must hold nothing for it either)."""
+    stage trains nothing on the host, and the checkpoint must hold nothing for it either) as it will be loaded
+    (``keep_hyper_parameters``: the run's settings, not the saved ones)."""
     flag = "--resume_from_checkpoint"
     if training is None:
         if path.exists():
@@ -174,7 +177,7 @@ def _read_host_state(training: HostTraining | None, path: Path, run_dir: Path, t
         except Exception as exc:  # a damaged file fails in many ways (EOFError, UnpicklingError, KeyError ...)
             problem = f"cannot be read ({type(exc).__name__})"
         else:
-            if (problem := training.state_problem(state)) is None:
+            if (problem := training.state_problem(state, keep_hyper_parameters)) is None:
                 return state
             raise DGLSUserError(f"{path} {problem}")
     raise DGLSUserError(damaged(path, "DGLS's host optimizer state", problem, run_dir, tag, flag))

@@ -5,6 +5,7 @@ Modules
     - ``training_feature.py``: full fine-tuning as a feature of the engine (fetch gates, evictions, true
       values).
     - ``grad_return.py``: gradients sent home in groups and summed, each layer's gradient state an enum.
+    - ``jobs.py``: host work (gradient sums, host updates) in order on the transport's job worker, timed.
     - ``updaters.py``: where a step runs: the CPU, the GPU, or split between them.
     - ``host_optimizer.py``: which optimizer updates the host-trained params, built per layer.
     - ``optimizer_kernels.py``: the arithmetic a step runs on the GPU, one kernel per optimizer (AdamW, SGD).

@@ -21,7 +21,7 @@ Mechanics (:meth:`DeviceUpdater.update`, one layer; its params in chunks of at m
 in-stream and the out-stream are the transport's optimizer-state-in and -out streams (:mod:`..memory.transport`),
 each half of a chunk one :meth:`~..memory.transport.Transport.issue` behind its gates:
     1. In-stream: wait for the buffer's previous chunk to be copied out, for this layer's previous update
-       (its host state is read now) and for the gradients' copy home (``after``); copy master, moments and
+       (its host state is read now) and for the gradients' copy home (``after``); copy master, state and
        gradient in; scale the gradient by the clip coefficient; the kernel's step (:class:`~.optimizer_kernels.
        OptimizerKernel`: the fused torch optimizer's arithmetic on this device); write the compute-dtype
        copy. Step counts stay on the host (one per param, as in the optimizer's state).
@@ -137,7 +137,8 @@ class DeviceUpdater:
         self.kernel: OptimizerKernel = AdamWKernel()
         self.buffers: list[Scratch] = []
         self._turn = 0
-        # the moments, page-locked at their exact size on CUDA (the copies in and out are asynchronous)
+        # per-param layers' optimizer state, page-locked at its exact size on CUDA (the copies in and out are
+        # asynchronous); flat layers' state is the training layout's
         self._memory = PinnedMemory(self.cuda, "stream fewer layers (blocks_to_swap), or free RAM")
         # CUDA, when a list: each chunk appends (began, home, params), timing events on the in-stream once its
         # waits are met and on the out-stream after its last copy home (:func:`timeline_busy` reads them)
@@ -217,7 +218,7 @@ class DeviceUpdater:
     def adopt_state(
         self, optimizer: torch.optim.Optimizer, flat: FlatLayer | None, replaced: list[torch.Tensor]
     ) -> None:
-        """After a checkpoint load replaced the moments (``replaced``: the ones it dropped): copy them into the
+        """After a checkpoint load replaced the state tensors (``replaced``: the ones it dropped): copy them into the
         flat buffers (``flat``), or pin them where they are."""
         if flat is None:
             self.pin_state(optimizer, replaced)
@@ -385,11 +386,11 @@ class DeviceUpdater:
         return home
 
     def synchronize(self) -> None:
-        """Block until every update enqueued so far is home (a host read of masters or moments follows)."""
+        """Block until every update enqueued so far is home (a host read of masters or state follows)."""
         self.transport.synchronize(Direction.STATE_OUT, Direction.STATE_IN)
 
     def pin_state(self, optimizer: torch.optim.Optimizer, replaced: list[torch.Tensor]) -> None:
-        """After a checkpoint load replaced the moments (``replaced``: the ones it dropped): the new ones
+        """After a checkpoint load replaced the state tensors (``replaced``: the ones it dropped): the new ones
         into pinned memory, where the async copies read them, and the old ones unpinned."""
         if not self.cuda:
             return

@@ -42,9 +42,9 @@ States (:class:`LayerGrads`, one per layer; each transition is a method that ass
 Threads
     - Every transition, and every field of :class:`LayerGrads` and :class:`TrainedParam`, is written by the
       training thread only (the backward's hooks, the step).
-    - Jobs (:class:`Jobs`: the transport's job worker) get what they read as arguments and write only
-      tensors (landings read, sums written) and their own :attr:`Job.result`; the training thread reads a
-      result after :meth:`Jobs.wait` (the job's ``done`` event is the happens-before).
+    - Jobs (:class:`~.jobs.Jobs`: the transport's job worker) get what they read as arguments and write only
+      tensors (landings read, sums written) and their own :attr:`~.jobs.Job.result`; the training thread reads
+      a result after :meth:`~.jobs.Jobs.wait` (the job's ``done`` event is the happens-before).
 
 Hazards handled
     - A landing is rewritten by the next batch's copy only after the job summing it ran (the hook waits
@@ -58,14 +58,13 @@ Hazards handled
     - A second batch of a layer read directly (told one micro-batch a step, given two) sums the first on
       the host before its landings are rewritten (``promote``), in sums allocated then (beyond the
       training layout's figure).
-    - Without clipping, a grad arriving after its layer's update was queued (more micro-batches than
-      ``accumulation_steps``) is refused in one line: it would belong to no step.
+    - Without clipping, a grad arriving after its layer's update was queued is refused in one line: it would
+      belong to no step. Either more micro-batches came than ``accumulation_steps``, or (in the pass that
+      queued it) the layer ran twice under reentrant checkpointing, whose backwards each fire the hooks.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -76,55 +75,12 @@ from torch import nn
 
 from ..errors import DGLSUserError
 from ..memory.host_store import HostLayer
-from ..memory.transport import Copy, Direction, Transport, Worker
+from ..memory.transport import Copy, Direction, Transport
 from .device_update import FlatLayer
+from .jobs import Job, Jobs
 from .optimizer_kernels import grad_norms
 
 SEND_GROUP_BYTES = 64 * 2**20  # a layer's grads wait on the device until this many bytes go home together
-
-
-# ---------------------------------------------------------------- jobs
-@dataclass(eq=False)
-class Job:
-    """One host job (an accumulation or an update) on the transport's job worker."""
-
-    layer: int
-    kind: str  # "accumulate" or "update"
-    done: threading.Event = field(default_factory=threading.Event)
-    result: object = None  # what it returned: read by another thread only after ``done``
-
-
-class Jobs:
-    """Host jobs in submission order on the transport's job worker (its thread, or deferred: see
-    :class:`~..memory.transport.Worker`), with the time they took and the time the training thread waited.
-
-    - ``waited_s`` is written by the training thread, ``job_s`` by the thread that runs jobs (one at a
-      time); both are statistics that no decision reads."""
-
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        self.waited_s = 0.0  # seconds the training thread spent blocked on jobs
-        self.job_s = {"accumulate": 0.0, "update": 0.0}  # seconds the host spent on each kind of job
-
-    def submit(self, layer: int, kind: str, run: Callable[[], object]) -> Job:
-        job = Job(layer, kind)
-        job.done = self.worker.put(partial(self._run, job, run))
-        return job
-
-    def wait(self, job: Job) -> object:
-        """Block until ``job`` ran; its result."""
-        if not job.done.is_set():
-            began = time.perf_counter()
-            try:
-                self.worker.wait(job.done)
-            finally:
-                self.waited_s += time.perf_counter() - began
-        return job.result
-
-    def _run(self, job: Job, run: Callable[[], object]) -> None:
-        began = time.perf_counter()
-        job.result = run()
-        self.job_s[job.kind] += time.perf_counter() - began
 
 
 # ---------------------------------------------------------------- per-layer state
@@ -248,7 +204,8 @@ class TrainedLayer:
     host: HostLayer
     params: list[TrainedParam]  # layout order (hooks, batches)
     optimizer: torch.optim.Optimizer
-    # the params in the optimizer's order, with their param groups (fixed at start-up)
+    # the params in the optimizer's order, with their param groups (the optimizer's current dicts: a checkpoint
+    # load replaces them, and :func:`~.host_training._regroup` re-points these)
     in_groups: list[tuple[TrainedParam, dict]] = field(default_factory=list)
     numel: int = 0  # trained params
     flat: FlatLayer | None = None  # device updates in bf16/fp16: masters, state and landings back to back
@@ -290,6 +247,7 @@ class GradReturn:
         self._hooks: list = []
         self._grouping: TrainedLayer | None = None  # the layer whose grads arrived last (the only open group)
         self._backwards = 0  # backward passes since the last step
+        self._queued_in: dict[int, int] = {}  # no clipping: layer -> the pass (``_backwards``) its update started in
 
     def owns(self, param: torch.Tensor) -> TrainedParam | None:
         return self._by_param.get(id(param))
@@ -318,6 +276,13 @@ class GradReturn:
             self._close(layer)
         if g.state is not GradState.OPEN:
             if g.state is GradState.QUEUED:
+                if self._queued_in.get(layer.index) == self._backwards:
+                    raise DGLSUserError(
+                        f"layer {layer.index} got a second gradient in one backward pass (it runs more than once, with "
+                        "reentrant checkpointing: each run's backward is its own), and without clipping its update "
+                        "started after the first: set clip_grads = True (updates then wait for the step), or "
+                        "checkpoint with use_reentrant=False"
+                    )
                 raise DGLSUserError(
                     f"layer {layer.index} got gradients from more backward passes in a step than accumulation_steps "
                     f"({self.accumulation_steps}) says, and without clipping its update had started: set "
@@ -368,6 +333,7 @@ class GradReturn:
             job = self._submit_sum(layer, batch, last)
             g.close_summed(job)
         if last and not self.clipping:  # nothing to wait for: update while the backward goes on
+            self._queued_in[layer.index] = self._backwards
             self._last_closed(layer)
 
     def _promote(self, layer: TrainedLayer) -> None:
@@ -397,6 +363,7 @@ class GradReturn:
     def step_taken(self) -> None:
         """The step's updates were queued: the next backward is a step's first micro-batch."""
         self._backwards = 0
+        self._queued_in.clear()
 
     # ---------------------------------------------------------------- norms (clipping)
     def host_norms(self) -> dict[int, tuple[torch.Tensor, bool]]:

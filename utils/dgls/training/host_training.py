@@ -39,6 +39,7 @@ Hazards handled
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 
 import psutil
@@ -50,9 +51,11 @@ from ..memory.layout import LayerLayout, TrainingLayout, human_bytes
 from ..memory.pinned import PinnedMemory
 from ..memory.transport import Copy, Direction, Transport
 from .device_update import DeviceUpdater, FlatLayer, FlatParam
-from .grad_return import SEND_GROUP_BYTES, GradReturn, GradState, Jobs, TrainedLayer, TrainedParam
+from .grad_return import SEND_GROUP_BYTES, GradReturn, GradState, TrainedLayer, TrainedParam
 from .host_optimizer import HostOptimizerSpec
+from .jobs import Jobs
 from .optimizer_kernels import grad_norms
+from .update_split import UpdateSplit
 from .updaters import DeviceSide, HostUpdater, SplitUpdater, Updater, update_threads
 
 __all__ = [
@@ -161,12 +164,10 @@ class HostTraining:
                     master.copy_(p.param.param.data if p.param.param.numel() else packed)
                 params.append(TrainedParam(p.position, p.param.param, master, packed, landing, acc))
         optimizer = self.spec.build([tp.master for tp in params])
-        by_master = {id(tp.master): tp for tp in params}
-        in_groups = [(by_master[id(m)], group) for group in optimizer.param_groups for m in group["params"]]
-        layer = TrainedLayer(idx, host, params, optimizer, in_groups, place.numel)
+        layer = TrainedLayer(idx, host, params, optimizer, _in_groups(params, optimizer), place.numel)
         if place.flat:
             flat = []
-            for (tp, group), p in zip(in_groups, sorted(place.params, key=lambda p: p.flat)):
+            for (tp, group), p in zip(layer.in_groups, sorted(place.params, key=lambda p: p.flat)):
                 if tp.position != p.position:  # spec.build's order must be the one the buffers were laid out in
                     raise AssertionError("the flat layout does not follow the optimizer's param order")
                 flat.append(FlatParam(p.flat, p.numel, tp.master, tp.packed, group))
@@ -205,7 +206,7 @@ class HostTraining:
         return tp.master if tp is not None else None
 
     @property
-    def split(self):
+    def split(self) -> UpdateSplit | None:
         """Split updates: which side updates each layer (:class:`~.update_split.UpdateSplit`), else None."""
         return self.updates.split
 
@@ -306,11 +307,13 @@ class HostTraining:
         self.finish()
         return {idx: layer.optimizer.state_dict() for idx, layer in self.layers.items()}
 
-    def state_problem(self, state: object) -> str | None:
+    def state_problem(self, state: object, keep_hyper_parameters: bool = False) -> str | None:
         """Why ``state`` (a :meth:`state_dict` read back from a checkpoint) cannot be loaded into these layers, or
-        None: it must hold the optimizer state of exactly these layers, each param's moments of that param's shape
+        None: it must hold the optimizer state of exactly these layers, each param's state of that param's shape
         and of this optimizer's kind. torch's own ``load_state_dict`` checks only the number of params, so a
-        checkpoint saved with another placement or optimizer would load into the wrong layers, or be dropped."""
+        checkpoint saved with another placement or optimizer would load into the wrong layers, or be dropped.
+        SGD on the device: unless ``keep_hyper_parameters``, the saved momentum must be zero exactly where this
+        run's is (the device's kernel has a momentum buffer only with momentum, sized at start-up)."""
         if not isinstance(state, dict) or not all(isinstance(v, dict) and "state" in v for v in state.values()):
             return "holds no per-layer optimizer states"
         try:
@@ -330,6 +333,16 @@ class HostTraining:
             if any(("betas" in g) != (self.spec.type == "adamw") for g in groups):
                 saved_kind = "AdamW" if "betas" in groups[0] else "SGD"
                 return f"holds {saved_kind} state for layer {idx}, and [optimizer] type is {self.spec.type!r} here"
+            if self.spec.type == "sgd" and self.spec.on_device and not keep_hyper_parameters:
+                momenta = [
+                    g.get("momentum", 0.0) for g in groups if bool(g.get("momentum", 0.0)) != bool(self.spec.momentum)
+                ]
+                if momenta:
+                    return (
+                        f"holds SGD with momentum {momenta[0]} for layer {idx}, and [optimizer] momentum is "
+                        f"{self.spec.momentum} here: SGD on the device keeps a momentum buffer only with momentum, so "
+                        f"resume with momentum = {momenta[0]}, or pass --reset_optimizer_params to keep this run's"
+                    )
             here = [len(g["params"]) for g in layer.optimizer.param_groups]
             if [len(g["params"]) for g in groups] != here:
                 count = sum(len(g["params"]) for g in groups)
@@ -349,7 +362,7 @@ class HostTraining:
     def load_state_dict(self, state: dict, keep_hyper_parameters: bool = False) -> None:
         """Load a :meth:`state_dict` (checked: :meth:`state_problem`). ``keep_hyper_parameters``: the param groups'
         settings (lr, betas, weight_decay ...) stay as built, not as saved (train.py's ``--reset_optimizer_params``)."""
-        if (problem := self.state_problem(state)) is not None:
+        if (problem := self.state_problem(state, keep_hyper_parameters)) is not None:
             raise DGLSUserError(f"the host optimizer state {problem}")
         self.finish()
         for idx, layer in self.layers.items():
@@ -359,6 +372,7 @@ class HostTraining:
             if keep_hyper_parameters:
                 for group, kept in zip(layer.optimizer.param_groups, settings):
                     group.update(kept)
+            _regroup(layer)  # torch's load replaced the param groups: the device path reads the new ones
             if self.updater is not None:
                 self.updater.adopt_state(layer.optimizer, layer.flat, replaced)
 
@@ -369,6 +383,22 @@ class HostTraining:
                 self.finish()
         finally:
             self.remove_hooks()
+
+
+def _in_groups(params: list[TrainedParam], optimizer: torch.optim.Optimizer) -> list[tuple[TrainedParam, dict]]:
+    """``params`` in ``optimizer``'s order, each with the param group it is in now (its hyper-parameters)."""
+    by_master = {id(tp.master): tp for tp in params}
+    return [(by_master[id(m)], group) for group in optimizer.param_groups for m in group["params"]]
+
+
+def _regroup(layer: TrainedLayer) -> None:
+    """After ``optimizer.load_state_dict``, which builds new param group dicts (the checkpoint's lr, betas,
+    weight decay ...): the device path's references to the old ones (``in_groups``, the flat params') are
+    replaced, so the device's kernel and the host's optimizer step with the same hyper-parameters."""
+    layer.in_groups = _in_groups(layer.params, layer.optimizer)
+    if layer.flat is not None:
+        group_of = {id(tp.master): group for tp, group in layer.in_groups}
+        layer.flat.params = [dataclasses.replace(fp, group=group_of[id(fp.master)]) for fp in layer.flat.params]
 
 
 def _plain(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

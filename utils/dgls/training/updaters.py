@@ -17,7 +17,7 @@ Strategies
 
 Tokens (every field below is written on the training thread)
     - ``layer.update``: the latest update job not yet waited for; its result (:class:`UpdateDone`) is read
-      only after :meth:`~.grad_return.Jobs.wait`.
+      only after :meth:`~.jobs.Jobs.wait`.
     - ``layer.home``: the latest device update's copy home (a gate of the weight copy; the host lands it
       before it reads the state).
     - A job that needs the layer's previous update gets that job or copy as an argument; a previous job
@@ -46,13 +46,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal
 
 import torch
 
 from ..memory.transport import Copy, Transport
 from .device_update import DeviceUpdater, ParamUpdate, timeline_busy
-from .grad_return import Job, Jobs, StepGrads, TrainedLayer
+from .grad_return import StepGrads, TrainedLayer
+from .jobs import Job, Jobs
 from .update_split import UpdateSplit
+
+Side = Literal["host", "device"]  # where an update ran
 
 
 def update_threads(default: int) -> int:
@@ -80,7 +84,7 @@ class UpdateDone:
     """An update job's result: the copy a reader must still wait for, and its timing (split rates)."""
 
     home: Copy | None  # device updates: the copy home of its last chunk; host: None (all written)
-    side: str  # "host" or "device"
+    side: Side
     params: int
     seconds: float
 
@@ -268,7 +272,7 @@ class SplitUpdater(Updater):
         self.device = DeviceSide(jobs, updater, self._note)
         self.split = UpdateSplit(sizes)
         self.clipping = clipping
-        self._work: dict[str, list[tuple[int, float]]] = {"host": [], "device": []}  # finished jobs since a step
+        self._work: dict[Side, list[tuple[int, float]]] = {"host": [], "device": []}  # finished jobs since a step
         self._span: tuple | None = None  # CUDA with clipping: (start event, end event, params) of a step's share
         self._span_start = None
         self._queued = 0  # params queued on the device since the span started
