@@ -130,6 +130,18 @@ def test_the_training_layout_allocates_what_the_ram_check_counts(spec, dtype, ac
     assert figure["gradients"] > 0 and (figure["optimizer"] == 0) == (spec.type == "sgd" and not spec.momentum)
 
 
+def test_the_ram_check_and_the_allocation_use_one_training_layout(monkeypatch):
+    """The builder measures the training layout once: the object the RAM check read is the one allocated."""
+    import utils.dgls.engine.build as build
+
+    checked = []
+    real = build.check_host_training
+    monkeypatch.setattr(build, "check_host_training", lambda layout: checked.append(layout) or real(layout))
+    layers = full_layers(torch.bfloat16)
+    with LayerSwapper(layers, SwapConfig.of(host_optimizer=SPEC), device=CPU, log=None) as swapper:
+        assert len(checked) == 1 and swapper.training.layout is checked[0]
+
+
 # ---------------------------------------------------------------- optimizer kernels
 def stepped(optimizer_class, kernel, **hyper):
     """Three steps of ``kernel`` on a master and of ``optimizer_class(fused=True)``: both masters and states."""

@@ -48,7 +48,7 @@ from ..streaming.placement import Placement, plan_placement
 from ..streaming.trainable_cast import TrainableCast
 from ..streaming.units import Entry, split_layers, split_note
 from ..torch_private import check_torch
-from ..training.host_training import HostTraining, check_host_training
+from ..training.host_training import HostTraining, check_host_training, training_layout
 from ..training.training_feature import TrainingFeature
 from ..watching.profiler import Profiler
 
@@ -117,11 +117,11 @@ def build(
     placement = plan_placement(sizes, c.placement, c.transfer.cuda_streams)
     if driver is not None:
         driver.check_static_minimum(sizes)
-    training_note = (
-        check_host_training(layouts, placement.streamed, c.training.host_optimizer, c.training.accumulation_steps)
-        if host_trained
-        else ""
-    )
+    trained = None  # the training layout: the RAM check's figure, then what full fine-tuning allocates
+    if host_trained:
+        streamed_layouts = {idx: layouts[idx] for idx in placement.streamed}
+        trained = training_layout(streamed_layouts, c.training.host_optimizer, c.training.accumulation_steps)
+    training_note = check_host_training(trained) if trained is not None else ""
     with ExitStack() as undo:  # a failure below frees what was made
         masters = Masters(
             values, layouts, placement.streamed, device, cast_rules, c.transfer.pinned_ram_budget_gb,
@@ -138,7 +138,7 @@ def build(
         training = None
         if host_trained:
             trainer = TrainingFeature.start(
-                masters, placement.streamed, transport, c.training.host_optimizer, training_note, device=device,
+                masters, trained, transport, c.training.host_optimizer, training_note, device=device,
                 threading=c.transfer.threading, accumulation_steps=c.training.accumulation_steps,
                 clipping=c.training.clip_grads,
             )  # fmt: skip

@@ -77,7 +77,7 @@ class EngineHooks:
         def train_batch(engine, *args, **kwargs):
             training = find(engine.module)
             if training is not None:  # early host updates (no clipping) use the lr this step runs with
-                training.lr_source = lambda: engine.optimizer.param_groups[0]["lr"]
+                training.set_step_lr(engine.optimizer.param_groups[0]["lr"])
             return original(engine, *args, **kwargs)
 
         return train_batch

@@ -19,7 +19,8 @@ What the trainer calls
     3. ``step(lr)``: each layer's update, in layer order (the next forward's order). The engine's fetch of
        a layer waits for that layer's update only (:meth:`wait_update`), so the forward of layer k runs
        while layers after k are updated. Without clipping (``clipping=False``) a layer's update is queued
-       as soon as its step's last micro-batch closed, with the trainer's current lr (``lr_source``), and
+       as soon as its step's last micro-batch closed, at the lr the trainer gave for this step
+       (:meth:`set_step_lr`), and
        ``step`` queues only the layers that had no gradient.
 
 Threads
@@ -107,7 +108,7 @@ class HostTraining:
         self.clipping = clipping
         # with one micro-batch a step, updates read it straight from its landings (no fp32 sum on the host)
         self.direct = accumulation_steps == 1
-        self.lr_source: Callable[[], float | None] = lambda: None  # the lr of early updates (clipping off)
+        self._step_lr: float | None = None  # the lr of early updates (clipping off); None: each group's
         self.layout = layout or training_layout({i: h.layout for i, h in layers.items()}, spec, accumulation_steps)
         if self.layout.device_updates != (updater is not None):
             raise AssertionError("the training layout was placed for another update strategy than this one")
@@ -298,9 +299,14 @@ class HostTraining:
         self.updates.end_step()
         self.grads.step_taken()
 
+    def set_step_lr(self, lr: float | None) -> None:
+        """The lr this step's early updates (no clipping) run at: the trainer's, read before its backward passes
+        (its scheduler moves it only after the step). None: each param group's own."""
+        self._step_lr = lr
+
     def _update_early(self, layer: TrainedLayer) -> None:
-        """No clipping: the layer's step's last batch closed; its update starts now, at the trainer's lr."""
-        self.updates.submit(layer, layer.grads.take_early(), None, self.lr_source())
+        """No clipping: the layer's step's last batch closed; its update starts now, at this step's lr."""
+        self.updates.submit(layer, layer.grads.take_early(), None, self._step_lr)
 
     def state_dict(self) -> dict:
         """The optimizer state of every host-trained layer (the masters are in the model's state dict)."""
@@ -414,14 +420,12 @@ def host_training_bytes(
     return training_layout({idx: layouts[idx] for idx in streamed}, spec, 2 if sums else 1).parts()
 
 
-def check_host_training(
-    layouts: list[LayerLayout], streamed: Iterable[int], spec: HostOptimizerSpec, accumulation_steps: int = 1
-) -> str:
+def check_host_training(layout: TrainingLayout) -> str:
     """Refuse, with the numbers, when the host cannot hold the masters, gradients and optimizer state and
     still keep its reserve (a tenth of its RAM, 2 GiB at least: the weight store's rule; much of this is
     page-locked, which the host cannot swap out); otherwise the start-up line that says how much they take.
-    The figure is the training layout's, the one :class:`HostTraining` allocates."""
-    parts = training_layout({idx: layouts[idx] for idx in streamed}, spec, accumulation_steps).parts()
+    ``layout`` is the object :class:`HostTraining` then allocates from (the builder hands it the same one)."""
+    parts = layout.parts()
     need = sum(parts.values())
     memory = psutil.virtual_memory()
     reserve = ram_reserve(memory.total)

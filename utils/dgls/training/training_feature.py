@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ..errors import DGLSUserError
-from ..memory.layout import human_bytes
+from ..memory.layout import TrainingLayout, human_bytes
 from ..memory.transport import Transport
 from ..streaming.feature import Engine, Feature
 from ..streaming.masters import Masters
@@ -40,7 +40,7 @@ class TrainingFeature(Feature):
     def start(
         cls,
         masters: Masters,
-        streamed: tuple[int, ...],
+        layout: TrainingLayout,
         transport: Transport,
         spec: HostOptimizerSpec,
         note: str,
@@ -50,8 +50,8 @@ class TrainingFeature(Feature):
         accumulation_steps: int,
         clipping: bool,
     ) -> TrainingFeature:
-        """fp32 masters, gradient landings and the optimizer of the streamed layers (``note``: the host RAM
-        they take, from :func:`~.host_training.check_host_training`, which the builder calls before packing)."""
+        """fp32 masters, gradient landings and the optimizer of the streamed layers, allocated from ``layout`` (the
+        same object :func:`~.host_training.check_host_training` measured before packing; ``note``: its line)."""
         if masters.peers.shared:
             raise DGLSUserError(
                 "full fine-tuning of streamed layers runs one process per set of layers: data parallel "
@@ -60,7 +60,7 @@ class TrainingFeature(Feature):
             )
         cuda = device.type == "cuda"
         training = HostTraining(
-            {idx: masters.host(idx) for idx in streamed},
+            {idx: masters.host(idx) for idx in layout.layers},
             spec,
             transport,
             pin=cuda,
@@ -68,6 +68,7 @@ class TrainingFeature(Feature):
             accumulation_steps=accumulation_steps,
             clipping=clipping,
             updater=DeviceUpdater(transport) if spec.on_device else None,
+            layout=layout,
         )
         return cls(training, note)
 
