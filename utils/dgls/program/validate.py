@@ -285,7 +285,9 @@ def _drop_in_full_fine_tune(
     steps = int(config.get("gradient_accumulation_steps", 1)) * resolved.values["lazy_lora_steps"]
     spec = dataclasses.replace(spec, implementation=resolved.values["host_adam"])
     _check_host_adam_build(spec)
-    clip = config.get("gradient_clipping", 1.0)  # train.py's default; 0 lets host updates start during backward
+    from . import dp_config
+
+    clip = dp_config.host_clipping(config, path, steps)  # 0 lets host updates start during backward
     return swap.replace(training=TrainingPolicy(host_optimizer=spec, accumulation_steps=steps, clip_grads=bool(clip)))
 
 
