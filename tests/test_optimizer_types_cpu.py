@@ -315,3 +315,51 @@ def test_gradient_release_updates_streamed_layers_as_train_py_updates_every_para
     assert got.keys() == want.keys()
     for key in want:
         assert torch.equal(got[key], want[key]), key
+
+
+def test_a_drop_in_full_fine_tune_with_gradient_release_starts_without_clipping_and_says_so(tmp_path, monkeypatch):
+    """Through dgls_train.py's checks (the stand-in checkout): gradient_release is accepted, the host training is
+    set up without clipping (train.py hands DeepSpeed gradient_clipping 0 with it), and one start-up line says what
+    DGLS does with it; more micro-batches a step than one is one line."""
+    from cli_helpers import FAKE, fake_config
+    from conftest import ROOT
+
+    from utils.dgls.program.validate import prepare
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    tables = (
+        '[model]\ntype = "flux"\ndtype = "float32"\n[optimizer]\ntype = "adamw"\nlr = 1e-4\ngradient_release = true\n'
+    )
+    argv = [
+        "--config",
+        str(fake_config(tmp_path, tables=tables)),
+        "--diffusion_pipe",
+        str(FAKE),
+        "--blocks_to_swap",
+        "1",
+    ]
+    run = prepare(argv, ROOT)
+    training = run.swap.training
+    assert training.host_optimizer.gradient_release and not training.clip_grads
+    assert sum("gradient_release" in note for note in run.notes) == 1
+    with pytest.raises(DGLSUserError, match="gradient_release with 2 micro-batches a step"):
+        prepare([*argv, "--lazy_lora_steps", "2"], ROOT)
+    argv[1] = str(fake_config(tmp_path / "gas", top="gradient_accumulation_steps = 3", tables=tables))
+    with pytest.raises(DGLSUserError, match="gradient_release with 3 micro-batches a step"):
+        prepare(argv, ROOT)
+
+
+def test_the_demo_refuses_diffusion_pipes_own_classes_and_train_py_keys_in_one_line(fake_type):
+    """The fixture's class stands in for one of diffusion-pipe's optimizers/ (importable here, as in a drop-in
+    run): the demo has no checkout, so it is refused there by name, before anything is built."""
+    from utils.dgls.demo.settings import demo_settings
+
+    assert optimizer_types.TYPES["fakemomentum"].from_checkout
+    with pytest.raises(
+        DGLSUserError, match="'fakemomentum' is diffusion-pipe's own .* the demo runs without a checkout"
+    ):
+        demo_settings({"optimizer": {"type": "fakemomentum", "lr": 1e-3}}, "d.toml")
+    assert demo_settings({"optimizer": {"type": "sgd", "lr": 1e-3}}, "d.toml").optimizer.type == "sgd"
+    with pytest.raises(DGLSUserError, match="beta2_half_life is train.py's"):
+        HostOptimizerSpec.from_table({"type": "fakemomentum", "betas": [0.9, 0.9], "beta2_half_life": 10})

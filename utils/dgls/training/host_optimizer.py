@@ -90,6 +90,8 @@ VALUE_RULES: dict[str, tuple[str, Callable[[float], bool]]] = {
     "weight_decay": ("a finite number >= 0", lambda v: v >= 0),
     "momentum": ("a number in [0, 1)", lambda v: 0 <= v < 1),
 }
+# [optimizer] keys train.py reads itself and never passes to the optimizer class.
+TRAIN_PY_KEYS = frozenset({"beta2_half_life", "gradient_release"})
 # diffusion-pipe's [optimizer] types whose betas are AdamW's two (the others may take another number).
 TWO_BETAS = frozenset({"adamw", "adamw_optimi", "adamw8bit", "adamw8bitkahan", "stableadamw", "offload"})
 
@@ -226,6 +228,11 @@ class HostOptimizerSpec:
         name, entry = optimizer_types.lookup(given)
         if (problem := optimizer_types.missing_package(given, entry)) is not None:
             raise DGLSUserError(problem)
+        for key in TRAIN_PY_KEYS & set(values):
+            raise DGLSUserError(
+                f"[optimizer] {key} is train.py's, not a keyword of {entry.class_name}, and the host optimizer of "
+                f"streamed layers cannot take it here: drop it (give betas directly for beta2_half_life)"
+            )
         for key, value in values.items():
             if key == "betas":
                 check_betas(value, 2 if name in TWO_BETAS else None)
