@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
+import sys
 import textwrap
 
 import pytest
@@ -140,7 +142,16 @@ class FakeMomentum(torch.optim.Optimizer):
 
 
 @pytest.fixture
-def fake_type(tmp_path, monkeypatch):
+def optimizers_folder():
+    """Forget the ``optimizers`` package a test imported (a stand-in folder, or a checkout's on sys.path for the
+    test only), so that no other test finds it."""
+    yield
+    for name in [m for m in sys.modules if m == "optimizers" or m.startswith("optimizers.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def fake_type(tmp_path, monkeypatch, optimizers_folder):
     """'fakemomentum': a per-layer type whose class lives in an optimizers/ folder on sys.path, as diffusion-pipe's
     own do in a drop-in run."""
     (tmp_path / "optimizers").mkdir()
@@ -186,6 +197,19 @@ def test_a_per_layer_class_that_refuses_the_table_is_one_line(fake_type):
     spec = HostOptimizerSpec.from_table({"type": "fakemomentum", "lr": 1e-2, "momentum": 0.9})
     with pytest.raises(DGLSUserError, match="'fakemomentum': FakeMomentum refuses the table: .*momentum"):
         spec.build([torch.zeros(2)])
+
+
+def test_a_class_that_fails_a_step_is_one_line_before_anything_is_built(fake_type, monkeypatch):
+    klass = optimizer_types.load_class("fakemomentum", optimizer_types.TYPES["fakemomentum"])
+
+    def step(self, closure=None):
+        raise KeyError("percentile_clipping")
+
+    monkeypatch.setattr(klass, "step", step)
+    message = "FakeMomentum fails a step on the CPU on a test tensor \\(KeyError\\('percentile_clipping'\\)\\): install"
+    with pytest.raises(DGLSUserError, match=message):
+        fake_type.probe()
+    fake_type.probe.__func__(HostOptimizerSpec())  # DGLS's own kernels need no probe
 
 
 def test_a_checkout_class_outside_a_drop_in_run_is_one_line(monkeypatch):
@@ -239,7 +263,12 @@ LIBRARY_TYPES = [
 def test_a_library_type_trains_streamed_layers_bitwise_as_one_optimizer_over_all_params(table, module):
     if not installed(module):
         pytest.skip(f"{module} is not installed")
-    streamed_equals_resident(HostOptimizerSpec.from_table(table))
+    spec = HostOptimizerSpec.from_table(table)
+    try:
+        spec.probe()
+    except DGLSUserError as exc:  # bitsandbytes before 0.50 has no 8-bit optimizer on the CPU
+        pytest.skip(f"the installed library does not run this class on the CPU: {exc}")
+    streamed_equals_resident(spec)
 
 
 # ----------------------------------------------------------------- gradient_release
@@ -363,3 +392,57 @@ def test_the_demo_refuses_diffusion_pipes_own_classes_and_train_py_keys_in_one_l
     assert demo_settings({"optimizer": {"type": "sgd", "lr": 1e-3}}, "d.toml").optimizer.type == "sgd"
     with pytest.raises(DGLSUserError, match="beta2_half_life is train.py's"):
         HostOptimizerSpec.from_table({"type": "fakemomentum", "betas": [0.9, 0.9], "beta2_half_life": 10})
+
+
+@pytest.mark.parametrize(
+    "table, modules",
+    [
+        ({"type": "AdamW8bitKahan", "lr": 1e-2, "min_8bit_size": 256}, ("bitsandbytes",)),
+        ({"type": "automagic", "lr": 1e-4, "weight_decay": 0.01}, ("optimum.quanto",)),
+    ],
+    ids=["adamw8bitkahan", "automagic"],
+)
+def test_diffusion_pipes_own_classes_train_streamed_layers_bitwise_as_one_optimizer_over_all_params(
+    table, modules, monkeypatch, optimizers_folder
+):
+    """From the checkout $DGLS_DIFFUSION_PIPE names (its optimizers/ on sys.path, as in a drop-in run)."""
+    checkout = os.environ.get(dp_config.ENV_CHECKOUT)
+    if not checkout:
+        pytest.skip(f"set {dp_config.ENV_CHECKOUT} to a diffusion-pipe checkout to run its optimizers")
+    for module in modules:
+        if not installed(module):
+            pytest.skip(f"{module} is not installed")
+        importlib.import_module(module)  # before the checkout's optimizers/ (a namespace package) is importable
+    monkeypatch.syspath_prepend(checkout)
+    spec = HostOptimizerSpec.from_table(table)
+    try:
+        spec.probe()
+    except DGLSUserError as exc:  # e.g. AdamW8bitKahan reads a setting bitsandbytes 0.50 no longer has
+        pytest.skip(f"this checkout's class does not run with the installed library: {exc}")
+    streamed_equals_resident(spec)
+
+
+def test_a_drop_in_whose_optimizer_class_fails_a_step_is_one_line_before_train_py_starts(
+    fake_type, tmp_path, monkeypatch
+):
+    from cli_helpers import FAKE, fake_config
+    from conftest import ROOT
+
+    from utils.dgls.program.validate import prepare
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    tables = '[model]\ntype = "flux"\ndtype = "float32"\n[optimizer]\ntype = "fakemomentum"\nlr = 1e-4\n'
+    argv = [
+        "--config",
+        str(fake_config(tmp_path, tables=tables)),
+        "--diffusion_pipe",
+        str(FAKE),
+        "--blocks_to_swap",
+        "1",
+    ]
+    assert prepare(argv, ROOT).swap.training.host_optimizer.type == "fakemomentum"
+    klass = optimizer_types.load_class("fakemomentum", optimizer_types.TYPES["fakemomentum"])
+    monkeypatch.setattr(klass, "step", lambda self, closure=None: 1 / 0)
+    with pytest.raises(DGLSUserError, match="FakeMomentum fails a step on the CPU on a test tensor"):
+        prepare(argv, ROOT)

@@ -166,5 +166,6 @@ def demo_settings(config: dict[str, Any], path: str) -> DemoSettings:
                 f"{path}: [optimizer] type = {given['type']!r} is diffusion-pipe's own (its optimizers/ folder), and "
                 "the demo runs without a checkout: train it through a diffusion-pipe config, or use type = 'adamw'"
             )
+        optimizer.probe()  # a per-layer class that fails a step: one line now
         values["lr"] = optimizer.lr
     return DemoSettings(**values, model=model, dtype=DTYPES[dtype_name], optimizer=optimizer)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +160,22 @@ def host_optimizer_spec(config: dict[str, Any], path: str) -> HostOptimizerSpec 
     except DGLSUserError as exc:
         raise DGLSUserError(f"{path}: {exc}") from None
     return dataclasses.replace(spec, gradient_release=True) if release else spec
+
+
+def probe_host_optimizer(spec: HostOptimizerSpec | None, checkout: Path) -> None:
+    """A per-layer optimizer class stepped once on test tensors (:meth:`HostOptimizerSpec.probe`), with the checkout
+    on ``sys.path`` as train.py has it (diffusion-pipe's own classes are in its ``optimizers/`` folder)."""
+    if spec is None or not spec.per_layer:
+        return
+    folder = str(checkout)
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
+    try:
+        spec.probe()
+    finally:
+        if added:
+            sys.path.remove(folder)
 
 
 def host_clipping(config: dict[str, Any], path: str, micro_batches: int) -> float:

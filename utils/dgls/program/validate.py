@@ -374,6 +374,7 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
         _offload_needs_checkpointing(resolved, values, f"{path} has no activation_checkpointing")
     if swapping and (spec := dp_config.host_optimizer_spec(config, path)) is not None:
         swap = _drop_in_full_fine_tune(path, config, swap, spec, dist, stages, resolved, rest)
+        dp_config.probe_host_optimizer(swap.training.host_optimizer, checkout)
     elif swapping and resolved.given("host_adam"):
         _host_adam_unused(resolved, path)
     if swapping:

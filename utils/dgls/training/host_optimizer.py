@@ -46,7 +46,9 @@ the update its own optimizer would give it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -324,6 +326,30 @@ class HostOptimizerSpec:
             raise DGLSUserError(
                 f"[optimizer] type = {self.type!r}: {klass.__name__} refuses the table: {exc}"
             ) from None
+
+    def probe(self) -> None:
+        """A per-layer type's class built and stepped once on two small fp32 tensors (a 2-D one of 4096 elements,
+        bitsandbytes' 8-bit threshold, and a 1-D one), before anything slow: a class that fails with this table or
+        this version of its library is one line here, not a worker thread's traceback after the model loaded. What
+        the class prints while built is not shown (Automagic counts its params)."""
+        if not self.per_layer:
+            return
+        params = [torch.zeros(64, 64, requires_grad=True), torch.zeros(64, requires_grad=True)]
+        with contextlib.redirect_stdout(io.StringIO()):
+            optimizer = self.build(params)
+            for p in params:
+                p.grad = torch.full_like(p, 1e-3)
+            try:
+                optimizer.step()
+            except Exception as exc:  # any failure of a class DGLS did not write: said in one line, with its error
+                entry = optimizer_types.TYPES[self.type]
+                libraries = ", ".join(package for _, package in entry.packages)
+                error = repr(exc) if len(repr(exc)) <= 200 else repr(exc)[:200] + "..."
+                nearest = f", or use {entry.fallback}" if entry.fallback else ""
+                raise DGLSUserError(
+                    f"[optimizer] type = {self.type!r}: {entry.class_name} fails a step on the CPU on a test tensor "
+                    f"({error}): install a version of {libraries} it runs with on the CPU{nearest}"
+                ) from None
 
     @property
     def on_device(self) -> bool:

@@ -45,6 +45,7 @@ class OptimizerType:
     state_bytes: int = 8  # host bytes of optimizer state per param (at most), for the RAM figure
     note: str = ""  # per_layer: what the start-up line adds
     refusal: str = ""  # refused: why, and the nearest type that trains
+    fallback: str = ""  # per_layer: the nearest type, for the line that says the class fails with this library
 
     @property
     def from_checkout(self) -> bool:
@@ -81,6 +82,7 @@ TYPES: dict[str, OptimizerType] = {
         BNB,
         state_bytes=4,  # two uint8 moments and their blockwise absmax (32-bit below 4096 elements)
         note="its moments blockwise 8-bit",
+        fallback="'adamw' (bitsandbytes runs 8-bit optimizers on the CPU from version 0.50)",
     ),
     "adamw8bitkahan": OptimizerType(
         "per_layer",
@@ -89,6 +91,9 @@ TYPES: dict[str, OptimizerType] = {
         state_bytes=8,  # bitsandbytes' two 8-bit moments and the fp32 Kahan shift
         note="bitsandbytes' blockwise 8-bit moments; its Kahan summation is for bf16 weights: on the fp32 masters "
         "it carries only fp32 rounding",
+        # its update_step reads percentile_clipping, which bitsandbytes 0.50 (the first with 8-bit CPU kernels) dropped
+        fallback="'adamw8bit', bitsandbytes' own blockwise 8-bit AdamW (on fp32 masters Kahan summation has only "
+        "fp32 rounding to make up for)",
     ),
     "stableadamw": OptimizerType(
         "per_layer", "optimi:StableAdamW", OPTIMI, state_bytes=8, note=f"per-param update RMS; {KAHAN_FP32}"
