@@ -230,9 +230,9 @@ class HostOptimizerSpec:
         name, entry = optimizer_types.lookup(given)
         if (problem := optimizer_types.missing_package(given, entry)) is not None:
             raise DGLSUserError(problem)
-        for key in TRAIN_PY_KEYS & set(values):
+        if own := sorted(TRAIN_PY_KEYS & set(values)):
             raise DGLSUserError(
-                f"[optimizer] {key} is train.py's, not a keyword of {entry.class_name}, and the host optimizer of "
+                f"[optimizer] {own[0]} is train.py's, not a keyword of {entry.class_name}, and the host optimizer of "
                 f"streamed layers cannot take it here: drop it (give betas directly for beta2_half_life)"
             )
         for key, value in values.items():
