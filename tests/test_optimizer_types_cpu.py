@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from full_ft import SPEC, assert_same, full_layers, host_trained_names, params_of, train_dgls, train_reference
 from helpers import SMALL, run_layers
+from test_host_training_cpu import test_save_and_resume_equal_an_uninterrupted_run as resume_equals_uninterrupted
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.demo.data import SyntheticLatents
@@ -269,6 +270,23 @@ def test_a_library_type_trains_streamed_layers_bitwise_as_one_optimizer_over_all
     except DGLSUserError as exc:  # bitsandbytes before 0.50 has no 8-bit optimizer on the CPU
         pytest.skip(f"the installed library does not run this class on the CPU: {exc}")
     streamed_equals_resident(spec)
+
+
+def test_a_per_layer_type_saves_and_resumes_as_an_uninterrupted_run(fake_type):
+    resume_equals_uninterrupted(fake_type, torch.bfloat16, 1)
+
+
+@pytest.mark.parametrize("table, module", LIBRARY_TYPES[:3], ids=[t["type"] for t, _ in LIBRARY_TYPES[:3]])
+def test_a_library_type_saves_and_resumes_as_an_uninterrupted_run(table, module):
+    """The per-layer state dicts (8-bit moments and their absmax included) load into new layers' optimizers."""
+    if not installed(module):
+        pytest.skip(f"{module} is not installed")
+    spec = HostOptimizerSpec.from_table(table)
+    try:
+        spec.probe()
+    except DGLSUserError as exc:
+        pytest.skip(f"the installed library does not run this class on the CPU: {exc}")
+    resume_equals_uninterrupted(spec, torch.float32, 2)
 
 
 # ----------------------------------------------------------------- gradient_release

@@ -382,10 +382,11 @@ class HostOptimizerSpec:
 
     def saved_state_problem(self, idx: int, saved_groups: list[dict], built_groups: list[dict]) -> str | None:
         """Why optimizer state saved for layer ``idx`` (its param groups) is another optimizer's, or None. AdamW
-        and SGD differ by ``betas``; a per-layer type's groups must hold the settings its class gives them."""
+        and SGD differ by ``betas``; a per-layer type's groups must hold every setting its class gives them when
+        built (a class may add some at its first step, such as pytorch_optimizer's ``step``)."""
         if self.per_layer:
-            keys = [set(g) - {"params"} for g in saved_groups]
-            if built_groups and any(k != set(built_groups[0]) - {"params"} for k in keys):
+            built = set(built_groups[0]) - {"params"} if built_groups else set()
+            if any(not built <= set(g) for g in saved_groups):
                 return f"holds another optimizer's state for layer {idx}, and [optimizer] type is {self.type!r} here"
             return None
         if any(("betas" in g) != (self.type == "adamw") for g in saved_groups):
