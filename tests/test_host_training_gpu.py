@@ -79,6 +79,22 @@ def reference(template, names, mode, steps=2, **kw):
     return train_reference(layers, names, device(), mode, dtype=BF16, steps=steps, cfg=WIDE, **kw)
 
 
+@pytest.mark.parametrize("gradient_release", [False, True], ids=["clipped", "gradient-release"])
+def test_a_per_layer_optimizer_class_streamed_on_cuda_equals_unstreamed_training(
+    template, monkeypatch, gradient_release
+):
+    """A diffusion-pipe type that runs its own class once per layer on the host (pytorch_optimizer's Lion), with the
+    delays: gradients home from the GPU, the class's step on the masters, the bf16 copies back; with
+    gradient_release (no clipping, weight decay on every param) each layer's update starts during backward."""
+    pytest.importorskip("pytorch_optimizer")
+    spec = HostOptimizerSpec.from_table({"type": "Lion", "lr": 1e-4, "weight_decay": 0.01})
+    spec = dataclasses.replace(spec, gradient_release=gradient_release)
+    max_norm = None if gradient_release else MAX_NORM
+    kw = {"accumulate": 1, "max_norm": max_norm}
+    record, names = swapped(template, "nonreentrant", monkeypatch, **kw, spec=spec, clip_grads=not gradient_release)
+    assert_same(record, reference(template, names, "nonreentrant", **kw, host_spec=spec))
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kw", [{"prefetch": 1}, {"prefetch": 2, "threading": True}], ids=["pf1", "pf2-thread"])
 def test_delayed_copies_both_ways_stay_bitwise_equal(template, monkeypatch, mode, kw):

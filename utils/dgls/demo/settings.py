@@ -5,7 +5,9 @@ checked in full before anything is built, so a bad value is one line instead of 
 As in diffusion-pipe, a config with an ``[adapter]`` table trains a LoRA, and one without trains every
 weight (full fine-tuning: streamed layers are trained on the host, :mod:`utils.dgls.training.host_training`).
 ``[optimizer]`` (type, lr, betas, weight_decay, eps; momentum for sgd) sets the optimizer of a full fine-tune,
-each value checked for its range (:mod:`utils.dgls.training.host_optimizer`); a LoRA trains with AdamW at
+each value checked for its range (:mod:`utils.dgls.training.host_optimizer`); a per-param optimizer of a library
+(:mod:`utils.dgls.training.optimizer_types`) runs too, with its table's values, and diffusion-pipe's own classes
+(its ``optimizers/`` folder) are refused, as the demo has no checkout; a LoRA trains with AdamW at
 ``[demo] lr``, so an ``[optimizer]`` beside ``[adapter]`` is refused rather than ignored, as is a learning rate set
 in both tables."""
 
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import DGLSUserError
+from ..training import optimizer_types
 from ..training.host_optimizer import HostOptimizerSpec
 from .model import DemoModelConfig
 
@@ -158,5 +161,11 @@ def demo_settings(config: dict[str, Any], path: str) -> DemoSettings:
             optimizer = HostOptimizerSpec.from_table(table)
         except DGLSUserError as exc:
             raise DGLSUserError(f"{path}: {exc}") from None
+        if optimizer.per_layer and optimizer_types.TYPES[optimizer.type].from_checkout:
+            raise DGLSUserError(
+                f"{path}: [optimizer] type = {given['type']!r} is diffusion-pipe's own (its optimizers/ folder), and "
+                "the demo runs without a checkout: train it through a diffusion-pipe config, or use type = 'adamw'"
+            )
+        optimizer.probe()  # a per-layer class that fails a step: one line now
         values["lr"] = optimizer.lr
     return DemoSettings(**values, model=model, dtype=DTYPES[dtype_name], optimizer=optimizer)

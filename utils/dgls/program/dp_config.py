@@ -8,8 +8,10 @@ resolve against the checkout, where train.py runs.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -136,21 +138,61 @@ def check_step_settings(config: dict[str, Any], path: str) -> None:
         )
 
 
+def gradient_release(config: dict[str, Any], path: str) -> bool:
+    """``[optimizer] gradient_release`` (train.py's default: off), which must be true or false."""
+    value = _table(config, "optimizer", path).get("gradient_release", False)
+    if not isinstance(value, bool):
+        raise DGLSUserError(f"{path}: [optimizer] gradient_release must be true or false, got {value!r}")
+    return value
+
+
 def host_optimizer_spec(config: dict[str, Any], path: str) -> HostOptimizerSpec | None:
     """A full fine-tune's (no [adapter]) host optimizer from [optimizer]; None for a LoRA. Optimizers DGLS
-    cannot run on the host are refused by name (:meth:`HostOptimizerSpec.from_table`)."""
+    cannot run on the host are refused by name (:meth:`HostOptimizerSpec.from_table`). ``gradient_release``
+    means what it means in train.py: no clipping (:func:`host_clipping`), and an optimizer per param, so the
+    weight decay applies to 1-D params too (``HostOptimizerSpec.gradient_release``)."""
     if "adapter" in config:
         return None
-    table = dict(_table(config, "optimizer", path))
-    if table.pop("gradient_release", False):
-        raise DGLSUserError(
-            f"{path}: [optimizer] gradient_release steps each param on the GPU as its grad arrives; DGLS steps "
-            "streamed layers on the host instead: remove gradient_release"
-        )
+    release = gradient_release(config, path)
+    table = {k: v for k, v in _table(config, "optimizer", path).items() if k != "gradient_release"}
     try:
-        return HostOptimizerSpec.from_table(table)
+        spec = HostOptimizerSpec.from_table(table)
     except DGLSUserError as exc:
         raise DGLSUserError(f"{path}: {exc}") from None
+    return dataclasses.replace(spec, gradient_release=True) if release else spec
+
+
+def probe_host_optimizer(spec: HostOptimizerSpec | None, checkout: Path) -> None:
+    """A per-layer optimizer class stepped once on test tensors (:meth:`HostOptimizerSpec.probe`), with the checkout
+    on ``sys.path`` as train.py has it (diffusion-pipe's own classes are in its ``optimizers/`` folder)."""
+    if spec is None or not spec.per_layer:
+        return
+    folder = str(checkout)
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
+    try:
+        spec.probe()
+    finally:
+        if added:
+            sys.path.remove(folder)
+
+
+def host_clipping(config: dict[str, Any], path: str, micro_batches: int) -> float:
+    """The clipping norm of a full fine-tune's step, as train.py hands it to DeepSpeed (0: off): with
+    gradient_release none, and then one micro-batch a step (``micro_batches``: gradient_accumulation_steps times
+    --lazy_lora_steps), since train.py then updates every param at every micro-batch and DGLS's streamed layers
+    once a step."""
+    if not gradient_release(config, path):
+        return config.get("gradient_clipping", 1.0)
+    if micro_batches != 1:
+        raise DGLSUserError(
+            f"{path}: [optimizer] gradient_release with {micro_batches} micro-batches a step "
+            "(gradient_accumulation_steps times --lazy_lora_steps): train.py then updates each param at every "
+            "micro-batch, its betas scaled to match, and DGLS updates streamed layers once a step: set "
+            "gradient_accumulation_steps = 1 (and --lazy_lora_steps 1), or drop gradient_release"
+        )
+    return 0.0
 
 
 def model_dtypes(config: dict[str, Any]) -> set[str]:
@@ -256,6 +298,13 @@ def check_resume(
 def startup_notes(config: dict[str, Any]) -> list[str]:
     """What diffusion-pipe settings that DGLS takes over mean under DGLS."""
     notes = []
+    if "adapter" not in config and config.get("optimizer", {}).get("gradient_release"):
+        notes.append(
+            "DGLS: [optimizer] gradient_release: no clipping, and each param updated as its gradient is ready: "
+            "streamed layers' params on the host, a layer at a time as its last gradient lands (one optimizer per "
+            "layer, weight decay on every param as train.py's per-param optimizers give it); the others by "
+            "train.py's per-param optimizers on the GPU"
+        )
     if config.get("disable_block_swap_for_eval"):
         notes.append(
             "DGLS: disable_block_swap_for_eval applies to diffusion-pipe's own block swap, which DGLS replaces: "

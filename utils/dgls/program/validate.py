@@ -285,7 +285,9 @@ def _drop_in_full_fine_tune(
     steps = int(config.get("gradient_accumulation_steps", 1)) * resolved.values["lazy_lora_steps"]
     spec = dataclasses.replace(spec, implementation=resolved.values["host_adam"])
     _check_host_adam_build(spec)
-    clip = config.get("gradient_clipping", 1.0)  # train.py's default; 0 lets host updates start during backward
+    from . import dp_config
+
+    clip = dp_config.host_clipping(config, path, steps)  # 0 lets host updates start during backward
     return swap.replace(training=TrainingPolicy(host_optimizer=spec, accumulation_steps=steps, clip_grads=bool(clip)))
 
 
@@ -372,6 +374,7 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
         _offload_needs_checkpointing(resolved, values, f"{path} has no activation_checkpointing")
     if swapping and (spec := dp_config.host_optimizer_spec(config, path)) is not None:
         swap = _drop_in_full_fine_tune(path, config, swap, spec, dist, stages, resolved, rest)
+        dp_config.probe_host_optimizer(swap.training.host_optimizer, checkout)
     elif swapping and resolved.given("host_adam"):
         _host_adam_unused(resolved, path)
     if swapping:

@@ -33,12 +33,22 @@ builds the same optimizer over every param (:meth:`build` accepts any param list
 
 :meth:`HostOptimizerSpec.from_table` reads diffusion-pipe's ``[optimizer]`` table: ``adamw``, ``sgd``, and
 ``adamw_optimi`` (diffusion-pipe's example), which is AdamW on fp32 masters (:data:`TABLE_TYPES` says why),
-with the defaults of the class diffusion-pipe builds for each. Optimizers DGLS cannot run on the host
-(8-bit states, Prodigy, schedule-free ...) are refused by name there, never replaced by something else.
+with the defaults of the class diffusion-pipe builds for each. Every other type is decided in
+:data:`.optimizer_types.TYPES`: a per-param optimizer (8-bit AdamW, StableAdamW, Lion ...) runs its own class, built
+once per layer on the masters with the table's values as train.py passes them (``options``) and stepped on the CPU
+only (``--host_adam`` device, split, torch_fused or deepspeed with it is one line); one whose step reads every param
+(Prodigy, schedule-free ...) is refused by name there, never replaced by something else.
+
+``gradient_release`` (diffusion-pipe's: an optimizer per param, stepped as its gradient is ready) builds one group
+without the 1-D split, as an optimizer per param gets the table's weight decay; stepped per layer, each param gets
+the update its own optimizer would give it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import io
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,6 +57,7 @@ from typing import Any
 import torch
 
 from ..errors import DGLSUserError
+from . import optimizer_types
 from .optimizer_kernels import OptimizerKernel, kernel_for
 
 HOST_OPTIMIZERS = ("adamw", "sgd")
@@ -81,6 +92,8 @@ VALUE_RULES: dict[str, tuple[str, Callable[[float], bool]]] = {
     "weight_decay": ("a finite number >= 0", lambda v: v >= 0),
     "momentum": ("a number in [0, 1)", lambda v: 0 <= v < 1),
 }
+# [optimizer] keys train.py reads itself and never passes to the optimizer class.
+TRAIN_PY_KEYS = frozenset({"beta2_half_life", "gradient_release"})
 # diffusion-pipe's [optimizer] types whose betas are AdamW's two (the others may take another number).
 TWO_BETAS = frozenset({"adamw", "adamw_optimi", "adamw8bit", "adamw8bitkahan", "stableadamw", "offload"})
 
@@ -136,19 +149,30 @@ class HostOptimizerSpec:
     momentum: float = 0.0  # sgd only
     implementation: str = "auto"
     table_type: str = ""  # the [optimizer] type it was read from, when that is another name for ``type``
+    # a per-layer type (:data:`.optimizer_types.PER_LAYER`): the table's keyword arguments, passed to its class as given
+    options: tuple[tuple[str, Any], ...] = ()
+    # diffusion-pipe's gradient_release: every param its own optimizer, so no 1-D split of the weight decay
+    gradient_release: bool = False
 
     def __post_init__(self) -> None:
         if self.implementation == "auto":  # the fastest measured for each optimizer (see the module doc)
-            object.__setattr__(self, "implementation", "split" if self.type == "adamw" else "torch_fused")
-        if self.type not in HOST_OPTIMIZERS:
+            fastest = "split" if self.type == "adamw" else "torch" if self.per_layer else "torch_fused"
+            object.__setattr__(self, "implementation", fastest)
+        if self.type not in HOST_OPTIMIZERS and not self.per_layer:
             raise DGLSUserError(
                 f"[optimizer] type = {self.type!r} cannot run on the host for streamed layers: use one of "
-                f"{', '.join(HOST_OPTIMIZERS)} (full fine-tuning keeps streamed layers' optimizer on the CPU)"
+                f"{', '.join(HOST_OPTIMIZERS + optimizer_types.PER_LAYER)} (full fine-tuning keeps streamed layers' "
+                "optimizer on the CPU)"
             )
         if self.implementation not in IMPLEMENTATIONS:
             raise DGLSUserError(
                 f"host optimizer implementation must be one of {', '.join(IMPLEMENTATIONS)}, "
                 f"got {self.implementation!r}"
+            )
+        if self.per_layer and self.implementation != "torch":
+            raise DGLSUserError(
+                f"--host_adam {self.implementation} picks DGLS's AdamW or SGD kernel, and [optimizer] type = "
+                f"{self.type!r} steps its own class on the CPU, one per layer: drop --host_adam, or use type = 'adamw'"
             )
         if self.implementation == "deepspeed" and self.type != "adamw":
             raise DGLSUserError(
@@ -158,20 +182,23 @@ class HostOptimizerSpec:
             check_value(name, getattr(self, name))
         check_betas(self.betas, 2)
 
+    @property
+    def per_layer(self) -> bool:
+        """The type's own class steps each layer on the host (:mod:`.optimizer_types`), not DGLS's kernels."""
+        return self.type in optimizer_types.PER_LAYER
+
     @classmethod
     def from_table(cls, table: dict, implementation: str = "auto") -> HostOptimizerSpec:
         """diffusion-pipe's ``[optimizer]`` table (type, lr, betas, weight_decay, eps; momentum for sgd). What
         the table leaves out takes the default of the class diffusion-pipe would build for its type
-        (:data:`TABLE_TYPES`), so streamed layers train with the hyper-parameters resident ones get."""
+        (:data:`TABLE_TYPES`), so streamed layers train with the hyper-parameters resident ones get. Other types
+        are looked up in :data:`.optimizer_types.TYPES`: a per-layer type keeps the table's values for its class
+        (checked where they mean what they mean everywhere); a refused one is one line."""
         values = dict(table)
         given = str(values.pop("type", "adamw"))
         entry = TABLE_TYPES.get(given.lower())
         if entry is None:
-            hint = " (fp32 masters on the host need no Kahan summation)" if "adamw" in given.lower() else ""
-            raise DGLSUserError(
-                f"[optimizer] type = {given!r} cannot run on the host, where DGLS trains the streamed layers of a "
-                f"full fine-tune: use one of {', '.join(repr(t) for t in TABLE_TYPES)}{hint}, or train a LoRA"
-            )
+            return cls._per_layer(given, values, implementation)
         kind, defaults, accepted = entry
         kahan_sum = values.pop("kahan_sum", None)
         if kahan_sum is not None and given.lower() != "adamw_optimi":
@@ -197,9 +224,38 @@ class HostOptimizerSpec:
             values["betas"] = tuple(values["betas"])
         return cls(type=kind, **values, implementation=implementation, table_type=given.lower())
 
+    @classmethod
+    def _per_layer(cls, given: str, values: dict[str, Any], implementation: str) -> HostOptimizerSpec:
+        """A type whose own class steps each layer (:data:`.optimizer_types.PER_LAYER`), its library installed."""
+        name, entry = optimizer_types.lookup(given)
+        if (problem := optimizer_types.missing_package(given, entry)) is not None:
+            raise DGLSUserError(problem)
+        if own := sorted(TRAIN_PY_KEYS & set(values)):
+            raise DGLSUserError(
+                f"[optimizer] {own[0]} is train.py's, not a keyword of {entry.class_name}, and the host optimizer of "
+                f"streamed layers cannot take it here: drop it (give betas directly for beta2_half_life)"
+            )
+        for key, value in values.items():
+            if key == "betas":
+                check_betas(value, 2 if name in TWO_BETAS else None)
+            else:
+                check_value(key, value)
+        if values.get("do_paramiter_swapping"):
+            raise DGLSUserError(
+                f"[optimizer] do_paramiter_swapping turns training off for a random share of all params at each "
+                f"step, over the whole model, and DGLS builds {name!r} once per streamed layer: drop it"
+            )
+        options = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in values.items()))
+        lr = values.get("lr", cls.lr)
+        return cls(type=name, lr=lr, implementation=implementation, table_type=name, options=options)
+
     @property
     def kernel(self) -> str:
         """The optimizer class that runs, in words (for the start-up line)."""
+        if self.per_layer:
+            entry = optimizer_types.TYPES[self.type]
+            name = f"{entry.class_name} on the CPU, one per layer ([optimizer] type {self.type!r}"
+            return name + (f": {entry.note})" if entry.note else ")")
         if self.type == "sgd":
             name = SGD_NAMES.get(self.implementation, "torch.optim.SGD")
         else:
@@ -218,18 +274,27 @@ class HostOptimizerSpec:
         plain = [p for p in params if p.ndim <= 1]
         return [g for g in ({"params": decay}, {"params": plain, "weight_decay": 0.0}) if g["params"]]
 
+    def groups(self, params: Sequence[torch.Tensor]) -> list[dict]:
+        """The param groups this spec builds: :meth:`param_groups`, or with ``gradient_release`` one group, the
+        weight decay on every param (diffusion-pipe builds an optimizer per param then, with the table's values)."""
+        return [{"params": list(params)}] if self.gradient_release and params else self.param_groups(params)
+
     def trainer_optimizer(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
         """The optimizer a trainer steps the params it keeps (the resident ones) with, as diffusion-pipe's train.py
         builds it: the class the type names with torch's default kernel choice, these hyper-parameters and
         :meth:`param_groups`. The host's kernel (``implementation``) is the host's only."""
-        groups = self.param_groups(params)
+        groups = self.groups(params)
+        if self.per_layer:
+            return self._class_optimizer(groups)
         if self.type == "sgd":
             return torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
         return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
 
     def build(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
         """One optimizer over ``params`` (fp32 CPU tensors), 1-D params without weight decay."""
-        groups = self.param_groups(params)
+        groups = self.groups(params)
+        if self.per_layer:
+            return self._class_optimizer(groups)
         if self.type == "sgd":  # device and split: the kernel the device runs (.optimizer_kernels), on the host too
             fused = {"fused": True} if self.on_device else {}
             return torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay, **fused)
@@ -248,6 +313,44 @@ class HostOptimizerSpec:
             groups, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay, **flags
         )
 
+    def _class_optimizer(self, groups: list[dict]) -> torch.optim.Optimizer:
+        """The per-layer type's class over ``groups`` with the table's values, as train.py builds it (with
+        ``gradient_release`` it turns ``foreach`` off where the class takes it, as train.py does)."""
+        klass = optimizer_types.load_class(self.type, optimizer_types.TYPES[self.type])
+        kwargs = {k: list(v) if isinstance(v, tuple) else v for k, v in self.options}
+        if self.gradient_release and "foreach" in inspect.signature(klass).parameters:
+            kwargs["foreach"] = False
+        try:
+            return klass(groups, **kwargs)
+        except TypeError as exc:
+            raise DGLSUserError(
+                f"[optimizer] type = {self.type!r}: {klass.__name__} refuses the table: {exc}"
+            ) from None
+
+    def probe(self) -> None:
+        """A per-layer type's class built and stepped once on two small fp32 tensors (a 2-D one of 4096 elements,
+        bitsandbytes' 8-bit threshold, and a 1-D one), before anything slow: a class that fails with this table or
+        this version of its library is one line here, not a worker thread's traceback after the model loaded. What
+        the class prints while built is not shown (Automagic counts its params)."""
+        if not self.per_layer:
+            return
+        params = [torch.zeros(64, 64, requires_grad=True), torch.zeros(64, requires_grad=True)]
+        with contextlib.redirect_stdout(io.StringIO()):
+            optimizer = self.build(params)
+            for p in params:
+                p.grad = torch.full_like(p, 1e-3)
+            try:
+                optimizer.step()
+            except Exception as exc:  # any failure of a class DGLS did not write: said in one line, with its error
+                entry = optimizer_types.TYPES[self.type]
+                libraries = ", ".join(package for _, package in entry.packages)
+                error = repr(exc) if len(repr(exc)) <= 200 else repr(exc)[:200] + "..."
+                nearest = f", or use {entry.fallback}" if entry.fallback else ""
+                raise DGLSUserError(
+                    f"[optimizer] type = {self.type!r}: {entry.class_name} fails a step on the CPU on a test tensor "
+                    f"({error}): install a version of {libraries} it runs with on the CPU{nearest}"
+                ) from None
+
     @property
     def on_device(self) -> bool:
         """Steps run on the training device (:mod:`.device_update`): all of them, or a share (``split``)."""
@@ -263,6 +366,30 @@ class HostOptimizerSpec:
         return kernel_for(self.type, self.momentum)
 
     @property
+    def state_keys(self) -> tuple[str, ...]:
+        """The fp32 state tensors per param the training layout counts: the device kernel's, or for a per-layer
+        type as many as its state bytes fill (rounded up: the RAM figure errs high)."""
+        if self.per_layer:
+            return tuple(f"state{i}" for i in range(-(-optimizer_types.TYPES[self.type].state_bytes // 4)))
+        return self.device_kernel().state_keys
+
+    @property
     def state_bytes_per_param(self) -> int:
-        """Host bytes of optimizer state per param (fp32 moments)."""
+        """Host bytes of optimizer state per param (fp32 moments; a per-layer type's own figure)."""
+        if self.per_layer:
+            return optimizer_types.TYPES[self.type].state_bytes
         return 4 * len(self.device_kernel().state_keys)
+
+    def saved_state_problem(self, idx: int, saved_groups: list[dict], built_groups: list[dict]) -> str | None:
+        """Why optimizer state saved for layer ``idx`` (its param groups) is another optimizer's, or None. AdamW
+        and SGD differ by ``betas``; a per-layer type's groups must hold every setting its class gives them when
+        built (a class may add some at its first step, such as pytorch_optimizer's ``step``)."""
+        if self.per_layer:
+            built = set(built_groups[0]) - {"params"} if built_groups else set()
+            if any(not built <= set(g) for g in saved_groups):
+                return f"holds another optimizer's state for layer {idx}, and [optimizer] type is {self.type!r} here"
+            return None
+        if any(("betas" in g) != (self.type == "adamw") for g in saved_groups):
+            saved_kind = "AdamW" if "betas" in saved_groups[0] else "SGD"
+            return f"holds {saved_kind} state for layer {idx}, and [optimizer] type is {self.type!r} here"
+        return None

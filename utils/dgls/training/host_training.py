@@ -77,7 +77,7 @@ def training_layout(
     step; with one, the updates read the landings)."""
     return TrainingLayout(
         layouts,
-        state_keys=spec.device_kernel().state_keys,
+        state_keys=spec.state_keys,
         sums=accumulation_steps != 1,
         device_updates=spec.on_device,
     )
@@ -116,9 +116,9 @@ class HostTraining:
         # (:mod:`..memory.pinned`)
         self._memory = PinnedMemory(pin, "stream fewer layers (blocks_to_swap), or free RAM")
         self._coef: torch.Tensor | None = None
-        kernel = spec.device_kernel()
         if updater is not None and self.layout.layers:
             sizes = [[p.numel for p in place.params] for place in self.layout.layers.values()]
+            kernel = spec.device_kernel()
             self.device_bytes = updater.reserve(max(max(s) for s in sizes), max(sum(s) for s in sizes), kernel)
         else:
             self.device_bytes = 0  # device updates: their scratch buffers
@@ -336,9 +336,8 @@ class HostTraining:
             groups = saved[idx].get("param_groups")
             if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups):
                 return f"holds no optimizer state for layer {idx}"
-            if any(("betas" in g) != (self.spec.type == "adamw") for g in groups):
-                saved_kind = "AdamW" if "betas" in groups[0] else "SGD"
-                return f"holds {saved_kind} state for layer {idx}, and [optimizer] type is {self.spec.type!r} here"
+            if (problem := self.spec.saved_state_problem(idx, groups, layer.optimizer.param_groups)) is not None:
+                return problem
             if self.spec.type == "sgd" and self.spec.on_device and not keep_hyper_parameters:
                 momenta = [
                     g.get("momentum", 0.0) for g in groups if bool(g.get("momentum", 0.0)) != bool(self.spec.momentum)

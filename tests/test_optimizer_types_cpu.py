@@ -1,0 +1,466 @@
+"""diffusion-pipe's [optimizer] types with streamed layers (issue 35): each trains them or is refused by name.
+
+A type that trains with its own class (:data:`utils.dgls.training.optimizer_types.PER_LAYER`) is built once per
+streamed layer on the host masters; streaming must then give every param the update one optimizer of that class
+over all params gives it, bitwise (the reference of :mod:`full_ft`: the same layers all resident). Libraries that
+are not installed skip with the reason; a class injected by the test (diffusion-pipe's optimizers/ folder stood
+in for by a temporary one) covers the per-layer path without any library.
+
+``gradient_release = true`` means what it means in train.py: no clipping, each param its own optimizer (weight
+decay on 1-D params too), updated as its gradient is ready; streamed layers are updated a layer at a time as its
+last gradient lands, and train.py's per-param hooks on them find no gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from full_ft import SPEC, assert_same, full_layers, host_trained_names, params_of, train_dgls, train_reference
+from helpers import SMALL, run_layers
+from test_host_training_cpu import test_save_and_resume_equal_an_uninterrupted_run as resume_equals_uninterrupted
+
+from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
+from utils.dgls.demo.data import SyntheticLatents
+from utils.dgls.program import dp_config
+from utils.dgls.training import optimizer_types
+from utils.dgls.training.host_optimizer import HostOptimizerSpec
+from utils.dgls.training.optimizer_types import OptimizerType
+
+CPU = torch.device("cpu")
+FULL = {"output_dir": "out", "model": {"type": "flux", "dtype": "bfloat16"}, "save_every_n_epochs": 1}
+
+# Every type diffusion-pipe's get_optimizer handles by name, and pytorch_optimizer classes of each kind.
+DIFFUSION_PIPE_TYPES = [
+    "adamw",
+    "AdamW8bit",
+    "adamw_optimi",
+    "stableadamw",
+    "sgd",
+    "AdamW8bitKahan",
+    "offload",
+    "automagic",
+    "genericoptim",
+    "Prodigy",
+    "DAdaptAdam",
+    "ScheduleFreeAdamW",
+    "Lion",
+    "Adan",
+]
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("given", DIFFUSION_PIPE_TYPES)
+def test_every_diffusion_pipe_type_trains_streamed_layers_or_is_refused_in_one_line(given):
+    """A refusal names the type, and either the nearest type that trains (in quotes) with the reason, or the pip
+    package its library needs."""
+    try:
+        spec = HostOptimizerSpec.from_table({"type": given, "lr": 1e-4})
+    except DGLSUserError as exc:
+        message = str(exc)
+        assert "\n" not in message and repr(given) in message
+        running = [f"'{t}'" for t in optimizer_types.RUNNING]
+        assert "pip install " in message or any(t in message for t in running), message
+        return
+    assert spec.type in (*optimizer_types.RUNNING, "adamw", "sgd")
+    assert optimizer_types.TYPES[spec.table_type or spec.type].runs != "refused"
+
+
+def test_the_table_records_a_way_to_run_or_a_refusal_for_every_type():
+    for name, entry in optimizer_types.TYPES.items():
+        assert entry.runs in ("adamw", "sgd", "per_layer", "refused"), name
+        if entry.runs == "refused":
+            nearest = entry.refusal.split("'")[1]
+            assert nearest in optimizer_types.RUNNING, (name, entry.refusal)
+        if entry.runs == "per_layer":
+            assert ":" in entry.source and entry.packages, name
+    for own in ("adamw", "adamw8bit", "adamw_optimi", "stableadamw", "sgd", "adamw8bitkahan", "offload"):
+        assert own in optimizer_types.TYPES
+    assert {"automagic", "genericoptim"} <= set(optimizer_types.TYPES)
+
+
+def test_refusals_name_the_nearest_type_and_say_why():
+    cases = [
+        ("Prodigy", "use 'adamw' with an lr of your own: Prodigy's step size is estimated from sums over every param"),
+        ("DAdaptSGD", "use 'sgd' with an lr of your own"),
+        ("ScheduleFreeSGD", "use 'sgd': schedule-free keeps two weight sequences"),
+        ("offload", "use 'adamw': torchao's CPUOffloadOptimizer runs torch.optim.AdamW\\(fused=True\\) on the CPU"),
+        ("GenericOptim", "use 'adamw' \\(GenericOptim's default"),
+        ("lion", "exact name: write type = 'Lion'"),
+        ("Prodigyy", "DGLS has not read this optimizer's step.*\\(did you mean 'Prodigy'\\?\\)"),
+        ("Adan", "DGLS has not read this optimizer's step"),
+    ]
+    for given, message in cases:
+        with pytest.raises(DGLSUserError, match=message):
+            HostOptimizerSpec.from_table({"type": given, "lr": 1e-4})
+
+
+def test_a_missing_library_is_one_line_naming_its_pip_package(monkeypatch):
+    monkeypatch.setattr(optimizer_types.importlib.util, "find_spec", lambda name: None)
+    for given, package in (
+        ("adamw8bit", "bitsandbytes"),
+        ("stableadamw", "torch-optimi"),
+        ("Lion", "pytorch-optimizer"),
+    ):
+        with pytest.raises(DGLSUserError, match=f"needs the .* package: pip install {package}$"):
+            HostOptimizerSpec.from_table({"type": given, "lr": 1e-4})
+
+
+# ----------------------------------------------------------------- the per-layer path, with a class of the test's own
+FAKE_OPTIMIZER = '''
+import torch
+
+
+class FakeMomentum(torch.optim.Optimizer):
+    """Per-param: a momentum buffer and decoupled weight decay (like diffusion-pipe's own classes, built from the
+    table's keyword arguments)."""
+
+    def __init__(self, params, lr=1e-3, beta=0.9, weight_decay=0.0):
+        super().__init__(params, {"lr": lr, "beta": beta, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("buf", torch.zeros_like(p))
+                buf.mul_(group["beta"]).add_(p.grad, alpha=1 - group["beta"])
+                p.mul_(1 - group["lr"] * group["weight_decay"]).add_(buf.sign() * buf.abs().sqrt(), alpha=-group["lr"])
+'''
+
+
+@pytest.fixture
+def optimizers_folder():
+    """Forget the ``optimizers`` package a test imported (a stand-in folder, or a checkout's on sys.path for the
+    test only), so that no other test finds it."""
+    yield
+    for name in [m for m in sys.modules if m == "optimizers" or m.startswith("optimizers.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def fake_type(tmp_path, monkeypatch, optimizers_folder):
+    """'fakemomentum': a per-layer type whose class lives in an optimizers/ folder on sys.path, as diffusion-pipe's
+    own do in a drop-in run."""
+    (tmp_path / "optimizers").mkdir()
+    (tmp_path / "optimizers" / "__init__.py").write_text("")
+    (tmp_path / "optimizers" / "fake_momentum.py").write_text(textwrap.dedent(FAKE_OPTIMIZER))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    entry = OptimizerType("per_layer", "optimizers.fake_momentum:FakeMomentum", (("torch", "torch"),), 4, "a test's")
+    monkeypatch.setitem(optimizer_types.TYPES, "fakemomentum", entry)
+    monkeypatch.setattr(optimizer_types, "PER_LAYER", (*optimizer_types.PER_LAYER, "fakemomentum"))
+    monkeypatch.setattr(optimizer_types, "RUNNING", (*optimizer_types.RUNNING, "fakemomentum"))
+    return HostOptimizerSpec.from_table({"type": "FakeMomentum", "lr": 1e-2, "beta": 0.8, "weight_decay": 0.1})
+
+
+def streamed_equals_resident(spec: HostOptimizerSpec, accumulate: int = 2, dtype=torch.float32) -> None:
+    layers = full_layers(dtype)
+    cfg = SwapConfig.of(host_optimizer=spec, accumulation_steps=accumulate, prefetch=1)
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        names = host_trained_names(layers, swapper)
+        assert names, "no layer streams"
+        record = train_dgls(layers, swapper, CPU, "nonreentrant", accumulate=accumulate, dtype=dtype)
+    want = train_reference(
+        full_layers(dtype), names, CPU, "nonreentrant", accumulate=accumulate, dtype=dtype, host_spec=spec
+    )
+    assert_same(record, want)
+
+
+def test_a_per_layer_class_from_the_checkout_trains_streamed_layers_as_one_optimizer_over_all_params(fake_type):
+    assert fake_type.per_layer and fake_type.options == (("beta", 0.8), ("lr", 1e-2), ("weight_decay", 0.1))
+    assert "optimizers.fake_momentum.FakeMomentum on the CPU, one per layer" in fake_type.kernel
+    optimizer = fake_type.build([torch.zeros(4, 4), torch.zeros(4)])
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]  # diffusion-pipe's 1-D split
+    streamed_equals_resident(fake_type)
+    streamed_equals_resident(fake_type, accumulate=1, dtype=torch.bfloat16)
+
+
+def test_a_per_layer_type_on_the_device_or_split_is_one_line(fake_type):
+    for implementation in ("device", "split", "torch_fused", "deepspeed"):
+        with pytest.raises(DGLSUserError, match=f"--host_adam {implementation} picks DGLS's AdamW or SGD kernel"):
+            dataclasses.replace(fake_type, implementation=implementation)
+
+
+def test_a_per_layer_class_that_refuses_the_table_is_one_line(fake_type):
+    spec = HostOptimizerSpec.from_table({"type": "fakemomentum", "lr": 1e-2, "momentum": 0.9})
+    with pytest.raises(DGLSUserError, match="'fakemomentum': FakeMomentum refuses the table: .*momentum"):
+        spec.build([torch.zeros(2)])
+
+
+def test_a_class_that_fails_a_step_is_one_line_before_anything_is_built(fake_type, monkeypatch):
+    klass = optimizer_types.load_class("fakemomentum", optimizer_types.TYPES["fakemomentum"])
+
+    def step(self, closure=None):
+        raise KeyError("percentile_clipping")
+
+    monkeypatch.setattr(klass, "step", step)
+    message = "FakeMomentum fails a step on the CPU on a test tensor \\(KeyError\\('percentile_clipping'\\)\\): install"
+    with pytest.raises(DGLSUserError, match=message):
+        fake_type.probe()
+    fake_type.probe.__func__(HostOptimizerSpec())  # DGLS's own kernels need no probe
+
+
+def test_a_checkout_class_outside_a_drop_in_run_is_one_line(monkeypatch):
+    monkeypatch.setattr(optimizer_types.importlib.util, "find_spec", lambda name: object())
+    entry = optimizer_types.TYPES["adamw8bitkahan"]
+    monkeypatch.setattr(optimizer_types.importlib, "import_module", _no_module("optimizers"))
+    with pytest.raises(DGLSUserError, match="'adamw8bitkahan' is diffusion-pipe's own .*optimizers/adamw_8bit.py"):
+        optimizer_types.load_class("adamw8bitkahan", entry)
+
+
+def _no_module(name):
+    def import_module(module):
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    return import_module
+
+
+def test_resuming_another_optimizers_state_is_one_line(fake_type):
+    layers = full_layers()
+    cfg = SwapConfig.of(host_optimizer=fake_type, accumulation_steps=1)
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        train_dgls(layers, swapper, CPU, "nonreentrant", steps=1, accumulate=1)
+        saved = swapper.training.state_dict()
+    layers = full_layers()
+    with LayerSwapper(
+        layers, SwapConfig.of(host_optimizer=SPEC, accumulation_steps=1), device=CPU, log=None
+    ) as swapper:
+        assert swapper.training.state_problem(saved) is not None
+    layers = full_layers()
+    with LayerSwapper(
+        layers, SwapConfig.of(host_optimizer=SPEC, accumulation_steps=1), device=CPU, log=None
+    ) as swapper:
+        adamw_state = swapper.training.state_dict()
+    with LayerSwapper(full_layers(), cfg, device=CPU, log=None) as swapper:
+        assert "another optimizer's state" in swapper.training.state_problem(adamw_state)
+        assert swapper.training.state_problem(saved) is None
+
+
+# ----------------------------------------------------------------- the real libraries, where installed
+LIBRARY_TYPES = [
+    ({"type": "AdamW8bit", "lr": 1e-2, "min_8bit_size": 256}, "bitsandbytes"),  # 8-bit blockwise on params >= 256
+    ({"type": "stableadamw", "lr": 1e-2, "weight_decay": 0.01}, "optimi"),
+    ({"type": "Lion", "lr": 1e-3, "weight_decay": 0.01}, "pytorch_optimizer"),
+    ({"type": "ADOPT", "lr": 1e-2}, "pytorch_optimizer"),
+    ({"type": "AdEMAMix", "lr": 1e-2}, "pytorch_optimizer"),
+    ({"type": "CAME", "lr": 1e-2}, "pytorch_optimizer"),
+]
+
+
+@pytest.mark.parametrize("table, module", LIBRARY_TYPES, ids=[t["type"] for t, _ in LIBRARY_TYPES])
+def test_a_library_type_trains_streamed_layers_bitwise_as_one_optimizer_over_all_params(table, module):
+    if not installed(module):
+        pytest.skip(f"{module} is not installed")
+    spec = HostOptimizerSpec.from_table(table)
+    try:
+        spec.probe()
+    except DGLSUserError as exc:  # bitsandbytes before 0.50 has no 8-bit optimizer on the CPU
+        pytest.skip(f"the installed library does not run this class on the CPU: {exc}")
+    streamed_equals_resident(spec)
+
+
+def test_a_per_layer_type_saves_and_resumes_as_an_uninterrupted_run(fake_type):
+    resume_equals_uninterrupted(fake_type, torch.bfloat16, 1)
+
+
+@pytest.mark.parametrize("table, module", LIBRARY_TYPES[:3], ids=[t["type"] for t, _ in LIBRARY_TYPES[:3]])
+def test_a_library_type_saves_and_resumes_as_an_uninterrupted_run(table, module):
+    """The per-layer state dicts (8-bit moments and their absmax included) load into new layers' optimizers."""
+    if not installed(module):
+        pytest.skip(f"{module} is not installed")
+    spec = HostOptimizerSpec.from_table(table)
+    try:
+        spec.probe()
+    except DGLSUserError as exc:
+        pytest.skip(f"the installed library does not run this class on the CPU: {exc}")
+    resume_equals_uninterrupted(spec, torch.float32, 2)
+
+
+# ----------------------------------------------------------------- gradient_release
+def full(optimizer: dict, **top) -> dict:
+    return {**FULL, "optimizer": optimizer, **top}
+
+
+def test_gradient_release_is_accepted_and_said_at_start_up():
+    config = full({"type": "adamw", "lr": 1e-5, "gradient_release": True}, gradient_clipping=1.0)
+    dp_config.check_train_config(config, "x.toml", swapping=True)
+    spec = dp_config.host_optimizer_spec(config, "x.toml")
+    assert spec.gradient_release and spec.type == "adamw"
+    assert dp_config.host_clipping(config, "x.toml", 1) == 0.0  # as train.py hands DeepSpeed
+    assert dp_config.host_clipping(full({"type": "adamw"}, gradient_clipping=0.5), "x.toml", 4) == 0.5
+    notes = [n for n in dp_config.startup_notes(config) if "gradient_release" in n]
+    assert len(notes) == 1 and "\n" not in notes[0]
+    assert "no clipping" in notes[0] and "a layer at a time as its last gradient lands" in notes[0]
+    groups = spec.build([torch.zeros(3, 3), torch.zeros(3)]).param_groups
+    assert len(groups) == 1 and groups[0]["weight_decay"] == spec.weight_decay  # 1-D params decay too
+
+
+def test_gradient_release_refusals_are_one_line():
+    config = full({"type": "adamw", "gradient_release": True}, gradient_accumulation_steps=4)
+    with pytest.raises(DGLSUserError, match="gradient_release with 4 micro-batches a step .*set gradient_accumulation"):
+        dp_config.host_clipping(config, "x.toml", 4)
+    with pytest.raises(DGLSUserError, match="gradient_release must be true or false, got 'yes'"):
+        dp_config.host_optimizer_spec(full({"type": "adamw", "gradient_release": "yes"}), "x.toml")
+
+
+def test_gradient_release_updates_streamed_layers_as_train_py_updates_every_param():
+    """train.py's gradient release on all-resident fp32 layers: an optimizer per param (the table's values, weight
+    decay on 1-D params too, foreach off), stepped in its post-accumulate-grad hook. With DGLS, streamed layers'
+    params are updated on the host a layer at a time, and train.py's hooks, registered after DGLS's, find their
+    gradient taken: the weights after each step are the same, bitwise."""
+    spec = dataclasses.replace(SPEC, implementation="torch", gradient_release=True)
+
+    def per_param_optimizers(params):
+        kwargs = {"lr": spec.lr, "betas": spec.betas, "eps": spec.eps, "weight_decay": spec.weight_decay}
+        optimizers = {p: torch.optim.AdamW([p], **kwargs, foreach=False) for p in params}
+        stepped = []
+
+        def hook(p):
+            stepped.append(p.grad is not None)
+            optimizers[p].step()
+            optimizers[p].zero_grad()
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(hook)
+        return stepped
+
+    def train(layers, after_step):
+        data = SyntheticLatents(SMALL, samples=8, image_tokens=12, text_tokens=5, seed=3)
+        batches = data.batches(2, torch.float32, CPU)
+        for _ in range(3):
+            inputs, target = next(batches)
+            F.mse_loss(run_layers(layers, inputs, "nonreentrant"), target).backward()
+            after_step()
+        return {f"{i}.{k}": v.clone() for i, layer in enumerate(layers) for k, v in layer.state_dict().items()}
+
+    resident = full_layers()
+    stepped = per_param_optimizers(params_of(resident))
+    want = train(resident, lambda: None)
+    assert all(stepped)
+
+    layers = full_layers()
+    cfg = SwapConfig.of(host_optimizer=spec, accumulation_steps=1, clip_grads=False, prefetch=1)
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        stepped = per_param_optimizers(params_of(layers))  # train.py's hooks come after DGLS's
+        owned = [swapper.training.owns(p) for p in params_of(layers)]
+        got = train(layers, swapper.training.step)  # state dicts read the masters: the true weights
+    assert any(owned) and not all(owned)
+    assert stepped.count(True) == 3 * owned.count(False)  # only the resident params had a gradient in train.py's hook
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+def test_a_drop_in_full_fine_tune_with_gradient_release_starts_without_clipping_and_says_so(tmp_path, monkeypatch):
+    """Through dgls_train.py's checks (the stand-in checkout): gradient_release is accepted, the host training is
+    set up without clipping (train.py hands DeepSpeed gradient_clipping 0 with it), and one start-up line says what
+    DGLS does with it; more micro-batches a step than one is one line."""
+    from cli_helpers import FAKE, fake_config
+    from conftest import ROOT
+
+    from utils.dgls.program.validate import prepare
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    tables = (
+        '[model]\ntype = "flux"\ndtype = "float32"\n[optimizer]\ntype = "adamw"\nlr = 1e-4\ngradient_release = true\n'
+    )
+    argv = [
+        "--config",
+        str(fake_config(tmp_path, tables=tables)),
+        "--diffusion_pipe",
+        str(FAKE),
+        "--blocks_to_swap",
+        "1",
+    ]
+    run = prepare(argv, ROOT)
+    training = run.swap.training
+    assert training.host_optimizer.gradient_release and not training.clip_grads
+    assert sum("gradient_release" in note for note in run.notes) == 1
+    with pytest.raises(DGLSUserError, match="gradient_release with 2 micro-batches a step"):
+        prepare([*argv, "--lazy_lora_steps", "2"], ROOT)
+    argv[1] = str(fake_config(tmp_path / "gas", top="gradient_accumulation_steps = 3", tables=tables))
+    with pytest.raises(DGLSUserError, match="gradient_release with 3 micro-batches a step"):
+        prepare(argv, ROOT)
+
+
+def test_the_demo_refuses_diffusion_pipes_own_classes_and_train_py_keys_in_one_line(fake_type):
+    """The fixture's class stands in for one of diffusion-pipe's optimizers/ (importable here, as in a drop-in
+    run): the demo has no checkout, so it is refused there by name, before anything is built."""
+    from utils.dgls.demo.settings import demo_settings
+
+    assert optimizer_types.TYPES["fakemomentum"].from_checkout
+    with pytest.raises(
+        DGLSUserError, match="'fakemomentum' is diffusion-pipe's own .* the demo runs without a checkout"
+    ):
+        demo_settings({"optimizer": {"type": "fakemomentum", "lr": 1e-3}}, "d.toml")
+    assert demo_settings({"optimizer": {"type": "sgd", "lr": 1e-3}}, "d.toml").optimizer.type == "sgd"
+    with pytest.raises(DGLSUserError, match="beta2_half_life is train.py's"):
+        HostOptimizerSpec.from_table({"type": "fakemomentum", "betas": [0.9, 0.9], "beta2_half_life": 10})
+
+
+@pytest.mark.parametrize(
+    "table, modules",
+    [
+        ({"type": "AdamW8bitKahan", "lr": 1e-2, "min_8bit_size": 256}, ("bitsandbytes",)),
+        ({"type": "automagic", "lr": 1e-4, "weight_decay": 0.01}, ("optimum.quanto",)),
+    ],
+    ids=["adamw8bitkahan", "automagic"],
+)
+def test_diffusion_pipes_own_classes_train_streamed_layers_bitwise_as_one_optimizer_over_all_params(
+    table, modules, monkeypatch, optimizers_folder
+):
+    """From the checkout $DGLS_DIFFUSION_PIPE names (its optimizers/ on sys.path, as in a drop-in run)."""
+    checkout = os.environ.get(dp_config.ENV_CHECKOUT)
+    if not checkout:
+        pytest.skip(f"set {dp_config.ENV_CHECKOUT} to a diffusion-pipe checkout to run its optimizers")
+    for module in modules:
+        if not installed(module):
+            pytest.skip(f"{module} is not installed")
+        importlib.import_module(module)  # before the checkout's optimizers/ (a namespace package) is importable
+    monkeypatch.syspath_prepend(checkout)
+    spec = HostOptimizerSpec.from_table(table)
+    try:
+        spec.probe()
+    except DGLSUserError as exc:  # e.g. AdamW8bitKahan reads a setting bitsandbytes 0.50 no longer has
+        pytest.skip(f"this checkout's class does not run with the installed library: {exc}")
+    streamed_equals_resident(spec)
+
+
+def test_a_drop_in_whose_optimizer_class_fails_a_step_is_one_line_before_train_py_starts(
+    fake_type, tmp_path, monkeypatch
+):
+    from cli_helpers import FAKE, fake_config
+    from conftest import ROOT
+
+    from utils.dgls.program.validate import prepare
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    tables = '[model]\ntype = "flux"\ndtype = "float32"\n[optimizer]\ntype = "fakemomentum"\nlr = 1e-4\n'
+    argv = [
+        "--config",
+        str(fake_config(tmp_path, tables=tables)),
+        "--diffusion_pipe",
+        str(FAKE),
+        "--blocks_to_swap",
+        "1",
+    ]
+    assert prepare(argv, ROOT).swap.training.host_optimizer.type == "fakemomentum"
+    klass = optimizer_types.load_class("fakemomentum", optimizer_types.TYPES["fakemomentum"])
+    monkeypatch.setattr(klass, "step", lambda self, closure=None: 1 / 0)
+    with pytest.raises(DGLSUserError, match="FakeMomentum fails a step on the CPU on a test tensor"):
+        prepare(argv, ROOT)
