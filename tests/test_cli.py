@@ -99,6 +99,11 @@ def test_every_option_kind_has_a_toml_type_and_a_flag():
         assert any(o.flag in action.option_strings for action in parser._actions), o.name
 
 
+def test_an_empty_profile_path_is_refused_as_a_flag():
+    with pytest.raises(DGLSUserError, match="argument --profile: expected a file path such as trace.json, got ''"):
+        build_parser().parse_known_args(["--config", "x", "--profile", ""])
+
+
 @pytest.mark.parametrize(
     "flags, field, value",
     [

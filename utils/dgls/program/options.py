@@ -71,6 +71,13 @@ def _cli_choice(option: Option):
     return parse
 
 
+def _cli_path(text: str) -> str:
+    """A path flag's value: an empty one (``--profile ""``, or a shell variable that was not set) names no file."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file path such as trace.json, got ''")
+    return text
+
+
 def _cli_int(text: str) -> int:
     try:
         return int(text)
@@ -453,7 +460,7 @@ PLACEMENT_STYLE = {
 # Options that mean something with --no-dynamic_swapping; the rest only steer DGLS's streaming.
 USED_WITHOUT_SWAPPING = frozenset({"dynamic_swapping", "gpu_id", "lazy_lora_steps"})
 
-_CLI_TYPES = {"int": _cli_int, "float": _cli_float, "str": str, "budget": _cli_budget, "int_list": _cli_int_list}
+_CLI_TYPES = {"int": _cli_int, "float": _cli_float, "str": _cli_path, "budget": _cli_budget, "int_list": _cli_int_list}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
