@@ -275,3 +275,18 @@ def test_demo_offloading_activations_trains_the_same_lora(tmp_path, user_env, ca
     for name in ("offload", "recompute", "kept"):
         assert loras["plain"].keys() == loras[name].keys()
         assert all(torch.equal(loras["plain"][k], loras[name][k]) for k in loras["plain"]), name
+
+
+def test_start_up_notes_are_one_write_each(monkeypatch):
+    """Under the deepspeed launcher every process runs ``python -u``, where print writes a line and its newline
+    apart, so two processes' notes came out as ``notenote`` and two empty lines."""
+    from types import SimpleNamespace
+
+    from utils.dgls.trainers import diffusion_pipe
+
+    writes: list[str] = []
+    monkeypatch.setattr(dgls_train, "prepare", lambda argv, here: SimpleNamespace(notes=("DGLS: a", "DGLS: b")))
+    monkeypatch.setattr(diffusion_pipe, "run_drop_in", lambda run: None)
+    monkeypatch.setattr("sys.stdout", SimpleNamespace(write=writes.append, flush=lambda: None))
+    assert dgls_train.main([]) == 0
+    assert writes == ["DGLS: a\n", "DGLS: b\n"]
