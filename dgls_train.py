@@ -42,8 +42,8 @@ except KeyboardInterrupt:  # Ctrl-C while torch loads
 def main(argv: list[str] | None = None) -> int:
     """Check everything, say how the settings were combined, then run the demo or train.py."""
     run = prepare(argv, HERE)
-    for note in run.notes:
-        print(note)
+    for note in run.notes:  # each line in one write, as errors.print_line: every process of a job says them
+        sys.stdout.write(note + "\n")
     if isinstance(run, DemoRun):
         from utils.dgls.demo.train import run_demo
 

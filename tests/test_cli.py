@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 import dgls_train
 from utils.dgls.demo.settings import demo_settings
+from utils.dgls.errors import DGLSUserError
 from utils.dgls.program import options
 from utils.dgls.program.distributed import DEFAULT_PORT, dist_env
 from utils.dgls.program.launch import build_parser
@@ -53,6 +54,54 @@ def test_command_line_overrides_toml():
     assert resolved.sources["prefetch"] == "command line" and resolved.sources["gpu_layers"] == "x.toml"
     config = options.swap_config(values)
     assert config.placement.prefetch == 4 and config.placement.gpu_layers == [0, 5]
+
+
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        ("threading", 1, "true or false"),
+        ("prefetch", 1.0, "a whole number"),
+        ("prefetch", True, "a whole number"),
+        ("selective_packing", "4", "a number"),
+        ("profile", "", "a path in quotes"),
+        ("device_sync_mode", "always", "one of none, step, layer"),
+        ("vram_budget", "lots", "a number of GiB or 'auto'"),
+        ("gpu_layers", "0,x", "layer indices like [0, 1, 40] or '0,1,40'"),
+        ("gpu_layers", [0, True], "a list of layer indices like [0, 1, 40]"),
+    ],
+)
+def test_a_dgls_key_of_the_wrong_kind_says_what_it_needs(key, value, expected):
+    args, _ = build_parser().parse_known_args(["--config", "x"])
+    with pytest.raises(DGLSUserError) as err:
+        options.resolve({key: value}, args, "x.toml")
+    assert str(err.value) == f"[dgls] {key} in x.toml must be {expected}, got {value!r}"
+
+
+@pytest.mark.parametrize(
+    "key, value, kept",
+    [
+        ("vram_budget", 4, 4.0),
+        ("vram_budget", "auto", "auto"),
+        ("selective_packing", 2, 2.0),
+        ("gpu_layers", "0, 3", [0, 3]),
+    ],
+)
+def test_a_dgls_key_is_kept_in_its_options_type(key, value, kept):
+    args, _ = build_parser().parse_known_args(["--config", "x"])
+    resolved = options.resolve({key: value}, args, "x.toml")
+    assert resolved.values[key] == kept and type(resolved.values[key]) is type(kept)
+
+
+def test_every_option_kind_has_a_toml_type_and_a_flag():
+    parser = build_parser()
+    for o in options.OPTIONS:
+        assert o.kind in options._TOML_TYPES, o.name
+        assert any(o.flag in action.option_strings for action in parser._actions), o.name
+
+
+def test_an_empty_profile_path_is_refused_as_a_flag():
+    with pytest.raises(DGLSUserError, match="argument --profile: expected a file path such as trace.json, got ''"):
+        build_parser().parse_known_args(["--config", "x", "--profile", ""])
 
 
 @pytest.mark.parametrize(
@@ -226,3 +275,18 @@ def test_demo_offloading_activations_trains_the_same_lora(tmp_path, user_env, ca
     for name in ("offload", "recompute", "kept"):
         assert loras["plain"].keys() == loras[name].keys()
         assert all(torch.equal(loras["plain"][k], loras[name][k]) for k in loras["plain"]), name
+
+
+def test_start_up_notes_are_one_write_each(monkeypatch):
+    """Under the deepspeed launcher every process runs ``python -u``, where print writes a line and its newline
+    apart, so two processes' notes came out as ``notenote`` and two empty lines."""
+    from types import SimpleNamespace
+
+    from utils.dgls.trainers import diffusion_pipe
+
+    writes: list[str] = []
+    monkeypatch.setattr(dgls_train, "prepare", lambda argv, here: SimpleNamespace(notes=("DGLS: a", "DGLS: b")))
+    monkeypatch.setattr(diffusion_pipe, "run_drop_in", lambda run: None)
+    monkeypatch.setattr("sys.stdout", SimpleNamespace(write=writes.append, flush=lambda: None))
+    assert dgls_train.main([]) == 0
+    assert writes == ["DGLS: a\n", "DGLS: b\n"]

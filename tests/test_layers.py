@@ -47,7 +47,7 @@ def runtime_imports(path: Path) -> list[tuple[int, str]]:
     return found
 
 
-@pytest.mark.parametrize("folder", LAYERED)
+@pytest.mark.parametrize("folder", FOLDERS)
 def test_each_folder_names_its_modules_and_its_layer(folder):
     text = docstring(folder)
     modules = {p.name for p in (PACKAGE / folder).glob("*.py")} - {"__init__.py"}
@@ -58,7 +58,7 @@ def test_each_folder_names_its_modules_and_its_layer(folder):
     assert "May import:" in text, f"{folder}/__init__.py says nothing of what it may import"
 
 
-@pytest.mark.parametrize("folder", LAYERED)
+@pytest.mark.parametrize("folder", FOLDERS)
 def test_every_import_keeps_to_the_layers(folder):
     may = allowed(folder) | {folder}
     wrong = []

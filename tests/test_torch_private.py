@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from types import SimpleNamespace
 
@@ -38,6 +39,43 @@ def test_a_torch_without_one_of_the_apis_is_refused_in_one_line_naming_it():
     assert "torch 2.15.0 lacks torch._C._current_autograd_node, torch._C._autograd._top_saved" in message
     assert message.endswith("install torch 2.11 to 2.13 (pip install 'torch>=2.11,<2.14')")
     assert "\n" not in message
+
+
+def test_every_private_name_the_module_spells_is_in_what_start_up_checks():
+    """A private attribute, module or class name in torch_private.py's code is the last part of a USED entry, so
+    a torch that renamed it is refused at start-up, not found in a step (or, for a class name compared as a
+    string, never found)."""
+    tree = ast.parse((ROOT / "utils" / "dgls" / "torch_private.py").read_text())
+    spelled = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            spelled.add(node.attr)
+        elif isinstance(node, ast.ImportFrom):
+            spelled.update([*(node.module or "").split("."), *(alias.name for alias in node.names)])
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            spelled.add(node.value)
+    private = {name for name in spelled if re.fullmatch(r"_[A-Za-z]\w*", name) and not name.startswith("__")}
+    checked = {part for name in torch_private.USED for part in name.split(".")}
+    assert private <= checked, f"not in torch_private.USED: {sorted(private - checked)}"
+
+
+def test_a_selective_checkpoint_of_this_torch_is_recognised():
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    seen = []
+
+    def body(x):
+        seen.append(torch_private.under_selective_checkpoint())
+        return x.sin()
+
+    context = partial(create_selective_checkpoint_contexts, lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SAVE)
+    checkpoint(body, torch.ones(2, requires_grad=True), use_reentrant=False, context_fn=context).sum().backward()
+    assert seen[0] is True  # the selective checkpoint's forward
+    seen.clear()
+    checkpoint(body, torch.ones(2, requires_grad=True), use_reentrant=False).sum().backward()
+    assert seen == [False, False]  # a plain checkpoint's forward and recompute
 
 
 def test_the_tested_range_is_the_one_requirements_txt_states():

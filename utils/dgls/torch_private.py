@@ -24,10 +24,11 @@ from collections.abc import Callable, Sequence
 from functools import reduce
 
 import torch
+import torch.utils.checkpoint  # the selective checkpoint's mode class: named in USED, reached from torch
 from torch.autograd import Variable
 from torch.autograd import profiler as autograd_profiler
+from torch.utils import _python_dispatch
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .errors import DGLSUserError
 
@@ -58,10 +59,14 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
     Variable._execution_engine.queue_callback(callback)
 
 
+SELECTIVE_CHECKPOINT_MODE = "_CachingTorchDispatchMode"  # torch.utils.checkpoint's; a rename would pass silently
+
+
 def under_selective_checkpoint() -> bool:
     """True inside ``torch.utils.checkpoint``'s selective-checkpoint caching mode, whose cached tensors DGLS
     can't swap. ``torch.utils._python_dispatch._get_current_dispatch_mode_stack``."""
-    return any(type(m).__name__ == "_CachingTorchDispatchMode" for m in _get_current_dispatch_mode_stack())
+    stack = _python_dispatch._get_current_dispatch_mode_stack()
+    return any(type(m).__name__ == SELECTIVE_CHECKPOINT_MODE for m in stack)
 
 
 # ---------------------------------------------------------------- tensors and storages
@@ -182,7 +187,13 @@ USED = (
     "torch._fused_sgd_",
     "torch.autograd.profiler._is_profiler_enabled",
     "torch.Tensor._is_view",
+    "torch.Tensor._base",
     "torch.UntypedStorage._cdata",
+    "torch.utils._python_dispatch._get_current_dispatch_mode_stack",
+    f"torch.utils.checkpoint.{SELECTIVE_CHECKPOINT_MODE}",
+    "torch.utils._pytree.TreeSpec",
+    "torch.utils._pytree.tree_flatten",
+    "torch.utils._pytree.tree_unflatten",
 )
 
 

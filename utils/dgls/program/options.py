@@ -71,6 +71,13 @@ def _cli_choice(option: Option):
     return parse
 
 
+def _cli_path(text: str) -> str:
+    """A path flag's value: an empty one (``--profile ""``, or a shell variable that was not set) names no file."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file path such as trace.json, got ''")
+    return text
+
+
 def _cli_int(text: str) -> int:
     try:
         return int(text)
@@ -453,7 +460,7 @@ PLACEMENT_STYLE = {
 # Options that mean something with --no-dynamic_swapping; the rest only steer DGLS's streaming.
 USED_WITHOUT_SWAPPING = frozenset({"dynamic_swapping", "gpu_id", "lazy_lora_steps"})
 
-_CLI_TYPES = {"int": _cli_int, "float": _cli_float, "str": str, "budget": _cli_budget, "int_list": _cli_int_list}
+_CLI_TYPES = {"int": _cli_int, "float": _cli_float, "str": _cli_path, "budget": _cli_budget, "int_list": _cli_int_list}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -488,51 +495,90 @@ def refuse_retired(args: list[str], where: str = COMMAND_LINE) -> None:
             raise DGLSUserError(f"{shown} was removed, as it had nothing to do: {RETIRED[name]}; drop it")
 
 
-def _coerce(option: Option, value: Any, where: str) -> Any:
-    """A [dgls] value in the option's type, or one line saying what the key needs."""
-    label = f"[dgls] {option.name} in {where}"
+class _Unfit(Exception):
+    """A [dgls] value not of its option's kind; the argument says what the key needs ("a whole number")."""
 
-    def fail(expected: str) -> DGLSUserError:
-        return DGLSUserError(f"{label} must be {expected}, got {value!r}")
 
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if option.kind == "bool":
-        if not isinstance(value, bool):
-            raise fail("true or false")
+def _toml_bool(value: Any, option: Option) -> bool:
+    if not isinstance(value, bool):
+        raise _Unfit("true or false")
+    return value
+
+
+def _toml_int(value: Any, option: Option) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _Unfit("a whole number")
+    return value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _toml_float(value: Any, option: Option) -> float:
+    if not _is_number(value):
+        raise _Unfit("a number")
+    return float(value)
+
+
+def _toml_str(value: Any, option: Option) -> str:
+    if not isinstance(value, str) or not value:
+        raise _Unfit("a path in quotes")
+    return value
+
+
+def _toml_choice(value: Any, option: Option) -> str:
+    if value not in option.choices and value not in option.refused:
+        raise _Unfit(f"one of {', '.join(option.choices)}")
+    return value
+
+
+def _toml_budget(value: Any, option: Option) -> float | str:
+    if value == "auto":
         return value
-    if option.kind == "int":
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise fail("a whole number")
-        return value
-    if option.kind == "float":
-        if not is_number:
-            raise fail("a number")
-        return float(value)
-    if option.kind == "str":
-        if not isinstance(value, str) or not value:
-            raise fail("a path in quotes")
-        return value
-    if option.kind == "choice":
-        if value not in option.choices and value not in option.refused:
-            raise fail(f"one of {', '.join(option.choices)}")
-        return value
-    if option.kind == "budget":
-        if value == "auto" or is_number:
-            return value if value == "auto" else float(value)
-        raise fail("a number of GiB or 'auto'")
-    if option.kind == "int_list":
-        if isinstance(value, str):
-            try:
-                return parse_int_list(value)
-            except ValueError:
-                raise fail("layer indices like [0, 1, 40] or '0,1,40'") from None
-        if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
-            raise fail("a list of layer indices like [0, 1, 40]")
-        return value
-    # cast_pairs: one [FROM, TO] pair or a list of them; ComputePolicy checks the names
+    if not _is_number(value):
+        raise _Unfit("a number of GiB or 'auto'")
+    return float(value)
+
+
+def _toml_int_list(value: Any, option: Option) -> list[int]:
+    if isinstance(value, str):
+        try:
+            return parse_int_list(value)
+        except ValueError:
+            raise _Unfit("layer indices like [0, 1, 40] or '0,1,40'") from None
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise _Unfit("a list of layer indices like [0, 1, 40]")
+    return value
+
+
+def _toml_cast_pairs(value: Any, option: Option) -> Any:
+    """One [FROM, TO] pair or a list of them; ComputePolicy checks the names (and refuses anything else)."""
     if isinstance(value, list) and len(value) == 2 and all(isinstance(x, str) for x in value):
         return [value]
     return value
+
+
+# Each option kind's [dgls] value in the option's type, or _Unfit with what the key needs. Ranges (>= 0, > 0, known
+# dtypes) are checked later, as for a flag: by the option's policy, or by check() for a setting of the run.
+_TOML_TYPES = {
+    "bool": _toml_bool,
+    "int": _toml_int,
+    "float": _toml_float,
+    "str": _toml_str,
+    "choice": _toml_choice,
+    "budget": _toml_budget,
+    "int_list": _toml_int_list,
+    "cast_pairs": _toml_cast_pairs,
+}
+
+
+def _coerce(option: Option, value: Any, where: str) -> Any:
+    """A [dgls] value in the option's type, or one line saying what the key needs."""
+    try:
+        return _TOML_TYPES[option.kind](value, option)
+    except _Unfit as unfit:
+        raise DGLSUserError(f"[dgls] {option.name} in {where} must be {unfit}, got {value!r}") from None
 
 
 @dataclass

@@ -143,7 +143,7 @@ class PlacementPolicy(_Policy):
       stops after planning.
     - ``swap_unit_mb``: layers holding more MB of params stream as several swap units, their child modules
       (:mod:`.units`); None: whole layers unless the planner needs smaller slots; 0: never.
-    - Read by :mod:`.placement` and the builder's swap-unit and planner set-up (:mod:`..engine.build`).
+    - Read by the builder (:mod:`..engine.build`: placement, swap units, the planner) and :mod:`.placement`.
     """
 
     gpu_layers: list[int] | None = _checked(None, _layer_list)
@@ -220,8 +220,8 @@ class TransferPolicy(_Policy):
       pass), ``layer`` (the host waits for every copy, as ``event_sync`` off does); read through
       :attr:`ordered_by_events` and :attr:`sync_each_step`, which combine it with ``event_sync``.
     - ``pinned_ram_budget_gb`` and ``selective_packing`` shape the host store of streamed weights (:mod:`.masters`).
-    - Read by the builder (:mod:`..engine.build`), which hands the copier, the transport, the host store and the
-      planner (``cuda_streams``) their values.
+    - Read by the builder (:mod:`..engine.build`), which hands the values to the copier, the transport, the host
+      store (:mod:`.masters`) and the planner (``cuda_streams``).
     """
 
     threading: bool = False
@@ -281,7 +281,7 @@ class ActivationPolicy(_Policy):
       forward of each piece per step.
     - ``keep_piece_outputs``: with checkpoint_units, each piece's output waits in host memory with the layer's
       inputs and the recompute takes it instead of running the piece; turns offload_activations on.
-    - Read by the builder's activation offload and unit checkpoint set-up (:mod:`..engine.build`).
+    - Read by the builder (:mod:`..engine.build`): activation offload and unit checkpoints.
     """
 
     offload_activations: bool | None = None
@@ -312,7 +312,7 @@ class TrainingPolicy(_Policy):
     - ``accumulation_steps``: micro-batches per optimizer step (the host takes grad norms on the last).
     - ``clip_grads`` False: no clipping, so host updates start during backward.
     - Set by the start-up checks from the trainer's config (no option row: ``--host_adam`` and
-      ``--lazy_lora_steps`` reach it through them). Read by the builder's full fine-tuning set-up.
+      ``--lazy_lora_steps`` reach it through them). Read by the builder (:mod:`..engine.build`: host training).
     """
 
     host_optimizer: HostOptimizerSpec | None = None
@@ -327,7 +327,8 @@ class ObservePolicy(_Policy):
     - ``collect_timing``: time weight copies (the step stats' copy times).
     - ``profile``: a Chrome-trace JSON (and PNG) of copies and compute for ``profile_steps`` steps after
       ``profile_warmup_steps``; ``~`` expanded.
-    - Read by the builder's transport and profiler set-up, and by the trainer integration (which steps record).
+    - Read by the builder (:mod:`..engine.build`: the transport's timing, the profiler), and by the trainer
+      integration (which steps record).
     """
 
     collect_timing: bool = True

@@ -22,9 +22,9 @@ in-stream and the out-stream are the transport's optimizer-state-in and -out str
 each half of a chunk one :meth:`~..memory.transport.Transport.issue` behind its gates:
     1. In-stream: wait for the buffer's previous chunk to be copied out, for this layer's previous update
        (its host state is read now) and for the gradients' copy home (``after``); copy master, state and
-       gradient in; scale the gradient by the clip coefficient; the kernel's step (:class:`~.optimizer_kernels.
-       OptimizerKernel`: the fused torch optimizer's arithmetic on this device); write the compute-dtype
-       copy. Step counts stay on the host (one per param, as in the optimizer's state).
+       gradient in; scale the gradient by the clip coefficient; the kernel's step
+       (:class:`~.optimizer_kernels.OptimizerKernel`: the fused torch optimizer's arithmetic on this device); write
+       the compute-dtype copy. Step counts stay on the host (one per param, as in the optimizer's state).
     2. Out-stream: wait for (1); copy master, state and the compute-dtype copy home; mark the buffer
        free. The layer's last chunk's copy home is ``done``: a fetch of the layer waits for it on the device
        (the copier's gate), and the host waits for it before it reads a master (:meth:`synchronize`).
@@ -185,8 +185,9 @@ class DeviceUpdater:
         return done
 
     def _state(self, optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict:
-        """``master``'s optimizer state, created as the fused torch optimizer would (:meth:`~.optimizer_kernels.
-        OptimizerKernel.new_state`), pinned on CUDA (the copies in and out are asynchronous)."""
+        """``master``'s optimizer state, created as the fused torch optimizer would
+        (:meth:`~.optimizer_kernels.OptimizerKernel.new_state`), pinned on CUDA (the copies in and out are
+        asynchronous)."""
         state = optimizer.state[master]
         if not state:
             self.kernel.new_state(state, master.shape, self._memory.zeros)

@@ -23,8 +23,9 @@ optimizer (:class:`HostOptimizerSpec`) and builds one per layer (:meth:`HostOpti
   ``"split"`` run ``torch.optim.SGD(fused=True)``'s kernel on the device as for AdamW, and build the host's SGD
   fused too (on the CPU the fused and the single-tensor SGD give the same numbers, bitwise).
 
-The device's arithmetic is an :class:`~.optimizer_kernels.OptimizerKernel` per type (:meth:`HostOptimizerSpec.
-device_kernel`): a type with a kernel there runs on the device; DeepSpeed's CPU Adam is AdamW only.
+The device's arithmetic is an :class:`~.optimizer_kernels.OptimizerKernel` per type
+(:meth:`HostOptimizerSpec.device_kernel`): a type with a kernel there runs on the device; DeepSpeed's CPU Adam is
+AdamW only.
 
 Param groups follow diffusion-pipe's rule: 1-D params (biases, norm scales) get no weight decay.
 One optimizer per layer gives each param exactly the update one optimizer over all params gives it
