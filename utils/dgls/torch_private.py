@@ -186,6 +186,7 @@ USED = (
     "torch._fused_adamw_",
     "torch._fused_sgd_",
     "torch.autograd.profiler._is_profiler_enabled",
+    "torch.cuda._sleep",
     "torch.Tensor._is_view",
     "torch.Tensor._base",
     "torch.UntypedStorage._cdata",
