@@ -35,14 +35,11 @@ from units import GiB  # noqa: E402
 import utils.dgls  # noqa: E402
 from utils.dgls.streaming.hooks import HookAdapter  # noqa: E402
 
-# The hook entry points of each engine: every host call DGLS makes during a step starts in one of them.
-ENTRY_POINTS = {
-    "current": (
-        HookAdapter,
-        ("_pre_forward", "_post_forward", "_on_output_grad", "_pack", "_unpack", "_pack_over", "_unpack_over"),
-    ),
-    "old": (None, ("_pre_forward", "_post_forward", "_on_output_grad", "_pack", "_unpack")),
-}
+# The hook entry points of each engine, the same names in both: every host call DGLS makes during a step starts
+# in one of them. Not ``_pack_over``/``_unpack_over`` (DGLS's hooks stacked on a checkpoint's): they call the
+# checkpoint's own hooks, and an unpack there runs torch's recompute, whose time is not DGLS's.
+HOOK_ENTRY_POINTS = ("_pre_forward", "_post_forward", "_on_output_grad", "_pack", "_unpack")
+ENTRY_POINTS = {"current": (HookAdapter, HOOK_ENTRY_POINTS), "old": (None, HOOK_ENTRY_POINTS)}
 
 
 class HostTimer:
@@ -98,9 +95,10 @@ def run_arm(bench: Bench, device, engine, resident: list[int], prefetch: int, st
         return time_steps(bench.training_step(), device, warmup, steps)[0], None
     timer = HostTimer()
     cls, names = ENTRY_POINTS[kind]
-    cls = cls or engine.LayerSwapper
+    cls = cls or importlib.import_module(f"{engine.__name__}.hooks").HookAdapter  # the old engine's own hooks
     with timed_entry_points(cls, names, timer):
-        config = engine.SwapConfig.of(gpu_layers=resident, prefetch=prefetch)
+        make = getattr(engine.SwapConfig, "of", engine.SwapConfig)  # an engine before the policies: flat fields
+        config = make(gpu_layers=resident, prefetch=prefetch)
         with engine.LayerSwapper(bench.layers, config, device=device, log=None):
             time_steps(bench.training_step(), device, warmup, 0)
             timer.seconds = 0.0
