@@ -4,11 +4,11 @@ Order
     - Checks first, before anything is packed or moved: device support of the casts, the planner's budget,
       swap units (:mod:`..streaming.units`) and checkpointed pieces, the measured layouts (a cast that casts nothing is
       refused), the placement (:mod:`..streaming.placement`), the host RAM full fine-tuning needs.
-    - Then the parts, none of which changes the model: the masters (packed host copies, :mod:`..streaming.masters`), the
-      transport (:mod:`..memory.transport`), the slot pool and the weight copier, and the features
-      (:mod:`..streaming.feature`):
-      full fine-tuning, activation offload (with recompute offload), unit checkpoints, forward patches, the
-      profiler, the VRAM-budget planner and the trainable params' cast, in the order the engine installs them.
+    - Then the parts, none of which changes the model: the masters (packed host copies,
+      :mod:`..streaming.masters`), the transport (:mod:`..memory.transport`), the slot pool and the weight copier,
+      and the features (:mod:`..streaming.feature`): full fine-tuning, activation offload (with recompute offload),
+      unit checkpoints, forward patches, the profiler, the VRAM-budget planner and the trainable params' cast, in
+      the order the engine installs them.
     - The engine (:class:`~.swapper.LayerSwapper`) streams and places the layers, installs its hooks, then the
       features in list order; the cast comes last (it is lossy, and nothing after it can fail).
 
