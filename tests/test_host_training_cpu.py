@@ -216,56 +216,49 @@ def test_save_and_resume_equal_an_uninterrupted_run(spec, dtype, accumulate):
     layers = full_layers(dtype)
     with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
         whole = train_dgls(layers, swapper, CPU, "nonreentrant", **kw)
-    saved = {}
-
-    def save(step, trainer):
-        saved["model"] = [{k: v.clone() for k, v in layer.state_dict().items()} for layer in first]
-        saved["host"] = swapper.training.state_dict()
-        saved["trainer"] = trainer.state_dict()
-
-    first = full_layers(dtype)
-    with LayerSwapper(first, cfg, device=CPU, log=None) as swapper:
-        part1 = train_dgls(first, swapper, CPU, "nonreentrant", steps=2, on_step=save, **kw)
-    second = full_layers(dtype)
-    with LayerSwapper(second, cfg, device=CPU, log=None) as swapper:
-        for layer, state in zip(second, saved["model"]):
-            layer.load_state_dict(state)
-        swapper.training.load_state_dict(saved["host"])
-        part2 = train_dgls(
-            second, swapper, CPU, "nonreentrant", steps=1, start_step=2, trainer_state=saved["trainer"], **kw
-        )
+    part1, saved = train_and_save(cfg, steps=2, **kw)
+    part2 = resume(saved, cfg, steps=1, start_step=2, **kw)
     assert torch.equal(torch.stack(part1.losses + part2.losses), torch.stack(whole.losses))
     assert part2.weights.keys() == whole.weights.keys()
     for k, v in whole.weights.items():
         assert torch.equal(part2.weights[k], v), k
 
 
+def train_and_save(cfg: SwapConfig, steps: int, **kw):
+    """``steps`` steps of a new model under ``cfg``, then what a checkpoint holds: the model's state dict (the true
+    weights), the host optimizer state and the trainer's optimizer state."""
+    saved = {}
+    layers = full_layers(kw["dtype"])
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+
+        def save(step, trainer):
+            saved["model"] = [{k: v.clone() for k, v in layer.state_dict().items()} for layer in layers]
+            saved["host"] = swapper.training.state_dict()
+            saved["trainer"] = trainer.state_dict()
+
+        result = train_dgls(layers, swapper, CPU, "nonreentrant", steps=steps, on_step=save, **kw)
+    return result, saved
+
+
+def resume(saved: dict, cfg: SwapConfig, steps: int, start_step: int, keep: bool = False, **kw):
+    """A new model and swapper under ``cfg`` load ``saved`` (:func:`train_and_save`) and train ``steps`` more."""
+    layers = full_layers(kw["dtype"])
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        for layer, state in zip(layers, saved["model"]):
+            layer.load_state_dict(state)
+        swapper.training.load_state_dict(saved["host"], keep_hyper_parameters=keep)
+        return train_dgls(
+            layers, swapper, CPU, "nonreentrant", steps=steps, start_step=start_step, trainer_state=saved["trainer"],
+            **kw,
+        )  # fmt: skip
+
+
 def resumed(spec, saved_spec, dtype=torch.bfloat16, keep=False):
     """One step with ``saved_spec`` and its host optimizer state saved; a new run with ``spec`` loads it (its
     hyper-parameters as saved, unless ``keep``) and takes one more step, at the param groups' lr."""
     kw = {"accumulate": 1, "dtype": dtype}
-    saved = {}
-
-    def save(step, trainer):
-        saved["model"] = [{k: v.clone() for k, v in layer.state_dict().items()} for layer in first]
-        saved["host"] = swapper.training.state_dict()
-        saved["trainer"] = trainer.state_dict()
-
-    first = full_layers(dtype)
-    with LayerSwapper(
-        first, SwapConfig.of(host_optimizer=saved_spec, accumulation_steps=1), device=CPU, log=None
-    ) as swapper:
-        train_dgls(first, swapper, CPU, "nonreentrant", steps=1, on_step=save, **kw)
-    second = full_layers(dtype)
-    with LayerSwapper(
-        second, SwapConfig.of(host_optimizer=spec, accumulation_steps=1), device=CPU, log=None
-    ) as swapper:
-        for layer, state in zip(second, saved["model"]):
-            layer.load_state_dict(state)
-        swapper.training.load_state_dict(saved["host"], keep_hyper_parameters=keep)
-        return train_dgls(
-            second, swapper, CPU, "nonreentrant", steps=1, start_step=1, trainer_state=saved["trainer"], **kw
-        )
+    _, saved = train_and_save(SwapConfig.of(host_optimizer=saved_spec, accumulation_steps=1), steps=1, **kw)
+    return resume(saved, SwapConfig.of(host_optimizer=spec, accumulation_steps=1), 1, 1, keep=keep, **kw)
 
 
 @pytest.mark.parametrize("implementation", ["device", "split"])

@@ -22,6 +22,8 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from cli_helpers import FAKE, fake_config
+from conftest import ROOT
 from full_ft import SPEC, assert_same, full_layers, host_trained_names, params_of, train_dgls, train_reference
 from helpers import SMALL, run_layers
 from test_host_training_cpu import test_save_and_resume_equal_an_uninterrupted_run as resume_equals_uninterrupted
@@ -29,6 +31,7 @@ from test_host_training_cpu import test_save_and_resume_equal_an_uninterrupted_r
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.demo.data import SyntheticLatents
 from utils.dgls.program import dp_config
+from utils.dgls.program.validate import prepare
 from utils.dgls.training import optimizer_types
 from utils.dgls.training.host_optimizer import HostOptimizerSpec
 from utils.dgls.training.optimizer_types import OptimizerType
@@ -364,28 +367,23 @@ def test_gradient_release_updates_streamed_layers_as_train_py_updates_every_para
         assert torch.equal(got[key], want[key]), key
 
 
+def drop_in_argv(tmp_path, monkeypatch, tables: str) -> list[str]:
+    """dgls_train.py's arguments for the stand-in checkout with these training TOML tables, one layer streamed, in
+    an environment without a launcher's variables."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    config = fake_config(tmp_path, tables=tables)
+    return ["--config", str(config), "--diffusion_pipe", str(FAKE), "--blocks_to_swap", "1"]
+
+
 def test_a_drop_in_full_fine_tune_with_gradient_release_starts_without_clipping_and_says_so(tmp_path, monkeypatch):
     """Through dgls_train.py's checks (the stand-in checkout): gradient_release is accepted, the host training is
     set up without clipping (train.py hands DeepSpeed gradient_clipping 0 with it), and one start-up line says what
     DGLS does with it; more micro-batches a step than one is one line."""
-    from cli_helpers import FAKE, fake_config
-    from conftest import ROOT
-
-    from utils.dgls.program.validate import prepare
-
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
     tables = (
         '[model]\ntype = "flux"\ndtype = "float32"\n[optimizer]\ntype = "adamw"\nlr = 1e-4\ngradient_release = true\n'
     )
-    argv = [
-        "--config",
-        str(fake_config(tmp_path, tables=tables)),
-        "--diffusion_pipe",
-        str(FAKE),
-        "--blocks_to_swap",
-        "1",
-    ]
+    argv = drop_in_argv(tmp_path, monkeypatch, tables)
     run = prepare(argv, ROOT)
     training = run.swap.training
     assert training.host_optimizer.gradient_release and not training.clip_grads
@@ -443,22 +441,8 @@ def test_diffusion_pipes_own_classes_train_streamed_layers_bitwise_as_one_optimi
 def test_a_drop_in_whose_optimizer_class_fails_a_step_is_one_line_before_train_py_starts(
     fake_type, tmp_path, monkeypatch
 ):
-    from cli_helpers import FAKE, fake_config
-    from conftest import ROOT
-
-    from utils.dgls.program.validate import prepare
-
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
     tables = '[model]\ntype = "flux"\ndtype = "float32"\n[optimizer]\ntype = "fakemomentum"\nlr = 1e-4\n'
-    argv = [
-        "--config",
-        str(fake_config(tmp_path, tables=tables)),
-        "--diffusion_pipe",
-        str(FAKE),
-        "--blocks_to_swap",
-        "1",
-    ]
+    argv = drop_in_argv(tmp_path, monkeypatch, tables)
     assert prepare(argv, ROOT).swap.training.host_optimizer.type == "fakemomentum"
     klass = optimizer_types.load_class("fakemomentum", optimizer_types.TYPES["fakemomentum"])
     monkeypatch.setattr(klass, "step", lambda self, closure=None: 1 / 0)

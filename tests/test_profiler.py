@@ -194,19 +194,22 @@ def test_profile_shows_every_direction_through_the_transport(tmp_path):
         assert sent and sum(e["args"]["bytes"] for e in sent) == recorder.per_step[step - 1].activation_bytes > 0
 
 
-def test_profile_of_a_full_fine_tune_with_offload_shows_every_direction(tmp_path):
-    """Full fine-tuning with AdamW on the device and activation offload: gradients home, activations out and in,
-    optimizer state in and out each get a lane of their own, from the one event the transport sends per copy."""
-    layers = full_layers()
-    config = SwapConfig.of(
+def full_with_offload(**observe) -> SwapConfig:
+    """Full fine-tuning with AdamW on the device and activation offload: every direction moves bytes."""
+    return SwapConfig.of(
         host_optimizer=dataclasses.replace(SPEC, implementation="device"),
         accumulation_steps=1,
         prefetch=1,
         offload_activations=True,
-        profile=str(tmp_path / "trace.json"),
-        profile_warmup_steps=0,
-        profile_steps=2,
+        **observe,
     )
+
+
+def test_profile_of_a_full_fine_tune_with_offload_shows_every_direction(tmp_path):
+    """Full fine-tuning with AdamW on the device and activation offload: gradients home, activations out and in,
+    optimizer state in and out each get a lane of their own, from the one event the transport sends per copy."""
+    layers = full_layers()
+    config = full_with_offload(profile=str(tmp_path / "trace.json"), profile_warmup_steps=0, profile_steps=2)
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
         ckpt = swapper.checkpoint_function(checkpoint_for("nonreentrant"))
         train_dgls(layers, swapper, CPU, "nonreentrant", steps=2, accumulate=1, checkpoint_fn=ckpt)
@@ -232,12 +235,7 @@ def test_a_torch_profiler_trace_shows_every_direction_and_the_weight_states():
     job, and a range for each residency transition of the streamed layers (fetch, acquire, release, evict), named
     with the state."""
     layers = full_layers()
-    config = SwapConfig.of(
-        host_optimizer=dataclasses.replace(SPEC, implementation="device"),
-        accumulation_steps=1,
-        prefetch=1,
-        offload_activations=True,
-    )
+    config = full_with_offload()
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
         directions = Directions()
         swapper.add_listener(directions)

@@ -93,11 +93,6 @@ def ownership(layers: Sequence) -> Ownership:
     return Ownership(frozenset(shared), held)
 
 
-def shared_param_ids(layers: Sequence) -> set[int]:
-    """Params that appear in more than one layer (tied weights): they must stay resident."""
-    return set(ownership(layers).shared)
-
-
 @dataclass(frozen=True)
 class ParamLayout:
     """Where one streamable param lives: ``offset``/``nbytes`` in the slot (``dtype``, what the layer

@@ -75,7 +75,6 @@ class StreamedLayer:
         self.state = Residency.HOST
         self.slot: Slot | None = None
         self.token: Token | None = None
-        self.handles: list = []  # state-dict hooks, removed with the layer
         self._range: record_function | None = None  # the profiler range of the transition under way
         self._unbind()
 

@@ -374,13 +374,6 @@ class HostOptimizerSpec:
             return tuple(f"state{i}" for i in range(-(-optimizer_types.TYPES[self.type].state_bytes // 4)))
         return self.device_kernel().state_keys
 
-    @property
-    def state_bytes_per_param(self) -> int:
-        """Host bytes of optimizer state per param (fp32 moments; a per-layer type's own figure)."""
-        if self.per_layer:
-            return optimizer_types.TYPES[self.type].state_bytes
-        return 4 * len(self.device_kernel().state_keys)
-
     def saved_state_problem(self, idx: int, saved_groups: list[dict], built_groups: list[dict]) -> str | None:
         """Why optimizer state saved for layer ``idx`` (its param groups) is another optimizer's, or None. AdamW
         and SGD differ by ``betas``; a per-layer type's groups must hold every setting its class gives them when

@@ -49,7 +49,6 @@ def scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
 class OptimizerKernel(ABC):
     """One optimizer's step on lists of tensors (see the module doc)."""
 
-    name: str
     state_keys: tuple[str, ...]
     counts_steps: bool
 
@@ -78,7 +77,6 @@ class OptimizerKernel(ABC):
 class AdamWKernel(OptimizerKernel):
     """``torch.optim.AdamW(fused=True)``'s kernel."""
 
-    name = "AdamW"
     state_keys = ("exp_avg", "exp_avg_sq")
     counts_steps = True
 
@@ -102,7 +100,6 @@ class AdamWKernel(OptimizerKernel):
 class SGDKernel(OptimizerKernel):
     """``torch.optim.SGD(fused=True)``'s kernel (dampening 0, no Nesterov: what DGLS builds)."""
 
-    name = "SGD"
     counts_steps = False
 
     def __init__(self, momentum: float) -> None:
