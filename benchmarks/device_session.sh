@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests and the demo on CUDA, then
 # (optionally) benchmarks. Logs and results go to $OUT so they come back.
-#   usage on the device: bash benchmarks/device_session.sh [tests] [pytest:FILE[:FILE...]] [fulltests[:PYTEST_K]] [dptests[:PYTEST_K]] [launch] [demo] [bench:SCRIPT.py[:ARG...]] ...
+#   usage on the device: bash benchmarks/device_session.sh [tests] [shard:N:FILE[:FILE...]] [pytest:FILE[:FILE...]]
+#     [fulltests[:PYTEST_K]] [fulldemo] [dptests[:PYTEST_K]] [launch] [demo] [bench:SCRIPT.py[:ARG...]] [pack] ...
 #   e.g. bench:bench_models.py:--model=flux   bench:bench_models.py:--model=wan:--steps=10   bench:bench_fp8.py
+#   shard:8:tests/test_units_gpu.py:tests/test_host_training_gpu.py  runs those files' non-slow tests in 8 pytest
+#   processes at once, spread over the machine's GPUs (each test's state is its own; the delay-injection tests
+#   check order, not time), so a call holds every GPU test file.
 # A bench writes its results and the results index (README.md) to benchmarks/results/; what it wrote is copied to $OUT.
+# `pack` (last) puts everything under $OUT into one archive: a call brings back at most 8 files.
+# DGLS_SKIP_INSTALL=1 skips the wheels' install (a second session script started beside a first one).
 # A diffusion-pipe checkout carried as .dp (git-ignored) becomes DGLS_DIFFUSION_PIPE unless that is set.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  >"$OUT/pip.log" 2>&1 || { tail -5 "$OUT/pip.log"; exit 1; }
+if [ -z "${DGLS_SKIP_INSTALL:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >"$OUT/pip.log" 2>&1 || { tail -5 "$OUT/pip.log"; exit 1; }
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH  # the wheels' scripts (deepspeed)
 if [ -z "${DGLS_DIFFUSION_PIPE:-}" ] && [ -f .dp/utils/offloading.py ]; then
   export DGLS_DIFFUSION_PIPE=$PWD/.dp
@@ -26,6 +34,25 @@ for step in "$@"; do
         tests/test_activation_offload_gpu.py tests/test_units_gpu.py 2>&1 |
         tee "$OUT/gpu_tests.log" | tail -25
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    shard:*)
+      spec=${step#shard:}
+      IFS=: read -r -a parts <<<"$spec"
+      n=${parts[0]}
+      ngpu=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$ngpu" -ge 1 ] || ngpu=1
+      python3 -m pytest -q --collect-only -m "not slow" "${parts[@]:1}" 2>/dev/null | grep '::' >/tmp/nodes.txt
+      echo "$(wc -l </tmp/nodes.txt) tests in $n processes on $ngpu GPUs"
+      pids=()
+      for ((i = 0; i < n; i++)); do
+        awk -v n="$n" -v i="$i" 'NR % n == i' /tmp/nodes.txt >"/tmp/shard_$i.txt"
+        CUDA_VISIBLE_DEVICES=$((i % ngpu)) xargs -a "/tmp/shard_$i.txt" -d '\n' \
+          python3 -m pytest -q -m "not slow" -p no:cacheprovider --durations=5 >"/tmp/shard_$i.log" 2>&1 &
+        pids+=($!)
+      done
+      for ((i = 0; i < n; i++)); do
+        wait "${pids[$i]}" || status=1
+        { echo "=== shard $i"; cat "/tmp/shard_$i.log"; } >>"$OUT/shard_tests.log"
+        grep -E "^(FAILED|ERROR)|passed|failed" "/tmp/shard_$i.log" | tail -8
+      done ;;
     pytest:*)
       # some GPU test files or tests, verbose with durations: pytest:tests/a.py:tests/b.py::test_name
       spec=${step#pytest:}
@@ -34,12 +61,13 @@ for step in "$@"; do
       python3 -m pytest -v -m gpu --durations=15 "${files[@]}" 2>&1 | tee "$OUT/pytest.log" | grep -v PASSED | tail -40
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     fulltests*)
-      # full fine-tuning only: the GPU tests of host training (optionally narrowed with a pytest -k expression),
-      # and the full-fine-tune demo on CUDA in bf16, with the AdamW steps split (the default), on the CPU and on the GPU
+      # full fine-tuning only: the GPU tests of host training (optionally narrowed with a pytest -k expression)
       k=${step#fulltests}; k=${k#:}
       python3 -m pytest -q -m gpu tests/test_host_training_gpu.py ${k:+-k "$k"} 2>&1 | tee "$OUT/full_tests.log" |
         tail -15
-      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    fulldemo)
+      # the full-fine-tune demo on CUDA in bf16, with the AdamW steps split (the default), on the CPU and on the GPU
       sed 's/^dtype = "float32"/dtype = "bfloat16"/' toml/demo_full.toml >"$OUT/demo_full_bf16.toml"
       for adam in auto torch_fused device; do
         python3 dgls_train.py --config "$OUT/demo_full_bf16.toml" --host_adam $adam --verbose 2>&1 |
@@ -74,6 +102,8 @@ for step in "$@"; do
       # only what this bench wrote: copying every result file once ran into the call's time limit; not the
       # index (README.md, regenerated locally by report.py): a call brings back a limited number of files
       find benchmarks/results -maxdepth 1 -type f -newer "$stamp" ! -name README.md -exec cp {} "$OUT/" \; ;;
+    pack)
+      (cd "$OUT" && tar czf ../dgls_out.tgz . && find . -mindepth 1 -delete && mv ../dgls_out.tgz .) ;;
   esac
 done
 exit $status
