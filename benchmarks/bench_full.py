@@ -16,6 +16,12 @@ every block checkpointed):
   of the two would finish it sooner at the rates measured on earlier steps (``split``; 'updated on GPU' is
   the GPU's share of the params in the timed steps). Small resident layers train with AdamW on the GPU.
 
+With ``--vram_budget GiB`` the DGLS methods place layers by the planner instead of ``--stream_mib``: step 1 is its
+probe, and the plan it fixes before step 1's update stays for the run; the row names the placement (as the flags
+that give it without the probe), and the peak reserved is the budget's check (a config's figures):
+
+    python benchmarks/bench_full.py --model sdxl --vram_budget 21 --methods resident,dgls-split --steps 4 --warmup 2
+
 Each method runs in a process of its own (so no method's memory counts in another's), one after
 another on the same machine. Per method: median step, ratio to ``resident``, peak VRAM, the process's
 peak RSS, and for DGLS the share of the step the training thread spent waiting on the host optimizer (a
@@ -199,19 +205,36 @@ def zero2_step(bench, device, clip: float) -> tuple[Callable[[], None], object]:
     return step, engine
 
 
-def dgls_step(bench, device, implementation: str, stream_mib: float, prefetch: int, clip: float, optimizer="adamw"):
+def dgls_step(
+    bench,
+    device,
+    implementation: str,
+    stream_mib: float,
+    prefetch: int,
+    clip: float,
+    optimizer="adamw",
+    budget: float | None = None,
+    log: Callable[[str], None] | None = None,
+):
+    """DGLS's step: layers of ``stream_mib`` or more streamed, or with ``budget`` (GiB) the planner's placement, its
+    plan fixed before step 1's update (``log`` hears the plan; the trainer's optimizer then holds every param, as
+    diffusion-pipe's does, and the layers the plan keeps resident bring their gradients to it)."""
     spec = host_spec(optimizer, implementation)
     sizes = bench.sizes  # measured before anything was trainable: streamable = every param of the layer
-    resident = [s.index for s in sizes if s.streamable_bytes < stream_mib * 2**20]
-    config = SwapConfig.of(gpu_layers=resident, prefetch=prefetch, host_optimizer=spec, clip_grads=bool(clip))
-    swapper = LayerSwapper(bench.layers, config, device=device, log=None)
+    if budget is not None:
+        config = SwapConfig.of(vram_budget=budget, host_optimizer=spec, clip_grads=bool(clip))
+    else:
+        resident = [s.index for s in sizes if s.streamable_bytes < stream_mib * 2**20]
+        config = SwapConfig.of(gpu_layers=resident, prefetch=prefetch, host_optimizer=spec, clip_grads=bool(clip))
+    swapper = LayerSwapper(bench.layers, config, device=device, log=log)
     training = swapper.training
     params = [p for layer in bench.layers for p in layer.parameters()]
-    device_params = [p for p in params if not training.owns(p)]
+    device_params = params if budget is not None else [p for p in params if not training.owns(p)]
     trainer = device_optimizer(device_params, optimizer) if device_params else None
 
     def step() -> None:
         forward_backward(bench)
+        training.before_step()  # under a budget, the first fixes the plan (clipping would call it too)
         if clip:
             training.clip_grad_norm_(params, clip)
         if trainer is not None:
@@ -219,8 +242,7 @@ def dgls_step(bench, device, implementation: str, stream_mib: float, prefetch: i
             trainer.zero_grad(set_to_none=True)
         training.step()
 
-    streamed = sum(sizes[i].streamable_bytes for i in swapper.streamed_layers) / GiB
-    return step, swapper, streamed
+    return step, swapper
 
 
 def measure(name: str, args, device, dtype) -> dict:
@@ -246,14 +268,21 @@ def measure(name: str, args, device, dtype) -> dict:
             cleanup = engine.destroy
         else:
             impl = name.split("-", 1)[1]
-            step, swapper, row["streamed_gib"] = dgls_step(
-                bench, device, impl, args.stream_mib, args.prefetch, args.clip, args.optimizer
-            )
+            plan: list[str] = []
+            step, swapper = dgls_step(
+                bench, device, impl, args.stream_mib, args.prefetch, args.clip, args.optimizer, args.vram_budget,
+                lambda line: plan.append(line.split("this run): ", 1)[1]) if "without the probe" in line else None,
+            )  # fmt: skip
             training = swapper.training
             cleanup = swapper.remove
         reset_peaks(device)
-        for _ in range(1 + args.warmup):  # the first step builds optimizer state and kernels
+        for _ in range(1 + args.warmup):  # the first step builds optimizer state and kernels (and fixes a plan)
             step()
+        if swapper is not None:
+            sizes = swapper.placement.sizes  # the entries (a budget may split layers into swap units)
+            row["streamed_gib"] = sum(sizes[i].streamable_bytes for i in swapper.streamed_layers) / GiB
+            if args.vram_budget is not None:
+                row["placement"] = plan[-1] if plan else "everything streamed"
         waited = training.waited_s if training is not None else 0.0
         jobs = dict(training.job_s) if training is not None else {}
         copies_before = swapper.total_stats(sync=True) if swapper is not None else None
@@ -294,6 +323,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--stream_mib", type=float, default=64.0, help="stream layers of at least this many MiB")
+    parser.add_argument(
+        "--vram_budget", type=float, default=None, help="GiB: DGLS methods place layers by the planner (not stream_mib)"
+    )
     parser.add_argument("--prefetch", type=int, default=2)
     parser.add_argument(
         "--clip", type=float, default=1.0, help="gradient clipping norm; 0: none (DGLS then updates during backward)"
@@ -339,6 +371,8 @@ def _result(args, argv, environment: dict, rows: list[dict], started: float) -> 
         if base and "median_step_s" in r:
             r["vs_resident"] = r["median_step_s"] / base
     clipping = f"gradients clipped to norm {args.clip:g}" if args.clip else "no gradient clipping"
+    if args.vram_budget is not None:
+        clipping += f"; DGLS placed by --vram_budget {args.vram_budget:g} (its plan fixed at step 1)"
     if args.model == "flux":
         double, single = flux_depth(args)
         title = f"Flux-dev-width full fine-tune step ({double} double + {single} single blocks; Flux-dev: 19 + 38)"

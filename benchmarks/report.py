@@ -179,8 +179,9 @@ TABLES: dict[str, Table] = {
             ("peak reserved GiB", _key("peak_reserved_gib", ".2f")),
             ("host RSS GiB", _key("host_rss_gib", ".1f")),
             ("pinned host GiB", _key("pinned_gib", ".1f")),
+            ("placement (--vram_budget)", _text("placement")),
         ),
-        optional=("trained params (B)", "GPU wait", "updated on GPU", "pinned host GiB"),
+        optional=("trained params (B)", "GPU wait", "updated on GPU", "pinned host GiB", "placement (--vram_budget)"),
     ),
     "engines": Table(
         columns=(

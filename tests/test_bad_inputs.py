@@ -462,7 +462,6 @@ CASES = [
         env(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0"),
     ),
     # full fine-tuning (a demo config without [adapter])
-    Case("demo-full-vram-budget", demo("--vram_budget", "4", base="demo_full.toml"), "with a full fine-tune"),
     Case(
         "demo-full-optimizer",
         demo(base="demo_full.toml", optimizer={"type": "ScheduleFreeWrapper"}),
@@ -521,7 +520,17 @@ CASES = [
     Case(
         "dp-full-optimizer", dp(tables=FULL_TABLES.replace('"adamw"', '"genericoptim"')), "'genericoptim' cannot train"
     ),
-    Case("dp-full-vram-budget", dp("--vram_budget", "8", tables=FULL_TABLES), "with a full fine-tune"),
+    # a VRAM budget plans a full fine-tune at step 1, before any update (planning/autoplan.py): what that cannot serve
+    Case(
+        "dp-full-vram-budget-gradient-release",
+        dp("--vram_budget", "8", tables=FULL_TABLES + "gradient_release = true\n"),
+        "--vram_budget with [optimizer] gradient_release = true in",
+    ),
+    Case(
+        "dp-full-vram-budget-resume",
+        dp("--vram_budget", "8", "--resume_from_checkpoint", tables=FULL_TABLES),
+        "--resume_from_checkpoint with --vram_budget: a full fine-tune's checkpoint holds the host optimizer state",
+    ),
     Case("dp-full-deepspeed-config", dp("--deepspeed_config", "z.json", tables=FULL_TABLES), "ZeRO offload would"),
     Case("dp-stages-not-a-number", dp(top='pipeline_stages = "two"'), "pipeline_stages must be a whole number"),
     # full fine-tune settings: one line naming the key and its range, before start-up (issue 39)

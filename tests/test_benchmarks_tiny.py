@@ -326,3 +326,14 @@ def test_offload_rows_with_and_without_kept_piece_outputs(tmp_path):
     assert "keep_piece_outputs" in rows[True, True]["method"]
     assert rows[True, True]["activations_home_gib"] > rows[True, False]["activations_home_gib"] > 0
     assert all(r["pinned_gib"] >= 0 for r in rows.values())  # page-locked on CUDA only
+
+
+def test_the_full_fine_tuning_benchmark_places_by_a_vram_budget(tmp_path):
+    """``--vram_budget``: DGLS's layers placed by the planner (its plan fixed at step 1), the row naming the
+    placement as the flags that give it without the probe."""
+    argv = ["--tiny", "--model", "flux", "--flux_blocks", "1,1", "--methods", "dgls-split", "--vram_budget", "0.02"]
+    bench_full.main([*argv, "--steps", "1", "--warmup", "0", "--results_dir", str(tmp_path)])
+    result = load(tmp_path, "full_flux")
+    (row,) = result["rows"]
+    assert "error" not in row and row["median_step_s"] > 0, row
+    assert "--vram_budget 0.02" in result["description"] and "--prefetch" in row["placement"], row

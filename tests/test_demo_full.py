@@ -10,15 +10,22 @@ checks bitwise equality with one implementation).
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
+import torch
 from cli_helpers import demo_toml, run_in_process
 from conftest import ROOT
 from safetensors.torch import load_file
 
+from utils.dgls.demo.model import build_layers
+from utils.dgls.engine.training_costs import with_training_costs
 from utils.dgls.errors import DGLSUserError
+from utils.dgls.memory.layout import GiB, device_bytes, measure, training_bytes
+from utils.dgls.planning.planner import minimum_bytes
 from utils.dgls.program.validate import DemoRun, prepare
 from utils.dgls.trainers.engine_hooks import EngineHooks
+from utils.dgls.training.host_training import training_layout, update_buffer_bytes
 
 
 def full_run(folder, capsys, *flags, optimizer=None):
@@ -88,3 +95,57 @@ def test_a_checkpoint_without_the_host_optimizer_state_is_refused(tmp_path):
     (tmp_path / "global_step2").mkdir()
     with pytest.raises(DGLSUserError, match="has no DGLS host optimizer state"):
         load(Engine(), str(tmp_path))
+
+
+def middle_budget() -> float:
+    """GiB halfway between demo_full.toml's model with every layer streamed and with every layer resident, counting
+    what its full fine-tune adds on the device (the trainer's gradients and AdamW state, the update buffers)."""
+    run = prepare(["--config", str(ROOT / "toml" / "demo_full.toml")], ROOT)
+    layers = build_layers(run.settings.model, seed=run.settings.seed, dtype=run.settings.dtype)
+    for layer in layers:
+        layer.requires_grad_(True)
+    spec = run.swap.training.host_optimizer
+    layouts = with_training_costs(layers, measure(layers, host_trained=True), spec, "auto")
+    sizes = [layout.sizes for layout in layouts]
+    update = update_buffer_bytes(training_layout(dict(enumerate(layouts)), spec), spec)
+    least = minimum_bytes(sizes, None) + update
+    most = device_bytes(sizes, [], 1) + training_bytes(sizes, []) + update
+    return (least + most) / 2 / GiB
+
+
+@pytest.mark.parametrize("optimizer", [None, PRODIGY], ids=["adamw", "whole-step"])
+def test_a_full_fine_tune_under_a_vram_budget_trains_as_the_placement_it_fixes_given_explicitly(
+    tmp_path, capsys, optimizer
+):
+    """--vram_budget plans the full fine-tune at step 1 and fixes the plan before the first update
+    (planning/autoplan.py): the saved model is bitwise the one of a run given that placement from the start, as
+    the plan's line prints it (the trainer's optimizer sorts its weight-decay groups by the params' dimensions
+    while the layers stream: placeholders keep them). A whole-step optimizer's one instance is built after the plan,
+    over the placement it fixed."""
+    if optimizer is PRODIGY and importlib.util.find_spec("pytorch_optimizer") is None:
+        pytest.skip("needs pytorch-optimizer (Prodigy)")
+    budgeted, out = full_run(
+        tmp_path / "budget", capsys, "--vram_budget", f"{middle_budget():.6f}", optimizer=optimizer
+    )
+    assert "planning a full fine-tune" in out and "fixed for the run from step 1's optimizer step" in out
+    flags = re.search(r"without the probe \(to resume this run\): --gpu_layers (\S+) --prefetch (\d+)", out)
+    assert flags is not None, out
+    resident = flags.group(1).split(",")
+    assert 0 < len(resident) < 10, "a budget in the middle keeps some layers resident and streams others"
+    gpu_layers, prefetch = flags.groups()
+    explicit, out = full_run(
+        tmp_path / "explicit", capsys, "--gpu_layers", gpu_layers, "--prefetch", prefetch, optimizer=optimizer
+    )
+    assert "planning" not in out
+    assert explicit.keys() == budgeted.keys() and all(torch.equal(explicit[k], budgeted[k]) for k in explicit)
+
+
+def test_plan_shows_a_full_fine_tunes_fixed_plan_after_step_one_and_saves_nothing(tmp_path, capsys):
+    """--plan: the probe is step 1; the plan and the flags that give it are printed (what a gradient_release run,
+    which a budget cannot plan, gives by hand), and nothing is saved."""
+    config = demo_toml(tmp_path, steps=4, base="demo_full.toml")
+    budget = f"{middle_budget():.6f}"
+    code, out, err = run_in_process(["--config", str(config), "--vram_budget", budget, "--plan"], capsys)
+    assert code == 0, err
+    assert "a full fine-tune keeps it for the run" in out and "--gpu_layers" in out
+    assert "stopping after the probe" in out and not list((tmp_path / "out").glob("*/model.safetensors"))

@@ -32,6 +32,11 @@ A full fine-tune: give the host optimizer, and let DGLS clip and step the params
             optimizer.zero_grad()
             swapper.training.step()  # queue the host updates; the next forward waits per layer
 
+With ``vram_budget`` instead of ``blocks_to_swap`` the plan is made at step 1 and fixed before its first update: build
+the optimizer over every trainable param (those trained on the host have no ``.grad`` at its step, and the layers the
+plan keeps resident bring step 1's), and let DGLS hear of the step before your optimizer does:
+``clip_grad_norm_`` does, or call ``swapper.training.before_step()`` first.
+
 ``SwapConfig.of`` takes each setting by its option's name (``--prefetch`` is ``prefetch``); the same settings
 grouped by the part that reads them are ``SwapConfig``'s policies (``config.placement.prefetch``,
 ``SwapConfig(placement=PlacementPolicy(blocks_to_swap=20))``, :mod:`utils.dgls.streaming.config`).

@@ -149,7 +149,7 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
         if not run.values["dynamic_swapping"]:
             log("DGLS: dynamic swapping off; every layer is resident")
         with quiet_deepspeed(), hook:
-            engine = _engine(run, layers, placed.get)
+            engine = _engine(run, layers)
         held.release()  # the placement table, printed once DeepSpeed's start-up is past
         swapper = placed.get("swapper")
         training = swapper.training if swapper is not None else None
@@ -261,7 +261,7 @@ def _gather_trained(layers: list, engine, full: bool) -> dict[str, torch.Tensor]
     return {k: v for part in parts for k, v in part.items()} if torch.distributed.get_rank() == 0 else {}
 
 
-def _engine(run: DemoRun, layers, placed: Callable[[str], LayerSwapper | None]):
+def _engine(run: DemoRun, layers):
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
@@ -285,10 +285,10 @@ def _engine(run: DemoRun, layers, placed: Callable[[str], LayerSwapper | None]):
         # params train in their own dtype, as diffusion-pipe's do, and its clipping includes the host params.
         "bf16": {"enabled": s.dtype == torch.bfloat16 and not s.full},
     }
-    swapper = placed("swapper")
-    training = swapper.training if swapper is not None else None
-    # This stage's LoRA (every layer's with one), or its resident params for a full fine-tune.
-    local = [p for p in pipeline.parameters() if p.requires_grad and not (training and training.owns(p))]
+    # This stage's LoRA (every layer's with one), or for a full fine-tune every trainable param, as diffusion-pipe's
+    # train.py gives its optimizer: those the host trains have no gradient at its step (it skips them), and those
+    # the VRAM planner makes resident before step 1's optimizer step bring theirs (planning/autoplan.py).
+    local = [p for p in pipeline.parameters() if p.requires_grad]
     if s.full:  # the [optimizer] type's class, as diffusion-pipe's train.py builds it (sgd too)
         optimizer = s.optimizer.trainer_optimizer(local)
     else:

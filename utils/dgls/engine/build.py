@@ -3,7 +3,9 @@
 Order
     - Checks first, before anything is packed or moved: device support of the casts, the planner's budget,
       swap units (:mod:`..streaming.units`) and checkpointed pieces, the measured layouts (a cast that casts nothing is
-      refused), the placement (:mod:`..streaming.placement`), the host RAM full fine-tuning needs.
+      refused; a full fine-tune under a budget also counts what its resident layers' training keeps on the device,
+      :mod:`.training_costs`), the placement (:mod:`..streaming.placement`), the update buffers, the planner's
+      minimum, the host RAM full fine-tuning needs.
     - Then the parts, none of which changes the model: the masters (packed host copies,
       :mod:`..streaming.masters`), the transport (:mod:`..memory.transport`), the slot pool and the weight copier,
       and the features (:mod:`..streaming.feature`): full fine-tuning, activation offload (with recompute offload),
@@ -22,6 +24,7 @@ Invariants
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -48,9 +51,10 @@ from ..streaming.placement import Placement, plan_placement
 from ..streaming.trainable_cast import TrainableCast
 from ..streaming.units import Entry, split_layers, split_note
 from ..torch_private import check_torch
-from ..training.host_training import HostTraining, check_host_training, training_layout
+from ..training.host_training import HostTraining, check_host_training, training_layout, update_buffer_bytes
 from ..training.training_feature import TrainingFeature
 from ..watching.profiler import Profiler
+from .training_costs import with_training_costs
 
 
 @dataclass
@@ -99,8 +103,8 @@ def build(
     cast_rules = CastRules.from_policy(c.compute)
     check_device_support(device, cast_rules)
     host_trained = c.training.host_optimizer is not None
-    driver = _start_driver(c, device, log)
-    unit_bytes = _unit_bytes(layers, c, cast_rules, host_trained, driver, log)
+    budget = _budget(c, device, log)
+    unit_bytes = _unit_bytes(layers, c, cast_rules, host_trained, budget, log)
     entries = split_layers(layers, unit_bytes, trainable_streams=host_trained)
     values = [entry.value for entry in entries]
     pieces = pieces_to_checkpoint(entries, host_trained) if c.activations.checkpoint_units else []
@@ -113,14 +117,19 @@ def build(
     measured = measure(values, cast_rules, c.compute.mixed_precision, host_trained=host_trained)
     layouts = [layout.of_entry(entry.layer, entry.part, entry.holder) for layout, entry in zip(measured, entries)]
     _check_casts_match(layouts, cast_rules)
+    if host_trained and budget is not None:  # what the trainer keeps on the device for resident layers' params
+        layouts = with_training_costs(values, layouts, c.training.host_optimizer, c.compute.mixed_precision)
     sizes = tuple(layout.sizes for layout in layouts)
     placement = plan_placement(sizes, c.placement, c.transfer.cuda_streams)
-    if driver is not None:
-        driver.check_static_minimum(sizes)
     trained = None  # the training layout: the RAM check's figure, then what full fine-tuning allocates
     if host_trained:
         streamed_layouts = {idx: layouts[idx] for idx in placement.streamed}
         trained = training_layout(streamed_layouts, c.training.host_optimizer, c.training.accumulation_steps)
+        update = update_buffer_bytes(trained, c.training.host_optimizer)  # what HostTraining reserves
+        placement = dataclasses.replace(placement, update_bytes=update)
+    driver = _start_driver(c, budget, unit_bytes, device, log)
+    if driver is not None:
+        driver.check_static_minimum(sizes, placement.update_bytes)
     training_note = check_host_training(trained) if trained is not None else ""
     with ExitStack() as undo:  # a failure below frees what was made
         masters = Masters(
@@ -140,7 +149,7 @@ def build(
             trainer = TrainingFeature.start(
                 masters, trained, transport, c.training.host_optimizer, training_note, device=device,
                 threading=c.transfer.threading, accumulation_steps=c.training.accumulation_steps,
-                clipping=c.training.clip_grads,
+                clipping=c.training.clip_grads, plan_fix=driver.fix_plan if driver is not None else None,
             )  # fmt: skip
             features.append(trainer)
             training = trainer.training
@@ -251,31 +260,50 @@ def _plan_finished(plan_only: bool, driver: PlacementDriver | None) -> Callable[
     return finished
 
 
-def _start_driver(config: SwapConfig, device: torch.device, log: Callable[[str], None]) -> PlacementDriver | None:
+def _budget(config: SwapConfig, device: torch.device, log: Callable[[str], None]) -> int | None:
+    """The VRAM budget in bytes when the planner places the layers (None: explicit placement, or no budget)."""
     if config.placement.vram_budget is None:
         return None
-    if config.training.host_optimizer is not None and not config.placement.explicit:
-        raise DGLSUserError(
-            "full fine-tuning places layers once, at start-up (the optimizer state of a streamed layer lives "
-            "on the host), and the VRAM-budget planner re-places layers while training: give blocks_to_swap "
-            "or gpu_layers instead of vram_budget"
-        )
     if config.placement.explicit:
         log(
             f"DGLS: {', '.join(config.placement.explicit)} given: explicit placement wins over vram_budget "
             f"{config.placement.vram_budget} (the planner is off)"
         )
         return None
-    budget = resolve_budget(config.placement.vram_budget, device)
     if device.type == "cuda":  # segments the allocator cached before the run (model loading, caching) would be
         torch.cuda.empty_cache()  # reused by it, never released, and read by the probe as its activations
-    log(
-        f"DGLS: planning for a {human_bytes(budget)} VRAM budget: steps 1-2 run with every layer streamed "
-        "(warm-up, then the probe); then the best predicted plans are measured on the next steps (about 35), "
-        "and the fastest that fits is kept"
-    )
+    return resolve_budget(config.placement.vram_budget, device)
+
+
+def _start_driver(
+    config: SwapConfig, budget: int | None, unit_bytes: int | None, device: torch.device, log: Callable[[str], None]
+) -> PlacementDriver | None:
+    """The planner for ``budget``: measuring plans on the first steps, or for a full fine-tune one plan fixed
+    before its first update (:mod:`..planning.autoplan`)."""
+    if budget is None:
+        return None
+    fixed = config.training.host_optimizer is not None
+    if fixed:
+        log(
+            f"DGLS: planning a full fine-tune for a {human_bytes(budget)} VRAM budget: step 1 runs with every layer "
+            "streamed (the probe); before its optimizer step the fastest predicted plan that fits is fixed for the "
+            "run (layers it keeps resident train with the trainer's optimizer from step 1 on, so no step moves them)"
+        )
+    else:
+        log(
+            f"DGLS: planning for a {human_bytes(budget)} VRAM budget: steps 1-2 run with every layer streamed "
+            "(warm-up, then the probe); then the best predicted plans are measured on the next steps (about 35), "
+            "and the fastest that fits is kept"
+        )
     return PlacementDriver(
-        budget, device, log, plan_only=config.placement.plan, copy_streams=config.transfer.cuda_streams
+        budget,
+        device,
+        log,
+        plan_only=config.placement.plan,
+        copy_streams=config.transfer.cuda_streams,
+        fixed=fixed,
+        first_layer=config.placement.first_layer,
+        unit_bytes=unit_bytes,
     )
 
 
@@ -284,7 +312,7 @@ def _unit_bytes(
     config: SwapConfig,
     rules: CastRules | None,
     host_trained: bool,
-    driver: PlacementDriver | None,
+    budget: int | None,
     log: Callable[[str], None],
 ) -> int | None:
     """The largest swap unit in bytes (None: whole layers): ``swap_unit_mb`` if given, else the planner's
@@ -292,10 +320,10 @@ def _unit_bytes(
     given = config.placement.swap_unit_mb
     if given is not None:  # rounded up: any size above 0, however small, splits (0 alone means whole layers)
         return math.ceil(given * MB) or None
-    if driver is None:
+    if budget is None:
         return None
     whole = measure(layers, rules, config.compute.mixed_precision, host_trained=host_trained)
-    unit = unit_bytes_for_budget([layout.sizes for layout in whole], driver.budget)
+    unit = unit_bytes_for_budget([layout.sizes for layout in whole], budget)
     if unit is not None:
         log(
             f"DGLS: two slots of the largest layer would take over a quarter of the budget: layers over "

@@ -288,8 +288,8 @@ class LayerSwapper:
             layer.fetch(slot, token)
 
     # ---------------------------------------------------------------- what the masters and features ask
-    def placeholder(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.bindings.placeholder(dtype)
+    def placeholder(self, dtype: torch.dtype, ndim: int = 1) -> torch.Tensor:
+        return self.bindings.placeholder(dtype, ndim)
 
     def adopted(self, idx: int) -> None:
         self.bindings.adopted(idx)
@@ -381,7 +381,8 @@ class LayerSwapper:
                     self.masters.add(idx)
                 self.bindings.stream(idx)
             sizes = tuple(layout.sizes for layout in self.layouts)
-            self.placement = Placement(sizes, tuple(sorted(self._streamed)), prefetch, self._copy_streams)
+            update = self.placement.update_bytes
+            self.placement = Placement(sizes, tuple(sorted(self._streamed)), prefetch, self._copy_streams, update)
             self.config = self.config.replace(prefetch=prefetch)
             self._plans.clear()
             self.pool.release()

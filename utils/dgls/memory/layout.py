@@ -134,6 +134,10 @@ class LayerSizes:
     layer: int = -1  # the caller's layer this entry is, or is a part of (-1: the same as index)
     part: str = ""  # a swap unit's path inside that layer ('' for a whole layer or a holder; see units.py)
     holder: bool = False  # split into swap units: its own params stay resident
+    # Full fine-tuning (0 for a LoRA): what the trainer's optimizer keeps on the device for this entry's params,
+    # counted by the builder from the objects that allocate it (:mod:`..engine.training_costs`).
+    trained_bytes: int = 0  # gradients and optimizer state of its streamable trainable params, while it is resident
+    fixed_state_bytes: int = 0  # optimizer state of its fixed trainable params, resident in every placement
 
     @property
     def owner(self) -> int:
@@ -289,6 +293,15 @@ def device_bytes(sizes: Sequence[LayerSizes], streamed: Iterable[int], prefetch:
     """Device memory DGLS places before any activation: resident weights and buffers plus the pool."""
     streamed = list(streamed)
     return resident_bytes(sizes, streamed) + pool_bytes(sizes, streamed, prefetch, copy_streams)
+
+
+def training_bytes(sizes: Sequence[LayerSizes], streamed: Iterable[int]) -> int:
+    """Full fine-tuning's device bytes beyond the weights that depend on the placement: the trainer's gradients and
+    optimizer state of resident entries' params, and its optimizer state of the params resident everywhere (0 for
+    a LoRA). A streamed entry's trainable params train on the host: its gradients go home in groups (measured with
+    the activations: the probe streams every layer) and its optimizer state stays there."""
+    streamed = set(streamed)
+    return sum(s.fixed_state_bytes + (0 if s.index in streamed else s.trained_bytes) for s in sizes)
 
 
 # ---------------------------------------------------------------- the training layout (full fine-tuning)

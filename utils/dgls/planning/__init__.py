@@ -2,8 +2,9 @@
 
 Modules
     - ``planner.py``: a model of a step's copies and compute; the fastest placement that fits a budget.
-    - ``autoplan.py``: ``--vram_budget``: probe, shortlist, measure, refine, settle; a typed driver stepped
-      between passes (a feature of the engine), its phases an enum.
+    - ``autoplan.py``: ``--vram_budget``: probe, shortlist, measure, refine, settle (a full fine-tune: one plan,
+      fixed before step 1's update); a typed driver stepped between passes (a feature of the engine), its phases
+      an enum.
 
 May import: memory, streaming, watching.
 """

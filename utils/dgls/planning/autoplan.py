@@ -23,6 +23,25 @@ Steps
 Why measure at all
     - The model ranks plans that differ by a few percent less reliably than timed steps do, so the last word
       goes to the measurement; the model's job is to cut thousands of placements to a handful.
+
+Full fine-tuning: one plan, fixed before the first update (``fixed``)
+    - Why fixed: a streamed layer's params train on the host (fp32 masters, the host optimizer's state), a
+      resident layer's with the trainer's optimizer on the device. Moving a layer after an update would move its
+      optimizer state between two optimizers DGLS does not both own (the trainer's may be any class, 8-bit ones
+      included) or drop it; so the placement is chosen once and never changed (no trials, no refinement, no
+      re-plan: a later step over the budget is reported, not acted on).
+    - Why not from sizes alone, before step 1: the activations (and the allocator's slack) are known only once a
+      step ran, and a plan without them would fill the budget with resident layers.
+    - So step 1 is the probe: it runs with every layer streamed (the smallest footprint), every layer's
+      gradients go home, and no update runs before its optimizer step (the host training holds updates that
+      would start during backward). Before that optimizer step (:meth:`PlacementDriver.fix_plan`, which the host
+      training calls as the trainer's step begins: its clipping through DGLS, or ``before_step``, which DGLS's
+      DeepSpeed hooks call), the planner picks the fastest predicted plan with the full fine-tune's device costs
+      (:mod:`.planner`), and it is applied once: the layers it keeps resident take their step-1 gradients onto
+      the device, where the trainer's optimizer steps them from that step on. Nothing had been updated, so the
+      run is the run of the same placement given explicitly.
+    - A trainer that runs its optimizer step before DGLS hears of the step (a loop that neither clips through
+      DGLS nor calls ``before_step``) gets the probe's placement for the run, with a line saying so.
 """
 
 from __future__ import annotations
@@ -37,7 +56,7 @@ import torch
 
 from ..errors import DGLSUserError
 from ..memory.copier import Wait
-from ..memory.layout import LayerSizes, human_bytes
+from ..memory.layout import MB, LayerSizes, human_bytes
 from ..memory.transport import Copy, Direction
 from ..streaming.feature import Engine, Feature
 from ..streaming.schedule import Phase
@@ -111,6 +130,27 @@ def resolve_budget(spec: float | str, device: torch.device) -> int:
     return int(float(spec) * GiB)
 
 
+def explicit_settings(
+    sizes: Sequence[LayerSizes], plan: Plan, first_layer: int = 0, unit_bytes: int | None = None
+) -> str:
+    """The flags that give ``plan``'s placement without a probe (indices in the whole layer list: this process's
+    layers start at ``first_layer``), or '' when no ``--gpu_layers`` names it (a layer split into swap units with
+    some of them resident)."""
+    streamed = set(plan.streamed)
+    owners: dict[int, set[bool]] = {}
+    for s in sizes:
+        if s.streamable_bytes:
+            owners.setdefault(s.owner, set()).add(s.index in streamed)
+    if any(len(kinds) > 1 for kinds in owners.values()):
+        return ""
+    resident = [first_layer + owner for owner, kinds in sorted(owners.items()) if kinds == {False}]
+    flags = f"--gpu_layers {','.join(map(str, resident))} " if resident else "--blocks_to_swap " + str(len(owners))
+    flags = flags.rstrip() + f" --prefetch {plan.prefetch}"
+    if unit_bytes:  # the swap units the plan was made with
+        flags += f" --swap_unit_mb {unit_bytes / MB!r}"  # exact: MB is a power of two
+    return flags + (" --offload_activations" if plan.kept_activations else "")
+
+
 @dataclass
 class Trial:
     """A shortlisted plan and what its measured steps gave."""
@@ -158,6 +198,9 @@ class PlacementView(Protocol):
     @property
     def predicted_device_bytes(self) -> int: ...
 
+    @property
+    def update_bytes(self) -> int: ...
+
 
 class Placeable(Protocol):
     """What :class:`PlacementDriver` reads and calls of the engine it places layers for
@@ -178,7 +221,7 @@ class DriverPhase(Enum):
     """Where the driver is; see :class:`DriverState` for the transitions."""
 
     WARM = "warm"  # one untimed pass on the placement just applied (allocations, first copies)
-    PROBE = "probe"  # the timed pass with every layer streamed: uses, peaks, bandwidth
+    PROBE = "probe"  # the timed pass with every layer streamed: uses, peaks, bandwidth (full fine-tuning: step 1)
     TRIAL = "trial"  # timed passes of one visit of a shortlisted plan
     CHECK = "check"  # timed pass of a single or re-planned plan
     SETTLED = "settled"  # the plan is chosen; later passes' peaks are watched
@@ -188,6 +231,7 @@ class DriverState:
     """The driver's phase, with one method per transition; each asserts the phase it starts from::
 
         WARM --warmed()--> PROBE | TRIAL | CHECK      (PROBE first, then the phase ``placed`` named; timing starts)
+        WARM --probe_at_once()--> PROBE                (full fine-tuning: step 1 is the probe, before any update)
         PROBE | TRIAL | CHECK | SETTLED --placed(then)--> WARM    (a plan was applied)
         TRIAL --time_again()--> TRIAL                  (the next visit's plan is in force and warm)
         PROBE | TRIAL | CHECK | SETTLED --settle()--> SETTLED     (chosen, or fallen back)
@@ -204,6 +248,13 @@ class DriverState:
     def warmed(self) -> None:
         self._expect(DriverPhase.WARM)
         self.phase, self.timed = self.after_warm, 0
+
+    def probe_at_once(self) -> None:
+        """Full fine-tuning: no warm-up pass (the plan must be in force before step 1's updates)."""
+        self._expect(DriverPhase.WARM)
+        if self.after_warm is not DriverPhase.PROBE:
+            raise AssertionError("only the first pass is probed without a warm-up")
+        self.phase, self.timed = DriverPhase.PROBE, 0
 
     def placed(self, then: DriverPhase) -> None:
         self._expect(DriverPhase.PROBE, DriverPhase.TRIAL, DriverPhase.CHECK, DriverPhase.SETTLED)
@@ -310,6 +361,9 @@ class PlacementDriver(Listener, Feature):
     log: object = print
     plan_only: bool = False  # --plan: stop after planning
     copy_streams: int = 1  # each stream has its own fp8 landing buffer: counted in every plan's peak
+    fixed: bool = False  # full fine-tuning: step 1 is the probe, its plan applied once before any update (module doc)
+    first_layer: int = 0  # this process's first layer in the whole layer list (what the explicit flags count from)
+    unit_bytes: int | None = None  # the swap units' size the layers were split at (None: whole layers)
     plan: Plan | None = None  # the plan in force
     profile: StepProfile | None = None  # the probe's
     trials: list[Trial] = field(default_factory=list)  # every measured plan, refinement round included
@@ -328,6 +382,7 @@ class PlacementDriver(Listener, Feature):
     _peak_reserved: int = 0
     _sent_at_start: int = 0  # the activation offloader's count of segments sent, when the probe began
     _fallen_back: bool = False  # the probe's placement is in force: nothing smaller to go to
+    _over_reported: bool = False  # fixed: a step over the budget was reported (once)
 
     _target: Placeable | None = None
 
@@ -341,21 +396,27 @@ class PlacementDriver(Listener, Feature):
         """The engine this driver places layers for (a :class:`Placeable`), which it listens to."""
         self._target = engine  # type: ignore[assignment]  # LayerSwapper is both
         engine.add_listener(self)
+        if self.fixed:
+            self.state.probe_at_once()  # the window opens at the first use
 
     def between_passes(self) -> None:
         self.step()
 
-    def check_static_minimum(self, sizes) -> None:
-        """Before step 1: the budget must hold the essentials and two slots."""
-        need = minimum_bytes(sizes, None, copy_streams=self.copy_streams)
+    def check_static_minimum(self, sizes, update_bytes: int = 0) -> None:
+        """Before step 1: the budget must hold the essentials and two slots (and a full fine-tune's update buffers
+        and the optimizer state of the params resident in every placement)."""
+        need = minimum_bytes(sizes, None, copy_streams=self.copy_streams) + update_bytes
         if need > self.budget:
+            training = " + the device update buffers" if update_bytes else ""
             raise DGLSUserError(
                 f"VRAM budget {human_bytes(self.budget)} is below the minimum {human_bytes(need)} even before "
-                "activations (resident essentials + 2 x the largest layer): raise --vram_budget"
+                f"activations (resident essentials + 2 x the largest layer{training}): raise --vram_budget"
             )
 
     # ---------------------------------------------------------------- listener: records only
     def use_started(self, layer: int, phase: Phase, streamed: bool, missed: bool) -> None:
+        if self.fixed and self._window is None and self.state.phase is DriverPhase.PROBE and torch.is_grad_enabled():
+            self._start_timing(self._target, record=True)  # full fine-tuning: step 1's first use (not an eval's)
         if self._recorder is not None:
             self._recorder.use_started(layer, phase)
 
@@ -385,6 +446,8 @@ class PlacementDriver(Listener, Feature):
     def step(self, target: Placeable | None = None) -> None:
         """Act on the passes ended since the last step (see the class doc for who calls this, and when)."""
         target = target if target is not None else self._target
+        if self.fixed and not self.done:  # the probe ends at step 1's optimizer step (fix_plan)
+            return
         passes, self._ended = self._ended, 0
         if passes == 0:
             return
@@ -412,6 +475,48 @@ class PlacementDriver(Listener, Feature):
             self._after_visit(target)
         else:
             self._after_check(target)
+
+    def fix_plan(self, in_time: bool = True, target: Placeable | None = None) -> None:
+        """Full fine-tuning (``fixed``): step 1's passes ended and its optimizer step is next. End the probe, plan,
+        and apply the plan once (see the module doc). ``in_time`` False: the trainer's optimizer step may have run
+        already (only the host's updates are next), so layers cannot change hands: the probe's placement stays.
+        Later calls do nothing."""
+        target = target if target is not None else self._target
+        if not self.fixed or self.done:
+            return
+        if self._window is None:  # no layer was used: nothing was measured
+            self.log("DGLS: the first optimizer step came before any layer ran: the probe's placement stays")
+            self._settle()
+            return
+        passes, self._ended = max(1, self._ended), 0  # step 1's micro-batches
+        self.state.count_pass(passes)
+        self._stop_timing(target, steps=passes)
+        profile, sizes = self.profile, target.placement.sizes
+        current = simulate(sizes, profile, target.placement.streamed, target.placement.prefetch)
+        self._offset_ms = max(0.0, self._wall_ms - current)
+        plan = plan_for_budget(sizes, profile, self._planning_budget(sizes), copy_streams=self.copy_streams)
+        self.trials = [Trial(plan)]
+        self.plan = plan
+        explicit = explicit_settings(sizes, plan, self.first_layer, self.unit_bytes)
+        if self.plan_only:
+            self.log(f"{plan.describe(sizes)}: a full fine-tune keeps it for the run")
+        elif not in_time:
+            self.log(
+                f"{plan.describe(sizes)}: not applied: the trainer stepped before DGLS heard of the step (call "
+                "the host training's before_step(), or clip through it, before the trainer's optimizer step); a "
+                "full fine-tune keeps the probe's placement (everything streamed) for the run"
+            )
+            self.plan = None
+            self._fallen_back = True
+        else:
+            self._apply(target, plan, quiet=True)
+            self.log(
+                f"{plan.describe(sizes)} (+{self._offset_ms:.0f} ms outside the layers): fixed for the run from step "
+                "1's optimizer step (a full fine-tune's resident layers train with the trainer's optimizer)"
+            )
+        if explicit and self.plan is not None:
+            self.log(f"DGLS: the same placement without the probe (to resume this run): {explicit}")
+        self._settle()
 
     # ---------------------------------------------------------------- phases
     def _after_probe(self, target: Placeable) -> None:
@@ -533,6 +638,14 @@ class PlacementDriver(Listener, Feature):
         peak = self._peak_since_reset()
         if peak <= self.budget:
             return
+        if self.fixed:
+            if not self._over_reported:
+                self._over_reported = True
+                self.log(
+                    f"DGLS: a step peaked at {peak / GiB:.2f} GiB reserved, over the {self.budget / GiB:.2f} GiB "
+                    "budget; a full fine-tune's placement is fixed for the run: lower --vram_budget for the next run"
+                )
+            return
         self.log(
             f"DGLS: a step after planning peaked at {peak / GiB:.2f} GiB reserved, over the "
             f"{self.budget / GiB:.2f} GiB budget"
@@ -650,7 +763,8 @@ class PlacementDriver(Listener, Feature):
         sent = offloader.segments_sent - self._sent_at_start if offloader is not None else 0
         segment = offloader.largest_segment if sent else 0
         kept = offloader.keep if sent else 0
-        self.profile = StepProfile(uses, activation + other, overhead, bytes_per_ms, sent, segment, kept)
+        update = target.placement.update_bytes
+        self.profile = StepProfile(uses, activation + other, overhead, bytes_per_ms, sent, segment, kept, update)
         if cuda:
             offloaded = (
                 f" with the inputs of {sent} checkpointed calls in host memory (up to {human_bytes(segment)} each)"

@@ -20,6 +20,14 @@ offload only what the budget needs. Weights take the room first, since a residen
 copies a step (forward and backward fetch) and a kept activation byte one (its restore; the copy
 home runs on the otherwise idle direction). The time model leaves restores out; the measured
 trials rank the plans.
+
+Full fine-tuning (a layer's every param trains) adds what the trainer keeps on the device for the params of
+resident layers: their gradients and its optimizer state (``LayerSizes.trained_bytes``; a streamed layer's
+params train on the host, so none of it), its optimizer state of the params resident in every placement, and
+the device update buffers (``StepProfile.update_bytes``). The builder counts each from the object that
+allocates it (:mod:`..engine.training_costs`); gradients sent home in groups are in the probe's activation
+peak, as the probe streams every layer. A resident byte of such a layer costs several on the device, so the
+same budget keeps fewer layers resident than for a LoRA.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from ..errors import DGLSUserError
-from ..memory.layout import GiB, LayerSizes, device_bytes, human_bytes, pool_bytes, resident_bytes
+from ..memory.layout import GiB, LayerSizes, device_bytes, human_bytes, pool_bytes, resident_bytes, training_bytes
 from ..streaming.schedule import Phase
 
 PREFETCH_CHOICES = (1, 2, 3, 4)
@@ -60,6 +68,7 @@ class StepProfile:
     sent_segments: int = 0
     segment_bytes: int = 0
     probe_kept: int = 0
+    update_bytes: int = 0  # full fine-tuning's device update buffers: reserved at start-up, the same in every plan
 
     @property
     def compute_ms(self) -> float:
@@ -126,19 +135,26 @@ def predict_peak(
     copy_streams: int = 1,
     kept: int | None = None,
 ) -> int:
-    """Peak reserved bytes: resident weights and buffers, the pool, activations, allocator slack."""
-    placed = device_bytes(sizes, streamed, prefetch, copy_streams)
-    return placed + planned_activation_bytes(profile, prefetch, kept) + profile.reserved_overhead
+    """Peak reserved bytes: resident weights and buffers, the pool, a full fine-tune's gradients, optimizer state
+    and update buffers, activations, allocator slack."""
+    streamed = list(streamed)
+    placed = device_bytes(sizes, streamed, prefetch, copy_streams) + training_bytes(sizes, streamed)
+    return placed + profile.update_bytes + planned_activation_bytes(profile, prefetch, kept) + profile.reserved_overhead
 
 
 def minimum_bytes(
     sizes: Sequence[LayerSizes], profile: StepProfile | None, prefetch: int = 1, copy_streams: int = 1
 ) -> int:
     """The smallest footprint: every streamable layer streamed, ``prefetch + 1`` slots, and with activation
-    offload the inputs of only the last ``prefetch`` checkpointed calls on the device."""
+    offload the inputs of only the last ``prefetch`` checkpointed calls on the device (before the probe,
+    ``profile`` None: without activations and update buffers)."""
     streamed = [s.index for s in sizes if s.streamable_bytes]
-    extra = (planned_activation_bytes(profile, prefetch) + profile.reserved_overhead) if profile else 0
-    return device_bytes(sizes, streamed, prefetch, copy_streams) + extra
+    extra = (
+        (profile.update_bytes + planned_activation_bytes(profile, prefetch) + profile.reserved_overhead)
+        if profile
+        else 0
+    )
+    return device_bytes(sizes, streamed, prefetch, copy_streams) + training_bytes(sizes, streamed) + extra
 
 
 def keep_activations(profile: StepProfile, plan: Plan) -> Plan:
@@ -221,6 +237,8 @@ def _check_minimum(sizes, profile, budget, prefetch_choices, copy_streams) -> No
             "layer slots": pool_bytes(sizes, streamed, prefetch, copy_streams),
             "activations": planned_activation_bytes(profile, prefetch) + profile.reserved_overhead,
         }
+        if training := training_bytes(sizes, streamed) + profile.update_bytes:  # full fine-tuning
+            parts["optimizer state and update buffers"] = training
         largest = max(parts, key=parts.get)
         offloading = (
             "--checkpoint_units, --offload_recompute"  # inputs of checkpointed calls were offloaded already
@@ -234,6 +252,8 @@ def _check_minimum(sizes, profile, budget, prefetch_choices, copy_streams) -> No
             "two of the largest)",
             "resident weights and buffers": "train fewer params on the device, or store frozen weights smaller "
             "(--cast_target)",
+            "optimizer state and update buffers": "update streamed layers on the host (--host_adam torch_fused: no "
+            "device update buffers)",
         }[largest]
         described = " + ".join(f"{human_bytes(n)} of {name}" for name, n in parts.items())
         raise DGLSUserError(

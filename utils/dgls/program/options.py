@@ -188,7 +188,8 @@ OPTIONS: tuple[Option, ...] = (
         "budget",
         None,
         "GiB of VRAM DGLS may use on each GPU, or `auto` (free VRAM less 1 GiB): it picks which layers stay "
-        "resident and the prefetch depth from a probe of the first steps",
+        "resident and the prefetch depth from a probe of the first steps (a full fine-tune: of step 1, the plan "
+        "then fixed for the run)",
         "you don't want to guess blocks_to_swap",
         "placement",
         policy="placement",
@@ -197,8 +198,8 @@ OPTIONS: tuple[Option, ...] = (
         "plan",
         "bool",
         False,
-        "with vram_budget: run the 2 probe steps, print the predicted plan and its runners-up, "
-        "and exit without saving anything",
+        "with vram_budget: run the 2 probe steps (1 for a full fine-tune), print the predicted plan and its "
+        "runners-up, and exit without saving anything",
         "see what fits before a long run",
         "placement",
         policy="placement",

@@ -273,10 +273,7 @@ def _drop_in_full_fine_tune(
             f"pipeline_stages = {dist.world_size}"
         )
     if swap.placement.planned:
-        raise DGLSUserError(
-            f"{resolved.label('vram_budget')} with a full fine-tune ({path} has no [adapter]): the planner re-places "
-            "layers while training, and full fine-tuning places them once; give --blocks_to_swap or --gpu_layers"
-        )
+        _check_planned_full_fine_tune(path, spec, resolved)
     if option_value(rest, "--deepspeed_config") is not None:
         raise DGLSUserError(
             "--deepspeed_config: DGLS keeps the streamed layers' optimizer on the host itself (ZeRO offload would "
@@ -289,6 +286,40 @@ def _drop_in_full_fine_tune(
 
     clip = dp_config.host_clipping(config, path, steps)  # 0 lets host updates start during backward
     return swap.replace(training=TrainingPolicy(host_optimizer=spec, accumulation_steps=steps, clip_grads=bool(clip)))
+
+
+def _check_planned_full_fine_tune(path: str, spec, resolved: options.Resolved) -> None:
+    """A VRAM budget plans a full fine-tune at step 1 and fixes the plan before any update
+    (:mod:`..planning.autoplan`); what that cannot serve is refused here (``--plan`` shows the plan, and is
+    allowed with both)."""
+    if resolved.values["plan"]:
+        return
+    budget = resolved.label("vram_budget")
+    if spec.gradient_release:
+        raise DGLSUserError(
+            f"{budget} with [optimizer] gradient_release = true in {path}: train.py steps each resident param inside "
+            "the backward pass, before DGLS fixes the plan at step 1's optimizer step; give the placement instead "
+            f"(--gpu_layers or --blocks_to_swap: {budget} with --plan prints the one it would choose), or drop "
+            "gradient_release"
+        )
+
+
+def _check_planned_resume(path: str, config: dict, swap: SwapConfig, resolved: options.Resolved, rest) -> None:
+    """A full fine-tune planned from a VRAM budget probes with every layer streamed, and a resumed checkpoint holds
+    the host optimizer state of the layers its run streamed: refused before the checkpoint is checked."""
+    from . import dp_config
+
+    if "adapter" in config or not swap.placement.planned or resolved.values["plan"] or "--reset_optimizer" in rest:
+        return
+    resume, label = dp_config.resume_flag(config, path, list(rest))
+    if resume:
+        budget = resolved.label("vram_budget")
+        raise DGLSUserError(
+            f"{label} with {budget}: a full fine-tune's checkpoint holds the host optimizer state of the layers it "
+            "streamed, and the planner's probe streams every layer; resume with the placement the run printed at its "
+            "first step ('the same placement without the probe': --gpu_layers ... --prefetch ...) instead of "
+            f"{budget}, or pass --reset_optimizer"
+        )
 
 
 def _check_host_adam_build(spec) -> None:
@@ -308,11 +339,6 @@ def _full_fine_tune(path: str, settings, swap: SwapConfig, dist: DistEnv, resolv
             f"{path} has no [adapter] (a full fine-tune), and {dist.world_size} processes on "
             f"{settings.pipeline_stages} pipeline stage(s) would be data parallel: full fine-tuning of streamed "
             f"layers runs one process per stage; set [demo] pipeline_stages = {dist.world_size}"
-        )
-    if swap.placement.planned:
-        raise DGLSUserError(
-            f"{resolved.label('vram_budget')} with a full fine-tune ({path} has no [adapter]): the planner re-places "
-            "layers while training, and full fine-tuning places them once; give --blocks_to_swap or --gpu_layers"
         )
     spec = dataclasses.replace(settings.optimizer, implementation=resolved.values["host_adam"])
     _check_host_adam_build(spec)
@@ -366,6 +392,8 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
             f"{path} sets pipeline_stages = {stages}, which must divide the {dist.world_size} process(es) of this "
             f"run: launch with deepspeed --num_gpus={stages} (or a multiple of it), or set pipeline_stages = 1"
         )
+    if swapping:
+        _check_planned_resume(path, config, swap, resolved, rest)
     dp_config.check_resume(config, path, rest, checkout, swapping, stages)
     if values["vram_budget"] == "auto" and _cuda_count() == 0:
         raise DGLSUserError(f"{resolved.label('vram_budget')} auto measures free VRAM: give a number of GiB on CPU")

@@ -2,7 +2,9 @@
 
 Layout
     - A streamed layer (:class:`~.residency.StreamedLayer`): its params point at an empty placeholder of their
-      dtype (shared per dtype, so any use of an evicted param fails), or at views of its slot.
+      dtype and number of dimensions (shared per both, so any use of an evicted param fails, and a trainer that
+      sorts params by ``ndim`` when it builds its optimizer, as diffusion-pipe's weight decay groups do, sorts a
+      streamed param as it is), or at views of its slot.
     - Everything else: on the device. A resident layer's streamable params take their cast (fp8-stored ones
       the dequantized value of their master, which stays: :mod:`.masters`).
     - Home: the device and dtype every param and buffer had before the engine, to put it back.
@@ -41,18 +43,20 @@ class Bindings:
         self.layers, self.layouts, self.masters, self.device = layers, layouts, masters, device
         self.true_value = true_value  # a feature's value of a param (full fine-tuning's fp32 master), else None
         self.streamed: dict[int, StreamedLayer] = {}
-        self._placeholders: dict[torch.dtype, torch.Tensor] = {}
+        self._placeholders: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self._home = {
             id(t): (t, t.device, t.dtype)
             for _, module in modules_of(layers)
             for t in (*module.parameters(), *module.buffers())
         }
 
-    def placeholder(self, dtype: torch.dtype) -> torch.Tensor:
-        """An empty tensor: an evicted param points here, so any use of it fails."""
-        if dtype not in self._placeholders:
-            self._placeholders[dtype] = torch.empty(0, dtype=dtype, device=self.device)
-        return self._placeholders[dtype]
+    def placeholder(self, dtype: torch.dtype, ndim: int = 1) -> torch.Tensor:
+        """An empty tensor with ``ndim`` dimensions (at least one: a 0-d tensor holds a value): an evicted param
+        points here, so any use of it fails."""
+        key = (dtype, max(ndim, 1))
+        if key not in self._placeholders:
+            self._placeholders[key] = torch.empty((0,) * key[1], dtype=dtype, device=self.device)
+        return self._placeholders[key]
 
     def stream(self, idx: int) -> None:
         """Make a layer streamed: its master is in the store; its params now point at placeholders."""

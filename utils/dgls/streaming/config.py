@@ -143,6 +143,8 @@ class PlacementPolicy(_Policy):
       stops after planning.
     - ``swap_unit_mb``: layers holding more MB of params stream as several swap units, their child modules
       (:mod:`.units`); None: whole layers unless the planner needs smaller slots; 0: never.
+    - ``first_layer``: where this process's layers start in the whole list (a pipeline stage's, set by
+      :meth:`for_stage`; no option): the planner names resident layers by their index in the whole list.
     - Read by the builder (:mod:`..engine.build`: placement, swap units, the planner) and :mod:`.placement`.
     """
 
@@ -154,6 +156,7 @@ class PlacementPolicy(_Policy):
     plan: bool = False
     prefetch: int = _whole(2, 0)
     swap_unit_mb: float | None = _size(None, "is a size in MB >= 0 (0: never split a layer)")
+    first_layer: int = _whole(0, 0)
 
     def _check_together(self) -> None:
         ends = self.initial_gpu_layers is not None or self.final_gpu_layers is not None
@@ -207,9 +210,11 @@ class PlacementPolicy(_Policy):
         - The other settings (blocks_to_swap, the ends, a VRAM budget) apply to each stage's own layers.
         """
         self.check_layer_count(count)
-        if self.gpu_layers is None or (start == 0 and stop == count):
+        if start == 0 and stop == count:
             return self
-        return self.replace(gpu_layers=[i - start for i in self.gpu_layers if start <= i < stop])
+        if self.gpu_layers is None:
+            return self.replace(first_layer=start)
+        return self.replace(gpu_layers=[i - start for i in self.gpu_layers if start <= i < stop], first_layer=start)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ class MastersEngine(Protocol):
 
     def evict_all(self) -> None: ...
     def is_streamed(self, idx: int) -> bool: ...
-    def placeholder(self, dtype: torch.dtype) -> torch.Tensor: ...
+    def placeholder(self, dtype: torch.dtype, ndim: int = 1) -> torch.Tensor: ...
     def adopted(self, idx: int) -> None:
         """A layer's Parameter objects were replaced and packed again: rebuild the engine's view of it."""
 
@@ -201,7 +201,10 @@ class Masters:
                     host.store_value(k, master)  # the streamed copy of the loaded fp32 master
                 elif p.scaled or not streamed:  # a streamed direct param was loaded into the master itself
                     host.store_value(k, p.param.data)
-                p.param.data = self._engine.placeholder(p.dtype) if streamed else self.device_value(idx, k)
+                if streamed:
+                    p.param.data = self._engine.placeholder(p.dtype, len(p.shape))
+                else:
+                    p.param.data = self.device_value(idx, k)
 
     def _adopt(self, idx: int) -> None:
         """``assign=True`` put new Parameter objects in: measure and pack them in place of the old ones."""

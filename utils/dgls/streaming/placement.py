@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import DGLSUserError
-from ..memory.layout import MB, LayerSizes, device_bytes, pool_bytes, resident_bytes, slot_count
+from ..memory.layout import MB, LayerSizes, device_bytes, pool_bytes, resident_bytes, slot_count, training_bytes
 from .config import PlacementPolicy
 
 
@@ -24,6 +24,7 @@ class Placement:
     streamed: tuple[int, ...]
     prefetch: int
     copy_streams: int = 1
+    update_bytes: int = 0  # full fine-tuning's device update buffers (reserved at start-up, whatever the placement)
 
     @property
     def resident(self) -> tuple[int, ...]:
@@ -63,8 +64,15 @@ class Placement:
 
     @property
     def predicted_device_bytes(self) -> int:
-        """Weights, buffers and the pool: known before step 1 (activations come on top)."""
-        return device_bytes(self.sizes, self.streamed, self.prefetch, self.copy_streams)
+        """Weights, buffers, the pool and device update buffers: what is allocated before step 1 (activations, and a
+        full fine-tune's gradients and optimizer state, come on top)."""
+        return device_bytes(self.sizes, self.streamed, self.prefetch, self.copy_streams) + self.update_bytes
+
+    @property
+    def training_bytes(self) -> int:
+        """A full fine-tune's gradients and trainer's optimizer state on the device (:func:`~..memory.layout.
+        training_bytes`): allocated by the first backward and optimizer step."""
+        return training_bytes(self.sizes, self.streamed)
 
     def table(self) -> str:
         """The start-up placement table: index, class, MB, where it lives."""
@@ -94,8 +102,14 @@ class Placement:
                 if self.pool_bytes > self.slot_count * self.slot_bytes
                 else ""
             )
-            + f" = {self.predicted_device_bytes / MB:.1f} MB on the device before activations; "
-            f"{len(self.streamed)} {'layers and units' if units else 'layers'} "
+            + (f" + device update buffers {self.update_bytes / MB:.1f} MB" if self.update_bytes else "")
+            + f" = {self.predicted_device_bytes / MB:.1f} MB on the device before activations"
+            + (
+                f" (+ {self.training_bytes / MB:.1f} MB of the trainer's gradients and optimizer state)"
+                if self.training_bytes
+                else ""
+            )
+            + f"; {len(self.streamed)} {'layers and units' if units else 'layers'} "
             f"({self.streamed_bytes / MB:.1f} MB) stream"
         )
         return "\n".join(lines)
@@ -145,10 +159,13 @@ def choose_streamed(sizes: Sequence[LayerSizes], policy: PlacementPolicy) -> lis
     return [s.index for s in sizes if s.streamable_bytes > 0 and s.owner in layers]
 
 
-def plan_placement(sizes: Sequence[LayerSizes], policy: PlacementPolicy, copy_streams: int = 1) -> Placement:
+def plan_placement(
+    sizes: Sequence[LayerSizes], policy: PlacementPolicy, copy_streams: int = 1, update_bytes: int = 0
+) -> Placement:
     """The placement the explicit settings give (everything streamed under a VRAM budget: the probe);
-    ``copy_streams``: the transfer policy's ``cuda_streams``."""
+    ``copy_streams``: the transfer policy's ``cuda_streams``; ``update_bytes``: a full fine-tune's device update
+    buffers."""
     if policy.planned:
         streamed = [s.index for s in sizes if s.streamable_bytes > 0]
-        return Placement(tuple(sizes), tuple(streamed), 1, copy_streams)
-    return Placement(tuple(sizes), tuple(choose_streamed(sizes, policy)), policy.prefetch, copy_streams)
+        return Placement(tuple(sizes), tuple(streamed), 1, copy_streams, update_bytes)
+    return Placement(tuple(sizes), tuple(choose_streamed(sizes, policy)), policy.prefetch, copy_streams, update_bytes)

@@ -65,12 +65,12 @@ class StreamedLayer:
         self,
         module: nn.Module,
         host: HostLayer,
-        placeholder: Callable[[torch.dtype], torch.Tensor],
+        placeholder: Callable[[torch.dtype, int], torch.Tensor],
     ) -> None:
         self.module = module
         self.host = host
         self.params = [p.param for p in host.layout.params]
-        self._placeholders = [placeholder(p.dtype) for p in host.layout.params]
+        self._placeholders = [placeholder(p.dtype, len(p.shape)) for p in host.layout.params]
         self._views: dict[int, list[torch.Tensor]] = {}  # slot index -> views in that slot
         self.state = Residency.HOST
         self.slot: Slot | None = None

@@ -14,6 +14,9 @@ checkpoint holds no host optimizer state for them):
 - ``_take_model_step`` (once per ``train_batch``: clip, the trainer's optimizer step, zero grads, the
   LR scheduler):
 
+  0. the host training's ``before_step``: under a VRAM budget the planner fixes its plan at the first step, before
+     any update (:mod:`..planning.autoplan`: the layers it makes resident bring their gradients to the engine's
+     optimizer);
   1. one gradient norm over the engine's params and the host-trained ones (summed over the pipeline
      stages, as DeepSpeed's own clipping does), its coefficient applied to both;
   2. DeepSpeed's step with its own clipping held off (the grads are clipped already), so the trainer's
@@ -99,7 +102,8 @@ class EngineHooks:
                     "DeepSpeed ZeRO partitions and offloads the optimizer, and DGLS already keeps the streamed layers' "
                     "optimizer on the host (beside the GPU's work): turn zero_optimization off (stage 0)"
                 )
-            training.adopt(engine.module.parameters())
+            training.before_step()  # the VRAM planner's plan, at the first step (before any update)
+            training.adopt(engine.module.parameters())  # after the plan: a whole step sees the final placement
             max_norm = engine.gradient_clipping()
             if max_norm > 0 and not training.clipping:
                 raise DGLSUserError(

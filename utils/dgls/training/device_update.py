@@ -113,7 +113,12 @@ class Scratch:
 
     @property
     def nbytes(self) -> int:
-        return (4 * (2 + self.states) + 8) * self.capacity
+        return self.bytes_for(self.capacity, self.states)
+
+    @staticmethod
+    def bytes_for(capacity: int, states: int) -> int:
+        """Device bytes of one buffer with room for ``capacity`` params and ``states`` state tensors."""
+        return (4 * (2 + states) + 8) * capacity
 
     def views(self, offset: int, n: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         """fp32 master, state (one per state key) and gradient views of ``n`` params at ``offset``."""
@@ -150,7 +155,7 @@ class DeviceUpdater:
         device bytes."""
         if kernel is not None:
             self.kernel = kernel
-        capacity = max(min(self.capacity, largest_layer), largest_param)
+        capacity = self.capacity_for(largest_param, largest_layer, self.capacity)
         states = len(self.kernel.state_keys)
         if not self.buffers or self.buffers[0].capacity < capacity or self.buffers[0].states != states:
             self.synchronize()
@@ -158,6 +163,24 @@ class DeviceUpdater:
             # the memory may have been freed by kernels still queued on the compute stream
             self.transport.after_compute(Direction.STATE_IN, Direction.STATE_OUT)
         return sum(b.nbytes for b in self.buffers)
+
+    @staticmethod
+    def capacity_for(largest_param: int, largest_layer: int, capacity: int = DEFAULT_CAPACITY) -> int:
+        """Params a buffer holds: a chunk of ``capacity``, at least the largest param, at most the largest layer."""
+        return max(min(capacity, largest_layer), largest_param)
+
+    @classmethod
+    def reserved_bytes(cls, largest_param: int, largest_layer: int, kernel: OptimizerKernel) -> int:
+        """The device bytes :meth:`reserve` allocates for these sizes and ``kernel`` (the VRAM planner's figure)."""
+        capacity = cls.capacity_for(largest_param, largest_layer)
+        return 2 * Scratch.bytes_for(capacity, len(kernel.state_keys))
+
+    def forget(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer``'s layer no longer trains here (the VRAM planner made it resident): unpin its state."""
+        for state in optimizer.state.values():
+            for key in self.kernel.state_keys:
+                if isinstance(state.get(key), torch.Tensor):
+                    self._memory.free(state[key])
 
     def update(
         self,

@@ -244,7 +244,7 @@ class GradReturn:
         self._new_sum = new_sum  # an fp32 sum allocated after start-up (a second batch read directly)
         self._last_closed = last_closed  # no clipping: a layer's step's last batch closed (its update may start)
         self._by_param = {id(tp.param): tp for layer in layers.values() for tp in layer.params}
-        self._hooks: list = []
+        self._hooks: dict[int, list] = {}  # layer -> its params' hook handles
         self._grouping: TrainedLayer | None = None  # the layer whose grads arrived last (the only open group)
         self._backwards = 0  # backward passes since the last step
         self._queued_in: dict[int, int] = {}  # no clipping: layer -> the pass (``_backwards``) its update started in
@@ -255,15 +255,28 @@ class GradReturn:
     # ---------------------------------------------------------------- hooks
     def install(self, grad_arriving: Callable[[int], None]) -> None:
         for layer in self.layers.values():
+            hooks = self._hooks.setdefault(layer.index, [])
             for tp in layer.params:
                 param = tp.param
-                self._hooks.append(param.register_hook(partial(_before_accumulate, grad_arriving, layer.index)))
-                self._hooks.append(param.register_post_accumulate_grad_hook(partial(self._grad_ready, layer, tp)))
+                hooks.append(param.register_hook(partial(_before_accumulate, grad_arriving, layer.index)))
+                hooks.append(param.register_post_accumulate_grad_hook(partial(self._grad_ready, layer, tp)))
 
     def remove_hooks(self) -> None:
-        for handle in self._hooks:
+        for index in list(self._hooks):
+            self._remove_hooks(index)
+
+    def _remove_hooks(self, index: int) -> None:
+        for handle in self._hooks.pop(index, []):
             handle.remove()
-        self._hooks.clear()
+
+    def forget(self, layer: TrainedLayer) -> None:
+        """``layer`` no longer trains on the host (its hooks removed; the caller took its gradients and drops
+        it from ``layers``)."""
+        self._remove_hooks(layer.index)
+        for tp in layer.params:
+            self._by_param.pop(id(tp.param), None)
+        if self._grouping is layer:
+            self._grouping = None
 
     def _grad_ready(self, layer: TrainedLayer, tp: TrainedParam, param: nn.Parameter) -> None:
         """Post-accumulate-grad hook: take the grad off the param into its layer's group."""

@@ -26,6 +26,11 @@ What the trainer calls
        (:meth:`set_step_lr`), and
        ``step`` queues only the layers that had no gradient.
 
+With a VRAM budget (``first_step``, the planner's): step 1 is the planner's probe, and its plan may hand layers to
+the trainer before their first update (:mod:`..planning.autoplan`). Until the first step's updates are queued, none
+starts during backward; :meth:`before_step` (the trainer calls it before its optimizer step; clipping calls it)
+lets the planner fix its plan, and :meth:`release` gives the layers it made resident back with their gradients.
+
 Threads
     - Per-layer state (:class:`~.grad_return.LayerGrads`, ``layer.update``, ``layer.home``) is written by
       the training thread only; jobs on the transport's job worker (its thread on CUDA or with
@@ -70,6 +75,7 @@ __all__ = [
     "grad_norms",
     "host_training_bytes",
     "training_layout",
+    "update_buffer_bytes",
     "update_threads",
 ]
 
@@ -88,6 +94,21 @@ def training_layout(
     )
 
 
+def reserve_sizes(layout: TrainingLayout) -> tuple[int, int]:
+    """The largest trained param and the largest layer's trained params (elements) of ``layout``: what the device
+    update buffers are sized for (:meth:`~.device_update.DeviceUpdater.reserve`)."""
+    sizes = [[p.numel for p in place.params] for place in layout.layers.values()]
+    return max(max(s) for s in sizes), max(sum(s) for s in sizes)
+
+
+def update_buffer_bytes(layout: TrainingLayout, spec: HostOptimizerSpec) -> int:
+    """Device bytes of the update buffers :class:`HostTraining` reserves for ``layout`` (0 with host updates, or with
+    nothing trained on the host): the VRAM planner's figure."""
+    if not spec.on_device or not layout.layers:
+        return 0
+    return DeviceUpdater.reserved_bytes(*reserve_sizes(layout), spec.device_kernel())
+
+
 class HostTraining:
     """Host masters, gradient returns and the host optimizer of the streamed layers (see the module doc)."""
 
@@ -103,8 +124,14 @@ class HostTraining:
         clipping: bool = True,
         updater: DeviceUpdater | None = None,
         layout: TrainingLayout | None = None,
+        first_step: Callable[[bool], None] | None = None,
     ) -> None:
+        """``first_step``: the VRAM planner's, called once before the first step's clipping or updates (True), or at
+        its updates when nothing came first (False); until the first step's updates are queued, none starts
+        during backward (see the module doc)."""
         self.spec, self.implementation = spec, spec.kernel
+        self._first_step = first_step
+        self._hold = first_step is not None
         self.transport = transport  # gradients home (its CPU backend lands them late unless ``threaded``)
         self.worker = transport.job_worker  # the jobs (accumulations, host updates) run on its thread, or deferred
         self.jobs = Jobs(self.worker)
@@ -122,9 +149,7 @@ class HostTraining:
         self._memory = PinnedMemory(pin, "stream fewer layers (blocks_to_swap), or free RAM")
         self._coef: torch.Tensor | None = None
         if updater is not None and self.layout.layers:
-            sizes = [[p.numel for p in place.params] for place in self.layout.layers.values()]
-            kernel = spec.device_kernel()
-            self.device_bytes = updater.reserve(max(max(s) for s in sizes), max(sum(s) for s in sizes), kernel)
+            self.device_bytes = updater.reserve(*reserve_sizes(self.layout), spec.device_kernel())
         else:
             self.device_bytes = 0  # device updates: their scratch buffers
         self.layers: dict[int, TrainedLayer] = {idx: self._layer(idx, layers[idx]) for idx in self.layout.layers}
@@ -266,6 +291,7 @@ class HostTraining:
                 "gradient clipping was asked for, but DGLS was told there is none (clip_grads = False), so the host "
                 "updates of streamed layers ran during backward: set clip_grads = True"
             )
+        self.before_step()
         host = self.grads.host_norms()
         norms: list[torch.Tensor | int] = []  # a host norm, or the index of a device one
         on_device: list[torch.Tensor] = []
@@ -294,8 +320,51 @@ class HostTraining:
         self._coef = coef
         return total
 
+    def before_step(self) -> None:
+        """Before the trainer's optimizer step (and its clipping): the first one lets the VRAM planner fix its plan,
+        which may :meth:`release` layers to the trainer; later ones do nothing."""
+        first, self._first_step = self._first_step, None
+        if first is not None:
+            first(True)
+
+    def release(self, indices: Iterable[int]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """Stop training layers ``indices`` on the host, before any update of theirs ran (the VRAM planner made them
+        resident; the trainer's optimizer trains them from this step on). Returns each of their params that has a
+        gradient this step with that gradient, a host tensor in the param's compute dtype, for the caller to put
+        on the device; their hooks are removed and their host buffers unpinned."""
+        out: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        for idx in sorted(set(indices) & set(self.layers)):
+            layer = self.layers[idx]
+            g = layer.grads
+            if layer.update is not None or layer.home is not None or g.state in (GradState.OPEN, GradState.QUEUED):
+                raise AssertionError(f"layer {idx} is released to the trainer after its update began")
+            if g.summing is not None:
+                self.jobs.wait(g.summing)
+            if g.direct is not None:
+                self.transport.land(g.direct.done)
+            for tp in layer.params:
+                if g.direct is not None and tp.position in g.direct.params:
+                    out.append((tp.param, tp.landing.clone()))
+                elif tp.position in g.summed:
+                    out.append((tp.param, tp.acc.to(tp.landing.dtype, copy=True)))
+            self.grads.forget(layer)
+            del self.layers[idx]
+            self.layout.layers.pop(idx, None)
+            if self.updates.split is not None:
+                self.updates.split.sizes.pop(idx, None)
+                self.updates.split.on_device.pop(idx, None)
+            if self.updater is not None:
+                self.updater.forget(layer.optimizer)
+            flat = [layer.flat.masters, layer.flat.landings, *layer.flat.state.values()] if layer.flat else []
+            for t in [*flat, *(t for tp in layer.params for t in (tp.landing, tp.master, tp.acc) if t is not None)]:
+                self._memory.free(t)  # a view at a buffer's start frees the buffer; other tensors are not its
+        return out
+
     def step(self, lr: float | None = None) -> None:
         """Queue every layer's update (layer order); ``lr`` overrides the spec's (a schedule's current lr)."""
+        first, self._first_step = self._first_step, None
+        if first is not None:  # the trainer may have stepped already: the planner keeps the placement
+            first(False)
         coef, self._coef = self._coef, None
         self.updates.begin_step(self.layers)
         for layer in self.layers.values():
@@ -307,6 +376,7 @@ class HostTraining:
                 self.updates.submit(layer, layer.grads.take(), coef, lr)
         self.updates.end_step()
         self.grads.step_taken()
+        self._hold = False
 
     def adopt(self, params: Iterable[torch.Tensor]) -> None:
         """A whole step (:mod:`.whole_step`): the stage's params in the trainer's order, before its first step or
@@ -326,7 +396,10 @@ class HostTraining:
         self._step_lr = lr
 
     def _update_early(self, layer: TrainedLayer) -> None:
-        """No clipping: the layer's step's last batch closed; its update starts now, at this step's lr."""
+        """No clipping: the layer's step's last batch closed; its update starts now, at this step's lr (but in the
+        VRAM planner's probe step, whose layers may still change hands: :meth:`step` queues it)."""
+        if self._hold:
+            return
         self.updates.submit(layer, layer.grads.take_early(), None, self._step_lr)
 
     def state_dict(self) -> dict:

@@ -8,7 +8,10 @@ What it adds to the engine
     - After each backward: the open gradient batches are closed and every host-trained layer is evicted,
       since its slot copy is older than its next update.
     - True values: the fp32 masters of host-trained params (state dicts, ``true_weights``, ``remove``).
-    - Placement is fixed: the optimizer state of streamed layers lives on the host.
+    - Placement is fixed: the optimizer state of streamed layers lives on the host. The one exception is the
+      VRAM planner's plan (``plan_fix``), applied once before the first update: the layers it makes resident
+      leave the host training, their step-1 gradients put on their device params for the trainer's optimizer
+      (:mod:`..planning.autoplan`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from ..memory.layout import TrainingLayout, human_bytes
 from ..memory.transport import Transport
 from ..streaming.feature import Engine, Feature
 from ..streaming.masters import Masters
+from ..streaming.placement import Placement
 from ..streaming.schedule import current_phase
 from .device_update import DeviceUpdater
 from .host_optimizer import HostOptimizerSpec
@@ -31,9 +35,10 @@ from .host_training import HostTraining
 class TrainingFeature(Feature):
     """Full fine-tuning of the streamed layers' trainable params on the host (or the device's update path)."""
 
-    def __init__(self, training: HostTraining, note: str) -> None:
+    def __init__(self, training: HostTraining, note: str, replaceable: bool = False) -> None:
         self.training = training
         self.note = note  # the start-up line of its host RAM (check_host_training)
+        self._replaceable = replaceable  # the VRAM planner's one re-placement, before any update, is to come
         self._evict: Callable[[Iterable[int]], None] = lambda indices: None  # the engine's, from install
 
     @classmethod
@@ -49,9 +54,11 @@ class TrainingFeature(Feature):
         threading: bool,
         accumulation_steps: int,
         clipping: bool,
+        plan_fix: Callable[[bool], None] | None = None,
     ) -> TrainingFeature:
         """fp32 masters, gradient landings and the optimizer of the streamed layers, allocated from ``layout`` (the
-        same object :func:`~.host_training.check_host_training` measured before packing; ``note``: its line)."""
+        same object :func:`~.host_training.check_host_training` measured before packing; ``note``: its line).
+        ``plan_fix``: the VRAM planner's, called before the first step's updates (its one re-placement)."""
         if masters.peers.shared:
             raise DGLSUserError(
                 "full fine-tuning of streamed layers runs one process per set of layers: data parallel "
@@ -69,8 +76,9 @@ class TrainingFeature(Feature):
             clipping=clipping,
             updater=DeviceUpdater(transport) if spec.on_device else None,
             layout=layout,
+            first_step=plan_fix,
         )
-        return cls(training, note)
+        return cls(training, note, replaceable=plan_fix is not None)
 
     def install(self, engine: Engine) -> None:
         self._evict = engine.evict
@@ -85,9 +93,19 @@ class TrainingFeature(Feature):
         self._evict(self.training.layers)
 
     def before_placement(self) -> None:
-        raise DGLSUserError(
-            "full fine-tuning places layers once: the optimizer state of streamed layers lives on the host"
-        )
+        if not self._replaceable:
+            raise DGLSUserError(
+                "full fine-tuning places layers once: the optimizer state of streamed layers lives on the host"
+            )
+        self._replaceable = False  # the VRAM planner's plan, before any update: the only re-placement
+
+    def placement_changed(self, placement: Placement, kept_activations: int | None) -> None:
+        """The layers the plan made resident leave the host training; their gradients of this step go onto their
+        params (on the device now), where the trainer's optimizer steps them."""
+        resident = set(self.training.layers) - set(placement.streamed)
+        with torch.no_grad():
+            for param, grad in self.training.release(resident):
+                param.grad = grad.to(param.device, param.dtype, copy=True)
 
     def true_value(self, param: torch.Tensor) -> torch.Tensor | None:
         return self.training.master_of(param)
