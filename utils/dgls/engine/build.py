@@ -120,7 +120,10 @@ def build(
     trained = None  # the training layout: the RAM check's figure, then what full fine-tuning allocates
     if host_trained:
         streamed_layouts = {idx: layouts[idx] for idx in placement.streamed}
-        trained = training_layout(streamed_layouts, c.training.host_optimizer, c.training.accumulation_steps)
+        trained = training_layout(
+            streamed_layouts, c.training.host_optimizer, c.training.accumulation_steps,
+            c.training.clip_grads, c.training.speculate_clipping,
+        )  # fmt: skip
     training_note = check_host_training(trained) if trained is not None else ""
     with ExitStack() as undo:  # a failure below frees what was made
         masters = Masters(
@@ -140,7 +143,7 @@ def build(
             trainer = TrainingFeature.start(
                 masters, trained, transport, c.training.host_optimizer, training_note, device=device,
                 threading=c.transfer.threading, accumulation_steps=c.training.accumulation_steps,
-                clipping=c.training.clip_grads,
+                clipping=c.training.clip_grads, speculate=c.training.speculate_clipping,
             )  # fmt: skip
             features.append(trainer)
             training = trainer.training

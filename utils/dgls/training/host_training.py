@@ -21,7 +21,9 @@ What the trainer calls
        while layers after k are updated. Without clipping (``clipping=False``) a layer's update is queued
        as soon as its step's last micro-batch closed, at the lr the trainer gave for this step
        (:meth:`set_step_lr`), and
-       ``step`` queues only the layers that had no gradient.
+       ``step`` queues only the layers that had no gradient. With clipping, the same happens on speculation
+       (:mod:`.speculation`): the update runs at coefficient 1, and ``step`` keeps it (the step did not clip) or
+       queues its undo and the update with the coefficient.
 
 Threads
     - Per-layer state (:class:`~.grad_return.LayerGrads`, ``layer.update``, ``layer.home``) is written by
@@ -36,6 +38,8 @@ Hazards handled
       Evicted params point at empty placeholders, so a trainer that zero-fills missing grads
       (DeepSpeed's gradient reduction) allocates nothing.
     - A param with no grad in a step is skipped by its optimizer, as one without ``.grad`` is.
+    - Before the step, every reader sees the weights from before it: a speculated layer fetched, given another
+      gradient, or read (:meth:`finish`) is undone first (:meth:`cancel`).
 """
 
 from __future__ import annotations
@@ -51,11 +55,13 @@ from ..memory.host_store import HostLayer, ram_reserve
 from ..memory.layout import LayerLayout, TrainingLayout, human_bytes
 from ..memory.pinned import PinnedMemory
 from ..memory.transport import Copy, Direction, Transport
+from . import speculation
 from .device_update import DeviceUpdater, FlatLayer, FlatParam
 from .grad_return import SEND_GROUP_BYTES, GradReturn, GradState, TrainedLayer, TrainedParam
 from .host_optimizer import HostOptimizerSpec
 from .jobs import Jobs
 from .optimizer_kernels import grad_norms
+from .speculation import Spare, Speculation, clipping_line, refresh_copies, spares_for
 from .update_split import UpdateSplit
 from .updaters import DeviceSide, HostUpdater, SplitUpdater, Updater, update_threads
 
@@ -71,15 +77,20 @@ __all__ = [
 
 
 def training_layout(
-    layouts: Mapping[int, LayerLayout], spec: HostOptimizerSpec, accumulation_steps: int = 1
+    layouts: Mapping[int, LayerLayout],
+    spec: HostOptimizerSpec,
+    accumulation_steps: int = 1,
+    clipping: bool = True,
+    speculate: bool = True,
 ) -> TrainingLayout:
     """The training layout of the streamed layers ``layouts`` for ``spec`` (sums with several micro-batches a
-    step; with one, the updates read the landings)."""
+    step; with one, the updates read the landings; spares where updates speculate under clipping)."""
     return TrainingLayout(
         layouts,
         state_keys=spec.state_keys,
         sums=accumulation_steps != 1,
         device_updates=spec.on_device,
+        spares=spares_for(spec, clipping, speculate),
     )
 
 
@@ -98,6 +109,7 @@ class HostTraining:
         clipping: bool = True,
         updater: DeviceUpdater | None = None,
         layout: TrainingLayout | None = None,
+        speculate: bool = True,
     ) -> None:
         self.spec, self.implementation = spec, spec.kernel
         self.transport = transport  # gradients home (its CPU backend lands them late unless ``threaded``)
@@ -109,7 +121,9 @@ class HostTraining:
         # with one micro-batch a step, updates read it straight from its landings (no fp32 sum on the host)
         self.direct = accumulation_steps == 1
         self._step_lr: float | None = None  # the lr of early updates (clipping off); None: each group's
-        self.layout = layout or training_layout({i: h.layout for i, h in layers.items()}, spec, accumulation_steps)
+        self.layout = layout or training_layout(
+            {i: h.layout for i, h in layers.items()}, spec, accumulation_steps, clipping, speculate
+        )
         if self.layout.device_updates != (updater is not None):
             raise AssertionError("the training layout was placed for another update strategy than this one")
         # landings, and for device updates masters, sums and state: page-locked at their exact size
@@ -122,7 +136,10 @@ class HostTraining:
             self.device_bytes = updater.reserve(max(max(s) for s in sizes), max(sum(s) for s in sizes), kernel)
         else:
             self.device_bytes = 0  # device updates: their scratch buffers
-        self.layers: dict[int, TrainedLayer] = {idx: self._layer(idx, layers[idx]) for idx in self.layout.layers}
+        spares: dict[int, Spare] = {}
+        self.layers: dict[int, TrainedLayer] = {i: self._layer(i, layers[i], spares) for i in self.layout.layers}
+        # clipping: which layers' updates start before the norm is known, and what became of them (.speculation)
+        self.speculation = Speculation(spares, clipping_line(self.layout, spec, clipping, speculate))
         self.grads = GradReturn(
             self.layers,
             transport,
@@ -133,6 +150,7 @@ class HostTraining:
             late=not threaded,
             new_sum=self._new_sum,
             last_closed=self._update_early,
+            reopen_speculated=self.cancel,
         )
         self.updates = self._strategy(spec)
         if threaded:
@@ -145,16 +163,22 @@ class HostTraining:
         if not spec.split:
             return DeviceSide(self.jobs, self.updater)
         sizes = {idx: layer.numel for idx, layer in self.layers.items()}
-        split = SplitUpdater(self.jobs, self.transport, self.updater, sizes, self.clipping)
+        all_at_once = self.clipping and not self.speculation.spares  # else updates trickle in during backward
+        split = SplitUpdater(self.jobs, self.transport, self.updater, sizes, all_at_once)
         for layer in self.layers.values():
             if layer.flat is None:  # flat layers have theirs
                 self.updater.prepare(layer.optimizer)  # pinned state, found by either side
         return split
 
-    def _layer(self, idx: int, host: HostLayer) -> TrainedLayer:
-        """Layer ``idx``'s buffers from the training layout, its masters filled, its optimizer built."""
+    def _layer(self, idx: int, host: HostLayer, spares: dict[int, Spare]) -> TrainedLayer:
+        """Layer ``idx``'s buffers from the training layout, its masters filled, its optimizer built (its spare
+        into ``spares``, if it has one)."""
         place = self.layout.layers[idx]
         buffers = self.layout.allocate(idx, self._memory.empty, _plain)
+        if buffers.spare_masters is not None:
+            shapes = {p.position: p.param.shape for p in place.params}
+            offsets = self.layout.spare_offsets(idx)
+            spares[idx] = Spare(buffers.spare_masters, buffers.spare_state, offsets, shapes)
         params = []
         with torch.no_grad():
             for p, master, landing, acc in zip(place.params, buffers.masters, buffers.landings, buffers.sums):
@@ -225,8 +249,11 @@ class HostTraining:
         self.worker.check()
 
     def finish(self) -> None:
-        """Run every job submitted so far, and bring every device update home (state dicts, removal)."""
+        """Run every job submitted so far, and bring every device update home (state dicts, removal). Speculative
+        updates are undone first: their step has not come."""
         for layer in self.layers.values():
+            if layer.grads.state is GradState.SPECULATED:
+                self.cancel(layer)
             if layer.grads.summing is not None:
                 self.jobs.wait(layer.grads.summing)
             self.updates.settle(layer)
@@ -239,6 +266,8 @@ class HostTraining:
         layer = self.layers.get(idx)
         if layer is None:
             return None
+        if layer.grads.state is GradState.SPECULATED:  # a use before the step: the weights from before it
+            self.cancel(layer)
         return self.updates.settle(layer)
 
     # ---------------------------------------------------------------- what the trainer calls
@@ -288,16 +317,27 @@ class HostTraining:
     def step(self, lr: float | None = None) -> None:
         """Queue every layer's update (layer order); ``lr`` overrides the spec's (a schedule's current lr)."""
         coef, self._coef = self._coef, None
+        keep = coef is None or bool(coef == 1.0)  # the step does not clip: speculative updates are its own
+        self.speculation.step_begins(keep)
         self.updates.begin_step(self.layers)
         for layer in self.layers.values():
             for tp in layer.params:
                 tp.param.grad = None  # a trainer may have zero-filled it (DeepSpeed's gradient reduction)
             if layer.grads.state is GradState.QUEUED:
                 layer.grads.settle()
+            elif layer.grads.state is GradState.SPECULATED:
+                record = self.speculation.pop(layer.index)
+                grads = layer.grads.take()
+                if keep and record.lr == lr:
+                    self.speculation.counts["kept"] += 1
+                else:  # undone where the update with the coefficient runs, just before it
+                    self.speculation.counts["redone"] += 1
+                    self.updates.submit(layer, grads, coef, lr, undo=record)
             else:
                 self.updates.submit(layer, layer.grads.take(), coef, lr)
         self.updates.end_step()
         self.grads.step_taken()
+        self.speculation.step_taken(clipped=not keep)
 
     def set_step_lr(self, lr: float | None) -> None:
         """The lr this step's early updates (no clipping) run at: the trainer's, read before its backward passes
@@ -305,8 +345,28 @@ class HostTraining:
         self._step_lr = lr
 
     def _update_early(self, layer: TrainedLayer) -> None:
-        """No clipping: the layer's step's last batch closed; its update starts now, at this step's lr."""
-        self.updates.submit(layer, layer.grads.take_early(), None, self._step_lr)
+        """The layer's step's last batch closed. No clipping: its update starts now, at this step's lr. Clipping:
+        so it does on speculation, at coefficient 1, where the layer has a spare and this step speculates."""
+        if not self.clipping:
+            self.updates.submit(layer, layer.grads.take_early(), None, self._step_lr)
+            return
+        record = self.speculation.start(layer, self.updates.side(layer), self._step_lr)
+        if record is not None:
+            self.updates.submit(layer, layer.grads.speculate(), None, self._step_lr, speculated=record)
+
+    def cancel(self, layer: TrainedLayer) -> None:
+        """Undo ``layer``'s speculative update before its step (a use of the layer meanwhile); it waits for the norm
+        like any other. Rare, so done here, on the training thread: after the update's job, and its copies home."""
+        record = self.speculation.pop(layer.index)
+        record.cancelled = True  # a job not started yet skips itself
+        home = self.updates.settle(layer)
+        if home is not None:
+            self.transport.land(home)
+        if record.ran:
+            speculation.undo(record)
+            refresh_copies(layer)
+        self.speculation.counts["cancelled"] += 1
+        layer.grads.reopen()
 
     def state_dict(self) -> dict:
         """The optimizer state of every host-trained layer (the masters are in the model's state dict)."""
@@ -411,20 +471,29 @@ def _plain(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def host_training_bytes(
-    layouts: list[LayerLayout], streamed: Iterable[int], spec: HostOptimizerSpec, sums: bool = True
+    layouts: list[LayerLayout],
+    streamed: Iterable[int],
+    spec: HostOptimizerSpec,
+    sums: bool = True,
+    clipping: bool = True,
+    speculate: bool = True,
 ) -> dict[str, int]:
     """Host bytes full fine-tuning of the streamed layers needs beyond their packed copies: the training
     layout's figure (:meth:`~..memory.layout.TrainingLayout.parts`). ``sums``: fp32 gradient sums (kept with several
-    micro-batches a step; with one, the updates read the landings)."""
-    return training_layout({idx: layouts[idx] for idx in streamed}, spec, 2 if sums else 1).parts()
+    micro-batches a step; with one, the updates read the landings); ``clipping`` and ``speculate``: spares for
+    speculative updates (all of them: the RAM check may keep fewer)."""
+    return training_layout({idx: layouts[idx] for idx in streamed}, spec, 2 if sums else 1, clipping, speculate).parts()
 
 
 def check_host_training(layout: TrainingLayout) -> str:
     """Refuse, with the numbers, when the host cannot hold the masters, gradients and optimizer state and
     still keep its reserve (a tenth of its RAM, 2 GiB at least: the weight store's rule; much of this is
     page-locked, which the host cannot swap out); otherwise the start-up line that says how much they take.
-    ``layout`` is the object :class:`HostTraining` then allocates from (the builder hands it the same one)."""
+    ``layout`` is the object :class:`HostTraining` then allocates from (the builder hands it the same one). The
+    spares of speculative updates (:mod:`.speculation`) are optional: the layout keeps those that fit beside the
+    rest (:meth:`~..memory.layout.TrainingLayout.limit_spares`); the clipping line says what became of them."""
     parts = layout.parts()
+    parts.pop("speculation", None)
     need = sum(parts.values())
     memory = psutil.virtual_memory()
     reserve = ram_reserve(memory.total)
@@ -435,4 +504,8 @@ def check_host_training(layout: TrainingLayout) -> str:
             f"their packed weights, and {human_bytes(memory.available)} is free, of which "
             f"{human_bytes(reserve)} stays for the rest of the host: stream fewer layers (blocks_to_swap), or free RAM"
         )
-    return f"DGLS host training: {human_bytes(need)} of host RAM ({described})"
+    if layout.spares_wanted:
+        layout.limit_spares(memory.available - reserve - need)
+    parts = layout.parts()
+    described = ", ".join(f"{name} {human_bytes(n)}" for name, n in parts.items())
+    return f"DGLS host training: {human_bytes(sum(parts.values()))} of host RAM ({described})"

@@ -49,6 +49,7 @@ class TrainingFeature(Feature):
         threading: bool,
         accumulation_steps: int,
         clipping: bool,
+        speculate: bool = True,
     ) -> TrainingFeature:
         """fp32 masters, gradient landings and the optimizer of the streamed layers, allocated from ``layout`` (the
         same object :func:`~.host_training.check_host_training` measured before packing; ``note``: its line)."""
@@ -69,6 +70,7 @@ class TrainingFeature(Feature):
             clipping=clipping,
             updater=DeviceUpdater(transport) if spec.on_device else None,
             layout=layout,
+            speculate=speculate,
         )
         return cls(training, note)
 
@@ -101,7 +103,10 @@ class TrainingFeature(Feature):
     def describe(self) -> list[str]:
         scratch = self.training.device_bytes
         on_device = f" ({human_bytes(scratch)} of device buffers)" if scratch else ""
-        return [f"{self.note}; optimizer of the streamed layers: {self.training.implementation}{on_device}"]
+        return [
+            f"{self.note}; optimizer of the streamed layers: {self.training.implementation}{on_device}",
+            self.training.speculation.line,
+        ]
 
     def close(self) -> None:
         self.training.close()
