@@ -15,6 +15,10 @@ every block checkpointed):
   and back (``device``), on the CPU (torch's fused kernel, or DeepSpeedCPUAdam), or each layer on whichever
   of the two would finish it sooner at the rates measured on earlier steps (``split``; 'updated on GPU' is
   the GPU's share of the params in the timed steps). Small resident layers train with AdamW on the GPU.
+  With clipping, each layer's update starts as its gradients land, at coefficient 1, and a step that clips redoes
+  them (utils/dgls/training/speculation.py); ``dgls-IMPL-wait`` (not in the default list) makes them wait for
+  the norm, as before. 'grad norm' is the median norm of the timed steps (the synthetic data decides whether a
+  step clips), 'speculation' what became of the speculative updates since the method started.
 
 Each method runs in a process of its own (so no method's memory counts in another's), one after
 another on the same machine. Per method: median step, ratio to ``resident``, peak VRAM, the process's
@@ -200,27 +204,35 @@ def zero2_step(bench, device, clip: float) -> tuple[Callable[[], None], object]:
 
 
 def dgls_step(bench, device, implementation: str, stream_mib: float, prefetch: int, clip: float, optimizer="adamw"):
+    """The DGLS step of ``implementation`` (``IMPL`` or ``IMPL-wait``: updates wait for the gradient norm), the
+    swapper, the streamed GiB and the list each step's gradient norm is appended to."""
+    implementation, _, wait = implementation.partition("-")
+    if wait not in ("", "wait"):
+        raise ValueError(f"a DGLS method is dgls-IMPL or dgls-IMPL-wait, got dgls-{implementation}-{wait}")
     spec = host_spec(optimizer, implementation)
     sizes = bench.sizes  # measured before anything was trainable: streamable = every param of the layer
     resident = [s.index for s in sizes if s.streamable_bytes < stream_mib * 2**20]
-    config = SwapConfig.of(gpu_layers=resident, prefetch=prefetch, host_optimizer=spec, clip_grads=bool(clip))
+    config = SwapConfig.of(
+        gpu_layers=resident, prefetch=prefetch, host_optimizer=spec, clip_grads=bool(clip), speculate_clipping=not wait
+    )
     swapper = LayerSwapper(bench.layers, config, device=device, log=None)
     training = swapper.training
     params = [p for layer in bench.layers for p in layer.parameters()]
     device_params = [p for p in params if not training.owns(p)]
     trainer = device_optimizer(device_params, optimizer) if device_params else None
+    norms: list[float] = []
 
     def step() -> None:
         forward_backward(bench)
         if clip:
-            training.clip_grad_norm_(params, clip)
+            norms.append(float(training.clip_grad_norm_(params, clip)))
         if trainer is not None:
             trainer.step()
             trainer.zero_grad(set_to_none=True)
         training.step()
 
     streamed = sum(sizes[i].streamable_bytes for i in swapper.streamed_layers) / GiB
-    return step, swapper, streamed
+    return step, swapper, streamed, norms
 
 
 def measure(name: str, args, device, dtype) -> dict:
@@ -236,6 +248,7 @@ def measure(name: str, args, device, dtype) -> dict:
     row["trained_params_b"] = sum(p.numel() for layer in bench.layers for p in layer.parameters()) / 1e9
     cleanup: Callable[[], None] = gc.collect  # replaced by the method's own clean-up
     training = swapper = None
+    norms: list[float] = []
     try:
         if name == "resident":
             step = resident_step(bench, args.clip, args.optimizer)
@@ -246,7 +259,7 @@ def measure(name: str, args, device, dtype) -> dict:
             cleanup = engine.destroy
         else:
             impl = name.split("-", 1)[1]
-            step, swapper, row["streamed_gib"] = dgls_step(
+            step, swapper, row["streamed_gib"], norms = dgls_step(
                 bench, device, impl, args.stream_mib, args.prefetch, args.clip, args.optimizer
             )
             training = swapper.training
@@ -269,6 +282,9 @@ def measure(name: str, args, device, dtype) -> dict:
             if training.split is not None:  # the split of the last step, and the rates it came from
                 row["device_share"] = training.split.device_share
                 row["split"] = training.split.describe()
+            if norms:
+                row["grad_norm"] = statistics.median(norms[-len(times) :])
+            row["speculation"] = training.speculation.describe()
         row.update(median_step_s=statistics.median(times), step_times_s=times, steps=len(times), **peaks(device))
         row["host_rss_gib"] = rss.peak / GiB
     except Exception as exc:  # noqa: BLE001 - a method that cannot run is a row that says why

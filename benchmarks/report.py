@@ -179,8 +179,10 @@ TABLES: dict[str, Table] = {
             ("peak reserved GiB", _key("peak_reserved_gib", ".2f")),
             ("host RSS GiB", _key("host_rss_gib", ".1f")),
             ("pinned host GiB", _key("pinned_gib", ".1f")),
+            ("grad norm", _key("grad_norm", ".3g")),
+            ("speculation", _text("speculation")),
         ),
-        optional=("trained params (B)", "GPU wait", "updated on GPU", "pinned host GiB"),
+        optional=("trained params (B)", "GPU wait", "updated on GPU", "pinned host GiB", "grad norm", "speculation"),
     ),
     "engines": Table(
         columns=(

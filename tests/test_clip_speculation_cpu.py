@@ -176,8 +176,8 @@ def test_the_ram_figure_and_the_start_up_line_count_the_spares(spec, per_param):
 
 
 def with_ram_beside_the_reserve(monkeypatch, spare_bytes: int) -> None:
-    """The RAM check sees the training state's figure (without spares) and ``spare_bytes`` more beside the host's
-    reserve (the rest of the program sees the host as it is)."""
+    """The RAM check sees the training state's figure (without spares), the packed weights and ``spare_bytes`` more
+    beside the host's reserve (the rest of the program sees the host as it is)."""
 
     class Memory:
         total = 64 * 2**30  # reserve: 6.4 GiB
@@ -191,7 +191,8 @@ def with_ram_beside_the_reserve(monkeypatch, spare_bytes: int) -> None:
     def check(layout):
         parts = layout.parts()
         parts.pop("speculation", None)
-        Memory.available = host_training.ram_reserve(Memory.total) + sum(parts.values()) + spare_bytes
+        beside = sum(parts.values()) + layout.packed_bytes + spare_bytes
+        Memory.available = host_training.ram_reserve(Memory.total) + beside
         return real(layout)
 
     import utils.dgls.engine.build as build

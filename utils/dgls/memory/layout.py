@@ -399,6 +399,7 @@ class TrainingLayout:
         self.spares_wanted = tuple(i for i, p in self.layers.items() if spares == "all" or spares == "flat" and p.flat)
         self.spares = frozenset(self.spares_wanted)
         self.spare_budget: int | None = None
+        self.packed_bytes = sum(layout.host_bytes for layout in layouts.values())  # the streamed layers' own copies
 
     def _place(self, idx: int, layout: LayerLayout) -> TrainedLayerPlace | None:
         chosen = [(k, p) for k, p in enumerate(layout.params) if p.param.requires_grad]

@@ -24,17 +24,17 @@ Mechanics
 
 States (:class:`LayerGrads`, one per layer; each transition is a method that asserts its start state)::
 
-    transition     from                    to       when
-    open           IDLE, SUMMED            OPEN     a grad of a new batch arrives
-    close_direct   OPEN                    DIRECT   the batch closes, one micro-batch a step, nothing summed
-    close_summed   OPEN                    SUMMED   the batch closes into the sums (an accumulate job)
-    promote        DIRECT                  SUMMED   a second batch arrives: the first is summed after all
-    take           IDLE, DIRECT, SUMMED,   IDLE     the step queues (or keeps) the layer's update
+    transition     from                    to              when
+    open           IDLE, SUMMED            OPEN            a grad of a new batch arrives
+    close_direct   OPEN                    DIRECT          the batch closes, one micro-batch a step, nothing summed
+    close_summed   OPEN                    SUMMED          the batch closes into the sums (an accumulate job)
+    promote        DIRECT                  SUMMED          a second batch arrives: the first is summed after all
+    take           IDLE, DIRECT, SUMMED,   IDLE            the step queues (or keeps) the layer's update
                    SPECULATED
-    take_early     DIRECT, SUMMED          QUEUED   no clipping: the step's last batch closed
-    settle         QUEUED                  IDLE     the step leaves the update queued early
-    speculate      DIRECT, SUMMED          SPECULATED  clipping: the step's last batch closed; the update starts
-                                                    at coefficient 1
+    take_early     DIRECT, SUMMED          QUEUED          no clipping: the step's last batch closed
+    settle         QUEUED                  IDLE            the step leaves the update queued early
+    speculate      DIRECT, SUMMED          SPECULATED      clipping: the step's last batch closed; the update
+                                                           starts at coefficient 1
     reopen         SPECULATED              DIRECT, SUMMED  the speculative update was undone before the step
 
 - IDLE: nothing of this step yet, or its update took the step's gradients (``take`` also from IDLE:

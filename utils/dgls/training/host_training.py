@@ -504,8 +504,8 @@ def check_host_training(layout: TrainingLayout) -> str:
             f"their packed weights, and {human_bytes(memory.available)} is free, of which "
             f"{human_bytes(reserve)} stays for the rest of the host: stream fewer layers (blocks_to_swap), or free RAM"
         )
-    if layout.spares_wanted:
-        layout.limit_spares(memory.available - reserve - need)
+    if layout.spares_wanted:  # optional: in what is left once the packed copies are made too
+        layout.limit_spares(memory.available - reserve - need - layout.packed_bytes)
     parts = layout.parts()
     described = ", ".join(f"{name} {human_bytes(n)}" for name, n in parts.items())
     return f"DGLS host training: {human_bytes(sum(parts.values()))} of host RAM ({described})"

@@ -288,7 +288,7 @@ def clipping_line(layout: TrainingLayout, spec: HostOptimizerSpec, clipping: boo
         budget = human_bytes(layout.spare_budget or 0)
         return wait + (
             f"the old values a speculative update keeps ({human_bytes(wanted)}, {per_param} bytes a param) do not fit "
-            f"the {budget} of host RAM left beside the training state"
+            f"the {budget} of host RAM left beside the training state and the packed weights"
         )
     which = "the streamed layers' updates"
     if layout.spares != set(layout.spares_wanted):
