@@ -27,7 +27,7 @@ from full_ft import (
 
 from utils.dgls import LayerSwapper, SwapConfig
 from utils.dgls.memory.layout import TrainingLayout, measure
-from utils.dgls.training import host_training, speculation
+from utils.dgls.training import grad_return, host_training, speculation
 from utils.dgls.training.host_optimizer import HostOptimizerSpec
 from utils.dgls.training.speculation import clipping_line, undo_problem
 
@@ -255,3 +255,41 @@ def test_a_per_layer_optimizer_class_waits_for_the_norm():
     assert_same(got, want)
     assert not training.speculation.spares and "speculation" not in training.layout.parts()
     assert any("steps its own class" in line for line in lines if line.startswith("DGLS clipping:"))
+
+
+class LooksLikeCuda:
+    """The training's transport, but ``cuda`` (device updates still run as the CPU backend's jobs)."""
+
+    cuda = True
+
+    def __init__(self, transport) -> None:
+        self._transport = transport
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+
+@pytest.mark.parametrize("sums_written", [False, True], ids=["sums-pending", "sums-written"])
+def test_on_cuda_a_device_update_from_host_sums_starts_once_they_are_written(monkeypatch, sums_written):
+    """On CUDA the training thread enqueues device updates, and one from host sums would wait there, in the
+    backward, for the job writing them: it starts at a later close or the backward's end if that job ran by then
+    (``sums_written``: each accumulate job runs as it is queued), else it waits for the norm. Exact either way."""
+    init = host_training.HostTraining.__init__
+
+    def looking_like_cuda(self, *args, **kw):
+        init(self, *args, **kw)
+        self.transport = LooksLikeCuda(self.transport)
+
+    monkeypatch.setattr(host_training.HostTraining, "__init__", looking_like_cuda)
+    if sums_written:
+        submit_sum = grad_return.GradReturn._submit_sum
+
+        def written(self, layer, batch, last):
+            job = submit_sum(self, layer, batch, last)
+            self.jobs.wait(job)
+            return job
+
+        monkeypatch.setattr(grad_return.GradReturn, "_submit_sum", written)
+    got, want, training = speculated_run(DEVICE, BF16, accumulate=2, drained=False)
+    assert_same(got, want)
+    assert training.speculation.counts["speculated"] == (4 * len(training.layers) if sums_written else 0)

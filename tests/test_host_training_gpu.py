@@ -315,7 +315,7 @@ def test_speculated_updates_with_delays_equal_updates_that_wait_for_the_norm(
     (host jobs, or the GPU writing master and moments home into the layer's spare, whose buffers then swap in); a
     step that clips undoes them and redoes them, on the side the step gives the layer (split: every layer changes
     side every step). ``drained``: the host jobs all ran before the norm. Bitwise the updates that wait for the norm
-    (the reference), and no layer is undone before its step."""
+    (the reference), and no layer is undone before its step (none is fetched or read before it)."""
     on_device = flip_sides_every_step(monkeypatch) if spec.split else None
     seen = []
     before_clip = (lambda training: training.jobs.worker.drain()) if drained else None
@@ -349,7 +349,10 @@ def test_speculated_updates_with_delays_equal_updates_that_wait_for_the_norm(
     assert_same(got, want)
     counts = seen[0].speculation.counts
     layers = len(seen[0].layers)
-    assert counts == {"speculated": 2 * layers, "kept": layers, "redone": layers, "cancelled": 0}, counts
+    if accumulate == 1:
+        assert counts == {"speculated": 2 * layers, "kept": layers, "redone": layers, "cancelled": 0}, counts
+    else:  # a device update from host sums starts once they are written, if that is before the norm
+        assert counts["speculated"] == counts["kept"] + counts["redone"] and not counts["cancelled"], counts
 
 
 def half_on_each_side(monkeypatch) -> None:

@@ -121,6 +121,7 @@ class HostTraining:
         # with one micro-batch a step, updates read it straight from its landings (no fp32 sum on the host)
         self.direct = accumulation_steps == 1
         self._step_lr: float | None = None  # the lr of early updates (clipping off); None: each group's
+        self._closed: dict[int, TrainedLayer] = {}  # clipping: step's last batch closed, not speculated on yet
         self.layout = layout or training_layout(
             {i: h.layout for i, h in layers.items()}, spec, accumulation_steps, clipping, speculate
         )
@@ -215,8 +216,10 @@ class HostTraining:
         self.grads.remove_hooks()
 
     def backward_done(self) -> None:
-        """The backward pass ended: close the batches of layers that did not get every grad."""
+        """The backward pass ended: close the batches of layers that did not get every grad (and start the
+        speculative updates that can start now)."""
         self.grads.backward_done()
+        self._start_speculation()
 
     def pinned_bytes(self) -> int:
         """Page-locked bytes this module holds: landings, and for device updates the masters, sums and
@@ -317,6 +320,7 @@ class HostTraining:
     def step(self, lr: float | None = None) -> None:
         """Queue every layer's update (layer order); ``lr`` overrides the spec's (a schedule's current lr)."""
         coef, self._coef = self._coef, None
+        self._closed.clear()  # not started: they wait, as the norm is known
         keep = coef is None or bool(coef == 1.0)  # the step does not clip: speculative updates are its own
         self.speculation.step_begins(keep)
         self.updates.begin_step(self.layers)
@@ -350,9 +354,24 @@ class HostTraining:
         if not self.clipping:
             self.updates.submit(layer, layer.grads.take_early(), None, self._step_lr)
             return
-        record = self.speculation.start(layer, self.updates.side(layer), self._step_lr)
-        if record is not None:
-            self.updates.submit(layer, layer.grads.speculate(), None, self._step_lr, speculated=record)
+        self._closed[layer.index] = layer
+        self._start_speculation()
+
+    def _start_speculation(self) -> None:
+        """Start the speculative update of each layer whose step's last batch closed, where it can start without
+        a wait: on CUDA a device update copies the layer's host sums in, so it waits for the job writing them."""
+        for idx, layer in list(self._closed.items()):
+            g = layer.grads
+            if g.state not in (GradState.DIRECT, GradState.SUMMED):
+                del self._closed[idx]  # another batch came; its close puts it back
+                continue
+            side = self.updates.side(layer)
+            if self.transport.cuda and side == "device" and g.summing is not None and not g.summing.done.is_set():
+                continue
+            del self._closed[idx]
+            record = self.speculation.start(layer, side, self._step_lr)
+            if record is not None:
+                self.updates.submit(layer, g.speculate(), None, self._step_lr, speculated=record)
 
     def cancel(self, layer: TrainedLayer) -> None:
         """Undo ``layer``'s speculative update before its step (a use of the layer meanwhile); it waits for the norm

@@ -25,7 +25,10 @@ for the master and 4 per state tensor, AdamW 12, SGD with momentum 8, SGD withou
     - Device update of a flat layer: the update's copies home write master and state into the spare, which then
       becomes the layer's (:func:`swap`): not a byte more crosses the link or host memory. Undo: swap back.
     - A layer the device updates per param (fp32 compute, several dtypes) or with a param without a gradient this
-      step waits when its update is the device's.
+      step waits when its update is the device's. On CUDA a device update from host sums starts once the job that
+      writes them ran (the training thread would wait for it in the backward, behind the host's other jobs): at a
+      later layer's close or the backward's end (:meth:`~.host_training.HostTraining.backward_done`), else it
+      waits for the norm.
 
 Policy (:class:`Speculation`; it changes the speed, never the numbers)
     - The layers whose spares fit the host RAM left beside the training state speculate, the first in the forward
@@ -53,14 +56,15 @@ import torch
 
 from ..memory.layout import TrainingLayout, human_bytes
 from .grad_return import TrainedLayer
-from .host_optimizer import HostOptimizerSpec
+from .host_optimizer import HOST_OPTIMIZERS, HostOptimizerSpec
 
 COUNTS = ("speculated", "kept", "redone", "cancelled")
 
 
 def undo_problem(spec: HostOptimizerSpec) -> str | None:
-    """Why updates of ``spec``'s optimizer cannot be undone exactly (they wait for the norm), or None."""
-    if spec.per_layer:
+    """Why updates of ``spec``'s optimizer cannot be undone exactly (they wait for the norm), or None: only DGLS's
+    own kernels speculate (a whitelist: an optimizer type added later waits until its state is known)."""
+    if spec.per_layer or spec.type not in HOST_OPTIMIZERS:
         return (
             f"[optimizer] type {spec.type!r} steps its own class, whose state DGLS does not know well enough to undo "
             "a step (type 'adamw' or 'sgd' speculate)"
@@ -236,7 +240,7 @@ class Speculation:
         spare = self.spares.get(layer.index)
         if not self.active or spare is None:
             return None
-        if side == "device" and not (layer.flat is not None and _every_param_stepped(layer)):
+        if side == "device" and (layer.flat is None or not _every_param_stepped(layer)):
             return None
         record = Speculated(layer, spare, lr)
         self.records[layer.index] = record
