@@ -41,9 +41,9 @@ Policy (:class:`Speculation`; it changes the speed, never the numbers)
       weights from before it.
 
 Threads
-    - A :class:`Speculated` record is made and its ``cancelled`` set on the training thread; the thread that runs the
-      update fills ``side``/``ran``/``steps``/``absent``; :func:`undo` runs after that update, on whichever thread
-      runs the redo or the cancel (after waiting for the update's job, and on CUDA for its copies home).
+    - A :class:`Speculated` record is made, submitted (``side``) and ``cancelled`` on the training thread; the thread
+      that runs the update fills ``ran``/``steps``/``absent``; :func:`undo` runs after that update, on whichever
+      thread runs the redo or the cancel (after waiting for the update's job, and on CUDA for its copies home).
     - :func:`swap` re-points the layer's master and state views in place (``Tensor.set_``): the optimizer's keys,
       the flat params and the trained params keep their identity.
 """
