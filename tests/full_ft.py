@@ -5,7 +5,10 @@ DGLS trains on the host (those of streamed layers) get fp32 masters, their per-m
 summed in fp32 (the first copied, as autograd assigns a first grad), one norm over every param in the
 order given clips host and device grads alike, and the host optimizer (the same implementation, built
 by the same spec) steps the masters, whose compute-dtype copies the next forward uses. The other params
-train with the trainer's optimizer on the device, as in DGLS.
+train with the trainer's optimizer on the device, as in DGLS; with ``whole_step`` one instance of the host spec's
+class steps every param, as train.py's one optimizer does and DGLS's whole step promises: the masters of
+host-trained params, and copies of the others beside the masters (in their own dtype; on the CPU, the same numbers as
+the params themselves), given the params' clipped gradients and written back after the step.
 """
 
 from __future__ import annotations
@@ -94,15 +97,20 @@ def train_dgls(
     cfg=SMALL,
     max_norm=MAX_NORM,
     checkpoint_fn=None,
+    adopt=False,
     before_clip=None,
 ):
     """Train with a swapper built with ``host_optimizer=SPEC``: resident params by the trainer's optimizer.
     ``start_step``/``trainer_state``: continue a run saved after that many steps; ``on_step(step, trainer)``
-    runs after each step; ``checkpoint_fn``: the blocks' checkpoint (e.g. the swapper's, offloading);
+    runs after each step; ``checkpoint_fn``: the blocks' checkpoint (e.g. the swapper's, offloading); ``adopt``: the
+    trainer hands its params to the host training and, after clipping, its resident params' gradients (as DGLS's
+    engine hooks do: a whole step's instance then trains every param, and the trainer's optimizer finds none);
     ``max_norm``: one for every step or a list (:func:`norm_of_step`); ``before_clip(training)``: after a step's
     backward passes, before its norm."""
     training = swapper.training
     params = params_of(layers)
+    if adopt:
+        training.adopt(params)
     resident = [p for p in params if not training.owns(p)]
     trainer = SPEC.build(resident) if resident else None
     if trainer_state is not None:
@@ -119,6 +127,8 @@ def train_dgls(
             before_clip(training)
         if norm_of_step(max_norm, step) is not None:
             training.clip_grad_norm_(params, norm_of_step(max_norm, step))
+        if adopt:
+            training.take_resident_grads()
         if trainer is not None:
             trainer.step()
             trainer.zero_grad()
@@ -144,12 +154,14 @@ def train_reference(
     host_spec=SPEC,
     master_device="cpu",
     update_device=None,
+    whole_step=False,
 ):
     """The same training without streaming (see the module doc). ``host_names``: ``"i.name"`` of the params
     DGLS trains on the host, with ``host_spec``'s optimizer, masters, sums and their norms on ``master_device``
     (device updates on CUDA: torch's fused AdamW on the GPU, whose kernel they run, and grad norms taken
     there). ``update_device(step, name)``: where that param's update of ``step`` (from 0) runs instead (split
-    updates): its master, state and gradient move there for the step (the norms stay on ``master_device``)."""
+    updates): its master, state and gradient move there for the step (the norms stay on ``master_device``).
+    ``whole_step``: one instance of ``host_spec``'s class over every param, in order (see the module doc)."""
     named = [(f"{i}.{n}", p) for i, layer in enumerate(layers) for n, p in layer.named_parameters()]
     host = [(n, p) for n, p in named if n in host_names]
     masters = {id(p): p.detach().to(master_device, torch.float32, copy=True) for _, p in host}
@@ -157,6 +169,9 @@ def train_reference(
     host_opt = host_spec.build([masters[id(p)] for _, p in host]) if host else None
     device_params = [p for n, p in named if n not in host_names]
     trainer = SPEC.build(device_params) if device_params else None
+    copies = {id(p): p.detach().to(master_device, copy=True) for p in device_params} if whole_step else {}
+    if whole_step:
+        host_opt, trainer = host_spec.build([masters.get(id(p), copies.get(id(p))) for _, p in named]), None
     batches = _batches(device, dtype, cfg)
     losses, evals = [], []
     for step in range(steps):
@@ -196,7 +211,13 @@ def train_reference(
                     masters[id(p)].grad = (
                         (g.mul_(coef.to(g.device)) if coef is not None else g) if g is not None else None
                     )
+                for p in device_params if whole_step else ():
+                    copies[id(p)].grad = p.grad.to(master_device) if p.grad is not None else None
                 host_opt.step()
+                for p in device_params if whole_step else ():
+                    if p.grad is not None:
+                        p.data.copy_(copies[id(p)])
+                    p.grad = copies[id(p)].grad = None
                 for _, p in host:
                     masters[id(p)].grad = None
                     acc[id(p)] = None

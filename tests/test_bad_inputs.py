@@ -465,8 +465,8 @@ CASES = [
     Case("demo-full-vram-budget", demo("--vram_budget", "4", base="demo_full.toml"), "with a full fine-tune"),
     Case(
         "demo-full-optimizer",
-        demo(base="demo_full.toml", optimizer={"type": "Prodigy"}),
-        "type = 'Prodigy' cannot train streamed layers: use 'adamw'",
+        demo(base="demo_full.toml", optimizer={"type": "ScheduleFreeWrapper"}),
+        "type = 'ScheduleFreeWrapper' cannot train streamed layers: use 'ScheduleFreeAdamW'",
     ),
     Case(
         "demo-full-optimizer-key",
@@ -518,7 +518,9 @@ CASES = [
         "full fine-tuning of streamed layers runs one process per stage",
         env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"),
     ),
-    Case("dp-full-optimizer", dp(tables=FULL_TABLES.replace('"adamw"', '"offload"')), "'offload' cannot train"),
+    Case(
+        "dp-full-optimizer", dp(tables=FULL_TABLES.replace('"adamw"', '"genericoptim"')), "'genericoptim' cannot train"
+    ),
     Case("dp-full-vram-budget", dp("--vram_budget", "8", tables=FULL_TABLES), "with a full fine-tune"),
     Case("dp-full-deepspeed-config", dp("--deepspeed_config", "z.json", tables=FULL_TABLES), "ZeRO offload would"),
     Case("dp-stages-not-a-number", dp(top='pipeline_stages = "two"'), "pipeline_stages must be a whole number"),

@@ -250,6 +250,8 @@ def test_a_per_layer_optimizer_class_waits_for_the_norm():
     pytest.importorskip("pytorch_optimizer")
     spec = HostOptimizerSpec.from_table({"type": "Lion", "lr": 1e-4, "weight_decay": 0.01})
     assert "steps its own class" in undo_problem(spec)
+    whole = HostOptimizerSpec.from_table({"type": "Prodigy", "lr": 1.0})
+    assert "one instance over every param, after the backward" in undo_problem(whole)
     lines = []
     got, want, training = speculated_run(spec, lines=lines)
     assert_same(got, want)

@@ -9,6 +9,8 @@ checks bitwise equality with one implementation).
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 from cli_helpers import demo_toml, run_in_process
 from conftest import ROOT
@@ -34,16 +36,27 @@ def test_demo_full_config_passes_the_checks():
     assert run.swap.training.host_optimizer.implementation == "split", "auto: split for AdamW"
 
 
-@pytest.mark.parametrize("optimizer", [None, {"type": "sgd", "lr": 0.05, "momentum": 0.9}], ids=["adamw", "sgd"])
+PRODIGY = {"type": "Prodigy", "lr": 1.0, "d0": 1e-3}  # d0: the weights move within the test's 4 steps
+
+
+@pytest.mark.parametrize(
+    "optimizer", [None, {"type": "sgd", "lr": 0.05, "momentum": 0.9}, PRODIGY], ids=["adamw", "sgd", "prodigy"]
+)
 def test_full_fine_tune_with_streaming_trains_what_resident_training_trains(tmp_path, capsys, optimizer):
     """With sgd the resident layers train with SGD too (the trainer's optimizer is the [optimizer] type's class,
-    as in diffusion-pipe; it was AdamW whatever the type)."""
+    as in diffusion-pipe; it was AdamW whatever the type). Prodigy steps once after the backward, one instance over
+    the streamed layers' masters and the resident layers' host copies (the engine hooks hand them over), as the
+    resident run's one Prodigy over every param: the same class on the same CPU, so bitwise (Prodigy per layer, or
+    beside the trainer's own, differs by 1e-3 here)."""
+    if optimizer is PRODIGY and importlib.util.find_spec("pytorch_optimizer") is None:
+        pytest.skip("pytorch_optimizer is not installed")
     streamed, out = full_run(tmp_path / "dgls", capsys, optimizer=optimizer)
     resident, _ = full_run(tmp_path / "plain", capsys, "--no-dynamic_swapping", optimizer=optimizer)
     assert "DGLS host training:" in out and "model saved to" in out
     assert streamed.keys() == resident.keys() and len(streamed) > 100
     scale = max(v.abs().max().item() for v in resident.values())
-    assert max((streamed[k] - resident[k]).abs().max().item() for k in streamed) <= 1e-5 * scale
+    tolerance = 0.0 if optimizer is PRODIGY else 1e-5 * scale
+    assert max((streamed[k] - resident[k]).abs().max().item() for k in streamed) <= tolerance
     losses = [line.split("loss ")[1].split(",")[0] for line in out.splitlines() if line.startswith("step ")]
     assert len(losses) == 4
     from deepspeed.runtime.engine import DeepSpeedEngine

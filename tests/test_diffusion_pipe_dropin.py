@@ -59,7 +59,7 @@ def test_find_checkout_explicit_env_and_errors(tmp_path, monkeypatch):
     "change, message",
     [
         ({"blocks_to_swap": 10}, "own blocks_to_swap"),
-        ({"adapter": None, "optimizer": {"type": "Prodigy", "lr": 1.0}}, "type = 'Prodigy' cannot train streamed"),
+        ({"adapter": None, "optimizer": {"type": "GenericOptim", "lr": 1.0}}, "'GenericOptim' cannot train streamed"),
         ({"adapter": None, "optimizer": {"type": "adamw_optimi"}}, "type 'adamw_optimi' needs lr"),
         ({"adapter": None, "optimizer": {"type": "adamw", "kahan_sum": True}}, "kahan_sum is an option of"),
         ({"adapter": None, "optimizer": {"type": "adamw_optimi", "lr": 1, "decouple_lr": True}}, "decouple_lr cannot"),

@@ -60,7 +60,10 @@ def config(spec=SPEC, accumulate=2, **kw):
     return SwapConfig.of(host_optimizer=spec, accumulation_steps=accumulate, gpu_layers=[0], **kw)
 
 
-def swapped(template, mode, monkeypatch, accumulate=2, max_norm=MAX_NORM, steps=2, seen=None, before_clip=None, **kw):
+def swapped(
+    template, mode, monkeypatch, accumulate=2, max_norm=MAX_NORM, steps=2, seen=None, adopt=False, before_clip=None,
+    **kw,
+):  # fmt: skip
     layers = copy.deepcopy(template)
     with LayerSwapper(layers, config(accumulate=accumulate, **kw), device=device(), log=None) as swapper:
         swapper.add_listener(ComputeDelay(5.0))
@@ -73,7 +76,7 @@ def swapped(template, mode, monkeypatch, accumulate=2, max_norm=MAX_NORM, steps=
         }
         record = train_dgls(
             layers, swapper, device(), mode, dtype=BF16, steps=steps, cfg=WIDE, accumulate=accumulate,
-            max_norm=max_norm, before_clip=before_clip,
+            max_norm=max_norm, adopt=adopt, before_clip=before_clip,
         )  # fmt: skip
         stats = swapper.total_stats(sync=True)
         if seen is not None:
@@ -103,6 +106,18 @@ def test_a_per_layer_optimizer_class_streamed_on_cuda_equals_unstreamed_training
     kw = {"accumulate": 1, "max_norm": max_norm}
     record, names = swapped(template, "nonreentrant", monkeypatch, **kw, spec=spec, clip_grads=not gradient_release)
     assert_same(record, reference(template, names, "nonreentrant", **kw, host_spec=spec))
+
+
+@pytest.mark.parametrize("clip", [True, False], ids=["clipped", "no-clipping"])
+def test_a_whole_step_optimizer_streamed_on_cuda_equals_one_instance_over_every_param(template, monkeypatch, clip):
+    """Prodigy, whose step size sums over every param: one instance over the streamed layers' fp32 masters and host
+    copies of the resident layer's bf16 params (their gradients home, their weights back to the GPU), stepped once
+    after the backward, with the delays; the reference is one Prodigy over the same params in the same order."""
+    pytest.importorskip("pytorch_optimizer")
+    spec = HostOptimizerSpec.from_table({"type": "Prodigy", "lr": 1.0, "d0": 1e-3, "weight_decay": 0.01})
+    kw = {"max_norm": MAX_NORM if clip else None}
+    record, names = swapped(template, "nonreentrant", monkeypatch, **kw, spec=spec, clip_grads=clip, adopt=True)
+    assert_same(record, reference(template, names, "nonreentrant", **kw, host_spec=spec, whole_step=True))
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -53,6 +53,7 @@ DIFFUSION_PIPE_TYPES = [
     "Prodigy",
     "DAdaptAdam",
     "ScheduleFreeAdamW",
+    "ScheduleFreeWrapper",
     "Lion",
     "Adan",
 ]
@@ -83,11 +84,11 @@ def test_every_diffusion_pipe_type_trains_streamed_layers_or_is_refused_in_one_l
 
 def test_the_table_records_a_way_to_run_or_a_refusal_for_every_type():
     for name, entry in optimizer_types.TYPES.items():
-        assert entry.runs in ("adamw", "sgd", "per_layer", "refused"), name
+        assert entry.runs in ("adamw", "sgd", "per_layer", "whole_step", "refused"), name
         if entry.runs == "refused":
             nearest = entry.refusal.split("'")[1]
             assert nearest in optimizer_types.RUNNING, (name, entry.refusal)
-        if entry.runs == "per_layer":
+        if entry.runs in ("per_layer", "whole_step"):
             assert ":" in entry.source and entry.packages, name
     for own in ("adamw", "adamw8bit", "adamw_optimi", "stableadamw", "sgd", "adamw8bitkahan", "offload"):
         assert own in optimizer_types.TYPES
@@ -96,11 +97,8 @@ def test_the_table_records_a_way_to_run_or_a_refusal_for_every_type():
 
 def test_refusals_name_the_nearest_type_and_say_why():
     cases = [
-        ("Prodigy", "use 'adamw' with an lr of your own: Prodigy's step size is estimated from sums over every param"),
-        ("DAdaptSGD", "use 'sgd' with an lr of your own"),
-        ("ScheduleFreeSGD", "use 'sgd': schedule-free keeps two weight sequences"),
-        ("offload", "use 'adamw': torchao's CPUOffloadOptimizer runs torch.optim.AdamW\\(fused=True\\) on the CPU"),
-        ("GenericOptim", "use 'adamw' \\(GenericOptim's default"),
+        ("ScheduleFreeWrapper", "use 'ScheduleFreeAdamW': ScheduleFreeWrapper takes the optimizer it wraps as its"),
+        ("GenericOptim", "use 'adamw' \\(GenericOptim's default.*its Muon variants"),
         ("lion", "exact name: write type = 'Lion'"),
         ("Prodigyy", "DGLS has not read this optimizer's step.*\\(did you mean 'Prodigy'\\?\\)"),
         ("Adan", "DGLS has not read this optimizer's step"),
@@ -128,7 +126,7 @@ import torch
 
 class FakeMomentum(torch.optim.Optimizer):
     """Per-param: a momentum buffer and decoupled weight decay (like diffusion-pipe's own classes, built from the
-    table's keyword arguments)."""
+    table's keyword arguments); like Automagic, it skips params that do not require grad."""
 
     def __init__(self, params, lr=1e-3, beta=0.9, weight_decay=0.0):
         super().__init__(params, {"lr": lr, "beta": beta, "weight_decay": weight_decay})
@@ -137,7 +135,7 @@ class FakeMomentum(torch.optim.Optimizer):
     def step(self, closure=None):
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None:
+                if p.grad is None or not p.requires_grad:
                     continue
                 buf = self.state[p].setdefault("buf", torch.zeros_like(p))
                 buf.mul_(group["beta"]).add_(p.grad, alpha=1 - group["beta"])
@@ -180,6 +178,8 @@ def streamed_equals_resident(spec: HostOptimizerSpec, accumulate: int = 2, dtype
         full_layers(dtype), names, CPU, "nonreentrant", accumulate=accumulate, dtype=dtype, host_spec=spec
     )
     assert_same(record, want)
+    first = {f"{i}.{k}": v.float() for i, layer in enumerate(full_layers(dtype)) for k, v in layer.state_dict().items()}
+    assert not any(torch.equal(record.weights[n], first[n]) for n in names), "a streamed param was never updated"
 
 
 def test_a_per_layer_class_from_the_checkout_trains_streamed_layers_as_one_optimizer_over_all_params(fake_type):
@@ -290,6 +290,60 @@ def test_a_library_type_saves_and_resumes_as_an_uninterrupted_run(table, module)
     except DGLSUserError as exc:
         pytest.skip(f"the installed library does not run this class on the CPU: {exc}")
     resume_equals_uninterrupted(spec, torch.float32, 2)
+
+
+# ----------------------------------------------------------------- schedule-free, torchao's offload
+SCHEDULE_FREE = [
+    {"type": "ScheduleFreeAdamW", "lr": 1e-2, "weight_decay": 0.01, "warmup_steps": 2},
+    {"type": "ScheduleFreeRAdam", "lr": 1e-2, "silent_sgd_phase": False},
+    {"type": "ScheduleFreeSGD", "lr": 1e-2, "momentum": 0.9},
+]
+
+
+@pytest.mark.parametrize("table", SCHEDULE_FREE, ids=[t["type"] for t in SCHEDULE_FREE])
+def test_schedule_free_trains_streamed_layers_per_layer_and_saves_what_train_py_saves(table):
+    """Schedule-free steps are per param, and its group values (step, lr_max, weight_sum) follow from the step
+    count and the lr, alike in every layer's optimizer. train.py never calls optimizer.eval() (nor does DeepSpeed),
+    so it saves the training weights; DGLS's saved weights (the state dicts, which read the masters) are those of
+    one optimizer over every param, without eval(), bitwise."""
+    if not installed("pytorch_optimizer"):
+        pytest.skip("pytorch_optimizer is not installed")
+    spec = HostOptimizerSpec.from_table(table)
+    assert spec.per_layer and "train.py never calls optimizer.eval()" in spec.kernel
+    streamed_equals_resident(spec)
+    streamed_equals_resident(spec, accumulate=1, dtype=torch.bfloat16)
+
+
+def test_schedule_free_saves_and_resumes_as_an_uninterrupted_run():
+    if not installed("pytorch_optimizer"):
+        pytest.skip("pytorch_optimizer is not installed")
+    resume_equals_uninterrupted(HostOptimizerSpec.from_table(SCHEDULE_FREE[0]), torch.float32, 2)
+
+
+def test_offload_runs_torchaos_inner_adamw_on_the_host_and_says_so(monkeypatch):
+    """train.py builds torchao's CPUOffloadOptimizer(groups, torch.optim.AdamW, fused=True, **table): an AdamW per
+    param on the CPU. Streamed layers run DGLS's AdamW (the same arithmetic) with AdamW's defaults; torchao's own
+    keys place train.py's work for the resident params and are checked; start-up says how clipping differs."""
+    if not installed("torchao"):
+        with pytest.raises(DGLSUserError, match="'offload' needs the torchao package: pip install torchao$"):
+            HostOptimizerSpec.from_table({"type": "offload", "lr": 1e-4})
+        found = importlib.util.find_spec
+        monkeypatch.setattr(
+            optimizer_types.importlib.util, "find_spec", lambda name: object() if name == "torchao" else found(name)
+        )
+    spec = HostOptimizerSpec.from_table({"type": "offload", "lr": 1e-4, "offload_gradients": True, "minimal_size": 64})
+    assert (spec.type, spec.table_type, spec.betas, spec.weight_decay, spec.eps) == (
+        "adamw", "offload", (0.9, 0.999), 1e-2, 1e-8,
+    )  # fmt: skip
+    assert "torchao's CPUOffloadOptimizer runs torch.optim.AdamW(fused=True) on the CPU, one per param" in spec.kernel
+    assert "DGLS clips streamed layers' gradients as gradient_clipping says" in spec.kernel
+    for key, value, message in (
+        ("offload_gradients", "yes", "offload_gradients must be true or false, got 'yes'"),
+        ("minimal_size", -1, "minimal_size must be a whole number >= 0, got -1"),
+        ("amsgrad", True, "amsgrad cannot be passed to the host optimizer"),
+    ):
+        with pytest.raises(DGLSUserError, match=message):
+            HostOptimizerSpec.from_table({"type": "offload", "lr": 1e-4, key: value})
 
 
 # ----------------------------------------------------------------- gradient_release

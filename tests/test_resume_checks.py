@@ -10,6 +10,7 @@ in this process alone).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +24,7 @@ from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.program.dp_config import check_resume
 from utils.dgls.program.resume import ResumeChecks, agree, layer_fit_problem, torch_file_problem
 from utils.dgls.trainers.engine_hooks import EngineHooks
+from utils.dgls.training.host_optimizer import HostOptimizerSpec
 
 CPU = torch.device("cpu")
 LORA = {"output_dir": "out", "model": {"type": "flux"}, "adapter": {"type": "lora", "rank": 2}}
@@ -150,7 +152,7 @@ def host_state(tmp_path: Path, spec=SPEC, blocks_to_swap: int = 3) -> tuple[Path
     layers = full_layers()
     cfg = SwapConfig.of(host_optimizer=spec, accumulation_steps=1, blocks_to_swap=blocks_to_swap)
     with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
-        train_dgls(layers, swapper, CPU, "none", steps=2, accumulate=1)
+        train_dgls(layers, swapper, CPU, "none", steps=2, accumulate=1, adopt=spec.whole_step)
         state = swapper.training.state_dict()
     run = tmp_path / "run"
     (run / "global_step2").mkdir(parents=True)
@@ -167,7 +169,7 @@ def load_into(run: Path, spec=SPEC, blocks_to_swap: int = 3, keep: bool = False,
     with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
         hooks = EngineHooks(lambda module: swapper.training, keep_hyper_parameters=keep)
         load = hooks._wrap_load(lambda engine, load_dir, tag, *a, **k: loaded.append(tag))
-        load(SimpleNamespace(module=None, grid=None), str(run), **kwargs)
+        load(SimpleNamespace(module=nn.ModuleList(layers), grid=None), str(run), **kwargs)
         return swapper.training, loaded
 
 
@@ -226,6 +228,28 @@ def test_reset_optimizer_reads_no_host_state_and_reset_params_keeps_the_settings
     training, _ = load_into(run, spec=changed, keep=True)  # train.py's --reset_optimizer_params
     groups = [g for layer in training.layers.values() for g in layer.optimizer.param_groups]
     assert all(g["betas"] == (0.5, 0.6) for g in groups) and {g["weight_decay"] for g in groups} == {0.0, 0.2}
+
+
+def test_a_whole_step_state_loads_through_the_engine_hooks_and_reset_params_keeps_the_built_groups(tmp_path):
+    """Prodigy (one instance over every param of the stage): the hooks hand the engine's params over before they
+    check the file, so the instance holds the resident params' host copies as the saved one did; its step size d and
+    moments load; with train.py's --reset_optimizer_params the param groups are the built ones (d back to d0), as
+    train.py puts its built groups back."""
+    if importlib.util.find_spec("pytorch_optimizer") is None:
+        pytest.skip("pytorch_optimizer is not installed")
+    spec = HostOptimizerSpec.from_table({"type": "Prodigy", "lr": 1.0, "d0": 1e-3})
+    run, state = host_state(tmp_path, spec=spec)
+    assert state["resident"] > 0
+    training, loaded = load_into(run, spec=spec)
+    assert loaded == ["global_step2"]
+    saved, here = state["whole_step"], training.whole.optimizer.state_dict()
+    for got, want in zip(here["param_groups"], saved["param_groups"]):  # d and its running sums, as saved
+        assert torch.equal(got.pop("d_numerator"), want.pop("d_numerator")) and got == want
+    assert all(torch.equal(here["state"][i]["exp_avg"], saved["state"][i]["exp_avg"]) for i in saved["state"])
+    training, _ = load_into(run, spec=spec, keep=True)
+    assert all(g["d"] == 1e-3 and "d_numerator" not in g for g in training.whole.optimizer.param_groups)
+    with pytest.raises(DGLSUserError, match="holds per-layer optimizer states, and \\[optimizer\\] type 'Prodigy'"):
+        load_into(host_state(tmp_path / "b")[0], spec=spec)
 
 
 def test_a_stage_without_host_training_refuses_a_host_state_for_it(tmp_path):

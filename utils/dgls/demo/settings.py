@@ -161,11 +161,11 @@ def demo_settings(config: dict[str, Any], path: str) -> DemoSettings:
             optimizer = HostOptimizerSpec.from_table(table)
         except DGLSUserError as exc:
             raise DGLSUserError(f"{path}: {exc}") from None
-        if optimizer.per_layer and optimizer_types.TYPES[optimizer.type].from_checkout:
+        if optimizer.own_class and optimizer_types.TYPES[optimizer.type].from_checkout:
             raise DGLSUserError(
                 f"{path}: [optimizer] type = {given['type']!r} is diffusion-pipe's own (its optimizers/ folder), and "
                 "the demo runs without a checkout: train it through a diffusion-pipe config, or use type = 'adamw'"
             )
-        optimizer.probe()  # a per-layer class that fails a step: one line now
+        optimizer.probe()  # an own class that fails a step: one line now
         values["lr"] = optimizer.lr
     return DemoSettings(**values, model=model, dtype=DTYPES[dtype_name], optimizer=optimizer)

@@ -270,6 +270,8 @@ def _start_driver(config: SwapConfig, device: torch.device, log: Callable[[str],
         )
         return None
     budget = resolve_budget(config.placement.vram_budget, device)
+    if device.type == "cuda":  # segments the allocator cached before the run (model loading, caching) would be
+        torch.cuda.empty_cache()  # reused by it, never released, and read by the probe as its activations
     log(
         f"DGLS: planning for a {human_bytes(budget)} VRAM budget: steps 1-2 run with every layer streamed "
         "(warm-up, then the probe); then the best predicted plans are measured on the next steps (about 35), "

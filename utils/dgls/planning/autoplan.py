@@ -615,6 +615,8 @@ class PlacementDriver(Listener, Feature):
     def _start_timing(self, target: Placeable, record: bool) -> None:
         """A window opens at the last pass end (``record``: the probe's, which also records uses and copies)."""
         if self.device.type == "cuda":
+            if record:  # blocks the process cached before the probe (model loading, caching, another run) would
+                torch.cuda.empty_cache()  # read as this placement's peak reserved, as activations
             self._reset_peak()  # the window's pass ends read the peaks from here
         start = self._last_end if self._last_end is not None else self._read_pass_end()
         self._window = Window(start, weight_copies=[] if record else None)

@@ -157,15 +157,16 @@ def host_optimizer_spec(config: dict[str, Any], path: str) -> HostOptimizerSpec 
     table = {k: v for k, v in _table(config, "optimizer", path).items() if k != "gradient_release"}
     try:
         spec = HostOptimizerSpec.from_table(table)
+        return dataclasses.replace(spec, gradient_release=True) if release else spec
     except DGLSUserError as exc:
         raise DGLSUserError(f"{path}: {exc}") from None
-    return dataclasses.replace(spec, gradient_release=True) if release else spec
 
 
 def probe_host_optimizer(spec: HostOptimizerSpec | None, checkout: Path) -> None:
-    """A per-layer optimizer class stepped once on test tensors (:meth:`HostOptimizerSpec.probe`), with the checkout
-    on ``sys.path`` as train.py has it (diffusion-pipe's own classes are in its ``optimizers/`` folder)."""
-    if spec is None or not spec.per_layer:
+    """The type's own optimizer class (per layer or whole step) stepped once on test tensors
+    (:meth:`HostOptimizerSpec.probe`), with the checkout on ``sys.path`` as train.py has it (diffusion-pipe's own
+    classes are in its ``optimizers/`` folder)."""
+    if spec is None or not spec.own_class:
         return
     folder = str(checkout)
     added = folder not in sys.path

@@ -8,13 +8,17 @@ checkpoint holds no host optimizer state for them):
 
 - ``PipelineEngine.train_batch``: the host training reads the trainer's current learning rate from
   this engine (for updates that start during backward, when there is no clipping);
+- in every wrapper, before the host training's state or step is used: it is handed the engine's params in order
+  (:meth:`~..training.host_training.HostTraining.adopt`: a whole-step optimizer, such as Prodigy, steps every
+  trainable one in one instance, as train.py's optimizer, built over them in this order, does);
 - ``_take_model_step`` (once per ``train_batch``: clip, the trainer's optimizer step, zero grads, the
   LR scheduler):
 
   1. one gradient norm over the engine's params and the host-trained ones (summed over the pipeline
      stages, as DeepSpeed's own clipping does), its coefficient applied to both;
   2. DeepSpeed's step with its own clipping held off (the grads are clipped already), so the trainer's
-     optimizer updates the resident params and the scheduler advances as usual;
+     optimizer updates the resident params and the scheduler advances as usual (a whole step takes the resident
+     params' gradients first: its instance updates them, and the trainer's finds none);
   3. the host updates, queued with the learning rate this step used (the trainer's first param group's,
      read before the scheduler moves it).
 
@@ -77,6 +81,7 @@ class EngineHooks:
         def train_batch(engine, *args, **kwargs):
             training = find(engine.module)
             if training is not None:  # early host updates (no clipping) use the lr this step runs with
+                training.adopt(engine.module.parameters())
                 training.set_step_lr(engine.optimizer.param_groups[0]["lr"])
             return original(engine, *args, **kwargs)
 
@@ -94,6 +99,7 @@ class EngineHooks:
                     "DeepSpeed ZeRO partitions and offloads the optimizer, and DGLS already keeps the streamed layers' "
                     "optimizer on the host (beside the GPU's work): turn zero_optimization off (stage 0)"
                 )
+            training.adopt(engine.module.parameters())
             max_norm = engine.gradient_clipping()
             if max_norm > 0 and not training.clipping:
                 raise DGLSUserError(
@@ -102,6 +108,7 @@ class EngineHooks:
                 )
             if max_norm > 0:
                 training.clip_grad_norm_(engine.module.parameters(), max_norm, reduce=_stage_sum(engine))
+            training.take_resident_grads()
             groups = engine.optimizer.param_groups
             lr = groups[0]["lr"] if groups else None
             config = engine._config
@@ -124,6 +131,7 @@ class EngineHooks:
             result = original(engine, save_dir, tag, *args, **kwargs)
             grid = getattr(engine, "grid", None)
             if training is not None and (grid is None or grid.get_data_parallel_id() == 0):
+                training.adopt(engine.module.parameters())
                 torch.save(training.state_dict(), _state_file(save_dir, tag, engine))
             return result
 
@@ -138,7 +146,8 @@ class EngineHooks:
             if kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False):
                 try:
                     run_dir, tag = resolve_tag(load_dir, tag)
-                    state = _read_host_state(training, _state_file(run_dir, tag, engine), run_dir, tag, keep)
+                    path = _state_file(run_dir, tag, engine)
+                    state = _read_host_state(training, engine.module, path, run_dir, tag, keep)
                 except DGLSUserError as exc:
                     problem = str(exc)
             agree(problem)  # before DeepSpeed loads anything, every process together
@@ -151,11 +160,12 @@ class EngineHooks:
 
 
 def _read_host_state(
-    training: HostTraining | None, path: Path, run_dir: Path, tag: str, keep_hyper_parameters: bool
+    training: HostTraining | None, module: nn.Module, path: Path, run_dir: Path, tag: str, keep_hyper_parameters: bool
 ) -> dict | None:
     """This stage's host optimizer state from its checkpoint file, checked against ``training`` (None: this
     stage trains nothing on the host, and the checkpoint must hold nothing for it either) as it will be loaded
-    (``keep_hyper_parameters``: the run's settings, not the saved ones)."""
+    (``keep_hyper_parameters``: the run's settings, not the saved ones); ``module``: the engine's, whose params the
+    host training is handed first (a whole step's instance is built over them)."""
     flag = "--resume_from_checkpoint"
     if training is None:
         if path.exists():
@@ -177,6 +187,7 @@ def _read_host_state(
         except Exception as exc:  # a damaged file fails in many ways (EOFError, UnpicklingError, KeyError ...)
             problem = f"cannot be read ({type(exc).__name__})"
         else:
+            training.adopt(module.parameters())
             if (problem := training.state_problem(state, keep_hyper_parameters)) is None:
                 return state
             raise DGLSUserError(f"{path} {problem}")

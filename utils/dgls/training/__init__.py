@@ -9,7 +9,9 @@ Modules
     - ``updaters.py``: where a step runs: the CPU, the GPU, or split between them.
     - ``host_optimizer.py``: which optimizer updates the host-trained params, built per layer.
     - ``optimizer_types.py``: diffusion-pipe's ``[optimizer]`` types: how each trains streamed layers (DGLS's
-      kernels, or its own class once per layer), or the one line that refuses it.
+      kernels, its own class once per layer, or once over every param), or the one line that refuses it.
+    - ``whole_step.py``: one instance of an optimizer whose step sums over every param (Prodigy ...), over a
+      stage's masters and host copies of its resident params, stepped once after the backward.
     - ``optimizer_kernels.py``: the arithmetic a step runs on the GPU, one kernel per optimizer (AdamW, SGD).
     - ``device_update.py``: a layer's step on the GPU, its state streamed in and out.
     - ``update_split.py``: which layers take that step on the GPU and which on the CPU (``--host_adam split``).

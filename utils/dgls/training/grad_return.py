@@ -225,7 +225,7 @@ class TrainedLayer:
     index: int
     host: HostLayer
     params: list[TrainedParam]  # layout order (hooks, batches)
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None  # None: a whole step's one instance steps it (:mod:`.whole_step`)
     # the params in the optimizer's order, with their param groups (the optimizer's current dicts: a checkpoint
     # load replaces them, and :func:`~.host_training._regroup` re-points these)
     in_groups: list[tuple[TrainedParam, dict]] = field(default_factory=list)

@@ -35,14 +35,18 @@ builds the same optimizer over every param (:meth:`build` accepts any param list
 :meth:`HostOptimizerSpec.from_table` reads diffusion-pipe's ``[optimizer]`` table: ``adamw``, ``sgd``, and
 ``adamw_optimi`` (diffusion-pipe's example), which is AdamW on fp32 masters (:data:`TABLE_TYPES` says why),
 with the defaults of the class diffusion-pipe builds for each. Every other type is decided in
-:data:`.optimizer_types.TYPES`: a per-param optimizer (8-bit AdamW, StableAdamW, Lion ...) runs its own class, built
-once per layer on the masters with the table's values as train.py passes them (``options``) and stepped on the CPU
-only (``--host_adam`` device, split, torch_fused or deepspeed with it is one line); one whose step reads every param
-(Prodigy, schedule-free ...) is refused by name there, never replaced by something else.
+:data:`.optimizer_types.TYPES`: a per-param optimizer (8-bit AdamW, StableAdamW, Lion, schedule-free ...) runs its own
+class, built once per layer on the masters with the table's values as train.py passes them (``options``) and stepped
+on the CPU only (``--host_adam`` device, split, torch_fused or deepspeed with it is one line); one whose step sums over
+every param (Prodigy, D-Adaptation) runs its own class once over every trained param, stepped after the backward
+(:mod:`.whole_step`); the others are refused by name there, never replaced by something else. ``offload`` (torchao's
+CPU offload of ``torch.optim.AdamW(fused=True)``) runs as ``adamw``. The masters an own class gets require grad, as
+train.py's params do (Automagic skips params that do not).
 
 ``gradient_release`` (diffusion-pipe's: an optimizer per param, stepped as its gradient is ready) builds one group
 without the 1-D split, as an optimizer per param gets the table's weight decay; stepped per layer, each param gets
-the update its own optimizer would give it.
+the update its own optimizer would give it. A whole-step type is refused with it: train.py's per-param optimizers
+would each estimate their own step size.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from . import optimizer_types
 from .optimizer_kernels import OptimizerKernel, kernel_for
 
 HOST_OPTIMIZERS = ("adamw", "sgd")
+TORCHAO_KEYS = {"offload_gradients": bool, "minimal_size": int}  # CPUOffloadOptimizer's own keyword arguments
 # diffusion-pipe's [optimizer] types that run on the host: what each is here, the defaults of the class
 # diffusion-pipe builds for it (no "lr": the class has none), and options accepted beyond those.
 # optimi's AdamW (torch-optimi) is AdamW with debiased betas; its Kahan summation acts only on bf16 or
@@ -70,6 +75,9 @@ TABLE_TYPES: dict[str, tuple[str, dict, set[str]]] = {
     "adamw": ("adamw", {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}, set()),
     "adamw_optimi": ("adamw", {"betas": (0.9, 0.99), "eps": 1e-6, "weight_decay": 1e-2}, {"kahan_sum"}),
     "sgd": ("sgd", {"lr": 1e-3, "momentum": 0.0, "weight_decay": 0.0}, set()),
+    # torchao's CPUOffloadOptimizer(groups, torch.optim.AdamW, fused=True, **table): AdamW's defaults; its own two
+    # keys place torchao's work (train.py's, for resident params) and mean nothing for streamed layers
+    "offload": ("adamw", {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}, set(TORCHAO_KEYS)),
 }
 IMPLEMENTATIONS = ("auto", "torch_fused", "deepspeed", "torch", "device", "split")
 NAMES = {
@@ -120,6 +128,17 @@ def check_betas(value: Any, count: int | None) -> None:
         raise DGLSUserError(f"[optimizer] betas must be {shape}, each in [0, 1) (like [0.9, 0.99]), got {shown!r}")
 
 
+def _take_torchao_keys(values: dict[str, Any]) -> None:
+    """``offload``: torchao's own keys (:data:`TORCHAO_KEYS`) checked and taken out; they place the work of train.py's
+    CPUOffloadOptimizer, which trains the resident params, and change nothing for streamed layers."""
+    for key, kind in TORCHAO_KEYS.items():
+        if key in values:
+            value = values.pop(key)
+            if type(value) is not kind or (kind is int and value < 0):
+                shape = "true or false" if kind is bool else "a whole number >= 0"
+                raise DGLSUserError(f"[optimizer] {key} must be {shape}, got {value!r}")
+
+
 def check_table_values(table: dict[str, Any]) -> None:
     """The hyper-parameters of an ``[optimizer]`` table that train.py itself builds (a LoRA, or a full fine-tune
     without DGLS): those with a meaning in every optimizer (:data:`VALUE_RULES`, betas) are checked where given;
@@ -157,23 +176,30 @@ class HostOptimizerSpec:
 
     def __post_init__(self) -> None:
         if self.implementation == "auto":  # the fastest measured for each optimizer (see the module doc)
-            fastest = "split" if self.type == "adamw" else "torch" if self.per_layer else "torch_fused"
+            fastest = "split" if self.type == "adamw" else "torch" if self.own_class else "torch_fused"
             object.__setattr__(self, "implementation", fastest)
-        if self.type not in HOST_OPTIMIZERS and not self.per_layer:
+        if self.type not in HOST_OPTIMIZERS and not self.own_class:
             raise DGLSUserError(
                 f"[optimizer] type = {self.type!r} cannot run on the host for streamed layers: use one of "
-                f"{', '.join(HOST_OPTIMIZERS + optimizer_types.PER_LAYER)} (full fine-tuning keeps streamed layers' "
-                "optimizer on the CPU)"
+                f"{', '.join(HOST_OPTIMIZERS + optimizer_types.PER_LAYER + optimizer_types.WHOLE_STEP)} (full "
+                "fine-tuning keeps streamed layers' optimizer on the CPU)"
             )
         if self.implementation not in IMPLEMENTATIONS:
             raise DGLSUserError(
                 f"host optimizer implementation must be one of {', '.join(IMPLEMENTATIONS)}, "
                 f"got {self.implementation!r}"
             )
-        if self.per_layer and self.implementation != "torch":
+        if self.own_class and self.implementation != "torch":
+            how = "one per layer" if self.per_layer else "one over every param"
             raise DGLSUserError(
                 f"--host_adam {self.implementation} picks DGLS's AdamW or SGD kernel, and [optimizer] type = "
-                f"{self.type!r} steps its own class on the CPU, one per layer: drop --host_adam, or use type = 'adamw'"
+                f"{self.type!r} steps its own class on the CPU, {how}: drop --host_adam, or use type = 'adamw'"
+            )
+        if self.whole_step and self.gradient_release:
+            raise DGLSUserError(
+                f"[optimizer] gradient_release builds one {self.type} per param in train.py, each estimating its own "
+                "step size, and DGLS steps one over every param after the backward (its step size is estimated over "
+                "all of them): drop gradient_release, or use a per-param type such as 'adamw'"
             )
         if self.implementation == "deepspeed" and self.type != "adamw":
             raise DGLSUserError(
@@ -188,6 +214,17 @@ class HostOptimizerSpec:
         """The type's own class steps each layer on the host (:mod:`.optimizer_types`), not DGLS's kernels."""
         return self.type in optimizer_types.PER_LAYER
 
+    @property
+    def whole_step(self) -> bool:
+        """The type's own class, one instance over every trained param, steps once after the backward
+        (:mod:`.whole_step`)."""
+        return self.type in optimizer_types.WHOLE_STEP
+
+    @property
+    def own_class(self) -> bool:
+        """The type's own class runs on the host (per layer or whole step), not DGLS's kernels."""
+        return self.per_layer or self.whole_step
+
     @classmethod
     def from_table(cls, table: dict, implementation: str = "auto") -> HostOptimizerSpec:
         """diffusion-pipe's ``[optimizer]`` table (type, lr, betas, weight_decay, eps; momentum for sgd). What
@@ -201,6 +238,10 @@ class HostOptimizerSpec:
         if entry is None:
             return cls._per_layer(given, values, implementation)
         kind, defaults, accepted = entry
+        if (problem := optimizer_types.missing_package(given, optimizer_types.TYPES[given.lower()])) is not None:
+            raise DGLSUserError(problem)
+        if given.lower() == "offload":
+            _take_torchao_keys(values)
         kahan_sum = values.pop("kahan_sum", None)
         if kahan_sum is not None and given.lower() != "adamw_optimi":
             raise DGLSUserError(f"[optimizer] kahan_sum is an option of 'adamw_optimi', not of {given!r}: drop it")
@@ -227,7 +268,8 @@ class HostOptimizerSpec:
 
     @classmethod
     def _per_layer(cls, given: str, values: dict[str, Any], implementation: str) -> HostOptimizerSpec:
-        """A type whose own class steps each layer (:data:`.optimizer_types.PER_LAYER`), its library installed."""
+        """A type whose own class steps on the host (:data:`.optimizer_types.PER_LAYER`, ``WHOLE_STEP``), its library
+        installed."""
         name, entry = optimizer_types.lookup(given)
         if (problem := optimizer_types.missing_package(given, entry)) is not None:
             raise DGLSUserError(problem)
@@ -253,14 +295,30 @@ class HostOptimizerSpec:
     @property
     def kernel(self) -> str:
         """The optimizer class that runs, in words (for the start-up line)."""
-        if self.per_layer:
+        if self.own_class:
             entry = optimizer_types.TYPES[self.type]
-            name = f"{entry.class_name} on the CPU, one per layer ([optimizer] type {self.type!r}"
+            if self.per_layer:
+                name = f"{entry.class_name} on the CPU, one per layer, stepped as its gradients land"
+            else:
+                name = (
+                    f"{entry.class_name} on the CPU, one over every trained param of the pipeline stage (streamed "
+                    "layers' fp32 masters, and host copies of resident params, whose gradients go to the host and "
+                    "weights back to the device each step), stepped once after the backward: each update waits for the "
+                    "backward's end"
+                )
+            name += f" ([optimizer] type {self.type!r}"
             return name + (f": {entry.note})" if entry.note else ")")
         if self.type == "sgd":
             name = SGD_NAMES.get(self.implementation, "torch.optim.SGD")
         else:
             name = NAMES[self.implementation]
+        if self.table_type == "offload":
+            name += (
+                " ([optimizer] type 'offload': torchao's CPUOffloadOptimizer runs torch.optim.AdamW(fused=True) on the "
+                "CPU, one per param, the same arithmetic; it copies each gradient home as the backward makes it, "
+                "before DeepSpeed clips, and DGLS clips streamed layers' gradients as gradient_clipping says; "
+                "train.py's CPUOffloadOptimizer trains the resident params)"
+            )
         if self.table_type == "adamw_optimi":
             name += (
                 " ([optimizer] type 'adamw_optimi': optimi's AdamW is AdamW, its moments kept debiased; its Kahan "
@@ -285,7 +343,7 @@ class HostOptimizerSpec:
         builds it: the class the type names with torch's default kernel choice, these hyper-parameters and
         :meth:`param_groups`. The host's kernel (``implementation``) is the host's only."""
         groups = self.groups(params)
-        if self.per_layer:
+        if self.own_class:
             return self._class_optimizer(groups)
         if self.type == "sgd":
             return torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
@@ -294,7 +352,7 @@ class HostOptimizerSpec:
     def build(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
         """One optimizer over ``params`` (fp32 CPU tensors), 1-D params without weight decay."""
         groups = self.groups(params)
-        if self.per_layer:
+        if self.own_class:
             return self._class_optimizer(groups)
         if self.type == "sgd":  # device and split: the kernel the device runs (.optimizer_kernels), on the host too
             fused = {"fused": True} if self.on_device else {}
@@ -315,9 +373,14 @@ class HostOptimizerSpec:
         )
 
     def _class_optimizer(self, groups: list[dict]) -> torch.optim.Optimizer:
-        """The per-layer type's class over ``groups`` with the table's values, as train.py builds it (with
-        ``gradient_release`` it turns ``foreach`` off where the class takes it, as train.py does)."""
+        """The type's own class over ``groups`` with the table's values, as train.py builds it (with
+        ``gradient_release`` it turns ``foreach`` off where the class takes it, as train.py does). Every param is
+        made to require grad, as train.py's trainable params do: a class may skip the others (Automagic does), and
+        the host masters are plain tensors."""
         klass = optimizer_types.load_class(self.type, optimizer_types.TYPES[self.type])
+        for group in groups:
+            for p in group["params"]:
+                p.requires_grad_(True)
         kwargs = {k: list(v) if isinstance(v, tuple) else v for k, v in self.options}
         if self.gradient_release and "foreach" in inspect.signature(klass).parameters:
             kwargs["foreach"] = False
@@ -333,7 +396,7 @@ class HostOptimizerSpec:
         bitsandbytes' 8-bit threshold, and a 1-D one), before anything slow: a class that fails with this table or
         this version of its library is one line here, not a worker thread's traceback after the model loaded. What
         the class prints while built is not shown (Automagic counts its params)."""
-        if not self.per_layer:
+        if not self.own_class:
             return
         params = [torch.zeros(64, 64, requires_grad=True), torch.zeros(64, requires_grad=True)]
         with contextlib.redirect_stdout(io.StringIO()):
@@ -370,7 +433,7 @@ class HostOptimizerSpec:
     def state_keys(self) -> tuple[str, ...]:
         """The fp32 state tensors per param the training layout counts: the device kernel's, or for a per-layer
         type as many as its state bytes fill (rounded up: the RAM figure errs high)."""
-        if self.per_layer:
+        if self.own_class:
             return tuple(f"state{i}" for i in range(-(-optimizer_types.TYPES[self.type].state_bytes // 4)))
         return self.device_kernel().state_keys
 
@@ -378,7 +441,7 @@ class HostOptimizerSpec:
         """Why optimizer state saved for layer ``idx`` (its param groups) is another optimizer's, or None. AdamW
         and SGD differ by ``betas``; a per-layer type's groups must hold every setting its class gives them when
         built (a class may add some at its first step, such as pytorch_optimizer's ``step``)."""
-        if self.per_layer:
+        if self.own_class:
             built = set(built_groups[0]) - {"params"} if built_groups else set()
             if any(not built <= set(g) for g in saved_groups):
                 return f"holds another optimizer's state for layer {idx}, and [optimizer] type is {self.type!r} here"

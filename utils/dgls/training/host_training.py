@@ -8,7 +8,10 @@ A thin facade over three parts, each with its own module doc:
 - the gradient return (:class:`~.grad_return.GradReturn`): hooks, groups sent home, batches, sums, with
   a per-layer :class:`~.grad_return.GradState`;
 - the update strategy (:mod:`.updaters`): host, device or split, the device's arithmetic an
-  :class:`~.optimizer_kernels.OptimizerKernel` (AdamW, SGD).
+  :class:`~.optimizer_kernels.OptimizerKernel` (AdamW, SGD); or for an optimizer whose step sums over every param
+  (Prodigy ...), one instance over all of them stepped after the backward (:mod:`.whole_step`), which the trainer
+  hands its params to (:meth:`HostTraining.adopt`) and whose resident params' gradients it takes before the
+  trainer's optimizer steps (:meth:`HostTraining.take_resident_grads`).
 
 What the trainer calls
     1. Backward: the hooks take each grad off its param and send it home (the trainer's optimizer skips
@@ -64,6 +67,7 @@ from .optimizer_kernels import grad_norms
 from .speculation import Spare, Speculation, clipping_line, refresh_copies, spares_for
 from .update_split import UpdateSplit
 from .updaters import DeviceSide, HostUpdater, SplitUpdater, Updater, update_threads
+from .whole_step import STATE_KEY, WholeStep
 
 __all__ = [
     "SEND_GROUP_BYTES",
@@ -84,11 +88,12 @@ def training_layout(
     speculate: bool = True,
 ) -> TrainingLayout:
     """The training layout of the streamed layers ``layouts`` for ``spec`` (sums with several micro-batches a
-    step; with one, the updates read the landings; spares where updates speculate under clipping)."""
+    step, or a whole step, whose update comes after the next backward could rewrite the landings; with one
+    micro-batch, per-layer updates read the landings; spares where updates speculate under clipping)."""
     return TrainingLayout(
         layouts,
         state_keys=spec.state_keys,
-        sums=accumulation_steps != 1,
+        sums=accumulation_steps != 1 or spec.whole_step,
         device_updates=spec.on_device,
         spares=spares_for(spec, clipping, speculate),
     )
@@ -119,7 +124,7 @@ class HostTraining:
         self.accumulation_steps = accumulation_steps
         self.clipping = clipping
         # with one micro-batch a step, updates read it straight from its landings (no fp32 sum on the host)
-        self.direct = accumulation_steps == 1
+        self.direct = accumulation_steps == 1 and not spec.whole_step
         self._step_lr: float | None = None  # the lr of early updates (clipping off); None: each group's
         self._closed: dict[int, TrainedLayer] = {}  # clipping: step's last batch closed, not speculated on yet
         self.layout = layout or training_layout(
@@ -154,11 +159,14 @@ class HostTraining:
             reopen_speculated=self.cancel,
         )
         self.updates = self._strategy(spec)
+        self.whole = self.updates if isinstance(self.updates, WholeStep) else None  # a whole step's instance
         if threaded:
             self.worker.start()
 
     def _strategy(self, spec: HostOptimizerSpec) -> Updater:
         largest = max((layer.numel for layer in self.layers.values()), default=0)
+        if spec.whole_step:
+            return WholeStep(self.jobs, spec, self.layers)
         if self.updater is None:
             return HostUpdater(self.jobs, self.transport, largest)
         if not spec.split:
@@ -189,8 +197,9 @@ class HostTraining:
                 else:
                     master.copy_(p.param.param.data if p.param.param.numel() else packed)
                 params.append(TrainedParam(p.position, p.param.param, master, packed, landing, acc))
-        optimizer = self.spec.build([tp.master for tp in params])
-        layer = TrainedLayer(idx, host, params, optimizer, _in_groups(params, optimizer), place.numel)
+        optimizer = None if self.spec.whole_step else self.spec.build([tp.master for tp in params])
+        in_groups = _in_groups(params, optimizer) if optimizer is not None else []
+        layer = TrainedLayer(idx, host, params, optimizer, in_groups, place.numel)
         if place.flat:
             flat = []
             for (tp, group), p in zip(layer.in_groups, sorted(place.params, key=lambda p: p.flat)):
@@ -343,6 +352,18 @@ class HostTraining:
         self.grads.step_taken()
         self.speculation.step_taken(clipped=not keep)
 
+    def adopt(self, params: Iterable[torch.Tensor]) -> None:
+        """A whole step (:mod:`.whole_step`): the stage's params in the trainer's order, before its first step or
+        checkpoint; the instance steps the resident ones too. Otherwise nothing."""
+        if self.whole is not None:
+            self.whole.adopt(params)
+
+    def take_resident_grads(self) -> None:
+        """A whole step: after clipping, before the trainer's optimizer steps, the resident params' gradients go to
+        the host instance (the trainer's finds none). Otherwise nothing."""
+        if self.whole is not None:
+            self.whole.take_resident_grads()
+
     def set_step_lr(self, lr: float | None) -> None:
         """The lr this step's early updates (no clipping) run at: the trainer's, read before its backward passes
         (its scheduler moves it only after the step). None: each param group's own."""
@@ -353,6 +374,8 @@ class HostTraining:
         so it does on speculation, at coefficient 1, where the layer has a spare and this step speculates."""
         if not self.clipping:
             self.updates.submit(layer, layer.grads.take_early(), None, self._step_lr)
+            return
+        if not self.speculation.active:
             return
         self._closed[layer.index] = layer
         self._start_speculation()
@@ -390,6 +413,8 @@ class HostTraining:
     def state_dict(self) -> dict:
         """The optimizer state of every host-trained layer (the masters are in the model's state dict)."""
         self.finish()
+        if self.whole is not None:
+            return self.whole.state_dict()
         return {idx: layer.optimizer.state_dict() for idx, layer in self.layers.items()}
 
     def state_problem(self, state: object, keep_hyper_parameters: bool = False) -> str | None:
@@ -398,7 +423,16 @@ class HostTraining:
         and of this optimizer's kind. torch's own ``load_state_dict`` checks only the number of params, so a
         checkpoint saved with another placement or optimizer would load into the wrong layers, or be dropped.
         SGD on the device: unless ``keep_hyper_parameters``, the saved momentum must be zero exactly where this
-        run's is (the device's kernel has a momentum buffer only with momentum, sized at start-up)."""
+        run's is (the device's kernel has a momentum buffer only with momentum, sized at start-up). A whole step's
+        state is its instance's (:meth:`.whole_step.WholeStep.state_problem`)."""
+        if self.whole is not None:
+            return self.whole.state_problem(state)
+        if isinstance(state, dict) and STATE_KEY in state:
+            return (
+                "holds one optimizer's state over every param (a type whose step sums over them), and [optimizer] "
+                f"type {self.spec.type!r} steps one optimizer per layer here: resume with the [optimizer] type it was "
+                "saved with, or pass --reset_optimizer"
+            )
         if not isinstance(state, dict) or not all(isinstance(v, dict) and "state" in v for v in state.values()):
             return "holds no per-layer optimizer states"
         try:
@@ -449,6 +483,9 @@ class HostTraining:
         if (problem := self.state_problem(state, keep_hyper_parameters)) is not None:
             raise DGLSUserError(f"the host optimizer state {problem}")
         self.finish()
+        if self.whole is not None:
+            self.whole.load_state_dict(state, keep_hyper_parameters)
+            return
         for idx, layer in self.layers.items():
             replaced = [t for s in layer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
             settings = [{k: v for k, v in g.items() if k != "params"} for g in layer.optimizer.param_groups]

@@ -1,19 +1,22 @@
 """diffusion-pipe's ``[optimizer]`` types: how DGLS trains streamed layers with each, or why it refuses it.
 
-Streamed layers' params train on the host, on fp32 masters, one optimizer per layer that steps as the layer's
-gradients land (:mod:`.host_training`). That gives each param the update one optimizer over every param would give
-it exactly when the optimizer's step is *per param*: each param's update reads only that param's gradient and
-state, and group settings that every layer's optimizer sees alike (lr, betas, a step count that advances once a
-step). :data:`TYPES` records, for every type diffusion-pipe's ``train.py`` builds (its ``get_optimizer``), what
-reading the class's source decided:
+Streamed layers' params train on the host, on fp32 masters. :data:`TYPES` records, for every type diffusion-pipe's
+``train.py`` builds (its ``get_optimizer``), what reading the class's source decided:
 
-- ``adamw``, ``adamw_optimi``, ``sgd``: DGLS's own kernels (:mod:`.host_optimizer`: host, device or split);
+- ``adamw``, ``sgd``: DGLS's own kernels (:mod:`.host_optimizer`: host, device or split); ``adamw_optimi`` and
+  ``offload`` (torchao's CPUOffloadOptimizer, which steps ``torch.optim.AdamW(fused=True)`` on the CPU, one per
+  param) run as ``adamw``, the start-up line says how;
 - ``per_layer``: the class diffusion-pipe builds, imported from where it imports it (a library, or the checkout's
   own ``optimizers/`` folder, on ``sys.path`` in a drop-in run), with the table's keyword arguments as given and
-  diffusion-pipe's param groups, built once per layer on the host masters and stepped there;
-- ``refused``: one line naming the nearest type that trains, and why: a step that reads state over every param
-  (Prodigy's and D-Adaptation's step size, summed over all params), or weights the optimizer swaps in for saving
-  (schedule-free), or a class that runs on the GPU only.
+  diffusion-pipe's param groups, built once per layer on the host masters and stepped as the layer's gradients
+  land. That gives each param the update one optimizer over every param gives it exactly when the step is *per
+  param*: each param's update reads only that param's gradient and state, and group values that every layer's
+  optimizer holds alike (lr, betas, a step count that advances once a step; schedule-free's ``weight_sum`` and
+  ``lr_max``, which follow from the step count and the lr);
+- ``whole_step``: the class reads sums over every param in its step (Prodigy's and D-Adaptation's step size d):
+  one instance over every trained param of the pipeline stage, as train.py's one optimizer is, stepped once after
+  the backward (:mod:`.whole_step`);
+- ``refused``: one line naming the nearest type that trains, and why.
 
 Invariants
     - Every name diffusion-pipe handles itself (its lower-cased types) is a key here; other names are classes of
@@ -23,6 +26,9 @@ Invariants
     - Kahan summation (AdamW8bitKahan, optimi, Automagic) compensates the rounding of bf16 weights; DGLS's masters
       are fp32, where optimi and Automagic turn it off and AdamW8bitKahan (which always runs it) carries only fp32
       rounding; the start-up line says so.
+    - Schedule-free classes keep two weight sequences and swap their average in with ``optimizer.eval()``; train.py
+      never calls it (nor does DeepSpeed), so diffusion-pipe evaluates and saves the training sequence, and so does
+      DGLS.
 """
 
 from __future__ import annotations
@@ -39,11 +45,13 @@ from ..spelling import did_you_mean
 class OptimizerType:
     """How DGLS trains streamed layers with one ``[optimizer]`` type (see the module doc)."""
 
-    runs: str  # "adamw" / "sgd": DGLS's kernels; "per_layer": the class on the host, one per layer; "refused"
-    source: str = ""  # per_layer: "module:Class", as diffusion-pipe imports it
+    # "adamw" / "sgd": DGLS's kernels; "per_layer": the class on the host, one per layer; "whole_step": one instance
+    # over every trained param, stepped after the backward; "refused"
+    runs: str
+    source: str = ""  # per_layer and whole_step: "module:Class", as diffusion-pipe imports it
     packages: tuple[tuple[str, str], ...] = ()  # (module to import, pip package) the class needs
     state_bytes: int = 8  # host bytes of optimizer state per param (at most), for the RAM figure
-    note: str = ""  # per_layer: what the start-up line adds
+    note: str = ""  # what the start-up line adds
     refusal: str = ""  # refused: why, and the nearest type that trains
     fallback: str = ""  # per_layer: the nearest type, for the line that says the class fails with this library
 
@@ -62,13 +70,10 @@ BNB = (("bitsandbytes", "bitsandbytes"),)
 OPTIMI = (("optimi", "torch-optimi"),)
 PYTORCH_OPTIMIZER = (("pytorch_optimizer", "pytorch-optimizer"),)
 KAHAN_FP32 = "its Kahan summation is for bf16 weights, and the masters are fp32: it changes nothing here"
-PER_PARAM_SUM = (
-    "step size is estimated from sums over every param of the group, which one optimizer per streamed "
-    "layer cannot see (DGLS steps each layer as its gradients land)"
-)
+GLOBAL_D = "its step size is estimated from sums over every param, as in train.py's one optimizer of the stage"
 SCHEDULE_FREE = (
-    "schedule-free keeps two weight sequences and swaps their average in for evaluation and saving "
-    "(optimizer.eval()), which DGLS's host masters do not follow"
+    "its group values (step, lr_max, weight_sum) are alike in every layer's optimizer; train.py never calls "
+    "optimizer.eval(), so it saves the training weights, as DGLS does"
 )
 
 # diffusion-pipe's own names (train.py lower-cases them), then the pytorch_optimizer classes whose source was read.
@@ -103,49 +108,53 @@ TYPES: dict[str, OptimizerType] = {
         "optimizers.automagic:Automagic",
         (("optimum.quanto", "optimum-quanto"),),
         state_bytes=8,  # 8-bit lr mask, polarity, factored second moment (4 bytes for 1-D params)
+        # its per-element lr mask, polarity and RMS are each param's own; its lr bounds and bump the instance's
         note=f"its per-element learning rates are its own, as in diffusion-pipe; {KAHAN_FP32}",
     ),
-    "offload": OptimizerType(
-        "refused",
-        refusal="use 'adamw': torchao's CPUOffloadOptimizer runs torch.optim.AdamW(fused=True) on the CPU, which is "
-        "what DGLS already runs for streamed layers, and built by train.py over them it would keep a second pinned "
-        "copy of each",
-    ),
+    # train.py: CPUOffloadOptimizer(groups, torch.optim.AdamW, fused=True, **table): an AdamW per param on the CPU
+    "offload": OptimizerType("adamw", packages=(("torchao", "torchao"),)),
     "genericoptim": OptimizerType(
         "refused",
-        refusal="use 'adamw' (GenericOptim's default, ema momentum and second moment): GenericOptim splits its "
-        "param groups by diffusion-pipe's own rules (Muon on 2-D params), reduces a norm over the pipeline's "
-        "model-parallel group and keeps CUDA tensors, none of which DGLS maps to host steps per layer yet",
+        refusal="use 'adamw' (GenericOptim's default, ema momentum and second moment, is AdamW with eps = 1e-6): "
+        "GenericOptim is built for the GPU: its Muon variants orthogonalize each 2-D gradient with torch.compile'd "
+        "bf16 matrix products, each step reduces a gradient norm over the pipeline's model-parallel group, and "
+        "train.py gives it param groups of its own (2-D params apart, projection settings moved to them), none of "
+        "which DGLS runs on the host for streamed layers yet",
     ),
     # pytorch_optimizer (train.py: getattr(pytorch_optimizer, type)): per-param steps, read in its source
     "Lion": OptimizerType("per_layer", "pytorch_optimizer:Lion", PYTORCH_OPTIMIZER, state_bytes=4),
     "ADOPT": OptimizerType("per_layer", "pytorch_optimizer:ADOPT", PYTORCH_OPTIMIZER),
     "AdEMAMix": OptimizerType("per_layer", "pytorch_optimizer:AdEMAMix", PYTORCH_OPTIMIZER, state_bytes=12),
     "CAME": OptimizerType("per_layer", "pytorch_optimizer:CAME", PYTORCH_OPTIMIZER),
-    "Prodigy": OptimizerType("refused", refusal=f"use 'adamw' with an lr of your own: Prodigy's {PER_PARAM_SUM}"),
+    # a step size d from sums over every param of the instance: whole_step (state: the tensors each param keeps)
     **{
         name: OptimizerType(
-            "refused", refusal=f"use '{nearest}' with an lr of your own: D-Adaptation's {PER_PARAM_SUM}"
+            "whole_step", f"pytorch_optimizer:{name}", PYTORCH_OPTIMIZER, state_bytes=state, note=GLOBAL_D
         )
-        for name, nearest in (
-            ("DAdaptAdam", "adamw"),
-            ("DAdaptAdan", "adamw"),
-            ("DAdaptAdaGrad", "adamw"),
-            ("DAdaptLion", "Lion"),
-            ("DAdaptSGD", "sgd"),
+        for name, state in (
+            ("Prodigy", 16),  # p0, s, exp_avg, exp_avg_sq
+            ("DAdaptAdam", 12),  # s, exp_avg, exp_avg_sq
+            ("DAdaptAdan", 20),  # s, exp_avg, exp_avg_sq, exp_avg_diff, previous_grad
+            ("DAdaptAdaGrad", 16),  # alpha_k, sk, x0 (and weighted_sk)
+            ("DAdaptLion", 8),  # exp_avg, s
+            ("DAdaptSGD", 12),  # z, s, x0
         )
     },
+    # schedule-free: per-param steps; train.py saves the training weights (it never swaps the average in)
     **{
-        name: OptimizerType("refused", refusal=f"use '{nearest}': {SCHEDULE_FREE}")
-        for name, nearest in (
-            ("ScheduleFreeAdamW", "adamw"),
-            ("ScheduleFreeRAdam", "adamw"),
-            ("ScheduleFreeSGD", "sgd"),
-            ("ScheduleFreeWrapper", "adamw"),
+        name: OptimizerType(
+            "per_layer", f"pytorch_optimizer:{name}", PYTORCH_OPTIMIZER, state_bytes=state, note=SCHEDULE_FREE
         )
+        for name, state in (("ScheduleFreeAdamW", 8), ("ScheduleFreeRAdam", 8), ("ScheduleFreeSGD", 4))
     },
+    "ScheduleFreeWrapper": OptimizerType(
+        "refused",
+        refusal="use 'ScheduleFreeAdamW': ScheduleFreeWrapper takes the optimizer it wraps as its first argument, "
+        "where train.py passes the param groups, so train.py cannot build it either",
+    ),
 }
 PER_LAYER = tuple(name for name, entry in TYPES.items() if entry.runs == "per_layer")
+WHOLE_STEP = tuple(name for name, entry in TYPES.items() if entry.runs == "whole_step")
 RUNNING = tuple(name for name, entry in TYPES.items() if entry.runs != "refused")
 
 
@@ -164,8 +173,9 @@ def lookup(given: str) -> tuple[str, OptimizerType]:
         hint = did_you_mean(given, TYPES, "'{}'")
         raise DGLSUserError(
             f"[optimizer] type = {given!r}: DGLS has not read this optimizer's step, and trains streamed layers only "
-            "with optimizers whose step updates each param from its own state (one optimizer per layer, stepped as "
-            f"the layer's gradients land){hint}: use one of {', '.join(repr(t) for t in RUNNING)}, or train a LoRA"
+            "with optimizers whose step it has read (one per layer, stepped as the layer's gradients land, where the "
+            "step is per param; one over every param, stepped after the backward, where it sums over them)"
+            f"{hint}: use one of {', '.join(repr(t) for t in RUNNING)}, or train a LoRA"
         )
     entry = TYPES[name]
     if entry.runs == "refused":

@@ -64,6 +64,8 @@ COUNTS = ("speculated", "kept", "redone", "cancelled")
 def undo_problem(spec: HostOptimizerSpec) -> str | None:
     """Why updates of ``spec``'s optimizer cannot be undone exactly (they wait for the norm), or None: only DGLS's
     own kernels speculate (a whitelist: an optimizer type added later waits until its state is known)."""
+    if spec.whole_step:
+        return f"[optimizer] type {spec.type!r} steps one instance over every param, after the backward"
     if spec.per_layer or spec.type not in HOST_OPTIMIZERS:
         return (
             f"[optimizer] type {spec.type!r} steps its own class, whose state DGLS does not know well enough to undo "
