@@ -15,6 +15,10 @@ every block checkpointed):
   and back (``device``), on the CPU (torch's fused kernel, or DeepSpeedCPUAdam), or each layer on whichever
   of the two would finish it sooner at the rates measured on earlier steps (``split``; 'updated on GPU' is
   the GPU's share of the params in the timed steps). Small resident layers train with AdamW on the GPU.
+  With clipping, each layer's update starts as its gradients land, at coefficient 1, and a step that clips redoes
+  them (utils/dgls/training/speculation.py); ``dgls-IMPL-wait`` (not in the default list) makes them wait for
+  the norm, as before. 'grad norm' is the median norm of the timed steps (the synthetic data decides whether a
+  step clips), 'speculation' what became of the speculative updates since the method started.
 
 With ``--vram_budget GiB`` the DGLS methods place layers by the planner instead of ``--stream_mib``: step 1 is its
 probe, and the plan it fixes before step 1's update stays for the run; the row names the placement (as the flags
@@ -216,33 +220,40 @@ def dgls_step(
     budget: float | None = None,
     log: Callable[[str], None] | None = None,
 ):
-    """DGLS's step: layers of ``stream_mib`` or more streamed, or with ``budget`` (GiB) the planner's placement, its
-    plan fixed before step 1's update (``log`` hears the plan; the trainer's optimizer then holds every param, as
-    diffusion-pipe's does, and the layers the plan keeps resident bring their gradients to it)."""
+    """DGLS's step of ``implementation`` (``IMPL``, or ``IMPL-wait``: with clipping, updates wait for the gradient
+    norm instead of speculating): layers of ``stream_mib`` or more streamed, or with ``budget`` (GiB) the planner's
+    placement, its plan fixed before step 1's update (``log`` hears the plan; the trainer's optimizer then holds every
+    param, as diffusion-pipe's does, and the layers the plan keeps resident bring their gradients to it). Returns the
+    step, the swapper and the list each step's gradient norm is appended to."""
+    implementation, _, wait = implementation.partition("-")
+    if wait not in ("", "wait"):
+        raise ValueError(f"a DGLS method is dgls-IMPL or dgls-IMPL-wait, got dgls-{implementation}-{wait}")
     spec = host_spec(optimizer, implementation)
     sizes = bench.sizes  # measured before anything was trainable: streamable = every param of the layer
+    common = dict(host_optimizer=spec, clip_grads=bool(clip), speculate_clipping=not wait)
     if budget is not None:
-        config = SwapConfig.of(vram_budget=budget, host_optimizer=spec, clip_grads=bool(clip))
+        config = SwapConfig.of(vram_budget=budget, **common)
     else:
         resident = [s.index for s in sizes if s.streamable_bytes < stream_mib * 2**20]
-        config = SwapConfig.of(gpu_layers=resident, prefetch=prefetch, host_optimizer=spec, clip_grads=bool(clip))
+        config = SwapConfig.of(gpu_layers=resident, prefetch=prefetch, **common)
     swapper = LayerSwapper(bench.layers, config, device=device, log=log)
     training = swapper.training
     params = [p for layer in bench.layers for p in layer.parameters()]
     device_params = params if budget is not None else [p for p in params if not training.owns(p)]
     trainer = device_optimizer(device_params, optimizer) if device_params else None
+    norms: list[float] = []
 
     def step() -> None:
         forward_backward(bench)
         training.before_step()  # under a budget, the first fixes the plan (clipping would call it too)
         if clip:
-            training.clip_grad_norm_(params, clip)
+            norms.append(float(training.clip_grad_norm_(params, clip)))
         if trainer is not None:
             trainer.step()
             trainer.zero_grad(set_to_none=True)
         training.step()
 
-    return step, swapper
+    return step, swapper, norms
 
 
 def measure(name: str, args, device, dtype) -> dict:
@@ -258,6 +269,7 @@ def measure(name: str, args, device, dtype) -> dict:
     row["trained_params_b"] = sum(p.numel() for layer in bench.layers for p in layer.parameters()) / 1e9
     cleanup: Callable[[], None] = gc.collect  # replaced by the method's own clean-up
     training = swapper = None
+    norms: list[float] = []
     try:
         if name == "resident":
             step = resident_step(bench, args.clip, args.optimizer)
@@ -269,7 +281,7 @@ def measure(name: str, args, device, dtype) -> dict:
         else:
             impl = name.split("-", 1)[1]
             plan: list[str] = []
-            step, swapper = dgls_step(
+            step, swapper, norms = dgls_step(
                 bench, device, impl, args.stream_mib, args.prefetch, args.clip, args.optimizer, args.vram_budget,
                 lambda line: plan.append(line.split("this run): ", 1)[1]) if "without the probe" in line else None,
             )  # fmt: skip
@@ -298,6 +310,9 @@ def measure(name: str, args, device, dtype) -> dict:
             if training.split is not None:  # the split of the last step, and the rates it came from
                 row["device_share"] = training.split.device_share
                 row["split"] = training.split.describe()
+            if norms:
+                row["grad_norm"] = statistics.median(norms[-len(times) :])
+            row["speculation"] = training.speculation.describe()
         row.update(median_step_s=statistics.median(times), step_times_s=times, steps=len(times), **peaks(device))
         row["host_rss_gib"] = rss.peak / GiB
     except Exception as exc:  # noqa: BLE001 - a method that cannot run is a row that says why

@@ -180,8 +180,18 @@ TABLES: dict[str, Table] = {
             ("host RSS GiB", _key("host_rss_gib", ".1f")),
             ("pinned host GiB", _key("pinned_gib", ".1f")),
             ("placement (--vram_budget)", _text("placement")),
+            ("grad norm", _key("grad_norm", ".3g")),
+            ("speculation", _text("speculation")),
         ),
-        optional=("trained params (B)", "GPU wait", "updated on GPU", "pinned host GiB", "placement (--vram_budget)"),
+        optional=(
+            "trained params (B)",
+            "GPU wait",
+            "updated on GPU",
+            "pinned host GiB",
+            "placement (--vram_budget)",
+            "grad norm",
+            "speculation",
+        ),  # fmt: skip
     ),
     "engines": Table(
         columns=(

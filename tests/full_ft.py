@@ -28,6 +28,13 @@ from utils.dgls.training.update_split import UpdateSplit
 
 SPEC = HostOptimizerSpec(lr=1e-2, weight_decay=0.01, implementation="torch")
 MAX_NORM = 0.05  # small enough that clipping acts on every step
+NEVER_CLIPS = 1e6  # clipping on, and a coefficient of exactly 1 at every step
+
+
+def norm_of_step(max_norm, step: int):
+    """``max_norm`` as given (None: no clipping), or a list's entry for ``step`` (from 0): steps that clip and
+    steps that do not, in one run."""
+    return max_norm[step] if isinstance(max_norm, (list, tuple)) else max_norm
 
 
 def full_layers(dtype=torch.float32, cfg=SMALL):
@@ -91,12 +98,15 @@ def train_dgls(
     max_norm=MAX_NORM,
     checkpoint_fn=None,
     adopt=False,
+    before_clip=None,
 ):
     """Train with a swapper built with ``host_optimizer=SPEC``: resident params by the trainer's optimizer.
     ``start_step``/``trainer_state``: continue a run saved after that many steps; ``on_step(step, trainer)``
     runs after each step; ``checkpoint_fn``: the blocks' checkpoint (e.g. the swapper's, offloading); ``adopt``: the
     trainer hands its params to the host training and, after clipping, its resident params' gradients (as DGLS's
-    engine hooks do: a whole step's instance then trains every param, and the trainer's optimizer finds none)."""
+    engine hooks do: a whole step's instance then trains every param, and the trainer's optimizer finds none);
+    ``max_norm``: one for every step or a list (:func:`norm_of_step`); ``before_clip(training)``: after a step's
+    backward passes, before its norm."""
     training = swapper.training
     params = params_of(layers)
     if adopt:
@@ -113,8 +123,10 @@ def train_dgls(
         for _ in range(accumulate):
             inputs, target = next(batches)
             losses.append(_forward_backward(layers, inputs, target, mode, checkpoint_fn))
-        if max_norm is not None:
-            training.clip_grad_norm_(params, max_norm)
+        if before_clip is not None:
+            before_clip(training)
+        if norm_of_step(max_norm, step) is not None:
+            training.clip_grad_norm_(params, norm_of_step(max_norm, step))
         if adopt:
             training.take_resident_grads()
         if trainer is not None:
@@ -180,9 +192,10 @@ def train_reference(
             elif p.grad is not None:
                 norms.append(torch.linalg.vector_norm(p.grad.detach().float(), 2).cpu())
         coef = None
-        if max_norm is not None:
+        if norm_of_step(max_norm, step) is not None:
             total = torch.stack(norms).square().sum().sqrt()
-            coef = torch.clamp(torch.tensor(float(max_norm), dtype=torch.float32) / (total + 1e-6), max=1.0)
+            limit = torch.tensor(float(norm_of_step(max_norm, step)), dtype=torch.float32)
+            coef = torch.clamp(limit / (total + 1e-6), max=1.0)
             for p in device_params:
                 if p.grad is not None:
                     p.grad.detach().mul_(coef.to(p.grad.device))

@@ -33,6 +33,7 @@ NOT_OPTIONS = {
     "accumulation_steps",
     "clip_grads",
     "first_layer",  # a pipeline stage's first layer, set by for_stage
+    "speculate_clipping",
 }
 # Options of the run around the engine (read from the resolved values by the start-up checks and the trainer).
 RUN_OPTIONS = {"dynamic_swapping", "gpu_id", "lazy_lora_steps", "host_adam", "verbose", "verbose_every"}

@@ -524,9 +524,9 @@ def test_split_updates_without_clipping_run_where_they_were_queued_though_the_st
     ran: list[tuple[object, str]] = []
     original_device, original_step = DeviceSide.enqueue, torch.optim.AdamW.step
 
-    def enqueue(self, layer, grads, coef, lr, previous):
+    def enqueue(self, layer, grads, coef, lr, previous, *speculated):
         ran.append((layer.index, "device"))
-        return original_device(self, layer, grads, coef, lr, previous)
+        return original_device(self, layer, grads, coef, lr, previous, *speculated)
 
     def step(self, *args, **kwargs):
         ran.append((self, "host"))  # a layer's optimizer or the trainer's own (told apart below)

@@ -17,7 +17,16 @@ import time
 import psutil
 import pytest
 import torch
-from full_ft import MAX_NORM, SPEC, assert_same, flip_sides_every_step, full_layers, train_dgls, train_reference
+from full_ft import (
+    MAX_NORM,
+    NEVER_CLIPS,
+    SPEC,
+    assert_same,
+    flip_sides_every_step,
+    full_layers,
+    train_dgls,
+    train_reference,
+)
 from helpers import checkpoint_for
 from test_ordering_gpu import MS, ComputeDelay, delay_every_copy, deterministic, device  # noqa: F401 (fixture)
 
@@ -51,7 +60,10 @@ def config(spec=SPEC, accumulate=2, **kw):
     return SwapConfig.of(host_optimizer=spec, accumulation_steps=accumulate, gpu_layers=[0], **kw)
 
 
-def swapped(template, mode, monkeypatch, accumulate=2, max_norm=MAX_NORM, steps=2, seen=None, adopt=False, **kw):
+def swapped(
+    template, mode, monkeypatch, accumulate=2, max_norm=MAX_NORM, steps=2, seen=None, adopt=False, before_clip=None,
+    **kw,
+):  # fmt: skip
     layers = copy.deepcopy(template)
     with LayerSwapper(layers, config(accumulate=accumulate, **kw), device=device(), log=None) as swapper:
         swapper.add_listener(ComputeDelay(5.0))
@@ -64,7 +76,7 @@ def swapped(template, mode, monkeypatch, accumulate=2, max_norm=MAX_NORM, steps=
         }
         record = train_dgls(
             layers, swapper, device(), mode, dtype=BF16, steps=steps, cfg=WIDE, accumulate=accumulate,
-            max_norm=max_norm, adopt=adopt,
+            max_norm=max_norm, adopt=adopt, before_clip=before_clip,
         )  # fmt: skip
         stats = swapper.total_stats(sync=True)
         if seen is not None:
@@ -161,12 +173,13 @@ def test_pinned_memory_is_exact_page_locked_and_unpinned_when_freed():
 
 def test_host_training_page_locks_exactly_what_it_holds(template):
     """Device updates in bf16: each layer's flat fp32 masters, bf16 landings and two fp32 moments are
-    page-locked at their exact size (whole pages); a checkpoint load keeps that (the flat moments are refilled)."""
+    page-locked at their exact size (whole pages), and the spare of its speculative updates under clipping (fp32
+    masters and moments again); a checkpoint load keeps that (the flat moments are refilled)."""
     layers = copy.deepcopy(template)
     with LayerSwapper(layers, config(DEVICE_SPEC, accumulate=1, prefetch=1), device=device(), log=None) as swapper:
         training = swapper.training
         sizes = [layer.numel for layer in training.layers.values()]
-        want = sum(3 * whole_pages(4 * n) + whole_pages(2 * n) for n in sizes)
+        want = sum(6 * whole_pages(4 * n) + whole_pages(2 * n) for n in sizes)
         assert training.pinned_bytes() == want
         assert all(copy_is_asynchronous(layer.flat.masters) for layer in training.layers.values())
         train_dgls(layers, swapper, device(), "nonreentrant", dtype=BF16, steps=1, cfg=WIDE, accumulate=1)
@@ -291,6 +304,70 @@ def test_split_updates_without_clipping_measure_the_devices_rate_and_stay_bitwis
     assert_same(got, want)
     rates = seen[0].split.rates
     assert rates["device"] is not None and rates["host"] is not None, rates
+
+
+# a step that does not clip (its updates started during backward are kept), one that clips (they are undone and
+# redone with its coefficient), and one after it (which waits for the norm)
+SPECULATION_NORMS = [NEVER_CLIPS, MAX_NORM, NEVER_CLIPS]
+
+
+@pytest.mark.parametrize(
+    "spec, accumulate, drained",
+    [
+        (SPEC, 1, False),
+        (SPEC, 1, True),
+        (DEVICE_SPEC, 1, False),
+        (DEVICE_SPEC, 2, False),
+        (SPLIT_SPEC, 1, False),
+        (SGD_SPLIT_SPEC, 1, True),
+    ],
+    ids=["host", "host-drained", "device-flat", "device-sums", "split", "sgd-split-drained"],
+)
+def test_speculated_updates_with_delays_equal_updates_that_wait_for_the_norm(
+    template, monkeypatch, spec, accumulate, drained
+):
+    """Clipping at Flux widths, with the delays: each layer's update starts as its gradients land, at coefficient 1
+    (host jobs, or the GPU writing master and moments home into the layer's spare, whose buffers then swap in); a
+    step that clips undoes them and redoes them, on the side the step gives the layer (split: every layer changes
+    side every step). ``drained``: the host jobs all ran before the norm. Bitwise the updates that wait for the norm
+    (the reference), and no layer is undone before its step (none is fetched or read before it)."""
+    on_device = flip_sides_every_step(monkeypatch) if spec.split else None
+    seen = []
+    before_clip = (lambda training: training.jobs.worker.drain()) if drained else None
+    got, names = swapped(
+        template, "nonreentrant", monkeypatch, accumulate=accumulate, max_norm=SPECULATION_NORMS, steps=3, seen=seen,
+        before_clip=before_clip, spec=spec, prefetch=2, threading=True,
+    )  # fmt: skip
+    ranks = {layer: rank for rank, layer in enumerate(sorted({int(n.split(".")[0]) for n in names}))}
+
+    def update_device(step, name):
+        """Split: step 0 kept its speculative updates, queued before its own assign (start-up's sides); step 1
+        redid them on its own sides; step 2 (after a clipping step) waited and ran on its own."""
+        rank = ranks[int(name.split(".")[0])]
+        return device() if on_device(step + 1 if step == 0 else step, rank) else CPU
+
+    kw = {"accumulate": accumulate, "max_norm": SPECULATION_NORMS, "steps": 3}
+    if spec is SPEC:  # host AdamW reading the landings: norms taken on the GPU before the grads left
+        want = reference(template, names, "nonreentrant", **kw, master_device=device(), update_device=lambda s, n: CPU)
+    elif spec.split:
+        host_spec = spec if spec.type == "sgd" else FUSED_SPEC
+        want = reference(
+            template, names, "nonreentrant", **kw, host_spec=host_spec, master_device=device(),
+            update_device=update_device,
+        )  # fmt: skip
+    elif accumulate == 1:  # flat layers read from their landings: norms on the GPU, the GPU's fused AdamW
+        want = reference(template, names, "nonreentrant", **kw, host_spec=FUSED_SPEC, master_device=device())
+    else:  # from the host's sums: their norms on the CPU, the update on the GPU
+        want = reference(
+            template, names, "nonreentrant", **kw, host_spec=FUSED_SPEC, update_device=lambda s, n: device()
+        )
+    assert_same(got, want)
+    counts = seen[0].speculation.counts
+    layers = len(seen[0].layers)
+    if accumulate == 1:
+        assert counts == {"speculated": 2 * layers, "kept": layers, "redone": layers, "cancelled": 0}, counts
+    else:  # a device update from host sums starts once they are written, if that is before the norm
+        assert counts["speculated"] == counts["kept"] + counts["redone"] and not counts["cancelled"], counts
 
 
 def half_on_each_side(monkeypatch) -> None:

@@ -44,6 +44,15 @@ def test_gradient_state_follows_its_transitions_and_refuses_any_other():
     assert g.take_early().direct is not None and g.state is GradState.QUEUED
     g.settle()
     assert g.state is GradState.IDLE
+    g.open(GradBatch(3, params={0}))
+    g.close_direct()
+    g.direct_norms[0] = torch.ones(())
+    assert g.speculate().direct is not None and g.state is GradState.SPECULATED
+    assert g.direct is not None and g.direct_norms  # kept for the norm (and for a redo)
+    g.reopen()  # undone before the step: the layer waits for the norm again
+    assert g.state is GradState.DIRECT and g.direct_norms
+    g.speculate()
+    assert g.take().direct is not None and g.state is GradState.IDLE and not g.direct_norms
 
 
 @pytest.mark.parametrize(
@@ -59,6 +68,11 @@ def test_gradient_state_follows_its_transitions_and_refuses_any_other():
         (["open", "close_direct"], "close_summed"),
         (["open", "close_direct", "take_early"], "take"),  # queued early: the step settles it
         (["open", "close_direct", "take_early"], "open"),
+        ([], "speculate"),  # nothing closed
+        (["open"], "speculate"),
+        (["open", "close_direct"], "reopen"),  # nothing speculated
+        (["open", "close_direct", "speculate"], "open"),  # a grad first reopens it (undone)
+        (["open", "close_direct", "speculate"], "settle"),
     ],
 )
 def test_an_out_of_order_gradient_transition_raises(before, transition):
@@ -71,6 +85,8 @@ def test_an_out_of_order_gradient_transition_raises(before, transition):
         "take": g.take,
         "take_early": g.take_early,
         "settle": g.settle,
+        "speculate": g.speculate,
+        "reopen": g.reopen,
     }
     for name in before:
         calls[name]()
@@ -83,8 +99,8 @@ def test_an_out_of_order_gradient_transition_raises(before, transition):
 # ---------------------------------------------------------------- TrainingLayout
 def held_bytes(training) -> dict[str, int]:
     """Bytes of the distinct storages the training state holds: masters (not the packed copies), landings,
-    sums and optimizer state (step counts aside)."""
-    storages: dict[str, dict[int, int]] = {"masters": {}, "gradients": {}, "optimizer": {}}
+    sums, optimizer state (step counts aside) and the spares of speculative updates under clipping."""
+    storages: dict[str, dict[int, int]] = {"masters": {}, "gradients": {}, "optimizer": {}, "speculation": {}}
 
     def add(part, tensor):
         storage = tensor.untyped_storage()
@@ -101,7 +117,10 @@ def held_bytes(training) -> dict[str, int]:
             for value in state.values():
                 if isinstance(value, torch.Tensor) and value.ndim:
                     add("optimizer", value)
-    return {part: sum(sizes.values()) for part, sizes in storages.items()}
+    for spare in training.speculation.spares.values():
+        for tensor in (spare.masters, *spare.state.values()):
+            add("speculation", tensor)
+    return {part: sum(sizes.values()) for part, sizes in storages.items() if sizes or part != "speculation"}
 
 
 @pytest.mark.parametrize(

@@ -124,7 +124,10 @@ def build(
     trained = None  # the training layout: the RAM check's figure, then what full fine-tuning allocates
     if host_trained:
         streamed_layouts = {idx: layouts[idx] for idx in placement.streamed}
-        trained = training_layout(streamed_layouts, c.training.host_optimizer, c.training.accumulation_steps)
+        trained = training_layout(
+            streamed_layouts, c.training.host_optimizer, c.training.accumulation_steps,
+            c.training.clip_grads, c.training.speculate_clipping,
+        )  # fmt: skip
         update = update_buffer_bytes(trained, c.training.host_optimizer)  # what HostTraining reserves
         placement = dataclasses.replace(placement, update_bytes=update)
     driver = _start_driver(c, budget, unit_bytes, device, log)
@@ -149,7 +152,8 @@ def build(
             trainer = TrainingFeature.start(
                 masters, trained, transport, c.training.host_optimizer, training_note, device=device,
                 threading=c.transfer.threading, accumulation_steps=c.training.accumulation_steps,
-                clipping=c.training.clip_grads, plan_fix=driver.fix_plan if driver is not None else None,
+                clipping=c.training.clip_grads, speculate=c.training.speculate_clipping,
+                plan_fix=driver.fix_plan if driver is not None else None,
             )  # fmt: skip
             features.append(trainer)
             training = trainer.training

@@ -351,6 +351,10 @@ class TrainedBuffers:
     landing: torch.Tensor  # the layer's landing buffer (flat layers: in the compute dtype)
     flat_masters: torch.Tensor | None = None  # flat layers: fp32, the masters' storage
     flat_state: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # flat layers: key -> fp32 zeros
+    # layers with a spare (speculative updates under clipping): fp32 masters and state of the layer, uninitialized,
+    # the params at ``TrainingLayout.spare_offsets``
+    spare_masters: torch.Tensor | None = None
+    spare_state: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 class TrainingLayout:
@@ -363,6 +367,11 @@ class TrainingLayout:
         - an fp32 gradient sum per param when a step has several micro-batches (``sums``);
         - the optimizer state: ``state_keys``, fp32 tensors shaped as the param (AdamW's two moments, SGD's
           momentum buffer).
+        - a spare for the layers in :attr:`spares` (speculative updates under clipping,
+          :mod:`..training.speculation`): one more fp32 master and state per param, where an update that starts
+          before the gradient norm is known keeps the old values (or writes the new ones) until the step
+          confirms it. Which layers may have one (``spares``): ``"all"``, ``"flat"`` (device updates, which
+          speculate on flat layers only) or ``"none"``; how many do is the RAM check's (:meth:`limit_spares`).
         - Flat layers (``device_updates`` and one compute dtype, bf16 or fp16): masters, each state tensor and
           landings are one buffer each, the params back to back in the optimizer's order (2-D and larger
           first, then the 1-D ones: diffusion-pipe's param groups), so a device update moves a chunk with a
@@ -380,8 +389,16 @@ class TrainingLayout:
     """
 
     def __init__(
-        self, layouts: Mapping[int, LayerLayout], *, state_keys: Sequence[str], sums: bool, device_updates: bool
+        self,
+        layouts: Mapping[int, LayerLayout],
+        *,
+        state_keys: Sequence[str],
+        sums: bool,
+        device_updates: bool,
+        spares: str = "none",
     ) -> None:
+        if spares not in ("none", "flat", "all"):
+            raise ValueError(f"spares must be 'none', 'flat' or 'all', got {spares!r}")
         self.state_keys = tuple(state_keys)
         self.sums = sums
         self.device_updates = device_updates
@@ -390,6 +407,12 @@ class TrainingLayout:
             place = self._place(idx, layouts[idx])
             if place is not None:
                 self.layers[idx] = place
+        # the layers that may have a spare, in layer order, and those that have one (all, unless the RAM check
+        # kept fewer: :meth:`limit_spares`, whose budget is kept for the start-up line)
+        self.spares_wanted = tuple(i for i, p in self.layers.items() if spares == "all" or spares == "flat" and p.flat)
+        self.spares = frozenset(self.spares_wanted)
+        self.spare_budget: int | None = None
+        self.packed_bytes = sum(layout.host_bytes for layout in layouts.values())  # the streamed layers' own copies
 
     def _place(self, idx: int, layout: LayerLayout) -> TrainedLayerPlace | None:
         chosen = [(k, p) for k, p in enumerate(layout.params) if p.param.requires_grad]
@@ -412,7 +435,8 @@ class TrainingLayout:
 
     def parts(self) -> dict[str, int]:
         """Host bytes of the training state beyond the packed copies: masters, gradients (landings and sums),
-        optimizer state (the start-up line and the RAM check)."""
+        optimizer state, and the spares of speculative updates where there are any (the start-up line and the
+        RAM check)."""
         masters = gradients = optimizer = 0
         for layer in self.layers.values():
             gradients += layer.landing_bytes
@@ -420,10 +444,50 @@ class TrainingLayout:
                 masters += 4 * p.numel if p.own_master else 0
                 gradients += 4 * p.numel if self.sums else 0
                 optimizer += 4 * p.numel * len(self.state_keys)
-        return {"masters": masters, "gradients": gradients, "optimizer": optimizer}
+        parts = {"masters": masters, "gradients": gradients, "optimizer": optimizer}
+        if self.spares:
+            parts["speculation"] = sum(self.spare_bytes(idx) for idx in self.spares)
+        return parts
+
+    def spare_bytes(self, idx: int) -> int:
+        """Layer ``idx``'s spare: an fp32 master and each state tensor per param."""
+        return 4 * self.layers[idx].numel * (1 + len(self.state_keys))
+
+    def limit_spares(self, budget: int) -> None:
+        """Keep the spares of the first layers (in layer order) that fit ``budget`` bytes together: the first
+        layers in the forward, whose gradients land last (:mod:`..training.speculation` says why)."""
+        kept, used = [], 0
+        for idx in self.spares_wanted:
+            used += self.spare_bytes(idx)
+            if used > budget:
+                break
+            kept.append(idx)
+        self.spares = frozenset(kept)
+        self.spare_budget = budget
+
+    def spare_offsets(self, idx: int) -> dict[int, int]:
+        """Each param's element offset in layer ``idx``'s spare, by position: a flat layer's flat offsets (its
+        spare swaps with its buffers), otherwise the params back to back in layout order."""
+        layer = self.layers[idx]
+        if layer.flat:
+            return {p.position: p.flat for p in layer.params}
+        offsets, offset = {}, 0
+        for p in layer.params:
+            offsets[p.position] = offset
+            offset += p.numel
+        return offsets
 
     def allocate(self, idx: int, pinned: Allocate, plain: Allocate) -> TrainedBuffers:
         """Layer ``idx``'s buffers (see the class doc for which are page-locked); state tensors only if flat."""
+        buffers = self._allocate(idx, pinned, plain)
+        if idx in self.spares:  # page-locked with device updates, whose copies home may write into it
+            held = pinned if self.device_updates else plain
+            total = self.layers[idx].numel
+            buffers.spare_masters = held((total,), torch.float32)
+            buffers.spare_state = {key: held((total,), torch.float32) for key in self.state_keys}
+        return buffers
+
+    def _allocate(self, idx: int, pinned: Allocate, plain: Allocate) -> TrainedBuffers:
         layer = self.layers[idx]
         held = pinned if self.device_updates else plain
         if layer.flat:

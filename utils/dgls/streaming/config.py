@@ -316,13 +316,18 @@ class TrainingPolicy(_Policy):
     - ``host_optimizer`` None: trainable params stay on the device (a LoRA).
     - ``accumulation_steps``: micro-batches per optimizer step (the host takes grad norms on the last).
     - ``clip_grads`` False: no clipping, so host updates start during backward.
+    - ``speculate_clipping`` (with clipping): updates start during backward at coefficient 1 and are redone in a
+      step that clips, exactly (:mod:`..training.speculation`); False: they wait for the gradient norm, and the
+      host RAM of their old values is not taken.
     - Set by the start-up checks from the trainer's config (no option row: ``--host_adam`` and
-      ``--lazy_lora_steps`` reach it through them). Read by the builder (:mod:`..engine.build`: host training).
+      ``--lazy_lora_steps`` reach it through them; ``speculate_clipping`` is a library and benchmark setting). Read
+      by the builder (:mod:`..engine.build`: host training).
     """
 
     host_optimizer: HostOptimizerSpec | None = None
     accumulation_steps: int = _whole(1, 1)
     clip_grads: bool = True
+    speculate_clipping: bool = True
 
 
 @dataclass(frozen=True)

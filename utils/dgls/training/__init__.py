@@ -15,6 +15,8 @@ Modules
     - ``optimizer_kernels.py``: the arithmetic a step runs on the GPU, one kernel per optimizer (AdamW, SGD).
     - ``device_update.py``: a layer's step on the GPU, its state streamed in and out.
     - ``update_split.py``: which layers take that step on the GPU and which on the CPU (``--host_adam split``).
+    - ``speculation.py``: under clipping, steps that start before the gradient norm is known, undone and redone
+      in a step that clips (exact); their old values' spares.
     - ``jit_ops.py``: DeepSpeed's C++ optimizer op, built on first use: said before the build; a lock left by
       a killed build refused in one line.
 

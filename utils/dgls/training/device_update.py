@@ -25,7 +25,8 @@ each half of a chunk one :meth:`~..memory.transport.Transport.issue` behind its 
        gradient in; scale the gradient by the clip coefficient; the kernel's step
        (:class:`~.optimizer_kernels.OptimizerKernel`: the fused torch optimizer's arithmetic on this device); write
        the compute-dtype copy. Step counts stay on the host (one per param, as in the optimizer's state).
-    2. Out-stream: wait for (1); copy master, state and the compute-dtype copy home; mark the buffer
+    2. Out-stream: wait for (1); copy master, state and the compute-dtype copy home (master and state into a
+       spare instead, for a speculative update: ``into``, ``ParamUpdate.home``, :mod:`.speculation`); mark the buffer
        free. The layer's last chunk's copy home is ``done``: a fetch of the layer waits for it on the device
        (the copier's gate), and the host waits for it before it reads a master (:meth:`synchronize`).
     Buffers alternate, so chunk k+1 comes in while chunk k goes out.
@@ -98,6 +99,7 @@ class ParamUpdate:
     grad: torch.Tensor  # host: the compute-dtype landing or the fp32 sum
     packed: torch.Tensor | None  # host compute-dtype copy to rewrite (None when the master is that copy)
     group: dict  # the optimizer param group (lr, betas, eps, weight_decay)
+    home: tuple[torch.Tensor, ...] | None = None  # where master and state go home (a spare), if not in place
 
 
 class Scratch:
@@ -267,10 +269,12 @@ class DeviceUpdater:
         lr: float | None,
         after: Sequence[Gate],
         previous: Copy | None,
+        into: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None,
     ) -> Copy | None:
         """:meth:`update` of every param of a flat layer, each with its gradient in the landings: chunks of
         consecutive params of one group and one step count, each moved with a few copies of flat ranges and
-        stepped by one fused kernel over them (elementwise, so the same numbers as per param)."""
+        stepped by one fused kernel over them (elementwise, so the same numbers as per param). ``into``: flat
+        masters and state buffers of the same layout that master and state go home to (a spare)."""
         if not self.buffers:
             self.reserve(max(fp.numel for fp in flat.params), flat.masters.numel())
         capacity = self.buffers[0].capacity
@@ -286,11 +290,12 @@ class DeviceUpdater:
             chunks[-1].append(fp)
             size += fp.numel
         done = previous
+        home = into if into is not None else (flat.masters, flat.state)
         for chunk, (_, step) in zip(chunks, keys):
-            done = self._flat_chunk(flat, chunk, chunk[0].group, step, coef, lr, after, previous)
+            done = self._flat_chunk(flat, chunk, chunk[0].group, step, coef, lr, after, previous, home)
         return done
 
-    def _flat_chunk(self, flat, chunk, group, step, coef, lr, after, previous) -> Copy:
+    def _flat_chunk(self, flat, chunk, group, step, coef, lr, after, previous, home_buffers) -> Copy:
         start, end = chunk[0].offset, chunk[-1].offset + chunk[-1].numel
         n = end - start
         buf = self._next_buffer()
@@ -313,11 +318,12 @@ class DeviceUpdater:
             out = buf.raw(buf.raw_out, 0, n, flat.landings.dtype)
             out.copy_(m)
             came_in.nbytes = n * (fp32 + flat.landings.itemsize)  # master, state, gradient
+        masters_home, state_home = home_buffers
         with self._going_home(came_in) as home:
             home.nbytes = n * (fp32 + flat.landings.itemsize)  # master, state, compute-dtype copy
-            flat.masters[start:end].copy_(m, non_blocking=True)
+            masters_home[start:end].copy_(m, non_blocking=True)
             for key, s in zip(keys, state):
-                flat.state[key][start:end].copy_(s, non_blocking=True)
+                state_home[key][start:end].copy_(s, non_blocking=True)
             for fp in chunk:
                 fp.packed.view(-1).copy_(out[fp.offset - start : fp.offset - start + fp.numel], non_blocking=True)
         return self._home(buf, came_in, home, n)
@@ -375,9 +381,10 @@ class DeviceUpdater:
         with self._going_home(came_in) as home:
             for k, (p, m, out) in enumerate(zip(items, masters, outs)):
                 state = optimizer.state[p.master]
-                p.master.view(-1).copy_(m, non_blocking=True)
-                for key, listed in zip(keys, states):
-                    state[key].view(-1).copy_(listed[k], non_blocking=True)
+                targets = p.home if p.home is not None else (p.master, *(state[key] for key in keys))
+                targets[0].view(-1).copy_(m, non_blocking=True)
+                for target, listed in zip(targets[1:], states):
+                    target.view(-1).copy_(listed[k], non_blocking=True)
                 if out is not None:
                     p.packed.view(-1).copy_(out, non_blocking=True)
             home.nbytes = sum(

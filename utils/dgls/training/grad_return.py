@@ -18,18 +18,24 @@ Mechanics
        *accumulate* job (the first batch of a step copies, as autograd assigns a first grad). On a step's
        last micro-batch the job also takes each summed param's norm, for clipping.
     4. The update takes the step's gradients (:meth:`LayerGrads.take`): the direct batch and the summed
-       params, with the job the sums wait for.
+       params, with the job the sums wait for. With clipping, a layer's update may start on a step's last
+       batch before the norm is known (:mod:`.speculation`): the gradients stay with the layer until the step
+       (its norms are read, and a step that clips redoes the update from them).
 
 States (:class:`LayerGrads`, one per layer; each transition is a method that asserts its start state)::
 
-    transition     from                    to       when
-    open           IDLE, SUMMED            OPEN     a grad of a new batch arrives
-    close_direct   OPEN                    DIRECT   the batch closes, one micro-batch a step, nothing summed
-    close_summed   OPEN                    SUMMED   the batch closes into the sums (an accumulate job)
-    promote        DIRECT                  SUMMED   a second batch arrives: the first is summed after all
-    take           IDLE, DIRECT, SUMMED    IDLE     the step queues the layer's update
-    take_early     DIRECT, SUMMED          QUEUED   no clipping: the step's last batch closed
-    settle         QUEUED                  IDLE     the step leaves the update queued early
+    transition     from                    to              when
+    open           IDLE, SUMMED            OPEN            a grad of a new batch arrives
+    close_direct   OPEN                    DIRECT          the batch closes, one micro-batch a step, nothing summed
+    close_summed   OPEN                    SUMMED          the batch closes into the sums (an accumulate job)
+    promote        DIRECT                  SUMMED          a second batch arrives: the first is summed after all
+    take           IDLE, DIRECT, SUMMED,   IDLE            the step queues (or keeps) the layer's update
+                   SPECULATED
+    take_early     DIRECT, SUMMED          QUEUED          no clipping: the step's last batch closed
+    settle         QUEUED                  IDLE            the step leaves the update queued early
+    speculate      DIRECT, SUMMED          SPECULATED      clipping: the step's last batch closed; the update
+                                                           starts at coefficient 1
+    reopen         SPECULATED              DIRECT, SUMMED  the speculative update was undone before the step
 
 - IDLE: nothing of this step yet, or its update took the step's gradients (``take`` also from IDLE:
   a layer without a gradient still gets its update).
@@ -38,6 +44,9 @@ States (:class:`LayerGrads`, one per layer; each transition is a method that ass
 - SUMMED: closed into the fp32 sums; ``summing`` is the job that writes them. A grad arriving opens
   the next batch once that job ran (it reads the landings the new batch's copies rewrite).
 - QUEUED: the update was queued during backward (no clipping); the step leaves it (``settle``).
+- SPECULATED: the update was queued during backward at coefficient 1 (clipping); the gradients and norms stay
+  until the step, which keeps the update or redoes it (``take``). A grad arriving first undoes it (``reopen``,
+  through ``reopen_speculated``): the layer waits for the norm again.
 
 Threads
     - Every transition, and every field of :class:`LayerGrads` and :class:`TrainedParam`, is written by the
@@ -119,6 +128,7 @@ class GradState(Enum):
     DIRECT = "direct"  # closed: the update reads its landings
     SUMMED = "summed"  # closed into the fp32 sums (``summing`` writes them)
     QUEUED = "queued"  # its update was queued during backward (no clipping); the step leaves it
+    SPECULATED = "speculated"  # its update was queued during backward at coefficient 1 (clipping; .speculation)
 
 
 @dataclass(eq=False)
@@ -167,8 +177,8 @@ class LayerGrads:
         self.state = GradState.SUMMED
 
     def take(self) -> StepGrads:
-        """IDLE, DIRECT or SUMMED -> IDLE: the step's gradients go to the update."""
-        self._expect(GradState.IDLE, GradState.DIRECT, GradState.SUMMED)
+        """IDLE, DIRECT, SUMMED or SPECULATED -> IDLE: the step's gradients go to the update."""
+        self._expect(GradState.IDLE, GradState.DIRECT, GradState.SUMMED, GradState.SPECULATED)
         grads = self._handed_over()
         self.state = GradState.IDLE
         return grads
@@ -184,6 +194,18 @@ class LayerGrads:
         """QUEUED -> IDLE: the step that the early update belongs to was taken."""
         self._expect(GradState.QUEUED)
         self.state = GradState.IDLE
+
+    def speculate(self) -> StepGrads:
+        """DIRECT or SUMMED -> SPECULATED: the update starts on the step's gradients, which stay here (the norm
+        reads them; a step that clips redoes the update from them)."""
+        self._expect(GradState.DIRECT, GradState.SUMMED)
+        self.state = GradState.SPECULATED
+        return StepGrads(self.direct, frozenset(self.summed), self.summing)
+
+    def reopen(self) -> None:
+        """SPECULATED -> DIRECT or SUMMED: the speculative update was undone; the layer waits for the norm."""
+        self._expect(GradState.SPECULATED)
+        self.state = GradState.DIRECT if self.direct is not None else GradState.SUMMED
 
     def _handed_over(self) -> StepGrads:
         grads = StepGrads(self.direct, frozenset(self.summed), self.summing)
@@ -233,6 +255,7 @@ class GradReturn:
         late: bool,
         new_sum: Callable[[torch.Size], torch.Tensor],
         last_closed: Callable[[TrainedLayer], None],
+        reopen_speculated: Callable[[TrainedLayer], None],
     ) -> None:
         self.layers = layers
         self.transport = transport
@@ -242,7 +265,8 @@ class GradReturn:
         self.accumulation_steps = accumulation_steps
         self._late = late  # the CPU backend lands the gradients late (a missing wait computes with NaN)
         self._new_sum = new_sum  # an fp32 sum allocated after start-up (a second batch read directly)
-        self._last_closed = last_closed  # no clipping: a layer's step's last batch closed (its update may start)
+        self._last_closed = last_closed  # a layer's step's last batch closed (its update may start)
+        self._reopen_speculated = reopen_speculated  # undo a layer's speculative update (it waits for the norm)
         self._by_param = {id(tp.param): tp for layer in layers.values() for tp in layer.params}
         self._hooks: dict[int, list] = {}  # layer -> its params' hook handles
         self._grouping: TrainedLayer | None = None  # the layer whose grads arrived last (the only open group)
@@ -288,6 +312,8 @@ class GradReturn:
         if g.state is GradState.OPEN and tp.position in g.batch.params:  # a second grad in one pass: its own batch
             self._close(layer)
         if g.state is not GradState.OPEN:
+            if g.state is GradState.SPECULATED:  # its update started before this grad: undone, it waits
+                self._reopen_speculated(layer)
             if g.state is GradState.QUEUED:
                 if self._queued_in.get(layer.index) == self._backwards:
                     raise DGLSUserError(
@@ -345,8 +371,9 @@ class GradReturn:
             batch = g.batch
             job = self._submit_sum(layer, batch, last)
             g.close_summed(job)
-        if last and not self.clipping:  # nothing to wait for: update while the backward goes on
-            self._queued_in[layer.index] = self._backwards
+        if last:  # no clipping: nothing to wait for; clipping: the update may start on speculation
+            if not self.clipping:
+                self._queued_in[layer.index] = self._backwards
             self._last_closed(layer)
 
     def _promote(self, layer: TrainedLayer) -> None:

@@ -24,7 +24,9 @@ What the trainer calls
        while layers after k are updated. Without clipping (``clipping=False``) a layer's update is queued
        as soon as its step's last micro-batch closed, at the lr the trainer gave for this step
        (:meth:`set_step_lr`), and
-       ``step`` queues only the layers that had no gradient.
+       ``step`` queues only the layers that had no gradient. With clipping, the same happens on speculation
+       (:mod:`.speculation`): the update runs at coefficient 1, and ``step`` keeps it (the step did not clip) or
+       queues its undo and the update with the coefficient.
 
 With a VRAM budget (``first_step``, the planner's): step 1 is the planner's probe, and its plan may hand layers to
 the trainer before their first update (:mod:`..planning.autoplan`). Until the first step's updates are queued, none
@@ -44,6 +46,8 @@ Hazards handled
       Evicted params point at empty placeholders, so a trainer that zero-fills missing grads
       (DeepSpeed's gradient reduction) allocates nothing.
     - A param with no grad in a step is skipped by its optimizer, as one without ``.grad`` is.
+    - Before the step, every reader sees the weights from before it: a speculated layer fetched, given another
+      gradient, or read (:meth:`finish`) is undone first (:meth:`cancel`).
 """
 
 from __future__ import annotations
@@ -59,11 +63,13 @@ from ..memory.host_store import HostLayer, ram_reserve
 from ..memory.layout import LayerLayout, TrainingLayout, human_bytes
 from ..memory.pinned import PinnedMemory
 from ..memory.transport import Copy, Direction, Transport
+from . import speculation
 from .device_update import DeviceUpdater, FlatLayer, FlatParam
 from .grad_return import SEND_GROUP_BYTES, GradReturn, GradState, TrainedLayer, TrainedParam
 from .host_optimizer import HostOptimizerSpec
 from .jobs import Jobs
 from .optimizer_kernels import grad_norms
+from .speculation import Spare, Speculation, clipping_line, refresh_copies, spares_for
 from .update_split import UpdateSplit
 from .updaters import DeviceSide, HostUpdater, SplitUpdater, Updater, update_threads
 from .whole_step import STATE_KEY, WholeStep
@@ -81,16 +87,21 @@ __all__ = [
 
 
 def training_layout(
-    layouts: Mapping[int, LayerLayout], spec: HostOptimizerSpec, accumulation_steps: int = 1
+    layouts: Mapping[int, LayerLayout],
+    spec: HostOptimizerSpec,
+    accumulation_steps: int = 1,
+    clipping: bool = True,
+    speculate: bool = True,
 ) -> TrainingLayout:
     """The training layout of the streamed layers ``layouts`` for ``spec`` (sums with several micro-batches a
     step, or a whole step, whose update comes after the next backward could rewrite the landings; with one
-    micro-batch, per-layer updates read the landings)."""
+    micro-batch, per-layer updates read the landings; spares where updates speculate under clipping)."""
     return TrainingLayout(
         layouts,
         state_keys=spec.state_keys,
         sums=accumulation_steps != 1 or spec.whole_step,
         device_updates=spec.on_device,
+        spares=spares_for(spec, clipping, speculate),
     )
 
 
@@ -125,6 +136,7 @@ class HostTraining:
         updater: DeviceUpdater | None = None,
         layout: TrainingLayout | None = None,
         first_step: Callable[[bool], None] | None = None,
+        speculate: bool = True,
     ) -> None:
         """``first_step``: the VRAM planner's, called once before the first step's clipping or updates (True), or at
         its updates when nothing came first (False); until the first step's updates are queued, none starts
@@ -141,7 +153,10 @@ class HostTraining:
         # with one micro-batch a step, updates read it straight from its landings (no fp32 sum on the host)
         self.direct = accumulation_steps == 1 and not spec.whole_step
         self._step_lr: float | None = None  # the lr of early updates (clipping off); None: each group's
-        self.layout = layout or training_layout({i: h.layout for i, h in layers.items()}, spec, accumulation_steps)
+        self._closed: dict[int, TrainedLayer] = {}  # clipping: step's last batch closed, not speculated on yet
+        self.layout = layout or training_layout(
+            {i: h.layout for i, h in layers.items()}, spec, accumulation_steps, clipping, speculate
+        )
         if self.layout.device_updates != (updater is not None):
             raise AssertionError("the training layout was placed for another update strategy than this one")
         # landings, and for device updates masters, sums and state: page-locked at their exact size
@@ -152,7 +167,10 @@ class HostTraining:
             self.device_bytes = updater.reserve(*reserve_sizes(self.layout), spec.device_kernel())
         else:
             self.device_bytes = 0  # device updates: their scratch buffers
-        self.layers: dict[int, TrainedLayer] = {idx: self._layer(idx, layers[idx]) for idx in self.layout.layers}
+        spares: dict[int, Spare] = {}
+        self.layers: dict[int, TrainedLayer] = {i: self._layer(i, layers[i], spares) for i in self.layout.layers}
+        # clipping: which layers' updates start before the norm is known, and what became of them (.speculation)
+        self.speculation = Speculation(spares, clipping_line(self.layout, spec, clipping, speculate))
         self.grads = GradReturn(
             self.layers,
             transport,
@@ -163,6 +181,7 @@ class HostTraining:
             late=not threaded,
             new_sum=self._new_sum,
             last_closed=self._update_early,
+            reopen_speculated=self.cancel,
         )
         self.updates = self._strategy(spec)
         self.whole = self.updates if isinstance(self.updates, WholeStep) else None  # a whole step's instance
@@ -178,16 +197,22 @@ class HostTraining:
         if not spec.split:
             return DeviceSide(self.jobs, self.updater)
         sizes = {idx: layer.numel for idx, layer in self.layers.items()}
-        split = SplitUpdater(self.jobs, self.transport, self.updater, sizes, self.clipping)
+        all_at_once = self.clipping and not self.speculation.spares  # else updates trickle in during backward
+        split = SplitUpdater(self.jobs, self.transport, self.updater, sizes, all_at_once)
         for layer in self.layers.values():
             if layer.flat is None:  # flat layers have theirs
                 self.updater.prepare(layer.optimizer)  # pinned state, found by either side
         return split
 
-    def _layer(self, idx: int, host: HostLayer) -> TrainedLayer:
-        """Layer ``idx``'s buffers from the training layout, its masters filled, its optimizer built."""
+    def _layer(self, idx: int, host: HostLayer, spares: dict[int, Spare]) -> TrainedLayer:
+        """Layer ``idx``'s buffers from the training layout, its masters filled, its optimizer built (its spare
+        into ``spares``, if it has one)."""
         place = self.layout.layers[idx]
         buffers = self.layout.allocate(idx, self._memory.empty, _plain)
+        if buffers.spare_masters is not None:
+            shapes = {p.position: p.param.shape for p in place.params}
+            offsets = self.layout.spare_offsets(idx)
+            spares[idx] = Spare(buffers.spare_masters, buffers.spare_state, offsets, shapes)
         params = []
         with torch.no_grad():
             for p, master, landing, acc in zip(place.params, buffers.masters, buffers.landings, buffers.sums):
@@ -225,8 +250,10 @@ class HostTraining:
         self.grads.remove_hooks()
 
     def backward_done(self) -> None:
-        """The backward pass ended: close the batches of layers that did not get every grad."""
+        """The backward pass ended: close the batches of layers that did not get every grad (and start the
+        speculative updates that can start now)."""
         self.grads.backward_done()
+        self._start_speculation()
 
     def pinned_bytes(self) -> int:
         """Page-locked bytes this module holds: landings, and for device updates the masters, sums and
@@ -259,8 +286,11 @@ class HostTraining:
         self.worker.check()
 
     def finish(self) -> None:
-        """Run every job submitted so far, and bring every device update home (state dicts, removal)."""
+        """Run every job submitted so far, and bring every device update home (state dicts, removal). Speculative
+        updates are undone first: their step has not come."""
         for layer in self.layers.values():
+            if layer.grads.state is GradState.SPECULATED:
+                self.cancel(layer)
             if layer.grads.summing is not None:
                 self.jobs.wait(layer.grads.summing)
             self.updates.settle(layer)
@@ -273,6 +303,8 @@ class HostTraining:
         layer = self.layers.get(idx)
         if layer is None:
             return None
+        if layer.grads.state is GradState.SPECULATED:  # a use before the step: the weights from before it
+            self.cancel(layer)
         return self.updates.settle(layer)
 
     # ---------------------------------------------------------------- what the trainer calls
@@ -336,7 +368,8 @@ class HostTraining:
         for idx in sorted(set(indices) & set(self.layers)):
             layer = self.layers[idx]
             g = layer.grads
-            if layer.update is not None or layer.home is not None or g.state in (GradState.OPEN, GradState.QUEUED):
+            started = (GradState.OPEN, GradState.QUEUED, GradState.SPECULATED)
+            if layer.update is not None or layer.home is not None or g.state in started:
                 raise AssertionError(f"layer {idx} is released to the trainer after its update began")
             if g.summing is not None:
                 self.jobs.wait(g.summing)
@@ -355,8 +388,14 @@ class HostTraining:
                 self.updates.split.on_device.pop(idx, None)
             if self.updater is not None:
                 self.updater.forget(layer.optimizer)
+            spare = self.speculation.spares.pop(idx, None)
+            spared = [spare.masters, *spare.state.values()] if spare is not None else []
             flat = [layer.flat.masters, layer.flat.landings, *layer.flat.state.values()] if layer.flat else []
-            for t in [*flat, *(t for tp in layer.params for t in (tp.landing, tp.master, tp.acc) if t is not None)]:
+            for t in [
+                *flat,
+                *spared,
+                *(t for tp in layer.params for t in (tp.landing, tp.master, tp.acc) if t is not None),
+            ]:
                 self._memory.free(t)  # a view at a buffer's start frees the buffer; other tensors are not its
         return out
 
@@ -366,17 +405,29 @@ class HostTraining:
         if first is not None:  # the trainer may have stepped already: the planner keeps the placement
             first(False)
         coef, self._coef = self._coef, None
+        self._closed.clear()  # not started: they wait, as the norm is known
+        keep = coef is None or bool(coef == 1.0)  # the step does not clip: speculative updates are its own
+        self.speculation.step_begins(keep)
         self.updates.begin_step(self.layers)
         for layer in self.layers.values():
             for tp in layer.params:
                 tp.param.grad = None  # a trainer may have zero-filled it (DeepSpeed's gradient reduction)
             if layer.grads.state is GradState.QUEUED:
                 layer.grads.settle()
+            elif layer.grads.state is GradState.SPECULATED:
+                record = self.speculation.pop(layer.index)
+                grads = layer.grads.take()
+                if keep and record.lr == lr:
+                    self.speculation.counts["kept"] += 1
+                else:  # undone where the update with the coefficient runs, just before it
+                    self.speculation.counts["redone"] += 1
+                    self.updates.submit(layer, grads, coef, lr, undo=record)
             else:
                 self.updates.submit(layer, layer.grads.take(), coef, lr)
         self.updates.end_step()
         self.grads.step_taken()
         self._hold = False
+        self.speculation.step_taken(clipped=not keep)
 
     def adopt(self, params: Iterable[torch.Tensor]) -> None:
         """A whole step (:mod:`.whole_step`): the stage's params in the trainer's order, before its first step or
@@ -396,11 +447,48 @@ class HostTraining:
         self._step_lr = lr
 
     def _update_early(self, layer: TrainedLayer) -> None:
-        """No clipping: the layer's step's last batch closed; its update starts now, at this step's lr (but in the
-        VRAM planner's probe step, whose layers may still change hands: :meth:`step` queues it)."""
+        """The layer's step's last batch closed. No clipping: its update starts now, at this step's lr. Clipping:
+        so it does on speculation, at coefficient 1, where the layer has a spare and this step speculates. Neither
+        in the VRAM planner's probe step, whose layers may still change hands: :meth:`step` queues them."""
         if self._hold:
             return
-        self.updates.submit(layer, layer.grads.take_early(), None, self._step_lr)
+        if not self.clipping:
+            self.updates.submit(layer, layer.grads.take_early(), None, self._step_lr)
+            return
+        if not self.speculation.active:
+            return
+        self._closed[layer.index] = layer
+        self._start_speculation()
+
+    def _start_speculation(self) -> None:
+        """Start the speculative update of each layer whose step's last batch closed, where it can start without
+        a wait: on CUDA a device update copies the layer's host sums in, so it waits for the job writing them."""
+        for idx, layer in list(self._closed.items()):
+            g = layer.grads
+            if g.state not in (GradState.DIRECT, GradState.SUMMED):
+                del self._closed[idx]  # another batch came; its close puts it back
+                continue
+            side = self.updates.side(layer)
+            if self.transport.cuda and side == "device" and g.summing is not None and not g.summing.done.is_set():
+                continue
+            del self._closed[idx]
+            record = self.speculation.start(layer, side, self._step_lr)
+            if record is not None:
+                self.updates.submit(layer, g.speculate(), None, self._step_lr, speculated=record)
+
+    def cancel(self, layer: TrainedLayer) -> None:
+        """Undo ``layer``'s speculative update before its step (a use of the layer meanwhile); it waits for the norm
+        like any other. Rare, so done here, on the training thread: after the update's job, and its copies home."""
+        record = self.speculation.pop(layer.index)
+        record.cancelled = True  # a job not started yet skips itself
+        home = self.updates.settle(layer)
+        if home is not None:
+            self.transport.land(home)
+        if record.ran:
+            speculation.undo(record)
+            refresh_copies(layer)
+        self.speculation.counts["cancelled"] += 1
+        layer.grads.reopen()
 
     def state_dict(self) -> dict:
         """The optimizer state of every host-trained layer (the masters are in the model's state dict)."""
@@ -519,20 +607,29 @@ def _plain(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def host_training_bytes(
-    layouts: list[LayerLayout], streamed: Iterable[int], spec: HostOptimizerSpec, sums: bool = True
+    layouts: list[LayerLayout],
+    streamed: Iterable[int],
+    spec: HostOptimizerSpec,
+    sums: bool = True,
+    clipping: bool = True,
+    speculate: bool = True,
 ) -> dict[str, int]:
     """Host bytes full fine-tuning of the streamed layers needs beyond their packed copies: the training
     layout's figure (:meth:`~..memory.layout.TrainingLayout.parts`). ``sums``: fp32 gradient sums (kept with several
-    micro-batches a step; with one, the updates read the landings)."""
-    return training_layout({idx: layouts[idx] for idx in streamed}, spec, 2 if sums else 1).parts()
+    micro-batches a step; with one, the updates read the landings); ``clipping`` and ``speculate``: spares for
+    speculative updates (all of them: the RAM check may keep fewer)."""
+    return training_layout({idx: layouts[idx] for idx in streamed}, spec, 2 if sums else 1, clipping, speculate).parts()
 
 
 def check_host_training(layout: TrainingLayout) -> str:
     """Refuse, with the numbers, when the host cannot hold the masters, gradients and optimizer state and
     still keep its reserve (a tenth of its RAM, 2 GiB at least: the weight store's rule; much of this is
     page-locked, which the host cannot swap out); otherwise the start-up line that says how much they take.
-    ``layout`` is the object :class:`HostTraining` then allocates from (the builder hands it the same one)."""
+    ``layout`` is the object :class:`HostTraining` then allocates from (the builder hands it the same one). The
+    spares of speculative updates (:mod:`.speculation`) are optional: the layout keeps those that fit beside the
+    rest (:meth:`~..memory.layout.TrainingLayout.limit_spares`); the clipping line says what became of them."""
     parts = layout.parts()
+    parts.pop("speculation", None)
     need = sum(parts.values())
     memory = psutil.virtual_memory()
     reserve = ram_reserve(memory.total)
@@ -543,4 +640,8 @@ def check_host_training(layout: TrainingLayout) -> str:
             f"their packed weights, and {human_bytes(memory.available)} is free, of which "
             f"{human_bytes(reserve)} stays for the rest of the host: stream fewer layers (blocks_to_swap), or free RAM"
         )
-    return f"DGLS host training: {human_bytes(need)} of host RAM ({described})"
+    if layout.spares_wanted:  # optional: in what is left once the packed copies are made too
+        layout.limit_spares(memory.available - reserve - need - layout.packed_bytes)
+    parts = layout.parts()
+    described = ", ".join(f"{name} {human_bytes(n)}" for name, n in parts.items())
+    return f"DGLS host training: {human_bytes(sum(parts.values()))} of host RAM ({described})"

@@ -55,6 +55,7 @@ class TrainingFeature(Feature):
         accumulation_steps: int,
         clipping: bool,
         plan_fix: Callable[[bool], None] | None = None,
+        speculate: bool = True,
     ) -> TrainingFeature:
         """fp32 masters, gradient landings and the optimizer of the streamed layers, allocated from ``layout`` (the
         same object :func:`~.host_training.check_host_training` measured before packing; ``note``: its line).
@@ -77,6 +78,7 @@ class TrainingFeature(Feature):
             updater=DeviceUpdater(transport) if spec.on_device else None,
             layout=layout,
             first_step=plan_fix,
+            speculate=speculate,
         )
         return cls(training, note, replaceable=plan_fix is not None)
 
@@ -119,7 +121,10 @@ class TrainingFeature(Feature):
     def describe(self) -> list[str]:
         scratch = self.training.device_bytes
         on_device = f" ({human_bytes(scratch)} of device buffers)" if scratch else ""
-        return [f"{self.note}; optimizer of the streamed layers: {self.training.implementation}{on_device}"]
+        return [
+            f"{self.note}; optimizer of the streamed layers: {self.training.implementation}{on_device}",
+            self.training.speculation.line,
+        ]
 
     def close(self) -> None:
         self.training.close()

@@ -1,8 +1,9 @@
 """Updaters: where a host-trained layer's optimizer step runs: the host, the device, or a split of the two.
 
 Each strategy offers :meth:`Updater.submit` (on the training thread: queue ``layer``'s step with the step's
-gradients, the clip coefficient and the lr) and :meth:`Updater.settle` (the latest update is written: what
-a fetch of the layer waits for). The optimizer arithmetic is the optimizer's (host) or an
+gradients, the clip coefficient and the lr; ``speculated``: a speculative update, whose old values go to its
+spare; ``undo``: first undo the layer's speculative update, :mod:`.speculation`) and :meth:`Updater.settle` (the
+latest update is written: what a fetch of the layer waits for). The optimizer arithmetic is the optimizer's (host) or an
 :class:`~.optimizer_kernels.OptimizerKernel` (device); the state lives in host memory either way, so the
 strategy changes the speed, never the numbers.
 
@@ -28,8 +29,13 @@ Hazards handled
       the previous device update's copy home; a device update on CUDA waits (on the training thread) for
       the previous host job.
     - A device update on CUDA reads host sums: it waits for the job that wrote them first.
-    - Split updates run on the side they were queued for: without clipping a job queued during backward
-      may run after the step assigned new sides.
+    - Split updates run on the side they were queued for: without clipping (or speculating) a job queued during
+      backward may run after the step assigned new sides.
+    - An undo runs where the redo runs, after the speculative update: a host job after the speculative job (one
+      queue) and after landing its copy home (``previous``); a device update on CUDA after waiting for the
+      speculative job on the training thread (``settle``), its copies gated on the speculative update's home.
+    - A speculative job whose step clipped before it started skips itself, and hands on the copy home of the
+      update before it (the next update of the layer still lands it).
 
 Cores (:func:`update_threads`): on the worker thread, a host update's torch kernels run with three quarters
 of torch's intra-op threads, set for that thread around the update and restored after it: the training
@@ -51,9 +57,11 @@ from typing import Literal
 import torch
 
 from ..memory.transport import Copy, Transport
+from . import speculation
 from .device_update import DeviceUpdater, ParamUpdate, timeline_busy
 from .grad_return import StepGrads, TrainedLayer
 from .jobs import Job, Jobs
+from .speculation import Speculated
 from .update_split import UpdateSplit
 
 Side = Literal["host", "device"]  # where an update ran
@@ -105,8 +113,20 @@ class Updater(ABC):
         self._record = record if record is not None else _ignore  # a finished job's timing (split: the rates)
 
     @abstractmethod
-    def submit(self, layer: TrainedLayer, grads: StepGrads, coef: torch.Tensor | None, lr: float | None) -> None:
-        """Queue ``layer``'s step (training thread)."""
+    def submit(
+        self,
+        layer: TrainedLayer,
+        grads: StepGrads,
+        coef: torch.Tensor | None,
+        lr: float | None,
+        speculated: Speculated | None = None,
+        undo: Speculated | None = None,
+    ) -> None:
+        """Queue ``layer``'s step (training thread); ``speculated``/``undo``: see the module doc."""
+
+    def side(self, layer: TrainedLayer) -> Side:
+        """Where an update of ``layer`` submitted now runs."""
+        return "host"
 
     def settle(self, layer: TrainedLayer) -> Copy | None:
         """Wait for ``layer``'s latest update job; the copy a fetch of the layer must still wait for."""
@@ -142,9 +162,12 @@ class HostUpdater(Updater):
         self._largest = largest_layer
         self._grad_buffer: torch.Tensor | None = None  # one micro-batch a step: fp32 grads an update reads
 
-    def submit(self, layer, grads, coef, lr) -> None:
+    def submit(self, layer, grads, coef, lr, speculated=None, undo=None) -> None:
+        if speculated is not None:
+            speculated.side = "host"
         previous = layer.update if layer.update is not None else layer.home
-        layer.update = self.jobs.submit(layer.index, "update", partial(self.run, layer, grads, coef, lr, previous))
+        run = partial(self.run, layer, grads, coef, lr, previous, speculated, undo)
+        layer.update = self.jobs.submit(layer.index, "update", run)
 
     def run(
         self,
@@ -153,10 +176,14 @@ class HostUpdater(Updater):
         coef: torch.Tensor | None,
         lr: float | None,
         previous: Job | Copy | None,
+        speculated: Speculated | None = None,
+        undo: Speculated | None = None,
     ) -> UpdateDone:
-        """The update job: scale by the clip coefficient, step the layer's optimizer on its masters, rewrite
-        the packed copies."""
+        """The update job: undo a speculative update (``undo``), keep the old values (``speculated``), scale by
+        the clip coefficient, step the layer's optimizer on its masters, rewrite the packed copies."""
         began = time.perf_counter()
+        if speculated is not None and speculated.cancelled:  # its step clipped before it started
+            return UpdateDone(_resolved(previous), "host", 0, 0.0)
         direct = grads.direct
         if direct is not None:  # one micro-batch a step: read the landings (after their copies)
             self.transport.land(direct.done)
@@ -165,6 +192,10 @@ class HostUpdater(Updater):
             self.transport.land(home)
         on_worker = self.jobs.worker.on_thread()
         with torch.no_grad(), _threads(update_threads(torch.get_num_threads()) if on_worker else None):
+            if undo is not None:
+                speculation.undo(undo)
+            if speculated is not None:
+                speculation.save(speculated)
             self._give_grads(layer, grads, coef)
             if lr is not None:
                 for group in layer.optimizer.param_groups:
@@ -212,20 +243,32 @@ class DeviceSide(Updater):
         super().__init__(jobs, record)
         self.updater = updater
 
-    def submit(self, layer, grads, coef, lr) -> None:
+    def side(self, layer: TrainedLayer) -> Side:
+        return "device"
+
+    def submit(self, layer, grads, coef, lr, speculated=None, undo=None) -> None:
+        if speculated is not None:
+            speculated.side = "device"
         if self.updater.cuda:  # enqueued on the device's streams now
             if grads.summing is not None:
                 self.jobs.wait(grads.summing)  # its host sums are what the update copies in
             self.settle(layer)  # split: the previous update ran on the host and writes the state
-            layer.home = self.enqueue(layer, grads, coef, lr, layer.home)
+            if undo is not None:
+                speculation.undo(undo)
+            layer.home = self.enqueue(layer, grads, coef, lr, layer.home, speculated)
             return
         previous = layer.update if layer.update is not None else layer.home
-        layer.update = self.jobs.submit(layer.index, "update", partial(self.run, layer, grads, coef, lr, previous))
+        run = partial(self.run, layer, grads, coef, lr, previous, speculated, undo)
+        layer.update = self.jobs.submit(layer.index, "update", run)
 
-    def run(self, layer, grads, coef, lr, previous: Job | Copy | None) -> UpdateDone:
+    def run(self, layer, grads, coef, lr, previous: Job | Copy | None, speculated=None, undo=None) -> UpdateDone:
         """The update job (CPU): the device update, run now on the job's thread."""
         began = time.perf_counter()
-        home = self.enqueue(layer, grads, coef, lr, _resolved(previous))
+        if speculated is not None and speculated.cancelled:  # its step clipped before it started
+            return UpdateDone(_resolved(previous), "device", 0, 0.0)
+        if undo is not None:
+            speculation.undo(undo)
+        home = self.enqueue(layer, grads, coef, lr, _resolved(previous), speculated)
         return UpdateDone(home, "device", layer.numel, time.perf_counter() - began)
 
     def enqueue(
@@ -235,19 +278,30 @@ class DeviceSide(Updater):
         coef: torch.Tensor | None,
         lr: float | None,
         previous: Copy | None,
+        speculated: Speculated | None = None,
     ) -> Copy | None:
-        """The layer's step on the device, in the optimizer's param order; its copy home."""
+        """The layer's step on the device, in the optimizer's param order; its copy home. ``speculated``: master
+        and state go home into its spare, which then takes the place of the layer's buffers (a flat layer)."""
         direct = grads.direct
         after = (direct.done,) if direct is not None else ()  # the landings are read after their copies
+        spare = speculated.spare if speculated is not None else None
+        if speculated is not None:
+            speculation.before_device_update(speculated)
         if layer.flat is not None and direct is not None and len(direct.params) == len(layer.params):
-            return self.updater.update_flat(layer.optimizer, layer.flat, coef, lr, after, previous)
-        work = []
-        for tp, group in layer.in_groups:
-            if direct is not None and tp.position in direct.params:
-                work.append(ParamUpdate(tp.master, tp.landing, tp.packed, group))
-            elif tp.position in grads.summed:
-                work.append(ParamUpdate(tp.master, tp.acc, tp.packed, group))
-        return self.updater.update(layer.optimizer, work, coef, lr, after, previous)
+            into = (spare.masters, spare.state) if spare is not None else None
+            done = self.updater.update_flat(layer.optimizer, layer.flat, coef, lr, after, previous, into)
+        else:
+            work = []
+            for tp, group in layer.in_groups:
+                home = spare.views(tp.position) if spare is not None else None
+                if direct is not None and tp.position in direct.params:
+                    work.append(ParamUpdate(tp.master, tp.landing, tp.packed, group, home))
+                elif tp.position in grads.summed:
+                    work.append(ParamUpdate(tp.master, tp.acc, tp.packed, group, home))
+            done = self.updater.update(layer.optimizer, work, coef, lr, after, previous)
+        if spare is not None:
+            speculation.swap(layer, spare)
+        return done
 
     def pinned_bytes(self) -> int:
         return self.updater.pinned_bytes()
@@ -265,35 +319,38 @@ class SplitUpdater(Updater):
         transport: Transport,
         updater: DeviceUpdater,
         sizes: dict[int, int],
-        clipping: bool,
+        all_at_once: bool,
     ) -> None:
         super().__init__(jobs, self._note)
         self.host = HostUpdater(jobs, transport, max(sizes.values(), default=0), self._note)
         self.device = DeviceSide(jobs, updater, self._note)
         self.split = UpdateSplit(sizes)
-        self.clipping = clipping
+        self.all_at_once = all_at_once  # every update of a step queued by the step (clipping, no speculation)
         self._work: dict[Side, list[tuple[int, float]]] = {"host": [], "device": []}  # finished jobs since a step
-        self._span: tuple | None = None  # CUDA with clipping: (start event, end event, params) of a step's share
+        self._span: tuple | None = None  # CUDA, all at once: (start event, end event, params) of a step's share
         self._span_start = None
         self._queued = 0  # params queued on the device since the span started
-        self._timelines: list[list] = []  # CUDA without clipping: chunk timings of steps not yet read
-        if updater.cuda and not clipping:  # updates trickle in during backward: time each chunk
+        self._timelines: list[list] = []  # CUDA, trickling in: chunk timings of steps not yet read
+        if updater.cuda and not all_at_once:  # updates trickle in during backward: time each chunk
             updater.timeline = []
 
-    def submit(self, layer, grads, coef, lr) -> None:
+    def side(self, layer: TrainedLayer) -> Side:
+        return "device" if self.split.on_device[layer.index] else "host"
+
+    def submit(self, layer, grads, coef, lr, speculated=None, undo=None) -> None:
         if self.split.on_device[layer.index]:
             self._queued += layer.numel
-            self.device.submit(layer, grads, coef, lr)
+            self.device.submit(layer, grads, coef, lr, speculated, undo)
         else:
-            self.host.submit(layer, grads, coef, lr)
+            self.host.submit(layer, grads, coef, lr, speculated, undo)
 
     def _note(self, done: UpdateDone) -> None:
         if done.side == "host" or not self.device.updater.cuda:  # on CUDA the device's share is timed there
             self._work[done.side].append((done.params, done.seconds))
 
     def begin_step(self, layers) -> None:
-        """Fold the last steps' measured rates in and assign this step's sides; on CUDA with clipping (every
-        update queued now) start timing the device's share."""
+        """Fold the last steps' measured rates in and assign this step's sides; on CUDA with every update queued
+        now (``all_at_once``) start timing the device's share."""
         for side, work in self._work.items():
             if work:
                 record = self.split.record_host if side == "host" else self.split.record_device
@@ -314,7 +371,7 @@ class SplitUpdater(Updater):
                     self.split.record_device(*busy)
                 self._timelines.pop(0)
         self.split.assign(layers)
-        self._span_start = updater.mark(end=False) if self.clipping else None
+        self._span_start = updater.mark(end=False) if self.all_at_once else None
         self._queued = 0
 
     def end_step(self) -> None:

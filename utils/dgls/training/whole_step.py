@@ -136,7 +136,9 @@ class WholeStep(Updater):
                 copy.copy_(param)
                 copy.grad = grad.detach().to("cpu", copy.dtype)
 
-    def submit(self, layer: TrainedLayer, grads: StepGrads, coef: torch.Tensor | None, lr: float | None) -> None:
+    def submit(self, layer, grads, coef, lr, speculated=None, undo=None) -> None:
+        if speculated is not None or undo is not None:
+            raise AssertionError("a whole step never speculates (it has no spares: .speculation.undo_problem)")
         if grads.direct is not None:
             raise AssertionError("a whole step reads the gradient sums, never the landings")
         self._pending.append((layer, grads, coef, lr))
