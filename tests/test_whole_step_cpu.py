@@ -16,7 +16,19 @@ import importlib.util
 
 import pytest
 import torch
-from full_ft import assert_same, full_layers, host_trained_names, params_of, train_dgls, train_reference
+from full_ft import (
+    MAX_NORM,
+    _batches,
+    _forward_backward,
+    _weights,
+    assert_same,
+    full_layers,
+    host_trained_names,
+    params_of,
+    train_dgls,
+    train_reference,
+)
+from test_planner_full import middle_budget, resident_layers
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.program import dp_config
@@ -183,3 +195,74 @@ def test_start_up_says_it_steps_once_after_the_backward_and_gradient_release_is_
         dataclasses.replace(spec, gradient_release=True)
     with pytest.raises(DGLSUserError, match="steps its own class on the CPU, one over every param"):
         dataclasses.replace(spec, implementation="split")
+
+
+def engine_hooks_loop(layers, swapper, spec, steps=3):
+    """A step as DGLS's engine hooks run it (utils/dgls/trainers/engine_hooks.py): ``adopt`` as ``train_batch``
+    begins, then after the backward ``before_step`` (the VRAM planner's plan), ``adopt`` again, clipping,
+    ``take_resident_grads``, the trainer's own instance of the class over every param (train.py's), the host step.
+    Returns the weights, and per step how many params the trainer's instance still found a gradient on."""
+    training, params = swapper.training, params_of(layers)
+    trainer = spec.trainer_optimizer(params)
+    batches = _batches(CPU, torch.float32)
+    left = []
+    for _ in range(steps):
+        training.adopt(params)
+        inputs, target = next(batches)
+        _forward_backward(layers, inputs, target, "nonreentrant")
+        training.before_step()
+        training.adopt(params)
+        training.clip_grad_norm_(params, MAX_NORM)
+        training.take_resident_grads()
+        left.append(sum(p.grad is not None for p in params))
+        trainer.step()
+        trainer.zero_grad()
+        training.step()
+    return _weights(layers), left
+
+
+def test_under_a_vram_budget_the_instance_steps_the_layers_the_plan_made_resident():
+    """The engine hooks hand the params over as step 1 begins, before the plan is fixed (every layer streams in the
+    probe). The plan then makes some layers resident: the one instance steps their params through host copies, as
+    with the same placement given explicitly (it was built over their masters, and train.py's own instance stepped
+    them with a step size of its own); the checkpoint counts them, so the printed flags resume it."""
+    spec = prodigy()
+    layers = full_layers()
+    cfg = SwapConfig.of(host_optimizer=spec, vram_budget=middle_budget(layers), prefetch=1, accumulation_steps=1)
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        weights, left = engine_hooks_loop(layers, swapper, spec)
+        resident, prefetch = resident_layers(swapper), swapper.placement.prefetch
+        copies = swapper.training.whole.resident
+    assert 0 < len(resident) < len(layers)
+    assert left == [0, 0, 0], "the trainer's instance finds no gradient: the whole step took every resident one"
+    explicit = SwapConfig.of(host_optimizer=spec, gpu_layers=resident, prefetch=prefetch, accumulation_steps=1)
+    layers = full_layers()
+    with LayerSwapper(layers, explicit, device=CPU, log=None) as swapper:
+        want, _ = engine_hooks_loop(layers, swapper, spec)
+        assert copies == swapper.training.whole.resident
+    assert want.keys() == weights.keys() and all(torch.equal(weights[k], want[k]) for k in want)
+
+
+def test_a_stage_that_streams_no_layer_still_trains_every_param():
+    """No layer streams (blocks_to_swap 0, a pipeline stage whose layers are all resident, or a plan that keeps every
+    layer): the resident params' gradients must still reach an optimizer step (they were taken off the params, and
+    no job ran without a streamed layer), as train.py's one instance over them."""
+    spec = prodigy()
+    layers = full_layers()
+    before = _weights(layers)
+    with LayerSwapper(layers, SwapConfig.of(host_optimizer=spec, blocks_to_swap=0), device=CPU, log=None) as swapper:
+        assert not swapper.training.layers
+        weights, _ = engine_hooks_loop(layers, swapper, spec, steps=2)
+    assert not any(torch.equal(weights[k], before[k]) for k in weights if weights[k].numel() > 1)
+    layers = full_layers()
+    params = params_of(layers)
+    trainer = spec.trainer_optimizer(params)
+    batches = _batches(CPU, torch.float32)
+    for _ in range(2):
+        inputs, target = next(batches)
+        _forward_backward(layers, inputs, target, "nonreentrant")
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+        trainer.step()
+        trainer.zero_grad()
+    want = _weights(layers)
+    assert max((weights[k] - want[k]).abs().max().item() for k in want) <= 1e-6

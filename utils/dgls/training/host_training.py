@@ -365,7 +365,8 @@ class HostTraining:
         gradient this step with that gradient, a host tensor in the param's compute dtype, for the caller to put
         on the device; their hooks are removed and their host buffers unpinned."""
         out: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-        for idx in sorted(set(indices) & set(self.layers)):
+        released = sorted(set(indices) & set(self.layers))
+        for idx in released:
             layer = self.layers[idx]
             g = layer.grads
             started = (GradState.OPEN, GradState.QUEUED, GradState.SPECULATED)
@@ -397,6 +398,8 @@ class HostTraining:
                 *(t for tp in layer.params for t in (tp.landing, tp.master, tp.acc) if t is not None),
             ]:
                 self._memory.free(t)  # a view at a buffer's start frees the buffer; other tensors are not its
+        if self.whole is not None and released:
+            self.whole.released()  # built before the plan: over these layers' masters, without their params' copies
         return out
 
     def step(self, lr: float | None = None) -> None:

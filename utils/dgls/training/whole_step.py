@@ -29,7 +29,8 @@ When
 Invariants
     - One instance per host training, built once: by :meth:`WholeStep.adopt`, or over the masters alone at the first
       step, checkpoint or load; an :meth:`~WholeStep.adopt` after that, or with other params, is an error, never a
-      rebuild (the state would be lost).
+      rebuild (the state would be lost). The one rebuild: the VRAM planner's plan, applied before any step, makes
+      streamed layers resident (:meth:`WholeStep.released`).
     - Every layer collected in a step is in that step's job, and its ``layer.update`` is that job (a fetch of the
       layer waits for the whole step).
     - The host copies are read and written on the training thread only, before the job is submitted and after it
@@ -68,7 +69,7 @@ class WholeStep(Updater):
         self.spec = spec
         self.layers = layers
         self._optimizer: torch.optim.Optimizer | None = None
-        self._adopted: list[int] | None = None  # ids of the params adopt was given, in order
+        self._adopted: list[torch.Tensor] | None = None  # the params adopt was given, in order
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (resident param, its host copy)
         self._pending: list[Pending] = []
 
@@ -80,7 +81,7 @@ class WholeStep(Updater):
         params = [p for p in params if p.requires_grad]
         ids = [id(p) for p in params]
         if self._optimizer is not None:
-            if ids != self._adopted:
+            if self._adopted is None or ids != [id(p) for p in self._adopted]:
                 raise AssertionError(
                     "the whole-step optimizer was built over other params (or before the trainer handed them over)"
                 )
@@ -94,7 +95,19 @@ class WholeStep(Updater):
             self._copies = [(p, p.detach().to("cpu", copy=True)) for p in resident]
         copy_of = {id(p): copy for p, copy in self._copies}
         self._optimizer = self.spec.build([masters.get(id(p), copy_of.get(id(p))) for p in params])
-        self._adopted = ids
+        self._adopted = params
+
+    def released(self) -> None:
+        """The VRAM planner made streamed layers resident before any update (:meth:`~.host_training.HostTraining.
+        release`): an instance built before holds their masters and no host copies of their params, so it is built
+        again over the params it was handed (none stepped it: no state is lost)."""
+        if self._optimizer is None:
+            return
+        if self._optimizer.state:
+            raise AssertionError("the whole-step optimizer stepped before the VRAM planner's plan was applied")
+        params, self._optimizer, self._adopted, self._copies = self._adopted, None, None, []
+        if params is not None:
+            self.adopt(params)
 
     def _check_ram(self, resident: list[torch.Tensor]) -> None:
         """One line when the host copies of the resident params and their optimizer state do not fit beside the
@@ -126,7 +139,11 @@ class WholeStep(Updater):
     # ---------------------------------------------------------------- a step
     def take_resident_grads(self) -> None:
         """Before the trainer's optimizer steps (after clipping scaled the device grads): each resident param's
-        gradient goes to its host copy, refreshed from the param, and leaves the param."""
+        gradient goes to its host copy, refreshed from the param, and leaves the param. With no streamed layer (none
+        on this stage, or the plan kept every one) no job runs (:meth:`end_step`), so the gradients stay for the
+        trainer's own instance, which then is train.py's: one over every param of the stage."""
+        if not self.layers:
+            return
         with torch.no_grad():
             for param, copy in self._copies:
                 grad, param.grad = param.grad, None
