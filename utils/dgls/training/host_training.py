@@ -629,8 +629,9 @@ def check_host_training(layout: TrainingLayout) -> str:
     still keep its reserve (a tenth of its RAM, 2 GiB at least: the weight store's rule; much of this is
     page-locked, which the host cannot swap out); otherwise the start-up line that says how much they take.
     ``layout`` is the object :class:`HostTraining` then allocates from (the builder hands it the same one). The
-    spares of speculative updates (:mod:`.speculation`) are optional: the layout keeps those that fit beside the
-    rest (:meth:`~..memory.layout.TrainingLayout.limit_spares`); the clipping line says what became of them."""
+    spares of speculative updates (:mod:`.speculation`) are optional: the layout keeps those that fit in half of
+    what is left beside the rest (:meth:`~..memory.layout.TrainingLayout.limit_spares`); the clipping line says what
+    became of them."""
     parts = layout.parts()
     parts.pop("speculation", None)
     need = sum(parts.values())
@@ -643,8 +644,9 @@ def check_host_training(layout: TrainingLayout) -> str:
             f"their packed weights, and {human_bytes(memory.available)} is free, of which "
             f"{human_bytes(reserve)} stays for the rest of the host: stream fewer layers (blocks_to_swap), or free RAM"
         )
-    if layout.spares_wanted:  # optional: in what is left once the packed copies are made too
-        layout.limit_spares(memory.available - reserve - need - layout.packed_bytes)
+    if layout.spares_wanted:  # optional: at most half of what is left once the packed copies are made too, so
+        left = memory.available - reserve - need - layout.packed_bytes  # that saving a checkpoint and the data
+        layout.limit_spares(max(0, left) // 2)  # loader still find room beside page-locked RAM
     parts = layout.parts()
     described = ", ".join(f"{name} {human_bytes(n)}" for name, n in parts.items())
     return f"DGLS host training: {human_bytes(sum(parts.values()))} of host RAM ({described})"
