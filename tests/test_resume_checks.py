@@ -56,6 +56,22 @@ def test_checkpoints_that_can_be_resumed_pass(tmp_path):
     resume(tmp_path, FULL, "--resume_from_checkpoint", "--reset_optimizer")  # the host optimizer starts afresh
 
 
+def test_a_whole_step_host_state_passes_the_check_before_start_up(tmp_path):
+    """Prodigy and D-Adaptation save one state dict over every param of the stage ({"whole_step": ..., "layers",
+    "resident"}), not one per layer: the check before start-up reads it as DGLS's host state (it refused it, so a
+    whole-step full fine-tune could not resume through dgls_train.py)."""
+    from utils.dgls.training.whole_step import STATE_KEY
+
+    run = tmp_path / "out" / "20250101_00-00-00"
+    write_checkpoint(run, adapter=False, host_stages=1)
+    whole = {STATE_KEY: {"state": {}, "param_groups": [{"params": [0]}]}, "layers": [1, 2], "resident": 3}
+    torch.save(whole, run / "global_step2" / "dgls_host_optimizer_stage0.pt")
+    resume(tmp_path, FULL, "--resume_from_checkpoint")
+    torch.save({STATE_KEY: {"param_groups": []}, "layers": [1]}, run / "global_step2" / "dgls_host_optimizer_stage0.pt")
+    with pytest.raises(DGLSUserError, match="holds no DGLS host optimizer state"):
+        resume(tmp_path, FULL, "--resume_from_checkpoint")
+
+
 def test_a_whole_torch_file_is_told_from_a_damaged_one(tmp_path):
     path = tmp_path / "x.pt"
     torch.save({"a": torch.zeros(100)}, path)

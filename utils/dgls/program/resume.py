@@ -246,11 +246,23 @@ def _check_host_state(run_dir: Path, tag: str, flag: str, host_state: bool, stag
         )
     for path in files:
         state = read_saved(path, _what(path), run_dir, tag, flag)  # DGLS saves tensors and containers only
-        if not isinstance(state, dict) or not all(isinstance(v, dict) and "state" in v for v in state.values()):
+        if not _is_host_state(state):
             raise DGLSUserError(
-                f"{path} holds no DGLS host optimizer state (per-layer optimizer state dicts): "
+                f"{path} holds no DGLS host optimizer state (per-layer optimizer state dicts, or a whole step's): "
                 f"{remedy(run_dir, tag, flag)}"
             )
+
+
+def _is_host_state(state: object) -> bool:
+    """The shape of DGLS's host optimizer file: ``{layer: optimizer state dict}`` (per layer), or a whole step's
+    ``{STATE_KEY: optimizer state dict, "layers": [...], "resident": n}`` (:mod:`..training.whole_step`)."""
+    from ..training.whole_step import STATE_KEY
+
+    if not isinstance(state, dict):
+        return False
+    if STATE_KEY in state:
+        return isinstance(state[STATE_KEY], dict) and "state" in state[STATE_KEY]
+    return all(isinstance(v, dict) and "state" in v for v in state.values())
 
 
 def agree(problem: str | None) -> None:
