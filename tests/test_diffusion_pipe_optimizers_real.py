@@ -258,17 +258,7 @@ def _worst(expected: dict, got: dict) -> float:
     return max((expected[k].float() - got[k].float()).abs().max().item() for k in expected)
 
 
-KNOWN = {
-    "automagic": pytest.mark.xfail(
-        strict=True,
-        reason="DGLS bug: train.py's Automagic instance keeps the streamed params, which DGLS steps elsewhere, so "
-        "they have no avg_lr, and train.py's logging (_get_automagic_lrs: torch.stack over every param's lr) fails at "
-        "step 1",
-    )
-}
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=KNOWN.get(name, ())) for name in CASES])
+@pytest.mark.parametrize("name", list(CASES))
 def test_each_optimizer_type_trains_as_in_plain_train_py(runs, name):
     """The saved model of train.py through dgls_train.py agrees with plain train.py's within the case's tolerance
     (the step-1 save and the end, and for resumed cases the save before stopping too), and the streamed blocks

@@ -502,3 +502,25 @@ def test_a_drop_in_whose_optimizer_class_fails_a_step_is_one_line_before_train_p
     monkeypatch.setattr(klass, "step", lambda self, closure=None: 1 / 0)
     with pytest.raises(DGLSUserError, match="FakeMomentum fails a step on the CPU on a test tensor"):
         prepare(argv, ROOT)
+
+
+def test_values_train_py_logs_of_its_own_instance_are_copied_there_for_the_streamed_params(fake_type, monkeypatch):
+    """train.py logs Automagic's avg_lr from its own instance for every param (torch.stack over them), and that
+    instance never steps the streamed params: DGLS copies each one's value there, the group's lr before its first
+    update, the layer optimizer's value after it; a DeepSpeed wrapper (not an optimizer) is left alone."""
+    entry = dataclasses.replace(optimizer_types.TYPES["fakemomentum"], logged_state=("buf",))
+    monkeypatch.setitem(optimizer_types.TYPES, "fakemomentum", entry)
+    layers = full_layers()
+    cfg = SwapConfig.of(host_optimizer=fake_type, accumulation_steps=1, prefetch=1)
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        training = swapper.training
+        trainer = torch.optim.SGD([p for layer in layers for p in layer.parameters()], lr=0.5)
+        training.mirror_logged_state(trainer, CPU)
+        streamed = [(tp, layer) for layer in training.layers.values() for tp, _ in layer.in_groups]
+        assert streamed and all(torch.equal(trainer.state[tp.param]["buf"], torch.tensor(1e-2)) for tp, _ in streamed)
+        train_dgls(layers, swapper, CPU, "nonreentrant", accumulate=1)
+        training.mirror_logged_state(trainer, CPU)
+        for tp, layer in streamed:
+            assert torch.equal(trainer.state[tp.param]["buf"], layer.optimizer.state[tp.master]["buf"])
+        wrapper = object()
+        training.mirror_logged_state(wrapper, CPU)  # no state to write into, no error

@@ -23,7 +23,9 @@ checkpoint holds no host optimizer state for them):
      optimizer updates the resident params and the scheduler advances as usual (a whole step takes the resident
      params' gradients first: its instance updates them, and the trainer's finds none);
   3. the host updates, queued with the learning rate this step used (the trainer's first param group's,
-     read before the scheduler moves it).
+     read before the scheduler moves it);
+  4. per-layer values train.py logs from its own instance (Automagic's ``avg_lr``) copied into it for the streamed
+     params (:meth:`~..training.host_training.HostTraining.mirror_logged_state`).
 
   ZeRO (DeepSpeed's own optimizer offload included) partitions and offloads the optimizer that DGLS
   replaces for streamed layers: refused with a message at the first step.
@@ -122,6 +124,7 @@ class EngineHooks:
             finally:
                 config.gradient_clipping = max_norm
             training.step(lr=lr)
+            training.mirror_logged_state(engine.optimizer, engine.device)  # what train.py logs of its instance
             return result
 
         return take_model_step

@@ -63,7 +63,7 @@ from ..memory.host_store import HostLayer, ram_reserve
 from ..memory.layout import LayerLayout, TrainingLayout, human_bytes
 from ..memory.pinned import PinnedMemory
 from ..memory.transport import Copy, Direction, Transport
-from . import speculation
+from . import optimizer_types, speculation
 from .device_update import DeviceUpdater, FlatLayer, FlatParam
 from .grad_return import SEND_GROUP_BYTES, GradReturn, GradState, TrainedLayer, TrainedParam
 from .host_optimizer import HostOptimizerSpec
@@ -431,6 +431,27 @@ class HostTraining:
         self.grads.step_taken()
         self._hold = False
         self.speculation.step_taken(clipped=not keep)
+
+    def mirror_logged_state(self, trainer: torch.optim.Optimizer, device: torch.device) -> None:
+        """Per-layer classes whose values train.py logs from its own instance (``logged_state``: Automagic's
+        ``avg_lr``, stacked over every param of it): that instance holds the streamed params but never steps them
+        (DGLS steps one instance per layer), so each streamed param's value is copied into its state, on
+        ``device`` (beside the resident params' values). Logging only: the trainer's instance has no gradient for
+        these params, so nothing it does reads them. Read while this step's host updates may still run: a value
+        lags a step at most, and before a layer's first update it is its group's lr (the class's starting value)."""
+        kind = optimizer_types.TYPES.get(self.spec.type)
+        keys = kind.logged_state if kind is not None else ()
+        if not keys or not isinstance(trainer, torch.optim.Optimizer):  # a DeepSpeed wrapper: train.py logs nothing
+            return
+        for layer in self.layers.values():
+            if layer.optimizer is None:
+                continue
+            for tp, group in layer.in_groups:
+                state = layer.optimizer.state.get(tp.master, {})
+                for key in keys:
+                    value = state.get(key)
+                    value = value if isinstance(value, torch.Tensor) else torch.tensor(float(group["lr"]))
+                    trainer.state[tp.param][key] = value.to(device, non_blocking=False)
 
     def adopt(self, params: Iterable[torch.Tensor]) -> None:
         """A whole step (:mod:`.whole_step`): the stage's params in the trainer's order, before its first step or

@@ -54,6 +54,9 @@ class OptimizerType:
     note: str = ""  # what the start-up line adds
     refusal: str = ""  # refused: why, and the nearest type that trains
     fallback: str = ""  # per_layer: the nearest type, for the line that says the class fails with this library
+    # per_layer: state keys train.py's logging reads from its own instance for every param (Automagic's avg_lr),
+    # which DGLS copies there for the streamed params (HostTraining.mirror_logged_state)
+    logged_state: tuple[str, ...] = ()
 
     @property
     def from_checkout(self) -> bool:
@@ -110,6 +113,7 @@ TYPES: dict[str, OptimizerType] = {
         state_bytes=8,  # 8-bit lr mask, polarity, factored second moment (4 bytes for 1-D params)
         # its per-element lr mask, polarity and RMS are each param's own; its lr bounds and bump the instance's
         note=f"its per-element learning rates are its own, as in diffusion-pipe; {KAHAN_FP32}",
+        logged_state=("avg_lr",),  # train.py's _get_automagic_lrs stacks it over every param of its instance
     ),
     # train.py: CPUOffloadOptimizer(groups, torch.optim.AdamW, fused=True, **table): an AdamW per param on the CPU
     "offload": OptimizerType("adamw", packages=(("torchao", "torchao"),)),
