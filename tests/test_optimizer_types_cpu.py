@@ -210,7 +210,10 @@ def test_a_class_that_fails_a_step_is_one_line_before_anything_is_built(fake_typ
         raise KeyError("percentile_clipping")
 
     monkeypatch.setattr(klass, "step", step)
-    message = "FakeMomentum fails a step on the CPU on a test tensor \\(KeyError\\('percentile_clipping'\\)\\): install"
+    message = (
+        "FakeMomentum fails a step on the CPU on a test tensor \\(KeyError\\('percentile_clipping'\\)\\): check the "
+        "\\[optimizer\\] values it was given \\(beta = 0.8, lr = 0.01, weight_decay = 0.1\\), or install"
+    )
     with pytest.raises(DGLSUserError, match=message):
         fake_type.probe()
     fake_type.probe.__func__(HostOptimizerSpec())  # DGLS's own kernels need no probe

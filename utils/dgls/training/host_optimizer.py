@@ -410,9 +410,11 @@ class HostOptimizerSpec:
                 libraries = ", ".join(package for _, package in entry.packages)
                 error = repr(exc) if len(repr(exc)) <= 200 else repr(exc)[:200] + "..."
                 nearest = f", or use {entry.fallback}" if entry.fallback else ""
+                given = ", ".join(f"{key} = {value!r}" for key, value in self.options)
                 raise DGLSUserError(
                     f"[optimizer] type = {self.type!r}: {entry.class_name} fails a step on the CPU on a test tensor "
-                    f"({error}): install a version of {libraries} it runs with on the CPU{nearest}"
+                    f"({error}): check the [optimizer] values it was given ({given or 'none'}), or install a version "
+                    f"of {libraries} it runs with on the CPU{nearest}"
                 ) from None
 
     @property
