@@ -43,6 +43,16 @@ widths (a double block is 340M params, a single one 142M) and cuts the depth to 
 ``--optimizer sgd`` (no momentum, no state: 8 bytes a param) trains all of it:
 
     python benchmarks/bench_full.py --model flux --flux_blocks 19,38 --optimizer sgd --methods dgls-torch_fused
+
+``--optimizer`` takes any [optimizer] type DGLS trains streamed layers with (utils/dgls/training/optimizer_types.py:
+``AdamW8bit``, ``Lion``, ``CAME``, ``Prodigy`` ...), built as a diffusion-pipe table ``{type, lr}`` builds it; a type
+that steps its own class runs on the CPU only (method ``dgls-auto``), and the resident method steps the same class on
+the device. Every row records the host RAM it took: the process's peak RSS (the kernel's high-water mark, and the
+largest sample after a step), the page-locked bytes, and for DGLS the optimizer state the RAM check counted beside
+what the host optimizers hold after the timed steps, so a table of host RAM per optimizer type is one run per type:
+
+    for o in adamw AdamW8bit Lion CAME Prodigy; do python benchmarks/bench_full.py --model flux --flux_blocks 19,38 \
+        --optimizer $o --methods dgls-auto --steps 2 --name full_flux_ram_$o; done
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -75,10 +86,12 @@ from units import GiB  # noqa: E402
 
 from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
 from utils.dgls.trainers.shm_op import without_shm_op  # noqa: E402
+from utils.dgls.training import optimizer_types  # noqa: E402
 from utils.dgls.training.host_optimizer import HostOptimizerSpec  # noqa: E402
+from utils.dgls.training.optimizer_state import held_bytes  # noqa: E402
 
 LR, BETAS, WD, EPS = 1e-5, (0.9, 0.99), 0.01, 1e-8
-OPTIMIZERS = {"adamw": "AdamW", "sgd": "SGD without momentum"}
+OPTIMIZERS = {"adamw": "AdamW", "sgd": "SGD without momentum"}  # others: "[optimizer] type NAME"
 METHODS = ("resident", "dgls-split", "dgls-device", "dgls-torch_fused", "dgls-deepspeed", "zero2-offload")
 NOTES = [
     "Every weight trains (no LoRA). 'host optimizer wait': the share of DGLS's step the training thread spent "
@@ -88,7 +101,10 @@ NOTES = [
     "is the share of the step the compute stream waited for fetches (CUDA only), which then includes those "
     "updates. "
     "'host RSS': the process's peak resident memory since the method started (masters, gradient sums and AdamW "
-    "moments live there for DGLS and ZeRO-offload).",
+    "moments live there for DGLS and ZeRO-offload): 'host_rss_gib' the largest sample after a step, "
+    "'host_rss_peak_gib' the kernel's high-water mark of the method's process (building the model included). "
+    "'pinned_gib': page-locked host bytes (CUDA only). 'host_state_counted_gib': the optimizer state the RAM check "
+    "counted for streamed layers; 'host_state_held_gib': what the host optimizers hold after the timed steps.",
 ]
 
 
@@ -135,11 +151,30 @@ def forward_backward(bench) -> None:
     F.mse_loss(h.float(), bench.target.float()).backward()
 
 
+def optimizer_type(name: str) -> str:
+    """``--optimizer``: ``adamw``, ``sgd`` or any [optimizer] type DGLS trains streamed layers with (as spelled in a
+    diffusion-pipe table); a refused or unknown one is argparse's error, with DGLS's line."""
+    if name in OPTIMIZERS:
+        return name
+    try:
+        optimizer_types.lookup(name)
+    except Exception as exc:  # noqa: BLE001 - DGLSUserError: its line is the message
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name
+
+
+def describe_optimizer(name: str) -> str:
+    return OPTIMIZERS.get(name, f"[optimizer] type {name!r}")
+
+
 def host_spec(optimizer: str, implementation: str) -> HostOptimizerSpec:
-    """The host optimizer DGLS runs: AdamW, or SGD without momentum (no state: 8 bytes of host RAM a param)."""
+    """The host optimizer DGLS runs: AdamW, SGD without momentum (no state: 8 bytes of host RAM a param), or another
+    [optimizer] type, as a diffusion-pipe table of its type and lr builds it (its class's defaults otherwise)."""
     if optimizer == "sgd":
         return HostOptimizerSpec(type="sgd", lr=LR, weight_decay=0.0, implementation=implementation)
-    return HostOptimizerSpec(lr=LR, betas=BETAS, weight_decay=WD, eps=EPS, implementation=implementation)
+    if optimizer == "adamw":
+        return HostOptimizerSpec(lr=LR, betas=BETAS, weight_decay=WD, eps=EPS, implementation=implementation)
+    return HostOptimizerSpec.from_table({"type": optimizer, "lr": LR}, implementation)
 
 
 def device_optimizer(params: list, optimizer: str) -> torch.optim.Optimizer:
@@ -147,7 +182,9 @@ def device_optimizer(params: list, optimizer: str) -> torch.optim.Optimizer:
     fused = {"fused": True} if params[0].is_cuda else {"foreach": False}
     if optimizer == "sgd":
         return torch.optim.SGD(params, lr=LR, weight_decay=0.0, **fused)
-    return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **fused)
+    if optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **fused)
+    return host_spec(optimizer, "auto").trainer_optimizer(params)  # the type's class, as train.py builds it
 
 
 def resident_step(bench, clip: float, optimizer_name: str = "adamw") -> Callable[[], None]:
@@ -241,6 +278,7 @@ def dgls_step(
     params = [p for layer in bench.layers for p in layer.parameters()]
     device_params = params if budget is not None else [p for p in params if not training.owns(p)]
     trainer = device_optimizer(device_params, optimizer) if device_params else None
+    training.adopt(params)  # a whole step's instance (Prodigy ...) steps every param, as train.py's one does
     norms: list[float] = []
 
     def step() -> None:
@@ -248,6 +286,7 @@ def dgls_step(
         training.before_step()  # under a budget, the first fixes the plan (clipping would call it too)
         if clip:
             norms.append(float(training.clip_grad_norm_(params, clip)))
+        training.take_resident_grads()  # a whole step: resident params' gradients to its instance
         if trainer is not None:
             trainer.step()
             trainer.zero_grad(set_to_none=True)
@@ -307,6 +346,9 @@ def measure(name: str, args, device, dtype) -> dict:
                 row[f"host_{kind}_s"] = (seconds - jobs[kind]) / len(times)
             row["host_optimizer"] = training.implementation
             row["pinned_gib"] = swapper.pinned_bytes / GiB  # packed copies, landings (and device updates' state)
+            row["host_state_counted_gib"] = training.layout.parts()["optimizer"] / GiB  # the RAM check's figure
+            row["host_state_held_gib"] = host_state_held(training) / GiB
+            row["host_training"] = {name: n / GiB for name, n in training.layout.parts().items()}
             if training.split is not None:  # the split of the last step, and the rates it came from
                 row["device_share"] = training.split.device_share
                 row["split"] = training.split.describe()
@@ -315,6 +357,8 @@ def measure(name: str, args, device, dtype) -> dict:
             row["speculation"] = training.speculation.describe()
         row.update(median_step_s=statistics.median(times), step_times_s=times, steps=len(times), **peaks(device))
         row["host_rss_gib"] = rss.peak / GiB
+        high_water = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB; updated lazily
+        row["host_rss_peak_gib"] = max(high_water, rss.peak) / GiB
     except Exception as exc:  # noqa: BLE001 - a method that cannot run is a row that says why
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
     finally:
@@ -326,6 +370,15 @@ def measure(name: str, args, device, dtype) -> dict:
     return row
 
 
+def host_state_held(training) -> int:
+    """Bytes of the state tensors the host optimizers of streamed layers hold (a whole step's instance: the streamed
+    layers' masters' share of it)."""
+    if training.whole is not None:
+        masters = [tp.master for layer in training.layers.values() for tp in layer.params]
+        return held_bytes(training.whole.optimizer, masters)
+    return sum(held_bytes(layer.optimizer) for layer in training.layers.values() if layer.optimizer is not None)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny config (a CPU smoke test)")
@@ -333,7 +386,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--flux_blocks", default="5,10", help="--model flux: double,single blocks (Flux-dev has 19,38)")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument(
-        "--optimizer", choices=("adamw", "sgd"), default="adamw", help="sgd: without momentum (no optimizer state)"
+        "--optimizer",
+        type=optimizer_type,
+        default="adamw",
+        help="adamw, sgd (without momentum: no optimizer state), or any [optimizer] type DGLS trains streamed layers "
+        "with (AdamW8bit, Lion, CAME, Prodigy ...; its own class runs on the CPU: method dgls-auto)",
     )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
@@ -399,7 +456,7 @@ def _result(args, argv, environment: dict, rows: list[dict], started: float) -> 
     return {
         "benchmark": "full",
         "title": title + (" (tiny)" if args.tiny else ""),
-        "description": f"{shape}, batch 1, {OPTIMIZERS[args.optimizer]}, every weight trained, {clipping}; "
+        "description": f"{shape}, batch 1, {describe_optimizer(args.optimizer)}, every weight trained, {clipping}; "
         "median of the timed steps",
         "tiny": args.tiny,
         "environment": environment,

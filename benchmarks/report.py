@@ -68,6 +68,13 @@ def _key(key: str, fmt: str, suffix: str = "", scale: float = 1.0) -> Cell:
     return cell
 
 
+def _state_counted_held(row: dict, _result: dict) -> str:
+    """Full fine-tuning: the host optimizer state the RAM check counted, and what the optimizers held."""
+    if "host_state_counted_gib" not in row:
+        return "-"
+    return f"{_f(row['host_state_counted_gib'], '.3g')} / {_f(row.get('host_state_held_gib'), '.3g')}"
+
+
 def _text(key: str) -> Cell:
     return lambda row, _result: str(row.get(key, "-"))
 
@@ -178,7 +185,9 @@ TABLES: dict[str, Table] = {
             PEAK_ALLOC,
             ("peak reserved GiB", _key("peak_reserved_gib", ".2f")),
             ("host RSS GiB", _key("host_rss_gib", ".1f")),
+            ("host RSS peak GiB", _key("host_rss_peak_gib", ".1f")),
             ("pinned host GiB", _key("pinned_gib", ".1f")),
+            ("host optimizer state GiB (counted / held)", _state_counted_held),
             ("placement (--vram_budget)", _text("placement")),
             ("grad norm", _key("grad_norm", ".3g")),
             ("speculation", _text("speculation")),
@@ -187,7 +196,9 @@ TABLES: dict[str, Table] = {
             "trained params (B)",
             "GPU wait",
             "updated on GPU",
+            "host RSS peak GiB",
             "pinned host GiB",
+            "host optimizer state GiB (counted / held)",
             "placement (--vram_budget)",
             "grad norm",
             "speculation",

@@ -3,6 +3,7 @@ the rows its methods promise; the Markdown and the results index re-render from 
 With DGLS_DIFFUSION_PIPE set, diffusion-pipe's built-in block swap (its utils/offloading.py,
 imported from the checkout) is measured too; without it that row says why."""
 
+import importlib.util
 import json
 import os
 import sys
@@ -337,3 +338,27 @@ def test_the_full_fine_tuning_benchmark_places_by_a_vram_budget(tmp_path):
     (row,) = result["rows"]
     assert "error" not in row and row["median_step_s"] > 0, row
     assert "--vram_budget 0.02" in result["description"] and "--prefetch" in row["placement"], row
+
+
+def test_the_full_fine_tuning_benchmark_reports_host_ram_for_an_8bit_optimizer_type(tmp_path):
+    """``--optimizer AdamW8bit`` (any [optimizer] type DGLS trains): the resident method steps the type's class, DGLS
+    its own class on the host (``dgls-auto``); each row has its peak RSS, and DGLS's its pinned bytes and the host
+    optimizer state the RAM check counted, equal to what the host optimizers hold (the tiny shapes are measured on
+    themselves)."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip("bitsandbytes is not installed (its 8-bit optimizers run on the CPU from 0.50)")
+    argv = ["--tiny", "--model", "flux", "--flux_blocks", "1,1", "--methods", "resident,dgls-auto"]
+    argv += ["--optimizer", "AdamW8bit", "--steps", "1", "--warmup", "0"]
+    bench_full.main([*argv, "--results_dir", str(tmp_path)])
+    result = load(tmp_path, "full_flux")
+    assert "[optimizer] type 'AdamW8bit'" in result["description"]
+    rows = {r["method"]: r for r in result["rows"]}
+    assert all("error" not in row and row["host_rss_peak_gib"] >= row["host_rss_gib"] > 0 for row in rows.values())
+    dgls = rows["dgls-auto"]
+    assert "bitsandbytes.optim.AdamW8bit" in dgls["host_optimizer"] and dgls["pinned_gib"] >= 0
+    assert dgls["host_state_counted_gib"] == dgls["host_state_held_gib"] > 0
+
+
+def test_the_full_fine_tuning_benchmark_refuses_a_type_dgls_does_not_train():
+    with pytest.raises(SystemExit):
+        bench_full.main(["--tiny", "--optimizer", "ScheduleFreeWrapper"])

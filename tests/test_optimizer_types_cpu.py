@@ -160,7 +160,7 @@ def fake_type(tmp_path, monkeypatch, optimizers_folder):
     (tmp_path / "optimizers" / "__init__.py").write_text("")
     (tmp_path / "optimizers" / "fake_momentum.py").write_text(textwrap.dedent(FAKE_OPTIMIZER))
     monkeypatch.syspath_prepend(str(tmp_path))
-    entry = OptimizerType("per_layer", "optimizers.fake_momentum:FakeMomentum", (("torch", "torch"),), 4, "a test's")
+    entry = OptimizerType("per_layer", "optimizers.fake_momentum:FakeMomentum", (("torch", "torch"),), "a test's")
     monkeypatch.setitem(optimizer_types.TYPES, "fakemomentum", entry)
     monkeypatch.setattr(optimizer_types, "PER_LAYER", (*optimizer_types.PER_LAYER, "fakemomentum"))
     monkeypatch.setattr(optimizer_types, "RUNNING", (*optimizer_types.RUNNING, "fakemomentum"))

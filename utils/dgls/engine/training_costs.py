@@ -6,9 +6,9 @@ Each figure comes from the object that allocates it, not from a second estimate:
   in the dtype the layout gives the params (:class:`~..memory.layout.ParamLayout`), and the optimizer's state.
   The state is measured on the class the trainer builds
   (:meth:`~..training.host_optimizer.HostOptimizerSpec.trainer_optimizer`, the [optimizer] type's class, as
-  diffusion-pipe's train.py and the demo build it): built on small CPU tensors of the params' dtype and stepped
-  once, its state tensors are what it keeps per param (quantization maps, fp32 copies) and per element
-  (:class:`StateRate`).
+  diffusion-pipe's train.py and the demo build it): built on CPU tensors of the params' dtype and stepped once,
+  its state tensors are what it keeps for a param of each shape (quantization maps, fp32 copies, factored
+  moments), by the rule the host's RAM check counts with (:class:`~..training.optimizer_state.StateRate`).
 - Params resident in every placement (shared ones, a swap-unit holder's own) keep their optimizer state on the
   device whatever the plan (``fixed_state_bytes``); their gradients are in the probe's measurement.
 - The device update buffers (``--host_adam device`` or ``split``): the size
@@ -25,13 +25,9 @@ Hazards
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
-import io
-import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -40,28 +36,10 @@ from ..errors import DGLSUserError
 from ..memory.layout import LayerLayout, LayerSizes, modules_of, ownership
 from ..memory.precision import dtype_of
 from ..training.host_optimizer import HostOptimizerSpec
-
-SMALL = 64  # elements of the 1-D probe tensor
-BIG = 64  # side of the first 2-D probe tensor (4096 elements: 8-bit optimizers' threshold); the second is twice as wide
-EIGHT_BIT_THRESHOLD = 4096  # elements: bitsandbytes keeps smaller params' state in 32 bits
+from ..training.optimizer_state import Build, StateRate, measure_rate
 
 
-@dataclass(frozen=True)
-class StateRate:
-    """Device bytes of an optimizer's state for one param: ``per_param + per_element * numel`` from
-    :data:`EIGHT_BIT_THRESHOLD` elements on, ``small * numel`` below (measured by :func:`state_rate`)."""
-
-    per_param: float
-    per_element: float
-    small: float
-
-    def bytes(self, numel: int) -> int:
-        if numel < EIGHT_BIT_THRESHOLD:
-            return int(round(self.small * numel))
-        return int(round(self.per_param + self.per_element * numel))
-
-
-def trainer_class(spec: HostOptimizerSpec) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+def trainer_class(spec: HostOptimizerSpec) -> Build:
     """What builds the trainer's optimizer over a param list: the [optimizer] type's class (see the hazard)."""
     if spec.table_type == "adamw_optimi" and importlib.util.find_spec("optimi") is not None:
         import optimi
@@ -72,36 +50,18 @@ def trainer_class(spec: HostOptimizerSpec) -> Callable[[list[torch.Tensor]], tor
     return spec.trainer_optimizer
 
 
-def _state_bytes(build: Callable[[list[torch.Tensor]], torch.optim.Optimizer], param: torch.Tensor) -> int:
-    """Bytes of the state tensors ``build([param])`` keeps after one step (step counts and other scalars aside)."""
-    param.grad = torch.full_like(param, 1e-3)
-    with contextlib.redirect_stdout(io.StringIO()):  # some classes count their params aloud
-        optimizer = build([param])
-        optimizer.step()
-    return sum(
-        t.numel() * t.element_size()
-        for state in optimizer.state.values()
-        for t in state.values()
-        if isinstance(t, torch.Tensor) and t.dim() > 0
-    )
-
-
 def state_rate(spec: HostOptimizerSpec, dtype: torch.dtype) -> StateRate:
-    """The trainer's optimizer state for params of ``dtype``, measured on three CPU tensors (see the module doc);
-    an optimizer that cannot step them on the CPU is one line (give the placement explicitly)."""
-    build = trainer_class(spec)
+    """The trainer's optimizer state for params of ``dtype``, measured on CPU tensors (the host's rule,
+    :mod:`..training.optimizer_state`); an optimizer that cannot step them on the CPU is one line (give the placement
+    explicitly)."""
     try:
-        small = _state_bytes(build, nn.Parameter(torch.zeros(SMALL, dtype=dtype)))
-        one = _state_bytes(build, nn.Parameter(torch.zeros(BIG, BIG, dtype=dtype)))
-        four = _state_bytes(build, nn.Parameter(torch.zeros(2 * BIG, 2 * BIG, dtype=dtype)))
+        return measure_rate(trainer_class(spec), dtype)
     except Exception as exc:  # any failure of a class DGLS did not write
         raise DGLSUserError(
             f"--vram_budget counts the device memory of the trainer's optimizer ([optimizer] type {spec.type!r}) by "
             f"stepping it on {dtype} tensors on the CPU, which fails ({type(exc).__name__}: {str(exc)[:120]}): give "
             "the placement instead (--blocks_to_swap or --gpu_layers)"
         ) from None
-    per_element = (four - one) / (3 * BIG * BIG)
-    return StateRate(one - per_element * BIG * BIG, per_element, small / SMALL)
 
 
 def _fixed_trainable(layers: Sequence, layouts: Sequence[LayerLayout]) -> dict[int, list[nn.Parameter]]:
@@ -129,18 +89,18 @@ def with_training_costs(
     trainable = dtype_of(mixed_precision, "mixed_precision") if mixed_precision != "auto" else None
     rates: dict[torch.dtype, StateRate] = {}
 
-    def state(numel: int, dtype: torch.dtype) -> int:
+    def state(shape: tuple[int, ...], dtype: torch.dtype) -> int:
         if dtype not in rates:
             rates[dtype] = state_rate(spec, dtype)
-        return rates[dtype].bytes(numel)
+        return rates[dtype].bytes(shape)
 
     fixed = _fixed_trainable(layers, layouts)
     out = []
     for layout in layouts:
         trained = [p for p in layout.params if p.param.requires_grad]
         grads = sum(p.nbytes for p in trained)
-        states = sum(state(math.prod(p.shape), p.dtype) for p in trained)
-        own = sum(state(p.numel(), trainable or p.dtype) for p in fixed.get(layout.index, []))
+        states = sum(state(tuple(p.shape), p.dtype) for p in trained)
+        own = sum(state(tuple(p.shape), trainable or p.dtype) for p in fixed.get(layout.index, []))
         sizes: LayerSizes = dataclasses.replace(layout.sizes, trained_bytes=grads + states, fixed_state_bytes=own)
         out.append(dataclasses.replace(layout, sizes=sizes))
     return out

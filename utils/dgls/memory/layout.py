@@ -366,7 +366,9 @@ class TrainingLayout:
           device-to-host copy writes; page-locked on CUDA);
         - an fp32 gradient sum per param when a step has several micro-batches (``sums``);
         - the optimizer state: ``state_keys``, fp32 tensors shaped as the param (AdamW's two moments, SGD's
-          momentum buffer).
+          momentum buffer); or, for a class whose state its own step makes (8-bit moments, factored ones, Kahan
+          buffers ...), ``state_bytes(shape)``: what the class keeps for a param of that shape, measured on it
+          (:mod:`..training.optimizer_state`).
         - a spare for the layers in :attr:`spares` (speculative updates under clipping,
           :mod:`..training.speculation`): one more fp32 master and state per param, where an update that starts
           before the gradient norm is known keeps the old values (or writes the new ones) until the step
@@ -394,12 +396,14 @@ class TrainingLayout:
         *,
         state_keys: Sequence[str],
         sums: bool,
+        state_bytes: Callable[[tuple[int, ...]], int] | None = None,
         device_updates: bool,
         spares: str = "none",
     ) -> None:
         if spares not in ("none", "flat", "all"):
             raise ValueError(f"spares must be 'none', 'flat' or 'all', got {spares!r}")
         self.state_keys = tuple(state_keys)
+        self.state_bytes = state_bytes  # an own class's state per param shape (None: the state_keys' fp32 tensors)
         self.sums = sums
         self.device_updates = device_updates
         self.layers: dict[int, TrainedLayerPlace] = {}
@@ -443,11 +447,17 @@ class TrainingLayout:
             for p in layer.params:
                 masters += 4 * p.numel if p.own_master else 0
                 gradients += 4 * p.numel if self.sums else 0
-                optimizer += 4 * p.numel * len(self.state_keys)
+                optimizer += self._state(p)
         parts = {"masters": masters, "gradients": gradients, "optimizer": optimizer}
         if self.spares:
             parts["speculation"] = sum(self.spare_bytes(idx) for idx in self.spares)
         return parts
+
+    def _state(self, p: TrainedParamPlace) -> int:
+        """Host bytes of ``p``'s optimizer state: ``state_bytes`` of its shape, or an fp32 tensor per state key."""
+        if self.state_bytes is not None:
+            return self.state_bytes(tuple(p.param.shape))
+        return 4 * p.numel * len(self.state_keys)
 
     def spare_bytes(self, idx: int) -> int:
         """Layer ``idx``'s spare: an fp32 master and each state tensor per param."""

@@ -10,6 +10,8 @@ Modules
     - ``host_optimizer.py``: which optimizer updates the host-trained params, built per layer.
     - ``optimizer_types.py``: diffusion-pipe's ``[optimizer]`` types: how each trains streamed layers (DGLS's
       kernels, its own class once per layer, or once over every param), or the one line that refuses it.
+    - ``optimizer_state.py``: the bytes an optimizer class keeps for a param of a shape and dtype, measured on the
+      class (the host RAM check's, the start-up line's and the VRAM planner's figure).
     - ``whole_step.py``: one instance of an optimizer whose step sums over every param (Prodigy ...), over a
       stage's masters and host copies of its resident params, stepped once after the backward.
     - ``optimizer_kernels.py``: the arithmetic a step runs on the GPU, one kernel per optimizer (AdamW, SGD).

@@ -64,6 +64,7 @@ import torch
 from ..errors import DGLSUserError
 from . import optimizer_types
 from .optimizer_kernels import OptimizerKernel, kernel_for
+from .optimizer_state import StateRate, measure_rate
 
 HOST_OPTIMIZERS = ("adamw", "sgd")
 TORCHAO_KEYS = {"offload_gradients": bool, "minimal_size": int}  # CPUOffloadOptimizer's own keyword arguments
@@ -406,16 +407,33 @@ class HostOptimizerSpec:
             try:
                 optimizer.step()
             except Exception as exc:  # any failure of a class DGLS did not write: said in one line, with its error
-                entry = optimizer_types.TYPES[self.type]
-                libraries = ", ".join(package for _, package in entry.packages)
-                error = repr(exc) if len(repr(exc)) <= 200 else repr(exc)[:200] + "..."
-                nearest = f", or use {entry.fallback}" if entry.fallback else ""
-                given = ", ".join(f"{key} = {value!r}" for key, value in self.options)
-                raise DGLSUserError(
-                    f"[optimizer] type = {self.type!r}: {entry.class_name} fails a step on the CPU on a test tensor "
-                    f"({error}): check the [optimizer] values it was given ({given or 'none'}), or install a version "
-                    f"of {libraries} it runs with on the CPU{nearest}"
-                ) from None
+                raise self._step_failure(exc) from None
+
+    def _step_failure(self, exc: Exception) -> DGLSUserError:
+        """The one line for an own class that fails a step on the CPU (``exc``: its error)."""
+        entry = optimizer_types.TYPES[self.type]
+        libraries = ", ".join(package for _, package in entry.packages)
+        error = repr(exc) if len(repr(exc)) <= 200 else repr(exc)[:200] + "..."
+        nearest = f", or use {entry.fallback}" if entry.fallback else ""
+        given = ", ".join(f"{key} = {value!r}" for key, value in self.options)
+        return DGLSUserError(
+            f"[optimizer] type = {self.type!r}: {entry.class_name} fails a step on the CPU on a test tensor "
+            f"({error}): check the [optimizer] values it was given ({given or 'none'}), or install a version of "
+            f"{libraries} it runs with on the CPU{nearest}"
+        )
+
+    def state_rate(self, dtype: torch.dtype = torch.float32) -> StateRate:
+        """An own class's host state per param, measured on the class :meth:`build` makes, stepped on CPU tensors of
+        ``dtype`` (the host masters' fp32; a whole step's resident copies keep their params' dtype): the RAM check's
+        and the start-up line's figure (:mod:`.optimizer_state`). A class that fails a step is :meth:`probe`'s line."""
+        try:
+            return measure_rate(self.build, dtype)
+        except DGLSUserError:
+            raise
+        except Exception as exc:  # any failure of a class DGLS did not write
+            if not self.own_class:
+                raise
+            raise self._step_failure(exc) from None
 
     @property
     def on_device(self) -> bool:
@@ -433,10 +451,10 @@ class HostOptimizerSpec:
 
     @property
     def state_keys(self) -> tuple[str, ...]:
-        """The fp32 state tensors per param the training layout counts: the device kernel's, or for a per-layer
-        type as many as its state bytes fill (rounded up: the RAM figure errs high)."""
+        """The fp32 state tensors per param, shaped as the param, that the training layout places: the device
+        kernel's; none for an own class, whose state its class makes (:meth:`state_rate` counts it)."""
         if self.own_class:
-            return tuple(f"state{i}" for i in range(-(-optimizer_types.TYPES[self.type].state_bytes // 4)))
+            return ()
         return self.device_kernel().state_keys
 
     def saved_state_problem(self, idx: int, saved_groups: list[dict], built_groups: list[dict]) -> str | None:

@@ -95,10 +95,12 @@ def training_layout(
 ) -> TrainingLayout:
     """The training layout of the streamed layers ``layouts`` for ``spec`` (sums with several micro-batches a
     step, or a whole step, whose update comes after the next backward could rewrite the landings; with one
-    micro-batch, per-layer updates read the landings; spares where updates speculate under clipping)."""
+    micro-batch, per-layer updates read the landings; spares where updates speculate under clipping). An own class's
+    state is counted as measured on it, on fp32 masters (:meth:`~.host_optimizer.HostOptimizerSpec.state_rate`)."""
     return TrainingLayout(
         layouts,
         state_keys=spec.state_keys,
+        state_bytes=spec.state_rate(torch.float32).bytes if spec.own_class else None,
         sums=accumulation_steps != 1 or spec.whole_step,
         device_updates=spec.on_device,
         spares=spares_for(spec, clipping, speculate),

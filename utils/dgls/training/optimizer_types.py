@@ -26,6 +26,8 @@ Invariants
     - Kahan summation (AdamW8bitKahan, optimi, Automagic) compensates the rounding of bf16 weights; DGLS's masters
       are fp32, where optimi and Automagic turn it off and AdamW8bitKahan (which always runs it) carries only fp32
       rounding; the start-up line says so.
+    - The host RAM an own class's state takes is measured on the class (:mod:`.optimizer_state`), never guessed
+      here.
     - Schedule-free classes keep two weight sequences and swap their average in with ``optimizer.eval()``; train.py
       never calls it (nor does DeepSpeed), so diffusion-pipe evaluates and saves the training sequence, and so does
       DGLS.
@@ -50,7 +52,6 @@ class OptimizerType:
     runs: str
     source: str = ""  # per_layer and whole_step: "module:Class", as diffusion-pipe imports it
     packages: tuple[tuple[str, str], ...] = ()  # (module to import, pip package) the class needs
-    state_bytes: int = 8  # host bytes of optimizer state per param (at most), for the RAM figure
     note: str = ""  # what the start-up line adds
     refusal: str = ""  # refused: why, and the nearest type that trains
     fallback: str = ""  # per_layer: the nearest type, for the line that says the class fails with this library
@@ -83,12 +84,11 @@ SCHEDULE_FREE = (
 TYPES: dict[str, OptimizerType] = {
     "adamw": OptimizerType("adamw"),
     "adamw_optimi": OptimizerType("adamw"),
-    "sgd": OptimizerType("sgd", state_bytes=4),
+    "sgd": OptimizerType("sgd"),
     "adamw8bit": OptimizerType(
         "per_layer",
         "bitsandbytes.optim:AdamW8bit",
         BNB,
-        state_bytes=4,  # two uint8 moments and their blockwise absmax (32-bit below 4096 elements)
         note="its moments blockwise 8-bit",
         fallback="'adamw' (bitsandbytes runs 8-bit optimizers on the CPU from version 0.50)",
     ),
@@ -96,21 +96,17 @@ TYPES: dict[str, OptimizerType] = {
         "per_layer",
         "optimizers.adamw_8bit:AdamW8bitKahan",
         BNB,
-        state_bytes=8,  # bitsandbytes' two 8-bit moments and the fp32 Kahan shift
         note="bitsandbytes' blockwise 8-bit moments; its Kahan summation is for bf16 weights: on the fp32 masters "
         "it carries only fp32 rounding",
         # its update_step reads percentile_clipping, which bitsandbytes 0.50 (the first with 8-bit CPU kernels) dropped
         fallback="'adamw8bit', bitsandbytes' own blockwise 8-bit AdamW (on fp32 masters Kahan summation has only "
         "fp32 rounding to make up for)",
     ),
-    "stableadamw": OptimizerType(
-        "per_layer", "optimi:StableAdamW", OPTIMI, state_bytes=8, note=f"per-param update RMS; {KAHAN_FP32}"
-    ),
+    "stableadamw": OptimizerType("per_layer", "optimi:StableAdamW", OPTIMI, note=f"per-param update RMS; {KAHAN_FP32}"),
     "automagic": OptimizerType(
         "per_layer",
         "optimizers.automagic:Automagic",
         (("optimum.quanto", "optimum-quanto"),),
-        state_bytes=8,  # 8-bit lr mask, polarity, factored second moment (4 bytes for 1-D params)
         # its per-element lr mask, polarity and RMS are each param's own; its lr bounds and bump the instance's
         note=f"its per-element learning rates are its own, as in diffusion-pipe; {KAHAN_FP32}",
         logged_state=("avg_lr",),  # train.py's _get_automagic_lrs stacks it over every param of its instance
@@ -126,30 +122,19 @@ TYPES: dict[str, OptimizerType] = {
         "which DGLS runs on the host for streamed layers yet",
     ),
     # pytorch_optimizer (train.py: getattr(pytorch_optimizer, type)): per-param steps, read in its source
-    "Lion": OptimizerType("per_layer", "pytorch_optimizer:Lion", PYTORCH_OPTIMIZER, state_bytes=4),
+    "Lion": OptimizerType("per_layer", "pytorch_optimizer:Lion", PYTORCH_OPTIMIZER),
     "ADOPT": OptimizerType("per_layer", "pytorch_optimizer:ADOPT", PYTORCH_OPTIMIZER),
-    "AdEMAMix": OptimizerType("per_layer", "pytorch_optimizer:AdEMAMix", PYTORCH_OPTIMIZER, state_bytes=12),
+    "AdEMAMix": OptimizerType("per_layer", "pytorch_optimizer:AdEMAMix", PYTORCH_OPTIMIZER),
     "CAME": OptimizerType("per_layer", "pytorch_optimizer:CAME", PYTORCH_OPTIMIZER),
-    # a step size d from sums over every param of the instance: whole_step (state: the tensors each param keeps)
+    # a step size d from sums over every param of the instance: whole_step
     **{
-        name: OptimizerType(
-            "whole_step", f"pytorch_optimizer:{name}", PYTORCH_OPTIMIZER, state_bytes=state, note=GLOBAL_D
-        )
-        for name, state in (
-            ("Prodigy", 16),  # p0, s, exp_avg, exp_avg_sq
-            ("DAdaptAdam", 12),  # s, exp_avg, exp_avg_sq
-            ("DAdaptAdan", 20),  # s, exp_avg, exp_avg_sq, exp_avg_diff, previous_grad
-            ("DAdaptAdaGrad", 16),  # alpha_k, sk, x0 (and weighted_sk)
-            ("DAdaptLion", 8),  # exp_avg, s
-            ("DAdaptSGD", 12),  # z, s, x0
-        )
+        name: OptimizerType("whole_step", f"pytorch_optimizer:{name}", PYTORCH_OPTIMIZER, note=GLOBAL_D)
+        for name in ("Prodigy", "DAdaptAdam", "DAdaptAdan", "DAdaptAdaGrad", "DAdaptLion", "DAdaptSGD")
     },
     # schedule-free: per-param steps; train.py saves the training weights (it never swaps the average in)
     **{
-        name: OptimizerType(
-            "per_layer", f"pytorch_optimizer:{name}", PYTORCH_OPTIMIZER, state_bytes=state, note=SCHEDULE_FREE
-        )
-        for name, state in (("ScheduleFreeAdamW", 8), ("ScheduleFreeRAdam", 8), ("ScheduleFreeSGD", 4))
+        name: OptimizerType("per_layer", f"pytorch_optimizer:{name}", PYTORCH_OPTIMIZER, note=SCHEDULE_FREE)
+        for name in ("ScheduleFreeAdamW", "ScheduleFreeRAdam", "ScheduleFreeSGD")
     },
     "ScheduleFreeWrapper": OptimizerType(
         "refused",

@@ -51,7 +51,6 @@ import torch
 from ..errors import DGLSUserError
 from ..memory.host_store import ram_reserve
 from ..memory.layout import human_bytes
-from . import optimizer_types
 from .grad_return import StepGrads, TrainedLayer
 from .host_optimizer import HostOptimizerSpec
 from .jobs import Jobs
@@ -112,8 +111,8 @@ class WholeStep(Updater):
     def _check_ram(self, resident: list[torch.Tensor]) -> None:
         """One line when the host copies of the resident params and their optimizer state do not fit beside the
         host's reserve (the start-up check counted the streamed layers only)."""
-        tensors = 1 + optimizer_types.TYPES[self.spec.type].state_bytes // 4  # the copy and its state, in its dtype
-        need = sum(p.numel() * p.element_size() * tensors for p in resident)
+        rates = {dtype: self.spec.state_rate(dtype) for dtype in {p.dtype for p in resident}}  # the copies' dtypes
+        need = sum(p.numel() * p.element_size() + rates[p.dtype].bytes(tuple(p.shape)) for p in resident)
         memory = psutil.virtual_memory()
         reserve = ram_reserve(memory.total)
         if need > memory.available - reserve:
