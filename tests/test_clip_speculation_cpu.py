@@ -295,3 +295,24 @@ def test_on_cuda_a_device_update_from_host_sums_starts_once_they_are_written(mon
     got, want, training = speculated_run(DEVICE, BF16, accumulate=2, drained=False)
     assert_same(got, want)
     assert training.speculation.counts["speculated"] == (4 * len(training.layers) if sums_written else 0)
+
+
+@pytest.mark.parametrize("spec", [SPEC, SPLIT], ids=["host", "split"])
+def test_a_redo_at_the_groups_lr_runs_at_the_lr_from_before_the_speculative_update(monkeypatch, spec):
+    """Early updates told one lr (``set_step_lr``), the step none (each group's own): every speculative update is
+    redone, and its redo runs at the group's lr from before it, as the update that waits does (the host's
+    speculative update wrote its lr into the group; an undo puts the group's lr back too)."""
+    if spec is SPLIT:
+        flip_sides_every_step(monkeypatch)
+    norms = [NEVER_CLIPS, MAX_NORM, NEVER_CLIPS]
+    runs = []
+    for speculate in (True, False):
+        layers = full_layers(BF16)
+        cfg = SwapConfig.of(host_optimizer=spec, accumulation_steps=1, speculate_clipping=speculate)
+        with LayerSwapper(layers, cfg, device=CPU) as swapper:
+            swapper.training.set_step_lr(10 * spec.lr)
+            runs.append(train_dgls(layers, swapper, CPU, "nonreentrant", steps=3, accumulate=1, dtype=BF16,
+                                   max_norm=norms, before_clip=drain))  # fmt: skip
+            if speculate:
+                assert swapper.training.speculation.counts["redone"] > 0
+    assert_same(*runs)

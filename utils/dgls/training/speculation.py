@@ -12,8 +12,9 @@ Exactness (what makes a kept speculative update the waiting update, bit for bit)
       a gradient times 1.0 is the gradient (IEEE); an update run without the multiplication is the waiting one.
     - A step whose coefficient is anything else (it clips, or the norm is NaN), or whose lr is not the one the
       update ran at, undoes the update (:func:`undo`) and queues the waiting one: every value the update wrote is
-      back bit for bit (fp32 master, optimizer state tensors, step counts; the compute-dtype copy is derived from
-      the master and rewritten by the update that follows), and the same arithmetic runs on them.
+      back bit for bit (fp32 master, optimizer state tensors, step counts, the param groups' lr; the compute-dtype
+      copy is derived from the master and rewritten by the update that follows), and the same arithmetic runs on
+      them.
     - Only optimizers whose whole state DGLS knows speculate: DGLS's AdamW and SGD on torch's kernels (host or
       device). A per-layer class ([optimizer] type) may keep state where an undo does not reach, and DeepSpeed's
       CPU Adam keeps its beta powers in its C++ object: they wait (:func:`undo_problem`); start-up says so.
@@ -114,6 +115,7 @@ class Speculated:
     ran: bool = False  # it wrote the layer's values (an undo is due)
     steps: list[tuple[dict, torch.Tensor]] = field(default_factory=list)  # (param's state, its step count before)
     absent: set[int] = field(default_factory=set)  # ids of masters without optimizer state before (a first step)
+    lrs: list[float] = field(default_factory=list)  # each param group's lr before (a host update writes its lr there)
 
 
 def _steps(layer: TrainedLayer) -> list[tuple[dict, torch.Tensor]]:
@@ -131,6 +133,7 @@ def save(record: Speculated) -> None:
     """Host update, before it steps (on the job's thread): the layer's master and state into the spare."""
     layer, spare = record.layer, record.spare
     record.steps = _steps(layer)
+    record.lrs = [group["lr"] for group in layer.optimizer.param_groups]
     with torch.no_grad():
         _save(record, layer, spare)
     record.ran = True
@@ -159,6 +162,7 @@ def _save(record: Speculated, layer: TrainedLayer, spare: Spare) -> None:
 def before_device_update(record: Speculated) -> None:
     """Device update, before it counts its steps: the counts to restore."""
     record.steps = _steps(record.layer)
+    record.lrs = [group["lr"] for group in record.layer.optimizer.param_groups]
     record.ran = True
 
 
@@ -175,6 +179,8 @@ def undo(record: Speculated) -> None:
             _copy_back(record, layer, spare)
     for st, step in record.steps:
         st["step"] = step
+    for group, lr in zip(layer.optimizer.param_groups, record.lrs, strict=True):
+        group["lr"] = lr  # a redo at the groups' own lr runs at the one the waiting update reads
     record.ran = False
 
 
