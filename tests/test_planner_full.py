@@ -175,6 +175,9 @@ def test_the_plan_is_fixed_before_the_first_update_and_trains_as_that_placement_
         assert applied == [len(swapper.layers)], "applied once, while the host still trained every layer"
         assert swapper.driver.done and 0 < len(resident) < len(swapper.layers)
         assert not any(swapper.training.owns(p) for i in resident for p in swapper.layers[i].parameters())
+        training = swapper.training  # a released layer's spare is gone from the layout too
+        assert set(training.speculation.spares) == training.layout.spares <= set(training.layout.layers)
+        assert bool(training.layout.spares) == clip and training.layout.parts()
         with pytest.raises(DGLSUserError, match="full fine-tuning places layers once"):
             original(list(swapper.streamed_layers), prefetch)
     assert any("fixed for the run from step 1's optimizer step" in line for line in lines)

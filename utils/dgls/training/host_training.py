@@ -386,6 +386,8 @@ class HostTraining:
             self.grads.forget(layer)
             del self.layers[idx]
             self.layout.layers.pop(idx, None)
+            self.layout.spares -= {idx}  # its spare is freed below: parts() and the clipping line count the rest
+            self.layout.spares_wanted = tuple(i for i in self.layout.spares_wanted if i != idx)
             if self.updates.split is not None:
                 self.updates.split.sizes.pop(idx, None)
                 self.updates.split.on_device.pop(idx, None)
@@ -452,7 +454,8 @@ class HostTraining:
                 state = layer.optimizer.state.get(tp.master, {})
                 for key in keys:
                     value = state.get(key)
-                    value = value if isinstance(value, torch.Tensor) else torch.tensor(float(group["lr"]))
+                    if not isinstance(value, torch.Tensor):  # a number as it is; the class's start if none yet
+                        value = torch.tensor(float(value if isinstance(value, (int, float)) else group["lr"]))
                     trainer.state[tp.param][key] = value.to(device, non_blocking=False)
 
     def adopt(self, params: Iterable[torch.Tensor]) -> None:
