@@ -506,8 +506,9 @@ class HostTraining:
                 self.updates.submit(layer, g.speculate(), None, self._step_lr, speculated=record)
 
     def cancel(self, layer: TrainedLayer) -> None:
-        """Undo ``layer``'s speculative update before its step (a use of the layer meanwhile); it waits for the norm
-        like any other. Rare, so done here, on the training thread: after the update's job, and its copies home."""
+        """Undo ``layer``'s speculative update before its step (a use of the layer meanwhile); its gradients reopen,
+        and it speculates again only if another batch closes them, else waits for the norm. Rare, so done here, on
+        the training thread: after the update's job, and its copies home."""
         record = self.speculation.pop(layer.index)
         record.cancelled = True  # a job not started yet skips itself
         home = self.updates.settle(layer)

@@ -38,8 +38,9 @@ Policy (:class:`Speculation`; it changes the speed, never the numbers)
     - The first step speculates; a step after one that clipped waits (a run that clips at every step would undo
       every update). A host job not started when its step clips skips itself (``cancelled``).
     - A layer used again before the step (a second gradient this step, a fetch for a forward, a read of its weights)
-      is undone first and waits (:meth:`~.host_training.HostTraining.cancel`): before the step, everyone reads the
-      weights from before it.
+      is undone first (:meth:`~.host_training.HostTraining.cancel`): before the step, everyone reads the weights
+      from before it. A second gradient reopens the layer's step, which speculates again when its last batch closes;
+      otherwise its update waits for the norm.
 
 Threads
     - A :class:`Speculated` record is made, submitted (``side``) and ``cancelled`` on the training thread; the thread
