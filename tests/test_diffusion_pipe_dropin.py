@@ -172,6 +172,7 @@ def _facts(proc):
     return json.loads(line[len("FAKE_TRAIN ") :])
 
 
+@pytest.mark.slow  # starts processes (or probes and measures plans): the default run stays within 4 minutes
 def test_interception_streams_layers_and_matches_plain_run(tmp_path):
     """The README's launch line from inside a checkout, with none of the torch.distributed variables
     set (as on a user's machine; the stand-in train.py, like diffusion-pipe's, sets only MASTER_ADDR
@@ -237,6 +238,7 @@ def test_real_train_py_still_has_the_interception_points():
     ],
     ids=["interception-point-gone", "pipeline-does-not-import"],
 )
+@pytest.mark.slow  # starts processes (or probes and measures plans): the default run stays within 4 minutes
 def test_a_checkout_the_interception_does_not_fit_is_one_line(tmp_path, pipeline_text, message):
     checkout = _copy_checkout(tmp_path, pipeline_text)
     proc = _run_dgls_train(ROOT / "dgls_train.py", tmp_path, "--diffusion_pipe", str(checkout))
@@ -244,6 +246,7 @@ def test_a_checkout_the_interception_does_not_fit_is_one_line(tmp_path, pipeline
     assert re.search(message, proc.stderr.strip().splitlines()[-1]), proc.stderr[-2000:]
 
 
+@pytest.mark.slow  # starts processes (or probes and measures plans): the default run stays within 4 minutes
 def test_an_incomplete_copy_into_a_checkout_names_what_is_missing(tmp_path):
     checkout = _copy_checkout(tmp_path)
     shutil.copy(ROOT / "dgls_train.py", checkout)
@@ -321,6 +324,7 @@ def test_a_run_too_short_for_the_profile_says_so():
     ]
 
 
+@pytest.mark.slow  # starts processes (or probes and measures plans): the default run stays within 4 minutes
 @pytest.mark.parametrize("steps", [3, pytest.param(1, marks=pytest.mark.slow)], ids=["probe-done", "run-too-short"])
 def test_plan_in_the_drop_in_saves_nothing(tmp_path, steps):
     """--plan stops after the probe; if train.py ends first, it says so. Either way no LoRA, no
@@ -340,6 +344,7 @@ def test_plan_in_the_drop_in_saves_nothing(tmp_path, steps):
     assert list((tmp_path / "cfg" / "out").iterdir()) == []
 
 
+@pytest.mark.slow  # starts processes (or probes and measures plans): the default run stays within 4 minutes
 def test_a_package_train_py_needs_but_is_missing_is_one_line(tmp_path):
     checkout = _copy_checkout(tmp_path)
     train = checkout / "train.py"

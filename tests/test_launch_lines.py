@@ -61,6 +61,7 @@ def _interrupt(cmd: list[str], cwd: Path, after: str) -> tuple[int, str, str, in
     return proc.returncode, "".join(seen) + out, err, proc.pid
 
 
+@pytest.mark.slow  # starts processes (or probes and measures plans): the default run stays within 4 minutes
 def test_ctrl_c_in_the_demo_is_one_line_and_cleans_up(tmp_path):
     cmd = [sys.executable, "-u", *python_cmd("--config", str(demo_toml(tmp_path, steps=30)), "--threading")[1:]]
     code, out, err, pid = _interrupt(cmd, ROOT, "step 2:")

@@ -50,6 +50,7 @@ def run_two_ranks(tmp_path, *extra):
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
+@pytest.mark.slow  # starts processes (or probes and measures plans): the default run stays within 4 minutes
 def test_two_ranks_map_one_copy_of_the_masters_and_train_exactly(tmp_path):
     ranks = run_two_ranks(tmp_path)
     reference = train(*make_layers(), torch.device("cpu"), "nonreentrant", steps=2)
@@ -71,6 +72,7 @@ def test_two_ranks_on_one_gpu_pin_the_same_shared_pages(tmp_path):
     assert sum(r["masters"]["pss"] for r in ranks) < 1.3 * ranks[0]["masters"]["bytes"]
 
 
+@pytest.mark.slow  # starts processes (or probes and measures plans): the default run stays within 4 minutes
 def test_a_killed_rank_leaves_no_segment_behind(tmp_path):
     procs = start_ranks(tmp_path, 2, "--hold")
     deadline = time.time() + 300

@@ -183,6 +183,7 @@ def test_apply_placement_between_steps_keeps_training_exact():
     assert_bitwise_equal(reference, got)
 
 
+@pytest.mark.slow  # starts processes (or probes and measures plans): the default run stays within 4 minutes
 def test_auto_plan_on_cpu_probes_plans_and_stays_exact():
     """The driver acts at the end of each backward pass by itself: nobody reads stats here."""
     steps = 20  # 40 passes: probe (2) + up to 4 shortlisted plans visited A B C D D C B A + refinement A B B A

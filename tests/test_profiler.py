@@ -116,6 +116,7 @@ def test_without_matplotlib_only_the_json_is_written(tmp_path, monkeypatch):
     assert any("pip install matplotlib" in x for x in lines)
 
 
+@pytest.mark.slow  # starts processes (or probes and measures plans): the default run stays within 4 minutes
 def test_demo_cli_profile_and_verbose(tmp_path):
     config = (ROOT / "toml" / "demo.toml").read_text()
     config = config.replace('output_dir = "output/demo"', f'output_dir = "{tmp_path}"').replace(
