@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from cli_helpers import FAKE, FAKE_TABLES, demo_toml, fake_config, run_in_process, snapshot, write_checkpoint
 from conftest import ROOT
@@ -751,6 +752,9 @@ def test_a_pipeline_stage_checks_placement_against_the_whole_layer_list():
         SwapConfig.of(blocks_to_swap=11).for_stage(0, 5, 10)
     assert SwapConfig.of(gpu_layers=[0, 7]).for_stage(5, 10, 10).placement.gpu_layers == [2]
     assert SwapConfig.of(gpu_layers=[0, 9]).for_stage(0, 10, 10).placement.gpu_layers == [0, 9]
+    # DeepSpeed's stage bounds are numpy integers: the stage's first layer is a plain int
+    stage = SwapConfig.of(blocks_to_swap=2).for_stage(np.int64(4), np.int64(10), 10).placement
+    assert stage.first_layer == 4 and type(stage.first_layer) is int
 
 
 @pytest.mark.parametrize("double, single", [(4, 4), (0, 1), (3, 0)])

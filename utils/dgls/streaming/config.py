@@ -210,6 +210,7 @@ class PlacementPolicy(_Policy):
         - The other settings (blocks_to_swap, the ends, a VRAM budget) apply to each stage's own layers.
         """
         self.check_layer_count(count)
+        start, stop = int(start), int(stop)  # DeepSpeed's stage bounds are numpy integers
         if start == 0 and stop == count:
             return self
         if self.gpu_layers is None:
