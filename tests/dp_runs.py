@@ -112,6 +112,19 @@ def only_run_dir(output_dir) -> Path:
     return runs[0]
 
 
+def saved_model(output_dir, name: str) -> dict:
+    """Every tensor of the safetensors files train.py saved under ``name`` (a full fine-tune's model, in one file or
+    shards)."""
+    from safetensors.torch import load_file
+
+    files = sorted((only_run_dir(output_dir) / name).rglob("*.safetensors"))
+    assert files, f"no model saved under {name}"
+    weights = {}
+    for path in files:
+        weights.update(load_file(path))
+    return weights
+
+
 def saved_lora(output_dir, name: str) -> Path:
     """The adapter file train.py saved under ``name`` (step3, epoch1): diffusers-named for some
     model types (pytorch_lora_weights.safetensors), PEFT-named for others (adapter_model.safetensors)."""

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dp_runs import FIXTURES, ROOT, checkout_or_skip, only_run_dir, requires_checkout, run_train
+from dp_runs import FIXTURES, ROOT, checkout_or_skip, only_run_dir, requires_checkout, run_train, saved_model
 from helpers import child_env
 
 from utils.dgls.training import optimizer_types
@@ -237,17 +237,6 @@ def runs(request, tmp_path_factory) -> dict[str, Runs | str]:
     return results
 
 
-def _saved_model(output_dir: Path, name: str) -> dict:
-    from safetensors.torch import load_file
-
-    files = sorted((only_run_dir(output_dir) / name).rglob("*.safetensors"))
-    assert files, f"no model saved under {name}"
-    weights = {}
-    for path in files:
-        weights.update(load_file(path))
-    return weights
-
-
 def _losses(log: str) -> dict[int, float]:
     """train.py's printed loss of each step (the resumed run's steps after the first run's)."""
     return {int(step): float(loss) for step, loss in re.findall(r"^steps: (\d+) loss: ([0-9.]+)", log, re.M)}
@@ -279,8 +268,8 @@ def test_each_optimizer_type_trains_as_in_plain_train_py(runs, name):
     if case.resume:
         assert result.logs["dgls"].count("Resuming training from checkpoint") == 1
         assert list(only_run_dir(result.outputs["dgls"]).glob(f"global_step{FIRST}/dgls_host_optimizer_stage0.pt"))
-    plain = {save: _saved_model(result.outputs["plain"], save) for save in ("step1", f"step{FIRST}", "epoch1")}
-    dgls = {save: _saved_model(result.outputs["dgls"], save) for save in plain}
+    plain = {save: saved_model(result.outputs["plain"], save) for save in ("step1", f"step{FIRST}", "epoch1")}
+    dgls = {save: saved_model(result.outputs["dgls"], save) for save in plain}
     change = _worst(plain["step1"], plain["epoch1"])
     worsts = {save: _worst(plain[save], dgls[save]) for save in plain}
     print(f"{name} ({case.runs}): worst |dgls - plain| {worsts} over a largest change of {change:.3g}")

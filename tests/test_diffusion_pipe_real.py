@@ -13,7 +13,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from dp_runs import DTYPE, ENV, FIXTURES, checkout_or_skip, only_run_dir, requires_checkout, run_train
+from dp_runs import DTYPE, ENV, FIXTURES, checkout_or_skip, only_run_dir, requires_checkout, run_train, saved_model
 
 STEPS = 3
 
@@ -180,17 +180,6 @@ def test_dgls_train_from_inside_the_checkout(checkout, tmp_path):
     assert (only_run_dir(tmp_path / "out") / "step2" / "pytorch_lora_weights.safetensors").is_file()
 
 
-def _saved_model(output_dir, name: str) -> dict:
-    from safetensors.torch import load_file
-
-    files = sorted((only_run_dir(output_dir) / name).rglob("*.safetensors"))
-    assert files, f"no model saved under {name}"
-    weights = {}
-    for path in files:
-        weights.update(load_file(path))
-    return weights
-
-
 @pytest.mark.parametrize("host_adam", ["torch", "device"])
 def test_dgls_full_fine_tune_matches_plain_train_py(checkout, tmp_path, host_adam):
     """No [adapter]: streamed blocks keep fp32 masters and AdamW moments on the host and send their gradients
@@ -206,11 +195,11 @@ def test_dgls_full_fine_tune_matches_plain_train_py(checkout, tmp_path, host_ada
     kernel = "(single-tensor)" if host_adam == "torch" else "on the training device"
     assert "TRAINING COMPLETE!" in log and "DGLS host training:" in log and kernel in log
     plain, got = (
-        _saved_model(tmp_path / "out_plain", f"step{STEPS}"),
-        _saved_model(tmp_path / "out_dgls", f"step{STEPS}"),
+        saved_model(tmp_path / "out_plain", f"step{STEPS}"),
+        saved_model(tmp_path / "out_dgls", f"step{STEPS}"),
     )
     _assert_same_model(plain, got, exact=host_adam == "torch")
-    first = _saved_model(tmp_path / "out_dgls", "step2")
+    first = saved_model(tmp_path / "out_dgls", "step2")
     assert any(not (first[k] == got[k]).all() for k in first if k.startswith("single_blocks.")), (
         "the streamed blocks' saved weights did not change between steps 2 and 3"
     )
@@ -228,11 +217,11 @@ def test_dgls_full_fine_tune_with_adamw_optimi_matches_plain_train_py(checkout, 
     log = run_train(checkout, configs["dgls"], tmp_path / "dgls.log", dgls="--blocks_to_swap 5 --prefetch 1")
     assert "TRAINING COMPLETE!" in log and "type 'adamw_optimi': optimi's AdamW is AdamW" in log
     plain, got = (
-        _saved_model(tmp_path / "out_plain", f"step{STEPS}"),
-        _saved_model(tmp_path / "out_dgls", f"step{STEPS}"),
+        saved_model(tmp_path / "out_plain", f"step{STEPS}"),
+        saved_model(tmp_path / "out_dgls", f"step{STEPS}"),
     )
     _assert_same_model(plain, got, exact=False)
-    first = _saved_model(tmp_path / "out_dgls", "step2")
+    first = saved_model(tmp_path / "out_dgls", "step2")
     assert any(not (first[k] == got[k]).all() for k in first if k.startswith("single_blocks.")), (
         "the streamed blocks' saved weights did not change between steps 2 and 3"
     )
@@ -269,6 +258,6 @@ def test_dgls_full_fine_tune_resume_matches_plain_resume(checkout, tmp_path):
         run_train(checkout, first, tmp_path / f"{name}_1.log", dgls=dgls)
         log = run_train(checkout, second, tmp_path / f"{name}_2.log", "--resume_from_checkpoint", seed=1, dgls=dgls)
         assert "Resuming training from checkpoint" in log
-        finals[name] = _saved_model(out, "epoch1")
+        finals[name] = saved_model(out, "epoch1")
     assert list(only_run_dir(tmp_path / "out_dgls").glob("global_step2/dgls_host_optimizer_stage0.pt"))
     _assert_same_model(finals["plain"], finals["dgls"])

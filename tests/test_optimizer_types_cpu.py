@@ -509,9 +509,9 @@ def test_a_drop_in_whose_optimizer_class_fails_a_step_is_one_line_before_train_p
 
 def test_values_train_py_logs_of_its_own_instance_are_copied_there_for_the_streamed_params(fake_type, monkeypatch):
     """train.py logs Automagic's avg_lr from its own instance for every param (torch.stack over them), and that
-    instance never steps the streamed params: DGLS copies each one's value there, the group's lr before its first
-    update, the layer optimizer's value after it; a DeepSpeed wrapper (not an optimizer) is left alone."""
-    entry = dataclasses.replace(optimizer_types.TYPES["fakemomentum"], logged_state=("buf",))
+    instance never steps the streamed params: DGLS copies each one's value there, the group's lr before the layer
+    optimizer has one, its value after; a DeepSpeed wrapper (not an optimizer) is left alone."""
+    entry = dataclasses.replace(optimizer_types.TYPES["fakemomentum"], logged_state=("avg_lr",))
     monkeypatch.setitem(optimizer_types.TYPES, "fakemomentum", entry)
     layers = full_layers()
     cfg = SwapConfig.of(host_optimizer=fake_type, accumulation_steps=1, prefetch=1)
@@ -520,10 +520,13 @@ def test_values_train_py_logs_of_its_own_instance_are_copied_there_for_the_strea
         trainer = torch.optim.SGD([p for layer in layers for p in layer.parameters()], lr=0.5)
         training.mirror_logged_state(trainer, CPU)
         streamed = [(tp, layer) for layer in training.layers.values() for tp, _ in layer.in_groups]
-        assert streamed and all(torch.equal(trainer.state[tp.param]["buf"], torch.tensor(1e-2)) for tp, _ in streamed)
+        start = torch.tensor(1e-2)  # the group's lr
+        assert streamed and all(torch.equal(trainer.state[tp.param]["avg_lr"], start) for tp, _ in streamed)
         train_dgls(layers, swapper, CPU, "nonreentrant", accumulate=1)
+        for k, (tp, layer) in enumerate(streamed):  # as Automagic keeps it: a 0-dim tensor per param
+            layer.optimizer.state[tp.master]["avg_lr"] = torch.tensor(k / 1000)
         training.mirror_logged_state(trainer, CPU)
-        for tp, layer in streamed:
-            assert torch.equal(trainer.state[tp.param]["buf"], layer.optimizer.state[tp.master]["buf"])
-        wrapper = object()
-        training.mirror_logged_state(wrapper, CPU)  # no state to write into, no error
+        assert [trainer.state[tp.param]["avg_lr"].item() for tp, _ in streamed] == [
+            torch.tensor(k / 1000).item() for k in range(len(streamed))
+        ]
+        training.mirror_logged_state(object(), CPU)  # a wrapper: no state to write into, no error

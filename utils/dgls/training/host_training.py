@@ -447,16 +447,21 @@ class HostTraining:
         keys = kind.logged_state if kind is not None else ()
         if not keys or not isinstance(trainer, torch.optim.Optimizer):  # a DeepSpeed wrapper: train.py logs nothing
             return
+        targets, values = [], []  # gathered on the host, moved in one copy (one per step, not one per param)
         for layer in self.layers.values():
             if layer.optimizer is None:
                 continue
             for tp, group in layer.in_groups:
                 state = layer.optimizer.state.get(tp.master, {})
                 for key in keys:
-                    value = state.get(key)
-                    if not isinstance(value, torch.Tensor):  # a number as it is; the class's start if none yet
-                        value = torch.tensor(float(value if isinstance(value, (int, float)) else group["lr"]))
-                    trainer.state[tp.param][key] = value.to(device, non_blocking=False)
+                    value = state.get(key)  # a number as it is; the class's start (the group's lr) if none yet
+                    value = value if value is not None else group["lr"]
+                    targets.append((trainer.state[tp.param], key))
+                    values.append(torch.as_tensor(value, dtype=torch.float32).reshape(()))
+        if values:
+            moved = torch.stack(values).to(device)
+            for (state, key), value in zip(targets, moved.unbind()):
+                state[key] = value
 
     def adopt(self, params: Iterable[torch.Tensor]) -> None:
         """A whole step (:mod:`.whole_step`): the stage's params in the trainer's order, before its first step or
