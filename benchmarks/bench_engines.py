@@ -92,17 +92,20 @@ def run_case(tree: Path, case: Case, tiny: bool, out: Path) -> dict:
     return {"resident": resident, "row": compared, "wall_s": time.perf_counter() - start}
 
 
-def compare(case_name: str, case: Case, trees: tuple[Path, Path], rounds: int, tiny: bool) -> dict:
-    """Alternate the trees over ``rounds``; the medians of each tree's step, ratio, peak and host RSS."""
+def compare(case_name: str, case: Case, trees: tuple[Path, Path], rounds: int, tiny: bool, first: int = 1) -> dict:
+    """Alternate the trees over ``rounds`` (numbered from ``first``: odd rounds run this tree first, so a
+    second call with ``first=2`` continues the alternation); the medians of each tree's step, ratio, peak and
+    host RSS, and every run's step and ratio."""
     runs: dict[str, list[dict]] = {name: [] for name in TREE_NAMES}
-    for r in range(rounds):
+    for r in range(first - 1, first - 1 + rounds):
         order = (0, 1) if r % 2 == 0 else (1, 0)
         for i in order:
             with tempfile.TemporaryDirectory() as tmp:
                 runs[TREE_NAMES[i]].append(run_case(trees[i], case, tiny, Path(tmp)))
                 step = runs[TREE_NAMES[i]][-1]["row"]["median_step_s"]
-                print(f"{case_name} round {r + 1} {TREE_NAMES[i]}: {step:.3f} s")
-    row: dict = {"case": case_name, "method": case.method, "rounds": rounds}
+                wall = runs[TREE_NAMES[i]][-1]["wall_s"]
+                print(f"{case_name} round {r + 1} {TREE_NAMES[i]}: {step:.3f} s (run took {wall:.0f} s)")
+    row: dict = {"case": case_name, "method": case.method, "rounds": rounds, "first_round": first}
     for name, key in zip(TREE_NAMES, ("new", "old")):
         got = runs[name]
         row[f"{key}_step_s"] = statistics.median(g["row"]["median_step_s"] for g in got)
@@ -113,6 +116,16 @@ def compare(case_name: str, case: Case, trees: tuple[Path, Path], rounds: int, t
         rss = [g["row"]["host_rss_gib"] for g in got if g["row"].get("host_rss_gib") is not None]
         row[f"{key}_host_rss_gib"] = max(rss) if rss else None
     row["new_vs_old"] = row["new_vs_resident"] / row["old_vs_resident"]
+    row["runs"] = {
+        name: [
+            {
+                "step_s": g["row"]["median_step_s"],
+                "vs_resident": g["row"]["median_step_s"] / g["resident"]["median_step_s"],
+            }
+            for g in got
+        ]
+        for name, got in runs.items()
+    }
     return row
 
 
@@ -122,6 +135,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--baseline_label", default=None, help="what the baseline is, e.g. its commit")
     parser.add_argument("--cases", default="flux_budget8,sdxl_full_noclip", help=f"comma list of {','.join(CASES)}")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--first_round", type=int, default=1, help="number of the first round (2: the baseline runs first)"
+    )
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--name", default="engines")
     parser.add_argument("--results_dir", type=Path, default=None)
@@ -131,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         parser.error(f"unknown case(s) {unknown}: choose from {', '.join(CASES)}")
     trees = (HERE.parent, args.baseline.resolve())
-    rows = [compare(name, CASES[name], trees, args.rounds, args.tiny) for name in names]
+    rows = [compare(name, CASES[name], trees, args.rounds, args.tiny, args.first_round) for name in names]
     label = args.baseline_label or str(args.baseline)
     result = {
         "benchmark": "engines",

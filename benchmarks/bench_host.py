@@ -15,6 +15,7 @@ Writes benchmarks/results/<name>.json and .md (default name host; results/tiny/ 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import statistics
 import sys
@@ -43,14 +44,23 @@ ENTRY_POINTS = {"current": (HookAdapter, HOOK_ENTRY_POINTS), "old": (None, HOOK_
 
 
 class HostTimer:
-    """Seconds spent inside wrapped methods (outermost calls only)."""
+    """Seconds spent inside wrapped methods (outermost calls only), in total and per entry point, and the
+    seconds Python's garbage collector ran meanwhile (a pause inside a hook counts as the hook's time: an
+    engine that makes more objects per step pays it there)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self.calls = 0
+        self.by_entry: dict[str, float] = defaultdict(float)
+        self.gc_seconds = 0.0
         self._depth = 0
+        self._gc_started: float | None = None
 
-    def wrap(self, fn):
+    def reset(self) -> None:
+        self.seconds, self.calls, self.gc_seconds = 0.0, 0, 0.0
+        self.by_entry.clear()
+
+    def wrap(self, fn, name: str):
         def timed(*args, **kwargs):
             self._depth += 1
             start = time.perf_counter()
@@ -59,20 +69,32 @@ class HostTimer:
             finally:
                 self._depth -= 1
                 if self._depth == 0:
-                    self.seconds += time.perf_counter() - start
+                    took = time.perf_counter() - start
+                    self.seconds += took
+                    self.by_entry[name] += took
                     self.calls += 1
 
         return timed
+
+    def gc_callback(self, phase: str, info: dict) -> None:
+        """``gc.callbacks`` entry: time every collection (inside the hooks or not)."""
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started is not None:
+            self.gc_seconds += time.perf_counter() - self._gc_started
+            self._gc_started = None
 
 
 @contextmanager
 def timed_entry_points(cls, names, timer: HostTimer):
     saved = {name: cls.__dict__[name] for name in names if name in cls.__dict__}
     for name, fn in saved.items():
-        setattr(cls, name, timer.wrap(fn))
+        setattr(cls, name, timer.wrap(fn, name))
+    gc.callbacks.append(timer.gc_callback)
     try:
         yield
     finally:
+        gc.callbacks.remove(timer.gc_callback)
         for name, fn in saved.items():
             setattr(cls, name, fn)
 
@@ -89,7 +111,8 @@ def load_engine(folder: Path):
 
 
 def run_arm(bench: Bench, device, engine, resident: list[int], prefetch: int, steps: int, warmup: int, kind: str):
-    """Step times and host seconds per step of one arm (engine None: all-resident)."""
+    """Step times and, per timed step, the host seconds in DGLS, per entry point, and in the garbage
+    collector (engine None: all-resident, no host seconds)."""
     place(bench.layers, device)
     if engine is None:
         return time_steps(bench.training_step(), device, warmup, steps)[0], None
@@ -101,10 +124,25 @@ def run_arm(bench: Bench, device, engine, resident: list[int], prefetch: int, st
         config = make(gpu_layers=resident, prefetch=prefetch)
         with engine.LayerSwapper(bench.layers, config, device=device, log=None):
             time_steps(bench.training_step(), device, warmup, 0)
-            timer.seconds = 0.0
-            times = time_steps(bench.training_step(), device, 0, steps)[0]
-            host = timer.seconds / steps
+            timer.reset()
+
+            def per_step() -> dict:
+                got = dict(host=timer.seconds, gc=timer.gc_seconds, **timer.by_entry)
+                timer.reset()
+                return got
+
+            times, host = time_steps(bench.training_step(), device, 0, steps, after=per_step)
     return times, host
+
+
+def host_columns(steps: list[dict]) -> dict:
+    """Per-step host seconds as milliseconds: medians (and the smallest total), per entry point, gc."""
+    if not steps:
+        return dict(host_ms=None)
+    ms = {key: statistics.median(s.get(key, 0.0) for s in steps) * 1000 for key in steps[0]}
+    columns = dict(host_ms=ms.pop("host"), min_host_ms=min(s["host"] for s in steps) * 1000, gc_ms=ms.pop("gc"))
+    columns.update({f"{key.strip('_')}_ms": value for key, value in ms.items()})
+    return columns
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -130,21 +168,24 @@ def main(argv: list[str] | None = None) -> dict:
         streamed, _ = bench.spread_config(gib, args.prefetch)
         resident = [s.index for s in bench.sizes if s.streamable_bytes and s.index not in streamed]
         times: dict[str, list[float]] = defaultdict(list)
-        host: dict[str, list[float]] = defaultdict(list)
+        host: dict[str, list[dict]] = defaultdict(list)  # per timed step: seconds in DGLS, per entry, in gc
         for _ in range(args.rounds):
             for name, engine in engines.items():
                 kind = "current" if engine is utils.dgls else "old"
                 t, h = run_arm(bench, device, engine, resident, args.prefetch, args.steps, args.warmup, kind)
                 times[name] += t
                 if h is not None:
-                    host[name].append(h)
+                    host[name] += h
         base = statistics.median(times["all-resident"])
+        base_min = min(times["all-resident"])
         rows = [
             dict(
                 method=name,
                 median_step_s=statistics.median(times[name]),
                 vs_resident=statistics.median(times[name]) / base,
-                host_ms=statistics.median(host[name]) * 1000 if host[name] else None,
+                min_step_s=min(times[name]),
+                min_vs_resident=min(times[name]) / base_min,
+                **host_columns(host[name]),
                 step_times_s=times[name],
             )
             for name in engines
@@ -162,7 +203,10 @@ def main(argv: list[str] | None = None) -> dict:
             "tiny": args.tiny,
             "notes": [
                 "host ms: wall time inside DGLS's hook entry points per step (forward pre/post, output-gradient, "
-                "saved-tensor pack/unpack), the time the host spends in DGLS instead of launching kernels."
+                "saved-tensor pack/unpack), the time the host spends in DGLS instead of launching kernels; median "
+                "and smallest over the timed steps, and the median per entry point. gc ms: time Python's garbage "
+                "collector ran per step (anywhere in the step). min step: the fastest step of each arm, less "
+                "sensitive than the median to other work on a shared host."
             ],
             "rows": rows,
         }

@@ -167,7 +167,11 @@ TABLES: dict[str, Table] = {
             ("method", _text("method")),
             ("step (s)", _key("median_step_s", ".3f")),
             VS_RESIDENT,
+            ("min step (s)", _key("min_step_s", ".3f")),
+            ("min vs resident", _key("min_vs_resident", ".2f", "x")),
             ("host ms per step in DGLS", _key("host_ms", ".1f")),
+            ("min host ms", _key("min_host_ms", ".1f")),
+            ("gc ms", _key("gc_ms", ".1f")),
         )
     ),
     "full": Table(
