@@ -11,6 +11,8 @@
 # `pack` (last) puts everything under $OUT into one archive: a call brings back at most 8 files.
 # DGLS_SKIP_INSTALL=1 skips the wheels' install (a second session script started beside a first one).
 # A diffusion-pipe checkout carried as .dp (git-ignored) becomes DGLS_DIFFUSION_PIPE unless that is set.
+# A bitsandbytes package carried as .bnb/ (git-ignored; its wheel's CUDA libraries are too large to carry,
+# so only libbitsandbytes_cpu.so and the one for the image's CUDA are kept) goes on the path.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -19,6 +21,7 @@ if [ -z "${DGLS_SKIP_INSTALL:-}" ]; then
     >"$OUT/pip.log" 2>&1 || { tail -5 "$OUT/pip.log"; exit 1; }
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH  # the wheels' scripts (deepspeed)
+[ -d .bnb/bitsandbytes ] && export PYTHONPATH=$PYTHONPATH:$PWD/.bnb
 if [ -z "${DGLS_DIFFUSION_PIPE:-}" ] && [ -f .dp/utils/offloading.py ]; then
   export DGLS_DIFFUSION_PIPE=$PWD/.dp
 fi
