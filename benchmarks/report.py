@@ -162,6 +162,19 @@ TABLES: dict[str, Table] = {
             ("those vs resident arm", _key("shared_vs_resident", ".3f", "x")),
         )
     ),
+    "host_ram": Table(
+        columns=(
+            ("[optimizer] type", _text("method")),
+            ("runs as", _text("kernel")),
+            ("packed GiB", _key("packed_gib", ".1f")),
+            ("masters GiB", _key("masters_gib", ".1f")),
+            ("gradients GiB", _key("gradients_gib", ".1f")),
+            ("optimizer GiB", _key("optimizer_gib", ".1f")),
+            ("total GiB", _key("total_gib", ".1f")),
+            ("spares wanted GiB", _key("spares_wanted_gib", ".1f")),
+            ("note", _text("note")),
+        )
+    ),
     "host": Table(
         columns=(
             ("method", _text("method")),
