@@ -116,11 +116,14 @@ def compare(case_name: str, case: Case, trees: tuple[Path, Path], rounds: int, t
         rss = [g["row"]["host_rss_gib"] for g in got if g["row"].get("host_rss_gib") is not None]
         row[f"{key}_host_rss_gib"] = max(rss) if rss else None
     row["new_vs_old"] = row["new_vs_resident"] / row["old_vs_resident"]
+    # every run's compared row (its plan, copy rate, waits ...: what tells a slower run's cause), less its log
     row["runs"] = {
         name: [
             {
                 "step_s": g["row"]["median_step_s"],
                 "vs_resident": g["row"]["median_step_s"] / g["resident"]["median_step_s"],
+                "resident_step_s": g["resident"]["median_step_s"],
+                "row": {k: v for k, v in g["row"].items() if k != "plan_log"},
             }
             for g in got
         ]
