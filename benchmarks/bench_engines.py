@@ -41,6 +41,10 @@ class Case:
     argv: tuple[str, ...]
     method: str  # the compared row's method
     tiny_argv: tuple[str, ...] = ("--tiny",)
+    # the compared row's own field with its all-resident reference (A/B rows: resident steps interleaved with
+    # the swapped ones in that row's rounds); None: the run's all-resident row
+    reference: str | None = None
+    also_contains: str = ""  # and the compared row's method contains this
 
 
 CASES = {
@@ -48,6 +52,16 @@ CASES = {
         "bench_models.py",
         ("--model=flux", "--methods=resident,auto", "--budgets=8", "--steps=6", "--warmup=2"),
         "DGLS vram_budget",
+    ),
+    # the engine's mechanics at one fixed placement (the planner's spread, ~20 GiB streamed, no planning whose
+    # trials depend on the machine's noise), each arm's steps interleaved with all-resident ones in rounds
+    "flux_ab_spread20": Case(
+        "bench_models.py",
+        ("--model=flux", "--methods=ab", "--gib=20", "--ab_rounds=3", "--ab_steps=3"),
+        "A/B: DGLS ~",
+        ("--tiny", "--gib=0.0001"),
+        reference="ab_resident_s",
+        also_contains="(spread",
     ),
     "sdxl_full_noclip": Case(
         "bench_full.py", ("--methods=resident,dgls-split", "--clip=0", "--steps=4", "--warmup=3"), "dgls-split"
@@ -85,10 +99,15 @@ def run_case(tree: Path, case: Case, tiny: bool, out: Path) -> dict:
         )
     result = json.loads((out / "case.json").read_text())
     rows = {row["method"]: row for row in result["rows"] if "median_step_s" in row}
-    resident = next(row for method, row in rows.items() if method.startswith(("resident", "all-resident")))
-    compared = next((row for method, row in rows.items() if method.startswith(case.method)), None)
+    compared = next(
+        (row for method, row in rows.items() if method.startswith(case.method) and case.also_contains in method), None
+    )
     if compared is None:
         raise SystemExit(f"{case.script} in {tree}: no row starting {case.method!r} in {sorted(rows)}")
+    if case.reference is not None:
+        resident = {"method": "all-resident (interleaved)", "median_step_s": compared[case.reference]}
+    else:
+        resident = next(row for method, row in rows.items() if method.startswith(("resident", "all-resident")))
     return {"resident": resident, "row": compared, "wall_s": time.perf_counter() - start}
 
 
