@@ -82,6 +82,22 @@ def test_demo_full_fine_tune_in_pipeline_stages_trains_what_one_process_trains(t
     assert out.count("DGLS host training:") == 2, "each stage trains its own streamed layers on the host"
 
 
+def test_demo_full_fine_tune_data_parallel_trains_what_one_process_trains_with_the_global_batch(tmp_path):
+    """Two processes on one stage: each updates its share of the streamed layers over the one shared host copy
+    (utils/dgls/training/data_parallel.py), each saves the layers it owns; the same losses (the global batch's
+    mean, as printed) and weights as one process with the global batch."""
+    one, one_out = demo_lora(tmp_path / "one", python_cmd(), base="demo_full.toml", batch_size=8)
+    two, out = demo_lora(
+        tmp_path / "two",
+        deepspeed_cmd("--num_gpus=2", "dgls_train.py", "--deepspeed"),
+        base="demo_full.toml",
+        batch_size=4,
+    )
+    assert_same_training(two, one, out, one_out)
+    assert "DGLS data parallel: each of the 2 processes updates its share" in out
+    assert out.count("step 3: loss") == 1, "rank 0 alone prints the steps"
+
+
 def test_demo_pipeline_stages_offloading_activations_train_what_one_process_trains(tmp_path):
     """--offload_activations under the launcher: each stage's pipeline module gets the wrapped checkpoint
     function of its own swapper; the losses and LoRA are one process's, and the step lines count both
