@@ -5,7 +5,10 @@ from the one host copy its machine shares (utils/dgls/memory/peers.py). Models (
 by flux.py, wan.py, sdxl.py as bench_models.py builds them), batch 1 per process:
 
 - ``flux``: the Flux-dev-size LoRA at 1024x1024 with ``--vram_budget 8`` (GiB per GPU, the planner's placement);
-- ``wan``: the Wan2.1-14B-size LoRA, a 480x832 clip of 81 frames (``--latent_frames 21``), ``--vram_budget 8``;
+- ``wan``: the Wan2.1-14B-size LoRA, a 480x832 clip of 81 frames (``--latent_frames 21``) in 8 GiB: the settings of
+  toml/wan_lora_long_video.toml (every block streamed in swap units of 256 MB, activations offloaded with
+  checkpoint_units, offload_recompute and keep_piece_outputs, prefetch 1), each process's device memory capped at
+  ``--memory_cap_gib 8`` as an 8 GiB card holds it (``--vram_budget N`` plans instead);
 - ``sdxl_full``: the SDXL UNet, every weight trained (AdamW; streamed layers on the host, each process updating its
   share of them, utils/dgls/training/data_parallel.py), layers of ``--stream_mib`` or more streamed.
 
@@ -50,6 +53,16 @@ from units import GiB  # noqa: E402
 LORA_MODELS = ("flux", "wan")
 MODELS = (*LORA_MODELS, "sdxl_full")
 DEFAULT_BUDGET = {"flux": 8.0, "wan": 8.0}
+# toml/wan_lora_long_video.toml's [dgls] (benchmarks/results/wan_fit_81f_keep_cap8.md: 8 GiB at 81 frames)
+WAN_RECIPE = dict(
+    blocks_to_swap=40,
+    prefetch=1,
+    swap_unit_mb=256,
+    offload_activations=True,
+    checkpoint_units=True,
+    offload_recompute=True,
+    keep_piece_outputs=True,
+)
 EFFICIENT = 0.95  # a row at this share of N x one GPU's samples/s or more names no cap
 SHARED_RATE = 0.9  # plain copies on every GPU at once below this share of one GPU's alone: the host side is shared
 
@@ -63,6 +76,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps without a budget (default 2; tiny 1)")
     p.add_argument("--max_warmup", type=int, default=40, help="vram_budget: most untimed steps while planners settle")
     p.add_argument("--vram_budget", type=float, default=None, help="GiB per GPU (LoRA models; default 8)")
+    p.add_argument("--memory_cap_gib", type=float, default=8.0, help="wan recipe: each process's device memory cap")
     p.add_argument("--latent_frames", type=int, default=21, help="wan: latent frames (21 = 81 video frames)")
     p.add_argument("--stream_mib", type=float, default=64.0, help="sdxl_full: stream the layers of this many MiB")
     p.add_argument("--host_adam", default="split", help="sdxl_full: where updates run (split, device, torch_fused)")
@@ -168,6 +182,13 @@ def build(args, device, dtype, world: int):
         stream_mib = 0.05 if args.tiny else args.stream_mib  # tiny: the small layers stay resident
         resident = [s.index for s in bench.sizes if s.streamable_bytes < stream_mib * 2**20]
         config = SwapConfig.of(gpu_layers=resident, prefetch=2, host_optimizer=spec, data_parallel=world > 1)
+    elif args.model == "wan" and args.vram_budget is None:
+        bench = wan.build(args.tiny, device, dtype, args)
+        recipe = dict(WAN_RECIPE, blocks_to_swap=len(bench.blocks))
+        config = SwapConfig.of(**dict(recipe, swap_unit_mb=0.05) if args.tiny else recipe)
+        if device.type == "cuda":  # as an 8 GiB card holds it (methods.memory_cap)
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * GiB / total, device)
     else:
         bench = (flux.build if args.model == "flux" else wan.build)(args.tiny, device, dtype, args)
         budget = args.vram_budget or DEFAULT_BUDGET[args.model]
@@ -315,11 +336,15 @@ def cap_of(row: dict, base: dict) -> str:
 
 def description(args, record: dict) -> str:
     budget = "the tightest budget" if args.tiny else f"{args.vram_budget or DEFAULT_BUDGET[args.model]:g} GiB"
-    what = (
-        f"--vram_budget {budget} per GPU"
-        if args.model in LORA_MODELS
-        else f"every weight trained, layers of {args.stream_mib:g} MiB or more streamed, host AdamW ({args.host_adam})"
-    )
+    if args.model == "wan" and args.vram_budget is None:
+        what = f"toml/wan_lora_long_video.toml's settings, device memory capped at {args.memory_cap_gib:g} GiB per GPU"
+    elif args.model in LORA_MODELS:
+        what = f"--vram_budget {budget} per GPU"
+    else:
+        what = (
+            f"every weight trained, layers of {args.stream_mib:g} MiB or more streamed, host AdamW ({args.host_adam})"
+        )
+
     return (
         f"{record['shape']}; batch 1 per process, data parallel over 1 to N GPUs of one machine, {what}; "
         f"{record['streamed_layers']} of {record['entries']} swap units ({record['layers']} layers) streamed on rank 0"
