@@ -171,7 +171,11 @@ class SharedGradients:
 
     def publish(self, finish: Callable[[], None]) -> None:
         """After the step's updates were queued: this process's updates written (``finish``), then the barrier that
-        lets no process fetch a layer before its owner wrote it."""
+        lets no process fetch a layer before its owner wrote it. A foreign layer's params lose any gradient a
+        trainer zero-filled (DeepSpeed's reduction does), as the host training's own do."""
+        for idx in self.ownership.foreign:
+            for param in self.params[idx]:
+                param.grad = None
         finish()
         with peer_failure("the end of the step"):
             torch.distributed.barrier()
