@@ -23,7 +23,7 @@ from helpers import child_env
 from utils.dgls.errors import DGLSUserError
 from utils.dgls.memory import peers
 from utils.dgls.program.distributed import free_port
-from utils.dgls.training.data_parallel import Ownership, check_shared
+from utils.dgls.training.data_parallel import Ownership, check_shared, peer_failure
 
 RANK = ROOT / "tests" / "fixtures" / "dp_full_rank.py"
 TOLERANCE = 1e-4  # of the weights' scale: summation order (about 1e-5 measured); the mutations above are 1e-2 and more
@@ -124,3 +124,18 @@ def test_processes_that_do_not_share_one_host_copy_are_refused():
     check_shared(ownership, 2)
     with pytest.raises(DGLSUserError, match="runs on one machine.*do not share a host copy"):
         check_shared(ownership, 1)
+
+
+def test_a_collective_whose_partner_is_gone_is_one_line_and_other_errors_stay_themselves():
+    with pytest.raises(DGLSUserError) as caught:
+        with peer_failure("the end of the step"):
+            raise RuntimeError(
+                "[../gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:5: Connection reset by peer. More"
+            )
+    assert str(caught.value).startswith(
+        "another process of this data-parallel job stopped during the end of the step (Read error [10.0.0.2]:5: "
+        "Connection reset by peer): "
+    )
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        with peer_failure("the end of the step"):
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")

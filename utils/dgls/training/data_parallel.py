@@ -186,13 +186,18 @@ class SharedGradients:
         self._hooks.clear()
 
 
+PEER_GONE = re.compile(r"peer|connection|timed out|timeout|NCCL", re.IGNORECASE)  # a collective's partner is gone
+
+
 @contextmanager
 def peer_failure(what: str) -> Iterator[None]:
     """A collective that fails because another process of the job is gone (killed, crashed: its connections
     closed) is one line: the processes share each step, so none can go on alone, and nothing of the step is kept."""
     try:
         yield
-    except RuntimeError as exc:  # gloo's and NCCL's errors (DistBackendError is one)
+    except RuntimeError as exc:  # gloo's (plain RuntimeErrors) and NCCL's (DistBackendError is one)
+        if not (isinstance(exc, torch.distributed.DistError) or PEER_GONE.search(str(exc))):
+            raise
         raise DGLSUserError(
             f"another process of this data-parallel job stopped during {what} ({_first_sentence(exc)}): the processes "
             "train each step together, so this one stops too; see that process's own error for why"
