@@ -519,6 +519,12 @@ CASES = [
         env(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0"),
     ),
     Case(
+        "demo-full-data-parallel-whole-step",
+        demo(base="demo_full.toml", optimizer={"type": "DAdaptAdam", "lr": 1.0}),
+        "[optimizer] type 'DAdaptAdam' steps one instance over every param",
+        env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"),
+    ),
+    Case(
         "demo-full-data-parallel-vram-budget",
         demo("--vram_budget", "8", base="demo_full.toml"),
         "--vram_budget with 2 data-parallel processes of a full fine-tune",

@@ -51,7 +51,7 @@ from ..streaming.placement import Placement, plan_placement
 from ..streaming.trainable_cast import TrainableCast
 from ..streaming.units import Entry, split_layers, split_note
 from ..torch_private import check_torch
-from ..training.data_parallel import SharedGradients, job_ownership
+from ..training.data_parallel import SharedGradients, job_ownership, refuse_whole_step
 from ..training.host_training import HostTraining, check_host_training, training_layout, update_buffer_bytes
 from ..training.training_feature import TrainingFeature
 from ..watching.profiler import Profiler
@@ -242,6 +242,7 @@ def _data_parallel_share(c: SwapConfig, entries: list[Entry], trained, streamed_
             "re-places layers after its probe: give the placement instead (--gpu_layers or --blocks_to_swap; "
             "--vram_budget with --plan prints the one it would choose)"
         )
+    refuse_whole_step(c.training.host_optimizer)
     numels = {idx: place.numel for idx, place in trained.layers.items()}
     ownership = job_ownership(numels, {idx: entries[idx].layer for idx in numels})
     params = {idx: [p.param.param for p in place.params] for idx, place in trained.layers.items()}

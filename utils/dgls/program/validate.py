@@ -352,6 +352,13 @@ def _full_fine_tune(path: str, settings, swap: SwapConfig, dist: DistEnv, resolv
             "would choose)"
         )
     spec = dataclasses.replace(settings.optimizer, implementation=resolved.values["host_adam"])
+    if data_parallel:
+        from ..training.data_parallel import refuse_whole_step
+
+        try:
+            refuse_whole_step(spec)
+        except DGLSUserError as exc:
+            raise DGLSUserError(f"{path}: {exc}") from None
     _check_host_adam_build(spec)
     policy = TrainingPolicy(
         host_optimizer=spec, accumulation_steps=resolved.values["lazy_lora_steps"], data_parallel=data_parallel

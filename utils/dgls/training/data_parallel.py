@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from ..errors import DGLSUserError
+from .host_optimizer import HostOptimizerSpec
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,17 @@ def job_ownership(numels: Mapping[int, int], groups: Mapping[int, int]) -> Owner
             "torchrun) and init_process_group before building the swapper, or drop data_parallel"
         )
     return Ownership.assign(numels, groups, dist.get_rank(), dist.get_world_size())
+
+
+def refuse_whole_step(spec: HostOptimizerSpec) -> None:
+    """An optimizer whose step sums over every param (Prodigy's and D-Adaptation's d) would see only one process's
+    share of the streamed layers: refused, before anything starts where the caller knows it is data parallel."""
+    if spec.whole_step:
+        raise DGLSUserError(
+            f"[optimizer] type {spec.type!r} steps one instance over every param (its step sums over all of them), "
+            "and data-parallel full fine-tuning splits the streamed layers' updates among the processes: train it "
+            "with pipeline stages or on one GPU, or pick a per-param type (adamw ...)"
+        )
 
 
 def check_shared(ownership: Ownership, local_ranks: int) -> None:
