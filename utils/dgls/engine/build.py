@@ -235,7 +235,8 @@ def build(
 def _data_parallel_share(c: SwapConfig, entries: list[Entry], trained, streamed_layouts: dict):
     """Data-parallel full fine-tuning: every process's owners of the host-trained layers, and the training layout
     of this process's share (:mod:`..training.data_parallel`). Refused with a VRAM budget, whose planner may make
-    layers resident after step 1's probe (the owners are fixed at start-up)."""
+    layers resident after step 1's probe (the owners are fixed at start-up). The host RAM check counts every share
+    (one machine holds them all); the start-up line is this process's share's."""
     if c.placement.planned:
         raise DGLSUserError(
             "data-parallel full fine-tuning fixes each streamed layer's owner at start-up, and a VRAM budget's planner "
@@ -243,6 +244,7 @@ def _data_parallel_share(c: SwapConfig, entries: list[Entry], trained, streamed_
             "--vram_budget with --plan prints the one it would choose)"
         )
     refuse_whole_step(c.training.host_optimizer)
+    check_host_training(trained)  # the machine holds every share: the processes' shares together are this layout
     numels = {idx: place.numel for idx, place in trained.layers.items()}
     ownership = job_ownership(numels, {idx: entries[idx].layer for idx in numels})
     params = {idx: [p.param.param for p in place.params] for idx, place in trained.layers.items()}
