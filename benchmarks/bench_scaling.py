@@ -20,10 +20,12 @@ pinned copies of 1 GiB run on every GPU at once (the shared host memory and PCIe
 memory (the processes' proportional set sizes summed: the shared copy counts once) and the shared copy's size.
 Where the rate falls short of the GPU count, the row names the likely cap.
 
-    python benchmarks/bench_scaling.py --model flux --gpus 1,2,4        # 4 GPUs: about 6 minutes
-    python benchmarks/bench_scaling.py --model wan --gpus 1 --name scaling_wan_1   # then --gpus 2, --gpus 4: one
-        # GPU count per command (a step is tens of seconds; about 6-8 minutes each); --merge joins them
-    python benchmarks/bench_scaling.py --model sdxl_full --gpus 1,2     # about 5 minutes
+    python benchmarks/bench_scaling.py --model flux --gpus 1,2 --name scaling_flux_12   # H100: about 5 minutes
+    python benchmarks/bench_scaling.py --model flux --gpus 4 --name scaling_flux_4      # about 3 minutes
+    python benchmarks/bench_scaling.py --merge scaling_flux_12,scaling_flux_4 --name scaling_flux   # no GPU
+    python benchmarks/bench_scaling.py --model wan --gpus 1 --steps 3 --name scaling_wan_1   # a step is ~22 s: one
+        # GPU count per command (about 3-4 minutes each), then --gpus 2, --gpus 4 and --merge as above
+    python benchmarks/bench_scaling.py --model sdxl_full --gpus 1,2 --name scaling_sdxl_full_12   # about 4 minutes
     python benchmarks/bench_scaling.py --model flux --tiny              # smoke test on CPU (gloo), 1 and 2 processes
 
 Writes benchmarks/results/scaling_<model>.json and .md (``--name``); ``--merge A,B,...`` writes one result of the
@@ -128,6 +130,8 @@ def worker(args) -> None:
             times.append(time.perf_counter() - start)
         stats = swapper.total_stats(sync=True).since(before)
         memory = psutil.Process().memory_full_info()
+        if cuda:  # the wan recipe's cap off: the plain copies and the swapper's removal allocate beyond it
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
         dist.barrier()
         raw = machine.pinned_bandwidth(device) if cuda else 0.0  # every rank at once
         shared = sum(host.buffer.numel() for host in swapper.store.layers.values())
@@ -371,7 +375,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     name = args.name or f"scaling_{args.model}"
     out = args.results_dir or results_dir(args.tiny)
     if args.merge:
-        return merge(args, name, out)
+        return merge(args, out)
     import machine
     import torch
 
@@ -413,9 +417,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     return result
 
 
-def merge(args, name: str, out: Path) -> dict:
+def merge(args, out: Path) -> dict:
     """One result of the rows of earlier ones (one GPU count per device command): ratios to the 1-GPU row again."""
     parts = [json.loads((out / f"{n}.json").read_text()) for n in args.merge.split(",")]
+    models = {part["model"] for part in parts}
+    if len(models) != 1:
+        raise SystemExit(f"--merge joins the results of one model; these are of {', '.join(sorted(models))}")
+    name = args.name or f"scaling_{models.pop()}"
     rows = sorted((r for part in parts for r in part["rows"] if "samples_per_s" in r), key=lambda r: r["gpus"])
     if not rows:
         raise SystemExit("no measured rows to merge")

@@ -380,3 +380,7 @@ def test_the_scaling_benchmark_runs_one_and_two_processes_sharing_one_host_copy(
     markdown = (tmp_path / f"scaling_{model}.md").read_text()
     assert "| GPUs | samples/s | vs 1 GPU |" in markdown
     assert report.render(json.loads((tmp_path / f"scaling_{model}.json").read_text())) == markdown
+    # one GPU count per device command, joined afterwards: the same rows, ratios to the 1-GPU row again
+    merged = bench_scaling.main(["--merge", f"scaling_{model}", "--name", "merged", "--results_dir", str(tmp_path)])
+    assert [r["samples_per_s"] for r in merged["rows"]] == [one["samples_per_s"], two["samples_per_s"]]
+    assert merged["rows"][1]["vs_1gpu"] == pytest.approx(two["vs_1gpu"]) and (tmp_path / "merged.md").exists()
