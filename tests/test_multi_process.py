@@ -126,7 +126,7 @@ def test_demo_data_parallel_on_two_gpus_trains_what_one_gpu_trains_with_the_glob
         batch_size=4,
         device="cuda",
     )
-    assert_close_training(two, one, out, one_out, 2e-3)
+    assert_close_training(two, one, out, one_out, 5e-3)  # AdamW: noise of zero-in-theory gradients, to lr x steps
     assert "one copy shared by the 2 processes on this machine" in out
 
 
