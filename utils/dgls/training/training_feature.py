@@ -140,8 +140,9 @@ class TrainingFeature(Feature):
         scratch = self.training.device_bytes
         on_device = f" ({human_bytes(scratch)} of device buffers)" if scratch else ""
         shared = [self.shared.ownership.line()] if self.shared is not None else []
+        share = " (rank 0's share)" if self.shared is not None else ""
         return [
-            f"{self.note}; optimizer of the streamed layers: {self.training.implementation}{on_device}",
+            f"{self.note}{share}; optimizer of the streamed layers: {self.training.implementation}{on_device}",
             *shared,
             self.training.speculation.line,
         ]
