@@ -140,7 +140,7 @@ class TrainingFeature(Feature):
         scratch = self.training.device_bytes
         on_device = f" ({human_bytes(scratch)} of device buffers)" if scratch else ""
         shared = [self.shared.ownership.line()] if self.shared is not None else []
-        share = " (rank 0's share)" if self.shared is not None else ""
+        share = f" (rank {self.shared.ownership.rank}'s share)" if self.shared is not None else ""
         return [
             f"{self.note}{share}; optimizer of the streamed layers: {self.training.implementation}{on_device}",
             *shared,
