@@ -159,3 +159,25 @@ def test_a_collective_whose_partner_is_gone_is_one_line_and_other_errors_stay_th
     with pytest.raises(RuntimeError, match="CUDA out of memory"):
         with peer_failure("the end of the step"):
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        (
+            {"gpu_layers": [0]},
+            "data_parallel full fine-tuning shares the streamed layers' training among the processes",
+        ),
+        ({"vram_budget": 1.0}, "data-parallel full fine-tuning fixes each streamed layer's owner at start-up"),
+    ],
+)
+def test_what_the_library_cannot_share_is_refused_before_anything_is_built(settings, expected):
+    from full_ft import SPEC, full_layers
+
+    from utils.dgls import LayerSwapper, SwapConfig
+
+    layers = full_layers()
+    config = SwapConfig.of(host_optimizer=SPEC, data_parallel=True, **settings)
+    with pytest.raises(DGLSUserError, match=expected):
+        LayerSwapper(layers, config, device="cpu", log=None)
+    assert all(p.device.type == "cpu" and p.numel() for layer in layers for p in layer.parameters())
