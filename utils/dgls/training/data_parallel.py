@@ -22,6 +22,17 @@ Data-parallel processes on one machine already stream from one host copy of the 
   owner's writes, so the next forward's fetches read the updated weights; every streamed trained layer is
   evicted when a backward ends, so no slot keeps an old copy.
 
+Streams (NCCL)
+    - An owner's reduce is waited for on the compute stream before its gradient goes home (the copy home is
+      ordered after the compute stream); a non-owner's runs on NCCL's stream beside the backward, its gradient kept
+      referenced until the backward's end.
+
+Refused (one line each)
+    - An optimizer whose step sums over every param (Prodigy's d): each instance would see one share.
+    - A VRAM budget's planner: it may make layers resident after its probe, and owners are fixed at start-up.
+    - Processes that do not all map the one host copy (several machines, no ``/dev/shm``, pipeline stages).
+    - A collective whose partner process is gone (killed, crashed): :func:`peer_failure`, instead of a traceback.
+
 Invariants
     - Every process runs the same backward (the same layers, the same params with gradients, in the same order):
       the reduces are collectives matched by order. A param without a gradient on one process must have none on
