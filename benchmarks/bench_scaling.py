@@ -266,31 +266,32 @@ def free_port() -> str:
 
 
 def run_job(args, argv: list[str], gpus: int) -> tuple[list[dict], str]:
-    """Start ``gpus`` processes of this script as workers; their records (rank order), or [] and the log's tail."""
+    """Start ``gpus`` processes of this script as workers; their records (rank order) and rank 0's log, or [] and the
+    tails of the logs of the ranks that failed."""
     with tempfile.TemporaryDirectory(prefix="dgls-scaling-") as folder:
-        port, log = free_port(), Path(folder) / "log"
-        with open(log, "w") as f:
-            procs = [
-                subprocess.Popen(
-                    [sys.executable, __file__, *argv, "--worker", str(r), str(gpus), port, folder],
-                    stdout=f if r == 0 else subprocess.DEVNULL,
-                    stderr=subprocess.STDOUT if r == 0 else subprocess.DEVNULL,
-                    start_new_session=False,
-                )
-                for r in range(gpus)
-            ]
-            deadline = time.time() + args.timeout_s
-            for proc in procs:
-                try:
-                    proc.wait(timeout=max(1.0, deadline - time.time()))
-                except subprocess.TimeoutExpired:
-                    for other in procs:
-                        other.kill()
-                    break
+        port, logs = free_port(), [Path(folder) / f"log{r}" for r in range(gpus)]
+        procs = []
+        for r in range(gpus):
+            with open(logs[r], "w") as f:
+                command = [sys.executable, __file__, *argv, "--worker", str(r), str(gpus), port, folder]
+                procs.append(subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT))
+        deadline = time.time() + args.timeout_s
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                for other in procs:
+                    other.kill()
+                    other.wait()
+                break
         files = [Path(folder) / f"rank{r}.json" for r in range(gpus)]
         if all(p.returncode == 0 for p in procs) and all(f.exists() for f in files):
-            return [json.loads(f.read_text()) for f in files], log.read_text(errors="replace")
-        return [], log.read_text(errors="replace")[-2000:]
+            return [json.loads(f.read_text()) for f in files], logs[0].read_text(errors="replace")
+        failed = [r for r, p in enumerate(procs) if p.returncode != 0] or list(range(gpus))
+        tails = [
+            f"rank {r} (exit {procs[r].returncode}):\n{logs[r].read_text(errors='replace')[-1500:]}" for r in failed
+        ]  # noqa: E501
+        return [], "\n".join(tails)
 
 
 def row_of(gpus: int, ranks: list[dict], base: dict | None) -> dict:
@@ -310,6 +311,7 @@ def row_of(gpus: int, ranks: list[dict], base: dict | None) -> dict:
         "wait_ms_per_step": [r["wait_ms_per_step"] for r in ranks],
         "bytes_per_step": ranks[0]["bytes_per_step"],
         "host_pss_gib": sum(r["pss_gib"] for r in ranks),
+        "host_rss_gib": [r["rss_gib"] for r in ranks],
         "host_copy_gib": ranks[0]["host_copy_gib"],
         "sharing_processes": ranks[0]["sharing_processes"],
         "streamed_layers": [r["streamed_layers"] for r in ranks],
