@@ -257,6 +257,34 @@ TABLES: dict[str, Table] = {
 }
 
 
+def _per_gpu(key: str, fmt: str) -> Cell:
+    """A list of per-GPU figures (rank order) as 'a / b / c'."""
+
+    def cell(row: dict, _result: dict) -> str:
+        values = row.get(key)
+        return " / ".join(_f(v, fmt) for v in values) if isinstance(values, list) else "-"
+
+    return cell
+
+
+TABLES["scaling"] = Table(
+    columns=(
+        ("GPUs", _text("gpus")),
+        ("samples/s", _key("samples_per_s", ".3f")),
+        ("vs 1 GPU", _key("vs_1gpu", ".2f", "x")),
+        ("step (s)", _key("median_step_s", ".3f")),
+        ("peak alloc GiB per GPU", _per_gpu("peak_allocated_gib", ".1f")),
+        ("copy GB/s per GPU", _per_gpu("copy_gbps", ".1f")),
+        ("raw H2D GB/s per GPU (all at once)", _per_gpu("raw_h2d_gbps", ".1f")),
+        (
+            "host GiB (shared GiB)",
+            lambda r, _: f"{_f(r.get('host_pss_gib'), '.1f')} ({_f(r.get('host_copy_gib'), '.1f')})",
+        ),  # noqa: E501
+        ("cap", lambda r, _: r.get("cap") or "-"),
+    )
+)
+
+
 # ---------------------------------------------------------------- Markdown
 def where(environment: dict) -> str:
     """The device a result was measured on, in words."""

@@ -513,9 +513,21 @@ CASES = [
         "the deepspeed host optimizer is AdamW: use type = 'adamw', or --host_adam torch_fused",
     ),
     Case(
-        "demo-full-data-parallel",
-        demo(base="demo_full.toml"),
-        "full fine-tuning of streamed layers runs one process per stage",
+        "demo-full-data-parallel-in-stages",
+        demo(base="demo_full.toml", pipeline_stages=2),
+        "would be data parallel within each stage: a full fine-tune runs data parallel on one stage",
+        env(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0"),
+    ),
+    Case(
+        "demo-full-data-parallel-whole-step",
+        demo(base="demo_full.toml", optimizer={"type": "DAdaptAdam", "lr": 1.0}),
+        "[optimizer] type 'DAdaptAdam' steps one instance over every param",
+        env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"),
+    ),
+    Case(
+        "demo-full-data-parallel-vram-budget",
+        demo("--vram_budget", "8", base="demo_full.toml"),
+        "--vram_budget with 2 data-parallel processes of a full fine-tune",
         env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"),
     ),
     Case(

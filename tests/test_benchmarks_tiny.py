@@ -362,3 +362,25 @@ def test_the_full_fine_tuning_benchmark_reports_host_ram_for_an_8bit_optimizer_t
 def test_the_full_fine_tuning_benchmark_refuses_a_type_dgls_does_not_train():
     with pytest.raises(SystemExit):
         bench_full.main(["--tiny", "--optimizer", "ScheduleFreeWrapper"])
+
+
+@pytest.mark.parametrize("model", ["flux", "sdxl_full"])
+def test_the_scaling_benchmark_runs_one_and_two_processes_sharing_one_host_copy(tmp_path, model):
+    """bench_scaling.py --tiny: a job of one process, then one of two (gloo), each its own processes; a row each,
+    the second's ratio to the first's rate, both processes' figures, and the one host copy shared by both."""
+    import bench_scaling
+
+    result = bench_scaling.main(["--model", model, "--tiny", "--strict", "--results_dir", str(tmp_path)])
+    assert result["benchmark"] == "scaling" and result["model"] == model
+    one, two = result["rows"]
+    assert one["gpus"] == 1 and two["gpus"] == 2 and one["vs_1gpu"] == 1.0
+    assert two["vs_1gpu"] == pytest.approx(two["samples_per_s"] / one["samples_per_s"])
+    assert len(two["copy_gbps"]) == len(two["streamed_layers"]) == 2 and two["sharing_processes"] == 2
+    assert one["sharing_processes"] == 1 and two["host_copy_gib"] > 0  # (the placement is each run's planner's)
+    markdown = (tmp_path / f"scaling_{model}.md").read_text()
+    assert "| GPUs | samples/s | vs 1 GPU |" in markdown
+    assert report.render(json.loads((tmp_path / f"scaling_{model}.json").read_text())) == markdown
+    # one GPU count per device command, joined afterwards: the same rows, ratios to the 1-GPU row again
+    merged = bench_scaling.main(["--merge", f"scaling_{model}", "--name", "merged", "--results_dir", str(tmp_path)])
+    assert [r["samples_per_s"] for r in merged["rows"]] == [one["samples_per_s"], two["samples_per_s"]]
+    assert merged["rows"][1]["vs_1gpu"] == pytest.approx(two["vs_1gpu"]) and (tmp_path / "merged.md").exists()

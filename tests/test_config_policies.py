@@ -34,6 +34,7 @@ NOT_OPTIONS = {
     "clip_grads",
     "first_layer",  # a pipeline stage's first layer, set by for_stage
     "speculate_clipping",
+    "data_parallel",  # set by the start-up checks from the launcher's processes and pipeline stages
 }
 # Options of the run around the engine (read from the resolved values by the start-up checks and the trainer).
 RUN_OPTIONS = {"dynamic_swapping", "gpu_id", "lazy_lora_steps", "host_adam", "verbose", "verbose_every"}

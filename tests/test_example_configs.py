@@ -15,7 +15,8 @@ from utils.dgls.program.validate import DemoRun, DropInRun, prepare
 
 FLUX_CONFIGS = sorted(p.name for p in (ROOT / "toml").glob("flux_*.toml"))
 FULL_CONFIGS = sorted(p.name for p in (ROOT / "toml").glob("full_*.toml"))  # full fine-tunes under a VRAM budget
-DP_CONFIGS = [*FLUX_CONFIGS, "wan_lora_long_video.toml", *FULL_CONFIGS]  # diffusion-pipe's
+TWO_GPU_CONFIGS = ["two_gpus_flux_lora.toml"]  # launched with deepspeed --num_gpus=2
+DP_CONFIGS = [*FLUX_CONFIGS, "wan_lora_long_video.toml", *FULL_CONFIGS, *TWO_GPU_CONFIGS]  # diffusion-pipe's
 
 
 def cited_figures(text: str) -> list[tuple[str, str]]:
@@ -51,12 +52,17 @@ def test_diffusion_pipe_config_passes_the_checks(name, tmp_path, monkeypatch):
     config = tmp_path / name
     config.write_text(text.replace('"/models/', f'"{tmp_path}/models/'))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2 if name in TWO_GPU_CONFIGS else 1)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
+    if name in TWO_GPU_CONFIGS:  # rank 0 of the deepspeed launcher's two processes
+        for key, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_SIZE", "2")):
+            monkeypatch.setenv(key, value)
     run = prepare(["--config", str(config), "--diffusion_pipe", str(checkout)], ROOT)
     assert isinstance(run, DropInRun)
-    if name in FLUX_CONFIGS:
+    if name in TWO_GPU_CONFIGS:  # data parallel: every process its own budget, no pipeline stages
+        assert run.dist.world_size == 2 and run.swap.placement.vram_budget == 8 and run.config["pipeline_stages"] == 1
+    elif name in FLUX_CONFIGS:
         assert run.swap.placement.vram_budget is not None
     elif name in FULL_CONFIGS:  # every weight trains; the planner places the layers, fixed from step 1
         assert run.swap.placement.planned and run.swap.training.host_optimizer is not None
@@ -74,12 +80,14 @@ def test_the_full_fine_tune_configs_are_the_sdxl_24gb_and_flux_dev_recipes():
     assert FULL_CONFIGS == ["full_flux_dev.toml", "full_sdxl_24gb.toml"]
 
 
-@pytest.mark.parametrize("name", FULL_CONFIGS)
+@pytest.mark.parametrize("name", [*FULL_CONFIGS, *TWO_GPU_CONFIGS])
 def test_a_config_without_its_figures_names_the_benchmark_that_measures_them(name):
     """Until measured, a full fine-tune config says which benchmark command gives its figures; once quoted, they
     are checked as the others' are (move the config's name to the figures' test)."""
     text = (ROOT / "toml" / name).read_text()
-    assert "TODO(measure)" in text and "python benchmarks/bench_full.py" in text and "--vram_budget" in text
+    bench = "bench_scaling.py" if name in TWO_GPU_CONFIGS else "bench_full.py"
+    assert "TODO(measure)" in text and f"python benchmarks/{bench}" in text
+    assert "--vram_budget" in text or "vram_budget = " in text
 
 
 @pytest.mark.parametrize("name", [*FLUX_CONFIGS, "wan_lora_long_video.toml"])

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from cli_helpers import FAKE, deepspeed_cmd, demo_toml, fake_config, python_cmd, run_user_command
 from conftest import ROOT
 from safetensors.torch import load_file
@@ -80,6 +81,53 @@ def test_demo_full_fine_tune_in_pipeline_stages_trains_what_one_process_trains(t
     )
     assert_same_training(two, one, out, one_out)
     assert out.count("DGLS host training:") == 2, "each stage trains its own streamed layers on the host"
+
+
+def test_demo_full_fine_tune_data_parallel_trains_what_one_process_trains_with_the_global_batch(tmp_path):
+    """Two processes on one stage: each updates its share of the streamed layers over the one shared host copy
+    (utils/dgls/training/data_parallel.py), each saves the layers it owns; the same losses (the global batch's
+    mean, as printed) and weights as one process with the global batch."""
+    one, one_out = demo_lora(tmp_path / "one", python_cmd(), base="demo_full.toml", batch_size=8)
+    two, out = demo_lora(
+        tmp_path / "two",
+        deepspeed_cmd("--num_gpus=2", "dgls_train.py", "--deepspeed"),
+        base="demo_full.toml",
+        batch_size=4,
+    )
+    assert_same_training(two, one, out, one_out)
+    assert "DGLS data parallel: each of the 2 processes updates its share" in out
+    assert out.count("step 3: loss") == 1, "rank 0 alone prints the steps"
+
+
+def assert_close_training(a: dict, b: dict, a_out: str, b_out: str, tolerance: float) -> None:
+    """On GPUs: losses and weights within ``tolerance`` of their scale (the reduction order of NCCL and cuBLAS)."""
+    assert a.keys() == b.keys() and a
+    scale = max(v.abs().max().item() for v in b.values())
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= tolerance * scale
+    losses = [
+        [float(line.split("loss ")[1].split(",")[0]) for line in out.splitlines() if line.startswith("step ")]
+        for out in (a_out, b_out)
+    ]
+    assert len(losses[0]) == len(losses[1]) > 0
+    assert all(abs(x - y) <= tolerance * max(abs(y), 1.0) for x, y in zip(*losses)), losses
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("base", ["demo.toml", "demo_full.toml"])
+def test_demo_data_parallel_on_two_gpus_trains_what_one_gpu_trains_with_the_global_batch(tmp_path, base):
+    """The LoRA (DeepSpeed's gradient all-reduce over NCCL) and the full fine-tune (each GPU's process updates its
+    share of the streamed layers; their gradients reduced to the owner over NCCL), against one GPU."""
+    one, one_out = demo_lora(tmp_path / "one", python_cmd(), base=base, batch_size=8, device="cuda")
+    two, out = demo_lora(
+        tmp_path / "two",
+        deepspeed_cmd("--num_gpus=2", f"--master_port={free_port()}", "dgls_train.py", "--deepspeed"),
+        base=base,
+        batch_size=4,
+        device="cuda",
+    )
+    assert_close_training(two, one, out, one_out, 5e-3)  # AdamW: noise of zero-in-theory gradients, to lr x steps
+    assert "one copy shared by the 2 processes on this machine" in out
 
 
 def test_demo_pipeline_stages_offloading_activations_train_what_one_process_trains(tmp_path):

@@ -39,6 +39,7 @@ from ..program.validate import DemoRun
 from ..trainers.engine_hooks import EngineHooks
 from ..trainers.pipeline_hook import Stage, StageHook
 from ..trainers.shm_op import without_shm_op
+from ..training.training_feature import TrainingFeature
 from ..watching.stats import StepReader, StepWindow
 from .data import SyntheticLatents
 from .model import BLOCK_CLASSES, add_lora, build_layers
@@ -157,7 +158,7 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
             _train(run, engine, swapper, result, log, progress)
         planned_only = swapper is not None and run.values["plan"]  # --plan: measured and planned, nothing to save
         if not planned_only:
-            result.lora = _gather_trained(layers, engine, s.full)
+            result.lora = _gather_trained(layers, engine, s.full, _owners(swapper))
         finished = True
     except KeyboardInterrupt:
         raise _interrupted(len(result.losses), s.steps) from None
@@ -245,13 +246,26 @@ class HeldLog:
             self.log(line)
 
 
-def _gather_trained(layers: list, engine, full: bool) -> dict[str, torch.Tensor]:
+def _owners(swapper: LayerSwapper | None) -> dict[int, int]:
+    """A data-parallel full fine-tune: the rank that updates each streamed layer (the stage's layer index), whose
+    fp32 masters only it holds (:mod:`..training.data_parallel`); {} otherwise."""
+    feature = swapper.feature(TrainingFeature) if swapper is not None else None
+    if feature is None or feature.shared is None:
+        return {}
+    return {swapper.entries[idx].layer: rank for idx, rank in feature.shared.ownership.owners.items()}
+
+
+def _gather_trained(layers: list, engine, full: bool, owners: dict[int, int]) -> dict[str, torch.Tensor]:
     """The trained weights (the LoRA, or every weight of a full fine-tune: state dicts, so streamed layers
-    give their host masters), each layer's from the pipeline stage that trained it (on rank 0; {} elsewhere)."""
+    give their host masters), each layer's from the pipeline stage that trained it (on rank 0; {} elsewhere): from
+    its first data-parallel replica, or from its owner where the replicas share its training (``owners``)."""
     module = engine.module
     local = {}
-    if engine.grid.get_data_parallel_id() == 0:
-        for i in range(module._local_start, module._local_stop):
+    first = engine.grid.get_data_parallel_id() == 0
+    rank = torch.distributed.get_rank()
+    for i in range(module._local_start, module._local_stop):
+        owner = owners.get(i - module._local_start)
+        if owner == rank or (owner is None and first):
             trainable = {name for name, p in layers[i].named_parameters() if p.requires_grad}
             for name, value in layers[i].state_dict().items():
                 if full or name in trainable:

@@ -51,6 +51,7 @@ from ..streaming.placement import Placement, plan_placement
 from ..streaming.trainable_cast import TrainableCast
 from ..streaming.units import Entry, split_layers, split_note
 from ..torch_private import check_torch
+from ..training.data_parallel import SharedGradients, job_ownership, refuse_whole_step
 from ..training.host_training import HostTraining, check_host_training, training_layout, update_buffer_bytes
 from ..training.training_feature import TrainingFeature
 from ..watching.profiler import Profiler
@@ -122,12 +123,15 @@ def build(
     sizes = tuple(layout.sizes for layout in layouts)
     placement = plan_placement(sizes, c.placement, c.transfer.cuda_streams)
     trained = None  # the training layout: the RAM check's figure, then what full fine-tuning allocates
+    shared = None  # data parallel: this process's share of the host-trained layers (training/data_parallel.py)
     if host_trained:
         streamed_layouts = {idx: layouts[idx] for idx in placement.streamed}
         trained = training_layout(
             streamed_layouts, c.training.host_optimizer, c.training.accumulation_steps,
             c.training.clip_grads, c.training.speculate_clipping,
         )  # fmt: skip
+        if c.training.data_parallel:
+            shared, trained = _data_parallel_share(c, entries, trained, streamed_layouts)
         update = update_buffer_bytes(trained, c.training.host_optimizer)  # what HostTraining reserves
         placement = dataclasses.replace(placement, update_bytes=update)
     driver = _start_driver(c, budget, unit_bytes, device, log)
@@ -153,7 +157,7 @@ def build(
                 masters, trained, transport, c.training.host_optimizer, training_note, device=device,
                 threading=c.transfer.threading, accumulation_steps=c.training.accumulation_steps,
                 clipping=c.training.clip_grads, speculate=c.training.speculate_clipping,
-                plan_fix=driver.fix_plan if driver is not None else None,
+                plan_fix=driver.fix_plan if driver is not None else None, shared=shared,
             )  # fmt: skip
             features.append(trainer)
             training = trainer.training
@@ -226,6 +230,29 @@ def build(
         training=training,
         activations=activations,
     )
+
+
+def _data_parallel_share(c: SwapConfig, entries: list[Entry], trained, streamed_layouts: dict):
+    """Data-parallel full fine-tuning: every process's owners of the host-trained layers, and the training layout
+    of this process's share (:mod:`..training.data_parallel`). Refused with a VRAM budget, whose planner may make
+    layers resident after step 1's probe (the owners are fixed at start-up). The host RAM check counts every share
+    (one machine holds them all); the start-up line is this process's share's."""
+    if c.placement.planned:
+        raise DGLSUserError(
+            "data-parallel full fine-tuning fixes each streamed layer's owner at start-up, and a VRAM budget's planner "
+            "re-places layers after its probe: give the placement instead (--gpu_layers or --blocks_to_swap; "
+            "--vram_budget with --plan prints the one it would choose)"
+        )
+    refuse_whole_step(c.training.host_optimizer)
+    check_host_training(trained)  # the machine holds every share: the processes' shares together are this layout
+    numels = {idx: place.numel for idx, place in trained.layers.items()}
+    ownership = job_ownership(numels, {idx: entries[idx].layer for idx in numels})
+    params = {idx: [p.param.param for p in place.params] for idx, place in trained.layers.items()}
+    owned = training_layout(
+        {idx: streamed_layouts[idx] for idx in ownership.owned}, c.training.host_optimizer,
+        c.training.accumulation_steps, c.training.clip_grads, c.training.speculate_clipping,
+    )  # fmt: skip
+    return (SharedGradients(ownership, params) if ownership.size > 1 else None), owned
 
 
 def start_report(parts: Parts) -> list[str]:

@@ -333,18 +333,37 @@ def _check_host_adam_build(spec) -> None:
 
 
 def _full_fine_tune(path: str, settings, swap: SwapConfig, dist: DistEnv, resolved: options.Resolved) -> SwapConfig:
-    """A demo config without [adapter]: streamed layers are trained on the host; what that cannot do is refused."""
-    if dist.world_size > settings.pipeline_stages:
+    """A demo config without [adapter]: streamed layers are trained on the host; what that cannot do is refused.
+    Several processes on one stage train data parallel, each updating its share of the streamed layers
+    (:mod:`..training.data_parallel`): on one stage only, and with a placement fixed at start-up."""
+    data_parallel = dist.world_size > settings.pipeline_stages
+    if data_parallel and settings.pipeline_stages > 1:
         raise DGLSUserError(
             f"{path} has no [adapter] (a full fine-tune), and {dist.world_size} processes on "
-            f"{settings.pipeline_stages} pipeline stage(s) would be data parallel: full fine-tuning of streamed "
-            f"layers runs one process per stage; set [demo] pipeline_stages = {dist.world_size}"
+            f"{settings.pipeline_stages} pipeline stages would be data parallel within each stage: a full fine-tune "
+            f"runs data parallel on one stage, or one process per stage; set [demo] pipeline_stages = 1 or "
+            f"{dist.world_size}"
+        )
+    if data_parallel and swap.placement.planned and not resolved.values["plan"]:
+        raise DGLSUserError(
+            f"{resolved.label('vram_budget')} with {dist.world_size} data-parallel processes of a full fine-tune "
+            f"({path} has no [adapter]): each streamed layer's owner is fixed at start-up, and the planner re-places "
+            "layers after its probe; give the placement (--gpu_layers or --blocks_to_swap: --plan prints the one it "
+            "would choose)"
         )
     spec = dataclasses.replace(settings.optimizer, implementation=resolved.values["host_adam"])
+    if data_parallel:
+        from ..training.data_parallel import refuse_whole_step
+
+        try:
+            refuse_whole_step(spec)
+        except DGLSUserError as exc:
+            raise DGLSUserError(f"{path}: {exc}") from None
     _check_host_adam_build(spec)
-    return swap.replace(
-        training=TrainingPolicy(host_optimizer=spec, accumulation_steps=resolved.values["lazy_lora_steps"])
+    policy = TrainingPolicy(
+        host_optimizer=spec, accumulation_steps=resolved.values["lazy_lora_steps"], data_parallel=data_parallel
     )
+    return swap.replace(training=policy)
 
 
 def _demo_device(wanted: str, resolved: options.Resolved, dist: DistEnv) -> torch.device:

@@ -320,6 +320,9 @@ class TrainingPolicy(_Policy):
     - ``speculate_clipping`` (with clipping): updates start during backward at coefficient 1 and are redone in a
       step that clips, exactly (:mod:`..training.speculation`); False: they wait for the gradient norm, and the
       host RAM of their old values is not taken.
+    - ``data_parallel``: every process of the ``torch.distributed`` job holds these layers (data parallel, one
+      machine): each updates its share of them, gradients reduced to each layer's owner, over the one host copy the
+      processes share (:mod:`..training.data_parallel`).
     - Set by the start-up checks from the trainer's config (no option row: ``--host_adam`` and
       ``--lazy_lora_steps`` reach it through them; ``speculate_clipping`` is a library and benchmark setting). Read
       by the builder (:mod:`..engine.build`: host training).
@@ -329,6 +332,7 @@ class TrainingPolicy(_Policy):
     accumulation_steps: int = _whole(1, 1)
     clip_grads: bool = True
     speculate_clipping: bool = True
+    data_parallel: bool = False
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ Modules
     - ``update_split.py``: which layers take that step on the GPU and which on the CPU (``--host_adam split``).
     - ``speculation.py``: under clipping, steps that start before the gradient norm is known, undone and redone
       in a step that clips (exact); their old values' spares.
+    - ``data_parallel.py``: data-parallel full fine-tuning over the processes' shared host copy: an owner per
+      layer, gradients reduced to it during the backward, updates published at a barrier after each step.
     - ``jit_ops.py``: DeepSpeed's C++ optimizer op, built on first use: said before the build; a lock left by
       a killed build refused in one line.
 

@@ -139,10 +139,16 @@ class HostTraining:
         layout: TrainingLayout | None = None,
         first_step: Callable[[bool], None] | None = None,
         speculate: bool = True,
+        host_norm_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        after_step: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         """``first_step``: the VRAM planner's, called once before the first step's clipping or updates (True), or at
         its updates when nothing came first (False); until the first step's updates are queued, none starts
-        during backward (see the module doc)."""
+        during backward (see the module doc). Data parallel (:mod:`.data_parallel`): ``host_norm_sum`` sums the
+        host-trained part of the squared gradient norm over the processes that each train a share of the layers;
+        ``after_step(finish)`` runs once a step's updates are queued (the share's publication)."""
+        self._host_norm_sum = host_norm_sum
+        self._after_step = after_step
         self.spec, self.implementation = spec, spec.kernel
         self._first_step = first_step
         self._hold = first_step is not None
@@ -328,6 +334,7 @@ class HostTraining:
         self.before_step()
         host = self.grads.host_norms()
         norms: list[torch.Tensor | int] = []  # a host norm, or the index of a device one
+        trained_here: list[bool] = []  # each norm's: a host-trained param's (True) or a resident one's
         on_device: list[torch.Tensor] = []
         device_grads = []
         for p in params:
@@ -335,16 +342,25 @@ class HostTraining:
                 if id(p) in host:
                     norm, device = host[id(p)]
                     norms.append(len(on_device) if device else norm)
+                    trained_here.append(True)
                     if device:
                         on_device.append(norm)
             elif p.grad is not None:
                 norms.append(len(on_device))
+                trained_here.append(False)
                 on_device.append(torch.linalg.vector_norm(p.grad.detach().float(), 2))
                 device_grads.append(p.grad)
         if on_device:  # one copy home for all of them
             fetched = torch.stack([n.to(on_device[0].device) for n in on_device]).cpu().unbind()
             norms = [fetched[n] if isinstance(n, int) else n for n in norms]
-        squared = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float32)
+        if self._host_norm_sum is not None:  # data parallel: each process holds its share of the host-trained norms
+            zero = torch.zeros((), dtype=torch.float32)
+            mine = [n for n, h in zip(norms, trained_here) if h]
+            resident = [n for n, h in zip(norms, trained_here) if not h]
+            squared = self._host_norm_sum(torch.stack(mine).square().sum() if mine else zero)
+            squared = squared + (torch.stack(resident).square().sum() if resident else zero)
+        else:
+            squared = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float32)
         if reduce is not None:
             squared = reduce(squared)
         total = squared.sqrt()
@@ -435,6 +451,8 @@ class HostTraining:
         self.grads.step_taken()
         self._hold = False
         self.speculation.step_taken(clipped=not keep)
+        if self._after_step is not None:
+            self._after_step(self.finish)
 
     def mirror_logged_state(self, trainer: torch.optim.Optimizer, device: torch.device) -> None:
         """Per-layer classes whose values train.py logs from its own instance (``logged_state``: Automagic's

@@ -27,6 +27,7 @@ from ..streaming.feature import Engine, Feature
 from ..streaming.masters import Masters
 from ..streaming.placement import Placement
 from ..streaming.schedule import current_phase
+from .data_parallel import SharedGradients, check_shared
 from .device_update import DeviceUpdater
 from .host_optimizer import HostOptimizerSpec
 from .host_training import HostTraining
@@ -35,8 +36,11 @@ from .host_training import HostTraining
 class TrainingFeature(Feature):
     """Full fine-tuning of the streamed layers' trainable params on the host (or the device's update path)."""
 
-    def __init__(self, training: HostTraining, note: str, replaceable: bool = False) -> None:
+    def __init__(
+        self, training: HostTraining, note: str, replaceable: bool = False, shared: SharedGradients | None = None
+    ) -> None:
         self.training = training
+        self.shared = shared  # data parallel: the reduce hooks and the step's publication (.data_parallel)
         self.note = note  # the start-up line of its host RAM (check_host_training)
         self._replaceable = replaceable  # the VRAM planner's one re-placement, before any update, is to come
         self._evict: Callable[[Iterable[int]], None] = lambda indices: None  # the engine's, from install
@@ -56,15 +60,20 @@ class TrainingFeature(Feature):
         clipping: bool,
         plan_fix: Callable[[bool], None] | None = None,
         speculate: bool = True,
+        shared: SharedGradients | None = None,
     ) -> TrainingFeature:
         """fp32 masters, gradient landings and the optimizer of the streamed layers, allocated from ``layout`` (the
         same object :func:`~.host_training.check_host_training` measured before packing; ``note``: its line).
-        ``plan_fix``: the VRAM planner's, called before the first step's updates (its one re-placement)."""
-        if masters.peers.shared:
+        ``plan_fix``: the VRAM planner's, called before the first step's updates (its one re-placement).
+        ``shared``: data parallel, ``layout`` holding this process's share of the layers (:mod:`.data_parallel`)."""
+        if shared is not None:
+            check_shared(shared.ownership, masters.peers.local_ranks)
+        elif masters.peers.shared:
             raise DGLSUserError(
-                "full fine-tuning of streamed layers runs one process per set of layers: data parallel "
-                "processes would each update the shared host masters; use pipeline_stages = number of GPUs, "
-                "or train a LoRA"
+                "full fine-tuning of streamed layers by data-parallel processes shares their training "
+                "(data_parallel = True in the training policy; the demo and dgls_train.py set it); without it each "
+                "process would update the shared host masters: set it, use pipeline_stages = number of GPUs, or "
+                "train a LoRA"
             )
         cuda = device.type == "cuda"
         training = HostTraining(
@@ -79,20 +88,29 @@ class TrainingFeature(Feature):
             layout=layout,
             first_step=plan_fix,
             speculate=speculate,
+            host_norm_sum=shared.norm_sum if shared is not None else None,
+            after_step=shared.publish if shared is not None else None,
         )
-        return cls(training, note, replaceable=plan_fix is not None)
+        return cls(training, note, replaceable=plan_fix is not None, shared=shared)
 
     def install(self, engine: Engine) -> None:
         self._evict = engine.evict
-        self.training.install(lambda idx: engine.use(idx, current_phase()))
+        use = lambda idx: engine.use(idx, current_phase())  # noqa: E731
+        if self.shared is not None:  # its hooks first: the host training's own see the reduced gradients
+            self.shared.install(use)
+        self.training.install(use)
 
     def fetch_gates(self, idx: int) -> list:
         gate = self.training.wait_update(idx)
         return [] if gate is None else [gate]
 
     def after_backward(self) -> None:
+        if self.shared is not None:
+            self.shared.backward_done()
         self.training.backward_done()
         self._evict(self.training.layers)
+        if self.shared is not None:  # updated by their owners before the next fetch
+            self._evict(self.shared.ownership.foreign)
 
     def before_placement(self) -> None:
         if not self._replaceable:
@@ -121,10 +139,15 @@ class TrainingFeature(Feature):
     def describe(self) -> list[str]:
         scratch = self.training.device_bytes
         on_device = f" ({human_bytes(scratch)} of device buffers)" if scratch else ""
+        shared = [self.shared.ownership.line()] if self.shared is not None else []
+        share = f" (rank {self.shared.ownership.rank}'s share)" if self.shared is not None else ""
         return [
-            f"{self.note}; optimizer of the streamed layers: {self.training.implementation}{on_device}",
+            f"{self.note}{share}; optimizer of the streamed layers: {self.training.implementation}{on_device}",
+            *shared,
             self.training.speculation.line,
         ]
 
     def close(self) -> None:
+        if self.shared is not None:
+            self.shared.remove_hooks()
         self.training.close()

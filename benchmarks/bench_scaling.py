@@ -1,0 +1,443 @@
+"""Scaling over the GPUs of one machine: data-parallel training with DGLS on 1, 2, 4 ... GPUs.
+
+One process per GPU (started here, one job per GPU count, each a fresh set of processes), every process streaming
+from the one host copy its machine shares (utils/dgls/memory/peers.py). Models (random weights, no download; built
+by flux.py, wan.py, sdxl.py as bench_models.py builds them), batch 1 per process:
+
+- ``flux``: the Flux-dev-size LoRA at 1024x1024 with ``--vram_budget 8`` (GiB per GPU, the planner's placement);
+- ``wan``: the Wan2.1-14B-size LoRA, a 480x832 clip of 81 frames (``--latent_frames 21``) in 8 GiB: the settings of
+  toml/wan_lora_long_video.toml (every block streamed in swap units of 256 MB, activations offloaded with
+  checkpoint_units, offload_recompute and keep_piece_outputs, prefetch 1), each process's device memory capped at
+  ``--memory_cap_gib 8`` as an 8 GiB card holds it (``--vram_budget N`` plans instead);
+- ``sdxl_full``: the SDXL UNet, every weight trained (AdamW; streamed layers on the host, each process updating its
+  share of them, utils/dgls/training/data_parallel.py), layers of ``--stream_mib`` or more streamed.
+
+The LoRA's gradients are averaged over the processes after each backward (one all-reduce), as DeepSpeed does; a full
+fine-tune's resident params' too. A vram_budget run's untimed steps last until every process's planner has settled.
+Per GPU count (a row): samples per second (processes / median step), its ratio to one GPU's, and per GPU the peak
+VRAM, DGLS's own host-to-device rate in the timed steps (bytes copied / copy-stream time) and the rate of plain
+pinned copies of 1 GiB run on every GPU at once (the shared host memory and PCIe switches cap it); the job's host
+memory (the processes' proportional set sizes summed: the shared copy counts once) and the shared copy's size.
+Where the rate falls short of the GPU count, the row names the likely cap.
+
+    python benchmarks/bench_scaling.py --model flux --gpus 1,2 --name scaling_flux_12   # H100: about 5 minutes
+    python benchmarks/bench_scaling.py --model flux --gpus 4 --name scaling_flux_4      # about 3 minutes
+    python benchmarks/bench_scaling.py --merge scaling_flux_12,scaling_flux_4 --name scaling_flux   # no GPU
+    python benchmarks/bench_scaling.py --model wan --gpus 1 --steps 3 --name scaling_wan_1   # a step is ~22 s: one
+        # GPU count per command (about 3-4 minutes each), then --gpus 2, --gpus 4 and --merge as above
+    python benchmarks/bench_scaling.py --model sdxl_full --gpus 1,2 --name scaling_sdxl_full_12   # about 4 minutes
+    python benchmarks/bench_scaling.py --model flux --tiny              # smoke test on CPU (gloo), 1 and 2 processes
+
+Writes benchmarks/results/scaling_<model>.json and .md (``--name``); ``--merge A,B,...`` writes one result of the
+rows of earlier results (of one model) instead of measuring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import command_line, results_dir, write_result  # noqa: E402
+from units import GiB  # noqa: E402
+
+LORA_MODELS = ("flux", "wan")
+MODELS = (*LORA_MODELS, "sdxl_full")
+DEFAULT_BUDGET = {"flux": 8.0, "wan": 8.0}
+# toml/wan_lora_long_video.toml's [dgls] (benchmarks/results/wan_fit_81f_keep_cap8.md: 8 GiB at 81 frames)
+WAN_RECIPE = dict(
+    blocks_to_swap=40,
+    prefetch=1,
+    swap_unit_mb=256,
+    offload_activations=True,
+    checkpoint_units=True,
+    offload_recompute=True,
+    keep_piece_outputs=True,
+)
+EFFICIENT = 0.95  # a row at this share of N x one GPU's samples/s or more names no cap
+SHARED_RATE = 0.9  # plain copies on every GPU at once below this share of one GPU's alone: the host side is shared
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=MODELS, default="flux")
+    p.add_argument("--gpus", default=None, help="comma list of GPU counts (default 1,2,4; tiny: 1,2 processes)")
+    p.add_argument("--tiny", action="store_true", help="tiny models on the CPU (gloo): a smoke test")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per GPU count (default 5; tiny 2)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps without a budget (default 2; tiny 1)")
+    p.add_argument("--max_warmup", type=int, default=40, help="vram_budget: most untimed steps while planners settle")
+    p.add_argument("--vram_budget", type=float, default=None, help="GiB per GPU (LoRA models; default 8)")
+    p.add_argument("--memory_cap_gib", type=float, default=8.0, help="wan recipe: each process's device memory cap")
+    p.add_argument("--latent_frames", type=int, default=21, help="wan: latent frames (21 = 81 video frames)")
+    p.add_argument("--stream_mib", type=float, default=64.0, help="sdxl_full: stream the layers of this many MiB")
+    p.add_argument("--host_adam", default="split", help="sdxl_full: where updates run (split, device, torch_fused)")
+    p.add_argument("--deadline_s", type=float, default=540.0, help="no GPU count starts past this many seconds")
+    p.add_argument("--timeout_s", type=float, default=500.0, help="a job's processes are stopped after this")
+    p.add_argument("--name", default=None, help="results file stem (default scaling_<model>)")
+    p.add_argument("--results_dir", type=Path, default=None, help="default: results/ (results/tiny/ with --tiny)")
+    p.add_argument("--merge", default=None, help="comma list of result names (one model) to join into --name")
+    p.add_argument("--strict", action="store_true", help="a failing job fails the run (tests)")
+    p.add_argument("--worker", nargs=4, metavar=("RANK", "WORLD", "PORT", "OUT"), help=argparse.SUPPRESS)
+    return p
+
+
+# ---------------------------------------------------------------- one process of a job
+def worker(args) -> None:
+    """One rank: build the model, train data parallel, write OUT/rank<R>.json."""
+    import machine
+    import psutil
+    import torch
+
+    rank, world, port, out = int(args.worker[0]), int(args.worker[1]), args.worker[2], Path(args.worker[3])
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.enable_cudnn_sdp(False)  # as machine.session: its backward is broken on the lent H100s
+    else:
+        torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist = torch.distributed
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    try:
+        started = time.perf_counter()
+        bench, swapper, step, planner = build(args, device, dtype, world)
+        build_s = time.perf_counter() - started
+        sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+        warm = warm_up(args, step, planner, sync, dist)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        before = swapper.total_stats(sync=True)
+        times = []
+        for _ in range(args.steps):
+            sync()
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            sync()
+            times.append(time.perf_counter() - start)
+        stats = swapper.total_stats(sync=True).since(before)
+        memory = psutil.Process().memory_full_info()
+        if cuda:  # the wan recipe's cap off: the plain copies and the swapper's removal allocate beyond it
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+        dist.barrier()
+        raw = machine.pinned_bandwidth(device) if cuda else 0.0  # every rank at once
+        shared = sum(host.buffer.numel() for host in swapper.store.layers.values())
+        record = {
+            "rank": rank,
+            "build_s": build_s,
+            "warmup_steps": warm,
+            "step_times_s": times,
+            "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GiB if cuda else None,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB if cuda else None,
+            "bytes_per_step": stats.bytes_moved / max(1, len(times)),
+            "copy_gbps": stats.gbps,
+            "wait_ms_per_step": stats.wait_ms / max(1, len(times)),
+            "raw_h2d_gbps": raw,
+            "pss_gib": getattr(memory, "pss", memory.rss) / GiB,
+            "rss_gib": memory.rss / GiB,
+            "host_copy_gib": shared / GiB,
+            "sharing_processes": swapper.masters.peers.local_ranks,
+            "streamed_layers": len(swapper.placement.streamed),
+            "entries": len(swapper.entries),
+            "layers": len(bench.layers),
+            "shape": bench.shape,
+            "title": bench.title.replace("LoRA training", "full fine-tuning") if swapper.training else bench.title,
+        }
+        swapper.remove()
+        (out / f"rank{rank}.json").write_text(json.dumps(record))
+    finally:
+        dist.destroy_process_group()
+
+
+def build(args, device, dtype, world: int):
+    """The model, its swapper, one training step (data parallel over ``world`` processes), and the planner (None
+    without a budget)."""
+    import flux
+    import sdxl
+    import torch
+    import torch.nn.functional as F
+    import wan
+    from torch.utils.checkpoint import checkpoint
+
+    from utils.dgls import LayerSwapper, SwapConfig
+    from utils.dgls.training.host_optimizer import HostOptimizerSpec
+
+    dist = torch.distributed
+    log = print if dist.get_rank() == 0 else None
+    full = args.model == "sdxl_full"
+    if full:
+        bench = sdxl.build(args.tiny, device, dtype, args, lora=False)
+        for layer in bench.layers:
+            layer.requires_grad_(True)
+        spec = HostOptimizerSpec(lr=1e-5, implementation=args.host_adam if device.type == "cuda" else "torch")
+        stream_mib = 0.05 if args.tiny else args.stream_mib  # tiny: the small layers stay resident
+        resident = [s.index for s in bench.sizes if s.streamable_bytes < stream_mib * 2**20]
+        config = SwapConfig.of(gpu_layers=resident, prefetch=2, host_optimizer=spec, data_parallel=world > 1)
+    elif args.model == "wan" and args.vram_budget is None:
+        bench = wan.build(args.tiny, device, dtype, args)
+        recipe = dict(WAN_RECIPE, blocks_to_swap=len(bench.blocks))
+        config = SwapConfig.of(**dict(recipe, swap_unit_mb=0.05) if args.tiny else recipe)
+        if device.type == "cuda":  # as an 8 GiB card holds it (methods.memory_cap)
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * GiB / total, device)
+    else:
+        bench = (flux.build if args.model == "flux" else wan.build)(args.tiny, device, dtype, args)
+        budget = args.vram_budget or DEFAULT_BUDGET[args.model]
+        config = SwapConfig.of(vram_budget=bench.tight_budget_gib() if args.tiny else budget)
+    swapper = LayerSwapper(bench.layers, config, device=device, log=log)
+    ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=False))
+    params = [p for layer in bench.layers for p in layer.parameters() if p.requires_grad]
+    if full:
+        training = swapper.training
+        averaged = [p for i, layer in enumerate(bench.layers) if not swapper.is_streamed(i) for p in layer.parameters()]
+        optimizer = torch.optim.AdamW(averaged, lr=1e-5) if averaged else None
+    else:
+        training, averaged = None, params
+        optimizer = torch.optim.AdamW(params, lr=1e-5)
+
+    def step() -> None:
+        h = bench.inputs
+        for i, layer in enumerate(bench.layers):
+            h = ckpt(layer, h) if i in bench.checkpointed else layer(h)
+        F.mse_loss(h.float(), bench.target.float()).backward()
+        grads = [p.grad for p in averaged if p.grad is not None]
+        if world > 1 and grads:  # the trainer's data-parallel mean (DeepSpeed's), in one all-reduce
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat)
+            flat /= world
+            for grad, mean in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                grad.copy_(mean)
+        if training is not None:
+            training.clip_grad_norm_(params, 1.0)
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if training is not None:
+            training.step()
+
+    return bench, swapper, step, swapper.driver
+
+
+def warm_up(args, step, planner, sync, dist) -> int:
+    """Untimed steps: ``--warmup``, or with a budget until every process's planner has its plan and kept it for
+    two steps (every process runs the same number of steps: their gradients meet at each)."""
+    import torch
+
+    if planner is None:
+        for _ in range(args.warmup):
+            step()
+        sync()
+        return args.warmup
+    settled, state, count = 0, None, 0
+    while count < args.max_warmup:
+        step()
+        count += 1
+        now = (planner.done, planner.plan)
+        settled = settled + 1 if planner.done and now == state else 0
+        state = now
+        flag = torch.tensor([1.0 if settled >= 2 else 0.0])
+        if dist.get_backend() == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if flag.item() > 0:
+            break
+    sync()
+    return count
+
+
+# ---------------------------------------------------------------- the jobs and the result
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def run_job(args, argv: list[str], gpus: int) -> tuple[list[dict], str]:
+    """Start ``gpus`` processes of this script as workers; their records (rank order) and rank 0's log, or [] and the
+    tails of the logs of the ranks that failed."""
+    with tempfile.TemporaryDirectory(prefix="dgls-scaling-") as folder:
+        port, logs = free_port(), [Path(folder) / f"log{r}" for r in range(gpus)]
+        procs = []
+        for r in range(gpus):
+            with open(logs[r], "w") as f:
+                command = [sys.executable, __file__, *argv, "--worker", str(r), str(gpus), port, folder]
+                procs.append(subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT))
+        deadline = time.time() + args.timeout_s
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                for other in procs:
+                    other.kill()
+                    other.wait()
+                break
+        files = [Path(folder) / f"rank{r}.json" for r in range(gpus)]
+        if all(p.returncode == 0 for p in procs) and all(f.exists() for f in files):
+            return [json.loads(f.read_text()) for f in files], logs[0].read_text(errors="replace")
+        failed = [r for r, p in enumerate(procs) if p.returncode != 0] or list(range(gpus))
+        tails = [
+            f"rank {r} (exit {procs[r].returncode}):\n{logs[r].read_text(errors='replace')[-1500:]}" for r in failed
+        ]  # noqa: E501
+        return [], "\n".join(tails)
+
+
+def row_of(gpus: int, ranks: list[dict], base: dict | None) -> dict:
+    """A GPU count's figures from its processes' records; ``base``: the one-GPU row (None: this is it)."""
+    step = statistics.median(ranks[0]["step_times_s"])
+    samples = gpus / step
+    row = {
+        "method": f"{gpus} GPU" + ("s" if gpus > 1 else ""),
+        "gpus": gpus,
+        "median_step_s": step,
+        "samples_per_s": samples,
+        "warmup_steps": ranks[0]["warmup_steps"],
+        "peak_allocated_gib": [r["peak_allocated_gib"] for r in ranks],
+        "peak_reserved_gib": [r["peak_reserved_gib"] for r in ranks],
+        "copy_gbps": [r["copy_gbps"] for r in ranks],
+        "raw_h2d_gbps": [r["raw_h2d_gbps"] for r in ranks],
+        "wait_ms_per_step": [r["wait_ms_per_step"] for r in ranks],
+        "bytes_per_step": ranks[0]["bytes_per_step"],
+        "host_pss_gib": sum(r["pss_gib"] for r in ranks),
+        "host_rss_gib": [r["rss_gib"] for r in ranks],
+        "host_copy_gib": ranks[0]["host_copy_gib"],
+        "sharing_processes": ranks[0]["sharing_processes"],
+        "streamed_layers": [r["streamed_layers"] for r in ranks],
+    }
+    base = base or row
+    row["vs_1gpu"] = samples / base["samples_per_s"]
+    row["efficiency"] = row["vs_1gpu"] / gpus * base["gpus"]
+    row["cap"] = cap_of(row, base)
+    return row
+
+
+def cap_of(row: dict, base: dict) -> str:
+    """The shared resource that most likely caps a row short of N x one GPU's rate, or ""."""
+    if row["gpus"] == base["gpus"] or row["efficiency"] >= EFFICIENT:
+        return ""
+    alone = statistics.mean(base["raw_h2d_gbps"]) or 0.0
+    together = statistics.mean(row["raw_h2d_gbps"]) or 0.0
+    waited = statistics.mean(row["wait_ms_per_step"]) - statistics.mean(base["wait_ms_per_step"])
+    if alone and together < SHARED_RATE * alone:
+        return (
+            f"host-to-device bandwidth: plain copies on all {row['gpus']} GPUs at once ran at {together / alone:.0%} "
+            f"of one GPU's alone, and the compute waited {waited:.0f} ms more per step on copies"
+        )
+    if waited > 0.05 * row["median_step_s"] * 1000:
+        return f"copies: the compute waited {waited:.0f} ms more per step on them than on one GPU"
+    return "the gradient all-reduce and collectives (copies kept pace)"
+
+
+def description(args, record: dict) -> str:
+    budget = "the tightest budget" if args.tiny else f"{args.vram_budget or DEFAULT_BUDGET[args.model]:g} GiB"
+    if args.model == "wan" and args.vram_budget is None:
+        what = f"toml/wan_lora_long_video.toml's settings, device memory capped at {args.memory_cap_gib:g} GiB per GPU"
+    elif args.model in LORA_MODELS:
+        what = f"--vram_budget {budget} per GPU"
+    else:
+        what = (
+            f"every weight trained, layers of {args.stream_mib:g} MiB or more streamed, host AdamW ({args.host_adam})"
+        )
+
+    return (
+        f"{record['shape']}; batch 1 per process, data parallel over 1 to N GPUs of one machine, {what}; "
+        f"{record['streamed_layers']} of {record['entries']} swap units ({record['layers']} layers) streamed on rank 0"
+    )
+
+
+NOTES = [
+    "samples/s: processes / median step (each process a sample per step); vs 1 GPU: its ratio to the 1-GPU row.",
+    "VRAM, copy GB/s (DGLS's copies in the timed steps: bytes / copy-stream time) and raw H2D GB/s (1 GiB pinned "
+    "copies run on every GPU at once) are per GPU, in rank order; host GiB is the job's processes' proportional set "
+    "sizes summed, in which the one shared host copy (shared GiB) counts once.",
+    "cap: for rows under 95% of N x one GPU's rate, the shared resource that most likely held it back.",
+]
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    args.steps = args.steps if args.steps is not None else (2 if args.tiny else 5)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2)
+    if args.worker:
+        worker(args)
+        return None
+    name = args.name or f"scaling_{args.model}"
+    out = args.results_dir or results_dir(args.tiny)
+    if args.merge:
+        return merge(args, out)
+    import machine
+    import torch
+
+    counts = [int(n) for n in (args.gpus or ("1,2" if args.tiny else "1,2,4")).split(",")]
+    if not args.tiny and torch.cuda.device_count() < max(counts):
+        seen = torch.cuda.device_count()
+        raise SystemExit(f"--gpus {args.gpus or '1,2,4'} needs {max(counts)} CUDA devices; {seen} seen")
+    started = time.time()
+    rows, base, record = [], None, None
+    for gpus in counts:
+        label = f"{gpus} GPU" + ("s" if gpus > 1 else "")
+        if time.time() - started > args.deadline_s:
+            rows.append({"method": label, "gpus": gpus, "skipped": f"past --deadline_s {args.deadline_s:g}"})
+            continue
+        ranks, log = run_job(args, [a for a in argv if a != "--strict"], gpus)
+        if not ranks:
+            if args.strict:
+                raise RuntimeError(f"{label} failed:\n{log}")
+            rows.append({"method": label, "gpus": gpus, "error": log.strip().splitlines()[-1] if log.strip() else "?"})
+            continue
+        record = record or ranks[0]
+        row = row_of(gpus, ranks, base)
+        base = base or row
+        rows.append(row)
+        print(f"{label}: {row['samples_per_s']:.3f} samples/s ({row['vs_1gpu']:.2f}x)", flush=True)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    result = {
+        "benchmark": "scaling",
+        "model": args.model,
+        "title": f"Scaling over GPUs: {record['title'] if record else args.model}",
+        "description": description(args, record) if record else args.model,
+        "environment": machine.environment(device),
+        "tiny": args.tiny,
+        "command": command_line(__file__, argv),
+        "notes": NOTES,
+        "rows": rows,
+    }
+    write_result(result, name, out, echo=True)
+    return result
+
+
+def merge(args, out: Path) -> dict:
+    """One result of the rows of earlier ones (one GPU count per device command): ratios to the 1-GPU row again."""
+    parts = [json.loads((out / f"{n}.json").read_text()) for n in args.merge.split(",")]
+    models = {part["model"] for part in parts}
+    if len(models) != 1:
+        raise SystemExit(f"--merge joins the results of one model; these are of {', '.join(sorted(models))}")
+    name = args.name or f"scaling_{models.pop()}"
+    rows = sorted((r for part in parts for r in part["rows"] if "samples_per_s" in r), key=lambda r: r["gpus"])
+    if not rows:
+        raise SystemExit("no measured rows to merge")
+    base = rows[0]
+    for row in rows:
+        row["vs_1gpu"] = row["samples_per_s"] / base["samples_per_s"]
+        row["efficiency"] = row["vs_1gpu"] / row["gpus"] * base["gpus"]
+        row["cap"] = cap_of(row, base)
+    result = dict(parts[0], rows=rows, command=" && ".join(p["command"] for p in parts))
+    write_result(result, name, out, echo=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
