@@ -118,26 +118,30 @@ class AioReader(_Ordered):
         return True
 
 
-def aio_handle(threads: int):
-    """DeepSpeed's aio handle, or None where the op cannot build here (no libaio headers) or load."""
+def aio_handle(threads: int) -> tuple[object | None, str]:
+    """DeepSpeed's aio handle, or None and why not (the op cannot build here, e.g. no libaio headers, or load)."""
     try:
         from deepspeed.ops.op_builder import AsyncIOBuilder
 
         builder = AsyncIOBuilder()
         if not builder.is_compatible(verbose=False):
-            return None
+            return None, "DeepSpeed's async I/O op cannot build here (apt install libaio-dev)"
         module = builder.load(verbose=False)
-        return module.aio_handle(1024 * 1024, 32, False, True, threads)
-    except Exception:  # noqa: BLE001 - any failure to build or load means the fallback
-        return None
+        return module.aio_handle(1024 * 1024, 32, False, True, threads), ""
+    except Exception as exc:  # noqa: BLE001 - any failure to build or load means the fallback, said at start-up
+        return None, f"DeepSpeed's async I/O op failed to load ({type(exc).__name__}: {exc})"
 
 
 def open_reader(fd: int, threads: int = DEFAULT_THREADS, use_aio: bool = True) -> DiskReader:
-    """The reader for the file ``fd``: DeepSpeed's async I/O where it builds and ``use_aio``, else threads."""
-    handle = aio_handle(threads) if use_aio else None
+    """The reader for the file ``fd``: DeepSpeed's async I/O where it builds and ``use_aio`` (CUDA runs), else
+    threads; its ``name`` says which, and why not the first."""
+    handle, why = aio_handle(threads) if use_aio else (None, "")
     if handle is not None:
         return AioReader(fd, handle, threads)
-    return ThreadReader(fd, threads)
+    reader = ThreadReader(fd, threads)
+    if why:
+        reader.name += f" ({why})"
+    return reader
 
 
 def _pread_all(fd: int, dst: torch.Tensor, offset: int) -> None:

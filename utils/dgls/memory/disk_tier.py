@@ -130,6 +130,8 @@ def _user_error(path: Path, exc: OSError, nbytes: int) -> DGLSUserError:
 class DiskFile:
     """An unnamed file of ``nbytes`` (whole pages) in ``directory``, its extents and a shared mapping of it."""
 
+    use_tmpfile = True  # False: a named file, unlinked at once (file systems without O_TMPFILE; tests)
+
     def __init__(self, directory: Path, nbytes: int) -> None:
         self.directory = directory
         self.nbytes = whole_pages(max(nbytes, 1))
@@ -143,15 +145,15 @@ class DiskFile:
             raise _user_error(directory, exc, self.nbytes) from None
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self.used = 0
-        self.extents: dict[int, int] = {}  # layer index -> offset
+        self.extents: dict[int, tuple[int, int]] = {}  # layer index -> (offset, whole-page size)
 
     def _create(self) -> int:
         try:
-            return os.open(self.directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+            if self.use_tmpfile:
+                return os.open(self.directory, os.O_TMPFILE | os.O_RDWR, 0o600)
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
                 raise _user_error(self.directory, exc, self.nbytes) from None
-        remove_stale(self.directory)
         try:  # no O_TMPFILE here: a named file, unlinked at once (a stale one is removed by the next start)
             fd, name = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=self.directory)
         except OSError as exc:
@@ -161,13 +163,19 @@ class DiskFile:
         return fd
 
     def allocate(self, index: int, nbytes: int) -> tuple[int, torch.Tensor]:
-        """A new extent of whole pages for layer ``index``: its offset and its mapped bytes."""
+        """Layer ``index``'s extent of whole pages (its own again when it streams again after being resident):
+        its offset and its mapped bytes."""
         size = whole_pages(nbytes)
-        if self.used + size > self.nbytes:
-            raise RuntimeError(f"disk tier: layer {index} does not fit the file ({self.used} + {size} > {self.nbytes})")
-        offset, self.used = self.used, self.used + size
-        self.extents[index] = offset
+        offset, had = self.extents.get(index, (self.used, 0))
+        if size > had:
+            if self.used + size > self.nbytes:
+                raise RuntimeError(f"disk tier: layer {index} does not fit ({self.used} + {size} > {self.nbytes})")
+            offset, self.used = self.used, self.used + size
+            self.extents[index] = (offset, size)
         return offset, self.bytes[offset : offset + size]
+
+    def offset(self, index: int) -> int:
+        return self.extents[index][0]
 
     def flush(self, offset: int, nbytes: int) -> None:
         """The extent's bytes to the disk, and out of the page cache."""
@@ -176,10 +184,16 @@ class DiskFile:
         os.posix_fadvise(self.fd, offset, size, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
-        """Close the descriptor (the mapping goes with the last tensor on it; the file with both)."""
+        """Close the descriptor and the mapping (or, while a tensor still views it, leave the mapping to go with
+        the last one); the file goes with both."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        self.bytes = None
+        try:
+            self._map.close()
+        except BufferError:  # a view of a master is still alive somewhere: the mapping is freed with it
+            pass
 
 
 class StagingRing:
@@ -205,6 +219,7 @@ class StagingRing:
     def release(self) -> None:
         self._registrations.drop_all()
         self.pinned_bytes = 0
+        self.readers = [None] * len(self.buffers)
 
 
 @dataclass
@@ -224,7 +239,11 @@ class DiskTier:
         """The tier for ``spilled`` (layer index -> host bytes): checks first, then the file and the ring."""
         total = sum(whole_pages(n) for n in spilled.values())
         path = check_directory(directory, total)
-        notes = []
+        notes = (
+            [f"DGLS disk tier: removed {len(gone)} files of earlier runs from {path}"]
+            if (gone := remove_stale(path))
+            else []
+        )
         if (kind := file_system(path)) in RAM_FILE_SYSTEMS:
             notes.append(
                 f"DGLS disk tier: {path} is on {kind}, which is RAM: spilling there saves no RAM; name a directory on "
@@ -232,7 +251,7 @@ class DiskTier:
             )
         file = DiskFile(path, total)
         try:
-            reader = open_reader(file.fd, threads)
+            reader = open_reader(file.fd, threads, use_aio=pin)  # CUDA runs; CPU tests need no build
             ring = StagingRing(ring_count, max(spilled.values()), pin)
         except BaseException:
             file.close()
@@ -245,7 +264,7 @@ class DiskTier:
         k = self.ring.take()
         buffer = self.ring.buffers[k][: whole_pages(nbytes)]
         gate = self.ring.readers[k]
-        read = transport.read(buffer, self.file.extents[index], [gate] if gate is not None else [])
+        read = transport.read(buffer, self.file.offset(index), [gate] if gate is not None else [])
         return k, buffer, read
 
     def consumed(self, k: int, copy: Copy) -> None:

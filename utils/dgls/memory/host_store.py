@@ -231,8 +231,8 @@ class HostStore:
     def release(self) -> None:
         """Unpin and drop every buffer (masters must have been copied out first), and close the disk tier."""
         self._registrations.drop_all()
+        self.layers.clear()
         if self.disk is not None:
             self.disk.close()
-        self.layers.clear()
         self.staging.clear()
         self.pinned_bytes = 0

@@ -1,0 +1,325 @@
+"""The disk tier on the CPU: a host RAM budget smaller than the streamed layers spills some of them to a file.
+
+- A LoRA run with layers on disk equals the all-in-RAM run bitwise (every checkpoint mode, fp8 storage, the
+  copy thread, state dicts and re-placement).
+- The CPU transport poisons a disk read's destination (a staging ring buffer) until the read is waited for:
+  a weight copy that does not wait for its read, or a read that does not wait for the ring buffer's previous
+  reader, computes with NaN (the mutations below).
+- The file has no name (gone on exit and after ``kill -9``); a named fallback is unlinked at once and stale
+  named files of dead processes go at the next start, nothing else; a full or read-only directory, or a budget
+  too small even with everything on disk, is one clear line before anything is packed.
+"""
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT
+from helpers import assert_bitwise_equal, child_env, make_layers, skip_waits, train
+
+from utils.dgls import DGLSUserError, LayerSwapper, Listener, SwapConfig
+from utils.dgls.memory import disk_tier
+from utils.dgls.memory.copier import DeferredCopier
+from utils.dgls.memory.device_pool import DevicePool
+from utils.dgls.memory.disk_tier import DiskFile, DiskTier
+from utils.dgls.memory.host_store import HostStore
+from utils.dgls.memory.layout import measure
+from utils.dgls.memory.transport import Direction, Transport
+from utils.dgls.program import options
+from utils.dgls.training.host_optimizer import HostOptimizerSpec
+
+CPU = torch.device("cpu")
+MODES = ["none", "nonreentrant", "reentrant"]
+# SMALL's streamed layers: 3 double blocks (152 KiB each in whole pages) and 3 single blocks (64 KiB); with
+# prefetch 1 the ring is 3 buffers of the largest spilled layer: this budget keeps 2 single blocks in RAM
+BUDGET = 0.0006
+FP8 = [("f32", "f8_e4m3")]
+
+
+def disk_config(tmp_path, **kw):
+    return SwapConfig.of(**{"host_ram_budget": BUDGET, "disk_dir": str(tmp_path), "prefetch": 1, **kw})
+
+
+@pytest.fixture(scope="module")
+def references():
+    cache = {}
+
+    def get(mode, **kw):
+        key = (mode, repr(sorted(kw.items())))
+        if key not in cache:
+            layers, trainable = make_layers()
+            with LayerSwapper(layers, SwapConfig.of(prefetch=1, **kw), device=CPU, log=None):
+                cache[key] = train(layers, trainable, CPU, mode)
+        return cache[key]
+
+    return get
+
+
+def disk_run(tmp_path, mode, on_disk=(1, 2, 3, 6), **kw):
+    """A run with ``on_disk`` spilled (the largest first, then the later ones), the other streamed layers in RAM."""
+    layers, trainable = make_layers()
+    with LayerSwapper(layers, disk_config(tmp_path, **kw), device=CPU, log=None) as swapper:
+        assert swapper.store.disk_layers == list(on_disk)
+        assert set(swapper.streamed_layers) - set(on_disk)  # some stream from RAM: three tiers
+        return train(layers, trainable, CPU, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lora_with_layers_on_disk_equals_all_in_ram(tmp_path, references, mode):
+    assert_bitwise_equal(references(mode), disk_run(tmp_path, mode))
+
+
+def test_disk_layers_with_the_copy_thread_equal_all_in_ram(tmp_path, references):
+    assert_bitwise_equal(references("nonreentrant", threading=True), disk_run(tmp_path, "nonreentrant", threading=True))
+
+
+def test_fp8_stored_layers_on_disk_equal_fp8_all_in_ram(tmp_path, references):
+    """fp8 storage reads a quarter of the bytes from disk; the upcast reads the staging buffer, not the file."""
+    got = disk_run(tmp_path, "nonreentrant", (1, 2, 3, 5, 6), cast_target=FP8, host_ram_budget=0.00015)
+    assert_bitwise_equal(references("nonreentrant", cast_target=FP8), got)
+
+
+def test_the_start_up_table_shows_the_three_tiers(tmp_path):
+    lines = []
+    layers, _ = make_layers()
+    with LayerSwapper(layers, disk_config(tmp_path), device=CPU, log=lines.append):
+        pass
+    table = lines[0].splitlines()
+    assert table[1].endswith("resident") and "streamed from disk" in table[2] and "streamed from RAM" in table[5]
+    assert any(line.startswith("DGLS host RAM budget ") and "4 streamed layers" in line for line in lines)
+    (tier,) = [line for line in lines if line.startswith("DGLS disk tier: 4 streamed layers")]
+    assert "os.preadv" in tier and "3 staging buffers" in tier  # which reader runs is said
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_read_that_is_not_waited_for_differs(tmp_path, references, monkeypatch, fp8):
+    """The mutation: the CPU transport never lands disk reads, so the staging buffers keep their NaN bytes (with
+    fp8 storage the upcast reads them too: every weight of a spilled layer comes through the ring)."""
+    skip_waits(monkeypatch, Direction.DISK_IN)
+    kw = {"cast_target": FP8, "host_ram_budget": 0.00015} if fp8 else {}
+    layers, trainable = make_layers()
+    with LayerSwapper(layers, disk_config(tmp_path, **kw), device=CPU, log=None):
+        got = train(layers, trainable, CPU, "nonreentrant", steps=1, accumulate=1, eval_between=False)
+    assert all(torch.isnan(loss).all() for loss in got.losses)
+
+
+def test_reads_are_reported_once_each_with_their_bytes(tmp_path):
+    reads, fetched = [], []
+
+    class Reads(Listener):
+        def copied(self, copy):
+            if copy.direction is Direction.DISK_IN:
+                reads.append(copy.nbytes)
+
+        def fetched(self, token):
+            fetched.append(token.layer)
+
+    layers, trainable = make_layers()
+    with LayerSwapper(layers, disk_config(tmp_path), device=CPU, log=None) as swapper:
+        swapper.add_listener(Reads())
+        train(layers, trainable, CPU, "nonreentrant", steps=1, accumulate=1, eval_between=False)
+        pages = {i: swapper.store.disk.file.extents[i][1] for i in swapper.store.disk_layers}
+    assert sorted(reads) == sorted(pages[i] for i in fetched if i in pages)
+
+
+def test_state_dicts_read_and_write_layers_on_disk(tmp_path, references):
+    """A disk layer's state dict holds its true weights; loaded values are what the next copy reads from disk."""
+    layers, trainable = make_layers()
+    before = {k: v.clone() for k, v in layers[1].state_dict().items()}
+    changed = {k: v + 1 if not k.startswith("lora") else v for k, v in before.items()}
+    with LayerSwapper(layers, disk_config(tmp_path), device=CPU, log=None) as swapper:
+        assert 1 in swapper.store.disk_layers
+        got = layers[1].state_dict()
+        assert all(torch.equal(got[k], v) for k, v in before.items())
+        layers[1].load_state_dict(changed)
+        record = train(layers, trainable, CPU, "none", steps=1)
+    reference_layers, reference_trainable = make_layers()
+    reference_layers[1].load_state_dict(changed)
+    assert_bitwise_equal(train(reference_layers, reference_trainable, CPU, "none", steps=1), record)
+
+
+def test_a_disk_layer_made_resident_streams_from_its_own_extent_again(tmp_path, references):
+    layers, trainable = make_layers()
+    with LayerSwapper(layers, disk_config(tmp_path), device=CPU, log=None) as swapper:
+        used = swapper.store.disk.file.used
+
+        def shuffle(step):
+            swapper.apply_placement([2, 4, 5, 6] if step % 2 else [1, 2, 3, 4, 5, 6], 1)
+
+        got = train(layers, trainable, CPU, "nonreentrant", on_step=shuffle)
+        assert swapper.store.disk.file.used == used
+    assert_bitwise_equal(references("nonreentrant"), got)
+
+
+# ---------------------------------------------------------------- the ring on its own
+def ring_copier(tmp_path, gated: bool):
+    """Two disk layers, one ring buffer: the second read reuses the buffer the first copy reads."""
+    layers, _ = make_layers()
+    layouts = measure(layers)
+    store = HostStore(CPU, None, 0)
+    store.attach_disk(DiskTier.open(tmp_path, {1: layouts[1].host_bytes, 2: layouts[2].host_bytes}, 1, pin=False))
+    transport = Transport(CPU)
+    transport.read_from(store.disk.reader)
+    hosts = [store.add_layer(layouts[1]), store.add_layer(layouts[2])]
+    if not gated:
+        store.disk.ring.readers = _Forgetful()
+    pool = DevicePool(CPU, 2, layouts[1].slot_bytes)
+    return DeferredCopier(store, use_thread=False, transport=transport), hosts, pool, store, transport
+
+
+class _Forgetful(list):
+    """The mutation: the ring forgets who reads its buffers, so a read does not wait for the copy before it."""
+
+    def __getitem__(self, k):
+        return None
+
+    def __setitem__(self, k, value):
+        pass
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_a_ring_buffer_is_read_into_only_after_its_previous_copy(tmp_path, gated):
+    copier, (first, second), pool, store, transport = ring_copier(tmp_path, gated)
+    try:
+        (token_a,) = copier.submit([(pool.slots[0], first, False)])
+        (token_b,) = copier.submit([(pool.slots[1], second, False)])
+        copier.acquire(token_a)
+        copier.acquire(token_b)
+        view_a = pool.slots[0].buffer[: first.layout.params[0].nbytes].view(torch.float32)
+        assert torch.equal(view_a, first.master_view(0).flatten()) == gated
+    finally:
+        transport.close()
+        store.release()
+
+
+# ---------------------------------------------------------------- files
+def fds_into(directory: Path, pid: str = "self") -> list[str]:
+    found = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(directory)):
+            found.append(target)
+    return found
+
+
+def test_the_file_has_no_name_and_is_closed_after_the_run(tmp_path):
+    layers, trainable = make_layers()
+    with LayerSwapper(layers, disk_config(tmp_path), device=CPU, log=None):
+        train(layers, trainable, CPU, "none", steps=1, accumulate=1, eval_between=False)
+        assert list(tmp_path.iterdir()) == []
+        assert fds_into(tmp_path) and all("(deleted)" in t or "/#" in t for t in fds_into(tmp_path))
+    gc.collect()  # a master's view left in some object would keep the mapping (and its file) until collected
+    assert fds_into(tmp_path) == [] and list(tmp_path.iterdir()) == []
+
+
+def test_a_named_file_is_unlinked_at_once_and_stale_ones_of_dead_processes_go(tmp_path, monkeypatch):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"dgls-disk-{int(dead.stdout)}-abc"
+    live = tmp_path / f"dgls-disk-{os.getpid()}-def"
+    other = tmp_path / "model.safetensors"
+    for path in (stale, live, other):
+        path.write_bytes(b"x")
+    monkeypatch.setattr(DiskFile, "use_tmpfile", False)
+    layers, trainable = make_layers()
+    lines = []
+    with LayerSwapper(layers, disk_config(tmp_path), device=CPU, log=lines.append) as swapper:
+        assert swapper.store.disk.file.named
+        assert sorted(tmp_path.iterdir()) == sorted([live, other])  # the new file is unlinked already
+        train(layers, trainable, CPU, "none", steps=1, accumulate=1, eval_between=False)
+    assert f"DGLS disk tier: removed 1 files of earlier runs from {tmp_path}" in lines
+    assert sorted(tmp_path.iterdir()) == sorted([live, other])
+
+
+CHILD = """
+import sys, time, torch
+sys.path[:0] = [{root!r}, {tests!r}]
+from helpers import make_layers
+from utils.dgls import LayerSwapper, SwapConfig
+layers, _ = make_layers()
+config = SwapConfig.of(host_ram_budget={budget}, disk_dir={dir!r}, prefetch=1)
+swapper = LayerSwapper(layers, config, device="cpu", log=None)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_kill_9_leaves_no_file(tmp_path):
+    code = CHILD.format(root=str(ROOT), tests=str(ROOT / "tests"), budget=BUDGET, dir=str(tmp_path))
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=child_env())
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert fds_into(tmp_path, str(child.pid))  # it holds the disk tier's file
+        free = disk_tier.free_bytes(tmp_path)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        child.kill()
+    assert list(tmp_path.iterdir()) == []
+    assert disk_tier.free_bytes(tmp_path) >= free  # its blocks were given back
+
+
+# ---------------------------------------------------------------- one clear line before anything is packed
+def refused(config, match):
+    layers, _ = make_layers()
+    params = [p for layer in layers for p in layer.parameters()]
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(DGLSUserError, match=match):
+        LayerSwapper(layers, config, device=CPU, log=None)
+    assert all(torch.equal(a, p) for a, p in zip(before, params))  # the model is untouched
+
+
+def test_a_full_disk_is_one_line_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_tier, "free_bytes", lambda directory: 1024 * 1024)
+    refused(disk_config(tmp_path), rf"disk_dir {tmp_path} has 1.0 MiB free; the layers that do not fit the host RAM")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_read_only_directory_is_one_line(tmp_path):
+    if os.geteuid() == 0:  # root writes through file modes: /proc/self is read-only for everyone
+        directory = Path("/proc/self")
+    else:
+        directory = tmp_path / "ro"
+        directory.mkdir(mode=0o555)
+    refused(disk_config(directory), rf"disk_dir {directory} is not writable: name another directory with --disk_dir")
+
+
+def test_a_file_where_the_directory_should_be_is_one_line(tmp_path):
+    (tmp_path / "f").write_text("")
+    refused(disk_config(tmp_path / "f"), "is not a directory")
+
+
+def test_a_budget_below_the_staging_ring_is_one_line(tmp_path):
+    refused(disk_config(tmp_path, host_ram_budget=0.0001), r"host_ram_budget 0.1 MiB is too small: .* at least 0.01")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_fine_tune_that_would_spill_is_refused(tmp_path):
+    spec = HostOptimizerSpec(lr=1e-2, implementation="torch")
+    refused(disk_config(tmp_path, host_optimizer=spec), "a full fine-tune's masters and optimizer state cannot live")
+
+
+def test_a_budget_that_holds_everything_reads_nothing_from_disk(tmp_path):
+    lines = []
+    layers, _ = make_layers()
+    with LayerSwapper(layers, disk_config(tmp_path, host_ram_budget="auto"), device=CPU, log=lines.append) as s:
+        assert s.store.disk is None
+    assert any("nothing is read from disk" in line for line in lines)
+
+
+def test_the_flags_and_toml_keys_reach_the_config(tmp_path):
+    parser = __import__("argparse").ArgumentParser()
+    options.add_arguments(parser)
+    cli = parser.parse_args(["--host_ram_budget", "8", "--disk_dir", str(tmp_path)])
+    resolved = options.resolve({"host_ram_budget": "auto"}, cli)
+    config = options.swap_config(resolved.values)
+    assert config.transfer.host_ram_budget == 8.0 and config.transfer.disk_dir == str(tmp_path)
+    resolved = options.resolve({"host_ram_budget": "auto"}, parser.parse_args([]))
+    assert options.swap_config(resolved.values).transfer.host_ram_budget == "auto"
