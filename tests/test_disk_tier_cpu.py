@@ -323,3 +323,25 @@ def test_the_flags_and_toml_keys_reach_the_config(tmp_path):
     assert config.transfer.host_ram_budget == 8.0 and config.transfer.disk_dir == str(tmp_path)
     resolved = options.resolve({"host_ram_budget": "auto"}, parser.parse_args([]))
     assert options.swap_config(resolved.values).transfer.host_ram_budget == "auto"
+
+
+def mapped_rss_kib(directory: Path) -> int:
+    """Resident KiB of this process's mappings of files in ``directory`` (from /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            inside = len(fields) >= 6 and fields[5].startswith(str(directory))
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+def test_packed_layers_leave_no_page_in_ram(tmp_path):
+    """Packing writes a spilled layer through the file's mapping; once packed, none of its pages stays resident
+    (they would count as RSS and hold the RAM the budget saves)."""
+    layers, trainable = make_layers()
+    with LayerSwapper(layers, disk_config(tmp_path), device=CPU, log=None) as swapper:
+        assert swapper.store.disk_layers and mapped_rss_kib(tmp_path) == 0
+        train(layers, trainable, CPU, "none", steps=1, accumulate=1, eval_between=False)
+        assert mapped_rss_kib(tmp_path) == 0  # copies read the ring, never the mapping

@@ -21,8 +21,9 @@ Invariants
     - A read into ring buffer ``k`` waits for the weight copy that read buffer ``k`` before (a gate), and a
       weight copy from buffer ``k`` waits for its read (the copier's gate): so the CPU transport, which poisons
       a read's destination until the read is waited for, fails a test when either wait is missing.
-    - A layer's bytes are on the disk (``msync``) and out of the page cache (``POSIX_FADV_DONTNEED``) once packed,
-      so the page cache does not hold a second copy of what was spilled to save RAM.
+    - A layer's bytes are on the disk (``msync``), unmapped from this process (``MADV_DONTNEED``) and out of the
+      page cache (``POSIX_FADV_DONTNEED``) once packed, so no RAM holds a second copy of what was spilled to save
+      RAM (reads use direct I/O where the file system allows it; a state dict reads through the mapping).
 """
 
 from __future__ import annotations
@@ -178,9 +179,11 @@ class DiskFile:
         return self.extents[index][0]
 
     def flush(self, offset: int, nbytes: int) -> None:
-        """The extent's bytes to the disk, and out of the page cache."""
+        """The extent's bytes to the disk, out of this process's pages (packing touched them through the mapping:
+        they would count as its RSS) and out of the page cache (which keeps no page a process maps)."""
         size = whole_pages(nbytes)
         self._map.flush(offset, size)
+        self._map.madvise(mmap.MADV_DONTNEED, offset, size)  # a shared file mapping: the bytes stay in the file
         os.posix_fadvise(self.fd, offset, size, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
