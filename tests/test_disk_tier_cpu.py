@@ -345,3 +345,17 @@ def test_packed_layers_leave_no_page_in_ram(tmp_path):
         assert swapper.store.disk_layers and mapped_rss_kib(tmp_path) == 0
         train(layers, trainable, CPU, "none", steps=1, accumulate=1, eval_between=False)
         assert mapped_rss_kib(tmp_path) == 0  # copies read the ring, never the mapping
+
+
+def test_the_start_up_checks_refuse_an_unwritable_disk_dir_before_the_model_loads(tmp_path, user_env):
+    """dgls_train.py checks the directory with the other inputs (a drop-in run loads its model after them)."""
+    from utils.dgls.program.validate import prepare
+
+    toml = str(ROOT / "toml" / "demo.toml")
+    with pytest.raises(DGLSUserError, match="disk_dir /proc/self is not writable"):
+        prepare(["--config", toml, "--host_ram_budget", "1", "--disk_dir", "/proc/self"], ROOT)
+    (tmp_path / "f").write_text("")
+    with pytest.raises(DGLSUserError, match=f"disk_dir {tmp_path / 'f' / 'x'}: {tmp_path / 'f'} is not a directory"):
+        prepare(["--config", toml, "--host_ram_budget", "1", "--disk_dir", str(tmp_path / "f" / "x")], ROOT)
+    run = prepare(["--config", toml, "--host_ram_budget", "auto", "--disk_dir", str(tmp_path / "new")], ROOT)
+    assert run.swap.transfer.host_ram_budget == "auto" and not (tmp_path / "new").exists()  # nothing written yet

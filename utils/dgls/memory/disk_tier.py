@@ -100,6 +100,22 @@ def check_directory(directory: str | Path | None, nbytes: int) -> Path:
     return path
 
 
+def precheck_directory(directory: str | Path | None) -> None:
+    """The start-up check, before any slow work and without writing anything: ``directory`` (or, while it does not
+    exist, the folder it would be made in) is a writable directory with more than the margin free."""
+    path = Path(directory).expanduser() if directory else default_directory()
+    existing = path
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    hint = "name another directory with --disk_dir, or raise --host_ram_budget"
+    if not existing.is_dir():
+        raise DGLSUserError(f"disk_dir {path}: {existing} is not a directory: {hint}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise DGLSUserError(f"disk_dir {path} is not writable: {hint}")
+    if (free := free_bytes(existing)) < FREE_MARGIN:
+        raise DGLSUserError(f"disk_dir {path} has {human_bytes(free)} free: {hint}")
+
+
 def remove_stale(directory: Path) -> list[Path]:
     """Remove the named files of earlier runs whose process is gone (``dgls-disk-<pid>-*`` only)."""
     removed = []
