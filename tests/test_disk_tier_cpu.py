@@ -143,6 +143,17 @@ def test_state_dicts_read_and_write_layers_on_disk(tmp_path, references):
     assert_bitwise_equal(train(reference_layers, reference_trainable, CPU, "none", steps=1), record)
 
 
+def test_swap_units_on_disk_equal_swap_units_in_ram(tmp_path, references):
+    """Swap units are entries of their own: a layer's units spill one by one."""
+    layers, trainable = make_layers()
+    config = disk_config(tmp_path, swap_unit_mb=0.07, host_ram_budget=0.0004)
+    with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
+        assert len(swapper.entries) > len(layers) and swapper.store.disk_layers
+        assert set(swapper.streamed_layers) - set(swapper.store.disk_layers)
+        got = train(layers, trainable, CPU, "nonreentrant")
+    assert_bitwise_equal(references("nonreentrant", swap_unit_mb=0.07), got)
+
+
 def test_a_disk_layer_made_resident_streams_from_its_own_extent_again(tmp_path, references):
     layers, trainable = make_layers()
     with LayerSwapper(layers, disk_config(tmp_path), device=CPU, log=None) as swapper:
@@ -251,14 +262,18 @@ time.sleep(600)
 """
 
 
-def test_kill_9_leaves_no_file(tmp_path):
+@pytest.mark.slow  # starts a process: about 8 s each on 2 cores
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGINT], ids=["kill -9", "Ctrl-C"])
+def test_a_killed_or_interrupted_run_leaves_no_file(tmp_path, stop):
     code = CHILD.format(root=str(ROOT), tests=str(ROOT / "tests"), budget=BUDGET, dir=str(tmp_path))
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=child_env())
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=child_env()
+    )
     try:
         assert child.stdout.readline().strip() == "ready"
         assert fds_into(tmp_path, str(child.pid))  # it holds the disk tier's file
         free = disk_tier.free_bytes(tmp_path)
-        child.send_signal(signal.SIGKILL)
+        child.send_signal(stop)
         child.wait(timeout=30)
     finally:
         child.kill()
