@@ -203,16 +203,14 @@ class DiskFile:
         os.posix_fadvise(self.fd, offset, size, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
-        """Close the descriptor and the mapping (or, while a tensor still views it, leave the mapping to go with
-        the last one); the file goes with both."""
+        """Close the descriptor and drop this object's hold on the mapping. The mapping is never closed here: a
+        tensor viewing it (a state dict's value, a param restored in place) keeps it, and it goes with the last
+        of them (closing it would leave them pointing at unmapped memory); the file goes with the mapping."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
         self.bytes = None
-        try:
-            self._map.close()
-        except BufferError:  # a view of a master is still alive somewhere: the mapping is freed with it
-            pass
+        self._map = None
 
 
 class StagingRing:
