@@ -6,7 +6,7 @@ Knows nothing of layers' order or hooks, and of full fine-tuning only where its 
 
 Modules
     - ``transport.py``: every copy in every direction (weights in, gradients home, activations out and back,
-      optimizer state in and out) behind one vocabulary (submit, acquire, mark, land); the one owner of the
+      optimizer state in and out, disk reads) behind one vocabulary (submit, acquire, mark, land); the one owner of the
       copy streams, events and the worker threads; its CPU backend poisons a destination and lands the bytes
       late, so a missing wait in any direction fails a CPU test.
     - ``copier.py``: the weight slot rule on top of the transport (a slot is written only after its readers).
