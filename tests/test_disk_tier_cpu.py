@@ -124,7 +124,9 @@ def test_reads_are_reported_once_each_with_their_bytes(tmp_path):
         swapper.add_listener(Reads())
         train(layers, trainable, CPU, "nonreentrant", steps=1, accumulate=1, eval_between=False)
         pages = {i: swapper.store.disk.file.extents[i][1] for i in swapper.store.disk_layers}
+        stats = swapper.total_stats()
     assert sorted(reads) == sorted(pages[i] for i in fetched if i in pages)
+    assert stats.disk_bytes == sum(reads) and "read from disk" in stats.short()  # the step line says it
 
 
 def test_state_dicts_read_and_write_layers_on_disk(tmp_path, references):
