@@ -42,6 +42,7 @@ from utils.dgls.memory.disk_io import AioReader, ThreadReader, aio_handle  # noq
 from utils.dgls.memory.disk_tier import DiskFile, check_directory, default_directory  # noqa: E402
 from utils.dgls.memory.pinned import page_aligned_empty  # noqa: E402
 from utils.dgls.memory.transport import Direction  # noqa: E402
+from utils.dgls.streaming.tiers import RING_BUFFERS  # noqa: E402
 
 MiB = 1024**2
 
@@ -148,7 +149,7 @@ def shown(budget: float | None) -> str:
 def tiny_budgets(bench: Bench, streamed, prefetch: int) -> list[float | None]:
     """A tiny model's budgets: all, and the ring plus a quarter and a twentieth of the streamed bytes."""
     total = bench.streamed_bytes(streamed)
-    ring = (prefetch + 2) * max(bench.sizes[i].streamable_bytes for i in streamed)
+    ring = RING_BUFFERS * max(bench.sizes[i].streamable_bytes for i in streamed)
     return [None, (ring + total / 4) / GiB, (ring + total / 20) / GiB]
 
 

@@ -29,14 +29,16 @@ from utils.dgls.memory.device_pool import DevicePool
 from utils.dgls.memory.disk_tier import DiskFile, DiskTier
 from utils.dgls.memory.host_store import HostStore
 from utils.dgls.memory.layout import measure
+from utils.dgls.memory.pinned import whole_pages
 from utils.dgls.memory.transport import Direction, Transport
 from utils.dgls.program import options
+from utils.dgls.streaming.tiers import plan_tiers, spread
 from utils.dgls.training.host_optimizer import HostOptimizerSpec
 
 CPU = torch.device("cpu")
 MODES = ["none", "nonreentrant", "reentrant"]
 # SMALL's streamed layers: 3 double blocks (152 KiB each in whole pages) and 3 single blocks (64 KiB); with
-# prefetch 1 the ring is 3 buffers of the largest spilled layer: this budget keeps 2 single blocks in RAM
+# the ring is 2 buffers of the largest spilled layer: this budget keeps a double and a single block in RAM
 BUDGET = 0.0006
 FP8 = [("f32", "f8_e4m3")]
 
@@ -60,8 +62,8 @@ def references():
     return get
 
 
-def disk_run(tmp_path, mode, on_disk=(1, 2, 3, 6), **kw):
-    """A run with ``on_disk`` spilled (the largest first, then the later ones), the other streamed layers in RAM."""
+def disk_run(tmp_path, mode, on_disk=(1, 3, 4, 6), **kw):
+    """A run with ``on_disk`` spilled (spread over the order), the other streamed layers in RAM."""
     layers, trainable = make_layers()
     with LayerSwapper(layers, disk_config(tmp_path, **kw), device=CPU, log=None) as swapper:
         assert swapper.store.disk_layers == list(on_disk)
@@ -80,7 +82,7 @@ def test_disk_layers_with_the_copy_thread_equal_all_in_ram(tmp_path, references)
 
 def test_fp8_stored_layers_on_disk_equal_fp8_all_in_ram(tmp_path, references):
     """fp8 storage reads a quarter of the bytes from disk; the upcast reads the staging buffer, not the file."""
-    got = disk_run(tmp_path, "nonreentrant", (1, 2, 3, 5, 6), cast_target=FP8, host_ram_budget=0.00015)
+    got = disk_run(tmp_path, "nonreentrant", (1, 3, 4, 6), cast_target=FP8, host_ram_budget=0.00015)
     assert_bitwise_equal(references("nonreentrant", cast_target=FP8), got)
 
 
@@ -90,10 +92,10 @@ def test_the_start_up_table_shows_the_three_tiers(tmp_path):
     with LayerSwapper(layers, disk_config(tmp_path), device=CPU, log=lines.append):
         pass
     table = lines[0].splitlines()
-    assert table[1].endswith("resident") and "streamed from disk" in table[2] and "streamed from RAM" in table[5]
+    assert table[1].endswith("resident") and "streamed from disk" in table[2] and "streamed from RAM" in table[3]
     assert any(line.startswith("DGLS host RAM budget ") and "4 streamed layers" in line for line in lines)
     (tier,) = [line for line in lines if line.startswith("DGLS disk tier: 4 streamed layers")]
-    assert "os.preadv" in tier and "3 staging buffers" in tier  # which reader runs is said
+    assert "os.preadv" in tier and "2 staging buffers" in tier  # which reader runs is said
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -234,7 +236,7 @@ def test_the_file_has_no_name_and_is_closed_after_the_run(tmp_path):
         assert fds_into(tmp_path) and all("(deleted)" in t or "/#" in t for t in fds_into(tmp_path))
     assert list(tmp_path.iterdir()) == []
     # the layers came home as views of the file's mapping (the model may not fit RAM): the file goes with them
-    on_disk = [p for i in (1, 2, 3, 6) for p in layers[i].parameters() if not p.requires_grad]
+    on_disk = [p for i in (1, 3, 4, 6) for p in layers[i].parameters() if not p.requires_grad]
     assert on_disk and fds_into(tmp_path)
     del layers, trainable, on_disk
     gc.collect()
@@ -384,3 +386,16 @@ def test_the_start_up_checks_refuse_an_unwritable_disk_dir_before_the_model_load
         prepare(["--config", toml, "--host_ram_budget", "1", "--disk_dir", str(tmp_path / "f" / "x")], ROOT)
     run = prepare(["--config", toml, "--host_ram_budget", "auto", "--disk_dir", str(tmp_path / "new")], ROOT)
     assert run.swap.transfer.host_ram_budget == "auto" and not (tmp_path / "new").exists()  # nothing written yet
+
+
+def test_the_spilled_layers_are_spread_over_the_order_and_the_least_read_go_first():
+    layers, _ = make_layers()
+    layouts = measure(layers)
+    hosted = streamed = [1, 2, 3, 4, 5, 6]
+    need = sum(whole_pages(layouts[i].host_bytes) for i in hosted)
+    assert list(plan_tiers(layouts, hosted, streamed, need, 1).spilled) == []  # everything fits
+    # a byte less: one layer on disk frees no more than its staging buffer takes (1 buffer here), two do
+    assert list(plan_tiers(layouts, hosted, streamed, need - 1, 1).spilled) == [2, 5]  # spread: not 1, 2
+    reads = {i: 1 if i in (1, 3) else 2 for i in streamed}  # 1 and 3 read less often than the others
+    assert list(plan_tiers(layouts, hosted, streamed, need - 1, 1, reads).spilled) == [1, 3]
+    assert spread([10, 11, 12, 13, 14, 15, 16, 17], 2) == [12, 16] and spread([1, 2, 3], 3) == [1, 2, 3]

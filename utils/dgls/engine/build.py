@@ -49,7 +49,7 @@ from ..streaming.feature import Feature
 from ..streaming.forward_patches import ForwardPatches
 from ..streaming.masters import Masters, has_fp8
 from ..streaming.placement import Placement, plan_placement
-from ..streaming.tiers import Tiers, plan_tiers, resolve_ram_budget, tier_labels
+from ..streaming.tiers import RING_BUFFERS, Tiers, plan_tiers, resolve_ram_budget, tier_labels
 from ..streaming.trainable_cast import TrainableCast
 from ..streaming.units import Entry, split_layers, split_note
 from ..torch_private import check_torch
@@ -273,7 +273,7 @@ def _tiers(config: SwapConfig, layers: list, layouts: list[LayerLayout], placeme
         for i in hosted
         if all(p.param.device.type == "cpu" for p in layouts[i].params)
     )
-    tiers = plan_tiers(layouts, hosted, placement.streamed, resolve_ram_budget(value, on_cpu), placement.slot_count + 1)
+    tiers = plan_tiers(layouts, hosted, placement.streamed, resolve_ram_budget(value, on_cpu), RING_BUFFERS)
     if tiers.spilled and host_trained:
         raise DGLSUserError(
             f"host_ram_budget {human_bytes(tiers.budget)} would put {len(tiers.spilled)} streamed layers on disk, and "

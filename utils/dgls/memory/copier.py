@@ -45,8 +45,8 @@ Hazards handled:
 - Disk layers (:mod:`.disk_tier`): at submit, the layer's read from the disk tier's file into the next
   staging ring buffer is submitted first, gated on the previous write that read that buffer; the write
   is gated on the read and copies from the ring buffer (``Token.source``). The read starts as soon as it
-  is submitted, ``prefetch`` layers ahead of its use; the write's issuing waits for it on the host (on the
-  copy worker with ``--threading``, which a disk tier on CUDA turns on).
+  is submitted (``prefetch`` layers ahead of its use) and its ring buffer is free; the write's issuing
+  waits for it on the host (on the copy worker with ``--threading``, which a disk tier on CUDA turns on).
 """
 
 from __future__ import annotations

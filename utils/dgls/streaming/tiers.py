@@ -7,9 +7,12 @@ ring, must fit it; streamed layers that do not fit are spilled to disk (:mod:`..
 Policy (:func:`plan_tiers`)
     - Only streamed layers spill (a resident layer with an fp8 master keeps it in RAM: re-placement reads it).
     - The layers read least often per step spill first (``reads``: uses per step; every streamed layer is read
-      once per pass by default, a LoRA step's forward and backward alike), then the largest (fewer layers
-      spilled for the same bytes), then the later ones; spilling stops as soon as the rest fits.
-    - The staging ring (``ring_count`` buffers of the largest spilled layer) counts against the budget.
+      alike by default, a LoRA step's forward and backward); among those read alike, as few as fit, spread evenly
+      over the order the layers run in: each disk read then overlaps the compute and copies of the RAM layers
+      before it (the reads of a contiguous run of disk layers could start only ``prefetch`` layers ahead).
+    - The staging ring (``RING_BUFFERS`` buffers of the largest spilled layer) counts against the budget. Two: one
+      being read into while the other is copied to the device; a third would buy little (a copy takes a small
+      part of a read's time: PCIe is many times faster than a disk) and costs a layer of RAM.
     - A budget that cannot be met with every streamed layer spilled is one clear line, before anything is packed.
 """
 
@@ -23,6 +26,8 @@ from ..errors import DGLSUserError
 from ..memory.host_store import default_pinned_budget
 from ..memory.layout import GiB, LayerLayout, human_bytes
 from ..memory.pinned import whole_pages
+
+RING_BUFFERS = 2
 
 
 @dataclass(frozen=True)
@@ -67,21 +72,25 @@ def plan_tiers(
     ring_count: int,
     reads: Mapping[int, int] | None = None,
 ) -> Tiers:
-    """Spill streamed layers (the least read, then the largest) until the RAM masters and the ring fit ``budget``."""
+    """Spill streamed layers (the least read first, spread over the order) until the RAM masters and the ring fit
+    ``budget``."""
     size = {i: layouts[i].host_bytes for i in hosted}
     ram = sum(whole_pages(n) for n in size.values())
-    candidates = sorted(
-        (i for i in streamed if size.get(i, 0) > 0),
-        key=lambda i: ((reads or {}).get(i, 1), -size[i], -i),
-    )
-    spilled: dict[int, int] = {}
-    tiers = Tiers(budget, ram, ring_count)
-    for i in candidates:
-        if tiers.ram_bytes + tiers.ring_bytes <= budget:
-            return tiers
-        spilled[i] = size[i]
-        ram -= whole_pages(size[i])
-        tiers = Tiers(budget, ram, ring_count, dict(spilled))
+    candidates = [i for i in sorted(streamed) if size.get(i, 0) > 0]  # the order they run in
+    reads = reads or {}
+
+    def tiers_for(spilled: list[int]) -> Tiers:
+        left = ram - sum(whole_pages(size[i]) for i in spilled)
+        return Tiers(budget, left, ring_count, {i: size[i] for i in sorted(spilled)})
+
+    tiers, fixed = tiers_for([]), []
+    for level in sorted({reads.get(i, 1) for i in candidates}):
+        group = [i for i in candidates if reads.get(i, 1) == level]
+        for k in range(len(group) + 1):
+            tiers = tiers_for(fixed + spread(group, k))
+            if tiers.ram_bytes + tiers.ring_bytes <= budget:
+                return tiers
+        fixed += group
     if tiers.ram_bytes + tiers.ring_bytes > budget:
         need = tiers.ram_bytes + tiers.ring_bytes
         least = math.ceil(need / GiB * 100) / 100
@@ -89,9 +98,14 @@ def plan_tiers(
             f"host_ram_budget {human_bytes(budget)} is too small: with every streamed layer on disk DGLS still "
             f"keeps {human_bytes(need)} in RAM ({ring_count} staging buffers of the largest layer"
             + (f", {human_bytes(tiers.ram_bytes)} of resident layers' fp8 masters" if tiers.ram_bytes else "")
-            + f"): raise host_ram_budget to at least {least:.2f}, or lower --prefetch (fewer staging buffers)"
+            + f"): raise host_ram_budget to at least {least:.2f}"
         )
     return tiers
+
+
+def spread(order: Sequence[int], k: int) -> list[int]:
+    """``k`` of ``order``, evenly spaced (the middle of each of ``k`` equal stretches)."""
+    return [order[int((j + 0.5) * len(order) / k)] for j in range(k)] if k else []
 
 
 def tier_labels(store) -> dict[int, str]:
