@@ -26,10 +26,11 @@ from utils.dgls import DGLSUserError, LayerSwapper, Listener, SwapConfig
 from utils.dgls.memory import disk_tier
 from utils.dgls.memory.copier import DeferredCopier
 from utils.dgls.memory.device_pool import DevicePool
+from utils.dgls.memory.disk_io import AioReader, ThreadReader, aio_handle
 from utils.dgls.memory.disk_tier import DiskFile, DiskTier
 from utils.dgls.memory.host_store import HostStore
 from utils.dgls.memory.layout import measure
-from utils.dgls.memory.pinned import whole_pages
+from utils.dgls.memory.pinned import page_aligned_empty, whole_pages
 from utils.dgls.memory.transport import Direction, Transport
 from utils.dgls.program import options
 from utils.dgls.streaming.tiers import plan_tiers, spread
@@ -399,3 +400,31 @@ def test_the_spilled_layers_are_spread_over_the_order_and_the_least_read_go_firs
     reads = {i: 1 if i in (1, 3) else 2 for i in streamed}  # 1 and 3 read less often than the others
     assert list(plan_tiers(layouts, hosted, streamed, need - 1, 1, reads).spilled) == [1, 3]
     assert spread([10, 11, 12, 13, 14, 15, 16, 17], 2) == [12, 16] and spread([1, 2, 3], 3) == [1, 2, 3]
+
+
+def written_file(tmp_path, nbytes):
+    file = DiskFile(tmp_path, nbytes)
+    data = torch.randint(0, 256, (file.nbytes,), dtype=torch.uint8)
+    os.pwrite(file.fd, data.numpy().tobytes(), 0)
+    return file, data
+
+
+@pytest.mark.parametrize("reader", ["direct, 1 thread", "direct, 8 threads", "buffered", "DeepSpeed aio"])
+def test_each_reader_reads_the_bytes_at_their_offset(tmp_path, reader):
+    file, data = written_file(tmp_path, 40 * 1024 * 1024)  # reads of more than one chunk (16 MiB)
+    if reader == "DeepSpeed aio":
+        handle, why = aio_handle(2)
+        if handle is None:
+            pytest.skip(why)
+        got = AioReader(file.fd, handle, 2)
+    else:
+        got = ThreadReader(file.fd, 8 if "8" in reader else 1, direct=reader != "buffered")
+        assert got.direct == (reader != "buffered") and ("O_DIRECT" in got.name) == got.direct
+    try:
+        dst = page_aligned_empty(36 * 1024 * 1024)
+        got.read(dst, 4096 * 3)
+        assert torch.equal(dst, data[4096 * 3 : 4096 * 3 + dst.numel()])
+    finally:
+        got.close()
+        got.close()  # closing twice is harmless (the transport and the tier both close it)
+        file.close()

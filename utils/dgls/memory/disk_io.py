@@ -62,17 +62,21 @@ class _Ordered:
 class ThreadReader(_Ordered):
     """``os.preadv`` in chunks from ``threads`` threads; ``direct``: through an ``O_DIRECT`` descriptor."""
 
-    def __init__(self, fd: int, threads: int = DEFAULT_THREADS) -> None:
+    def __init__(self, fd: int, threads: int = DEFAULT_THREADS, direct: bool = True) -> None:
         super().__init__()
         self.direct = False
         try:  # a second descriptor of the same (maybe unlinked) file, for direct reads
-            self.fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT)
-            self.direct = True
+            if direct:
+                self.fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT)
+                self.direct = True
         except (OSError, AttributeError):
+            pass
+        if not self.direct:
             self.fd = os.dup(fd)
         self.threads = max(1, threads)
         self._chunks = ThreadPoolExecutor(self.threads, thread_name_prefix="dgls-disk-chunks")
-        mode = "direct I/O (O_DIRECT)" if self.direct else "buffered reads (the file system refuses O_DIRECT)"
+        mode = "direct I/O (O_DIRECT)" if self.direct else "buffered reads"
+        mode += " (the file system refuses direct I/O)" if direct and not self.direct else ""
         self.name = f"os.preadv, {mode}, {self.threads} threads"
 
     def read(self, dst: torch.Tensor, offset: int) -> None:
