@@ -12,6 +12,7 @@
 
 import gc
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -97,6 +98,7 @@ def test_the_start_up_table_shows_the_three_tiers(tmp_path):
     assert any(line.startswith("DGLS host RAM budget ") and "4 streamed layers" in line for line in lines)
     (tier,) = [line for line in lines if line.startswith("DGLS disk tier: 4 streamed layers")]
     assert "os.preadv" in tier and "2 staging buffers" in tier  # which reader runs is said
+    assert re.search(r"measured [0-9.]+ GB/s here, so one read of them all takes at least [0-9.]+ s", tier)
 
 
 @pytest.mark.parametrize("fp8", [False, True])

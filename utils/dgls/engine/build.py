@@ -148,6 +148,8 @@ def build(
             c.transfer.selective_packing, log, share_group, disk,
         )  # fmt: skip
         undo.callback(masters.release)
+        if disk is not None:
+            disk.measure()  # packed: the disk's read bandwidth, for the start-up line
         # weight copies are timed for the stats (collect_timing); the other directions only for --profile
         timed = {d for d in Direction if d is not Direction.WEIGHTS_IN} if c.observe.profile else set()
         timed |= {Direction.WEIGHTS_IN} if c.observe.collect_timing else set()

@@ -15,7 +15,8 @@ Parts
       direct I/O for the copies.
     - :class:`StagingRing`: ``count`` page-aligned buffers (page-locked on CUDA) the reads land in.
     - :class:`DiskTier`: the file, the ring and :meth:`DiskTier.read`, what the weight copier calls before the
-      host->device copy of a spilled layer.
+      host->device copy of a spilled layer; :meth:`DiskTier.measure` reads up to 512 MiB of the packed layers at
+      start-up for the disk's bandwidth and the floor it sets (said in the start-up line).
 
 Invariants
     - A read into ring buffer ``k`` waits for the weight copy that read buffer ``k`` before (a gate), and a
@@ -33,6 +34,7 @@ import mmap
 import os
 import re
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +50,7 @@ from .transport import Copy, Transport
 PREFIX = "dgls-disk-"
 NAMED = re.compile(rf"^{PREFIX}(\d+)-")
 FREE_MARGIN = 256 * 1024 * 1024  # left free on the disk beside the file
+MEASURE_BYTES = 512 * 1024 * 1024  # read at start-up to measure the disk's bandwidth
 RAM_FILE_SYSTEMS = ("tmpfs", "ramfs")
 
 
@@ -248,6 +251,7 @@ class DiskTier:
     reader: DiskReader
     spilled: frozenset[int]  # the layer indices whose masters live on disk
     notes: list[str] = field(default_factory=list)
+    read_gbps: float = 0.0  # measured at start-up (:meth:`measure`)
 
     @classmethod
     def open(
@@ -292,11 +296,33 @@ class DiskTier:
     def pinned_bytes(self) -> int:
         return self.ring.pinned_bytes
 
+    def measure(self, limit: int = MEASURE_BYTES) -> float:
+        """The disk's read bandwidth in GB/s, from reading up to ``limit`` bytes of the packed extents into the
+        ring as the copies will (before any copy: the ring is free); kept in :attr:`read_gbps`."""
+        done, began = 0, time.perf_counter()
+        for offset, size in self.file.extents.values():
+            n = min(size, self.ring.nbytes, limit - done)
+            if n <= 0:
+                break
+            self.reader.read(self.ring.buffers[0][:n], offset)
+            done += n
+        seconds = time.perf_counter() - began
+        self.read_gbps = done / seconds / 1e9 if done and seconds > 0 else 0.0
+        return self.read_gbps
+
     def describe(self) -> str:
+        measured = ""
+        if self.read_gbps:
+            floor = self.file.used / (self.read_gbps * 1e9)
+            measured = (
+                f"; measured {self.read_gbps:.2f} GB/s here, so one read of them all takes at least {floor:.2f} s "
+                "(a LoRA step reads each in its forward and its backward)"
+            )
         return (
             f"DGLS disk tier: {len(self.spilled)} streamed layers ({human_bytes(self.file.used)}) live in an unnamed "
             f"file in {self.file.directory} (gone when the process ends) and are read ahead into "
             f"{len(self.ring.buffers)} staging buffers of {human_bytes(self.ring.nbytes)} through {self.reader.name}"
+            + measured
         )
 
     def close(self) -> None:
