@@ -16,6 +16,8 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -32,7 +34,7 @@ from utils.dgls.memory.disk_tier import DiskFile, DiskTier
 from utils.dgls.memory.host_store import HostStore
 from utils.dgls.memory.layout import measure
 from utils.dgls.memory.pinned import page_aligned_empty, whole_pages
-from utils.dgls.memory.transport import Direction, Transport
+from utils.dgls.memory.transport import Copy, CudaTransport, Direction, Transport
 from utils.dgls.program import options
 from utils.dgls.streaming.tiers import plan_tiers, spread
 from utils.dgls.training.host_optimizer import HostOptimizerSpec
@@ -429,4 +431,27 @@ def test_each_reader_reads_the_bytes_at_their_offset(tmp_path, reader):
     finally:
         got.close()
         got.close()  # closing twice is harmless (the transport and the tier both close it)
+        file.close()
+
+
+def test_a_cuda_read_starts_only_once_the_copy_it_waits_for_was_issued(tmp_path):
+    """The CUDA backend's read runs on the reader's thread: it waits for its gate, a weight copy the copy worker may
+    issue later (an event not yet recorded would not be waited for), then reads; ``land`` waits for the read.
+    Checked without a GPU: the backend's read uses no stream."""
+    file, data = written_file(tmp_path, 1024 * 1024)
+    transport = object.__new__(CudaTransport)  # no streams: only read() and land() are used
+    transport.delay, transport.listeners = {Direction.DISK_IN: 1_000_000}, []
+    transport.read_from(ThreadReader(file.fd, 2))
+    gate = Copy(direction=Direction.WEIGHTS_IN, issued=threading.Event())
+    dst = page_aligned_empty(file.nbytes).zero_()  # direct I/O reads into page-aligned memory
+    try:
+        read = transport.read(dst, 0, [gate])
+        time.sleep(0.2)
+        assert not read.io.done() and not dst.any()  # still waiting for the copy that reads dst
+        gate.issued.set()
+        transport.land(read)
+        assert read.io.done() and torch.equal(dst, data) and read.span is not None
+    finally:
+        gate.issued.set()
+        transport.reader.close()
         file.close()
