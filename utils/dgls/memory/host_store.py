@@ -6,8 +6,8 @@ page-locked with ``cudaHostRegister`` in chunks under 2 GiB (:mod:`.pinned`); th
 power-of-two rounding of PyTorch's pinned caching allocator. Layers past the pinned-RAM budget stay
 pageable; the copier stages them through pinned bounce buffers.
 
-Disk tier (:mod:`.disk_tier`): the layers named in ``spill`` get their buffer in the disk tier's file (a
-shared mapping of it) instead of RAM; their host->device copies read from the tier's staging ring
+Disk tier (:mod:`.disk_tier`): the layers the attached tier spills (``disk.spilled``) get their buffer in its
+file (a shared mapping of it) instead of RAM; their host->device copies read from the tier's staging ring
 (``copies(..., source=)``), never from the mapping.
 
 fp8 storage: a master holds fp8 bytes, with fp32 scales (one per output row) kept both on the
