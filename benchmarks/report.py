@@ -7,7 +7,7 @@ of benchmarks/results/ also carries benchmarks/findings.md, the hand-written fin
 carries its own words, written by the benchmark that measured it: ``title``, ``description`` (what
 was measured), ``environment`` (where), ``command`` (what produced it) and ``notes`` (how to read
 it). This module only lays them out around the table of the result's ``benchmark`` (the script:
-models, fp8, planner, overlap, transfer). It imports no torch, so re-rendering is quick.
+models, fp8, planner, overlap, transfer, host, full, disk). It imports no torch, so re-rendering is quick.
 
     python benchmarks/report.py           # rewrite every NAME.md, NAME.png and README.md from the JSONs
     python benchmarks/report.py --index   # only README.md
@@ -173,6 +173,18 @@ TABLES: dict[str, Table] = {
             ("total GiB", _key("total_gib", ".1f")),
             ("spares wanted GiB", _key("spares_wanted_gib", ".1f")),
             ("note", _text("note")),
+        )
+    ),
+    "disk": Table(
+        columns=(
+            ("host RAM budget (GiB)", _text("budget")),
+            ("layers on disk", _text("layers_on_disk")),
+            ("GiB on disk", _key("disk_gib", ".1f")),
+            ("GiB read/step", _key("read_gib_per_step", ".1f")),
+            ("step (s)", _key("median_step_s", ".3f")),
+            ("vs all in RAM", _key("vs_all_in_ram", ".2f", "x")),
+            ("disk floor (s)", _key("disk_floor_s", ".2f")),
+            ("peak RSS GiB", _key("peak_rss_gib", ".1f")),
         )
     ),
     "host": Table(

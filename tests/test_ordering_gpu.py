@@ -1,4 +1,5 @@
-"""Ordering on CUDA at Flux block width, with delays injected on the copy streams and the compute stream.
+"""Ordering on CUDA at Flux block width, with delays injected on the copy streams and the compute stream (and on
+the disk tier's reads: a host sleep before each).
 
 Blocks of Flux-dev's width (hidden 3072: a double block is about 680 MB in bf16, a single block about
 280 MB), a few of them, tiny token counts: copies dominate. ``torch.cuda._sleep`` runs on the copy
@@ -18,9 +19,12 @@ from helpers import assert_bitwise_equal, make_layers, train
 from utils.dgls import LayerSwapper, Listener, SwapConfig
 from utils.dgls.demo.model import DemoModelConfig
 from utils.dgls.memory.copier import CudaCopier
+from utils.dgls.memory.disk_tier import DiskTier
+from utils.dgls.memory.layout import measure
 from utils.dgls.memory.precision import CastRules, fake_quantize
-from utils.dgls.memory.transport import Direction
+from utils.dgls.memory.transport import Copy, Direction
 from utils.dgls.streaming.config import ComputePolicy
+from utils.dgls.streaming.tiers import RING_BUFFERS
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -182,3 +186,70 @@ def test_canary_without_the_release_gate_differs(template, references, monkeypat
         got = train(layers, trainable, device(), "nonreentrant", dtype=BF16, cfg=FLUX_WIDTH)
     with pytest.raises(AssertionError):
         assert_bitwise_equal(references("nonreentrant"), got)
+
+
+# ---------------------------------------------------------------- the disk tier (host RAM budget): reads delayed too
+def disk_config(template, tmp_path, **kw):
+    """A host RAM budget that holds only the disk tier's staging ring (2 buffers of the largest block): every
+    streamed block (FLUX_WIDTH: 2 double blocks, 2 single) is read from disk each time it streams. (At this
+    depth a budget that keeps some blocks in RAM and the ring is larger than the model; the CPU tests mix both.)"""
+    rules = CastRules.from_policy(ComputePolicy(cast_target=kw["cast_target"])) if "cast_target" in kw else None
+    layouts = measure(template, rules)
+    largest = max(layout.host_bytes for layout in layouts[1:-1])
+    kept = sum(lay.host_bytes for lay in (layouts[0], layouts[-1]) if any(p.scaled for p in lay.params))  # fp8 masters
+    budget = (RING_BUFFERS * largest + kept + (1 << 20)) / 2**30
+    return SwapConfig.of(**{"host_ram_budget": budget, "disk_dir": str(tmp_path), "prefetch": 1, **kw})
+
+
+def disk_run(template, tmp_path, mode, config, copy_ms=20.0, compute_ms=5.0):
+    layers, trainable = fresh(template)
+    with LayerSwapper(layers, config, device=device(), log=None) as swapper:
+        assert swapper.store.disk_layers == list(swapper.streamed_layers), "every streamed block is on disk"
+        if copy_ms:
+            delay_every_copy(swapper, copy_ms)  # DISK_IN too: a host sleep before every read
+        if compute_ms:
+            swapper.add_listener(ComputeDelay(compute_ms))
+        return train(layers, trainable, device(), mode, dtype=BF16, cfg=FLUX_WIDTH)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_delayed_disk_reads_and_copies_stay_bitwise_equal(template, references, tmp_path, mode, prefetch):
+    got = disk_run(template, tmp_path, mode, disk_config(template, tmp_path, prefetch=prefetch))
+    assert_bitwise_equal(references(mode), got)
+
+
+DISK_SETTINGS = {
+    "2streams": {"cuda_streams": 2, "batch_move": True},
+    "sync": {"event_sync": False},
+    "fp8": {"cast_target": FP8},
+}
+
+
+@pytest.mark.parametrize("name", list(DISK_SETTINGS))
+def test_delayed_disk_reads_with_other_copy_settings(template, references, tmp_path, name):
+    got = disk_run(template, tmp_path, "nonreentrant", disk_config(template, tmp_path, **DISK_SETTINGS[name]))
+    assert_bitwise_equal(references("nonreentrant", fp8=name == "fp8"), got)
+
+
+def test_canary_weight_copies_that_do_not_wait_for_their_reads_differ(template, references, tmp_path, monkeypatch):
+    original = DiskTier.read
+
+    def unwaited(self, transport, index, nbytes):
+        k, buffer, _ = original(self, transport, index, nbytes)  # the read runs, but nothing waits for it
+        return k, buffer, Copy(direction=Direction.DISK_IN)
+
+    monkeypatch.setattr(DiskTier, "read", unwaited)
+    got = disk_run(template, tmp_path, "nonreentrant", disk_config(template, tmp_path), copy_ms=50.0, compute_ms=0)
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(references("nonreentrant"), got)
+
+
+def test_the_disk_tier_reads_with_direct_io_and_says_which_reader(template, tmp_path):
+    lines = []
+    layers, _ = fresh(template)
+    with LayerSwapper(layers, disk_config(template, tmp_path), device=device(), log=lines.append) as swapper:
+        reader = swapper.transport.reader
+        assert reader is not None and "O_DIRECT" in reader.name
+        assert swapper.store.disk.pinned_bytes > 0
+    assert any(line.startswith("DGLS disk tier: ") and reader.name in line for line in lines)

@@ -38,6 +38,7 @@ from ..activations.unit_checkpoints import Piece, UnitCheckpoints, pieces_to_che
 from ..errors import DGLSUserError
 from ..memory.copier import Copier, CudaCopier, DeferredCopier
 from ..memory.device_pool import DevicePool
+from ..memory.disk_tier import DiskTier
 from ..memory.layout import MB, LayerLayout, human_bytes, measure
 from ..memory.precision import CastRules, check_device_support, name_of
 from ..memory.transport import CudaTransport, Direction, Transport, make_transport
@@ -46,8 +47,9 @@ from ..planning.planner import unit_bytes_for_budget
 from ..streaming.config import SwapConfig
 from ..streaming.feature import Feature
 from ..streaming.forward_patches import ForwardPatches
-from ..streaming.masters import Masters
+from ..streaming.masters import Masters, has_fp8
 from ..streaming.placement import Placement, plan_placement
+from ..streaming.tiers import RING_BUFFERS, Tiers, plan_tiers, resolve_ram_budget, tier_labels
 from ..streaming.trainable_cast import TrainableCast
 from ..streaming.units import Entry, split_layers, split_note
 from ..torch_private import check_torch
@@ -82,6 +84,7 @@ class Parts:
     driver: PlacementDriver | None
     training: HostTraining | None
     activations: ActivationOffloader | None
+    tiers: Tiers | None = None  # with a host RAM budget: which masters live in RAM and which on disk
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
@@ -138,17 +141,26 @@ def build(
     if driver is not None:
         driver.check_static_minimum(sizes, placement.update_bytes)
     training_note = check_host_training(trained) if trained is not None else ""
+    tiers = _tiers(c, values, layouts, placement, host_trained)
     with ExitStack() as undo:  # a failure below frees what was made
+        disk = None
+        if tiers is not None and tiers.spilled:  # the directory is checked before anything is written
+            disk = DiskTier.open(c.transfer.disk_dir, tiers.spilled, tiers.ring_count, pin=device.type == "cuda")
+            undo.callback(disk.close)
         masters = Masters(
             values, layouts, placement.streamed, device, cast_rules, c.transfer.pinned_ram_budget_gb,
-            c.transfer.selective_packing, log, share_group,
+            c.transfer.selective_packing, log, share_group, disk,
         )  # fmt: skip
         undo.callback(masters.release)
+        if disk is not None:
+            disk.measure()  # packed: the disk's read bandwidth, for the start-up line
         # weight copies are timed for the stats (collect_timing); the other directions only for --profile
         timed = {d for d in Direction if d is not Direction.WEIGHTS_IN} if c.observe.profile else set()
         timed |= {Direction.WEIGHTS_IN} if c.observe.collect_timing else set()
         transport = make_transport(device, weight_lanes=c.transfer.cuda_streams, timed=timed)
         undo.callback(transport.close)
+        if disk is not None:
+            transport.read_from(disk.reader)
         features: list[Feature] = []
         undo.callback(lambda: [feature.close() for feature in reversed(features)])
         training = None
@@ -202,7 +214,7 @@ def build(
                 transport,
                 masters.store,
                 ordered_by_events=c.transfer.ordered_by_events,
-                use_thread=c.transfer.threading,
+                use_thread=c.transfer.threading or disk is not None,  # a read's wait is the worker's, not compute's
                 landing_bytes=placement.landing_bytes,
             )
         else:
@@ -229,6 +241,7 @@ def build(
         driver=driver,
         training=training,
         activations=activations,
+        tiers=tiers,
     )
 
 
@@ -257,12 +270,16 @@ def _data_parallel_share(c: SwapConfig, entries: list[Entry], trained, streamed_
 
 def start_report(parts: Parts) -> list[str]:
     """The start-up lines: the placement, swap units, each feature's lines, warnings."""
-    lines = [parts.placement.table()]
+    store = parts.masters.store
+    lines = [parts.placement.table(tier_labels(store) if parts.tiers is not None else None)]
+    if parts.tiers is not None:
+        lines.append(parts.tiers.line())
+    if store.disk is not None:
+        lines += [store.disk.describe(), *store.disk.notes]
     if note := split_note(parts.entries, parts.unit_bytes):
         lines.append(note)
     lines += [line for feature in parts.features for line in feature.describe()]
     lines += parts.placement.notes()
-    store = parts.masters.store
     if pageable := store.pageable_layers:
         lines.append(
             f"DGLS: the pinned-RAM budget ({human_bytes(store.pinned_budget)}) covers "
@@ -271,6 +288,29 @@ def start_report(parts: Parts) -> list[str]:
             "pinned_ram_budget_gb"
         )
     return lines
+
+
+def _tiers(config: SwapConfig, layers: list, layouts: list[LayerLayout], placement: Placement, host_trained: bool):
+    """With ``host_ram_budget``: which streamed layers' masters spill to disk (:mod:`..streaming.tiers`)."""
+    value = config.transfer.host_ram_budget
+    if value is None:
+        return None
+    streamed = set(placement.streamed)
+    hosted = [lay.index for lay in layouts if lay.index in streamed or has_fp8(lay)]
+    on_cpu = sum(
+        layouts[i].sizes.streamable_bytes
+        for i in hosted
+        if all(p.param.device.type == "cpu" for p in layouts[i].params)
+    )
+    tiers = plan_tiers(layouts, hosted, placement.streamed, resolve_ram_budget(value, on_cpu), RING_BUFFERS)
+    if tiers.spilled and host_trained:
+        raise DGLSUserError(
+            f"host_ram_budget {human_bytes(tiers.budget)} would put {len(tiers.spilled)} streamed layers on disk, and "
+            "a full fine-tune's masters and optimizer state cannot live there yet (the disk tier holds frozen "
+            f"weights: LoRA): raise host_ram_budget to {(tiers.ram_bytes + sum(tiers.spilled.values())) / 2**30:.2f} "
+            "or drop it"
+        )
+    return tiers
 
 
 def _replays_nothing(module: nn.Module) -> bool:

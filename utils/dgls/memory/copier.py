@@ -42,6 +42,11 @@ Hazards handled:
   layouts; stream order keeps the next copy from overwriting a landing buffer still being upcast.
 - Pageable masters are staged through pinned bounce buffers; the host waits for a bounce
   buffer's previous copy before refilling it (the only host wait on the pageable path).
+- Disk layers (:mod:`.disk_tier`): at submit, the layer's read from the disk tier's file into the next
+  staging ring buffer is submitted first, gated on the previous write that read that buffer; the write
+  is gated on the read and copies from the ring buffer (``Token.source``). The read starts as soon as it
+  is submitted (``prefetch`` layers ahead of its use) and its ring buffer is free; the write's issuing
+  waits for it on the host (on the copy worker with ``--threading``, which a disk tier on CUDA turns on).
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ class Token(Copy):
     gates: list = field(default_factory=list)  # Markers and Copies this write waits for
     issued: threading.Event = field(default_factory=threading.Event)  # recorded (CUDA) / submitted (CPU)
     waited: bool = False  # the compute stream already waits for it
+    source: torch.Tensor | None = None  # a disk layer's staging buffer, read instead of the host buffer
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,10 @@ class Copier:
                 gates.extend(after[k])
             token = Token(nbytes=host.nbytes, layer=host.index, slot=slot, host=host, demand=demand, gates=gates)
             self._prepare(token)
+            if host.on_disk:  # read it into a staging buffer first (after that buffer's previous reader)
+                ring, token.source, read = self.store.disk.read(self.transport, host.index, host.nbytes)
+                token.gates.append(read)
+                self.store.disk.consumed(ring, token)
             state.write = token
             tokens.append(token)
         if self.threaded:
@@ -222,11 +232,11 @@ class DeferredCopier(Copier):
             host, buffer = token.host, token.slot.buffer
             self.transport.submit(
                 Direction.WEIGHTS_IN,
-                [(dst, src) for src, dst in host.copies(buffer, None)],
+                [(dst, src) for src, dst in host.copies(buffer, None, token.source)],
                 token.gates,
                 into=token,
                 poison=[buffer],
-                then=partial(_upcast, host, buffer, None),
+                then=partial(_upcast, host, buffer, None, token.source),
                 late=not self.threaded,  # the worker performs each write now, the earliest the protocol allows
             )
             token.issued.set()
@@ -305,8 +315,8 @@ class CudaCopier(Copier):
         host = token.host
         if host.layout.landing_bytes > landing.numel():
             raise OrderingError(f"layer {token.layer} needs a {host.layout.landing_bytes}-byte landing buffer")
-        pairs = host.copies(token.slot.buffer, landing)
-        if host.pinned:
+        pairs = host.copies(token.slot.buffer, landing, token.source)
+        if host.pinned or token.source is not None:  # a disk layer's staging buffer is pinned
             for src, dst in pairs:
                 dst.copy_(src, non_blocking=True)
         else:
@@ -331,17 +341,19 @@ class CudaCopier(Copier):
                 k = (k + 1) % len(staging)
 
 
-def _upcast(host: HostLayer, slot: torch.Tensor, landing: torch.Tensor | None) -> None:
+def _upcast(
+    host: HostLayer, slot: torch.Tensor, landing: torch.Tensor | None, source: torch.Tensor | None = None
+) -> None:
     """Write the fp8-stored params into the slot in their compute dtype (times their scales), from
-    ``landing`` on CUDA or straight from the host master on the CPU."""
+    ``landing`` on CUDA or straight from the host master on the CPU (``source``: a disk layer's staging buffer)."""
     layout = host.layout
     for k, p in enumerate(layout.params):
         if not p.scaled:
             continue
         if landing is not None:
             base = p.host_offset - layout.direct_bytes
-            source = landing[base : base + p.host_nbytes].view(p.stored).view(p.shape)
+            source_view = landing[base : base + p.host_nbytes].view(p.stored).view(p.shape)
         else:
-            source = host.master_view(k)
+            source_view = host.master_view(k, source)
         out = slot[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape)
-        dequantize(source, host.scales[k], p.dtype, out=out)
+        dequantize(source_view, host.scales[k], p.dtype, out=out)

@@ -6,6 +6,10 @@ page-locked with ``cudaHostRegister`` in chunks under 2 GiB (:mod:`.pinned`); th
 power-of-two rounding of PyTorch's pinned caching allocator. Layers past the pinned-RAM budget stay
 pageable; the copier stages them through pinned bounce buffers.
 
+Disk tier (:mod:`.disk_tier`): the layers the attached tier spills (``disk.spilled``) get their buffer in its
+file (a shared mapping of it) instead of RAM; their host->device copies read from the tier's staging ring
+(``copies(..., source=)``), never from the mapping.
+
 fp8 storage: a master holds fp8 bytes, with fp32 scales (one per output row) kept both on the
 swapper's device (for the upcast) and on the CPU (for state dicts). Scales are computed on the
 swapper's device, the same device that upcasts, so a layer's values are bitwise the same
@@ -25,6 +29,7 @@ import psutil
 import torch
 
 from ..errors import DGLSUserError
+from .disk_tier import DiskTier
 from .layout import GiB, LayerLayout
 from .peers import Peers
 from .pinned import REGISTER_CHUNK, Registrations, page_aligned_empty, whole_pages
@@ -43,6 +48,7 @@ class HostLayer:
     packed: bool  # copied as one block (else param by param: selective_packing)
     scales: dict[int, torch.Tensor] = field(default_factory=dict)  # param position -> fp32 scales on the device
     scales_host: dict[int, torch.Tensor] = field(default_factory=dict)  # the same on the CPU
+    on_disk: bool = False  # the buffer maps the disk tier's file: copies read a staging buffer the tier fills
 
     @property
     def index(self) -> int:
@@ -53,10 +59,12 @@ class HostLayer:
         """Bytes copied per fetch."""
         return self.layout.host_bytes
 
-    def master_view(self, k: int) -> torch.Tensor:
-        """Param ``k``'s stored bytes as a typed view into host memory (fp8 for fp8-stored params)."""
+    def master_view(self, k: int, source: torch.Tensor | None = None) -> torch.Tensor:
+        """Param ``k``'s stored bytes as a typed view into host memory (fp8 for fp8-stored params); ``source``:
+        a copy of the buffer to view instead (a disk layer's staging buffer)."""
         p = self.layout.params[k]
-        return self.buffer[p.host_offset : p.host_offset + p.host_nbytes].view(p.stored).view(p.shape)
+        buffer = self.buffer if source is None else source
+        return buffer[p.host_offset : p.host_offset + p.host_nbytes].view(p.stored).view(p.shape)
 
     def value(self, k: int, device: torch.device | None = None) -> torch.Tensor:
         """Param ``k``'s true value in its compute dtype: a view of the master, or its dequantized copy
@@ -80,22 +88,26 @@ class HostLayer:
             self.scales[k].copy_(scale)
             self.scales_host[k].copy_(scale)
 
-    def copies(self, slot: torch.Tensor, landing: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def copies(
+        self, slot: torch.Tensor, landing: torch.Tensor | None, source: torch.Tensor | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(host bytes, device bytes) pairs to copy: chunks when packed, per param if not. fp8-stored
-        bytes go to ``landing`` (for the upcast), or are left out without one (the CPU upcasts from here)."""
+        bytes go to ``landing`` (for the upcast), or are left out without one (the CPU upcasts from here).
+        ``source``: where the bytes are read from instead of the buffer (a disk layer's staging buffer)."""
         layout, pairs = self.layout, []
+        buffer = self.buffer if source is None else source
         if self.packed:
             for o in range(0, layout.direct_bytes, COPY_CHUNK):
                 end = min(o + COPY_CHUNK, layout.direct_bytes)
-                pairs.append((self.buffer[o:end], slot[o:end]))
+                pairs.append((buffer[o:end], slot[o:end]))
             if landing is not None:
                 for o in range(layout.direct_bytes, layout.host_bytes, COPY_CHUNK):
                     end = min(o + COPY_CHUNK, layout.host_bytes)
                     base = o - layout.direct_bytes
-                    pairs.append((self.buffer[o:end], landing[base : base + end - o]))
+                    pairs.append((buffer[o:end], landing[base : base + end - o]))
             return pairs
         for p in layout.params:
-            src = self.buffer[p.host_offset : p.host_offset + p.host_nbytes]
+            src = buffer[p.host_offset : p.host_offset + p.host_nbytes]
             if not p.scaled:
                 pairs.append((src, slot[p.offset : p.offset + p.nbytes]))
             elif landing is not None:
@@ -122,7 +134,8 @@ def check_ram(new_bytes: int) -> None:
     if new_bytes > available:
         raise DGLSUserError(
             f"too little RAM to hold the streamed layers: need {new_bytes / GiB:.1f} GiB more, "
-            f"{available / GiB:.1f} GiB available; stream fewer layers (blocks_to_swap) or free RAM"
+            f"{available / GiB:.1f} GiB available; stream fewer layers (blocks_to_swap), free RAM, or (LoRA) set "
+            "host_ram_budget to keep what does not fit on disk"
         )
 
 
@@ -140,12 +153,17 @@ class HostStore:
         self.layers: dict[int, HostLayer] = {}
         self.pinned_bytes = 0
         self.staging: list[torch.Tensor] = []
+        self.disk: DiskTier | None = None  # the disk tier: the layers it spills get their buffer in its file
         self._registrations = Registrations()
         self._finalizer = weakref.finalize(self, Registrations.drop_all, self._registrations)
 
     @property
     def pageable_layers(self) -> list[int]:
-        return [i for i, h in self.layers.items() if self.use_pinning and not h.pinned]
+        return [i for i, h in self.layers.items() if self.use_pinning and not h.pinned and not h.on_disk]
+
+    @property
+    def disk_layers(self) -> list[int]:
+        return [i for i, h in self.layers.items() if h.on_disk]
 
     def add_layer(self, layout: LayerLayout, memory: str = "private") -> HostLayer:
         """Pack one layer's streamable params (their current data), cast as the layout says, and pin the
@@ -154,13 +172,16 @@ class HostStore:
         still computed here: they live on this process's device)."""
         nbytes = layout.host_bytes
         budget = self.pinned_budget
-        pin = self.use_pinning and (budget is None or self.pinned_bytes + whole_pages(nbytes) <= budget)
-        if memory == "private":
+        spill = self.disk is not None and layout.index in self.disk.spilled and memory == "private"
+        pin = not spill and self.use_pinning and (budget is None or self.pinned_bytes + whole_pages(nbytes) <= budget)
+        if spill:
+            offset, buffer = self.disk.file.allocate(layout.index, nbytes)
+        elif memory == "private":
             buffer = page_aligned_empty(nbytes) if self.use_pinning else torch.empty(nbytes, dtype=torch.uint8)
         else:
             make = self.peers.create if memory == "create" else self.peers.attach
             buffer = make(layout.index, whole_pages(nbytes))
-        layer = HostLayer(layout, buffer[:nbytes], pin, nbytes >= self.packing_threshold)
+        layer = HostLayer(layout, buffer[:nbytes], pin, nbytes >= self.packing_threshold, on_disk=spill)
         with torch.no_grad():
             for k, p in enumerate(layout.params):
                 if p.scaled:
@@ -173,8 +194,15 @@ class HostStore:
         if pin:
             self._registrations.add(layout.index, buffer)
             self.pinned_bytes += buffer.numel()
+        if spill:
+            self.disk.file.flush(offset, nbytes)
         self.layers[layout.index] = layer
         return layer
+
+    def attach_disk(self, disk: DiskTier) -> None:
+        """Spill ``disk.spilled`` into the disk tier as they are added; its pinned ring counts as this store's."""
+        self.disk = disk
+        self.pinned_bytes += disk.pinned_bytes
 
     def remove_layer(self, index: int) -> None:
         """Unpin and drop one layer's master (it became resident: the device copy is the weight now)."""
@@ -201,8 +229,10 @@ class HostStore:
         self.staging = []
 
     def release(self) -> None:
-        """Unpin and drop every buffer (masters must have been copied out first)."""
+        """Unpin and drop every buffer (masters must have been copied out first), and close the disk tier."""
         self._registrations.drop_all()
         self.layers.clear()
+        if self.disk is not None:
+            self.disk.close()
         self.staging.clear()
         self.pinned_bytes = 0

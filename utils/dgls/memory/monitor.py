@@ -25,11 +25,13 @@ PROC_VERSION = Path("/proc/version")
 WSL_ADVICE = (
     "on WSL: raise memory= under [wsl2] in %UserProfile%\\.wslconfig and run `wsl --shutdown` (WSL gives Linux "
     "only part of the Windows RAM, and CUDA on WSL limits pinned memory), or lower --pinned_ram_budget_gb, or store "
-    "streamed weights as fp8 with --cast_target bf16 f8_e4m3 (half the host bytes)"
+    "streamed weights as fp8 with --cast_target bf16 f8_e4m3 (half the host bytes), or keep what does not fit on "
+    "disk with --host_ram_budget (LoRA)"
 )
 ADVICE = (
-    "lower --pinned_ram_budget_gb, stream fewer layers (--blocks_to_swap), or store streamed weights as fp8 with "
-    "--cast_target bf16 f8_e4m3 (half the host bytes)"
+    "lower --pinned_ram_budget_gb, stream fewer layers (--blocks_to_swap), store streamed weights as fp8 with "
+    "--cast_target bf16 f8_e4m3 (half the host bytes), or keep what does not fit on disk with --host_ram_budget "
+    "(LoRA)"
 )
 
 

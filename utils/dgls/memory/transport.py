@@ -12,6 +12,10 @@ say what to move in one vocabulary:
   (or on a direction's stream), e.g. every kernel that reads a buffer: a later write waits for it.
 - ``issue(direction, gates) -> Copy`` (a context): arbitrary work (copies, an fp8 upcast, an
   optimizer kernel) enqueued on the direction's stream behind the gates; the copy is ready after it.
+- ``read(dst, offset, gates) -> Copy``: disk -> host memory, the disk tier's third memory
+  (:mod:`.disk_tier`): read ``dst.numel()`` bytes of the disk file at ``offset`` after the gates. A read
+  is host work (:mod:`.disk_io`'s reader thread), not stream work: whoever waits for it (``land``, or
+  the issuing of a copy gated on it) waits on the host; the returned token carries the read's future.
 
 Who owns what:
 
@@ -25,7 +29,8 @@ Who owns what:
   many times a copy's issuing.
 - One delay hook for tests (:attr:`Transport.delay`, CUDA): a GPU sleep
   (:func:`~..torch_private.sleep_on_stream`) before the work of every copy of a direction, so every GPU
-  ordering test widens every race the same way.
+  ordering test widens every race the same way; disk reads have no stream: their delay is a host sleep of
+  as many nanoseconds on the reader thread before each read (the same order of magnitude at ~1 GHz).
 - One listener event per copy (``copied(copy)``), with its direction and bytes, for the stats, the
   profiler and the planner's probe.
 - ``torch.profiler`` ranges (:func:`profiler_range`): ``DGLS <direction>`` around every copy's work (CUDA:
@@ -42,7 +47,8 @@ Backends:
 - :class:`Transport` (CPU): a late copy fills its destinations with NaN bytes at once and writes
   the bytes only when something waits for it (``acquire``, ``land``, or a later copy gated on it),
   so a missing wait in any direction computes with NaN and a CPU test fails. Work issued with
-  :meth:`issue` runs at once (after its gates landed).
+  :meth:`issue` runs at once (after its gates landed). A disk read is late the same way: its
+  destination holds NaN bytes until something waits for it.
 
 Invariants:
 
@@ -57,6 +63,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from enum import Enum
@@ -68,6 +75,7 @@ from torch.autograd import profiler as autograd_profiler
 
 from ..errors import SwapWorkerError
 from ..torch_private import profiler_recording, sleep_on_stream
+from .disk_io import DiskReader
 
 POISON = 0xFF  # a NaN in every float dtype DGLS moves (fp32, bf16, fp16, fp8 e4m3fn/e5m2)
 
@@ -81,6 +89,10 @@ class Direction(Enum):
     ACTIVATIONS_IN = "activations in"  # and back before their recompute or backward reads them
     STATE_IN = "optimizer state in"  # device updates: masters, moments and gradients in, and the step
     STATE_OUT = "optimizer state out"  # device updates: masters, moments and the compute-dtype copy home
+    DISK_IN = "disk reads"  # the disk tier's file into pinned staging buffers (host work: no stream)
+
+
+STREAMED = tuple(d for d in Direction if d is not Direction.DISK_IN)  # the directions with CUDA streams
 
 
 # The ranges' names, made once (a range's name is built per call only when a profiler records).
@@ -115,7 +127,9 @@ class Copy:
     start: torch.cuda.Event | None = None  # CUDA, timed: recorded once its gates were met
     lane: int = 0  # which of the direction's streams (weights have several)
     pending: Callable[[], None] | None = None  # CPU: the bytes still to land
-    span: tuple[float, float] | None = None  # CPU: perf_counter() around the landing
+    span: tuple[float, float] | None = None  # CPU: perf_counter() around the landing (and disk reads on CUDA)
+    io: Future | None = None  # CUDA: a disk read running on the reader's thread
+    issued: threading.Event | None = None  # a token handed out before its work is issued: set once it is
 
 
 Gate = Copy | Marker | None
@@ -141,6 +155,11 @@ class Transport:
         self.poison = False  # tests (CUDA): device destinations of a submit hold NaN bytes until the copy lands
         self.copy_worker = Worker("dgls-copies", "DGLS issue weight copies")  # --threading: never behind an update
         self.job_worker = Worker("dgls-jobs", "DGLS host optimizer job")  # gradient sums and updates
+        self.reader: DiskReader | None = None  # the disk tier's reader and its threads (:meth:`read_from`)
+
+    def read_from(self, reader: DiskReader) -> None:
+        """Disk reads go through ``reader`` (the disk tier's file); the transport closes it."""
+        self.reader = reader
 
     # ---------------------------------------------------------------- vocabulary
     def submit(
@@ -210,6 +229,17 @@ class Transport:
         copy.span = (began, time.perf_counter())
         self._report(copy)
 
+    def read(self, dst: torch.Tensor, offset: int, gates: Iterable[Gate] = ()) -> Copy:
+        """``dst.numel()`` bytes of the disk file at ``offset`` into ``dst`` (page-aligned host memory), after
+        ``gates`` (the copies that still read ``dst``). CPU: ``dst`` holds NaN bytes until the read is waited for."""
+        copy = Copy(direction=Direction.DISK_IN, nbytes=dst.numel())
+        for gate in gates:
+            self.land(gate)
+        copy.pending = partial(self.reader.read, dst, offset)
+        _poison(dst)
+        self._report(copy)
+        return copy
+
     def join(self, copies: list[Copy]) -> Copy | None:
         """One token for ``copies`` (one direction's, in submission order): waiting for it waits for all of
         them. On the CPU it lands each one."""
@@ -230,6 +260,9 @@ class Transport:
         self.copy_worker.close()
         self.job_worker.close()
         self.synchronize()
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
 
     # ---------------------------------------------------------------- mechanism
     def _land(self, copy: Copy) -> None:
@@ -266,7 +299,7 @@ class CudaTransport(Transport):
         #   chunk k goes home.
         self.streams: dict[Direction, list[torch.cuda.Stream]] = {
             d: [torch.cuda.Stream(device=device) for _ in range(weight_lanes if d is Direction.WEIGHTS_IN else 1)]
-            for d in Direction
+            for d in STREAMED
         }
 
     def stream(self, direction: Direction, lane: int = 0) -> torch.cuda.Stream:
@@ -319,10 +352,16 @@ class CudaTransport(Transport):
         return copies[-1] if copies else None
 
     def acquire(self, copy: Copy) -> None:
+        if copy.io is not None:
+            copy.io.result()
         if copy.ready is not None:
             self._compute().wait_event(copy.ready)
 
     def land(self, gate: Gate) -> None:
+        if isinstance(gate, Copy) and gate.io is not None:
+            with profiler_range(HOST_WAITS[gate.direction]):
+                gate.io.result()
+            return
         event = _event_of(gate)
         if event is not None:
             waits = HOST_WAITS[gate.direction] if isinstance(gate, Copy) else HOST_WAITS_MARKER
@@ -356,6 +395,9 @@ class CudaTransport(Transport):
             stream.wait_stream(self._compute())
         with profiler_range(RANGES[direction]), torch.cuda.stream(stream):  # the stream's device current too
             for gate in gates:
+                if isinstance(gate, Copy) and gate.io is not None:  # a disk read: host work, waited for here
+                    gate.io.result()
+                    continue
                 event = _event_of(gate)
                 if event is None:
                     continue
@@ -383,9 +425,31 @@ class CudaTransport(Transport):
                 stream.wait_stream(compute)
 
     def synchronize(self, *directions: Direction) -> None:
-        for direction in directions or tuple(Direction):
+        for direction in directions or STREAMED:
+            if direction is Direction.DISK_IN:
+                if self.reader is not None:
+                    self.reader.submit(_nothing).result()  # every read submitted so far ran (in order)
+                continue
             for stream in self.streams[direction]:
                 stream.synchronize()
+
+    def read(self, dst: torch.Tensor, offset: int, gates: Iterable[Gate] = ()) -> Copy:
+        copy = Copy(direction=Direction.DISK_IN, nbytes=dst.numel())
+        gates = list(gates)
+        delay_ns = self.delay.get(Direction.DISK_IN, 0)
+
+        def job() -> None:
+            for gate in gates:  # the weight copies that read ``dst`` before (their tokens may be issued later)
+                _host_wait(gate)
+            if delay_ns:
+                time.sleep(delay_ns / 1e9)
+            began = time.perf_counter()
+            self.reader.read(dst, offset)
+            copy.span = (began, time.perf_counter())
+
+        copy.io = self.reader.submit(job)
+        self._report(copy)
+        return copy
 
     def staged_copy(self, dst: torch.Tensor, src: torch.Tensor, bounce: torch.Tensor, done: Marker | None) -> Marker:
         """Inside :meth:`issue`: ``src`` (pageable host memory) into ``dst`` through the pinned ``bounce``
@@ -412,6 +476,23 @@ def _event_of(gate: Gate) -> torch.cuda.Event | None:
     if isinstance(gate, Marker):
         return gate.event
     return None
+
+
+def _host_wait(gate: Gate) -> None:
+    """CUDA, off the main thread: block until ``gate`` ran (a token issued later by the copy worker: until it is
+    issued first, since a wait on an event not yet recorded would not wait)."""
+    if isinstance(gate, Copy):
+        if gate.issued is not None:
+            gate.issued.wait()
+        if gate.io is not None:
+            gate.io.result()
+    event = _event_of(gate)
+    if event is not None:
+        event.synchronize()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _land_each(transport: Transport, copies: list[Copy]) -> None:

@@ -339,6 +339,27 @@ OPTIONS: tuple[Option, ...] = (
         policy="transfer",
     ),
     Option(
+        "host_ram_budget",
+        "budget",
+        None,
+        "GiB of host RAM for streamed layers' weights, or `auto` (available RAM less a reserve): the layers that do "
+        "not fit stay in a file in --disk_dir and are read from disk each time they stream (LoRA)",
+        "the model is larger than the RAM the machine can spare",
+        "streaming",
+        policy="transfer",
+    ),
+    Option(
+        "disk_dir",
+        "str",
+        None,
+        "directory on a local disk for the layers --host_ram_budget does not hold (an unnamed file, gone when the "
+        "run ends); checked for room and writability at start-up",
+        "the system temp directory is small, slow or RAM (tmpfs)",
+        "streaming",
+        shown="system temp",
+        policy="transfer",
+    ),
+    Option(
         "compile",
         "bool",
         False,

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import DGLSUserError
+from ..memory.disk_tier import precheck_directory
 from ..memory.precision import dtype_of, is_fp8, name_of
 from ..spelling import check_dgls_table_name, check_passthrough_flags, check_top_level, did_you_mean
 from ..streaming.config import ComputePolicy, PlacementPolicy, SwapConfig, TrainingPolicy
@@ -447,6 +448,8 @@ def prepare(argv: list[str] | None, here: Path) -> DemoRun | DropInRun:
     resolved = options.resolve(config.get("dgls"), args, args.config)
     swap = options.swap_config(resolved.values)  # every engine setting, each checked by its policy
     options.check(resolved)
+    if swap.transfer.host_ram_budget is not None and resolved.values["dynamic_swapping"]:
+        precheck_directory(swap.transfer.disk_dir)  # before the model loads; its room is checked once it is measured
     if model_type(config, args.config) == DEMO_MODEL_TYPE:
         return _demo(args.config, config, rest, resolved, swap, args.diffusion_pipe)
     return _drop_in(args.config, config, rest, resolved, swap, args.diffusion_pipe, here)

@@ -12,6 +12,7 @@ Modules
     - ``residency.py``: one streamed layer's state (host, fetching, in use, released), a method per transition.
     - ``bindings.py``: what each param points at (placeholder, slot view, device copy), and its home.
     - ``masters.py``: the true weights in host memory, and the state-dict hooks that read and write them.
+    - ``tiers.py``: ``--host_ram_budget``: which streamed layers' masters stay in RAM and which spill to disk.
     - ``units.py``: swap units: a large layer streamed as the child modules it runs.
     - ``forward_patches.py``: ``--autocast`` and ``--compile``: how a layer's forward runs, apart from where
       its weights are (a feature).

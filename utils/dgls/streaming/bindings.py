@@ -109,13 +109,16 @@ class Bindings:
         return [m if m is not None else layer.host.value(k) for k, m in enumerate(kept)]
 
     def restore(self) -> None:
-        """Every param and buffer back on its home device in its home dtype (grads cast to it too)."""
+        """Every param and buffer back on its home device in its home dtype (grads cast to it too). A layer on the
+        disk tier that comes home to the CPU keeps its values in the file's mapping (read on demand: the model may
+        be larger than RAM), instead of a copy of them all."""
         with torch.no_grad():
             streamed = set()
             for layer in self.streamed.values():
                 for param, value in zip(layer.params, self.true_values(layer)):
                     _, device, dtype = self._home[id(param)]
-                    param.data = value.to(device, dtype, copy=True)
+                    in_place = layer.host.on_disk and value.device == device and value.dtype == dtype
+                    param.data = value if in_place else value.to(device, dtype, copy=True)
                     streamed.add(id(param))
             for t, device, dtype in self._home.values():
                 if id(t) not in streamed and (t.device != device or t.dtype != dtype):

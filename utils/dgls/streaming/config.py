@@ -226,6 +226,9 @@ class TransferPolicy(_Policy):
       pass), ``layer`` (the host waits for every copy, as ``event_sync`` off does); read through
       :attr:`ordered_by_events` and :attr:`sync_each_step`, which combine it with ``event_sync``.
     - ``pinned_ram_budget_gb`` and ``selective_packing`` shape the host store of streamed weights (:mod:`.masters`).
+    - ``host_ram_budget`` (GiB, or ``"auto"``): streamed layers whose masters do not fit stay in a file in
+      ``disk_dir`` (default: the system temp directory) and are read from disk each time they stream
+      (:mod:`.tiers`, :mod:`..memory.disk_tier`).
     - Read by the builder (:mod:`..engine.build`), which hands the values to the copier, the transport, the host
       store (:mod:`.masters`) and the planner (``cuda_streams``).
     """
@@ -237,6 +240,8 @@ class TransferPolicy(_Policy):
     event_sync: bool = True
     device_sync_mode: str = _checked("none", _one_of(SYNC_MODES))
     pinned_ram_budget_gb: float | None = _size(None, "must be a number of GiB >= 0")
+    host_ram_budget: float | str | None = _checked(None, _vram_budget)
+    disk_dir: str | None = _checked(None, _path)
 
     @property
     def ordered_by_events(self) -> bool:

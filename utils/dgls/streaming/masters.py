@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..errors import DGLSUserError
+from ..memory.disk_tier import DiskTier
 from ..memory.host_store import HostLayer, HostStore, check_ram, default_pinned_budget
 from ..memory.layout import MB, LayerLayout, human_bytes, measure_layer
 from ..memory.monitor import check_pinned_budget
@@ -77,17 +78,26 @@ class Masters:
         packing_threshold_mb: float,
         log: Callable[[str], None],
         share_group: str = "",
+        disk: DiskTier | None = None,
     ) -> None:
         self.layers, self.layouts, self.device, self.cast_rules = layers, layouts, device, cast_rules
         hosted = [layout for layout in layouts if layout.index in streamed or has_fp8(layout)]
         on_cpu = sum(
             lay.sizes.streamable_bytes for lay in hosted if all(p.param.device.type == "cpu" for p in lay.params)
         )
-        total = sum(lay.host_bytes for lay in hosted)
+        spilled = disk.spilled if disk is not None else frozenset()
+        total = sum(lay.host_bytes for lay in hosted if lay.index not in spilled)  # the disk tier holds the rest
         budget = int(pinned_budget_gb * GiB) if pinned_budget_gb is not None else default_pinned_budget(on_cpu)
         signature = ";".join(f"{lay.index}:{lay.sizes.class_name}:{lay.host_bytes}" for lay in hosted)
         self.peers = Peers.discover(share_group, signature, sum(whole_pages(lay.host_bytes) for lay in hosted))
         self.store = HostStore(device, budget, int(packing_threshold_mb * MB), self.peers)
+        if disk is not None:
+            if self.peers.shared:
+                raise DGLSUserError(
+                    f"host_ram_budget spills layers to disk, and the {self.peers.local_ranks} processes on this "
+                    "machine share one copy of the masters in RAM: the two do not combine yet; drop host_ram_budget"
+                )
+            self.store.attach_disk(disk)
         if self.peers.leader:
             check_ram(total - on_cpu)
             if self.store.use_pinning and (note := check_pinned_budget(min(total, budget), freed_bytes=on_cpu)):

@@ -8,7 +8,7 @@ chooses instead. A :class:`Placement` derives every device figure from the layou
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import DGLSUserError
@@ -74,8 +74,9 @@ class Placement:
         training_bytes`): allocated by the first backward and optimizer step."""
         return training_bytes(self.sizes, self.streamed)
 
-    def table(self) -> str:
-        """The start-up placement table: index, class, MB, where it lives."""
+    def table(self, tiers: Mapping[int, str] | None = None) -> str:
+        """The start-up placement table: index, class, MB, where it lives (``tiers``: where a streamed layer's
+        master lives, with a host RAM budget: pinned RAM, RAM or disk)."""
         streamed = set(self.streamed)
         units = any(s.part for s in self.sizes)
         width = min(48, max(28, *(len(s.label) + 2 for s in self.sizes))) if units else 28
@@ -85,7 +86,7 @@ class Placement:
             if s.holder:
                 where = "swap units below" + (f"; {s.fixed_bytes / MB:.1f} MB of its own resident" if total else "")
             elif s.index in streamed:
-                where = "streamed"
+                where = "streamed" if tiers is None else f"streamed from {tiers.get(s.index, 'RAM')}"
                 if s.fixed_bytes:
                     where += f" ({s.fixed_bytes / MB:.1f} MB trainable/buffers resident)"
             elif not s.streamable_bytes and not s.fixed_bytes:

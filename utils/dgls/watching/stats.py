@@ -53,6 +53,7 @@ class StepStats:
     peak_vram_bytes: int = 0  # torch's max_memory_allocated at the end of the pass (DGLS never resets it)
     pinned_bytes: int = 0
     activation_bytes: int = 0  # checkpointed layers' inputs sent to host memory (offload_activations)
+    disk_bytes: int = 0  # read from the disk tier (host_ram_budget)
 
     @property
     def gbps(self) -> float:
@@ -74,6 +75,7 @@ class StepStats:
             copy_ms=self.copy_ms - earlier.copy_ms,
             wait_ms=self.wait_ms - earlier.wait_ms,
             activation_bytes=self.activation_bytes - earlier.activation_bytes,
+            disk_bytes=self.disk_bytes - earlier.disk_bytes,
         )
 
     def as_dict(self) -> dict:
@@ -81,12 +83,15 @@ class StepStats:
         d.update(gbps=self.gbps, hit_rate=self.hit_rate)
         return d
 
-    def short(self) -> str:
+    def _extras(self) -> str:
         activations = f", activations home {human_bytes(self.activation_bytes)}" if self.activation_bytes else ""
-        return f"streamed {human_bytes(self.bytes_moved)}, waited {self.wait_ms:.1f} ms{activations}"
+        return activations + (f", read from disk {human_bytes(self.disk_bytes)}" if self.disk_bytes else "")
+
+    def short(self) -> str:
+        return f"streamed {human_bytes(self.bytes_moved)}, waited {self.wait_ms:.1f} ms{self._extras()}"
 
     def line(self, device_type: str = "cuda") -> str:
-        activations = f", activations home {human_bytes(self.activation_bytes)}" if self.activation_bytes else ""
+        activations = self._extras()
         if device_type != "cuda":
             return (
                 f"swap: {human_bytes(self.bytes_moved)} in {self.fetches} copies, hits {self.hit_rate:.0%}"
@@ -141,6 +146,7 @@ def across_ranks(stats: StepStats, device: torch.device) -> StepStats:
         "wait_ms",
         "pending",
         "activation_bytes",
+        "disk_bytes",
     )
     summed = torch.tensor([float(getattr(stats, k)) for k in counters], dtype=torch.float64, device=device)
     largest = torch.tensor(
@@ -211,6 +217,9 @@ class StatsCollector(Listener):
         if copy.direction is Direction.ACTIVATIONS_OUT:  # checkpointed inputs and recomputed tensors sent home
             self._open.stats.activation_bytes += copy.nbytes
             self._total.activation_bytes += copy.nbytes
+        elif copy.direction is Direction.DISK_IN:  # the disk tier's reads (possibly on the copy worker)
+            self._open.stats.disk_bytes += copy.nbytes
+            self._total.disk_bytes += copy.nbytes
 
     def pass_ended(self) -> None:
         window, self._open = self._open, _Window()

@@ -1,0 +1,33 @@
+"""benchmarks/bench_disk.py --tiny end to end on the CPU: the read bandwidth of each reader, and the tiny Flux
+LoRA step at three host RAM budgets (all in RAM, then layers on disk), its JSON and Markdown."""
+
+import json
+import sys
+
+import pytest
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow  # builds the tiny Flux model and runs three arms
+pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_disk  # noqa: E402
+import report  # noqa: E402
+
+
+def test_the_disk_benchmark_measures_bandwidth_and_each_budget(tmp_path):
+    out = tmp_path / "results"
+    bench_disk.main(["--tiny", "--steps", "1", "--warmup", "1", "--disk_dir", str(tmp_path), "--results_dir", str(out)])
+    result = json.loads((out / "disk_flux.json").read_text())
+    assert result["benchmark"] == "disk" and result["tiny"]
+    readers = [r["reader"] for r in result["read_bandwidth"]]
+    assert any("1 threads" in r for r in readers) and any("8 threads" in r for r in readers)
+    assert all(r["gbps"] > 0 for r in result["read_bandwidth"] if "gbps" in r)
+    all_in_ram, *budgets = result["rows"]
+    assert all_in_ram["budget"] == "all" and all_in_ram["layers_on_disk"] == 0 and all_in_ram["read_gib_per_step"] == 0
+    assert budgets[-1]["layers_on_disk"] > budgets[0]["layers_on_disk"] >= 0
+    assert budgets[-1]["read_gib_per_step"] > 0 and budgets[-1]["disk_floor_s"] > 0
+    assert all(row["peak_rss_gib"] > 0 for row in result["rows"])
+    assert (out / "disk_flux.md").read_text() == report.render(result)
+    assert list(tmp_path.iterdir()) == [out]  # the bandwidth file and the disk tier's files are gone

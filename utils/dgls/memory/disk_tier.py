@@ -1,0 +1,332 @@
+"""Disk tier: streamed layers that do not fit the host RAM budget live in a file on a local disk.
+
+Why: streaming moved the wall from VRAM to host RAM; a machine with less RAM than the model could not
+train at all. Disk is the transport's third memory (:mod:`.transport`, ``Direction.DISK_IN``): a spilled
+layer's bytes are read into a ring of pinned staging buffers, and its host->device copy reads from there.
+
+Parts
+    - :func:`check_directory`: the directory is a writable directory with room for the file, checked before
+      anything is written (one clear :class:`~..errors.DGLSUserError` line otherwise).
+    - :class:`DiskFile`: one file that has no name (``O_TMPFILE``; where the file system lacks it, a named
+      file unlinked at once): it is gone when the process ends, however it ends (normal exit, Ctrl-C,
+      ``kill -9``). Named files carry the process id (``dgls-disk-<pid>-*``); the next start removes those whose
+      process is gone, and nothing else. Each layer has an extent of whole pages, reached through a shared
+      ``mmap`` (the master's bytes for state dicts and packing) and read by the reader (:mod:`.disk_io`) with
+      direct I/O for the copies.
+    - :class:`StagingRing`: ``count`` page-aligned buffers (page-locked on CUDA) the reads land in.
+    - :class:`DiskTier`: the file, the ring and :meth:`DiskTier.read`, what the weight copier calls before the
+      host->device copy of a spilled layer; :meth:`DiskTier.measure` reads up to 512 MiB of the packed layers at
+      start-up for the disk's bandwidth and the floor it sets (said in the start-up line).
+
+Invariants
+    - A read into ring buffer ``k`` waits for the weight copy that read buffer ``k`` before (a gate), and a
+      weight copy from buffer ``k`` waits for its read (the copier's gate): so the CPU transport, which poisons
+      a read's destination until the read is waited for, fails a test when either wait is missing.
+    - A layer's bytes are on the disk (``msync``), unmapped from this process (``MADV_DONTNEED``) and out of the
+      page cache (``POSIX_FADV_DONTNEED``) once packed, so no RAM holds a second copy of what was spilled to save
+      RAM (reads use direct I/O where the file system allows it; a state dict reads through the mapping).
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+from ..errors import DGLSUserError
+from .disk_io import DiskReader, open_reader
+from .layout import human_bytes
+from .pinned import REGISTER_CHUNK, Registrations, page_aligned_empty, whole_pages
+from .transport import Copy, Transport
+
+PREFIX = "dgls-disk-"
+NAMED = re.compile(rf"^{PREFIX}(\d+)-")
+FREE_MARGIN = 256 * 1024 * 1024  # left free on the disk beside the file
+MEASURE_BYTES = 512 * 1024 * 1024  # read at start-up to measure the disk's bandwidth
+RAM_FILE_SYSTEMS = ("tmpfs", "ramfs")
+
+
+def default_directory() -> Path:
+    return Path(tempfile.gettempdir())
+
+
+def free_bytes(directory: Path) -> int:
+    """Bytes an unprivileged writer may still use in ``directory``'s file system."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def file_system(directory: Path) -> str:
+    """The type of the file system ``directory`` is on (from /proc/mounts; "" if unknown)."""
+    best, kind = "", ""
+    try:
+        lines = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return ""
+    target = str(directory.resolve())
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 3:
+            mount = parts[1]
+            inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+            if inside and len(mount) > len(best):
+                best, kind = mount, parts[2]
+    return kind
+
+
+def check_directory(directory: str | Path | None, nbytes: int) -> Path:
+    """The directory for a ``nbytes`` file, made if missing; one clear line if it cannot take the file."""
+    path = Path(directory).expanduser() if directory else default_directory()
+    hint = "name another directory with --disk_dir, or raise --host_ram_budget"
+    if path.exists() and not path.is_dir():
+        raise DGLSUserError(f"disk_dir {path} is not a directory: {hint}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DGLSUserError(f"disk_dir {path} cannot be made ({exc.strerror}): {hint}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise DGLSUserError(f"disk_dir {path} is not writable: {hint}")
+    free = free_bytes(path)
+    if free < nbytes + FREE_MARGIN:
+        raise DGLSUserError(
+            f"disk_dir {path} has {human_bytes(free)} free; the layers that do not fit the host RAM budget need "
+            f"{human_bytes(nbytes)} (and {human_bytes(FREE_MARGIN)} left free): {hint}"
+        )
+    return path
+
+
+def precheck_directory(directory: str | Path | None) -> None:
+    """The start-up check, before any slow work and without writing anything: ``directory`` (or, while it does not
+    exist, the folder it would be made in) is a writable directory with more than the margin free."""
+    path = Path(directory).expanduser() if directory else default_directory()
+    existing = path
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    hint = "name another directory with --disk_dir, or raise --host_ram_budget"
+    if not existing.is_dir():
+        raise DGLSUserError(f"disk_dir {path}: {existing} is not a directory: {hint}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise DGLSUserError(f"disk_dir {path} is not writable: {hint}")
+    if (free := free_bytes(existing)) < FREE_MARGIN:
+        raise DGLSUserError(f"disk_dir {path} has {human_bytes(free)} free: {hint}")
+
+
+def remove_stale(directory: Path) -> list[Path]:
+    """Remove the named files of earlier runs whose process is gone (``dgls-disk-<pid>-*`` only)."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        match = NAMED.match(name)
+        if match is None or psutil.pid_exists(int(match.group(1))):
+            continue
+        try:
+            (directory / name).unlink()
+            removed.append(directory / name)
+        except OSError:
+            pass
+    return removed
+
+
+def _user_error(path: Path, exc: OSError, nbytes: int) -> DGLSUserError:
+    hint = "name another directory with --disk_dir, or raise --host_ram_budget"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DGLSUserError(f"disk_dir {path} has no room for {human_bytes(nbytes)} of spilled layers: {hint}")
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return DGLSUserError(f"disk_dir {path} is not writable ({exc.strerror}): {hint}")
+    return DGLSUserError(f"disk_dir {path}: cannot make the disk tier's file ({exc.strerror}): {hint}")
+
+
+class DiskFile:
+    """An unnamed file of ``nbytes`` (whole pages) in ``directory``, its extents and a shared mapping of it."""
+
+    use_tmpfile = True  # False: a named file, unlinked at once (file systems without O_TMPFILE; tests)
+
+    def __init__(self, directory: Path, nbytes: int) -> None:
+        self.directory = directory
+        self.nbytes = whole_pages(max(nbytes, 1))
+        self.named = False
+        self.fd = self._create()
+        try:
+            os.posix_fallocate(self.fd, 0, self.nbytes)  # room reserved now: a full disk fails here, not mid-run
+            self._map = mmap.mmap(self.fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            os.close(self.fd)
+            raise _user_error(directory, exc, self.nbytes) from None
+        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.used = 0
+        self.extents: dict[int, tuple[int, int]] = {}  # layer index -> (offset, whole-page size)
+
+    def _create(self) -> int:
+        try:
+            if self.use_tmpfile:
+                return os.open(self.directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
+                raise _user_error(self.directory, exc, self.nbytes) from None
+        try:  # no O_TMPFILE here: a named file, unlinked at once (a stale one is removed by the next start)
+            fd, name = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=self.directory)
+        except OSError as exc:
+            raise _user_error(self.directory, exc, self.nbytes) from None
+        os.unlink(name)
+        self.named = True
+        return fd
+
+    def allocate(self, index: int, nbytes: int) -> tuple[int, torch.Tensor]:
+        """Layer ``index``'s extent of whole pages (its own again when it streams again after being resident):
+        its offset and its mapped bytes."""
+        size = whole_pages(nbytes)
+        offset, had = self.extents.get(index, (self.used, 0))
+        if size > had:
+            if self.used + size > self.nbytes:
+                raise RuntimeError(f"disk tier: layer {index} does not fit ({self.used} + {size} > {self.nbytes})")
+            offset, self.used = self.used, self.used + size
+            self.extents[index] = (offset, size)
+        return offset, self.bytes[offset : offset + size]
+
+    def offset(self, index: int) -> int:
+        return self.extents[index][0]
+
+    def flush(self, offset: int, nbytes: int) -> None:
+        """The extent's bytes to the disk, out of this process's pages (packing touched them through the mapping:
+        they would count as its RSS) and out of the page cache (which keeps no page a process maps)."""
+        size = whole_pages(nbytes)
+        self._map.flush(offset, size)
+        self._map.madvise(mmap.MADV_DONTNEED, offset, size)  # a shared file mapping: the bytes stay in the file
+        os.posix_fadvise(self.fd, offset, size, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        """Close the descriptor and drop this object's hold on the mapping. The mapping is never closed here: a
+        tensor viewing it (a state dict's value, a param restored in place) keeps it, and it goes with the last
+        of them (closing it would leave them pointing at unmapped memory); the file goes with the mapping."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.bytes = None
+        self._map = None
+
+
+class StagingRing:
+    """``count`` page-aligned buffers of ``nbytes`` (page-locked when ``pin``), handed out in turn; each remembers
+    the last copy that reads it, so the next read into it waits for that copy."""
+
+    def __init__(self, count: int, nbytes: int, pin: bool) -> None:
+        self.nbytes = whole_pages(max(nbytes, 1))
+        self._registrations = Registrations("lower --host_ram_budget's ring, or free RAM")
+        self.buffers = [page_aligned_empty(self.nbytes) for _ in range(count)]
+        if pin:
+            for k, buf in enumerate(self.buffers):
+                self._registrations.add(k, buf, chunk=REGISTER_CHUNK)  # copies split at the same 1 GiB bounds
+        self.pinned_bytes = count * self.nbytes if pin else 0
+        self.readers: list[Copy | None] = [None] * count
+        self._next = 0
+
+    def take(self) -> int:
+        k = self._next
+        self._next = (k + 1) % len(self.buffers)
+        return k
+
+    def release(self) -> None:
+        self._registrations.drop_all()
+        self.pinned_bytes = 0
+        self.readers = [None] * len(self.buffers)
+
+
+@dataclass
+class DiskTier:
+    """The file the spilled layers live in, the ring their reads land in, and the reader."""
+
+    file: DiskFile
+    ring: StagingRing
+    reader: DiskReader
+    spilled: frozenset[int]  # the layer indices whose masters live on disk
+    notes: list[str] = field(default_factory=list)
+    read_gbps: float = 0.0  # measured at start-up (:meth:`measure`)
+
+    @classmethod
+    def open(
+        cls, directory: str | Path | None, spilled: dict[int, int], ring_count: int, pin: bool, threads: int = 8
+    ) -> DiskTier:
+        """The tier for ``spilled`` (layer index -> host bytes): checks first, then the file and the ring."""
+        total = sum(whole_pages(n) for n in spilled.values())
+        path = check_directory(directory, total)
+        notes = (
+            [f"DGLS disk tier: removed {len(gone)} files of earlier runs from {path}"]
+            if (gone := remove_stale(path))
+            else []
+        )
+        if (kind := file_system(path)) in RAM_FILE_SYSTEMS:
+            notes.append(
+                f"DGLS disk tier: {path} is on {kind}, which is RAM: spilling there saves no RAM; name a directory on "
+                "a disk with --disk_dir"
+            )
+        file = DiskFile(path, total)
+        try:
+            reader = open_reader(file.fd, threads, use_aio=pin)  # CUDA runs; CPU tests need no build
+            ring = StagingRing(ring_count, max(spilled.values()), pin)
+        except BaseException:
+            file.close()
+            raise
+        return cls(file, ring, reader, frozenset(spilled), notes)
+
+    def read(self, transport: Transport, index: int, nbytes: int) -> tuple[int, torch.Tensor, Copy]:
+        """Read layer ``index``'s extent into the next ring buffer, after the copy that read that buffer before;
+        returns the buffer's number (for :meth:`consumed`), the buffer, and the read's token."""
+        k = self.ring.take()
+        buffer = self.ring.buffers[k][: whole_pages(nbytes)]
+        gate = self.ring.readers[k]
+        read = transport.read(buffer, self.file.offset(index), [gate] if gate is not None else [])
+        return k, buffer, read
+
+    def consumed(self, k: int, copy: Copy) -> None:
+        """``copy`` reads ring buffer ``k``: the next read into it waits for it."""
+        self.ring.readers[k] = copy
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.ring.pinned_bytes
+
+    def measure(self, limit: int = MEASURE_BYTES) -> float:
+        """The disk's read bandwidth in GB/s, from reading up to ``limit`` bytes of the packed extents into the
+        ring as the copies will (before any copy: the ring is free); kept in :attr:`read_gbps`."""
+        done, began = 0, time.perf_counter()
+        for offset, size in self.file.extents.values():
+            n = min(size, self.ring.nbytes, limit - done)
+            if n <= 0:
+                break
+            self.reader.read(self.ring.buffers[0][:n], offset)
+            done += n
+        seconds = time.perf_counter() - began
+        self.read_gbps = done / seconds / 1e9 if done and seconds > 0 else 0.0
+        return self.read_gbps
+
+    def describe(self) -> str:
+        measured = ""
+        if self.read_gbps:
+            floor = self.file.used / (self.read_gbps * 1e9)
+            measured = (
+                f"; measured {self.read_gbps:.2f} GB/s here, so one read of them all takes at least {floor:.2f} s "
+                "(a LoRA step reads each in its forward and its backward)"
+            )
+        return (
+            f"DGLS disk tier: {len(self.spilled)} streamed layers ({human_bytes(self.file.used)}) live in an unnamed "
+            f"file in {self.file.directory} (gone when the process ends) and are read ahead into "
+            f"{len(self.ring.buffers)} staging buffers of {human_bytes(self.ring.nbytes)} through {self.reader.name}"
+            + measured
+        )
+
+    def close(self) -> None:
+        """Stop reading, unpin the ring, close the file (idempotent: the transport closes the reader too)."""
+        self.reader.close()
+        self.ring.release()
+        self.file.close()
