@@ -54,8 +54,8 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -162,6 +162,19 @@ class ActivationOffloader(Feature):
     def pinned_bytes(self) -> int:
         """Page-locked host buffers (0 when not pinning)."""
         return self.host_bytes() if self.pin else 0
+
+    @contextmanager
+    def keeping(self, count: int) -> Iterator[None]:
+        """At least the last ``count`` segments of a forward stay on the device inside the block. A layer-major step
+        (:mod:`..engine.layer_major`) calls its last checkpointed layer once per micro-batch, and the layer after it
+        (not checkpointed: no segment of its own) reads what those calls took (a vector every block passes on): all
+        ``count`` of them stay, as the last call of a forward does in one micro-batch."""
+        keep = self.keep
+        self.keep = max(keep, count)
+        try:
+            yield
+        finally:
+            self.keep = keep
 
     def set_depth(self, keep: int, ahead: int) -> None:
         """Keep the last ``keep`` segments of each forward on the device, and restore ``ahead`` segments before

@@ -1,0 +1,323 @@
+"""Layer-major gradient accumulation on the CPU: the same numbers as sequential micro-batches, one fetch a direction.
+
+Each test compares :func:`~utils.dgls.engine.layer_major.layer_major_step` over N micro-batches with the same N
+micro-batches run one after another (forward, backward, forward, backward, ...) through the same layers: the losses,
+the accumulated gradients, the weights after the optimizer steps and an eval pass between steps, bitwise. The CPU
+transport's mutations (a missing wait, a slot written before its release) still fail under the new schedule.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+from full_ft import SPEC, FullRecord, _weights, assert_same, full_layers, params_of
+from helpers import (
+    SMALL,
+    RunRecord,
+    assert_bitwise_equal,
+    checkpoint_for,
+    loop_mode,
+    make_layers,
+    run_layers,
+    skip_waits,
+)
+
+from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
+from utils.dgls.demo.data import SyntheticLatents
+from utils.dgls.demo.model import BLOCK_CLASSES
+from utils.dgls.engine.layer_major import layer_major_step
+from utils.dgls.memory.copier import Copier, DeferredCopier, OrderingError
+from utils.dgls.memory.transport import Direction
+from utils.dgls.watching.listener import Listener
+
+CPU = torch.device("cpu")
+MODES = ["none", "nonreentrant", "reentrant", "unsloth"]
+
+
+def runners(layers, mode: str, checkpoint_fn=None) -> list:
+    """The layers as run_layers runs them, one callable each (blocks under the mode's checkpoint)."""
+    ckpt = checkpoint_fn or checkpoint_for(mode)
+    loop = loop_mode(mode)
+
+    def checkpointed(layer, h):
+        if not torch.is_grad_enabled():
+            return layer(h)
+        return ckpt(lambda *xs: layer(xs), *h)
+
+    return [
+        partial(checkpointed, layer) if type(layer).__name__ in BLOCK_CLASSES and loop != "none" else layer
+        for layer in layers
+    ]
+
+
+def batches(dtype=torch.float32, cfg=SMALL):
+    data = SyntheticLatents(cfg, samples=8, image_tokens=12, text_tokens=5, seed=3)
+    return data.batches(2, dtype, CPU)
+
+
+def _inputs(inputs, mode):
+    return (inputs[0].requires_grad_(), *inputs[1:]) if loop_mode(mode) == "reentrant" else inputs
+
+
+def _loss(out, target):
+    return F.mse_loss(out.float(), target.float())
+
+
+def train_lora(mode, accumulate, layer_major, swap=None, steps=2, checkpoint_fn=None, swapper_hook=None):
+    """LoRA steps of ``accumulate`` micro-batches then AdamW, an eval pass between steps; ``swap``: a SwapConfig to
+    stream the layers with (``swapper_hook(swapper)`` sees the swapper first)."""
+    layers, trainable = make_layers()
+    swapper = LayerSwapper(layers, swap, device=CPU, log=None) if swap is not None else None
+    try:
+        if swapper is not None and swapper_hook is not None:
+            swapper_hook(swapper)
+        fn = swapper.checkpoint_function(checkpoint_for(mode)) if checkpoint_fn == "swapper" else checkpoint_fn
+        run = runners(layers, mode, fn)
+        data = batches()
+        opt = torch.optim.AdamW(trainable, lr=1e-2)
+        losses, grads, evals = [], [], []
+        for _ in range(steps):
+            micro = [next(data) for _ in range(accumulate)]
+            if layer_major:
+                got = layer_major_step(
+                    run,
+                    [_inputs(x, mode) for x, _ in micro],
+                    lambda out, m, micro=micro: _loss(out, micro[m][1]),
+                    swapper,
+                )
+                losses += got
+            else:
+                for x, target in micro:
+                    h = _inputs(x, mode)
+                    for layer in run:
+                        h = layer(h)
+                    loss = _loss(h, target)
+                    loss.backward()
+                    losses.append(loss.detach())
+            grads.append([p.grad.detach().clone() for p in trainable])
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                x, _ = next(data)
+                evals.append(run_layers(layers, x, "none"))
+        return RunRecord(losses, grads, [p.detach().clone() for p in trainable], evals)
+    finally:
+        if swapper is not None:
+            swapper.remove()
+
+
+def streamed(**kw) -> SwapConfig:
+    return SwapConfig.of(**{"prefetch": 1, **kw})
+
+
+# ---------------------------------------------------------------- LoRA
+@pytest.mark.parametrize("accumulate", [1, 2, 4])
+@pytest.mark.parametrize("mode", MODES)
+def test_lora_layer_major_equals_sequential_micro_batches(mode, accumulate):
+    reference = train_lora(mode, accumulate, layer_major=False)
+    assert_bitwise_equal(reference, train_lora(mode, accumulate, layer_major=True))
+    assert_bitwise_equal(reference, train_lora(mode, accumulate, layer_major=True, swap=streamed()))
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"offload_activations": True},
+        {"offload_recompute": True},
+        {"checkpoint_units": True},
+        {"checkpoint_units": True, "keep_piece_outputs": True},
+        {"swap_unit_mb": 0.01},
+    ],
+    ids=["offload", "recompute-offload", "units", "kept-pieces", "swap-units"],
+)
+@pytest.mark.parametrize("accumulate", [2, 4])
+def test_lora_layer_major_equals_sequential_with_the_engines_checkpoint_features(settings, accumulate):
+    mode = "nonreentrant"
+    reference = train_lora(mode, accumulate, layer_major=False)
+    got = train_lora(mode, accumulate, layer_major=True, swap=streamed(**settings), checkpoint_fn="swapper")
+    assert_bitwise_equal(reference, got)
+
+
+class _PassMarks(Listener):
+    """The swapper's totals at each pass end (the listeners hear it after the features)."""
+
+    def __init__(self, swapper) -> None:
+        self.swapper, self.marks = swapper, [swapper.total_stats()]
+
+    def pass_ended(self) -> None:
+        self.marks.append(self.swapper.total_stats())
+
+
+def fetches_per_step(accumulate, mode="nonreentrant", layer_major=True):
+    """Each pass's stats (a pass: a step's backward and the eval forward before it), and the streamed layer count."""
+    seen = {}
+
+    def hook(swapper):
+        seen["marks"] = _PassMarks(swapper)
+        seen["streamed"] = len(swapper.streamed_layers)
+        swapper.add_listener(seen["marks"])
+
+    train_lora(mode, accumulate, layer_major=layer_major, swap=streamed(), steps=3, swapper_hook=hook)
+    marks = seen["marks"].marks
+    return [b.since(a) for a, b in zip(marks, marks[1:])], seen["streamed"]
+
+
+@pytest.mark.parametrize("mode", ["none", "nonreentrant", "reentrant"])
+def test_each_streamed_layer_is_fetched_once_a_direction_a_step(mode):
+    """One pass a step whatever N, with a use of each streamed layer in its forward and one in its backward (and one
+    in the eval pass between steps, which counts towards the next pass), and the fetches of one micro-batch; N
+    sequential micro-batches fetch about N times as much (the test's own check)."""
+    one, streamed_count = fetches_per_step(1, mode)
+    assert streamed_count >= 4 and one[1].fetches >= 2 * streamed_count
+    for accumulate in (2, 4):
+        passes, _ = fetches_per_step(accumulate, mode)
+        assert [p.passes for p in passes] == [1, 1, 1]
+        assert [p.uses for p in passes] == [2 * streamed_count, 3 * streamed_count, 3 * streamed_count]
+        assert [p.fetches for p in passes] == [p.fetches for p in one]
+        assert [p.bytes_moved for p in passes] == [p.bytes_moved for p in one]
+        assert sum(p.misses for p in passes[1:]) == 0
+    sequential, _ = fetches_per_step(2, mode, layer_major=False)
+    assert sum(p.fetches for p in sequential) > 1.5 * sum(p.fetches for p in one)
+
+
+# ---------------------------------------------------------------- mutations
+def test_mutation_no_compute_side_wait_reads_poison_under_layer_major(monkeypatch):
+    reference = train_lora("nonreentrant", 2, layer_major=False)
+    monkeypatch.setattr(DeferredCopier, "_wait", lambda self, token: None)
+    got = train_lora("nonreentrant", 2, layer_major=True, swap=streamed())
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(reference, got)
+    assert any(torch.isnan(loss).any() for loss in got.losses)
+
+
+@pytest.mark.parametrize("mode", ["none", "nonreentrant"])
+def test_mutation_no_release_marker_is_refused_under_layer_major(mode, monkeypatch):
+    monkeypatch.setattr(Copier, "release", lambda self, slot: None)
+    with pytest.raises(OrderingError, match="while layer .* may still read it"):
+        train_lora(mode, 2, layer_major=True, swap=streamed())
+
+
+@pytest.mark.parametrize(
+    "direction, settings",
+    [(Direction.WEIGHTS_IN, {}), (Direction.ACTIVATIONS_IN, {"offload_activations": True})],
+    ids=["weights", "activations"],
+)
+def test_mutation_a_transport_that_never_waits_differs_under_layer_major(direction, settings, monkeypatch):
+    reference = train_lora("nonreentrant", 2, layer_major=False)
+    skip_waits(monkeypatch, direction)  # the mutation
+    got = train_lora("nonreentrant", 2, layer_major=True, swap=streamed(**settings), checkpoint_fn="swapper")
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(reference, got)
+
+
+# ---------------------------------------------------------------- full fine-tuning
+class _GradCopies(Listener):
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def copied(self, copy) -> None:
+        if copy.direction is Direction.GRADS_HOME:
+            self.bytes += copy.nbytes
+
+
+def train_full(mode, accumulate, layer_major, dtype=torch.float32, steps=2, max_norm=None, listener=None):
+    """Full fine-tuning steps: streamed layers trained on the host (accumulation_steps N sequentially, 1 layer-major),
+    the others by the trainer's optimizer."""
+    layers = full_layers(dtype)
+    cfg = SwapConfig.of(host_optimizer=SPEC, accumulation_steps=1 if layer_major else accumulate, prefetch=1)
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        if listener is not None:
+            swapper.add_listener(listener)
+        training = swapper.training
+        params = params_of(layers)
+        resident = [p for p in params if not training.owns(p)]
+        trainer = SPEC.build(resident) if resident else None
+        run = runners(layers, mode)
+        data = batches(dtype)
+        losses, evals = [], []
+        for _ in range(steps):
+            micro = [next(data) for _ in range(accumulate)]
+            if layer_major:
+                losses += layer_major_step(
+                    run,
+                    [_inputs(x, mode) for x, _ in micro],
+                    lambda out, m, micro=micro: _loss(out, micro[m][1]),
+                    swapper,
+                )
+            else:
+                for x, target in micro:
+                    h = _inputs(x, mode)
+                    for layer in run:
+                        h = layer(h)
+                    loss = _loss(h, target)
+                    loss.backward()
+                    losses.append(loss.detach())
+            if max_norm is not None:
+                training.clip_grad_norm_(params, max_norm)
+            if trainer is not None:
+                trainer.step()
+                trainer.zero_grad()
+            training.step()
+            with torch.no_grad():
+                x, _ = next(data)
+                evals.append(run_layers(layers, x, "none").cpu())
+        return FullRecord(losses, _weights(layers), evals)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2, 4])
+@pytest.mark.parametrize("mode", ["none", "nonreentrant", "reentrant"])
+def test_full_fine_tuning_layer_major_equals_sequential_in_fp32(mode, accumulate):
+    assert_same(train_full(mode, accumulate, False), train_full(mode, accumulate, True))
+
+
+def test_full_fine_tuning_layer_major_sends_each_gradient_home_once_a_step():
+    sent = {}
+    for accumulate, layer_major in ((1, True), (4, True), (4, False)):
+        sent[accumulate, layer_major] = _GradCopies()
+        train_full("nonreentrant", accumulate, layer_major, listener=sent[accumulate, layer_major])
+    assert sent[1, True].bytes > 0
+    assert sent[4, True].bytes == sent[1, True].bytes
+    assert sent[4, False].bytes == 4 * sent[1, True].bytes
+
+
+def test_full_fine_tuning_layer_major_with_clipping_equals_sequential():
+    assert_same(train_full("nonreentrant", 4, False, max_norm=0.05), train_full("nonreentrant", 4, True, max_norm=0.05))
+
+
+def test_full_fine_tuning_layer_major_in_bf16_is_close():
+    """bf16: the device's fp32 sum is rounded once to bf16 on its way home (sequential keeps it fp32): close, and
+    the losses of the first step (before any update) bitwise the same."""
+    a = train_full("nonreentrant", 4, False, dtype=torch.bfloat16)
+    b = train_full("nonreentrant", 4, True, dtype=torch.bfloat16)
+    for x, y in zip(a.losses[:4], b.losses[:4]):
+        assert torch.equal(x, y)
+    for k in a.weights:  # AdamW's first steps move each weight by about lr whatever the gradient's size: a rounding
+        # of a gradient near zero may turn one step's sign
+        torch.testing.assert_close(a.weights[k], b.weights[k], rtol=0, atol=2 * SPEC.lr * 2)
+
+
+def test_a_host_training_told_several_micro_batches_is_refused():
+    layers = full_layers()
+    cfg = SwapConfig.of(host_optimizer=SPEC, accumulation_steps=2, prefetch=1)
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        data = batches()
+        micro = [next(data) for _ in range(2)]
+        with pytest.raises(DGLSUserError, match="accumulation_steps = 1"):
+            layer_major_step(
+                runners(layers, "none"), [x for x, _ in micro], lambda o, m: _loss(o, micro[m][1]), swapper
+            )
+
+
+def test_no_micro_batches_is_refused():
+    with pytest.raises(DGLSUserError, match="at least one micro-batch"):
+        layer_major_step([], [], lambda o, m: o)
+
+
+def test_mutation_gradients_home_without_a_wait_differ_under_layer_major(monkeypatch):
+    reference = train_full("nonreentrant", 2, False)
+    skip_waits(monkeypatch, Direction.GRADS_HOME)  # the mutation
+    with pytest.raises(AssertionError):
+        assert_same(reference, train_full("nonreentrant", 2, True))
