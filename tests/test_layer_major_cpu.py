@@ -28,7 +28,7 @@ from helpers import (
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.demo.data import SyntheticLatents
 from utils.dgls.demo.model import BLOCK_CLASSES
-from utils.dgls.engine.layer_major import layer_major_step
+from utils.dgls.engine.layer_major import layer_major_losses, layer_major_step
 from utils.dgls.memory.copier import Copier, DeferredCopier, OrderingError
 from utils.dgls.memory.transport import Direction
 from utils.dgls.watching.listener import Listener
@@ -66,9 +66,17 @@ def _loss(out, target):
     return F.mse_loss(out.float(), target.float())
 
 
-def train_lora(mode, accumulate, layer_major, swap=None, steps=2, checkpoint_fn=None, swapper_hook=None):
+def _micro_loss(micro, out, m):
+    return _loss(out, micro[m][1])
+
+
+def train_lora(
+    mode, accumulate, layer_major, swap=None, steps=2, checkpoint_fn=None, swapper_hook=None, one_backward=False
+):
     """LoRA steps of ``accumulate`` micro-batches then AdamW, an eval pass between steps; ``swap``: a SwapConfig to
-    stream the layers with (``swapper_hook(swapper)`` sees the swapper first)."""
+    stream the layers with (``swapper_hook(swapper)`` sees the swapper first). ``one_backward``: each loss scaled by
+    1/N, as a trainer's engine does (sequential: ``(loss / N).backward()`` each; layer-major: ``layer_major_losses``
+    and one backward of their sum over N)."""
     layers, trainable = make_layers()
     swapper = LayerSwapper(layers, swap, device=CPU, log=None) if swap is not None else None
     try:
@@ -81,7 +89,13 @@ def train_lora(mode, accumulate, layer_major, swap=None, steps=2, checkpoint_fn=
         losses, grads, evals = [], [], []
         for _ in range(steps):
             micro = [next(data) for _ in range(accumulate)]
-            if layer_major:
+            if layer_major and one_backward:
+                with layer_major_losses(
+                    run, [_inputs(x, mode) for x, _ in micro], partial(_micro_loss, micro), swapper
+                ) as got:
+                    (sum(got) / accumulate).backward()
+                losses += [x.detach() for x in got]
+            elif layer_major:
                 got = layer_major_step(
                     run,
                     [_inputs(x, mode) for x, _ in micro],
@@ -95,7 +109,7 @@ def train_lora(mode, accumulate, layer_major, swap=None, steps=2, checkpoint_fn=
                     for layer in run:
                         h = layer(h)
                     loss = _loss(h, target)
-                    loss.backward()
+                    (loss / accumulate if one_backward else loss).backward()
                     losses.append(loss.detach())
             grads.append([p.grad.detach().clone() for p in trainable])
             opt.step()
@@ -120,6 +134,25 @@ def test_lora_layer_major_equals_sequential_micro_batches(mode, accumulate):
     reference = train_lora(mode, accumulate, layer_major=False)
     assert_bitwise_equal(reference, train_lora(mode, accumulate, layer_major=True))
     assert_bitwise_equal(reference, train_lora(mode, accumulate, layer_major=True, swap=streamed()))
+
+
+@pytest.mark.parametrize("accumulate", [1, 2, 4])
+@pytest.mark.parametrize("mode", MODES)
+def test_one_backward_of_the_scaled_sum_equals_scaled_sequential_micro_batches(mode, accumulate):
+    """A trainer's engine scales each micro-batch's loss by 1/N and calls backward once a micro-batch; under
+    layer_major_losses it calls it once, on the sum over N, with the same numbers."""
+    reference = train_lora(mode, accumulate, layer_major=False, one_backward=True)
+    assert_bitwise_equal(reference, train_lora(mode, accumulate, layer_major=True, one_backward=True, swap=streamed()))
+
+
+def test_a_second_backward_of_a_layer_major_step_is_refused():
+    layers, _ = make_layers()
+    data = batches()
+    micro = [next(data) for _ in range(2)]
+    with layer_major_losses(runners(layers, "none"), [x for x, _ in micro], partial(_micro_loss, micro)) as got:
+        got[0].backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="ran twice"):
+            got[1].backward()
 
 
 @pytest.mark.parametrize(

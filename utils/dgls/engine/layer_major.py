@@ -133,6 +133,48 @@ def _carried(cut: _Cut) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 
 # ---------------------------------------------------------------- the step
+class _Run:
+    """One step's forward (kept: each layer's outputs per micro-batch, and the losses with their graphs) and the
+    backward that consumes it."""
+
+    def __init__(
+        self, layers: Sequence[Callable[[Any], Any]], micro_batches: Sequence[Any], sums: DeviceSums | None
+    ) -> None:
+        self.layers, self.count, self.sums = layers, len(micro_batches), sums
+        self.cuts: list[list[_Cut]] = []  # per layer, per micro-batch: the boundary above the layer
+        self.values = list(micro_batches)  # after forward: the last layer's (cut) outputs
+        self.losses: list[torch.Tensor] = []
+
+    def forward(self, loss: Callable[[Any, int], torch.Tensor]) -> list[torch.Tensor]:
+        for layer in self.layers:
+            row: list[_Cut] = [None] * self.count  # type: ignore[list-item]
+            for m in reversed(range(self.count)):  # the backward runs 0..N-1: the step mirrors itself (module doc)
+                row[m] = _cut(layer(self.values[m]))
+            self.cuts.append(row)
+            self.values = [c.value for c in row]
+        self.losses = [loss(value, m) for m, value in enumerate(self.values)]
+        return self.losses
+
+    def backward(self, seeds: Sequence[torch.Tensor | None]) -> None:
+        """The losses' backward (``seeds``: their gradients; ``None``: none), then every layer's, last first."""
+        losses, self.losses, self.values = self.losses, [], []
+        for result, seed in zip(losses, seeds, strict=True):
+            if result.requires_grad and seed is not None:
+                result.backward(seed)
+        del losses
+        for i in reversed(range(len(self.cuts))):
+            row = self.cuts[i]
+            for m, cut in enumerate(row):
+                if self.sums is not None:
+                    self.sums.final = m == self.count - 1
+                outputs, grads = _carried(cut)
+                row[m] = None  # type: ignore[call-overload]  # the outputs' graph and the leaves' grads go with it
+                if outputs:
+                    torch.autograd.backward(outputs, grads)
+                del outputs, grads, cut
+        self.cuts.clear()
+
+
 def layer_major_step(
     layers: Sequence[Callable[[Any], Any]],
     micro_batches: Sequence[Any],
@@ -150,32 +192,53 @@ def layer_major_step(
     if not micro_batches:
         raise DGLSUserError("a layer-major step needs at least one micro-batch")
     with _engine_step(swapper, len(micro_batches)) as sums:
-        cuts: list[list[_Cut]] = []  # per layer, per micro-batch: the boundary above the layer
-        values = list(micro_batches)
-        count = len(values)
-        for layer in layers:
-            row: list[_Cut] = [None] * count  # type: ignore[list-item]
-            for m in reversed(range(count)):  # the backward runs 0..N-1: the step mirrors itself (see above)
-                row[m] = _cut(layer(values[m]))
-            cuts.append(row)
-            values = [c.value for c in row]
-        losses = []
-        for m, value in enumerate(values):
-            result = loss(value, m)
-            if result.requires_grad:
-                result.backward()
-            losses.append(result.detach())
-        for i in reversed(range(len(cuts))):
-            row = cuts[i]
-            for m, cut in enumerate(row):
-                if sums is not None:
-                    sums.final = m == count - 1
-                outputs, grads = _carried(cut)
-                row[m] = None  # type: ignore[call-overload]  # the outputs' graph and the leaves' grads go with it
-                if outputs:
-                    torch.autograd.backward(outputs, grads)
-                del outputs, grads, cut
+        run = _Run(layers, micro_batches, sums)
+        losses = [result.detach() for result in run.forward(loss)]
+        run.backward([torch.ones_like(result) for result in losses])  # what a sequential ``loss.backward()`` seeds
         return losses
+
+
+@contextlib.contextmanager
+def layer_major_losses(
+    layers: Sequence[Callable[[Any], Any]],
+    micro_batches: Sequence[Any],
+    loss: Callable[[Any, int], torch.Tensor],
+    swapper: LayerSwapper | None = None,
+) -> Iterator[list[torch.Tensor]]:
+    """The layer-major forward of ``micro_batches``; yields each micro-batch's loss, whose backward (one call over
+    all of them, e.g. of their sum: a trainer's ``backward(loss)``) runs the layer-major backward. The backward must
+    run inside the block; the first that reaches any loss runs the whole step's (each loss gets the gradient that
+    call gives it, ``None`` if it gives none). Arguments as :func:`layer_major_step`."""
+    if not micro_batches:
+        raise DGLSUserError("a layer-major step needs at least one micro-batch")
+    with _engine_step(swapper, len(micro_batches)) as sums:
+        run = _Run(layers, micro_batches, sums)
+        losses = run.forward(loss)
+        if any(x.requires_grad for x in losses):
+            anchor = torch.zeros((), requires_grad=True)  # the node's one input: the losses' graphs stay its own
+            losses = list(_Backward.apply(run, anchor, *(x.detach() for x in losses)))
+        yield losses
+
+
+class _Backward(torch.autograd.Function):
+    """The losses' values as one autograd node whose backward runs the whole layer-major backward: a trainer's
+    single ``backward(loss)`` reaches it once, with every loss's gradient (reentrant, as a reentrant checkpoint's
+    backward: the nested calls accumulate the param gradients). Its one input is an anchor, not the losses: the
+    losses' own graphs are run by the nested calls only."""
+
+    @staticmethod
+    def forward(ctx, run: _Run, anchor: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.run = run
+        return tuple(x.clone() for x in values)
+
+    @staticmethod
+    def backward(ctx, *seeds: torch.Tensor | None) -> tuple[None, ...]:  # type: ignore[override]
+        run, ctx.run = ctx.run, None
+        if run is None:
+            raise RuntimeError("a layer-major step's backward ran twice")
+        with torch.enable_grad():
+            run.backward(seeds)
+        return (None,) * (2 + len(seeds))
 
 
 @contextlib.contextmanager
