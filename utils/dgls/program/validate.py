@@ -342,9 +342,10 @@ def _full_fine_tune(path: str, settings, swap: SwapConfig, dist: DistEnv, resolv
         )
     spec = dataclasses.replace(settings.optimizer, implementation=resolved.values["host_adam"])
     _check_host_adam_build(spec)
-    return swap.replace(
-        training=TrainingPolicy(host_optimizer=spec, accumulation_steps=resolved.values["lazy_lora_steps"])
-    )
+    lazy = resolved.values["lazy_lora_steps"]
+    # layer-major: each layer's gradients are summed on the device, so the host sees one micro-batch a step
+    steps = 1 if settings.runs_layer_major(lazy) else settings.micro_batches(lazy)
+    return swap.replace(training=TrainingPolicy(host_optimizer=spec, accumulation_steps=steps))
 
 
 def _demo_device(wanted: str, resolved: options.Resolved, dist: DistEnv) -> torch.device:
