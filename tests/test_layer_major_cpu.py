@@ -12,22 +12,11 @@ from functools import partial
 
 import pytest
 import torch
-import torch.nn.functional as F
 from full_ft import SPEC, FullRecord, _weights, assert_same, full_layers, params_of
-from helpers import (
-    SMALL,
-    RunRecord,
-    assert_bitwise_equal,
-    checkpoint_for,
-    loop_mode,
-    make_layers,
-    run_layers,
-    skip_waits,
-)
+from helpers import assert_bitwise_equal, make_layers, run_layers, skip_waits
+from layer_major_runs import _inputs, _loss, _micro_loss, batches, runners, train_lora
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
-from utils.dgls.demo.data import SyntheticLatents
-from utils.dgls.demo.model import BLOCK_CLASSES
 from utils.dgls.engine.layer_major import layer_major_losses, layer_major_step
 from utils.dgls.memory.copier import Copier, DeferredCopier, OrderingError
 from utils.dgls.memory.transport import Direction
@@ -35,92 +24,6 @@ from utils.dgls.watching.listener import Listener
 
 CPU = torch.device("cpu")
 MODES = ["none", "nonreentrant", "reentrant", "unsloth"]
-
-
-def runners(layers, mode: str, checkpoint_fn=None) -> list:
-    """The layers as run_layers runs them, one callable each (blocks under the mode's checkpoint)."""
-    ckpt = checkpoint_fn or checkpoint_for(mode)
-    loop = loop_mode(mode)
-
-    def checkpointed(layer, h):
-        if not torch.is_grad_enabled():
-            return layer(h)
-        return ckpt(lambda *xs: layer(xs), *h)
-
-    return [
-        partial(checkpointed, layer) if type(layer).__name__ in BLOCK_CLASSES and loop != "none" else layer
-        for layer in layers
-    ]
-
-
-def batches(dtype=torch.float32, cfg=SMALL):
-    data = SyntheticLatents(cfg, samples=8, image_tokens=12, text_tokens=5, seed=3)
-    return data.batches(2, dtype, CPU)
-
-
-def _inputs(inputs, mode):
-    return (inputs[0].requires_grad_(), *inputs[1:]) if loop_mode(mode) == "reentrant" else inputs
-
-
-def _loss(out, target):
-    return F.mse_loss(out.float(), target.float())
-
-
-def _micro_loss(micro, out, m):
-    return _loss(out, micro[m][1])
-
-
-def train_lora(
-    mode, accumulate, layer_major, swap=None, steps=2, checkpoint_fn=None, swapper_hook=None, one_backward=False
-):
-    """LoRA steps of ``accumulate`` micro-batches then AdamW, an eval pass between steps; ``swap``: a SwapConfig to
-    stream the layers with (``swapper_hook(swapper)`` sees the swapper first). ``one_backward``: each loss scaled by
-    1/N, as a trainer's engine does (sequential: ``(loss / N).backward()`` each; layer-major: ``layer_major_losses``
-    and one backward of their sum over N)."""
-    layers, trainable = make_layers()
-    swapper = LayerSwapper(layers, swap, device=CPU, log=None) if swap is not None else None
-    try:
-        if swapper is not None and swapper_hook is not None:
-            swapper_hook(swapper)
-        fn = swapper.checkpoint_function(checkpoint_for(mode)) if checkpoint_fn == "swapper" else checkpoint_fn
-        run = runners(layers, mode, fn)
-        data = batches()
-        opt = torch.optim.AdamW(trainable, lr=1e-2)
-        losses, grads, evals = [], [], []
-        for _ in range(steps):
-            micro = [next(data) for _ in range(accumulate)]
-            if layer_major and one_backward:
-                with layer_major_losses(
-                    run, [_inputs(x, mode) for x, _ in micro], partial(_micro_loss, micro), swapper
-                ) as got:
-                    (sum(got) / accumulate).backward()
-                losses += [x.detach() for x in got]
-            elif layer_major:
-                got = layer_major_step(
-                    run,
-                    [_inputs(x, mode) for x, _ in micro],
-                    lambda out, m, micro=micro: _loss(out, micro[m][1]),
-                    swapper,
-                )
-                losses += got
-            else:
-                for x, target in micro:
-                    h = _inputs(x, mode)
-                    for layer in run:
-                        h = layer(h)
-                    loss = _loss(h, target)
-                    (loss / accumulate if one_backward else loss).backward()
-                    losses.append(loss.detach())
-            grads.append([p.grad.detach().clone() for p in trainable])
-            opt.step()
-            opt.zero_grad()
-            with torch.no_grad():
-                x, _ = next(data)
-                evals.append(run_layers(layers, x, "none"))
-        return RunRecord(losses, grads, [p.detach().clone() for p in trainable], evals)
-    finally:
-        if swapper is not None:
-            swapper.remove()
 
 
 def streamed(**kw) -> SwapConfig:
