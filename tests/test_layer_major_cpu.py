@@ -39,8 +39,14 @@ def test_lora_layer_major_equals_sequential_micro_batches(mode, accumulate):
     assert_bitwise_equal(reference, train_lora(mode, accumulate, layer_major=True, swap=streamed()))
 
 
-@pytest.mark.parametrize("accumulate", [1, 2, 4])
-@pytest.mark.parametrize("mode", MODES)
+def _slow_but(*kept):
+    """Every (mode, accumulate) in the slow step but ``kept``: the default run keeps one case of each kind."""
+    return [
+        pytest.param(mode, n, marks=() if (mode, n) in kept else pytest.mark.slow) for mode in MODES for n in (1, 2, 4)
+    ]
+
+
+@pytest.mark.parametrize("mode, accumulate", _slow_but(("nonreentrant", 4), ("reentrant", 2)))
 def test_one_backward_of_the_scaled_sum_equals_scaled_sequential_micro_batches(mode, accumulate):
     """A trainer's engine scales each micro-batch's loss by 1/N and calls backward once a micro-batch; under
     layer_major_losses it calls it once, on the sum over N, with the same numbers."""
@@ -69,7 +75,7 @@ def test_a_second_backward_of_a_layer_major_step_is_refused():
     ],
     ids=["offload", "recompute-offload", "units", "kept-pieces", "swap-units"],
 )
-@pytest.mark.parametrize("accumulate", [2, 4])
+@pytest.mark.parametrize("accumulate", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_lora_layer_major_equals_sequential_with_the_engines_checkpoint_features(settings, accumulate):
     mode = "nonreentrant"
     reference = train_lora(mode, accumulate, layer_major=False)

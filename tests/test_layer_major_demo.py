@@ -28,7 +28,9 @@ def streamed_bytes(out: str) -> str:
     return summary.split("; streamed ")[1].split(";")[0]
 
 
-@pytest.mark.parametrize("flags", [(), ("--offload_activations",)], ids=["plain", "offload"])
+@pytest.mark.parametrize(
+    "flags", [(), pytest.param(("--offload_activations",), marks=pytest.mark.slow)], ids=["plain", "offload"]
+)
 def test_the_demo_accumulates_layer_major_with_the_numbers_of_sequential_micro_batches(tmp_path, capsys, flags):
     layer_major, lm_losses, lm_out = demo_run(tmp_path / "lm", capsys, *flags, gradient_accumulation_steps=4)
     sequential, seq_losses, seq_out = demo_run(
@@ -79,6 +81,7 @@ def test_several_stages_say_their_micro_batches_run_one_after_another():
     assert "one after another: layer-major runs one pipeline stage, and this run has 2" in accumulation_line(S(), 1)
 
 
+@pytest.mark.slow
 def test_a_bf16_lora_accumulates_layer_major_with_the_numbers_of_sequential_micro_batches(tmp_path, capsys):
     """DeepSpeed's bf16 optimizer adds each micro-batch's gradient into its fp32 sums (immediate_grad_update, which the
     demo sets when it runs layer-major): the same sums as one backward a micro-batch."""
