@@ -64,17 +64,18 @@ def train_lora(
     device=CPU,
     dtype=torch.float32,
     cfg=SMALL,
+    log=None,
 ):
     """LoRA steps of ``accumulate`` micro-batches then AdamW, an eval pass between steps; ``swap``: a SwapConfig to
     stream the layers with (``swapper_hook(swapper)`` sees the swapper first). ``one_backward``: each loss scaled by
     1/N, as a trainer's engine does (sequential: ``(loss / N).backward()`` each; layer-major: ``layer_major_losses``
     and one backward of their sum over N). ``layers``: (layers, trainable) to train (default: make_layers()), moved
-    to ``device`` when nothing streams."""
+    to ``device`` when nothing streams; ``log``: the swapper's."""
     layers, trainable = layers if layers is not None else make_layers(dtype, cfg)
     if swap is None:
         for layer in layers:
             layer.to(device)
-    swapper = LayerSwapper(layers, swap, device=device, log=None) if swap is not None else None
+    swapper = LayerSwapper(layers, swap, device=device, log=log) if swap is not None else None
     try:
         if swapper is not None and swapper_hook is not None:
             swapper_hook(swapper)

@@ -19,7 +19,9 @@ from layer_major_runs import _inputs, _loss, _micro_loss, batches, runners, trai
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.engine.layer_major import layer_major_losses, layer_major_step
 from utils.dgls.memory.copier import Copier, DeferredCopier, OrderingError
+from utils.dgls.memory.layout import GiB, measure
 from utils.dgls.memory.transport import Direction
+from utils.dgls.planning.planner import minimum_bytes
 from utils.dgls.watching.listener import Listener
 
 CPU = torch.device("cpu")
@@ -263,3 +265,25 @@ def test_mutation_gradients_home_without_a_wait_differ_under_layer_major(monkeyp
     skip_waits(monkeypatch, Direction.GRADS_HOME)  # the mutation
     with pytest.raises(AssertionError):
         assert_same(reference, train_full("nonreentrant", 2, True))
+
+
+@pytest.mark.slow  # probes and plans, as test_planner.py's end-to-end planner tests
+def test_the_vram_planner_probes_a_layer_major_step_and_plans_for_its_micro_batches():
+    """The probe is a layer-major step (its activations those of the 4 micro-batches together); the plans say so,
+    and the steps keep the numbers of sequential micro-batches while the driver re-places layers between them."""
+    layers, _ = make_layers()
+    sizes = [layout.sizes for layout in measure(layers)]
+    middle = (minimum_bytes(sizes, None) + sum(s.streamable_bytes + s.fixed_bytes for s in sizes)) / 2
+    lines = []
+    seen = {}
+
+    def hook(swapper):
+        seen["swapper"] = swapper
+
+    reference = train_lora("nonreentrant", 4, layer_major=False, steps=4)
+    config = SwapConfig.of(vram_budget=middle / GiB, swap_unit_mb=0)
+    got = train_lora("nonreentrant", 4, layer_major=True, swap=config, steps=4, swapper_hook=hook, log=lines.append)
+    assert_bitwise_equal(reference, got)
+    driver = seen["swapper"].driver
+    assert driver.profile is not None and driver.profile.micro_batches == 4
+    assert any("4 micro-batches a step, layer-major" in line for line in lines), lines

@@ -139,6 +139,7 @@ class ActivationOffloader(Feature):
         # What checkpointed layers' recomputes save goes home too (recompute_offload.py), on these streams
         self.recompute = RecomputeOffload(self) if recompute else None
         self.calling: CheckpointedCall | None = None  # the checkpointed call whose function runs now
+        self._floor = 0  # the least kept in the last step (:meth:`keeping`)
 
     # ---------------------------------------------------------------- public
     def wrap(self, checkpoint: Callable) -> Callable:
@@ -170,11 +171,17 @@ class ActivationOffloader(Feature):
         (not checkpointed: no segment of its own) reads what those calls took (a vector every block passes on): all
         ``count`` of them stay, as the last call of a forward does in one micro-batch."""
         keep = self.keep
-        self.keep = max(keep, count)
+        self.keep = self._floor = max(keep, count)
         try:
             yield
         finally:
             self.keep = keep
+
+    @property
+    def kept_last_step(self) -> int:
+        """Calls whose inputs stayed on the device in the last step: ``keep``, or what :meth:`keeping` raised it to
+        (the planner's probe reads it)."""
+        return max(self.keep, self._floor)
 
     def set_depth(self, keep: int, ahead: int) -> None:
         """Keep the last ``keep`` segments of each forward on the device, and restore ``ahead`` segments before

@@ -248,6 +248,7 @@ def _engine_step(swapper: LayerSwapper | None, count: int) -> Iterator[DeviceSum
     if swapper is None:
         yield None
         return
+    swapper.micro_batches = count
     training = swapper.training
     sums = None
     if training is not None:
