@@ -8,12 +8,13 @@ transport's mutations (a missing wait, a slot written before its release) still 
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import pytest
 import torch
 from full_ft import SPEC, FullRecord, _weights, assert_same, full_layers, params_of
-from helpers import assert_bitwise_equal, make_layers, run_layers, skip_waits
+from helpers import assert_bitwise_equal, checkpoint_for, make_layers, run_layers, skip_waits
 from layer_major_runs import _inputs, _loss, _micro_loss, batches, runners, train_lora
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
@@ -95,6 +96,14 @@ class _PassMarks(Listener):
         self.marks.append(self.swapper.total_stats())
 
 
+@pytest.mark.slow  # fp8 packing on the CPU takes seconds
+def test_lora_layer_major_with_fp8_storage_equals_sequential_through_the_same_rounding():
+    """fp8-stored frozen weights (rounded once when packed): both schedules read the same rounded weights."""
+    swap = streamed(cast_target=[("bf16", "f8_e4m3")])
+    kw = {"swap": swap, "dtype": torch.bfloat16}
+    assert_bitwise_equal(train_lora("nonreentrant", 4, False, **kw), train_lora("nonreentrant", 4, True, **kw))
+
+
 def fetches_per_step(accumulate, mode="nonreentrant", layer_major=True):
     """Each pass's stats (a pass: a step's backward and the eval forward before it), and the streamed layer count."""
     seen = {}
@@ -167,11 +176,14 @@ class _GradCopies(Listener):
             self.bytes += copy.nbytes
 
 
-def train_full(mode, accumulate, layer_major, dtype=torch.float32, steps=2, max_norm=None, listener=None):
+def train_full(
+    mode, accumulate, layer_major, dtype=torch.float32, steps=2, max_norm=None, listener=None, spec=SPEC, **settings
+):
     """Full fine-tuning steps: streamed layers trained on the host (accumulation_steps N sequentially, 1 layer-major),
-    the others by the trainer's optimizer."""
+    the others by the trainer's optimizer; ``settings``: more SwapConfig settings (the checkpoint is the swapper's)."""
     layers = full_layers(dtype)
-    cfg = SwapConfig.of(host_optimizer=SPEC, accumulation_steps=1 if layer_major else accumulate, prefetch=1)
+    steps_setting = 1 if layer_major else accumulate
+    cfg = SwapConfig.of(host_optimizer=spec, accumulation_steps=steps_setting, **{"prefetch": 1, **settings})
     with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
         if listener is not None:
             swapper.add_listener(listener)
@@ -179,7 +191,7 @@ def train_full(mode, accumulate, layer_major, dtype=torch.float32, steps=2, max_
         params = params_of(layers)
         resident = [p for p in params if not training.owns(p)]
         trainer = SPEC.build(resident) if resident else None
-        run = runners(layers, mode)
+        run = runners(layers, mode, swapper.checkpoint_function(checkpoint_for(mode)))
         data = batches(dtype)
         losses, evals = [], []
         for _ in range(steps):
@@ -215,6 +227,32 @@ def train_full(mode, accumulate, layer_major, dtype=torch.float32, steps=2, max_
 @pytest.mark.parametrize("mode", ["none", "nonreentrant", "reentrant"])
 def test_full_fine_tuning_layer_major_equals_sequential_in_fp32(mode, accumulate):
     assert_same(train_full(mode, accumulate, False), train_full(mode, accumulate, True))
+
+
+@pytest.mark.parametrize(
+    "mode, settings",
+    [
+        ("unsloth", {}),
+        ("nonreentrant", {"offload_activations": True}),
+        ("nonreentrant", {"swap_unit_mb": 0.01}),
+        ("nonreentrant", {"checkpoint_units": True, "keep_piece_outputs": True}),
+        ("nonreentrant", {"prefetch": 2, "threading": True}),
+    ],
+    ids=["unsloth", "offload", "swap-units", "kept-pieces", "threads"],
+)
+def test_full_fine_tuning_layer_major_equals_sequential_with_the_engines_features(mode, settings):
+    assert_same(train_full(mode, 4, False, **settings), train_full(mode, 4, True, **settings))
+
+
+def test_full_fine_tuning_layer_major_with_updates_on_the_device_side_equals_sequential():
+    """Device updates (their kernels run on the CPU here) read the one gradient a step a layer sends home."""
+    spec = dataclasses.replace(SPEC, implementation="device")
+    a = train_full("nonreentrant", 4, False, dtype=torch.bfloat16, spec=spec)
+    b = train_full("nonreentrant", 4, True, dtype=torch.bfloat16, spec=spec)
+    for x, y in zip(a.losses[:4], b.losses[:4]):
+        assert torch.equal(x, y)
+    for k in a.weights:
+        torch.testing.assert_close(a.weights[k], b.weights[k], rtol=0, atol=2 * SPEC.lr * 2)
 
 
 def test_full_fine_tuning_layer_major_sends_each_gradient_home_once_a_step():
