@@ -79,7 +79,6 @@ DEMO_KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     "single_blocks": (DemoModelConfig.single_blocks, _whole(0)),
     "pipeline_stages": (1, _whole(1)),  # under the deepspeed launcher: split the layers over this many GPUs
     "gradient_accumulation_steps": (1, _whole(1)),  # micro-batches per optimizer step (times --lazy_lora_steps)
-    "layer_major": (True, _one_of(True, False)),  # a step's micro-batches run layer by layer (engine/layer_major.py)
 }
 
 
@@ -97,8 +96,7 @@ class DemoSettings:
     text_tokens: int
     lora_rank: int
     pipeline_stages: int
-    gradient_accumulation_steps: int
-    layer_major: bool  # with one pipeline stage; several run their micro-batches one after another (said at start)
+    gradient_accumulation_steps: int  # layer-major by default (--layer_major: program/validate.py)
     model: DemoModelConfig
     dtype: torch.dtype
     optimizer: HostOptimizerSpec | None = None  # full fine-tuning (no [adapter]); None: a LoRA
@@ -111,10 +109,12 @@ class DemoSettings:
         """Micro-batches per optimizer step: DeepSpeed's gradient_accumulation_steps."""
         return self.gradient_accumulation_steps * lazy_lora_steps
 
-    def runs_layer_major(self, lazy_lora_steps: int) -> bool:
-        """A step's micro-batches run layer-major (:mod:`..trainers.layer_major_batches`): several of them, on one
-        pipeline stage (an explicit ``layer_major = true`` with several stages was refused)."""
-        return self.layer_major and self.pipeline_stages == 1 and self.micro_batches(lazy_lora_steps) > 1
+    def runs_layer_major(self, values: dict) -> bool:
+        """A step's micro-batches run layer-major (:mod:`..trainers.layer_major_batches`; the rule:
+        :func:`..program.validate.layer_major_applies`)."""
+        from ..program.validate import layer_major_applies
+
+        return layer_major_applies(values, self.pipeline_stages, self.micro_batches(values["lazy_lora_steps"]))
 
     @property
     def dtype_name(self) -> str:
@@ -150,12 +150,6 @@ def demo_settings(config: dict[str, Any], path: str) -> DemoSettings:
     if values["double_blocks"] + values["single_blocks"] < 1:
         raise DGLSUserError(
             f"{path}: [demo] double_blocks + single_blocks must be at least 1 (the blocks hold the LoRA)"
-        )
-    if demo.get("layer_major") is True and values["pipeline_stages"] > 1:
-        raise DGLSUserError(
-            f"{path}: [demo] layer_major = true runs a step's micro-batches layer by layer on one pipeline stage, and "
-            f"pipeline_stages = {values['pipeline_stages']}: remove layer_major (several stages run their "
-            "micro-batches one after another), or set pipeline_stages = 1"
         )
     dtype_name = _table(config, "model", path).get("dtype", "float32")
     if dtype_name not in DTYPES:

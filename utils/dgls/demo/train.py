@@ -156,10 +156,10 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
         training = swapper.training if swapper is not None else None
         lazy = run.values["lazy_lora_steps"]
         if s.micro_batches(lazy) > 1:
-            log(accumulation_line(s, lazy))
+            log(accumulation_line(s, run.values))
         hooks = EngineHooks(lambda module: training) if training is not None else contextlib.nullcontext()
-        layer_major = layer_major_batches(engine, swapper) if s.runs_layer_major(lazy) else contextlib.nullcontext()
-        with hooks, layer_major:
+        by_layer = layer_major_batches(engine, swapper) if s.runs_layer_major(run.values) else contextlib.nullcontext()
+        with hooks, by_layer:
             _train(run, engine, swapper, result, log, progress)
         planned_only = swapper is not None and run.values["plan"]  # --plan: measured and planned, nothing to save
         if not planned_only:
@@ -193,13 +193,15 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
     return result
 
 
-def accumulation_line(s, lazy_lora_steps: int) -> str:
+def accumulation_line(s, values: dict) -> str:
     """The start-up line of a step's micro-batches: how they run."""
-    count = s.micro_batches(lazy_lora_steps)
-    if s.runs_layer_major(lazy_lora_steps):
+    count = s.micro_batches(values["lazy_lora_steps"])
+    if s.runs_layer_major(values):
         how = "layer-major: each layer runs all of them before the next (each streamed layer copied once a direction)"
-    elif not s.layer_major:
-        how = "one after another (layer_major = false)"
+    elif not values["dynamic_swapping"]:
+        how = "one after another (dynamic swapping is off)"
+    elif not values["layer_major"]:
+        how = "one after another (--no-layer_major)"
     else:
         how = f"one after another: layer-major runs one pipeline stage, and this run has {s.pipeline_stages}"
     return f"DGLS: {count} micro-batches a step, {how}"
@@ -305,7 +307,7 @@ def _engine(run: DemoRun, layers):
         # sequential step's backward adds it there), not one bf16 sum of all of them (layer_major_batches.py).
         "bf16": {
             "enabled": s.dtype == torch.bfloat16 and not s.full,
-            "immediate_grad_update": s.runs_layer_major(run.values["lazy_lora_steps"]),
+            "immediate_grad_update": s.runs_layer_major(run.values),
         },
     }
     # This stage's LoRA (every layer's with one), or for a full fine-tune every trainable param, as diffusion-pipe's

@@ -1,5 +1,8 @@
 """Layer-major batches in DeepSpeed's pipeline engine: ``train_batch`` runs a step's micro-batches layer-major.
 
+Used by the demo (:mod:`..demo.train`) and by diffusion-pipe's own ``train.py`` (:mod:`.diffusion_pipe`'s
+``train_batch`` wrapper), where ``--layer_major`` (the default) applies: one pipeline stage, several micro-batches.
+
 DeepSpeed's ``TrainSchedule`` runs a one-stage step as N times (load, forward, backward), then reduce and step.
 While :func:`layer_major_batches` is active, the engine runs N loads, one :class:`LayerMajorPass`, then the same
 reduce and step: the pass runs the stage's layers layer-major over the N micro-batches
