@@ -110,6 +110,7 @@ class Options:
     memory_cap_gib: float | None = None  # offload rows: the process may hold at most this much device memory
     budget_offload: str = "auto"  # vram_budget rows: offload_activations unset (auto), on, or off
     accumulation: str = "1,2,4,8"  # accum rows: micro-batches per step (comma list)
+    accumulation_budgets: bool = False  # accum rows: also at each --budgets value (planned; rows take minutes)
 
 
 @dataclass(frozen=True)
@@ -258,8 +259,8 @@ class Methods:
 
     def accum(self) -> Iterator[Case]:
         """Per micro-batch count: all-resident one after another (the reference) and layer-major, then DGLS at each
-        --gib target both ways."""
-        gibs = parse_list(self.options.gib) or ["0"]
+        --budgets value (with --accumulation_budgets) and each --gib target (default: 0 GiB), both ways."""
+        gibs = parse_list(self.options.gib) or ([] if self.options.accumulation_budgets else ["0"])
         prefetch = self.options.prefetch
         for count in (int(n) for n in parse_list(self.options.accumulation)):
             reference: dict = {}
@@ -267,6 +268,14 @@ class Methods:
                 how = "layer-major" if layer_major else "one after another"
                 name = f"all-resident, {count} micro-batch{'es' if count > 1 else ''} {how}"
                 yield Case("accum", name, partial(self.measure_accum_resident, count, layer_major, reference))
+            for budget in parse_list(self.options.budgets) if self.options.accumulation_budgets else ():
+                if budget == "auto":
+                    continue
+                gib = self.bench.tight_budget_gib() if self.options.tiny else float(budget)
+                for layer_major in (False, True):
+                    how = "layer-major" if layer_major else "one after another"
+                    name = f"DGLS vram_budget={gib:.3g} GiB, {count} micro-batch{'es' if count > 1 else ''} {how}"
+                    yield Case("accum", name, partial(self.measure_accum_budget, gib, count, layer_major, reference))
             for gib in gibs:
                 n = self.bench.blocks_to_swap_for_gib(float(gib))
                 config = SwapConfig.of(blocks_to_swap=n, prefetch=prefetch)
@@ -290,6 +299,16 @@ class Methods:
         if not layer_major:
             reference["resident_s"] = statistics.median(times)
         figures = {"streamed_gib": 0.0, **peaks(self.device)}
+        return times, {**figures, **self.accum_figures(count, layer_major, times, reference)}
+
+    def measure_accum_budget(self, gib: float, count: int, layer_major: bool, reference: dict):
+        """Planned from the CPU, as the vram_budget rows are (:meth:`auto`)."""
+        place(self.bench.layers, torch.device("cpu"))
+        release_host_cache()
+        try:
+            times, figures = self.measure_auto(gib, micro_batches=count, layer_major=layer_major)
+        finally:
+            place(self.bench.layers, self.device)
         return times, {**figures, **self.accum_figures(count, layer_major, times, reference)}
 
     def measure_accum(self, config: SwapConfig, count: int, layer_major: bool, reference: dict):
@@ -433,7 +452,10 @@ class Methods:
     def _checkpoint_units(self) -> tuple[bool, ...]:
         return _rows_of(self.options.checkpoint_units)
 
-    def measure_auto(self, budget: float | str, checkpoint_units: bool = False):
+    def measure_auto(
+        self, budget: float | str, checkpoint_units: bool = False, micro_batches: int = 1, layer_major: bool = False
+    ):
+        """A vram_budget row: planned (untimed), then timed; ``micro_batches`` a step, ``layer_major`` or not."""
         lines: list[str] = []
         reset_peaks(self.device)
         before = torch.cuda.memory_allocated(self.device) / GiB if self.device.type == "cuda" else 0.0
@@ -443,7 +465,9 @@ class Methods:
             planner = swapper.driver
             planning = []
             ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=False))
-            step = self.bench.training_step(checkpoint_fn=ckpt)
+            step = self.bench.training_step(
+                checkpoint_fn=ckpt, micro_batches=micro_batches, layer_major=layer_major, swapper=swapper
+            )
             settled, state = 0, None  # steps since the planner settled: it watches their peaks and may re-plan
             while len(planning) < 80:  # probe, trials, check, then SETTLE_STEPS settled ones: not timed
                 now = (planner.done, planner.plan, planner.replanned, swapper.placement)
@@ -456,7 +480,9 @@ class Methods:
                 step()
                 planning.append(time.perf_counter() - start)
             plan = planner.plan
-            times, stats = self.time_placement(swapper)
+            reset_peaks(self.device)
+            after = StepReader(swapper, sync=True).end
+            times, stats = time_steps(step, self.device, self.options.warmup, self.options.steps, after, self.deadline)
             figures = self.swap_figures(swapper, stats)
             if "peak_reserved_gib" in figures:
                 figures["fits_budget"] = figures["peak_reserved_gib"] * GiB <= planner.budget
