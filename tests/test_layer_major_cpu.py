@@ -325,3 +325,23 @@ def test_the_vram_planner_probes_a_layer_major_step_and_plans_for_its_micro_batc
     driver = seen["swapper"].driver
     assert driver.profile is not None and driver.profile.micro_batches == 4
     assert any("4 micro-batches a step, layer-major" in line for line in lines), lines
+
+
+def test_swap_units_are_fetched_per_micro_batch_unless_the_slots_keep_them():
+    """The limit the module doc states: a layer's units alternate within each micro-batch, so a layer-major step
+    fetches more than one micro-batch's units (fewer than sequential micro-batches, whose slots keep nothing)."""
+
+    def fetched(accumulate, layer_major):
+        seen = {}
+
+        def hook(swapper):
+            seen["marks"] = _PassMarks(swapper)
+            swapper.add_listener(seen["marks"])
+
+        swap = streamed(prefetch=2, swap_unit_mb=0.01)
+        train_lora("nonreentrant", accumulate, layer_major=layer_major, swap=swap, steps=2, swapper_hook=hook)
+        marks = seen["marks"].marks
+        return marks[-1].fetches - marks[1].fetches  # the second step (and the eval pass before it)
+
+    one = fetched(1, True)
+    assert one < fetched(4, True) < fetched(4, False)

@@ -26,6 +26,10 @@ Schedule
       fetched once per forward and once per backward of the step (uses repeated in a row are one use,
       :meth:`~.swapper.LayerSwapper.use`). The backward calls are one pass for the engine (:meth:`~..streaming.hooks.
       HookAdapter.one_pass`): the features' ``after_backward`` and the listeners' step boundary run once, at the end.
+    - Swap units (a layer streamed as its child modules, :mod:`..streaming.units`): the schedule's unit is the
+      caller's layer, and a layer's forward runs its units in its own order, so for each micro-batch the units
+      come again, one after another: a unit is fetched once per micro-batch unless the slots hold the layer's units
+      together. The saving is whole layers'; with units it is what the slots keep between micro-batches.
     - Full fine-tuning (host-trained layers): each layer's gradients are summed on the device over the N
       micro-batches and go home once (:mod:`..training.device_sums`); the host training sees one micro-batch a step,
       so the swapper must be built with ``accumulation_steps = 1``. LoRA (params on the device): autograd
