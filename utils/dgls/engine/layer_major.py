@@ -43,7 +43,7 @@ Arithmetic against N sequential micro-batches (same layers, same inputs, same lo
       gradients last layer first, as autograd's input buffer does in one graph).
     - Full fine-tuning in fp32: bitwise the same (the device sum is the host's sum, same order, same dtype).
       In a 16-bit compute dtype the fp32 device sum is rounded once to that dtype on its way home (at most half an
-      ulp: a relative 2**-9 of each element in bf16), where sequential micro-batches keep an fp32 sum of the
+      ulp: a relative 2**-8 of each element in bf16), where sequential micro-batches keep an fp32 sum of the
       rounded per-micro-batch gradients on the host.
     - Sums that change order: none of the above. What changes is the order of random draws: a layer that draws
       random numbers (dropout) in its forward draws micro-batch by micro-batch within a layer instead of layer by

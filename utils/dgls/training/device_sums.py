@@ -12,7 +12,7 @@ Arithmetic
       bitwise the host's sum.
     - In a 16-bit compute dtype the fp32 sum is rounded once to that dtype on its way home (the landing's dtype);
       the host's sum of per-micro-batch gradients stays fp32. That rounding is the one difference: at most half a
-      unit in the last place of the sum's bf16 value (a relative 2**-9 of each element; fp16: 2**-11).
+      unit in the last place of the sum's bf16 value (a relative 2**-8 of each element; fp16: 2**-11).
 
 Invariants
     - Only the training thread (the backward's hooks, the schedule) touches it.
