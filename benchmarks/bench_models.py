@@ -12,6 +12,8 @@ wan, or --name).
     python benchmarks/bench_models.py --model wan             # H100: about 6-7 minutes
     python benchmarks/bench_models.py --model flux --methods resident,ab --ab_rounds 4 --name flux_dev_ab
     python benchmarks/bench_models.py --model wan --tiny      # smoke test on CPU, seconds
+    python benchmarks/bench_models.py --model flux --methods accum --gib 20 --accumulation 1,2,4,8   # layer-major
+    python benchmarks/bench_models.py --model flux --methods accum --gib "" --accumulation_budgets --budgets 8,4
     DGLS_DIFFUSION_PIPE=/path/to/diffusion-pipe python benchmarks/bench_models.py --model flux   # with dp
 
 A run starts no method past --deadline_s (480 s after start; a running timed loop then stops at 3
@@ -89,6 +91,10 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         help="vram_budget rows: offload_activations unset (the planner offloads what the budget needs), on, or off",
     )
+    p.add_argument("--accumulation", default="1,2,4,8", help="accum rows: micro-batches per step (comma list)")
+    p.add_argument(
+        "--accumulation_budgets", action="store_true", help="accum rows: also at each --budgets GiB value (planned)"
+    )
     p.add_argument("--latent_frames", type=int, default=3, help="wan: latent frames of the clip (3 = 9 frames)")
     p.add_argument("--deadline_s", type=float, default=480.0, help="seconds after start: no method starts past it")
     p.add_argument("--strict", action="store_true", help="a failing method fails the run (tests)")
@@ -128,6 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
             keep_piece_outputs=args.keep_piece_outputs,
             memory_cap_gib=args.memory_cap_gib,
             budget_offload=args.budget_offload,
+            accumulation=args.accumulation,
+            accumulation_budgets=args.accumulation_budgets,
             **defaults,
         )
         print(

@@ -44,6 +44,7 @@ METHODS = {
     "auto": "DGLS vram_budget",
     "naive": "naive .to() swap",
     "offload": "DGLS + activation offload",
+    "accum": "gradient accumulation",
 }
 SETTLE_STEPS = 4  # vram_budget rows: untimed steps after the planner settled, on which it may still re-plan
 DEFAULT_METHODS = ("resident", "dgls", "dp", "auto", "naive")  # ab and options on request: they take long
@@ -72,6 +73,11 @@ NOTES = {
     "auto": "vram_budget rows are timed after the planner's probe, trial and check steps and "
     f"{SETTLE_STEPS} steps after it settled (it watches their peaks and re-plans when one goes over the budget).",
     "naive": "naive: waited = time inside the synchronous moves (both ways).",
+    "accum": (
+        "gradient accumulation rows: N micro-batches a step (the same inputs each), one after another or layer-major "
+        "(each layer over all N before the next: each streamed layer copied once a direction a step); 'vs resident' "
+        "is against all-resident with the same N, one after another; per sample = step / N."
+    ),
     "offload": (
         "activation offload rows: every block streamed, and the inputs checkpointed blocks keep for their "
         "recompute sent to host memory during the forward (all but those of the last prefetch blocks); "
@@ -103,6 +109,8 @@ class Options:
     keep_piece_outputs: str = "off"  # offload rows with checkpoint_units: keep_piece_outputs off, on, or both
     memory_cap_gib: float | None = None  # offload rows: the process may hold at most this much device memory
     budget_offload: str = "auto"  # vram_budget rows: offload_activations unset (auto), on, or off
+    accumulation: str = "1,2,4,8"  # accum rows: micro-batches per step (comma list)
+    accumulation_budgets: bool = False  # accum rows: also at each --budgets value (planned; rows take minutes)
 
 
 @dataclass(frozen=True)
@@ -168,6 +176,7 @@ class Methods:
             "auto": self.auto,
             "naive": self.naive,
             "offload": self.offload,
+            "accum": self.accum,
         }
         return generators[kind]()
 
@@ -247,6 +256,73 @@ class Methods:
             swapper.apply_placement(streamed, self.options.prefetch)
         times, stats = self.time_placement(swapper)
         return times, self.swap_figures(swapper, stats)
+
+    def accum(self) -> Iterator[Case]:
+        """Per micro-batch count: all-resident one after another (the reference) and layer-major, then DGLS at each
+        --budgets value (with --accumulation_budgets) and each --gib target (default: 0 GiB), both ways."""
+        gibs = parse_list(self.options.gib) or ([] if self.options.accumulation_budgets else ["0"])
+        prefetch = self.options.prefetch
+        for count in (int(n) for n in parse_list(self.options.accumulation)):
+            reference: dict = {}
+            for layer_major in (False, True):
+                how = "layer-major" if layer_major else "one after another"
+                name = f"all-resident, {count} micro-batch{'es' if count > 1 else ''} {how}"
+                yield Case("accum", name, partial(self.measure_accum_resident, count, layer_major, reference))
+            for budget in parse_list(self.options.budgets) if self.options.accumulation_budgets else ():
+                if budget == "auto":
+                    continue
+                gib = self.bench.tight_budget_gib() if self.options.tiny else float(budget)
+                for layer_major in (False, True):
+                    how = "layer-major" if layer_major else "one after another"
+                    name = f"DGLS vram_budget={gib:.3g} GiB, {count} micro-batch{'es' if count > 1 else ''} {how}"
+                    yield Case("accum", name, partial(self.measure_accum_budget, gib, count, layer_major, reference))
+            for gib in gibs:
+                n = self.bench.blocks_to_swap_for_gib(float(gib))
+                config = SwapConfig.of(blocks_to_swap=n, prefetch=prefetch)
+                for layer_major in (False, True):
+                    how = "layer-major" if layer_major else "one after another"
+                    what = f"{count} micro-batch{'es' if count > 1 else ''} {how}"
+                    name = f"DGLS ~{gib} GiB, {what} (blocks_to_swap={n}, prefetch={prefetch})"
+                    yield Case("accum", name, partial(self.measure_accum, config, count, layer_major, reference))
+
+    def accum_figures(self, count: int, layer_major: bool, times: list[float], reference: dict) -> dict:
+        figures = {"micro_batches": count, "layer_major": layer_major, "per_sample_s": statistics.median(times) / count}
+        if "resident_s" in reference:
+            figures["reference_s"] = reference["resident_s"]
+        return figures
+
+    def measure_accum_resident(self, count: int, layer_major: bool, reference: dict):
+        place(self.bench.layers, self.device)
+        reset_peaks(self.device)
+        step = self.bench.training_step(micro_batches=count, layer_major=layer_major)
+        times = time_steps(step, self.device, self.options.warmup, self.options.steps, None, self.deadline)[0]
+        if not layer_major:
+            reference["resident_s"] = statistics.median(times)
+        figures = {"streamed_gib": 0.0, **peaks(self.device)}
+        return times, {**figures, **self.accum_figures(count, layer_major, times, reference)}
+
+    def measure_accum_budget(self, gib: float, count: int, layer_major: bool, reference: dict):
+        """Planned from the CPU, as the vram_budget rows are (:meth:`auto`)."""
+        place(self.bench.layers, torch.device("cpu"))
+        release_host_cache()
+        try:
+            times, figures = self.measure_auto(gib, micro_batches=count, layer_major=layer_major)
+        finally:
+            place(self.bench.layers, self.device)
+        return times, {**figures, **self.accum_figures(count, layer_major, times, reference)}
+
+    def measure_accum(self, config: SwapConfig, count: int, layer_major: bool, reference: dict):
+        place(self.bench.layers, self.device)
+        with LayerSwapper(self.bench.layers, config, self.device, log=None) as swapper:
+            reset_peaks(self.device)
+            ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=False))
+            step = self.bench.training_step(
+                checkpoint_fn=ckpt, micro_batches=count, layer_major=layer_major, swapper=swapper
+            )
+            after = StepReader(swapper, sync=True).end
+            times, stats = time_steps(step, self.device, self.options.warmup, self.options.steps, after, self.deadline)
+            figures = self.swap_figures(swapper, stats)  # peaks taken before leaving, which puts weights back
+        return times, {**figures, **self.accum_figures(count, layer_major, times, reference)}
 
     def ab(self) -> Iterator[Case]:
         gibs = parse_list(self.options.gib)
@@ -376,7 +452,10 @@ class Methods:
     def _checkpoint_units(self) -> tuple[bool, ...]:
         return _rows_of(self.options.checkpoint_units)
 
-    def measure_auto(self, budget: float | str, checkpoint_units: bool = False):
+    def measure_auto(
+        self, budget: float | str, checkpoint_units: bool = False, micro_batches: int = 1, layer_major: bool = False
+    ):
+        """A vram_budget row: planned (untimed), then timed; ``micro_batches`` a step, ``layer_major`` or not."""
         lines: list[str] = []
         reset_peaks(self.device)
         before = torch.cuda.memory_allocated(self.device) / GiB if self.device.type == "cuda" else 0.0
@@ -386,7 +465,9 @@ class Methods:
             planner = swapper.driver
             planning = []
             ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=False))
-            step = self.bench.training_step(checkpoint_fn=ckpt)
+            step = self.bench.training_step(
+                checkpoint_fn=ckpt, micro_batches=micro_batches, layer_major=layer_major, swapper=swapper
+            )
             settled, state = 0, None  # steps since the planner settled: it watches their peaks and may re-plan
             while len(planning) < 80:  # probe, trials, check, then SETTLE_STEPS settled ones: not timed
                 now = (planner.done, planner.plan, planner.replanned, swapper.placement)
@@ -399,7 +480,9 @@ class Methods:
                 step()
                 planning.append(time.perf_counter() - start)
             plan = planner.plan
-            times, stats = self.time_placement(swapper)
+            reset_peaks(self.device)
+            after = StepReader(swapper, sync=True).end
+            times, stats = time_steps(step, self.device, self.options.warmup, self.options.steps, after, self.deadline)
             figures = self.swap_figures(swapper, stats)
             if "peak_reserved_gib" in figures:
                 figures["fits_budget"] = figures["peak_reserved_gib"] * GiB <= planner.budget

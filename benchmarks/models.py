@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from units import GiB
 
-from utils.dgls import SwapConfig
+from utils.dgls import SwapConfig, layer_major_step
 from utils.dgls.memory.layout import LayerSizes, measure  # noqa: E402
 from utils.dgls.planning.planner import resident_patterns
 from utils.dgls.streaming.config import PlacementPolicy
@@ -130,17 +130,36 @@ class Bench:
     def __post_init__(self) -> None:
         self.sizes = tuple(layout.sizes for layout in measure(self.layers))
 
-    def training_step(self, lr: float = 1e-5, checkpoint_fn: Callable | None = None) -> Callable[[], None]:
+    def training_step(
+        self,
+        lr: float = 1e-5,
+        checkpoint_fn: Callable | None = None,
+        micro_batches: int = 1,
+        layer_major: bool = False,
+        swapper=None,
+    ) -> Callable[[], None]:
         """One LoRA training step (forward, backward, AdamW) per call, with a fresh optimizer; the
-        checkpointed layers through ``checkpoint_fn(function, *args)`` (default: torch's, non-reentrant)."""
+        checkpointed layers through ``checkpoint_fn(function, *args)`` (default: torch's, non-reentrant).
+        ``micro_batches``: gradients of that many micro-batches (the bench's inputs each) accumulated per step, one
+        after another or ``layer_major`` (:func:`utils.dgls.layer_major_step`, streamed by ``swapper``)."""
         optimizer = torch.optim.AdamW([p for la in self.layers for p in la.parameters() if p.requires_grad], lr=lr)
         ckpt = checkpoint_fn or partial(checkpoint, use_reentrant=False)
+        run = [
+            partial(ckpt, layer) if i in self.checkpointed else layer for i, layer in enumerate(self.layers)
+        ]  # each as a step runs it, for the layer-major schedule
+
+        def loss(h, m=0):
+            return F.mse_loss(h.float(), self.target.float()) / micro_batches
 
         def step() -> None:
-            h = self.inputs
-            for i, layer in enumerate(self.layers):
-                h = ckpt(layer, h) if i in self.checkpointed else layer(h)
-            F.mse_loss(h.float(), self.target.float()).backward()
+            if layer_major:
+                layer_major_step(run, [self.inputs] * micro_batches, loss, swapper)
+            else:
+                for _ in range(micro_batches):
+                    h = self.inputs
+                    for i, layer in enumerate(self.layers):
+                        h = ckpt(layer, h) if i in self.checkpointed else layer(h)
+                    loss(h).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 

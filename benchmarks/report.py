@@ -92,6 +92,7 @@ TABLES: dict[str, Table] = {
             ("steps", _text("steps")),
             ("streamed GiB", _key("streamed_gib", ".1f")),
             ("step (s)", _key("median_step_s", ".3f")),
+            ("per sample (s)", _key("per_sample_s", ".3f")),
             VS_RESIDENT,
             ("vs floor (copied)", _key("vs_floor", ".2f", "x")),
             ("vs floor (2x streamed)", _key("vs_floor_2x", ".2f", "x")),
@@ -106,7 +107,7 @@ TABLES: dict[str, Table] = {
             ("peak reserved GiB", _key("peak_reserved_gib", ".2f")),
         ),
         rows=lambda result: [r for r in result["rows"] if "median_step_s" in r],
-        optional=("activations home GiB", "slot MiB", "pinned host GiB"),
+        optional=("activations home GiB", "slot MiB", "pinned host GiB", "per sample (s)"),
     ),
     "fp8": Table(
         columns=(

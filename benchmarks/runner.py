@@ -45,7 +45,8 @@ def derive(result: dict) -> None:
     for r in rows:
         if bandwidth and r.get("copy_gbps") is not None:
             r["copy_share_of_pinned"] = r["copy_gbps"] / bandwidth
-        reference = r.get("ab_resident_s", resident)  # A/B rows: the resident steps of their own rounds
+        # A/B rows: the resident steps of their own rounds; accumulation rows: all-resident with their micro-batches
+        reference = r.get("ab_resident_s", r.get("reference_s", resident))
         if not reference or "median_step_s" not in r:
             continue
         r["vs_resident"] = r["median_step_s"] / reference

@@ -384,3 +384,16 @@ def test_the_scaling_benchmark_runs_one_and_two_processes_sharing_one_host_copy(
     merged = bench_scaling.main(["--merge", f"scaling_{model}", "--name", "merged", "--results_dir", str(tmp_path)])
     assert [r["samples_per_s"] for r in merged["rows"]] == [one["samples_per_s"], two["samples_per_s"]]
     assert merged["rows"][1]["vs_1gpu"] == pytest.approx(two["vs_1gpu"]) and (tmp_path / "merged.md").exists()
+
+
+def test_the_accumulation_rows_copy_each_streamed_layer_once_a_direction_whatever_the_micro_batches(tmp_path):
+    result = bench_models.main(
+        ["--model", "flux", *TINY, "--methods", "accum", "--gib", "0.001", "--prefetch", "1", "--accumulation", "1,2"]
+        + ["--results_dir", str(tmp_path)]
+    )
+    rows = {(r["micro_batches"], r["layer_major"], "DGLS" in r["method"]): r for r in result["rows"]}
+    assert len(rows) == 8 and all("per_sample_s" in r and "vs_resident" in r for r in rows.values())
+    copied = {key[:2]: r["bytes_per_step"] for key, r in rows.items() if key[2]}
+    assert copied[(1, False)] > 0 and copied[(2, True)] == copied[(1, True)] == copied[(1, False)]
+    assert copied[(2, False)] > 1.5 * copied[(1, False)]
+    assert rows[(2, True, False)]["reference_s"] == rows[(2, False, False)]["median_step_s"]

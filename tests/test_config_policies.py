@@ -37,7 +37,15 @@ NOT_OPTIONS = {
     "data_parallel",  # set by the start-up checks from the launcher's processes and pipeline stages
 }
 # Options of the run around the engine (read from the resolved values by the start-up checks and the trainer).
-RUN_OPTIONS = {"dynamic_swapping", "gpu_id", "lazy_lora_steps", "host_adam", "verbose", "verbose_every"}
+RUN_OPTIONS = {
+    "dynamic_swapping",
+    "gpu_id",
+    "lazy_lora_steps",
+    "layer_major",
+    "host_adam",
+    "verbose",
+    "verbose_every",
+}
 
 # (policy, settings, the whole message): the messages are the flat SwapConfig.validate's, word for word.
 REFUSED = [

@@ -29,6 +29,7 @@ from utils.dgls.planning.planner import (
     UseTiming,
     minimum_bytes,
     plan_for_budget,
+    planned_activation_bytes,
     predict_peak,
     shortlist,
     simulate,
@@ -525,3 +526,16 @@ def test_on_cuda_the_probe_reads_the_transport_copies_and_pass_end_peaks_and_act
     assert driver.profile.bytes_per_ms != CPU_BYTES_PER_MS and driver.profile.bytes_per_ms > 0
     assert driver.profile.activation_bytes > 0 and len(driver.profile.uses) > 0
     assert driver.trials and all(t.wall_ms > 0 and t.peak_reserved > 0 for t in driver.trials)
+
+
+def test_a_layer_major_probe_keeps_every_micro_batch_of_the_last_layer_and_says_so():
+    """The probe ran 4 micro-batches layer-major with offload: the last layer's 4 calls stayed (probe_kept 4), and no
+    plan can keep fewer, whatever its prefetch; the plan line says the activations were measured for the 4."""
+    sizes, probe = flux_like()
+    profile = dataclasses.replace(offloading(probe, kept=4), micro_batches=4)
+    assert planned_activation_bytes(profile, prefetch=1) == profile.activation_bytes
+    assert planned_activation_bytes(profile, prefetch=1, kept=2) == profile.activation_bytes
+    assert planned_activation_bytes(profile, prefetch=1, kept=6) == profile.activation_bytes + 2 * 40 * MiB
+    for plan in shortlist(sizes, profile, 6 * GiB, count=3):
+        assert plan.kept_activations >= 4 and plan.micro_batches == 4
+        assert "4 micro-batches a step, layer-major" in plan.describe(sizes)

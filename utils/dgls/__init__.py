@@ -32,6 +32,16 @@ A full fine-tune: give the host optimizer, and let DGLS clip and step the params
             optimizer.zero_grad()
             swapper.training.step()  # queue the host updates; the next forward waits per layer
 
+Gradient accumulation, layer-major: each layer runs over all of a step's micro-batches before the next, so each
+streamed layer is copied in once for the forward and once for the backward however many micro-batches there are,
+with the numbers of the same micro-batches run one after another (:mod:`utils.dgls.engine.layer_major`)::
+
+    from utils.dgls import layer_major_step
+
+    run = [partial(checkpoint, layer, use_reentrant=False) for layer in layers]  # each as your loop runs it
+    losses = layer_major_step(run, [inputs for inputs, _ in micro], lambda out, m: loss_fn(out, micro[m][1]), swapper)
+    optimizer.step()  # a full fine-tune: build the swapper with accumulation_steps=1 (the host sees one gradient)
+
 With ``vram_budget`` instead of ``blocks_to_swap`` the plan is made at step 1 and fixed before its first update: build
 the optimizer over every trainable param (those trained on the host have no ``.grad`` at its step, and the layers the
 plan keeps resident bring step 1's), and let DGLS hear of the step before your optimizer does:
@@ -63,6 +73,7 @@ The package, from the bottom up: each folder's ``__init__`` says what it owns an
     trainers/     demo/         diffusion-pipe's train.py and DeepSpeed's engine; the embedded demo
 """
 
+from .engine.layer_major import layer_major_losses, layer_major_step
 from .engine.swapper import LayerSwapper
 from .errors import DGLSUserError, SwapWorkerError
 from .streaming.config import SwapConfig
@@ -70,4 +81,14 @@ from .streaming.placement import Placement
 from .watching.listener import Listener
 from .watching.stats import StepStats
 
-__all__ = ["DGLSUserError", "LayerSwapper", "Listener", "Placement", "StepStats", "SwapConfig", "SwapWorkerError"]
+__all__ = [
+    "DGLSUserError",
+    "LayerSwapper",
+    "Listener",
+    "Placement",
+    "StepStats",
+    "SwapConfig",
+    "SwapWorkerError",
+    "layer_major_losses",
+    "layer_major_step",
+]

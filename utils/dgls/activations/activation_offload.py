@@ -54,8 +54,8 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -139,6 +139,7 @@ class ActivationOffloader(Feature):
         # What checkpointed layers' recomputes save goes home too (recompute_offload.py), on these streams
         self.recompute = RecomputeOffload(self) if recompute else None
         self.calling: CheckpointedCall | None = None  # the checkpointed call whose function runs now
+        self._floor = 0  # the least kept in the last step (:meth:`keeping`)
 
     # ---------------------------------------------------------------- public
     def wrap(self, checkpoint: Callable) -> Callable:
@@ -162,6 +163,25 @@ class ActivationOffloader(Feature):
     def pinned_bytes(self) -> int:
         """Page-locked host buffers (0 when not pinning)."""
         return self.host_bytes() if self.pin else 0
+
+    @contextmanager
+    def keeping(self, count: int) -> Iterator[None]:
+        """At least the last ``count`` segments of a forward stay on the device inside the block. A layer-major step
+        (:mod:`..engine.layer_major`) calls its last checkpointed layer once per micro-batch, and the layer after it
+        (not checkpointed: no segment of its own) reads what those calls took (a vector every block passes on): all
+        ``count`` of them stay, as the last call of a forward does in one micro-batch."""
+        keep = self.keep
+        self.keep = self._floor = max(keep, count)
+        try:
+            yield
+        finally:
+            self.keep = keep
+
+    @property
+    def kept_last_step(self) -> int:
+        """Calls whose inputs stayed on the device in the last step: ``keep``, or what :meth:`keeping` raised it to
+        (the planner's probe reads it)."""
+        return max(self.keep, self._floor)
 
     def set_depth(self, keep: int, ahead: int) -> None:
         """Keep the last ``keep`` segments of each forward on the device, and restore ``ahead`` segments before

@@ -78,6 +78,7 @@ DEMO_KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     "double_blocks": (DemoModelConfig.double_blocks, _whole(0)),
     "single_blocks": (DemoModelConfig.single_blocks, _whole(0)),
     "pipeline_stages": (1, _whole(1)),  # under the deepspeed launcher: split the layers over this many GPUs
+    "gradient_accumulation_steps": (1, _whole(1)),  # micro-batches per optimizer step (times --lazy_lora_steps)
 }
 
 
@@ -95,6 +96,7 @@ class DemoSettings:
     text_tokens: int
     lora_rank: int
     pipeline_stages: int
+    gradient_accumulation_steps: int  # layer-major by default (--layer_major: program/validate.py)
     model: DemoModelConfig
     dtype: torch.dtype
     optimizer: HostOptimizerSpec | None = None  # full fine-tuning (no [adapter]); None: a LoRA
@@ -102,6 +104,17 @@ class DemoSettings:
     @property
     def full(self) -> bool:
         return self.optimizer is not None
+
+    def micro_batches(self, lazy_lora_steps: int) -> int:
+        """Micro-batches per optimizer step: DeepSpeed's gradient_accumulation_steps."""
+        return self.gradient_accumulation_steps * lazy_lora_steps
+
+    def runs_layer_major(self, values: dict) -> bool:
+        """A step's micro-batches run layer-major (:mod:`..trainers.layer_major_batches`; the rule:
+        :func:`..program.validate.layer_major_applies`)."""
+        from ..program.validate import layer_major_applies
+
+        return layer_major_applies(values, self.pipeline_stages, self.micro_batches(values["lazy_lora_steps"]))
 
     @property
     def dtype_name(self) -> str:

@@ -37,6 +37,7 @@ from ..program.rendezvous import peers_arrived
 from ..program.stop_signals import stop_signal_received
 from ..program.validate import DemoRun
 from ..trainers.engine_hooks import EngineHooks
+from ..trainers.layer_major_batches import layer_major_batches
 from ..trainers.pipeline_hook import Stage, StageHook
 from ..trainers.shm_op import without_shm_op
 from ..training.training_feature import TrainingFeature
@@ -154,7 +155,12 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
         held.release()  # the placement table, printed once DeepSpeed's start-up is past
         swapper = placed.get("swapper")
         training = swapper.training if swapper is not None else None
-        with EngineHooks(lambda module: training) if training is not None else contextlib.nullcontext():
+        lazy = run.values["lazy_lora_steps"]
+        if s.micro_batches(lazy) > 1:
+            log(accumulation_line(s, run.values))
+        hooks = EngineHooks(lambda module: training) if training is not None else contextlib.nullcontext()
+        by_layer = layer_major_batches(engine, swapper) if s.runs_layer_major(run.values) else contextlib.nullcontext()
+        with hooks, by_layer:
             _train(run, engine, swapper, result, log, progress)
         planned_only = swapper is not None and run.values["plan"]  # --plan: measured and planned, nothing to save
         if not planned_only:
@@ -186,6 +192,20 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
         saved = f"the {what} was saved to {path}" if path is not None and path.is_file() else "nothing was saved"
         raise RunInterrupted(f"stopped after all {s.steps} steps, while saving; {saved}") from None
     return result
+
+
+def accumulation_line(s, values: dict) -> str:
+    """The start-up line of a step's micro-batches: how they run."""
+    count = s.micro_batches(values["lazy_lora_steps"])
+    if s.runs_layer_major(values):
+        how = "layer-major: each layer runs all of them before the next (each streamed layer copied once a direction)"
+    elif not values["dynamic_swapping"]:
+        how = "one after another (dynamic swapping is off)"
+    elif not values["layer_major"]:
+        how = "one after another (--no-layer_major)"
+    else:
+        how = f"one after another: layer-major runs one pipeline stage, and this run has {s.pipeline_stages}"
+    return f"DGLS: {count} micro-batches a step, {how}"
 
 
 def _interrupted(done: int, steps: int) -> RunInterrupted:
@@ -292,12 +312,17 @@ def _engine(run: DemoRun, layers):
     )
     ds_config = {
         "train_micro_batch_size_per_gpu": s.batch_size,
-        "gradient_accumulation_steps": run.values["lazy_lora_steps"],
+        "gradient_accumulation_steps": s.micro_batches(run.values["lazy_lora_steps"]),
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
         # A LoRA trains with DeepSpeed's bf16 optimizer (fp32 copies of the LoRA); a full fine-tune's resident
         # params train in their own dtype, as diffusion-pipe's do, and its clipping includes the host params.
-        "bf16": {"enabled": s.dtype == torch.bfloat16 and not s.full},
+        # Layer-major: each micro-batch's gradient goes into the bf16 optimizer's fp32 sums on its own (as a
+        # sequential step's backward adds it there), not one bf16 sum of all of them (layer_major_batches.py).
+        "bf16": {
+            "enabled": s.dtype == torch.bfloat16 and not s.full,
+            "immediate_grad_update": s.runs_layer_major(run.values),
+        },
     }
     # This stage's LoRA (every layer's with one), or for a full fine-tune every trainable param, as diffusion-pipe's
     # train.py gives its optimizer: those the host trains have no gradient at its step (it skips them), and those

@@ -5,6 +5,9 @@ Modules
       removal; it iterates over its features and never asks which there are.
     - ``build.py``: turns the configuration into the parts (layouts, placement, masters, the transport) and
       the list of features, after every check.
+    - ``layer_major.py``: gradient accumulation layer by layer: each layer over all of a step's micro-batches before
+      the next, so each streamed layer is fetched once a direction a step (a step function, and the losses of one
+      for a trainer's own backward).
     - ``training_costs.py``: what a full fine-tune keeps on the device beyond the weights (the trainer's gradients
       and optimizer state of resident layers), from the objects that allocate it: the VRAM planner's figures.
 

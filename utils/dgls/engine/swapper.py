@@ -95,6 +95,7 @@ class LayerSwapper:
         self._gate_fetches = [f for f in p.features if overrides(f, "fetch_gates")]
         self._act_between_passes = [f for f in p.features if overrides(f, "between_passes")]
         self._pass_ended = False  # a backward ended and no use outside a backward began since
+        self.micro_batches = 1  # of the last step, run layer-major (:mod:`.layer_major` sets it; the planner reads it)
         self.driver, self.training, self.activations = p.driver, p.training, p.activations  # for readers only
         self._batch_move, self._sync_each_step = p.batch_move, p.sync_each_step
         self._copy_streams, self._plan_finished = p.copy_streams, p.plan_finished

@@ -182,6 +182,11 @@ class OffloadCounters(Protocol):
     def keep(self) -> int:
         """Calls of a forward whose inputs stay on the device."""
 
+    @property
+    def kept_last_step(self) -> int:
+        """Calls whose inputs stayed on the device in the last step (at least ``keep``; a layer-major step: at
+        least its micro-batch count)."""
+
 
 class PlacementView(Protocol):
     """The placement in force, as the driver reads it (:class:`~..streaming.placement.Placement`)."""
@@ -213,6 +218,10 @@ class Placeable(Protocol):
 
     @property
     def activations(self) -> OffloadCounters | None: ...
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches the last step ran layer-major (1: one a pass)."""
 
     def apply_placement(self, streamed: Iterable[int], prefetch: int, kept_activations: int | None = None) -> None: ...
 
@@ -762,9 +771,10 @@ class PlacementDriver(Listener, Feature):
         offloader = target.activations
         sent = offloader.segments_sent - self._sent_at_start if offloader is not None else 0
         segment = offloader.largest_segment if sent else 0
-        kept = offloader.keep if sent else 0
+        kept = offloader.kept_last_step if sent else 0
         update = target.placement.update_bytes
-        self.profile = StepProfile(uses, activation + other, overhead, bytes_per_ms, sent, segment, kept, update)
+        micro = target.micro_batches
+        self.profile = StepProfile(uses, activation + other, overhead, bytes_per_ms, sent, segment, kept, update, micro)
         if cuda:
             offloaded = (
                 f" with the inputs of {sent} checkpointed calls in host memory (up to {human_bytes(segment)} each)"

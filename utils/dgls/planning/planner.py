@@ -21,6 +21,12 @@ copies a step (forward and backward fetch) and a kept activation byte one (its r
 home runs on the otherwise idle direction). The time model leaves restores out; the measured
 trials rank the plans.
 
+Layer-major accumulation (:mod:`..engine.layer_major`): the probe step runs its N micro-batches layer by layer, so its
+use sequence is one micro-batch's (each use computing N of them) and its activation peak holds what the N micro-batches
+keep together: each layer boundary's N tensors and each checkpointed call's N inputs. The weights and slots a plan
+places are searched under what is left of the budget, so more micro-batches leave fewer resident layers, or (with
+activation offload) more inputs sent home; the last layer's N calls always stay (``StepProfile.micro_batches``).
+
 Full fine-tuning (a layer's every param trains) adds what the trainer keeps on the device for the params of
 resident layers: their gradients and its optimizer state (``LayerSizes.trained_bytes``; a streamed layer's
 params train on the host, so none of it), its optimizer state of the params resident in every placement, and
@@ -69,6 +75,11 @@ class StepProfile:
     segment_bytes: int = 0
     probe_kept: int = 0
     update_bytes: int = 0  # full fine-tuning's device update buffers: reserved at start-up, the same in every plan
+    # Micro-batches of the probe step run layer-major (:mod:`..engine.layer_major`; 1: one micro-batch a pass). Their
+    # boundary tensors and the inputs their checkpointed calls keep are in ``activation_bytes``; with offload, the
+    # last layer's calls for every micro-batch stay on the device (``probe_kept`` counts them), so no plan keeps
+    # fewer.
+    micro_batches: int = 1
 
     @property
     def compute_ms(self) -> float:
@@ -86,6 +97,7 @@ class Plan:
     budget: int
     pattern: str
     kept_activations: int = 0  # checkpointed calls of a pass whose inputs stay on the device (0: no offload)
+    micro_batches: int = 1  # run layer-major in each step (the probe's): its activations were measured for them all
 
     def runs_like(self, other: Plan) -> bool:
         """Same streamed layers, and a prefetch depth that makes no difference (deeper than the
@@ -103,7 +115,10 @@ class Plan:
         )
 
     def _activations(self) -> str:
-        return f", inputs of the last {self.kept_activations} checkpointed calls kept" if self.kept_activations else ""
+        kept = f", inputs of the last {self.kept_activations} checkpointed calls kept" if self.kept_activations else ""
+        if self.micro_batches > 1:
+            kept += f"; {self.micro_batches} micro-batches a step, layer-major, their activations measured together"
+        return kept
 
 
 def _ranges(indices: Iterable[int]) -> str:
@@ -123,7 +138,7 @@ def planned_activation_bytes(profile: StepProfile, prefetch: int, kept: int | No
     device (default and least: ``max(1, prefetch)``, as many as restores run ahead)."""
     if not profile.sent_segments:
         return profile.activation_bytes
-    kept = max(1, prefetch) if kept is None else kept
+    kept = max(max(1, prefetch) if kept is None else kept, profile.micro_batches)  # a layer-major step keeps N
     return max(0, profile.activation_bytes + (kept - profile.probe_kept) * profile.segment_bytes)
 
 
@@ -163,7 +178,7 @@ def keep_activations(profile: StepProfile, plan: Plan) -> Plan:
     module doc), so this only spends what the weights left."""
     if not profile.sent_segments or not profile.segment_bytes:
         return plan
-    least = max(1, plan.prefetch)
+    least = max(1, plan.prefetch, profile.micro_batches)
     every = profile.probe_kept + profile.sent_segments
     extra = max(0, min(every - least, (plan.budget - plan.predicted_peak) // profile.segment_bytes))
     return replace(
@@ -299,7 +314,7 @@ def shortlist(
             break
         if not any(plan.runs_like(p) for p in picks):
             picks.append(plan)
-    return [keep_activations(profile, plan) for plan in picks]
+    return [replace(keep_activations(profile, plan), micro_batches=profile.micro_batches) for plan in picks]
 
 
 def plan_for_budget(

@@ -421,6 +421,16 @@ OPTIONS: tuple[Option, ...] = (
         policy=None,
     ),
     Option(
+        "layer_major",
+        "bool",
+        True,
+        "run each layer over all of a step's micro-batches before the next (one pipeline stage): each streamed "
+        "layer copied once a direction a step, the numbers of one micro-batch after another",
+        "turn off to run micro-batches one after another (several pipeline stages always do)",
+        "training",
+        policy=None,
+    ),
+    Option(
         "host_adam",
         "choice",
         "auto",

@@ -174,6 +174,7 @@ def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, 
     _check_profile(resolved, notes)
     if values["dynamic_swapping"] and not settings.activation_checkpointing:
         _offload_needs_checkpointing(resolved, values, f"[demo] activation_checkpointing = false in {path}")
+    _check_layer_major(resolved, settings.pipeline_stages, f"[demo] pipeline_stages in {path}")
     if settings.full and values["dynamic_swapping"]:
         swap = _full_fine_tune(path, settings, swap, dist, resolved)
     elif resolved.given("host_adam") and values["dynamic_swapping"]:
@@ -286,6 +287,8 @@ def _drop_in_full_fine_tune(
     from . import dp_config
 
     clip = dp_config.host_clipping(config, path, steps)  # 0 lets host updates start during backward
+    if layer_major_applies(resolved.values, stages, steps):
+        steps = 1  # each layer's gradients are summed on the device: the host sees one micro-batch a step
     return swap.replace(training=TrainingPolicy(host_optimizer=spec, accumulation_steps=steps, clip_grads=bool(clip)))
 
 
@@ -333,6 +336,23 @@ def _check_host_adam_build(spec) -> None:
         refuse_stale_lock("cpu_adam")  # DeepSpeed's CPUAdamBuilder.NAME, on every accelerator
 
 
+def layer_major_applies(values: dict, stages: int, micro_batches: int) -> bool:
+    """A step's micro-batches run layer-major (:mod:`..engine.layer_major`): asked for (the default), with DGLS placing
+    the layers, on one pipeline stage, and more than one of them."""
+    return bool(values["layer_major"] and values["dynamic_swapping"] and stages == 1 and micro_batches > 1)
+
+
+def _check_layer_major(resolved: options.Resolved, stages: int, where: str) -> None:
+    """An explicit ``layer_major`` with several pipeline stages is refused (the default runs them one after another,
+    and says so at start-up)."""
+    if resolved.given("layer_major") and resolved.values["layer_major"] and stages > 1:
+        raise DGLSUserError(
+            f"{resolved.label('layer_major')} runs a step's micro-batches layer by layer on one pipeline stage, and "
+            f"{where} has {stages}: drop it (several stages run their micro-batches one after another), or use one "
+            "stage"
+        )
+
+
 def _full_fine_tune(path: str, settings, swap: SwapConfig, dist: DistEnv, resolved: options.Resolved) -> SwapConfig:
     """A demo config without [adapter]: streamed layers are trained on the host; what that cannot do is refused.
     Several processes on one stage train data parallel, each updating its share of the streamed layers
@@ -361,9 +381,10 @@ def _full_fine_tune(path: str, settings, swap: SwapConfig, dist: DistEnv, resolv
         except DGLSUserError as exc:
             raise DGLSUserError(f"{path}: {exc}") from None
     _check_host_adam_build(spec)
-    policy = TrainingPolicy(
-        host_optimizer=spec, accumulation_steps=resolved.values["lazy_lora_steps"], data_parallel=data_parallel
-    )
+    # layer-major: each layer's gradients are summed on the device, so the host sees one micro-batch a step
+    count = settings.micro_batches(resolved.values["lazy_lora_steps"])
+    steps = 1 if layer_major_applies(resolved.values, settings.pipeline_stages, count) else count
+    policy = TrainingPolicy(host_optimizer=spec, accumulation_steps=steps, data_parallel=data_parallel)
     return swap.replace(training=policy)
 
 
@@ -420,6 +441,7 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
     _check_profile(resolved, notes)
     if swapping and not config.get("activation_checkpointing", False):
         _offload_needs_checkpointing(resolved, values, f"{path} has no activation_checkpointing")
+    _check_layer_major(resolved, stages, f"pipeline_stages in {path}")
     if swapping and (spec := dp_config.host_optimizer_spec(config, path)) is not None:
         swap = _drop_in_full_fine_tune(path, config, swap, spec, dist, stages, resolved, rest)
         dp_config.probe_host_optimizer(swap.training.host_optimizer, checkout)

@@ -109,6 +109,8 @@ class HookAdapter:
         self._handles: list = []
         self._saved_hooks: list = []  # pushed in a pre-hook, popped in the post hook (recompute nests them)
         self._queued = False
+        self._holding = False  # a schedule runs one step as several backward calls: one pass_end, at its end
+        self._held_end = False  # a backward ended while holding
         # A module whose next call runs nothing of its own (a piece whose layer's recompute takes its kept
         # output, :meth:`~..activations.unit_checkpoints.UnitCheckpoints.replays`): no use starts.
         self.replays: Callable[[nn.Module], bool] = replays or (lambda module: False)
@@ -184,7 +186,26 @@ class HookAdapter:
 
     def _on_backward_end(self) -> None:
         self._queued = False
-        self.engine.pass_end()
+        if self._holding:
+            self._held_end = True
+        else:
+            self.engine.pass_end()
+
+    @contextmanager
+    def one_pass(self) -> Iterator[None]:
+        """The backward calls inside the ``with`` are one pass: ``pass_end()`` once, when the block ends (if any
+        backward ran), not at the end of each call (:mod:`..engine.layer_major` runs a step's backward as one call
+        per layer and micro-batch). Not nested."""
+        if self._holding:
+            raise RuntimeError("one_pass() is already active")
+        self._holding, self._held_end = True, False
+        try:
+            yield
+        finally:
+            self._holding = False
+            ended, self._held_end = self._held_end, False
+            if ended:
+                self.engine.pass_end()
 
     # ---------------------------------------------------------------- saved tensors
     def _push_saved_tensor_hooks(self, outer):

@@ -6,6 +6,8 @@ Modules
       move to the GPU.
     - ``engine_hooks.py``: joins DeepSpeed's engine when streamed layers train on the host: clipping, the step,
       checkpoints.
+    - ``layer_major_batches.py``: DeepSpeed's pipeline engine runs a step's micro-batches layer-major (one stage: the
+      demo's and train.py's steps, ``--layer_major``).
     - ``shm_op.py``: keeps DeepSpeed's CPU shared-memory all-reduce op (a C++ build DGLS never uses) out of
       every run.
 

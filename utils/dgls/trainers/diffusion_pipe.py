@@ -43,10 +43,11 @@ from ..program.options import swap_config
 from ..program.patches import Patches
 from ..program.rendezvous import peers_arrived
 from ..program.resume import ResumeChecks
-from ..program.validate import DropInRun
+from ..program.validate import DropInRun, layer_major_applies
 from ..streaming.config import SwapConfig
 from ..watching.stats import StepReader, StepStats, StepWindow
 from .engine_hooks import EngineHooks
+from .layer_major_batches import layer_major_batches
 from .pipeline_hook import Stage, StageHook
 from .shm_op import without_shm_op
 
@@ -61,8 +62,9 @@ class PipelineInterception:
 
     * DeepSpeed's ``PipelineModule._build`` (:class:`~.pipeline_hook.StageHook`): give this process's
       stage of the layer list a LayerSwapper before DeepSpeed moves the module to the GPU;
-    * ``PipelineEngine.train_batch``: after each step, read the swap stats (summed over every
-      process of the job) and memory, print them on rank 0 with ``verbose`` (plus a windowed
+    * ``PipelineEngine.train_batch``: a step's micro-batches run layer-major on one pipeline stage
+      (:mod:`.layer_major_batches`, unless ``--no-layer_major``); after each step, read the swap stats (summed
+      over every process of the job) and memory, print them on rank 0 with ``verbose`` (plus a windowed
       summary every ``verbose_every`` steps; no ETA, as the run length depends on the dataset),
       warn once when host RAM runs short, and write them to diffusion-pipe's TensorBoard run dir;
     * ``SummaryWriter.__init__`` (if tensorboard is installed): remember train.py's writer,
@@ -98,6 +100,7 @@ class PipelineInterception:
         self.stage_hook = StageHook(self.install)
         self.engine_hooks: EngineHooks | None = None
         self.resume_checks = ResumeChecks()
+        self._said_layer_major = False
 
     def __enter__(self) -> PipelineInterception:
         try:
@@ -187,7 +190,8 @@ class PipelineInterception:
                 )
             start = time.perf_counter()
             self.reader.begin()  # eval passes between steps are not the step's
-            loss = original(engine, *args, **kwargs)
+            with self._layer_major(engine):
+                loss = original(engine, *args, **kwargs)
             self.steps += 1
             reading = self.monitor.read()
             stats = self.reader.end()  # this optimizer step's micro-batches, every process's together
@@ -201,6 +205,19 @@ class PipelineInterception:
             return loss
 
         return train_batch_with_stats
+
+    def _layer_major(self, engine):
+        """The step's micro-batches layer-major where :func:`..program.validate.layer_major_applies` (said once);
+        otherwise DeepSpeed's own schedule."""
+        applies = layer_major_applies(self.values, engine.num_stages, engine.micro_batches)
+        if not self._said_layer_major and engine.micro_batches > 1:
+            self._said_layer_major = True
+            if _rank() == 0:
+                how = "layer-major (each layer runs all of them before the next)"
+                if not applies:
+                    how = "one after another" + (" (--no-layer_major)" if not self.values["layer_major"] else "")
+                self.log(f"DGLS: {engine.micro_batches} micro-batches a step, {how}")
+        return layer_major_batches(engine, self.swapper) if applies else contextlib.nullcontext()
 
     def _wrap_writer_init(self, original):
         def init_and_remember(writer, *args, **kwargs):

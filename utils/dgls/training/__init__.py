@@ -5,6 +5,8 @@ Modules
     - ``training_feature.py``: full fine-tuning as a feature of the engine (fetch gates, evictions, true
       values).
     - ``grad_return.py``: gradients sent home in groups and summed, each layer's gradient state an enum.
+    - ``device_sums.py``: under layer-major accumulation, a layer's gradients summed on the device over a step's
+      micro-batches, sent home once.
     - ``jobs.py``: host work (gradient sums, host updates) in order on the transport's job worker, timed.
     - ``updaters.py``: where a step runs: the CPU, the GPU, or split between them.
     - ``host_optimizer.py``: which optimizer updates the host-trained params, built per layer.

@@ -85,6 +85,7 @@ from torch import nn
 from ..errors import DGLSUserError
 from ..memory.host_store import HostLayer
 from ..memory.transport import Copy, Direction, Transport
+from .device_sums import DeviceSums
 from .device_update import FlatLayer
 from .jobs import Job, Jobs
 from .optimizer_kernels import grad_norms
@@ -272,6 +273,7 @@ class GradReturn:
         self._grouping: TrainedLayer | None = None  # the layer whose grads arrived last (the only open group)
         self._backwards = 0  # backward passes since the last step
         self._queued_in: dict[int, int] = {}  # no clipping: layer -> the pass (``_backwards``) its update started in
+        self.device_sums: DeviceSums | None = None  # the layer-major schedule's: grads summed on the device first
 
     def owns(self, param: torch.Tensor) -> TrainedParam | None:
         return self._by_param.get(id(param))
@@ -306,6 +308,8 @@ class GradReturn:
         """Post-accumulate-grad hook: take the grad off the param into its layer's group."""
         grad = param.grad
         param.grad = None
+        if grad is not None and self.device_sums is not None:
+            grad = self.device_sums.add(param, grad)  # None: summed on the device, its layer's last one comes later
         if grad is None:
             return
         g = layer.grads

@@ -1,0 +1,120 @@
+"""Training loops for layer-major accumulation tests: the same LoRA steps with a step's micro-batches run layer-major
+(:func:`~utils.dgls.engine.layer_major.layer_major_step`, or :func:`~utils.dgls.engine.layer_major.layer_major_losses`
+and one backward) or one after another, on any device, dtype and model width."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from helpers import SMALL, RunRecord, checkpoint_for, loop_mode, make_layers, run_layers
+
+from utils.dgls import LayerSwapper
+from utils.dgls.demo.data import SyntheticLatents
+from utils.dgls.demo.model import BLOCK_CLASSES
+from utils.dgls.engine.layer_major import layer_major_losses, layer_major_step
+
+CPU = torch.device("cpu")
+
+
+def runners(layers, mode: str, checkpoint_fn=None) -> list:
+    """The layers as run_layers runs them, one callable each (blocks under the mode's checkpoint)."""
+    ckpt = checkpoint_fn or checkpoint_for(mode)
+    loop = loop_mode(mode)
+
+    def checkpointed(layer, h):
+        if not torch.is_grad_enabled():
+            return layer(h)
+        return ckpt(lambda *xs: layer(xs), *h)
+
+    return [
+        partial(checkpointed, layer) if type(layer).__name__ in BLOCK_CLASSES and loop != "none" else layer
+        for layer in layers
+    ]
+
+
+def batches(dtype=torch.float32, cfg=SMALL, device=CPU):
+    data = SyntheticLatents(cfg, samples=8, image_tokens=12, text_tokens=5, seed=3)
+    return data.batches(2, dtype, device)
+
+
+def _inputs(inputs, mode):
+    return (inputs[0].requires_grad_(), *inputs[1:]) if loop_mode(mode) == "reentrant" else inputs
+
+
+def _loss(out, target):
+    return F.mse_loss(out.float(), target.float())
+
+
+def _micro_loss(micro, out, m):
+    return _loss(out, micro[m][1])
+
+
+def train_lora(
+    mode,
+    accumulate,
+    layer_major,
+    swap=None,
+    steps=2,
+    checkpoint_fn=None,
+    swapper_hook=None,
+    one_backward=False,
+    layers=None,
+    device=CPU,
+    dtype=torch.float32,
+    cfg=SMALL,
+    log=None,
+):
+    """LoRA steps of ``accumulate`` micro-batches then AdamW, an eval pass between steps; ``swap``: a SwapConfig to
+    stream the layers with (``swapper_hook(swapper)`` sees the swapper first). ``one_backward``: each loss scaled by
+    1/N, as a trainer's engine does (sequential: ``(loss / N).backward()`` each; layer-major: ``layer_major_losses``
+    and one backward of their sum over N). ``layers``: (layers, trainable) to train (default: make_layers()), moved
+    to ``device`` when nothing streams; ``log``: the swapper's."""
+    layers, trainable = layers if layers is not None else make_layers(dtype, cfg)
+    if swap is None:
+        for layer in layers:
+            layer.to(device)
+    swapper = LayerSwapper(layers, swap, device=device, log=log) if swap is not None else None
+    try:
+        if swapper is not None and swapper_hook is not None:
+            swapper_hook(swapper)
+        fn = swapper.checkpoint_function(checkpoint_for(mode)) if checkpoint_fn == "swapper" else checkpoint_fn
+        run = runners(layers, mode, fn)
+        data = batches(dtype, cfg, device)
+        opt = torch.optim.AdamW(trainable, lr=1e-2)
+        losses, grads, evals = [], [], []
+        for _ in range(steps):
+            micro = [next(data) for _ in range(accumulate)]
+            if layer_major and one_backward:
+                with layer_major_losses(
+                    run, [_inputs(x, mode) for x, _ in micro], partial(_micro_loss, micro), swapper
+                ) as got:
+                    (sum(got) / accumulate).backward()
+                losses += [x.detach() for x in got]
+            elif layer_major:
+                got = layer_major_step(
+                    run,
+                    [_inputs(x, mode) for x, _ in micro],
+                    lambda out, m, micro=micro: _loss(out, micro[m][1]),
+                    swapper,
+                )
+                losses += got
+            else:
+                for x, target in micro:
+                    h = _inputs(x, mode)
+                    for layer in run:
+                        h = layer(h)
+                    loss = _loss(h, target)
+                    (loss / accumulate if one_backward else loss).backward()
+                    losses.append(loss.detach())
+            grads.append([p.grad.detach().cpu().clone() for p in trainable])
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                x, _ = next(data)
+                evals.append(run_layers(layers, x, "none").cpu())
+        return RunRecord([x.cpu() for x in losses], grads, [p.detach().cpu().clone() for p in trainable], evals)
+    finally:
+        if swapper is not None:
+            swapper.remove()

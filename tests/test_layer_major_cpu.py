@@ -1,0 +1,347 @@
+"""Layer-major gradient accumulation on the CPU: the same numbers as sequential micro-batches, one fetch a direction.
+
+Each test compares :func:`~utils.dgls.engine.layer_major.layer_major_step` over N micro-batches with the same N
+micro-batches run one after another (forward, backward, forward, backward, ...) through the same layers: the losses,
+the accumulated gradients, the weights after the optimizer steps and an eval pass between steps, bitwise. The CPU
+transport's mutations (a missing wait, a slot written before its release) still fail under the new schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import pytest
+import torch
+from full_ft import SPEC, FullRecord, _weights, assert_same, full_layers, params_of
+from helpers import assert_bitwise_equal, checkpoint_for, make_layers, run_layers, skip_waits
+from layer_major_runs import _inputs, _loss, _micro_loss, batches, runners, train_lora
+
+from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
+from utils.dgls.engine.layer_major import layer_major_losses, layer_major_step
+from utils.dgls.memory.copier import Copier, DeferredCopier, OrderingError
+from utils.dgls.memory.layout import GiB, measure
+from utils.dgls.memory.transport import Direction
+from utils.dgls.planning.planner import minimum_bytes
+from utils.dgls.watching.listener import Listener
+
+CPU = torch.device("cpu")
+MODES = ["none", "nonreentrant", "reentrant", "unsloth"]
+
+
+def streamed(**kw) -> SwapConfig:
+    return SwapConfig.of(**{"prefetch": 1, **kw})
+
+
+# ---------------------------------------------------------------- LoRA
+@pytest.mark.parametrize("accumulate", [1, 2, 4])
+@pytest.mark.parametrize("mode", MODES)
+def test_lora_layer_major_equals_sequential_micro_batches(mode, accumulate):
+    reference = train_lora(mode, accumulate, layer_major=False)
+    assert_bitwise_equal(reference, train_lora(mode, accumulate, layer_major=True))
+    assert_bitwise_equal(reference, train_lora(mode, accumulate, layer_major=True, swap=streamed()))
+
+
+def _slow_but(*kept):
+    """Every (mode, accumulate) in the slow step but ``kept``: the default run keeps one case of each kind."""
+    return [
+        pytest.param(mode, n, marks=() if (mode, n) in kept else pytest.mark.slow) for mode in MODES for n in (1, 2, 4)
+    ]
+
+
+@pytest.mark.parametrize("mode, accumulate", _slow_but(("nonreentrant", 4), ("reentrant", 2)))
+def test_one_backward_of_the_scaled_sum_equals_scaled_sequential_micro_batches(mode, accumulate):
+    """A trainer's engine scales each micro-batch's loss by 1/N and calls backward once a micro-batch; under
+    layer_major_losses it calls it once, on the sum over N, with the same numbers."""
+    reference = train_lora(mode, accumulate, layer_major=False, one_backward=True)
+    assert_bitwise_equal(reference, train_lora(mode, accumulate, layer_major=True, one_backward=True, swap=streamed()))
+
+
+def test_a_second_backward_of_a_layer_major_step_is_refused():
+    layers, _ = make_layers()
+    data = batches()
+    micro = [next(data) for _ in range(2)]
+    with layer_major_losses(runners(layers, "none"), [x for x, _ in micro], partial(_micro_loss, micro)) as got:
+        got[0].backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="ran twice"):
+            got[1].backward()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"offload_activations": True},
+        {"offload_recompute": True},
+        {"checkpoint_units": True},
+        {"checkpoint_units": True, "keep_piece_outputs": True},
+        {"swap_unit_mb": 0.01},
+    ],
+    ids=["offload", "recompute-offload", "units", "kept-pieces", "swap-units"],
+)
+@pytest.mark.parametrize("accumulate", [pytest.param(2, marks=pytest.mark.slow), 4])
+def test_lora_layer_major_equals_sequential_with_the_engines_checkpoint_features(settings, accumulate):
+    mode = "nonreentrant"
+    reference = train_lora(mode, accumulate, layer_major=False)
+    got = train_lora(mode, accumulate, layer_major=True, swap=streamed(**settings), checkpoint_fn="swapper")
+    assert_bitwise_equal(reference, got)
+
+
+class _PassMarks(Listener):
+    """The swapper's totals at each pass end (the listeners hear it after the features)."""
+
+    def __init__(self, swapper) -> None:
+        self.swapper, self.marks = swapper, [swapper.total_stats()]
+
+    def pass_ended(self) -> None:
+        self.marks.append(self.swapper.total_stats())
+
+
+@pytest.mark.slow  # fp8 packing on the CPU takes seconds
+def test_lora_layer_major_with_fp8_storage_equals_sequential_through_the_same_rounding():
+    """fp8-stored frozen weights (rounded once when packed): both schedules read the same rounded weights."""
+    swap = streamed(cast_target=[("bf16", "f8_e4m3")])
+    kw = {"swap": swap, "dtype": torch.bfloat16}
+    assert_bitwise_equal(train_lora("nonreentrant", 4, False, **kw), train_lora("nonreentrant", 4, True, **kw))
+
+
+def fetches_per_step(accumulate, mode="nonreentrant", layer_major=True):
+    """Each pass's stats (a pass: a step's backward and the eval forward before it), and the streamed layer count."""
+    seen = {}
+
+    def hook(swapper):
+        seen["marks"] = _PassMarks(swapper)
+        seen["streamed"] = len(swapper.streamed_layers)
+        swapper.add_listener(seen["marks"])
+
+    train_lora(mode, accumulate, layer_major=layer_major, swap=streamed(), steps=3, swapper_hook=hook)
+    marks = seen["marks"].marks
+    return [b.since(a) for a, b in zip(marks, marks[1:])], seen["streamed"]
+
+
+@pytest.mark.parametrize("mode", ["none", "nonreentrant", "reentrant"])
+def test_each_streamed_layer_is_fetched_once_a_direction_a_step(mode):
+    """One pass a step whatever N, with a use of each streamed layer in its forward and one in its backward (and one
+    in the eval pass between steps, which counts towards the next pass), and the fetches of one micro-batch; N
+    sequential micro-batches fetch about N times as much (the test's own check)."""
+    one, streamed_count = fetches_per_step(1, mode)
+    assert streamed_count >= 4 and one[1].fetches >= 2 * streamed_count
+    for accumulate in (2, 4):
+        passes, _ = fetches_per_step(accumulate, mode)
+        assert [p.passes for p in passes] == [1, 1, 1]
+        assert [p.uses for p in passes] == [2 * streamed_count, 3 * streamed_count, 3 * streamed_count]
+        assert [p.fetches for p in passes] == [p.fetches for p in one]
+        assert [p.bytes_moved for p in passes] == [p.bytes_moved for p in one]
+        assert sum(p.misses for p in passes[1:]) == 0
+    sequential, _ = fetches_per_step(2, mode, layer_major=False)
+    assert sum(p.fetches for p in sequential) > 1.5 * sum(p.fetches for p in one)
+
+
+# ---------------------------------------------------------------- mutations
+def test_mutation_no_compute_side_wait_reads_poison_under_layer_major(monkeypatch):
+    reference = train_lora("nonreentrant", 2, layer_major=False)
+    monkeypatch.setattr(DeferredCopier, "_wait", lambda self, token: None)
+    got = train_lora("nonreentrant", 2, layer_major=True, swap=streamed())
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(reference, got)
+    assert any(torch.isnan(loss).any() for loss in got.losses)
+
+
+@pytest.mark.parametrize("mode", ["none", "nonreentrant"])
+def test_mutation_no_release_marker_is_refused_under_layer_major(mode, monkeypatch):
+    monkeypatch.setattr(Copier, "release", lambda self, slot: None)
+    with pytest.raises(OrderingError, match="while layer .* may still read it"):
+        train_lora(mode, 2, layer_major=True, swap=streamed())
+
+
+@pytest.mark.parametrize(
+    "direction, settings",
+    [(Direction.WEIGHTS_IN, {}), (Direction.ACTIVATIONS_IN, {"offload_activations": True})],
+    ids=["weights", "activations"],
+)
+def test_mutation_a_transport_that_never_waits_differs_under_layer_major(direction, settings, monkeypatch):
+    reference = train_lora("nonreentrant", 2, layer_major=False)
+    skip_waits(monkeypatch, direction)  # the mutation
+    got = train_lora("nonreentrant", 2, layer_major=True, swap=streamed(**settings), checkpoint_fn="swapper")
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(reference, got)
+
+
+# ---------------------------------------------------------------- full fine-tuning
+class _GradCopies(Listener):
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def copied(self, copy) -> None:
+        if copy.direction is Direction.GRADS_HOME:
+            self.bytes += copy.nbytes
+
+
+def train_full(
+    mode, accumulate, layer_major, dtype=torch.float32, steps=2, max_norm=None, listener=None, spec=SPEC, **settings
+):
+    """Full fine-tuning steps: streamed layers trained on the host (accumulation_steps N sequentially, 1 layer-major),
+    the others by the trainer's optimizer; ``settings``: more SwapConfig settings (the checkpoint is the swapper's)."""
+    layers = full_layers(dtype)
+    steps_setting = 1 if layer_major else accumulate
+    cfg = SwapConfig.of(host_optimizer=spec, accumulation_steps=steps_setting, **{"prefetch": 1, **settings})
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        if listener is not None:
+            swapper.add_listener(listener)
+        training = swapper.training
+        params = params_of(layers)
+        resident = [p for p in params if not training.owns(p)]
+        trainer = SPEC.build(resident) if resident else None
+        run = runners(layers, mode, swapper.checkpoint_function(checkpoint_for(mode)))
+        data = batches(dtype)
+        losses, evals = [], []
+        for _ in range(steps):
+            micro = [next(data) for _ in range(accumulate)]
+            if layer_major:
+                losses += layer_major_step(
+                    run,
+                    [_inputs(x, mode) for x, _ in micro],
+                    lambda out, m, micro=micro: _loss(out, micro[m][1]),
+                    swapper,
+                )
+            else:
+                for x, target in micro:
+                    h = _inputs(x, mode)
+                    for layer in run:
+                        h = layer(h)
+                    loss = _loss(h, target)
+                    loss.backward()
+                    losses.append(loss.detach())
+            if max_norm is not None:
+                training.clip_grad_norm_(params, max_norm)
+            if trainer is not None:
+                trainer.step()
+                trainer.zero_grad()
+            training.step()
+            with torch.no_grad():
+                x, _ = next(data)
+                evals.append(run_layers(layers, x, "none").cpu())
+        return FullRecord(losses, _weights(layers), evals)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2, 4])
+@pytest.mark.parametrize("mode", ["none", "nonreentrant", "reentrant"])
+def test_full_fine_tuning_layer_major_equals_sequential_in_fp32(mode, accumulate):
+    assert_same(train_full(mode, accumulate, False), train_full(mode, accumulate, True))
+
+
+@pytest.mark.parametrize(
+    "mode, settings",
+    [
+        ("unsloth", {}),
+        ("nonreentrant", {"offload_activations": True}),
+        ("nonreentrant", {"swap_unit_mb": 0.01}),
+        ("nonreentrant", {"checkpoint_units": True, "keep_piece_outputs": True}),
+        ("nonreentrant", {"prefetch": 2, "threading": True}),
+    ],
+    ids=["unsloth", "offload", "swap-units", "kept-pieces", "threads"],
+)
+def test_full_fine_tuning_layer_major_equals_sequential_with_the_engines_features(mode, settings):
+    assert_same(train_full(mode, 4, False, **settings), train_full(mode, 4, True, **settings))
+
+
+def test_full_fine_tuning_layer_major_with_updates_on_the_device_side_equals_sequential():
+    """Device updates (their kernels run on the CPU here) read the one gradient a step a layer sends home."""
+    spec = dataclasses.replace(SPEC, implementation="device")
+    a = train_full("nonreentrant", 4, False, dtype=torch.bfloat16, spec=spec)
+    b = train_full("nonreentrant", 4, True, dtype=torch.bfloat16, spec=spec)
+    for x, y in zip(a.losses[:4], b.losses[:4]):
+        assert torch.equal(x, y)
+    for k in a.weights:
+        torch.testing.assert_close(a.weights[k], b.weights[k], rtol=0, atol=2 * SPEC.lr * 2)
+
+
+def test_full_fine_tuning_layer_major_sends_each_gradient_home_once_a_step():
+    sent = {}
+    for accumulate, layer_major in ((1, True), (4, True), (4, False)):
+        sent[accumulate, layer_major] = _GradCopies()
+        train_full("nonreentrant", accumulate, layer_major, listener=sent[accumulate, layer_major])
+    assert sent[1, True].bytes > 0
+    assert sent[4, True].bytes == sent[1, True].bytes
+    assert sent[4, False].bytes == 4 * sent[1, True].bytes
+
+
+def test_full_fine_tuning_layer_major_with_clipping_equals_sequential():
+    assert_same(train_full("nonreentrant", 4, False, max_norm=0.05), train_full("nonreentrant", 4, True, max_norm=0.05))
+
+
+def test_full_fine_tuning_layer_major_in_bf16_is_close():
+    """bf16: the device's fp32 sum is rounded once to bf16 on its way home (sequential keeps it fp32): close, and
+    the losses of the first step (before any update) bitwise the same."""
+    a = train_full("nonreentrant", 4, False, dtype=torch.bfloat16)
+    b = train_full("nonreentrant", 4, True, dtype=torch.bfloat16)
+    for x, y in zip(a.losses[:4], b.losses[:4]):
+        assert torch.equal(x, y)
+    for k in a.weights:  # AdamW's first steps move each weight by about lr whatever the gradient's size: a rounding
+        # of a gradient near zero may turn one step's sign
+        torch.testing.assert_close(a.weights[k], b.weights[k], rtol=0, atol=2 * SPEC.lr * 2)
+
+
+def test_a_host_training_told_several_micro_batches_is_refused():
+    layers = full_layers()
+    cfg = SwapConfig.of(host_optimizer=SPEC, accumulation_steps=2, prefetch=1)
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        data = batches()
+        micro = [next(data) for _ in range(2)]
+        with pytest.raises(DGLSUserError, match="accumulation_steps = 1"):
+            layer_major_step(
+                runners(layers, "none"), [x for x, _ in micro], lambda o, m: _loss(o, micro[m][1]), swapper
+            )
+
+
+def test_no_micro_batches_is_refused():
+    with pytest.raises(DGLSUserError, match="at least one micro-batch"):
+        layer_major_step([], [], lambda o, m: o)
+
+
+def test_mutation_gradients_home_without_a_wait_differ_under_layer_major(monkeypatch):
+    reference = train_full("nonreentrant", 2, False)
+    skip_waits(monkeypatch, Direction.GRADS_HOME)  # the mutation
+    with pytest.raises(AssertionError):
+        assert_same(reference, train_full("nonreentrant", 2, True))
+
+
+@pytest.mark.slow  # probes and plans, as test_planner.py's end-to-end planner tests
+def test_the_vram_planner_probes_a_layer_major_step_and_plans_for_its_micro_batches():
+    """The probe is a layer-major step (its activations those of the 4 micro-batches together); the plans say so,
+    and the steps keep the numbers of sequential micro-batches while the driver re-places layers between them."""
+    layers, _ = make_layers()
+    sizes = [layout.sizes for layout in measure(layers)]
+    middle = (minimum_bytes(sizes, None) + sum(s.streamable_bytes + s.fixed_bytes for s in sizes)) / 2
+    lines = []
+    seen = {}
+
+    def hook(swapper):
+        seen["swapper"] = swapper
+
+    reference = train_lora("nonreentrant", 4, layer_major=False, steps=4)
+    config = SwapConfig.of(vram_budget=middle / GiB, swap_unit_mb=0)
+    got = train_lora("nonreentrant", 4, layer_major=True, swap=config, steps=4, swapper_hook=hook, log=lines.append)
+    assert_bitwise_equal(reference, got)
+    driver = seen["swapper"].driver
+    assert driver.profile is not None and driver.profile.micro_batches == 4
+    assert any("4 micro-batches a step, layer-major" in line for line in lines), lines
+
+
+def test_swap_units_are_fetched_per_micro_batch_unless_the_slots_keep_them():
+    """The limit the module doc states: a layer's units alternate within each micro-batch, so a layer-major step
+    fetches more than one micro-batch's units (fewer than sequential micro-batches, whose slots keep nothing)."""
+
+    def fetched(accumulate, layer_major):
+        seen = {}
+
+        def hook(swapper):
+            seen["marks"] = _PassMarks(swapper)
+            swapper.add_listener(seen["marks"])
+
+        swap = streamed(prefetch=2, swap_unit_mb=0.01)
+        train_lora("nonreentrant", accumulate, layer_major=layer_major, swap=swap, steps=2, swapper_hook=hook)
+        marks = seen["marks"].marks
+        return marks[-1].fetches - marks[1].fetches  # the second step (and the eval pass before it)
+
+    one = fetched(1, True)
+    assert one < fetched(4, True) < fetched(4, False)

@@ -1,0 +1,186 @@
+"""The demo's gradient accumulation ([demo] gradient_accumulation_steps): layer-major by default, through DeepSpeed's
+pipeline engine (utils/dgls/trainers/layer_major_batches.py), with the numbers of the same micro-batches run one after
+another (layer_major = false), and each streamed layer copied once a direction a step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from cli_helpers import demo_toml, run_in_process
+from safetensors.torch import load_file
+
+from utils.dgls.errors import DGLSUserError
+from utils.dgls.program.validate import prepare
+
+
+def demo_run(folder, capsys, *flags, base="demo.toml", **demo):
+    config = demo_toml(folder, steps=3, base=base, **demo)
+    code, out, err = run_in_process(["--config", str(config), *flags], capsys)
+    assert code == 0, err
+    (saved,) = (folder / "out").glob("*/*.safetensors")
+    losses = [line.split("loss ")[1].split(",")[0] for line in out.splitlines() if line.startswith("step ")]
+    return load_file(str(saved)), losses, out
+
+
+def streamed_bytes(out: str) -> str:
+    """The summary's bytes streamed over the run."""
+    (summary,) = [line for line in out.splitlines() if line.startswith("DGLS demo finished")]
+    return summary.split("; streamed ")[1].split(";")[0]
+
+
+@pytest.mark.parametrize(
+    "flags", [(), pytest.param(("--offload_activations",), marks=pytest.mark.slow)], ids=["plain", "offload"]
+)
+def test_the_demo_accumulates_layer_major_with_the_numbers_of_sequential_micro_batches(tmp_path, capsys, flags):
+    layer_major, lm_losses, lm_out = demo_run(tmp_path / "lm", capsys, *flags, gradient_accumulation_steps=4)
+    sequential, seq_losses, seq_out = demo_run(
+        tmp_path / "seq", capsys, *flags, "--no-layer_major", gradient_accumulation_steps=4
+    )
+    assert "4 micro-batches a step, layer-major" in lm_out and "one after another (--no-layer_major)" in seq_out
+    assert lm_losses == seq_losses and len(lm_losses) == 3
+    assert layer_major.keys() == sequential.keys() and len(layer_major) > 10
+    for k in layer_major:
+        assert torch.equal(layer_major[k], sequential[k]), k
+    one, _, one_out = demo_run(tmp_path / "one", capsys, *flags)
+    assert streamed_bytes(lm_out) == streamed_bytes(one_out) != streamed_bytes(seq_out)
+
+
+def test_lazy_lora_steps_multiply_the_layer_major_micro_batches(tmp_path, capsys):
+    _, _, out = demo_run(tmp_path, capsys, "--lazy_lora_steps", "2", gradient_accumulation_steps=2)
+    assert "DGLS: 4 micro-batches a step, layer-major" in out
+
+
+def test_a_full_fine_tune_accumulates_layer_major_with_the_numbers_of_sequential_micro_batches(tmp_path, capsys):
+    layer_major, lm_losses, _ = demo_run(tmp_path / "lm", capsys, base="demo_full.toml", gradient_accumulation_steps=2)
+    sequential, seq_losses, _ = demo_run(
+        tmp_path / "seq", capsys, "--no-layer_major", base="demo_full.toml", gradient_accumulation_steps=2
+    )
+    assert lm_losses == seq_losses
+    for k in layer_major:
+        assert torch.equal(layer_major[k], sequential[k]), k
+
+
+def test_an_explicit_layer_major_with_several_pipeline_stages_is_refused():
+    """The check the demo and the drop-in run (before anything is built)."""
+    from utils.dgls.program.options import COMMAND_LINE, Resolved
+    from utils.dgls.program.validate import _check_layer_major
+
+    given = Resolved({"layer_major": True}, {"layer_major": COMMAND_LINE})
+    with pytest.raises(DGLSUserError, match="--layer_major runs a step's micro-batches layer by layer on one"):
+        _check_layer_major(given, 2, "pipeline_stages in x.toml")
+    _check_layer_major(given, 1, "pipeline_stages in x.toml")
+    _check_layer_major(Resolved({"layer_major": True}, {"layer_major": "default"}), 2, "pipeline_stages in x.toml")
+
+
+def test_how_a_steps_micro_batches_run_is_said_at_start_up(tmp_path):
+    from utils.dgls.demo.train import accumulation_line
+
+    run = prepare(["--config", str(demo_toml(tmp_path, gradient_accumulation_steps=4))], tmp_path)
+    for stages, values, said in [
+        (1, {}, "layer-major: each layer runs all of them"),
+        (2, {}, "one after another: layer-major runs one pipeline stage, and this run has 2"),
+        (1, {"layer_major": False}, "one after another (--no-layer_major)"),
+        (1, {"dynamic_swapping": False}, "one after another (dynamic swapping is off)"),
+    ]:
+        line = accumulation_line(dataclasses.replace(run.settings, pipeline_stages=stages), {**run.values, **values})
+        assert said in line and line.startswith("DGLS: 4 micro-batches a step"), line
+
+
+@pytest.mark.slow
+def test_a_bf16_lora_accumulates_layer_major_with_the_numbers_of_sequential_micro_batches(tmp_path, capsys):
+    """DeepSpeed's bf16 optimizer adds each micro-batch's gradient into its fp32 sums (immediate_grad_update, which the
+    demo sets when it runs layer-major): the same sums as one backward a micro-batch."""
+    bf16 = {"dtype": "bfloat16"}
+    layer_major, lm_losses, _ = demo_run(tmp_path / "lm", capsys, model=bf16, gradient_accumulation_steps=4)
+    sequential, seq_losses, _ = demo_run(
+        tmp_path / "seq", capsys, "--no-layer_major", model=bf16, gradient_accumulation_steps=4
+    )
+    assert lm_losses == seq_losses
+    for k in layer_major:
+        assert torch.equal(layer_major[k], sequential[k]), k
+
+
+class FakeEngine:
+    """What layer_major_batches reads of a DeepSpeed pipeline engine (its refusals, the class's instruction map)."""
+
+    _INSTRUCTION_MAP: dict = {}
+
+    def __init__(self, stages=1, interval=1, seed_layers=False, fp16=False, bf16=False, immediate=False):
+        self.num_stages = stages
+        self.module = type("M", (), {"activation_checkpoint_interval": interval, "seed_layers": seed_layers})()
+        self._fp16, self._bf16 = fp16, bf16
+        self._config = type("C", (), {"bfloat16_config": type("B", (), {"immediate_grad_update": immediate})()})()
+
+    def fp16_enabled(self):
+        return self._fp16
+
+    def bfloat16_enabled(self):
+        return self._bf16
+
+
+@pytest.mark.parametrize(
+    "engine, message",
+    [
+        (FakeEngine(stages=2), "runs one pipeline stage, and this run has 2"),
+        (FakeEngine(interval=2), "the checkpoint interval is 2"),
+        (FakeEngine(seed_layers=True), "seed_layers"),
+        (FakeEngine(fp16=True), "fp16 loss scaling"),
+        (FakeEngine(bf16=True), "immediate_grad_update = true"),
+        (FakeEngine(bf16=True, immediate=True), None),
+        (FakeEngine(interval=0), None),
+    ],
+)
+def test_what_layer_major_batches_refuse(engine, message):
+    from utils.dgls.trainers.layer_major_batches import layer_major_batches, refusal
+
+    why = refusal(engine)
+    assert why is None if message is None else message in why
+    if message is not None:
+        with pytest.raises(DGLSUserError, match="layer_major = false|pipeline_stages = 1"):
+            with layer_major_batches(engine, None):
+                pass
+
+
+def test_a_drop_in_full_fine_tune_runs_layer_major_by_default_and_its_host_sees_one_micro_batch(tmp_path, monkeypatch):
+    """Through dgls_train.py's checks (the stand-in checkout): gradient_accumulation_steps 4 on one stage is one
+    gradient a step for the host training (summed on the device), unless --no-layer_major or several stages."""
+    from cli_helpers import FAKE, fake_config
+    from conftest import ROOT
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    tables = '[model]\ntype = "flux"\ndtype = "float32"\n[optimizer]\ntype = "adamw"\nlr = 1e-4\n'
+    config = fake_config(tmp_path, top="gradient_accumulation_steps = 4", tables=tables)
+    argv = ["--config", str(config), "--diffusion_pipe", str(FAKE), "--blocks_to_swap", "1"]
+    assert prepare(argv, ROOT).swap.training.accumulation_steps == 1
+    assert prepare([*argv, "--no-layer_major"], ROOT).swap.training.accumulation_steps == 4
+    assert prepare([*argv, "--lazy_lora_steps", "2", "--no-layer_major"], ROOT).swap.training.accumulation_steps == 8
+
+
+def test_the_drop_ins_train_batch_runs_layer_major_where_it_applies_and_says_how_once():
+    """PipelineInterception's train_batch wrapper: DeepSpeed's schedule is replaced for the step on one stage with
+    several micro-batches (the engine's instance attributes, removed after), and left alone otherwise."""
+    from utils.dgls.program.options import OPTIONS
+    from utils.dgls.trainers.diffusion_pipe import PipelineInterception
+
+    values = {o.name: o.default for o in OPTIONS}
+    lines = []
+    interception = PipelineInterception(values, log=lines.append)
+    engine = FakeEngine()
+    engine.micro_batches = 4
+    with interception._layer_major(engine):
+        assert "_train_schedule" in vars(engine) and "_INSTRUCTION_MAP" in vars(engine)
+    assert "_train_schedule" not in vars(engine)
+    with interception._layer_major(engine):
+        pass
+    assert lines == ["DGLS: 4 micro-batches a step, layer-major (each layer runs all of them before the next)"]
+    staged = FakeEngine(stages=2)
+    staged.micro_batches = 4
+    with interception._layer_major(staged):
+        assert "_train_schedule" not in vars(staged)
+    off = PipelineInterception({**values, "layer_major": False}, log=lines.append)
+    with off._layer_major(engine):
+        assert "_train_schedule" not in vars(engine)
+    assert lines[-1] == "DGLS: 4 micro-batches a step, one after another (--no-layer_major)"

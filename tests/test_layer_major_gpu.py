@@ -1,0 +1,93 @@
+"""Layer-major accumulation on CUDA at Flux block width, with delays on every copy stream and the compute stream.
+
+As tests/test_ordering_gpu.py: blocks of Flux-dev's width in bf16, deterministic kernels and math attention, a
+``torch.cuda._sleep`` before every copy of every direction and at the start of every layer use. A step's micro-batches
+run layer-major (each streamed layer fetched once a direction a step) must give the losses, gradients, LoRA weights and
+eval outputs of the same micro-batches run one after another with every layer resident, bitwise; with activation
+offload too (the last layer's N checkpointed calls stay, the others go home and come back in mirror order).
+"""
+
+import pytest
+from helpers import assert_bitwise_equal
+from layer_major_runs import train_lora
+from test_ordering_gpu import BF16, FLUX_WIDTH, ComputeDelay, delay_every_copy, deterministic, device, fresh, template
+
+from utils.dgls import SwapConfig
+from utils.dgls.memory.copier import CudaCopier
+
+pytestmark = pytest.mark.gpu
+__all__ = ["deterministic", "template"]  # the fixtures, shared with test_ordering_gpu.py
+
+
+def delayed(copy_ms=20.0, compute_ms=5.0):
+    def hook(swapper):
+        delay_every_copy(swapper, copy_ms)
+        if compute_ms:
+            swapper.add_listener(ComputeDelay(compute_ms))
+
+    return hook
+
+
+def run(template, mode, accumulate, layer_major, swap=None, **kw):
+    return train_lora(
+        mode,
+        accumulate,
+        layer_major,
+        swap=swap,
+        layers=fresh(template),
+        device=device(),
+        dtype=BF16,
+        cfg=FLUX_WIDTH,
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def sequential(template):
+    cache = {}
+
+    def get(mode, accumulate):
+        if (mode, accumulate) not in cache:
+            first = run(template, mode, accumulate, layer_major=False)
+            assert_bitwise_equal(first, run(template, mode, accumulate, layer_major=False))  # deterministic kernels
+            cache[(mode, accumulate)] = first
+        return cache[(mode, accumulate)]
+
+    return get
+
+
+CONFIGS = {
+    "pf1": SwapConfig.of(prefetch=1),
+    "pf2": SwapConfig.of(prefetch=2),
+    "offload": SwapConfig.of(prefetch=2, offload_activations=True),
+}
+
+
+@pytest.mark.parametrize("accumulate", [2, 4])
+@pytest.mark.parametrize("mode", ["none", "nonreentrant", "reentrant"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_layer_major_under_delays_equals_resident_sequential_micro_batches(
+    template, sequential, name, mode, accumulate
+):
+    if name == "offload" and mode == "none":
+        pytest.skip("activation offload moves checkpointed inputs: nothing is checkpointed")
+    got = run(
+        template,
+        mode,
+        accumulate,
+        layer_major=True,
+        swap=CONFIGS[name],
+        swapper_hook=delayed(),
+        checkpoint_fn="swapper" if name == "offload" else None,
+    )
+    assert_bitwise_equal(sequential(mode, accumulate), got)
+
+
+def test_canary_layer_major_without_the_compute_side_wait_differs(template, sequential, monkeypatch):
+    def no_wait(self, token):
+        self._wait_issued(token)  # the copy is issued, but compute does not wait for it
+
+    monkeypatch.setattr(CudaCopier, "_wait", no_wait)
+    got = run(template, "nonreentrant", 2, layer_major=True, swap=CONFIGS["pf1"], swapper_hook=delayed(compute_ms=0))
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(sequential("nonreentrant", 2), got)
