@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.slow, requires_checkout]
 __all__ = ["checkout", "prepare"]  # the fixtures, shared with test_diffusion_pipe_models_real.py
 
 STEPS, MICRO_BATCHES = 3, 4
+SAVED = f"epoch{STEPS}"  # one step an epoch: the run ends at an epoch's end, and train.py saves under epoch{n}
 
 
 def configs(p, out, name, **kw):
@@ -46,10 +47,10 @@ def test_layer_major_accumulation_matches_plain_train_py(prepare, tmp_path, mode
     log = p.run(configs(p, tmp_path, "dgls"), tmp_path / "dgls.log", dgls=flags)
     assert "TRAINING COMPLETE!" in plain_log and "TRAINING COMPLETE!" in log
     assert f"DGLS: {MICRO_BATCHES} micro-batches a step, layer-major" in log
-    assert_same_lora(tmp_path / "out_plain", tmp_path / "out_dgls")
+    assert_same_lora(tmp_path / "out_plain", tmp_path / "out_dgls", SAVED)
     sequential = p.run(configs(p, tmp_path, "seq"), tmp_path / "seq.log", dgls=flags + " --no-layer_major")
     assert "one after another (--no-layer_major)" in sequential
-    assert_same_lora(tmp_path / "out_plain", tmp_path / "out_seq")
+    assert_same_lora(tmp_path / "out_plain", tmp_path / "out_seq", SAVED)
     layer_major, one_by_one = streamed_bytes(tmp_path / "out_dgls"), streamed_bytes(tmp_path / "out_seq")
     assert layer_major and one_by_one and layer_major[-1] * 2 < one_by_one[-1], (layer_major, one_by_one)
 
@@ -63,7 +64,7 @@ def test_layer_major_full_fine_tune_matches_plain_train_py(prepare, tmp_path):
     log = p.run(configs(p, tmp_path, "dgls", full=True), tmp_path / "dgls.log", dgls=flags)
     assert "TRAINING COMPLETE!" in plain_log and "TRAINING COMPLETE!" in log
     assert f"DGLS: {MICRO_BATCHES} micro-batches a step, layer-major" in log
-    plain, got = saved_model(tmp_path / "out_plain", f"step{STEPS}"), saved_model(tmp_path / "out_dgls", f"step{STEPS}")
+    plain, got = saved_model(tmp_path / "out_plain", SAVED), saved_model(tmp_path / "out_dgls", SAVED)
     assert plain.keys() == got.keys() and len(plain) > 10
     for key, value in plain.items():
         if DTYPE == "float32":
