@@ -90,6 +90,59 @@ def run_train(
     return text
 
 
+def run_train_ranks(
+    checkout: Path,
+    config: Path,
+    log_stem: Path,
+    world_size: int,
+    *extra: str,
+    seed: int = 0,
+    dgls: str | None = None,
+    expect: int = 0,
+) -> list[str]:
+    """train.py (through dgls_train.py with ``dgls`` flags) as ``world_size`` processes of one job on this machine,
+    as ``deepspeed --num_gpus=N`` starts them (run_dp_train.py --rank/--world_size, one port); every rank must exit
+    with ``expect``. Returns each rank's log (``log_stem``.rankR.log)."""
+    from utils.dgls.program.distributed import free_port
+
+    env = child_env()
+    env["MKL_CBWR"] = "COMPATIBLE"  # see run_train
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
+    port = str(free_port())
+    logs = [log_stem.with_name(f"{log_stem.name}.rank{rank}.log") for rank in range(world_size)]
+    procs = []
+    for rank, log in enumerate(logs):
+        cmd = [sys.executable, str(RUNNER), "--checkout", str(checkout), "--seed", str(seed), "--port", port]
+        cmd += ["--rank", str(rank), "--world_size", str(world_size)]
+        if dgls is not None:
+            cmd += ["--dgls", dgls]
+        cmd += ["--", "--config", str(config), *extra]
+        with open(log, "w") as f:
+            procs.append(
+                subprocess.Popen(
+                    cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(log.parent), start_new_session=True
+                )
+            )
+    try:
+        for proc in procs:
+            proc.wait(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        pytest.fail(
+            f"train.py as {world_size} processes ran over {RUN_TIMEOUT} s; rank 0's log tail:\n"
+            + logs[0].read_text(errors="replace")[-4000:]
+        )
+    texts = [log.read_text(errors="replace") for log in logs]
+    for rank, (proc, text) in enumerate(zip(procs, texts)):
+        assert proc.returncode == expect, (
+            f"rank {rank} exited {proc.returncode}, not {expect}; log tail:\n{text[-4000:]}"
+        )
+    return texts
+
+
 def extensions_dir() -> Path:
     """Where DeepSpeed's JIT-built ops go for these runs: one folder per DeepSpeed install.
 

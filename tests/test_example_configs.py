@@ -15,7 +15,9 @@ from utils.dgls.program.validate import DemoRun, DropInRun, prepare
 
 FLUX_CONFIGS = sorted(p.name for p in (ROOT / "toml").glob("flux_*.toml"))
 FULL_CONFIGS = sorted(p.name for p in (ROOT / "toml").glob("full_*.toml"))  # full fine-tunes under a VRAM budget
-TWO_GPU_CONFIGS = ["two_gpus_flux_lora.toml"]  # launched with deepspeed --num_gpus=2
+TWO_GPU_LORA = "two_gpus_flux_lora.toml"  # data parallel
+TWO_GPU_FULL = "two_gpus_full_flux_dev.toml"  # a full fine-tune as two pipeline stages
+TWO_GPU_CONFIGS = [TWO_GPU_LORA, TWO_GPU_FULL]  # launched with deepspeed --num_gpus=2
 DP_CONFIGS = [*FLUX_CONFIGS, "wan_lora_long_video.toml", *FULL_CONFIGS, *TWO_GPU_CONFIGS]  # diffusion-pipe's
 
 
@@ -60,8 +62,12 @@ def test_diffusion_pipe_config_passes_the_checks(name, tmp_path, monkeypatch):
             monkeypatch.setenv(key, value)
     run = prepare(["--config", str(config), "--diffusion_pipe", str(checkout)], ROOT)
     assert isinstance(run, DropInRun)
-    if name in TWO_GPU_CONFIGS:  # data parallel: every process its own budget, no pipeline stages
+    if name == TWO_GPU_LORA:  # data parallel: every process its own budget, no pipeline stages
         assert run.dist.world_size == 2 and run.swap.placement.vram_budget == 8 and run.config["pipeline_stages"] == 1
+    elif name == TWO_GPU_FULL:  # one process per stage, each stage planned under its own GPU's budget
+        assert run.dist.world_size == 2 and run.config["pipeline_stages"] == 2
+        assert run.swap.placement.planned and run.swap.placement.vram_budget == 21
+        assert run.swap.training.host_optimizer is not None and not run.swap.training.data_parallel
     elif name in FLUX_CONFIGS:
         assert run.swap.placement.vram_budget is not None
     elif name in FULL_CONFIGS:  # every weight trains; the planner places the layers, fixed from step 1
@@ -80,13 +86,19 @@ def test_the_full_fine_tune_configs_are_the_sdxl_24gb_and_flux_dev_recipes():
     assert FULL_CONFIGS == ["full_flux_dev.toml", "full_sdxl_24gb.toml"]
 
 
+def test_every_two_gpu_config_is_checked_as_one():
+    assert sorted(p.name for p in (ROOT / "toml").glob("two_gpus_*.toml")) == sorted(TWO_GPU_CONFIGS)
+
+
 @pytest.mark.parametrize("name", [*FULL_CONFIGS, *TWO_GPU_CONFIGS])
 def test_a_config_without_its_figures_names_the_benchmark_that_measures_them(name):
     """Until measured, a full fine-tune config says which benchmark command gives its figures; once quoted, they
     are checked as the others' are (move the config's name to the figures' test)."""
     text = (ROOT / "toml" / name).read_text()
-    bench = "bench_scaling.py" if name in TWO_GPU_CONFIGS else "bench_full.py"
+    bench = "bench_scaling.py" if name == TWO_GPU_LORA else "bench_full.py"
     assert "TODO(measure)" in text and f"python benchmarks/{bench}" in text
+    if name == TWO_GPU_FULL:  # its two-GPU figures come from the config's own run, against bench_full's one GPU
+        assert "deepspeed --num_gpus=2 dgls_train.py" in text and "step lines" in text
     assert "--vram_budget" in text or "vram_budget = " in text
 
 

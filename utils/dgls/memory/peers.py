@@ -19,6 +19,9 @@ Protocol (every rank builds its swapper in lockstep, over the same layer list):
 4. barrier; the leader unlinks them. From here on a segment lives exactly as long as a process maps
    it, so a rank that crashes or is stopped (Ctrl-C, SIGKILL) leaves nothing behind in ``/dev/shm``.
 
+A machine is its host name and the launcher's node rank (:func:`machine_name`): the processes one launcher
+started on one node share, and two nodes never do, even where a test puts both on one host.
+
 Hazard: between steps 2 and 4 (start-up only) a crash of the leader would leave its files. Their names
 carry the leader's PID; :func:`remove_orphans` (run by every leader first) deletes files whose leader
 is no longer running.
@@ -31,6 +34,7 @@ import os
 import secrets
 import socket
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +44,19 @@ from ..errors import DGLSUserError
 from .shm_space import SHM, shm_problem
 
 PREFIX = "dgls-"
+# The node rank each launcher gives its processes: torchrun's (torch.distributed.run) and deepspeed's launch.py.
+NODE_RANK_KEYS = ("GROUP_RANK", "CROSS_RANK")
+
+
+def machine_name(environ: Mapping[str, str], host: str) -> str:
+    """The machine a process shares its host copy on: ``host`` (its host name), and the node rank its launcher
+    gave it (``host#node1``) when the launcher names one. On several machines the host names differ anyway; two
+    launcher nodes on one host (a test of several machines on one) then each keep their own copy, as two
+    machines would, instead of one copy shared across what the job counts as two nodes."""
+    for key in NODE_RANK_KEYS:
+        if environ.get(key, "").isdigit():
+            return f"{host}#node{int(environ[key])}"
+    return host
 
 
 @dataclass
@@ -67,7 +84,15 @@ class Peers:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or not SHM.is_dir():
             return cls()
         problem = shm_problem(nbytes, SHM)
-        mine = (socket.gethostname(), group, signature, dist.get_rank(), os.getpid(), secrets.token_hex(4), problem)
+        mine = (
+            machine_name(os.environ, socket.gethostname()),
+            group,
+            signature,
+            dist.get_rank(),
+            os.getpid(),
+            secrets.token_hex(4),
+            problem,
+        )
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         if problems := sharing_problems(everyone):
