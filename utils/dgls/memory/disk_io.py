@@ -160,6 +160,11 @@ def open_reader(fd: int, threads: int = DEFAULT_THREADS, use_aio: bool = True) -
     return reader
 
 
+def pread_into(fd: int, dst: torch.Tensor, offset: int) -> None:
+    """Read ``dst``'s bytes (a contiguous tensor of any dtype) at ``offset`` of a buffered descriptor (any offset)."""
+    _pread_all(fd, dst.view(torch.uint8) if dst.dim() else dst.reshape(1).view(torch.uint8), offset)
+
+
 def _pread_all(fd: int, dst: torch.Tensor, offset: int) -> None:
     """Read ``dst.numel()`` bytes at ``offset`` (short reads continue; end of file raises)."""
     view = memoryview(dst.numpy()).cast("B")
