@@ -166,3 +166,32 @@ def test_what_the_disk_state_cannot_serve_is_one_line(tmp_path, kw, match):
     with pytest.raises(DGLSUserError, match=match):
         LayerSwapper(full_layers(BF16), cfg, device=CPU, log=None)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_states_on_disk_with_the_job_thread_equal_all_in_ram(tmp_path, reference):
+    """The job worker on its own thread (as on CUDA): reads issued and landed there, queued from the training thread."""
+    got, (states, _) = run(tmp_path, BF16, STATES[BF16, 2], threading=True)
+    assert states
+    assert_same(reference(), got)
+
+
+def test_each_spilled_state_is_read_once_a_step_and_the_next_read_overlaps_the_update(tmp_path, monkeypatch):
+    """One read and one write-back per spilled layer and update; a layer's read is issued by the update before it
+    (so it overlaps that update), except the first of each step's."""
+    events = []
+    bring_in, issue = disk_state.DiskState.bring_in, disk_state.DiskState._issue
+    monkeypatch.setattr(
+        disk_state.DiskState, "bring_in", lambda s, layer: events.append(("in", layer.index)) or bring_in(s, layer)
+    )
+    monkeypatch.setattr(disk_state.DiskState, "_issue", lambda s, idx: events.append(("read", idx)) or issue(s, idx))
+    _, (states, _) = run(tmp_path, BF16, STATES[BF16, 2], steps=2)
+    reads = [idx for kind, idx in events if kind == "read"]
+    updates = [idx for kind, idx in events if kind == "in"]
+    assert sorted(reads) == sorted(updates) == sorted(states * 2)
+    ahead, current = 0, None  # a read issued inside another layer's update (the call that brings that one in)
+    for kind, idx in events:
+        if kind == "in":
+            current = idx
+        elif current is not None and idx != current:
+            ahead += 1
+    assert ahead >= 2 * (len(states) - 1)
