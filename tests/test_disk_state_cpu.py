@@ -130,6 +130,8 @@ def test_the_start_up_line_says_where_the_states_live(tmp_path):
     with LayerSwapper(layers, cfg, device=CPU, log=lines.append):
         pass
     assert any("DGLS disk state: the fp32 masters and optimizer state of 5 streamed layers" in line for line in lines)
+    assert any("the fp32 masters and optimizer state of 5 streamed layers are read from disk" in ln for ln in lines)
+    assert any("every streamed layer's weights stay in RAM" in line for line in lines)
     assert list(tmp_path.iterdir()) == []  # unnamed files
 
 

@@ -115,7 +115,7 @@ def plan_full_tiers(
         slots = SLOTS * max((extents[i] for i in chosen), default=0)
         kept = sum(n for i, n in state.items() if i not in chosen)
         if packed + gradients + kept + slots <= budget:
-            return Tiers(budget, packed, ring_count), {i: extents[i] for i in chosen}
+            return Tiers(budget, packed, ring_count, states=len(chosen)), {i: extents[i] for i in chosen}
     slots = SLOTS * max(extents.values(), default=0)
     left = budget - gradients - slots
     try:
@@ -126,7 +126,7 @@ def plan_full_tiers(
             f"weights, masters and optimizer state on disk DGLS still keeps {human_bytes(gradients)} of gradients, "
             f"{human_bytes(slots)} of state slots and the staging ring in RAM: raise host_ram_budget"
         ) from None
-    return Tiers(budget, tiers.ram_bytes, ring_count, tiers.spilled), dict(extents)
+    return Tiers(budget, tiers.ram_bytes, ring_count, tiers.spilled, len(extents)), dict(extents)
 
 
 class DiskState:
