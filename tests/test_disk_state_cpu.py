@@ -197,3 +197,17 @@ def test_each_spilled_state_is_read_once_a_step_and_the_next_read_overlaps_the_u
         elif current is not None and idx != current:
             ahead += 1
     assert ahead >= 2 * (len(states) - 1)
+
+
+def test_torch_fused_adamw_with_states_on_disk_equals_all_in_ram(tmp_path):
+    """The host kernel diffusion-pipe users pick here (--host_adam torch_fused): its state tensors bind the same."""
+    fused = dataclasses.replace(SPEC, implementation="torch_fused")
+    records = []
+    for budget in (None, STATES[BF16, 1]):
+        layers = full_layers(BF16)
+        extra = {"host_ram_budget": budget, "disk_dir": str(tmp_path)} if budget is not None else {}
+        cfg = SwapConfig.of(host_optimizer=fused, accumulation_steps=1, prefetch=1, **extra)
+        with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+            assert (swapper.training.disk_state is not None) == (budget is not None)
+            records.append(train_dgls(layers, swapper, CPU, "nonreentrant", accumulate=1, dtype=BF16))
+    assert_same(*records)
