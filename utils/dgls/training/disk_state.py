@@ -109,15 +109,16 @@ def plan_full_tiers(
     gradients = parts["gradients"]
     extents = {i: whole_pages(extent_pieces(trained, i)[1]) for i in trained.layers}
     state = {i: state_ram_bytes(trained, i) for i in trained.layers}
-    order = sorted(extents)
+    order = sorted(i for i in extents if state[i])  # a layer with nothing to spill (fp32 SGD) saves nothing
     for k in range(len(order) + 1):
         chosen = spread(order, k)
         slots = SLOTS * max((extents[i] for i in chosen), default=0)
         kept = sum(n for i, n in state.items() if i not in chosen)
         if packed + gradients + kept + slots <= budget:
             return Tiers(budget, packed, ring_count, states=len(chosen)), {i: extents[i] for i in chosen}
+    extents = {i: extents[i] for i in order}
     slots = SLOTS * max(extents.values(), default=0)
-    left = budget - gradients - slots
+    left = budget - gradients - slots - sum(n for i, n in state.items() if i not in extents)
     try:
         tiers = plan_tiers(layouts, hosted, streamed, max(left, 0), ring_count)
     except DGLSUserError:
