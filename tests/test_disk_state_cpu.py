@@ -19,6 +19,7 @@ from helpers import skip_waits
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.memory.transport import Direction
 from utils.dgls.training import disk_state
+from utils.dgls.training.host_optimizer import HostOptimizerSpec
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
@@ -210,4 +211,20 @@ def test_torch_fused_adamw_with_states_on_disk_equals_all_in_ram(tmp_path):
         with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
             assert (swapper.training.disk_state is not None) == (budget is not None)
             records.append(train_dgls(layers, swapper, CPU, "nonreentrant", accumulate=1, dtype=BF16))
+    assert_same(*records)
+
+
+def test_without_state_to_spill_the_weights_spill_and_equal_all_in_ram(tmp_path):
+    """fp32 SGD without momentum keeps no state and its masters are the packed weights: nothing spills as training
+    state, the weights do (the updates write them through the file's mapping, the copies read them from the file)."""
+    sgd = HostOptimizerSpec(type="sgd", lr=1e-2, implementation="torch")
+    records = []
+    for budget in (None, 0.0012):
+        layers = full_layers(torch.float32)
+        extra = {"host_ram_budget": budget, "disk_dir": str(tmp_path)} if budget is not None else {}
+        cfg = SwapConfig.of(host_optimizer=sgd, accumulation_steps=1, prefetch=1, **extra)
+        with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+            assert swapper.training.disk_state is None
+            assert bool(swapper.store.disk_layers) == (budget is not None)
+            records.append(train_dgls(layers, swapper, CPU, "nonreentrant", accumulate=1))
     assert_same(*records)
