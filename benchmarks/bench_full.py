@@ -53,6 +53,15 @@ what the host optimizers hold after the timed steps, so a table of host RAM per 
 
     for o in adamw AdamW8bit Lion CAME Prodigy; do python benchmarks/bench_full.py --model flux --flux_blocks 19,38 \
         --optimizer $o --methods dgls-auto --steps 2 --name full_flux_ram_$o; done
+
+A host RAM budget (the disk tier, utils/dgls/training/disk_state.py): a DGLS method ``dgls-IMPL@GiB`` runs with
+``host_ram_budget = GiB`` (``--disk_dir``: where its files go); the masters and AdamW moments of the layers that do
+not fit are read from disk for their update and written back after it (the weights too, once every state is there).
+The row counts the layers whose state and whose weights live on disk and the GiB read and written per step; beside
+the all-in-RAM method in the same run:
+
+    python benchmarks/bench_full.py --model flux --flux_blocks 19,38 --clip 0 \
+        --methods dgls-torch_fused,dgls-torch_fused@64 --disk_dir /tmp --steps 3
 """
 
 from __future__ import annotations
@@ -84,7 +93,8 @@ from report import command_line, results_dir, write_result  # noqa: E402
 from timing import peaks, reset_peaks, time_steps  # noqa: E402
 from units import GiB  # noqa: E402
 
-from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
+from utils.dgls import LayerSwapper, Listener, SwapConfig  # noqa: E402
+from utils.dgls.memory.transport import Direction  # noqa: E402
 from utils.dgls.trainers.shm_op import without_shm_op  # noqa: E402
 from utils.dgls.training import optimizer_types  # noqa: E402
 from utils.dgls.training.host_optimizer import HostOptimizerSpec  # noqa: E402
@@ -256,6 +266,7 @@ def dgls_step(
     optimizer="adamw",
     budget: float | None = None,
     log: Callable[[str], None] | None = None,
+    ram: dict | None = None,
 ):
     """DGLS's step of ``implementation`` (``IMPL``, or ``IMPL-wait``: with clipping, updates wait for the gradient
     norm instead of speculating): layers of ``stream_mib`` or more streamed, or with ``budget`` (GiB) the planner's
@@ -267,7 +278,7 @@ def dgls_step(
         raise ValueError(f"a DGLS method is dgls-IMPL or dgls-IMPL-wait, got dgls-{implementation}-{wait}")
     spec = host_spec(optimizer, implementation)
     sizes = bench.sizes  # measured before anything was trainable: streamable = every param of the layer
-    common = dict(host_optimizer=spec, clip_grads=bool(clip), speculate_clipping=not wait)
+    common = dict(host_optimizer=spec, clip_grads=bool(clip), speculate_clipping=not wait, **(ram or {}))
     if budget is not None:
         config = SwapConfig.of(vram_budget=budget, **common)
     else:
@@ -318,14 +329,18 @@ def measure(name: str, args, device, dtype) -> dict:
             step, engine = zero2_step(bench, device, args.clip)
             cleanup = engine.destroy
         else:
-            impl = name.split("-", 1)[1]
+            impl, _, ram_gib = name.split("-", 1)[1].partition("@")
+            ram = dict(host_ram_budget=float(ram_gib), disk_dir=args.disk_dir) if ram_gib else None
             plan: list[str] = []
             step, swapper, norms = dgls_step(
                 bench, device, impl, args.stream_mib, args.prefetch, args.clip, args.optimizer, args.vram_budget,
                 lambda line: plan.append(line.split("this run): ", 1)[1]) if "without the probe" in line else None,
+                ram,
             )  # fmt: skip
             training = swapper.training
             cleanup = swapper.remove
+            disk = DiskBytes()
+            swapper.add_listener(disk)
         reset_peaks(device)
         for _ in range(1 + args.warmup):  # the first step builds optimizer state and kernels (and fixes a plan)
             step()
@@ -337,8 +352,15 @@ def measure(name: str, args, device, dtype) -> dict:
         waited = training.waited_s if training is not None else 0.0
         jobs = dict(training.job_s) if training is not None else {}
         copies_before = swapper.total_stats(sync=True) if swapper is not None else None
+        if swapper is not None:
+            disk.read = disk.written = 0
         times, _ = time_steps(step, device, 0, args.steps, after=rss.sample)
         if training is not None:
+            state = training.disk_state
+            row["state_layers_on_disk"] = len(state.spilled) if state is not None else 0
+            row["weight_layers_on_disk"] = len(swapper.store.disk_layers)
+            row["disk_read_gib_per_step"] = disk.read / len(times) / GiB
+            row["disk_written_gib_per_step"] = disk.written / len(times) / GiB
             row["host_wait_share"] = (training.waited_s - waited) / sum(times)
             # the compute stream waiting for fetches: with dgls-device, fetches wait for their layer's update
             row["compute_wait_share"] = swapper.total_stats(sync=True).since(copies_before).wait_ms / 1000 / sum(times)
@@ -370,6 +392,19 @@ def measure(name: str, args, device, dtype) -> dict:
     return row
 
 
+class DiskBytes(Listener):
+    """Bytes the transport reads from and writes to disk (the disk tier's weights and training state)."""
+
+    def __init__(self) -> None:
+        self.read = self.written = 0
+
+    def copied(self, copy) -> None:
+        if copy.direction is Direction.DISK_IN:
+            self.read += copy.nbytes
+        elif copy.direction is Direction.DISK_OUT:
+            self.written += copy.nbytes
+
+
 def host_state_held(training) -> int:
     """Bytes of the state tensors the host optimizers of streamed layers hold (a whole step's instance: the streamed
     layers' masters' share of it)."""
@@ -399,6 +434,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--vram_budget", type=float, default=None, help="GiB: DGLS methods place layers by the planner (not stream_mib)"
     )
     parser.add_argument("--prefetch", type=int, default=2)
+    parser.add_argument("--disk_dir", default=None, help="dgls-IMPL@GiB methods: the disk tier's directory")
     parser.add_argument(
         "--clip", type=float, default=1.0, help="gradient clipping norm; 0: none (DGLS then updates during backward)"
     )

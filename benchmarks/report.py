@@ -75,6 +75,17 @@ def _state_counted_held(row: dict, _result: dict) -> str:
     return f"{_f(row['host_state_counted_gib'], '.3g')} / {_f(row.get('host_state_held_gib'), '.3g')}"
 
 
+def _on_disk(row: dict, _result: dict) -> str:
+    """Full fine-tuning under a host RAM budget: layers whose state and whose weights live on disk, and the GiB read
+    and written per step."""
+    if not row.get("state_layers_on_disk") and not row.get("weight_layers_on_disk"):
+        return "-"
+    return (
+        f"{row['state_layers_on_disk']} / {row['weight_layers_on_disk']}; "
+        f"{_f(row['disk_read_gib_per_step'], '.2f')} / {_f(row['disk_written_gib_per_step'], '.2f')}"
+    )
+
+
 def _text(key: str) -> Cell:
     return lambda row, _result: str(row.get(key, "-"))
 
@@ -218,6 +229,7 @@ TABLES: dict[str, Table] = {
             ("host RSS peak GiB", _key("host_rss_peak_gib", ".1f")),
             ("pinned host GiB", _key("pinned_gib", ".1f")),
             ("host optimizer state GiB (counted / held)", _state_counted_held),
+            ("on disk: state / weight layers; GiB read / written a step", _on_disk),
             ("placement (--vram_budget)", _text("placement")),
             ("grad norm", _key("grad_norm", ".3g")),
             ("speculation", _text("speculation")),
@@ -229,6 +241,7 @@ TABLES: dict[str, Table] = {
             "host RSS peak GiB",
             "pinned host GiB",
             "host optimizer state GiB (counted / held)",
+            "on disk: state / weight layers; GiB read / written a step",
             "placement (--vram_budget)",
             "grad norm",
             "speculation",

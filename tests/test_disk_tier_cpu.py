@@ -37,7 +37,6 @@ from utils.dgls.memory.pinned import page_aligned_empty, whole_pages
 from utils.dgls.memory.transport import Copy, CudaTransport, Direction, Transport
 from utils.dgls.program import options
 from utils.dgls.streaming.tiers import plan_tiers, spread
-from utils.dgls.training.host_optimizer import HostOptimizerSpec
 
 CPU = torch.device("cpu")
 MODES = ["none", "nonreentrant", "reentrant"]
@@ -331,11 +330,6 @@ def test_a_file_where_the_directory_should_be_is_one_line(tmp_path):
 def test_a_budget_below_the_staging_ring_is_one_line(tmp_path):
     refused(disk_config(tmp_path, host_ram_budget=0.0001), r"host_ram_budget 0.1 MiB is too small: .* at least 0.01")
     assert list(tmp_path.iterdir()) == []
-
-
-def test_a_full_fine_tune_that_would_spill_is_refused(tmp_path):
-    spec = HostOptimizerSpec(lr=1e-2, implementation="torch")
-    refused(disk_config(tmp_path, host_optimizer=spec), "a full fine-tune's masters and optimizer state cannot live")
 
 
 def test_a_budget_that_holds_everything_reads_nothing_from_disk(tmp_path):

@@ -33,7 +33,7 @@ from test_ordering_gpu import MS, ComputeDelay, delay_every_copy, deterministic,
 from utils.dgls import LayerSwapper, SwapConfig
 from utils.dgls.demo.model import DemoModelConfig
 from utils.dgls.memory.pinned import WHOLE_MAX, PinnedMemory, whole_pages
-from utils.dgls.memory.transport import Direction
+from utils.dgls.memory.transport import ON_DISK, Direction
 from utils.dgls.training.host_optimizer import HostOptimizerSpec
 from utils.dgls.training.update_split import UpdateSplit
 
@@ -473,4 +473,4 @@ def test_every_direction_delayed_at_once_stays_bitwise_equal_and_is_profiled(tem
     assert_same(got, want)
     trace = json.loads(profile.read_text())
     directions = {e["args"]["direction"] for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "transfer"}
-    assert directions == {d.value for d in Direction if d not in (Direction.WEIGHTS_IN, Direction.DISK_IN)}
+    assert directions == {d.value for d in Direction if d not in (Direction.WEIGHTS_IN, *ON_DISK)}

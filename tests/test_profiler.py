@@ -14,7 +14,8 @@ from full_ft import SPEC, full_layers, train_dgls
 from helpers import assert_bitwise_equal, checkpoint_for, child_env, make_layers, train
 
 from utils.dgls import LayerSwapper, Listener, SwapConfig
-from utils.dgls.memory.transport import Direction
+from utils.dgls.memory.transport import ON_DISK, Copy, Direction
+from utils.dgls.watching.profiler import Profiler
 
 CPU = torch.device("cpu")
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -217,7 +218,7 @@ def test_profile_of_a_full_fine_tune_with_offload_shows_every_direction(tmp_path
         ckpt = swapper.checkpoint_function(checkpoint_for("nonreentrant"))
         train_dgls(layers, swapper, CPU, "nonreentrant", steps=2, accumulate=1, checkpoint_fn=ckpt)
     trace = json.loads((tmp_path / "trace.json").read_text())
-    others = {d.value for d in Direction if d not in (Direction.WEIGHTS_IN, Direction.DISK_IN)}  # no disk tier here
+    others = {d.value for d in Direction if d not in (Direction.WEIGHTS_IN, *ON_DISK)}  # no disk tier here
     assert others <= lanes(trace).keys()
     assert {e["args"]["direction"] for e in spans(trace, "transfer") if e["args"]["bytes"] > 0} == others
 
@@ -249,7 +250,7 @@ def test_a_torch_profiler_trace_shows_every_direction_and_the_weight_states():
             train_dgls(layers, swapper, CPU, "nonreentrant", steps=1, accumulate=1, checkpoint_fn=ckpt, start_step=1)
         streamed = swapper.streamed_layers
     names = {event.name for event in profile.events()}
-    every = set(Direction) - {Direction.DISK_IN}  # a full fine-tune keeps no layer on disk
+    every = set(Direction) - set(ON_DISK)  # no layer on disk here
     assert directions.seen == every, "a full fine-tune step with offload and device updates uses all"
     for direction in directions.seen:
         assert f"DGLS {direction.value}" in names, direction
@@ -273,3 +274,16 @@ def test_a_cuda_torch_profiler_trace_shows_weight_copies_and_states():
     names = {event.name for event in profile.events()}
     assert "DGLS weights in" in names
     assert streamed and all(f"DGLS layer {i} acquire: in use" in names for i in streamed)
+
+
+def test_disk_io_on_cuda_is_placed_on_the_trace_by_its_host_span(tmp_path):
+    """Disk reads and writes have no CUDA event: on CUDA the trace places their perf_counter span through the
+    clock pair taken at start-up (before, they were left out of the trace there)."""
+    profiler = Profiler(tmp_path / "p.json", "cpu", log=None)
+    profiler.cuda, profiler._host_origin = True, 100.0  # as on CUDA (the pair's host stamp)
+    read = Copy(direction=Direction.DISK_IN, nbytes=4096, span=(100.5, 100.75))
+    assert profiler._transfer_us(read) == (500_000.0, 750_000.0)
+    write = Copy(direction=Direction.DISK_OUT, nbytes=4096, span=(101.0, 101.5))
+    assert profiler._transfer_us(write) == (1_000_000.0, 1_500_000.0)
+    assert profiler._transfer_us(Copy(direction=Direction.DISK_IN)) == (None, None)  # not run yet
+    assert profiler._transfer_us(Copy(direction=Direction.GRADS_HOME)) == (None, None)  # not timed

@@ -54,6 +54,7 @@ from ..streaming.trainable_cast import TrainableCast
 from ..streaming.units import Entry, split_layers, split_note
 from ..torch_private import check_torch
 from ..training.data_parallel import SharedGradients, job_ownership, refuse_whole_step
+from ..training.disk_state import DiskState, plan_full_tiers, refuse_disk_state
 from ..training.host_training import HostTraining, check_host_training, training_layout, update_buffer_bytes
 from ..training.training_feature import TrainingFeature
 from ..watching.profiler import Profiler
@@ -140,9 +141,13 @@ def build(
     driver = _start_driver(c, budget, unit_bytes, device, log)
     if driver is not None:
         driver.check_static_minimum(sizes, placement.update_bytes)
+    tiers, state_spilled = _tiers(c, values, layouts, placement, trained)
     training_note = check_host_training(trained) if trained is not None else ""
-    tiers = _tiers(c, values, layouts, placement, host_trained)
     with ExitStack() as undo:  # a failure below frees what was made
+        disk_state = None
+        if state_spilled:  # full fine-tuning: masters and optimizer state that do not fit (training/disk_state.py)
+            disk_state = DiskState.open(c.transfer.disk_dir, trained, state_spilled)
+            undo.callback(disk_state.close)
         disk = None
         if tiers is not None and tiers.spilled:  # the directory is checked before anything is written
             disk = DiskTier.open(c.transfer.disk_dir, tiers.spilled, tiers.ring_count, pin=device.type == "cuda")
@@ -161,6 +166,9 @@ def build(
         undo.callback(transport.close)
         if disk is not None:
             transport.read_from(disk.reader)
+        if disk_state is not None:
+            disk_state.start(transport, disk.file if disk is not None else None)
+            masters.store.closing.append(disk_state.close)  # after the true weights were read back at removal
         features: list[Feature] = []
         undo.callback(lambda: [feature.close() for feature in reversed(features)])
         training = None
@@ -169,7 +177,7 @@ def build(
                 masters, trained, transport, c.training.host_optimizer, training_note, device=device,
                 threading=c.transfer.threading, accumulation_steps=c.training.accumulation_steps,
                 clipping=c.training.clip_grads, speculate=c.training.speculate_clipping,
-                plan_fix=driver.fix_plan if driver is not None else None, shared=shared,
+                plan_fix=driver.fix_plan if driver is not None else None, shared=shared, disk_state=disk_state,
             )  # fmt: skip
             features.append(trainer)
             training = trainer.training
@@ -276,6 +284,8 @@ def start_report(parts: Parts) -> list[str]:
         lines.append(parts.tiers.line())
     if store.disk is not None:
         lines += [store.disk.describe(), *store.disk.notes]
+    if parts.training is not None and parts.training.disk_state is not None:
+        lines.append(parts.training.disk_state.describe())
     if note := split_note(parts.entries, parts.unit_bytes):
         lines.append(note)
     lines += [line for feature in parts.features for line in feature.describe()]
@@ -290,11 +300,13 @@ def start_report(parts: Parts) -> list[str]:
     return lines
 
 
-def _tiers(config: SwapConfig, layers: list, layouts: list[LayerLayout], placement: Placement, host_trained: bool):
-    """With ``host_ram_budget``: which streamed layers' masters spill to disk (:mod:`..streaming.tiers`)."""
+def _tiers(config: SwapConfig, layers: list, layouts: list[LayerLayout], placement: Placement, trained):
+    """With ``host_ram_budget``: which streamed layers' packed weights spill to disk (:mod:`..streaming.tiers`), and for
+    a full fine-tune (``trained``, the training layout) whose masters and optimizer state do, with their extents'
+    bytes (:mod:`..training.disk_state`, which spills those first: they are read once a step)."""
     value = config.transfer.host_ram_budget
     if value is None:
-        return None
+        return None, {}
     streamed = set(placement.streamed)
     hosted = [lay.index for lay in layouts if lay.index in streamed or has_fp8(lay)]
     on_cpu = sum(
@@ -302,15 +314,14 @@ def _tiers(config: SwapConfig, layers: list, layouts: list[LayerLayout], placeme
         for i in hosted
         if all(p.param.device.type == "cpu" for p in layouts[i].params)
     )
-    tiers = plan_tiers(layouts, hosted, placement.streamed, resolve_ram_budget(value, on_cpu), RING_BUFFERS)
-    if tiers.spilled and host_trained:
-        raise DGLSUserError(
-            f"host_ram_budget {human_bytes(tiers.budget)} would put {len(tiers.spilled)} streamed layers on disk, and "
-            "a full fine-tune's masters and optimizer state cannot live there yet (the disk tier holds frozen "
-            f"weights: LoRA): raise host_ram_budget to {(tiers.ram_bytes + sum(tiers.spilled.values())) / 2**30:.2f} "
-            "or drop it"
-        )
-    return tiers
+    budget = resolve_ram_budget(value, on_cpu)
+    if trained is None:
+        return plan_tiers(layouts, hosted, placement.streamed, budget, RING_BUFFERS), {}
+    tiers, state = plan_full_tiers(layouts, hosted, placement.streamed, budget, RING_BUFFERS, trained)
+    if state:
+        refuse_disk_state(config, trained, len(state))
+        trained.spill(state)
+    return tiers, state
 
 
 def _replays_nothing(module: nn.Module) -> bool:

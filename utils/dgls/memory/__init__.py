@@ -15,7 +15,9 @@ Modules
     - ``disk_tier.py``: the third memory: spilled layers in an unnamed file on a local disk, read into a ring of
       pinned staging buffers before their copy to the device; the directory checked before anything is written.
     - ``disk_io.py``: how the disk tier reads (DeepSpeed's async I/O where it builds, else direct-I/O ``preadv``
-      from threads).
+      from threads) and writes back (full fine-tuning's state).
+    - ``mapped_safetensors.py``: a checkpoint's tensors as views of a private mapping of its file (a load that copies
+      nothing into process memory: the building block of loading a model larger than RAM).
     - ``pinned.py``: page-locked host memory of exact size.
     - ``peers.py``: one shared host copy per machine for the processes that hold the same layers.
     - ``shm_space.py``: room in ``/dev/shm`` for that shared copy, checked before anything is written.

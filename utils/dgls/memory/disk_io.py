@@ -16,6 +16,9 @@ Invariants
     - :meth:`DiskReader.read` returns when every byte is in the destination (it raises on a short file).
     - :meth:`DiskReader.submit` runs jobs one at a time in submission order on the reader's own thread (the
       transport's disk reads: each one waits for its gates, then reads); the chunks of one read run in parallel.
+    - :meth:`DiskReader.write` (the training state's write-backs, :mod:`..training.disk_state`) writes through a
+      plain descriptor, one thread: a later direct read of the range sees the bytes (the kernel writes the range's
+      dirty pages back before a direct read of it).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class DiskReader(Protocol):
     name: str  # what the start-up line says runs
 
     def read(self, dst: torch.Tensor, offset: int) -> None: ...
+    def write(self, src: torch.Tensor, offset: int) -> None: ...
     def submit(self, job: Callable[[], None]) -> Future: ...
     def close(self) -> bool: ...
 
@@ -73,6 +77,7 @@ class ThreadReader(_Ordered):
             pass
         if not self.direct:
             self.fd = os.dup(fd)
+        self.write_fd = os.dup(fd)  # writes (the training state's write-backs) go through the page cache
         self.threads = max(1, threads)
         self._chunks = ThreadPoolExecutor(self.threads, thread_name_prefix="dgls-disk-chunks")
         mode = "direct I/O (O_DIRECT)" if self.direct else "buffered reads"
@@ -91,11 +96,15 @@ class ThreadReader(_Ordered):
         for future in futures:
             future.result()
 
+    def write(self, src: torch.Tensor, offset: int) -> None:
+        _pwrite_all(self.write_fd, src, offset)
+
     def close(self) -> bool:
         if not super().close():
             return False
         self._chunks.shutdown(wait=True)
         os.close(self.fd)
+        os.close(self.write_fd)
         return True
 
 
@@ -114,6 +123,9 @@ class AioReader(_Ordered):
         done = self.handle.sync_pread(dst, self.path, offset)
         if done < 0:
             raise OSError(f"DeepSpeed async I/O read of {dst.numel()} bytes at {offset} failed ({done})")
+
+    def write(self, src: torch.Tensor, offset: int) -> None:
+        _pwrite_all(self.fd, src, offset)  # a plain descriptor: buffered writes (a direct read sees them)
 
     def close(self) -> bool:
         if not super().close():
@@ -148,6 +160,11 @@ def open_reader(fd: int, threads: int = DEFAULT_THREADS, use_aio: bool = True) -
     return reader
 
 
+def pread_into(fd: int, dst: torch.Tensor, offset: int) -> None:
+    """Read ``dst``'s bytes (a contiguous tensor of any dtype) at ``offset`` of a buffered descriptor (any offset)."""
+    _pread_all(fd, dst.view(torch.uint8) if dst.dim() else dst.reshape(1).view(torch.uint8), offset)
+
+
 def _pread_all(fd: int, dst: torch.Tensor, offset: int) -> None:
     """Read ``dst.numel()`` bytes at ``offset`` (short reads continue; end of file raises)."""
     view = memoryview(dst.numpy()).cast("B")
@@ -157,3 +174,11 @@ def _pread_all(fd: int, dst: torch.Tensor, offset: int) -> None:
         if n <= 0:
             raise OSError(f"disk tier: read {done} of {len(view)} bytes at offset {offset}: the file ended")
         done += n
+
+
+def _pwrite_all(fd: int, src: torch.Tensor, offset: int) -> None:
+    """Write ``src.numel()`` bytes at ``offset`` (short writes continue)."""
+    view = memoryview(src.numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwritev(fd, [view[done:]], offset + done)

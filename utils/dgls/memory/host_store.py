@@ -23,6 +23,7 @@ so a store dropped without :meth:`HostStore.release` still unregisters before it
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psutil
@@ -154,6 +155,8 @@ class HostStore:
         self.pinned_bytes = 0
         self.staging: list[torch.Tensor] = []
         self.disk: DiskTier | None = None  # the disk tier: the layers it spills get their buffer in its file
+        # closed with the store, after the model's true values were read back (full fine-tuning's disk state)
+        self.closing: list[Callable[[], None]] = []
         self._registrations = Registrations()
         self._finalizer = weakref.finalize(self, Registrations.drop_all, self._registrations)
 
@@ -234,5 +237,8 @@ class HostStore:
         self.layers.clear()
         if self.disk is not None:
             self.disk.close()
+        for close in self.closing:
+            close()
+        self.closing.clear()
         self.staging.clear()
         self.pinned_bytes = 0

@@ -417,6 +417,14 @@ class TrainingLayout:
         self.spares = frozenset(self.spares_wanted)
         self.spare_budget: int | None = None
         self.packed_bytes = sum(layout.host_bytes for layout in layouts.values())  # the streamed layers' own copies
+        self.on_disk: frozenset[int] = frozenset()  # layers whose masters and state live on disk (:meth:`spill`)
+
+    def spill(self, indices) -> None:
+        """Layers ``indices`` keep their masters and optimizer state on disk (:mod:`..training.disk_state`): they
+        leave the RAM figure, and no layer keeps a spare (a host RAM budget holds; speculation would take more)."""
+        self.on_disk = frozenset(indices)
+        self.spares_wanted = ()
+        self.spares = frozenset()
 
     def _place(self, idx: int, layout: LayerLayout) -> TrainedLayerPlace | None:
         chosen = [(k, p) for k, p in enumerate(layout.params) if p.param.requires_grad]
@@ -444,10 +452,11 @@ class TrainingLayout:
         masters = gradients = optimizer = 0
         for layer in self.layers.values():
             gradients += layer.landing_bytes
+            spilled = layer.index in self.on_disk
             for p in layer.params:
-                masters += 4 * p.numel if p.own_master else 0
+                masters += 4 * p.numel if p.own_master and not spilled else 0
                 gradients += 4 * p.numel if self.sums else 0
-                optimizer += self._state(p)
+                optimizer += self._state(p) if not spilled else 0
         parts = {"masters": masters, "gradients": gradients, "optimizer": optimizer}
         if self.spares:
             parts["speculation"] = sum(self.spare_bytes(idx) for idx in self.spares)

@@ -16,6 +16,9 @@ say what to move in one vocabulary:
   (:mod:`.disk_tier`): read ``dst.numel()`` bytes of the disk file at ``offset`` after the gates. A read
   is host work (:mod:`.disk_io`'s reader thread), not stream work: whoever waits for it (``land``, or
   the issuing of a copy gated on it) waits on the host; the returned token carries the read's future.
+  ``disk=`` names another file's reader (the training state's, :mod:`..training.disk_state`).
+- ``write(src, offset, gates, disk) -> Copy``: host memory -> disk (the training state's write-backs), the
+  same way: host work on the reader's ordered thread, after its gates.
 
 Who owns what:
 
@@ -48,7 +51,8 @@ Backends:
   the bytes only when something waits for it (``acquire``, ``land``, or a later copy gated on it),
   so a missing wait in any direction computes with NaN and a CPU test fails. Work issued with
   :meth:`issue` runs at once (after its gates landed). A disk read is late the same way: its
-  destination holds NaN bytes until something waits for it.
+  destination holds NaN bytes until something waits for it. A disk write is late too: the file keeps
+  its old bytes until something waits for the write (a read that does not wait for it reads them).
 
 Invariants:
 
@@ -90,9 +94,11 @@ class Direction(Enum):
     STATE_IN = "optimizer state in"  # device updates: masters, moments and gradients in, and the step
     STATE_OUT = "optimizer state out"  # device updates: masters, moments and the compute-dtype copy home
     DISK_IN = "disk reads"  # the disk tier's file into pinned staging buffers (host work: no stream)
+    DISK_OUT = "disk writes"  # the training state's write-backs to its file (host work: no stream)
 
 
-STREAMED = tuple(d for d in Direction if d is not Direction.DISK_IN)  # the directions with CUDA streams
+ON_DISK = (Direction.DISK_IN, Direction.DISK_OUT)
+STREAMED = tuple(d for d in Direction if d not in ON_DISK)  # the directions with CUDA streams
 
 
 # The ranges' names, made once (a range's name is built per call only when a profiler records).
@@ -229,14 +235,28 @@ class Transport:
         copy.span = (began, time.perf_counter())
         self._report(copy)
 
-    def read(self, dst: torch.Tensor, offset: int, gates: Iterable[Gate] = ()) -> Copy:
+    def read(
+        self, dst: torch.Tensor, offset: int, gates: Iterable[Gate] = (), *, disk: DiskReader | None = None
+    ) -> Copy:
         """``dst.numel()`` bytes of the disk file at ``offset`` into ``dst`` (page-aligned host memory), after
-        ``gates`` (the copies that still read ``dst``). CPU: ``dst`` holds NaN bytes until the read is waited for."""
+        ``gates`` (the copies that still read ``dst``); ``disk``: another file's reader than the weights'. CPU:
+        ``dst`` holds NaN bytes until the read is waited for."""
         copy = Copy(direction=Direction.DISK_IN, nbytes=dst.numel())
         for gate in gates:
             self.land(gate)
-        copy.pending = partial(self.reader.read, dst, offset)
+        copy.pending = partial((disk or self.reader).read, dst, offset)
         _poison(dst)
+        self._report(copy)
+        return copy
+
+    def write(self, src: torch.Tensor, offset: int, gates: Iterable[Gate] = (), *, disk: DiskReader) -> Copy:
+        """``src``'s bytes (page-aligned host memory, whole pages) into ``disk``'s file at ``offset``, after
+        ``gates``. CPU: the file keeps its old bytes until the write is waited for (``src`` must not change
+        before)."""
+        copy = Copy(direction=Direction.DISK_OUT, nbytes=src.numel())
+        for gate in gates:
+            self.land(gate)
+        copy.pending = partial(disk.write, src, offset)
         self._report(copy)
         return copy
 
@@ -426,28 +446,41 @@ class CudaTransport(Transport):
 
     def synchronize(self, *directions: Direction) -> None:
         for direction in directions or STREAMED:
-            if direction is Direction.DISK_IN:
+            if direction in ON_DISK:
                 if self.reader is not None:
                     self.reader.submit(_nothing).result()  # every read submitted so far ran (in order)
                 continue
             for stream in self.streams[direction]:
                 stream.synchronize()
 
-    def read(self, dst: torch.Tensor, offset: int, gates: Iterable[Gate] = ()) -> Copy:
-        copy = Copy(direction=Direction.DISK_IN, nbytes=dst.numel())
+    def read(
+        self, dst: torch.Tensor, offset: int, gates: Iterable[Gate] = (), *, disk: DiskReader | None = None
+    ) -> Copy:
+        reader = disk or self.reader
+        return self._on_disk(Direction.DISK_IN, dst, gates, reader, partial(reader.read, dst, offset))
+
+    def write(self, src: torch.Tensor, offset: int, gates: Iterable[Gate] = (), *, disk: DiskReader) -> Copy:
+        return self._on_disk(Direction.DISK_OUT, src, gates, disk, partial(disk.write, src, offset))
+
+    def _on_disk(
+        self, direction: Direction, host: torch.Tensor, gates: Iterable[Gate], disk: DiskReader, work: Callable
+    ) -> Copy:
+        """A read or write on ``disk``'s ordered thread after ``gates``; its span timed (the profiler's lane)."""
+        copy = Copy(direction=direction, nbytes=host.numel())
         gates = list(gates)
-        delay_ns = self.delay.get(Direction.DISK_IN, 0)
+        delay_ns = self.delay.get(direction, 0)
 
         def job() -> None:
-            for gate in gates:  # the weight copies that read ``dst`` before (their tokens may be issued later)
+            for gate in gates:  # the copies that use ``host`` before (their tokens may be issued later)
                 _host_wait(gate)
             if delay_ns:
                 time.sleep(delay_ns / 1e9)
             began = time.perf_counter()
-            self.reader.read(dst, offset)
+            with profiler_range(RANGES[direction]):
+                work()
             copy.span = (began, time.perf_counter())
 
-        copy.io = self.reader.submit(job)
+        copy.io = disk.submit(job)
         self._report(copy)
         return copy
 

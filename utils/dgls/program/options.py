@@ -342,8 +342,9 @@ OPTIONS: tuple[Option, ...] = (
         "host_ram_budget",
         "budget",
         None,
-        "GiB of host RAM for streamed layers' weights, or `auto` (available RAM less a reserve): the layers that do "
-        "not fit stay in a file in --disk_dir and are read from disk each time they stream (LoRA)",
+        "GiB of host RAM for streamed layers, or `auto` (available RAM less a reserve): what does not fit stays in a "
+        "file in --disk_dir: a full fine-tune's fp32 masters and optimizer state first (read for each update, written "
+        "back after it; host updates: --host_adam torch_fused), then weights (read each time they stream)",
         "the model is larger than the RAM the machine can spare",
         "streaming",
         policy="transfer",

@@ -14,6 +14,8 @@ Policy (:func:`plan_tiers`)
       being read into while the other is copied to the device; a third would buy little (a copy takes a small
       part of a read's time: PCIe is many times faster than a disk) and costs a layer of RAM.
     - A budget that cannot be met with every streamed layer spilled is one clear line, before anything is packed.
+    - Full fine-tuning: the layers' fp32 masters and optimizer state spill first (read once a step, by the update),
+      the weights only once every state is on disk (:func:`~..training.disk_state.plan_full_tiers`).
 """
 
 from __future__ import annotations
@@ -38,12 +40,24 @@ class Tiers:
     ram_bytes: int  # masters kept in RAM
     ring_count: int
     spilled: dict[int, int] = field(default_factory=dict)
+    states: int = 0  # full fine-tuning: layers whose fp32 masters and optimizer state live on disk
 
     @property
     def ring_bytes(self) -> int:
         return self.ring_count * max((whole_pages(n) for n in self.spilled.values()), default=0)
 
     def line(self) -> str:
+        if self.states:
+            weights = (
+                f"; {len(self.spilled)} streamed layers' weights ({human_bytes(sum(self.spilled.values()))}) are read "
+                "from disk every time they stream"
+                if self.spilled
+                else "; every streamed layer's weights stay in RAM"
+            )
+            return (
+                f"DGLS host RAM budget {human_bytes(self.budget)}: the fp32 masters and optimizer state of "
+                f"{self.states} streamed layers are read from disk for their update and written back after it" + weights
+            )
         if not self.spilled:
             return (
                 f"DGLS host RAM budget {human_bytes(self.budget)}: every streamed layer's master fits in RAM "

@@ -23,6 +23,9 @@ Modules
       in a step that clips (exact); their old values' spares.
     - ``data_parallel.py``: data-parallel full fine-tuning over the processes' shared host copy: an owner per
       layer, gradients reduced to it during the backward, updates published at a barrier after each step.
+    - ``disk_state.py``: with a host RAM budget, the fp32 masters and optimizer state of the layers that do not fit
+      live in a file on disk, read before each one's host update and written back after it (they spill before the
+      weights: read once a step).
     - ``jit_ops.py``: DeepSpeed's C++ optimizer op, built on first use: said before the build; a lock left by
       a killed build refused in one line.
 

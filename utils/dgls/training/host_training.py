@@ -65,6 +65,7 @@ from ..memory.pinned import PinnedMemory
 from ..memory.transport import Copy, Direction, Transport
 from . import optimizer_types, speculation
 from .device_update import DeviceUpdater, FlatLayer, FlatParam
+from .disk_state import DiskState
 from .grad_return import SEND_GROUP_BYTES, GradReturn, GradState, TrainedLayer, TrainedParam
 from .host_optimizer import HostOptimizerSpec
 from .jobs import Jobs
@@ -141,12 +142,15 @@ class HostTraining:
         speculate: bool = True,
         host_norm_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
         after_step: Callable[[Callable[[], None]], None] | None = None,
+        disk_state: DiskState | None = None,
     ) -> None:
         """``first_step``: the VRAM planner's, called once before the first step's clipping or updates (True), or at
         its updates when nothing came first (False); until the first step's updates are queued, none starts
         during backward (see the module doc). Data parallel (:mod:`.data_parallel`): ``host_norm_sum`` sums the
         host-trained part of the squared gradient norm over the processes that each train a share of the layers;
-        ``after_step(finish)`` runs once a step's updates are queued (the share's publication)."""
+        ``after_step(finish)`` runs once a step's updates are queued (the share's publication). ``disk_state``: the
+        masters and optimizer state of the layers it spilled live on disk (:mod:`.disk_state`; host updates)."""
+        self.disk_state = disk_state
         self._host_norm_sum = host_norm_sum
         self._after_step = after_step
         self.spec, self.implementation = spec, spec.kernel
@@ -201,7 +205,7 @@ class HostTraining:
         if spec.whole_step:
             return WholeStep(self.jobs, spec, self.layers)
         if self.updater is None:
-            return HostUpdater(self.jobs, self.transport, largest)
+            return HostUpdater(self.jobs, self.transport, largest, disk=self.disk_state)
         if not spec.split:
             return DeviceSide(self.jobs, self.updater)
         sizes = {idx: layer.numel for idx, layer in self.layers.items()}
@@ -241,6 +245,8 @@ class HostTraining:
                 flat.append(FlatParam(p.flat, p.numel, tp.master, tp.packed, group))
             layer.flat = FlatLayer(buffers.flat_masters, buffers.landing, flat, buffers.flat_state)
             self.updater.prepare(optimizer, layer.flat)
+        if self.disk_state is not None and idx in self.disk_state.spilled:
+            self.disk_state.adopt(layer)  # its masters to the file now: one layer's masters in RAM at a time
         return layer
 
     def _new_sum(self, shape: torch.Size) -> torch.Tensor:
@@ -272,8 +278,16 @@ class HostTraining:
         return self.grads.owns(param) is not None
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        """``param``'s fp32 master (a copy read from the file where it lives on disk: call :meth:`finish` first)."""
         tp = self.grads.owns(param)
-        return tp.master if tp is not None else None
+        if tp is None:
+            return None
+        if self.disk_state is not None and tp.packed is not None:
+            spilled = (self.layers[i] for i in self.disk_state.spilled if i in self.layers)
+            layer = next((lay for lay in spilled if any(t is tp for t in lay.params)), None)
+            if layer is not None:
+                return self.disk_state.master(layer, tp.position)
+        return tp.master
 
     @property
     def split(self) -> UpdateSplit | None:
@@ -304,6 +318,8 @@ class HostTraining:
             self.updates.settle(layer)
         self.transport.synchronize(Direction.GRADS_HOME)
         self.updates.synchronize()
+        if self.disk_state is not None:
+            self.disk_state.settle()
 
     def wait_update(self, idx: int) -> Copy | None:
         """Before layer ``idx``'s packed copy is streamed: its latest update must be written. Host updates
@@ -548,7 +564,14 @@ class HostTraining:
         self.finish()
         if self.whole is not None:
             return self.whole.state_dict()
-        return {idx: layer.optimizer.state_dict() for idx, layer in self.layers.items()}
+        if self.disk_state is None:
+            return {idx: layer.optimizer.state_dict() for idx, layer in self.layers.items()}
+        out = {}
+        for idx, layer in self.layers.items():
+            with self.disk_state.held(layer):  # a spilled layer's state is copied while it is read in
+                out[idx] = _copied(layer.optimizer.state_dict()) if idx in self.disk_state.spilled else None
+            out[idx] = out[idx] or layer.optimizer.state_dict()
+        return out
 
     def state_problem(self, state: object, keep_hyper_parameters: bool = False) -> str | None:
         """Why ``state`` (a :meth:`state_dict` read back from a checkpoint) cannot be loaded into these layers, or
@@ -622,7 +645,11 @@ class HostTraining:
         for idx, layer in self.layers.items():
             replaced = [t for s in layer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
             settings = [{k: v for k, v in g.items() if k != "params"} for g in layer.optimizer.param_groups]
-            layer.optimizer.load_state_dict(state[idx] if idx in state else state[str(idx)])
+            if self.disk_state is not None:
+                with self.disk_state.held(layer):  # its masters in for the load; the loaded state written back
+                    layer.optimizer.load_state_dict(state[idx] if idx in state else state[str(idx)])
+            else:
+                layer.optimizer.load_state_dict(state[idx] if idx in state else state[str(idx)])
             if keep_hyper_parameters:
                 for group, kept in zip(layer.optimizer.param_groups, settings):
                     group.update(kept)
@@ -636,7 +663,7 @@ class HostTraining:
             if self.worker.threaded and self.worker.error is None:
                 self.finish()
         finally:
-            self.remove_hooks()
+            self.remove_hooks()  # the disk state stays open: the engine reads the true weights after this
 
 
 def _in_groups(params: list[TrainedParam], optimizer: torch.optim.Optimizer) -> list[tuple[TrainedParam, dict]]:
@@ -653,6 +680,17 @@ def _regroup(layer: TrainedLayer) -> None:
     if layer.flat is not None:
         group_of = {id(tp.master): group for tp, group in layer.in_groups}
         layer.flat.params = [dataclasses.replace(fp, group=group_of[id(fp.master)]) for fp in layer.flat.params]
+
+
+def _copied(state: dict) -> dict:
+    """An optimizer state dict whose tensors are copies (a spilled layer's are unbound once it is written back)."""
+    return {
+        **state,
+        "state": {
+            i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            for i, s in state["state"].items()
+        },
+    }
 
 
 def _plain(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -29,6 +29,7 @@ from ..streaming.placement import Placement
 from ..streaming.schedule import current_phase
 from .data_parallel import SharedGradients, check_shared
 from .device_update import DeviceUpdater
+from .disk_state import DiskState
 from .host_optimizer import HostOptimizerSpec
 from .host_training import HostTraining
 
@@ -61,6 +62,7 @@ class TrainingFeature(Feature):
         plan_fix: Callable[[bool], None] | None = None,
         speculate: bool = True,
         shared: SharedGradients | None = None,
+        disk_state: DiskState | None = None,
     ) -> TrainingFeature:
         """fp32 masters, gradient landings and the optimizer of the streamed layers, allocated from ``layout`` (the
         same object :func:`~.host_training.check_host_training` measured before packing; ``note``: its line).
@@ -90,6 +92,7 @@ class TrainingFeature(Feature):
             speculate=speculate,
             host_norm_sum=shared.norm_sum if shared is not None else None,
             after_step=shared.publish if shared is not None else None,
+            disk_state=disk_state,
         )
         return cls(training, note, replaceable=plan_fix is not None, shared=shared)
 

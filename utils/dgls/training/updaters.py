@@ -9,7 +9,8 @@ strategy changes the speed, never the numbers.
 
 Strategies
     - :class:`HostUpdater`: a job on the transport's job worker steps the layer's torch optimizer (or
-      DeepSpeed's CPU Adam) on its fp32 masters and rewrites the packed compute-dtype copy.
+      DeepSpeed's CPU Adam) on its fp32 masters and rewrites the packed compute-dtype copy; for a layer whose
+      masters and state live on disk (:mod:`.disk_state`), after reading them and before writing them back.
     - :class:`DeviceSide`: :class:`~.device_update.DeviceUpdater` moves master, state and gradient in,
       runs the kernel and moves them home; on CUDA it is enqueued at once on the transport's
       optimizer-state streams (a fetch waits for its copy home on the device), on the CPU it is a job.
@@ -59,6 +60,7 @@ import torch
 from ..memory.transport import Copy, Transport
 from . import speculation
 from .device_update import DeviceUpdater, ParamUpdate, timeline_busy
+from .disk_state import DiskState
 from .grad_return import StepGrads, TrainedLayer
 from .jobs import Job, Jobs
 from .speculation import Speculated
@@ -156,9 +158,12 @@ class Updater(ABC):
 class HostUpdater(Updater):
     """Steps on the host, as jobs (see the module doc)."""
 
-    def __init__(self, jobs: Jobs, transport: Transport, largest_layer: int, record=None) -> None:
+    def __init__(
+        self, jobs: Jobs, transport: Transport, largest_layer: int, record=None, disk: DiskState | None = None
+    ) -> None:
         super().__init__(jobs, record)
         self.transport = transport
+        self.disk = disk  # masters and state of the layers it spilled: read before their update, written after
         self._largest = largest_layer
         self._grad_buffer: torch.Tensor | None = None  # one micro-batch a step: fp32 grads an update reads
 
@@ -167,6 +172,8 @@ class HostUpdater(Updater):
             speculated.side = "host"
         previous = layer.update if layer.update is not None else layer.home
         run = partial(self.run, layer, grads, coef, lr, previous, speculated, undo)
+        if self.disk is not None:
+            self.disk.queued(layer.index)
         layer.update = self.jobs.submit(layer.index, "update", run)
 
     def run(
@@ -192,6 +199,7 @@ class HostUpdater(Updater):
             self.transport.land(home)
         on_worker = self.jobs.worker.on_thread()
         with torch.no_grad(), _threads(update_threads(torch.get_num_threads()) if on_worker else None):
+            slot = self.disk.bring_in(layer) if self.disk is not None and layer.index in self.disk.spilled else None
             if undo is not None:
                 speculation.undo(undo)
             if speculated is not None:
@@ -206,6 +214,8 @@ class HostUpdater(Updater):
                     tp.master.grad = None
                     if tp.packed is not None:
                         tp.packed.copy_(tp.master)
+            if slot is not None:
+                self.disk.send_home(layer, slot)
         return UpdateDone(None, "host", layer.numel, time.perf_counter() - began)
 
     def _give_grads(self, layer: TrainedLayer, grads: StepGrads, coef: torch.Tensor | None) -> None:
