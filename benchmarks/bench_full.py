@@ -68,6 +68,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -78,6 +79,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flux  # noqa: E402
+import full_methods  # noqa: E402
 import machine  # noqa: E402
 import sdxl  # noqa: E402
 from report import command_line, results_dir, write_result  # noqa: E402
@@ -85,6 +87,7 @@ from timing import peaks, reset_peaks, time_steps  # noqa: E402
 from units import GiB  # noqa: E402
 
 from utils.dgls import LayerSwapper, SwapConfig  # noqa: E402
+from utils.dgls.engine.layer_major import layer_major_step  # noqa: E402
 from utils.dgls.trainers.shm_op import without_shm_op  # noqa: E402
 from utils.dgls.training import optimizer_types  # noqa: E402
 from utils.dgls.training.host_optimizer import HostOptimizerSpec  # noqa: E402
@@ -93,6 +96,8 @@ from utils.dgls.training.optimizer_state import held_bytes  # noqa: E402
 LR, BETAS, WD, EPS = 1e-5, (0.9, 0.99), 0.01, 1e-8
 OPTIMIZERS = {"adamw": "AdamW", "sgd": "SGD without momentum"}  # others: "[optimizer] type NAME"
 METHODS = ("resident", "dgls-split", "dgls-device", "dgls-torch_fused", "dgls-deepspeed", "zero2-offload")
+OTHERS = ("torchao-offload", "dp-recipe")  # diffusion-pipe's own ways (full_methods.py); not in the default list
+LAYER_MAJOR = ("resident", "dgls-")  # the methods --layer_major applies to (prefixes)
 NOTES = [
     "Every weight trains (no LoRA). 'host optimizer wait': the share of DGLS's step the training thread spent "
     "blocked on the host optimizer (a fetch waiting for its layer's update, or clipping waiting for the last "
@@ -144,11 +149,26 @@ def flux_depth(args) -> tuple[int, int]:
     return double, single
 
 
-def forward_backward(bench) -> None:
-    h = bench.inputs
-    for i, layer in enumerate(bench.layers):
-        h = checkpoint(layer, h, use_reentrant=False) if i in bench.checkpointed else layer(h)
-    F.mse_loss(h.float(), bench.target.float()).backward()
+forward_backward = full_methods.forward_backward  # one micro-batch (its loss scaled by 1 / micro-batches)
+
+
+def micro_batches(bench, count: int, layer_major: bool, swapper=None) -> None:
+    """A step's ``count`` micro-batches (the bench's inputs each), each loss scaled by ``1 / count``: one after
+    another, or layer-major (each layer over all of them, then the next: utils/dgls/engine/layer_major.py, the
+    engine ``swapper`` streaming the layers)."""
+    if not layer_major:
+        for _ in range(count):
+            forward_backward(bench, 1.0 / count)
+        return
+    run = [
+        partial(checkpoint, layer, use_reentrant=False) if i in bench.checkpointed else layer
+        for i, layer in enumerate(bench.layers)
+    ]
+
+    def loss(h, _m: int) -> torch.Tensor:
+        return F.mse_loss(h.float(), bench.target.float()) / count
+
+    layer_major_step(run, [bench.inputs] * count, loss, swapper)
 
 
 def optimizer_type(name: str) -> str:
@@ -187,13 +207,17 @@ def device_optimizer(params: list, optimizer: str) -> torch.optim.Optimizer:
     return host_spec(optimizer, "auto").trainer_optimizer(params)  # the type's class, as train.py builds it
 
 
-def resident_step(bench, clip: float, optimizer_name: str = "adamw") -> Callable[[], None]:
+def resident_step(
+    bench, clip: float, optimizer_name: str = "adamw", accumulation: int = 1, layer_major: bool = False
+) -> Callable[[], None]:
+    """Everything on the device; ``accumulation`` micro-batches a step, one after another or ``layer_major`` (the
+    schedule alone: nothing streams, so it copies nothing either way)."""
     params = [p for layer in bench.layers for p in layer.parameters()]
     masters = [p.detach().float() for p in params]
     optimizer = device_optimizer(masters, optimizer_name)
 
     def step() -> None:
-        forward_backward(bench)
+        micro_batches(bench, accumulation, layer_major)
         for p, m in zip(params, masters):
             m.grad = p.grad.float()
             p.grad = None
@@ -208,7 +232,7 @@ def resident_step(bench, clip: float, optimizer_name: str = "adamw") -> Callable
     return step
 
 
-def zero2_step(bench, device, clip: float) -> tuple[Callable[[], None], object]:
+def zero2_step(bench, device, clip: float, accumulation: int = 1) -> tuple[Callable[[], None], object]:
     import deepspeed
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -224,7 +248,7 @@ def zero2_step(bench, device, clip: float) -> tuple[Callable[[], None], object]:
 
     config = {
         "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": accumulation,
         "gradient_clipping": clip,
         "bf16": {"enabled": device.type == "cuda"},
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
@@ -235,13 +259,14 @@ def zero2_step(bench, device, clip: float) -> tuple[Callable[[], None], object]:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
     layers = list(engine.module.layers)
 
-    def step() -> None:
-        h = bench.inputs
-        for i, layer in enumerate(layers):
-            h = checkpoint(layer, h, use_reentrant=False) if i in bench.checkpointed else layer(h)
-        loss = F.mse_loss(h.float(), bench.target.float())
-        engine.backward(loss)
-        engine.step()
+    def step() -> None:  # the engine scales each loss by 1 / accumulation and steps at the last micro-batch
+        for _ in range(accumulation):
+            h = bench.inputs
+            for i, layer in enumerate(layers):
+                h = checkpoint(layer, h, use_reentrant=False) if i in bench.checkpointed else layer(h)
+            loss = F.mse_loss(h.float(), bench.target.float())
+            engine.backward(loss)
+            engine.step()
 
     return step, engine
 
@@ -256,18 +281,23 @@ def dgls_step(
     optimizer="adamw",
     budget: float | None = None,
     log: Callable[[str], None] | None = None,
+    accumulation: int = 1,
+    layer_major: bool = False,
 ):
     """DGLS's step of ``implementation`` (``IMPL``, or ``IMPL-wait``: with clipping, updates wait for the gradient
     norm instead of speculating): layers of ``stream_mib`` or more streamed, or with ``budget`` (GiB) the planner's
     placement, its plan fixed before step 1's update (``log`` hears the plan; the trainer's optimizer then holds every
     param, as diffusion-pipe's does, and the layers the plan keeps resident bring their gradients to it). Returns the
-    step, the swapper and the list each step's gradient norm is appended to."""
+    step, the swapper and the list each step's gradient norm is appended to. ``accumulation`` micro-batches a step:
+    one after another (the host training told ``accumulation_steps``), or ``layer_major`` (each layer's gradients
+    summed on the device over the micro-batches and sent home once: the host training sees one a step)."""
     implementation, _, wait = implementation.partition("-")
     if wait not in ("", "wait"):
         raise ValueError(f"a DGLS method is dgls-IMPL or dgls-IMPL-wait, got dgls-{implementation}-{wait}")
     spec = host_spec(optimizer, implementation)
     sizes = bench.sizes  # measured before anything was trainable: streamable = every param of the layer
     common = dict(host_optimizer=spec, clip_grads=bool(clip), speculate_clipping=not wait)
+    common["accumulation_steps"] = 1 if layer_major else accumulation
     if budget is not None:
         config = SwapConfig.of(vram_budget=budget, **common)
     else:
@@ -282,7 +312,7 @@ def dgls_step(
     norms: list[float] = []
 
     def step() -> None:
-        forward_backward(bench)
+        micro_batches(bench, accumulation, layer_major, swapper)
         training.before_step()  # under a budget, the first fixes the plan (clipping would call it too)
         if clip:
             norms.append(float(training.clip_grad_norm_(params, clip)))
@@ -295,8 +325,14 @@ def dgls_step(
     return step, swapper, norms
 
 
+def applies_layer_major(name: str) -> bool:
+    return name.startswith(LAYER_MAJOR)
+
+
 def measure(name: str, args, device, dtype) -> dict:
-    row: dict = {"method": name}
+    count = args.accumulation
+    layer_major = args.layer_major == "on" and applies_layer_major(name)
+    row: dict = {"method": name, "micro_batches": count, "layer_major": layer_major}
     rss = PeakRss()
     # built on the device (fast, and the same weights for every method), then moved to the host for DGLS
     bench = fresh_bench(args.tiny, device, dtype, device, args.model, flux_depth(args))
@@ -309,23 +345,41 @@ def measure(name: str, args, device, dtype) -> dict:
     cleanup: Callable[[], None] = gc.collect  # replaced by the method's own clean-up
     training = swapper = None
     norms: list[float] = []
+    copies: Callable[[], dict] | None = None  # the bytes copied since its last call, per direction
+    hyper = {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD}
     try:
         if name == "resident":
-            step = resident_step(bench, args.clip, args.optimizer)
+            step = resident_step(bench, args.clip, args.optimizer, count, layer_major)
         elif name == "zero2-offload":
             if args.optimizer != "adamw":
                 raise ValueError("the ZeRO-2 offload method runs AdamW only")
-            step, engine = zero2_step(bench, device, args.clip)
+            step, engine = zero2_step(bench, device, args.clip, count)
             cleanup = engine.destroy
-        else:
+        elif name == "torchao-offload":
+            if args.optimizer != "adamw":
+                raise ValueError("diffusion-pipe's 'offload' type is torchao's CPUOffloadOptimizer over AdamW only")
+            step, figures, copies = full_methods.torchao_offload_step(
+                bench, device, args.clip, count, args.offload_gradients, hyper
+            )
+            row.update(figures)
+        elif name == "dp-recipe":
+            step, figures = full_methods.dp_recipe_step(bench, device, count, args.dp_checkout, hyper)
+            row.update(figures)
+        elif name.startswith("dgls-"):
             impl = name.split("-", 1)[1]
             plan: list[str] = []
             step, swapper, norms = dgls_step(
                 bench, device, impl, args.stream_mib, args.prefetch, args.clip, args.optimizer, args.vram_budget,
                 lambda line: plan.append(line.split("this run): ", 1)[1]) if "without the probe" in line else None,
+                count, layer_major,
             )  # fmt: skip
             training = swapper.training
+            counter = full_methods.CopyCounter()
+            swapper.add_listener(counter)
+            copies = counter.take
             cleanup = swapper.remove
+        else:
+            raise ValueError(f"unknown method {name!r}: one of {', '.join(METHODS + OTHERS)}, or dgls-IMPL-wait")
         reset_peaks(device)
         for _ in range(1 + args.warmup):  # the first step builds optimizer state and kernels (and fixes a plan)
             step()
@@ -337,7 +391,21 @@ def measure(name: str, args, device, dtype) -> dict:
         waited = training.waited_s if training is not None else 0.0
         jobs = dict(training.job_s) if training is not None else {}
         copies_before = swapper.total_stats(sync=True) if swapper is not None else None
-        times, _ = time_steps(step, device, 0, args.steps, after=rss.sample)
+        copied: list[dict] = []
+        if copies is not None:
+            copies()  # the warm-up's copies: not counted
+
+        def after() -> None:
+            rss.sample()
+            if copies is not None:
+                copied.append(copies())
+
+        times, _ = time_steps(step, device, 0, args.steps, after=after)
+        if copied:
+            directions = sorted({d for c in copied for d in c})
+            per_step = {d: statistics.median(c.get(d, 0) for c in copied) / GiB for d in directions}
+            row["copied_gib_per_step"] = per_step
+            row["copied_total_gib_per_step"] = statistics.median(sum(c.values()) for c in copied) / GiB
         if training is not None:
             row["host_wait_share"] = (training.waited_s - waited) / sum(times)
             # the compute stream waiting for fetches: with dgls-device, fetches wait for their layer's update
@@ -355,10 +423,15 @@ def measure(name: str, args, device, dtype) -> dict:
             if norms:
                 row["grad_norm"] = statistics.median(norms[-len(times) :])
             row["speculation"] = training.speculation.describe()
+        else:  # torch's caching host allocator: torchao's host copies, DeepSpeed's pinned buffers (CUDA only)
+            row["pinned_gib"] = full_methods.host_pinned_bytes(device) / GiB
         row.update(median_step_s=statistics.median(times), step_times_s=times, steps=len(times), **peaks(device))
+        row["per_sample_s"] = row["median_step_s"] / count
         row["host_rss_gib"] = rss.peak / GiB
         high_water = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB; updated lazily
         row["host_rss_peak_gib"] = max(high_water, rss.peak) / GiB
+    except full_methods.Skip as exc:  # a method this machine cannot run (a library missing, no CUDA): why
+        row["skipped"] = str(exc)
     except Exception as exc:  # noqa: BLE001 - a method that cannot run is a row that says why
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
     finally:
@@ -379,7 +452,7 @@ def host_state_held(training) -> int:
     return sum(held_bytes(layer.optimizer) for layer in training.layers.values() if layer.optimizer is not None)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny config (a CPU smoke test)")
     parser.add_argument("--model", choices=("sdxl", "flux"), default="sdxl")
@@ -402,14 +475,50 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--clip", type=float, default=1.0, help="gradient clipping norm; 0: none (DGLS then updates during backward)"
     )
+    parser.add_argument(
+        "--accumulation", type=int, default=1, help="micro-batches a step (gradient_accumulation_steps), every method"
+    )
+    parser.add_argument(
+        "--layer_major",
+        choices=("on", "off", "both"),
+        default="on",
+        help="resident and DGLS methods with --accumulation: each layer over all micro-batches, then the next (on), "
+        "micro-batches one after another (off), or a row each (both)",
+    )
+    parser.add_argument(
+        "--offload_gradients", action="store_true", help="torchao-offload: free device gradients once copied home"
+    )
+    parser.add_argument(
+        "--dp_checkout",
+        default=None,
+        help="dp-recipe: diffusion-pipe checkout for AdamW8bitKahan (or DGLS_DIFFUSION_PIPE)",
+    )
     parser.add_argument("--name", default=None, help="results file stem (default: full_MODEL)")
     parser.add_argument("--results_dir", type=Path, default=None)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one method, write its row to --row
     parser.add_argument("--row", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.accumulation < 1:
+        parser.error("--accumulation is a count of micro-batches: 1 or more")
     args.name = args.name or f"full_{args.model}"
     if args.tiny:
         args.stream_mib = 0.001
+    return args
+
+
+def runs(args) -> list[tuple[str, str]]:
+    """(method, --layer_major) of each row, in order: with ``--layer_major both``, the methods it applies to twice."""
+    out = []
+    for name in args.methods.split(","):
+        if args.layer_major == "both" and applies_layer_major(name):
+            out += [(name, "off"), (name, "on")]
+        else:
+            out.append((name, "off" if args.layer_major == "both" else args.layer_major))
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
     if args.one:
         with machine.session(args.tiny) as (device, dtype):
             args.row.write_text(json.dumps(measure(args.one, args, device, dtype)))
@@ -419,30 +528,45 @@ def main(argv: list[str] | None = None) -> dict:
     with machine.session(args.tiny) as (device, _):
         environment = machine.environment(device)
     own = sys.argv[1:] if argv is None else list(argv)
-    for name in args.methods.split(","):  # the result is rewritten after each method, so a cut-off run keeps some
-        rows.append(_in_subprocess(name, own))
+    for name, layer_major in runs(args):  # the result is rewritten after each method: a cut-off run keeps some
+        failed = {"micro_batches": args.accumulation, "layer_major": layer_major == "on" and applies_layer_major(name)}
+        rows.append(_in_subprocess(name, [*own, "--layer_major", layer_major], failed))
         result = _result(args, argv, environment, rows, started)
         write_result(result, args.name, args.results_dir or results_dir(args.tiny), echo=True)
     return result
 
 
-def _in_subprocess(name: str, argv: list[str]) -> dict:
+def _in_subprocess(name: str, argv: list[str], failed: dict) -> dict:
+    """``name``'s row, measured in a process of its own (``failed``: what a row that failed in it still says)."""
     with tempfile.TemporaryDirectory() as folder:
         row = Path(folder) / "row.json"
         cmd = [sys.executable, __file__, *argv, "--one", name, "--row", str(row)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0 or not row.is_file():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            return {"method": name, "error": f"exit {proc.returncode}: {tail[0][:300]}"}
+            return {"method": name, **failed, "error": f"exit {proc.returncode}: {tail[0][:300]}"}
         return json.loads(row.read_text())
 
 
+def _layer_major_last(row: dict) -> bool:
+    return bool(row.get("layer_major"))
+
+
 def _result(args, argv, environment: dict, rows: list[dict], started: float) -> dict:
-    base = next((r["median_step_s"] for r in rows if r["method"] == "resident" and "median_step_s" in r), None)
+    # the reference: all-resident with the same micro-batches, one after another where that row was measured
+    resident = sorted((r for r in rows if r["method"] == "resident" and "median_step_s" in r), key=_layer_major_last)
+    base = resident[0]["median_step_s"] if resident else None
     for r in rows:
         if base and "median_step_s" in r:
             r["vs_resident"] = r["median_step_s"] / base
     clipping = f"gradients clipped to norm {args.clip:g}" if args.clip else "no gradient clipping"
+    if args.accumulation > 1:
+        how = {"on": "layer-major", "off": "one after another", "both": "one after another and layer-major"}
+        clipping += (
+            f"; {args.accumulation} micro-batches a step (gradient_accumulation_steps), resident and DGLS "
+            f"{how[args.layer_major]}; 'vs resident' against all-resident with the same micro-batches"
+            + (" one after another" if args.layer_major == "both" else "")
+        )
     if args.vram_budget is not None:
         clipping += f"; DGLS placed by --vram_budget {args.vram_budget:g} (its plan fixed at step 1)"
     if args.model == "flux":
