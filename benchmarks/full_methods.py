@@ -13,9 +13,12 @@
   with N micro-batches a step, ``foreach`` off where the class takes it, ``p.add_`` writing ``p.data``), each stepped
   and zeroed in its param's post-accumulate-grad hook, so every micro-batch steps every param and nothing clips.
   AdamW8bitKahan is diffusion-pipe's own class (its ``optimizers/adamw_8bit.py``, from ``--dp_checkout`` or
-  DGLS_DIFFUSION_PIPE); its ``update_step`` reads ``percentile_clipping``, which bitsandbytes 0.50 dropped, so when
-  it is missing or fails a first step, bitsandbytes' own AdamW8bit (the same blockwise 8-bit moments, no Kahan
-  summation of the bf16 weights) runs instead, and the row says so.
+  DGLS_DIFFUSION_PIPE). Its ``update_step`` reads the config keys ``percentile_clipping`` and ``block_wise``, which
+  bitsandbytes 0.50 dropped (KeyError 'percentile_clipping'); where its first step fails so, it runs as a subclass
+  whose ``get_config`` restores them at the values bitsandbytes had by default before (100: no percentile clipping;
+  blockwise, the only 8-bit update 0.50 has), and the row says so. Without a checkout, or if that fails too,
+  bitsandbytes' own AdamW8bit (the same blockwise 8-bit moments, no Kahan summation of the bf16 weights and no
+  buffer for it) runs instead, and the row says so.
 
 A method that cannot run here raises :class:`Skip` with the reason (a library missing, no CUDA): its row says it.
 """
@@ -175,6 +178,20 @@ def kahan_class(checkout: str | None):
         return None, f"diffusion-pipe's optimizers/adamw_8bit.py did not import ({type(exc).__name__}: {exc})"
 
 
+def bnb_050_compatible(klass):
+    """``klass`` (AdamW8bitKahan) with the config keys bitsandbytes 0.50 dropped, at their old defaults."""
+
+    class Compatible(klass):
+        def get_config(self, gindex, pindex, group):
+            config = super().get_config(gindex, pindex, group)
+            config.setdefault("percentile_clipping", 100)  # 100: no percentile clipping (the old default)
+            config.setdefault("block_wise", True)  # the old default, and 0.50's only 8-bit update
+            return config
+
+    Compatible.__name__ = Compatible.__qualname__ = f"{klass.__name__}(bitsandbytes 0.50 config keys restored)"
+    return Compatible
+
+
 def _first_step_fails(klass, device: torch.device, dtype: torch.dtype, kwargs: dict) -> str:
     """Why one step of ``klass`` on a small param fails (bitsandbytes >= 0.50: KeyError 'percentile_clipping'), or
     ''. The param has 4096 elements: bitsandbytes' smallest with 8-bit state."""
@@ -204,16 +221,20 @@ def dp_recipe_step(
         "weight_decay": hyper["weight_decay"],
     }
     klass, why = kahan_class(checkout)
+    note = "diffusion-pipe's optimizers.adamw_8bit.AdamW8bitKahan, gradient_release"
     if klass is not None:
         failed = _first_step_fails(klass, device, params[0].dtype, kwargs)
         if failed:
-            klass, why = None, f"AdamW8bitKahan fails its first step with bitsandbytes {bitsandbytes.__version__} "
-            why += f"({failed})"
+            compatible = bnb_050_compatible(klass)
+            why = f"AdamW8bitKahan fails its first step with bitsandbytes {bitsandbytes.__version__} ({failed})"
+            if not _first_step_fails(compatible, device, params[0].dtype, kwargs):
+                klass = compatible
+                note += f" ({why}: run with percentile_clipping = 100 and block_wise = True, the keys' old defaults)"
+            else:
+                klass = None
     if klass is None:
         klass = bitsandbytes.optim.AdamW8bit
         note = f"bitsandbytes.optim.AdamW8bit, gradient_release (fallback from adamw8bitkahan: {why})"
-    else:
-        note = "diffusion-pipe's optimizers.adamw_8bit.AdamW8bitKahan, gradient_release"
     if "foreach" in inspect.signature(klass).parameters:
         kwargs["foreach"] = False
 

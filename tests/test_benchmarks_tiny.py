@@ -457,19 +457,31 @@ def test_the_full_benchmarks_resident_step_is_the_same_with_either_schedule():
     assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True]))
 
 
-def test_dp_recipe_steps_every_param_in_its_gradient_hook_each_micro_batch():
+@pytest.mark.parametrize("kahan", [False, True], ids=["fallback", "kahan"])
+def test_dp_recipe_steps_every_param_in_its_gradient_hook_each_micro_batch(kahan):
     """diffusion-pipe's gradient_release: an optimizer per param (betas ** (1 / N)), stepped and zeroed as its
     gradient is accumulated, every micro-batch: the same weights as stepping each param after each micro-batch's
-    backward; no gradient is left on the params."""
+    backward; no gradient is left on the params. Without a checkout bitsandbytes' AdamW8bit runs; with one
+    (DGLS_DIFFUSION_PIPE) its AdamW8bitKahan, on bitsandbytes 0.50 with the two config keys it dropped restored."""
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (dp-recipe's AdamW8bit)")
     import bitsandbytes
     import full_methods
 
+    checkout = os.environ.get("DGLS_DIFFUSION_PIPE") if kahan else "/nonexistent"
+    if kahan and not checkout:
+        pytest.skip("DGLS_DIFFUSION_PIPE is not set (a diffusion-pipe checkout, for its AdamW8bitKahan)")
     hyper = {"lr": 1e-3, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.01}
     cpu = torch.device("cpu")
     bench = full_bench()
-    step, figures = full_methods.dp_recipe_step(bench, cpu, 2, "/nonexistent", hyper)
-    assert "bitsandbytes.optim.AdamW8bit, gradient_release (fallback from adamw8bitkahan" in figures["optimizer"]
+    step, figures = full_methods.dp_recipe_step(bench, cpu, 2, checkout, hyper)
+    if kahan:
+        assert figures["optimizer"].startswith("diffusion-pipe's optimizers.adamw_8bit.AdamW8bitKahan")
+        klass, _ = full_methods.kahan_class(checkout)
+        if "old defaults" in figures["optimizer"]:
+            klass = full_methods.bnb_050_compatible(klass)
+    else:
+        assert "bitsandbytes.optim.AdamW8bit, gradient_release (fallback from adamw8bitkahan" in figures["optimizer"]
+        klass = bitsandbytes.optim.AdamW8bit
     assert figures["optimizer_steps_per_step"] == 2 and figures["clipping"].startswith("none")
     before = full_weights(bench)
     for _ in range(2):
@@ -480,7 +492,7 @@ def test_dp_recipe_steps_every_param_in_its_gradient_hook_each_micro_batch():
     reference = full_bench()
     params = [p for layer in reference.layers for p in layer.parameters()]
     betas = tuple(b ** (1 / 2) for b in hyper["betas"])
-    optimizers = [bitsandbytes.optim.AdamW8bit([p], lr=1e-3, betas=betas, eps=1e-8, weight_decay=0.01) for p in params]
+    optimizers = [klass([p], lr=1e-3, betas=betas, eps=1e-8, weight_decay=0.01) for p in params]
     for _ in range(2 * 2):
         full_methods.forward_backward(reference, 1 / 2)
         for optimizer in optimizers:
