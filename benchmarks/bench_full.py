@@ -19,6 +19,22 @@ every block checkpointed):
   them (utils/dgls/training/speculation.py); ``dgls-IMPL-wait`` (not in the default list) makes them wait for
   the norm, as before. 'grad norm' is the median norm of the timed steps (the synthetic data decides whether a
   step clips), 'speculation' what became of the speculative updates since the method started.
+- ``torchao-offload`` (not in the default list): diffusion-pipe's ``[optimizer] type = 'offload'``, built as its
+  train.py builds it: torchao's ``CPUOffloadOptimizer(groups, torch.optim.AdamW, fused=True, ...)`` over the model's
+  bf16 params, everything else on the GPU; ``--offload_gradients`` passes its option of that name. CUDA only.
+- ``dp-recipe`` (not in the default list): diffusion-pipe's 24 GB full fine-tune recipe, everything on the GPU:
+  ``adamw8bitkahan`` with ``gradient_release = true`` (an optimizer per param, stepped in its post-accumulate-grad
+  hook, every micro-batch, no clipping); AdamW8bitKahan from ``--dp_checkout`` (or DGLS_DIFFUSION_PIPE), else
+  bitsandbytes' AdamW8bit, the row's 'optimizer' saying which and why. Both: benchmarks/full_methods.py. A method
+  whose library (or CUDA) is missing is a row that says so ('skipped').
+
+``--accumulation N``: N micro-batches a step (diffusion-pipe's gradient_accumulation_steps; the same inputs each, each
+loss scaled by 1 / N) in every method. Resident and DGLS methods run them layer-major (``--layer_major on``, the
+default: each layer over all N micro-batches, then the next; DGLS then copies each streamed layer in once a
+direction and sends its gradient sum home once a step), one after another (``off``), or a row each (``both``).
+Every row has its per-sample time; 'vs resident' is against all-resident with the same micro-batches (one after
+another where that row was measured); DGLS's and torchao's rows have the GiB copied to the device and home per step
+(measured on the transport's copies, the warm-up's left out).
 
 With ``--vram_budget GiB`` the DGLS methods place layers by the planner instead of ``--stream_mib``: step 1 is its
 probe, and the plan it fixes before step 1's update stays for the run; the row names the placement (as the flags
@@ -53,6 +69,26 @@ what the host optimizers hold after the timed steps, so a table of host RAM per 
 
     for o in adamw AdamW8bit Lion CAME Prodigy; do python benchmarks/bench_full.py --model flux --flux_blocks 19,38 \
         --optimizer $o --methods dgls-auto --steps 2 --name full_flux_ram_$o; done
+
+Device commands for issues 35 and 36 (SDXL, 1024x1024; each one call of under 10 minutes on an H100 or H200, as one
+``bench:`` step of benchmarks/device_session.sh: ``bench:bench_full.py:--methods=...:--steps=3``). torchao travels as a
+wheel in .whl (torchao-0.17.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl, the release built for the
+device's torch 2.11), bitsandbytes as .bnb, and diffusion-pipe's optimizers/ folder as .dp/optimizers (AdamW8bitKahan):
+
+    # 35: diffusion-pipe's ways beside DGLS and ZeRO-2 offload, clipping at 1.0 (dp-recipe never clips), then 0
+    python benchmarks/bench_full.py --methods resident,dgls-split,zero2-offload,torchao-offload,dp-recipe \
+        --steps 3 --warmup 2 --dp_checkout .dp --name full_sdxl_dp_ways
+    python benchmarks/bench_full.py --methods resident,dgls-split,zero2-offload,torchao-offload --clip 0 \
+        --steps 3 --warmup 2 --name full_sdxl_dp_ways_noclip
+    # 36: 4 micro-batches a step, resident and DGLS one after another and layer-major (4 rows), clipping at 1.0
+    python benchmarks/bench_full.py --methods resident,dgls-split --accumulation 4 --layer_major both \
+        --steps 3 --warmup 1 --name full_sdxl_accum4
+    # 36 on a 24 GB budget: DGLS placed by the planner (its probe a layer-major step of 4 micro-batches)
+    python benchmarks/bench_full.py --methods resident,dgls-split --accumulation 4 --layer_major both \
+        --vram_budget 21 --steps 3 --warmup 1 --name full_sdxl_accum4_budget21
+    # diffusion-pipe's ways with the same 4 micro-batches (per-sample time against the same resident)
+    python benchmarks/bench_full.py --methods resident,torchao-offload,dp-recipe,zero2-offload --accumulation 4 \
+        --steps 3 --warmup 1 --dp_checkout .dp --name full_sdxl_accum4_dp_ways
 """
 
 from __future__ import annotations

@@ -63,11 +63,14 @@ def forward_backward(bench, scale: float = 1.0) -> None:
 
 def host_pinned_bytes(device: torch.device) -> int:
     """Page-locked bytes torch's caching host allocator holds (``pin_memory`` tensors: torchao's host copies,
-    DeepSpeed's buffers); 0 off CUDA."""
+    DeepSpeed's buffers; its cached free blocks included, since they stay page-locked); 0 off CUDA."""
     if device.type != "cuda" or not hasattr(torch.cuda, "host_memory_stats"):
         return 0
-    stats = torch.cuda.host_memory_stats()
-    return int(stats.get("allocated_bytes.current", stats.get("reserved_bytes.current", 0)))
+    try:
+        stats = torch.cuda.host_memory_stats()
+    except RuntimeError:  # a torch without the caching host allocator's statistics
+        return 0
+    return int(stats.get("reserved_bytes.current", stats.get("allocated_bytes.current", 0)))
 
 
 class CopyCounter(Listener):
