@@ -146,6 +146,10 @@ NOTES = [
     "'host_rss_peak_gib' the kernel's high-water mark of the method's process (building the model included). "
     "'pinned_gib': page-locked host bytes (CUDA only). 'host_state_counted_gib': the optimizer state the RAM check "
     "counted for streamed layers; 'host_state_held_gib': what the host optimizers hold after the timed steps.",
+    "With several micro-batches a step: 'per sample' is the step over the micro-batches; 'copied GiB/step' the bytes "
+    "the DGLS transport (or torchao) copied to the device and home in a timed step. torchao-offload and dp-recipe "
+    "train the model's own bf16 params (no fp32 masters), as diffusion-pipe does; their 'optimizer' column says what "
+    "ran (benchmarks/full_methods.py), and 'pinned' is torch's caching host allocator's page-locked bytes.",
 ]
 
 
