@@ -365,13 +365,15 @@ def dgls_step(
     return step, swapper, norms
 
 
-def applies_layer_major(name: str) -> bool:
-    return name.startswith(LAYER_MAJOR)
+def applies_layer_major(name: str, micro_batches: int) -> bool:
+    """Whether --layer_major changes ``name``'s step: resident and DGLS methods with several micro-batches a step (one
+    micro-batch runs as before, so rows without --accumulation stay comparable with earlier results)."""
+    return name.startswith(LAYER_MAJOR) and micro_batches > 1
 
 
 def measure(name: str, args, device, dtype) -> dict:
     count = args.accumulation
-    layer_major = args.layer_major == "on" and applies_layer_major(name)
+    layer_major = args.layer_major == "on" and applies_layer_major(name, count)
     row: dict = {"method": name, "micro_batches": count, "layer_major": layer_major}
     rss = PeakRss()
     # built on the device (fast, and the same weights for every method), then moved to the host for DGLS
@@ -550,7 +552,7 @@ def runs(args) -> list[tuple[str, str]]:
     """(method, --layer_major) of each row, in order: with ``--layer_major both``, the methods it applies to twice."""
     out = []
     for name in args.methods.split(","):
-        if args.layer_major == "both" and applies_layer_major(name):
+        if args.layer_major == "both" and applies_layer_major(name, args.accumulation):
             out += [(name, "off"), (name, "on")]
         else:
             out.append((name, "off" if args.layer_major == "both" else args.layer_major))
@@ -569,7 +571,8 @@ def main(argv: list[str] | None = None) -> dict:
         environment = machine.environment(device)
     own = sys.argv[1:] if argv is None else list(argv)
     for name, layer_major in runs(args):  # the result is rewritten after each method: a cut-off run keeps some
-        failed = {"micro_batches": args.accumulation, "layer_major": layer_major == "on" and applies_layer_major(name)}
+        lm = layer_major == "on" and applies_layer_major(name, args.accumulation)
+        failed = {"micro_batches": args.accumulation, "layer_major": lm}
         rows.append(_in_subprocess(name, [*own, "--layer_major", layer_major], failed))
         result = _result(args, argv, environment, rows, started)
         write_result(result, args.name, args.results_dir or results_dir(args.tiny), echo=True)
