@@ -19,6 +19,22 @@ every block checkpointed):
   them (utils/dgls/training/speculation.py); ``dgls-IMPL-wait`` (not in the default list) makes them wait for
   the norm, as before. 'grad norm' is the median norm of the timed steps (the synthetic data decides whether a
   step clips), 'speculation' what became of the speculative updates since the method started.
+- ``torchao-offload`` (not in the default list): diffusion-pipe's ``[optimizer] type = 'offload'``, built as its
+  train.py builds it: torchao's ``CPUOffloadOptimizer(groups, torch.optim.AdamW, fused=True, ...)`` over the model's
+  bf16 params, everything else on the GPU; ``--offload_gradients`` passes its option of that name. CUDA only.
+- ``dp-recipe`` (not in the default list): diffusion-pipe's 24 GB full fine-tune recipe, everything on the GPU:
+  ``adamw8bitkahan`` with ``gradient_release = true`` (an optimizer per param, stepped in its post-accumulate-grad
+  hook, every micro-batch, no clipping); AdamW8bitKahan from ``--dp_checkout`` (or DGLS_DIFFUSION_PIPE), else
+  bitsandbytes' AdamW8bit, the row's 'optimizer' saying which and why. Both: benchmarks/full_methods.py. A method
+  whose library (or CUDA) is missing is a row that says so ('skipped').
+
+``--accumulation N``: N micro-batches a step (diffusion-pipe's gradient_accumulation_steps; the same inputs each, each
+loss scaled by 1 / N) in every method. Resident and DGLS methods run them layer-major (``--layer_major on``, the
+default: each layer over all N micro-batches, then the next; DGLS then copies each streamed layer in once a
+direction and sends its gradient sum home once a step), one after another (``off``), or a row each (``both``).
+Every row has its per-sample time; 'vs resident' is against all-resident with the same micro-batches (one after
+another where that row was measured); DGLS's and torchao's rows have the GiB copied to the device and home per step
+(measured on the transport's copies, the warm-up's left out).
 
 With ``--vram_budget GiB`` the DGLS methods place layers by the planner instead of ``--stream_mib``: step 1 is its
 probe, and the plan it fixes before step 1's update stays for the run; the row names the placement (as the flags
@@ -62,6 +78,26 @@ the all-in-RAM method in the same run:
 
     python benchmarks/bench_full.py --model flux --flux_blocks 19,38 --clip 0 \
         --methods dgls-torch_fused,dgls-torch_fused@64 --disk_dir /tmp --steps 3
+
+Device commands for issues 35 and 36 (SDXL, 1024x1024; each one call of under 10 minutes on an H100 or H200, as one
+``bench:`` step of benchmarks/device_session.sh: ``bench:bench_full.py:--methods=...:--steps=3``). torchao travels as a
+wheel in .whl (torchao-0.17.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl, the release built for the
+device's torch 2.11), bitsandbytes as .bnb, and diffusion-pipe's optimizers/ folder as .dp/optimizers (AdamW8bitKahan):
+
+    # 35: diffusion-pipe's ways beside DGLS and ZeRO-2 offload, clipping at 1.0 (dp-recipe never clips), then 0
+    python benchmarks/bench_full.py --methods resident,dgls-split,zero2-offload,torchao-offload,dp-recipe \
+        --steps 3 --warmup 2 --dp_checkout .dp --name full_sdxl_dp_ways
+    python benchmarks/bench_full.py --methods resident,dgls-split,zero2-offload,torchao-offload --clip 0 \
+        --steps 3 --warmup 2 --name full_sdxl_dp_ways_noclip
+    # 36: 4 micro-batches a step, resident and DGLS one after another and layer-major (4 rows), clipping at 1.0
+    python benchmarks/bench_full.py --methods resident,dgls-split --accumulation 4 --layer_major both \
+        --steps 3 --warmup 1 --name full_sdxl_accum4
+    # 36 on a 24 GB budget: DGLS placed by the planner (its probe a layer-major step of 4 micro-batches)
+    python benchmarks/bench_full.py --methods resident,dgls-split --accumulation 4 --layer_major both \
+        --vram_budget 21 --steps 3 --warmup 1 --name full_sdxl_accum4_budget21
+    # diffusion-pipe's ways with the same 4 micro-batches (per-sample time against the same resident)
+    python benchmarks/bench_full.py --methods resident,torchao-offload,dp-recipe,zero2-offload --accumulation 4 \
+        --steps 3 --warmup 1 --dp_checkout .dp --name full_sdxl_accum4_dp_ways
 """
 
 from __future__ import annotations
@@ -77,6 +113,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -87,6 +124,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flux  # noqa: E402
+import full_methods  # noqa: E402
 import machine  # noqa: E402
 import sdxl  # noqa: E402
 from report import command_line, results_dir, write_result  # noqa: E402
@@ -94,6 +132,7 @@ from timing import peaks, reset_peaks, time_steps  # noqa: E402
 from units import GiB  # noqa: E402
 
 from utils.dgls import LayerSwapper, Listener, SwapConfig  # noqa: E402
+from utils.dgls.engine.layer_major import layer_major_step  # noqa: E402
 from utils.dgls.memory.transport import Direction  # noqa: E402
 from utils.dgls.trainers.shm_op import without_shm_op  # noqa: E402
 from utils.dgls.training import optimizer_types  # noqa: E402
@@ -103,6 +142,8 @@ from utils.dgls.training.optimizer_state import held_bytes  # noqa: E402
 LR, BETAS, WD, EPS = 1e-5, (0.9, 0.99), 0.01, 1e-8
 OPTIMIZERS = {"adamw": "AdamW", "sgd": "SGD without momentum"}  # others: "[optimizer] type NAME"
 METHODS = ("resident", "dgls-split", "dgls-device", "dgls-torch_fused", "dgls-deepspeed", "zero2-offload")
+OTHERS = ("torchao-offload", "dp-recipe")  # diffusion-pipe's own ways (full_methods.py); not in the default list
+LAYER_MAJOR = ("resident", "dgls-")  # the methods --layer_major applies to (prefixes)
 NOTES = [
     "Every weight trains (no LoRA). 'host optimizer wait': the share of DGLS's step the training thread spent "
     "blocked on the host optimizer (a fetch waiting for its layer's update, or clipping waiting for the last "
@@ -115,6 +156,10 @@ NOTES = [
     "'host_rss_peak_gib' the kernel's high-water mark of the method's process (building the model included). "
     "'pinned_gib': page-locked host bytes (CUDA only). 'host_state_counted_gib': the optimizer state the RAM check "
     "counted for streamed layers; 'host_state_held_gib': what the host optimizers hold after the timed steps.",
+    "With several micro-batches a step: 'per sample' is the step over the micro-batches; 'copied GiB/step' the bytes "
+    "the DGLS transport (or torchao) copied to the device and home in a timed step. torchao-offload and dp-recipe "
+    "train the model's own bf16 params (no fp32 masters), as diffusion-pipe does; their 'optimizer' column says what "
+    "ran (benchmarks/full_methods.py), and 'pinned' is torch's caching host allocator's page-locked bytes.",
 ]
 
 
@@ -154,11 +199,26 @@ def flux_depth(args) -> tuple[int, int]:
     return double, single
 
 
-def forward_backward(bench) -> None:
-    h = bench.inputs
-    for i, layer in enumerate(bench.layers):
-        h = checkpoint(layer, h, use_reentrant=False) if i in bench.checkpointed else layer(h)
-    F.mse_loss(h.float(), bench.target.float()).backward()
+forward_backward = full_methods.forward_backward  # one micro-batch (its loss scaled by 1 / micro-batches)
+
+
+def micro_batches(bench, count: int, layer_major: bool, swapper=None) -> None:
+    """A step's ``count`` micro-batches (the bench's inputs each), each loss scaled by ``1 / count``: one after
+    another, or layer-major (each layer over all of them, then the next: utils/dgls/engine/layer_major.py, the
+    engine ``swapper`` streaming the layers)."""
+    if not layer_major:
+        for _ in range(count):
+            forward_backward(bench, 1.0 / count)
+        return
+    run = [
+        partial(checkpoint, layer, use_reentrant=False) if i in bench.checkpointed else layer
+        for i, layer in enumerate(bench.layers)
+    ]
+
+    def loss(h, _m: int) -> torch.Tensor:
+        return F.mse_loss(h.float(), bench.target.float()) / count
+
+    layer_major_step(run, [bench.inputs] * count, loss, swapper)
 
 
 def optimizer_type(name: str) -> str:
@@ -197,13 +257,17 @@ def device_optimizer(params: list, optimizer: str) -> torch.optim.Optimizer:
     return host_spec(optimizer, "auto").trainer_optimizer(params)  # the type's class, as train.py builds it
 
 
-def resident_step(bench, clip: float, optimizer_name: str = "adamw") -> Callable[[], None]:
+def resident_step(
+    bench, clip: float, optimizer_name: str = "adamw", accumulation: int = 1, layer_major: bool = False
+) -> Callable[[], None]:
+    """Everything on the device; ``accumulation`` micro-batches a step, one after another or ``layer_major`` (the
+    schedule alone: nothing streams, so it copies nothing either way)."""
     params = [p for layer in bench.layers for p in layer.parameters()]
     masters = [p.detach().float() for p in params]
     optimizer = device_optimizer(masters, optimizer_name)
 
     def step() -> None:
-        forward_backward(bench)
+        micro_batches(bench, accumulation, layer_major)
         for p, m in zip(params, masters):
             m.grad = p.grad.float()
             p.grad = None
@@ -218,7 +282,7 @@ def resident_step(bench, clip: float, optimizer_name: str = "adamw") -> Callable
     return step
 
 
-def zero2_step(bench, device, clip: float) -> tuple[Callable[[], None], object]:
+def zero2_step(bench, device, clip: float, accumulation: int = 1) -> tuple[Callable[[], None], object]:
     import deepspeed
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -234,7 +298,7 @@ def zero2_step(bench, device, clip: float) -> tuple[Callable[[], None], object]:
 
     config = {
         "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": accumulation,
         "gradient_clipping": clip,
         "bf16": {"enabled": device.type == "cuda"},
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
@@ -245,13 +309,14 @@ def zero2_step(bench, device, clip: float) -> tuple[Callable[[], None], object]:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
     layers = list(engine.module.layers)
 
-    def step() -> None:
-        h = bench.inputs
-        for i, layer in enumerate(layers):
-            h = checkpoint(layer, h, use_reentrant=False) if i in bench.checkpointed else layer(h)
-        loss = F.mse_loss(h.float(), bench.target.float())
-        engine.backward(loss)
-        engine.step()
+    def step() -> None:  # the engine scales each loss by 1 / accumulation and steps at the last micro-batch
+        for _ in range(accumulation):
+            h = bench.inputs
+            for i, layer in enumerate(layers):
+                h = checkpoint(layer, h, use_reentrant=False) if i in bench.checkpointed else layer(h)
+            loss = F.mse_loss(h.float(), bench.target.float())
+            engine.backward(loss)
+            engine.step()
 
     return step, engine
 
@@ -267,18 +332,23 @@ def dgls_step(
     budget: float | None = None,
     log: Callable[[str], None] | None = None,
     ram: dict | None = None,
+    accumulation: int = 1,
+    layer_major: bool = False,
 ):
     """DGLS's step of ``implementation`` (``IMPL``, or ``IMPL-wait``: with clipping, updates wait for the gradient
     norm instead of speculating): layers of ``stream_mib`` or more streamed, or with ``budget`` (GiB) the planner's
     placement, its plan fixed before step 1's update (``log`` hears the plan; the trainer's optimizer then holds every
     param, as diffusion-pipe's does, and the layers the plan keeps resident bring their gradients to it). Returns the
-    step, the swapper and the list each step's gradient norm is appended to."""
+    step, the swapper and the list each step's gradient norm is appended to. ``accumulation`` micro-batches a step:
+    one after another (the host training told ``accumulation_steps``), or ``layer_major`` (each layer's gradients
+    summed on the device over the micro-batches and sent home once: the host training sees one a step)."""
     implementation, _, wait = implementation.partition("-")
     if wait not in ("", "wait"):
         raise ValueError(f"a DGLS method is dgls-IMPL or dgls-IMPL-wait, got dgls-{implementation}-{wait}")
     spec = host_spec(optimizer, implementation)
     sizes = bench.sizes  # measured before anything was trainable: streamable = every param of the layer
     common = dict(host_optimizer=spec, clip_grads=bool(clip), speculate_clipping=not wait, **(ram or {}))
+    common["accumulation_steps"] = 1 if layer_major else accumulation
     if budget is not None:
         config = SwapConfig.of(vram_budget=budget, **common)
     else:
@@ -293,7 +363,7 @@ def dgls_step(
     norms: list[float] = []
 
     def step() -> None:
-        forward_backward(bench)
+        micro_batches(bench, accumulation, layer_major, swapper)
         training.before_step()  # under a budget, the first fixes the plan (clipping would call it too)
         if clip:
             norms.append(float(training.clip_grad_norm_(params, clip)))
@@ -306,8 +376,16 @@ def dgls_step(
     return step, swapper, norms
 
 
+def applies_layer_major(name: str, micro_batches: int) -> bool:
+    """Whether --layer_major changes ``name``'s step: resident and DGLS methods with several micro-batches a step (one
+    micro-batch runs as before, so rows without --accumulation stay comparable with earlier results)."""
+    return name.startswith(LAYER_MAJOR) and micro_batches > 1
+
+
 def measure(name: str, args, device, dtype) -> dict:
-    row: dict = {"method": name}
+    count = args.accumulation
+    layer_major = args.layer_major == "on" and applies_layer_major(name, count)
+    row: dict = {"method": name, "micro_batches": count, "layer_major": layer_major}
     rss = PeakRss()
     # built on the device (fast, and the same weights for every method), then moved to the host for DGLS
     bench = fresh_bench(args.tiny, device, dtype, device, args.model, flux_depth(args))
@@ -320,27 +398,44 @@ def measure(name: str, args, device, dtype) -> dict:
     cleanup: Callable[[], None] = gc.collect  # replaced by the method's own clean-up
     training = swapper = None
     norms: list[float] = []
+    copies: Callable[[], dict] | None = None  # the bytes copied since its last call, per direction
+    hyper = {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD}
     try:
         if name == "resident":
-            step = resident_step(bench, args.clip, args.optimizer)
+            step = resident_step(bench, args.clip, args.optimizer, count, layer_major)
         elif name == "zero2-offload":
             if args.optimizer != "adamw":
                 raise ValueError("the ZeRO-2 offload method runs AdamW only")
-            step, engine = zero2_step(bench, device, args.clip)
+            step, engine = zero2_step(bench, device, args.clip, count)
             cleanup = engine.destroy
-        else:
+        elif name == "torchao-offload":
+            if args.optimizer != "adamw":
+                raise ValueError("diffusion-pipe's 'offload' type is torchao's CPUOffloadOptimizer over AdamW only")
+            step, figures, copies = full_methods.torchao_offload_step(
+                bench, device, args.clip, count, args.offload_gradients, hyper
+            )
+            row.update(figures)
+        elif name == "dp-recipe":
+            step, figures = full_methods.dp_recipe_step(bench, device, count, args.dp_checkout, hyper)
+            row.update(figures)
+        elif name.startswith("dgls-"):
             impl, _, ram_gib = name.split("-", 1)[1].partition("@")
             ram = dict(host_ram_budget=float(ram_gib), disk_dir=args.disk_dir) if ram_gib else None
             plan: list[str] = []
             step, swapper, norms = dgls_step(
                 bench, device, impl, args.stream_mib, args.prefetch, args.clip, args.optimizer, args.vram_budget,
                 lambda line: plan.append(line.split("this run): ", 1)[1]) if "without the probe" in line else None,
-                ram,
+                ram, count, layer_major,
             )  # fmt: skip
             training = swapper.training
+            counter = full_methods.CopyCounter()
+            swapper.add_listener(counter)
+            copies = counter.take
             cleanup = swapper.remove
             disk = DiskBytes()
             swapper.add_listener(disk)
+        else:
+            raise ValueError(f"unknown method {name!r}: one of {', '.join(METHODS + OTHERS)}, or dgls-IMPL-wait")
         reset_peaks(device)
         for _ in range(1 + args.warmup):  # the first step builds optimizer state and kernels (and fixes a plan)
             step()
@@ -354,7 +449,21 @@ def measure(name: str, args, device, dtype) -> dict:
         copies_before = swapper.total_stats(sync=True) if swapper is not None else None
         if swapper is not None:
             disk.read = disk.written = 0
-        times, _ = time_steps(step, device, 0, args.steps, after=rss.sample)
+        copied: list[dict] = []
+        if copies is not None:
+            copies()  # the warm-up's copies: not counted
+
+        def after() -> None:
+            rss.sample()
+            if copies is not None:
+                copied.append(copies())
+
+        times, _ = time_steps(step, device, 0, args.steps, after=after)
+        if copied:
+            directions = sorted({d for c in copied for d in c})
+            per_step = {d: statistics.median(c.get(d, 0) for c in copied) / GiB for d in directions}
+            row["copied_gib_per_step"] = per_step
+            row["copied_total_gib_per_step"] = statistics.median(sum(c.values()) for c in copied) / GiB
         if training is not None:
             state = training.disk_state
             row["state_layers_on_disk"] = len(state.spilled) if state is not None else 0
@@ -377,10 +486,15 @@ def measure(name: str, args, device, dtype) -> dict:
             if norms:
                 row["grad_norm"] = statistics.median(norms[-len(times) :])
             row["speculation"] = training.speculation.describe()
+        else:  # torch's caching host allocator: torchao's host copies, DeepSpeed's pinned buffers (CUDA only)
+            row["pinned_gib"] = full_methods.host_pinned_bytes(device) / GiB
         row.update(median_step_s=statistics.median(times), step_times_s=times, steps=len(times), **peaks(device))
+        row["per_sample_s"] = row["median_step_s"] / count
         row["host_rss_gib"] = rss.peak / GiB
         high_water = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB; updated lazily
         row["host_rss_peak_gib"] = max(high_water, rss.peak) / GiB
+    except full_methods.Skip as exc:  # a method this machine cannot run (a library missing, no CUDA): why
+        row["skipped"] = str(exc)
     except Exception as exc:  # noqa: BLE001 - a method that cannot run is a row that says why
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
     finally:
@@ -414,7 +528,7 @@ def host_state_held(training) -> int:
     return sum(held_bytes(layer.optimizer) for layer in training.layers.values() if layer.optimizer is not None)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny config (a CPU smoke test)")
     parser.add_argument("--model", choices=("sdxl", "flux"), default="sdxl")
@@ -438,14 +552,50 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--clip", type=float, default=1.0, help="gradient clipping norm; 0: none (DGLS then updates during backward)"
     )
+    parser.add_argument(
+        "--accumulation", type=int, default=1, help="micro-batches a step (gradient_accumulation_steps), every method"
+    )
+    parser.add_argument(
+        "--layer_major",
+        choices=("on", "off", "both"),
+        default="on",
+        help="resident and DGLS methods with --accumulation: each layer over all micro-batches, then the next (on), "
+        "micro-batches one after another (off), or a row each (both)",
+    )
+    parser.add_argument(
+        "--offload_gradients", action="store_true", help="torchao-offload: free device gradients once copied home"
+    )
+    parser.add_argument(
+        "--dp_checkout",
+        default=None,
+        help="dp-recipe: diffusion-pipe checkout for AdamW8bitKahan (or DGLS_DIFFUSION_PIPE)",
+    )
     parser.add_argument("--name", default=None, help="results file stem (default: full_MODEL)")
     parser.add_argument("--results_dir", type=Path, default=None)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one method, write its row to --row
     parser.add_argument("--row", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.accumulation < 1:
+        parser.error("--accumulation is a count of micro-batches: 1 or more")
     args.name = args.name or f"full_{args.model}"
     if args.tiny:
         args.stream_mib = 0.001
+    return args
+
+
+def runs(args) -> list[tuple[str, str]]:
+    """(method, --layer_major) of each row, in order: with ``--layer_major both``, the methods it applies to twice."""
+    out = []
+    for name in args.methods.split(","):
+        if args.layer_major == "both" and applies_layer_major(name, args.accumulation):
+            out += [(name, "off"), (name, "on")]
+        else:
+            out.append((name, "off" if args.layer_major == "both" else args.layer_major))
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
     if args.one:
         with machine.session(args.tiny) as (device, dtype):
             args.row.write_text(json.dumps(measure(args.one, args, device, dtype)))
@@ -455,30 +605,46 @@ def main(argv: list[str] | None = None) -> dict:
     with machine.session(args.tiny) as (device, _):
         environment = machine.environment(device)
     own = sys.argv[1:] if argv is None else list(argv)
-    for name in args.methods.split(","):  # the result is rewritten after each method, so a cut-off run keeps some
-        rows.append(_in_subprocess(name, own))
+    for name, layer_major in runs(args):  # the result is rewritten after each method: a cut-off run keeps some
+        lm = layer_major == "on" and applies_layer_major(name, args.accumulation)
+        failed = {"micro_batches": args.accumulation, "layer_major": lm}
+        rows.append(_in_subprocess(name, [*own, "--layer_major", layer_major], failed))
         result = _result(args, argv, environment, rows, started)
         write_result(result, args.name, args.results_dir or results_dir(args.tiny), echo=True)
     return result
 
 
-def _in_subprocess(name: str, argv: list[str]) -> dict:
+def _in_subprocess(name: str, argv: list[str], failed: dict) -> dict:
+    """``name``'s row, measured in a process of its own (``failed``: what a row that failed in it still says)."""
     with tempfile.TemporaryDirectory() as folder:
         row = Path(folder) / "row.json"
         cmd = [sys.executable, __file__, *argv, "--one", name, "--row", str(row)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0 or not row.is_file():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            return {"method": name, "error": f"exit {proc.returncode}: {tail[0][:300]}"}
+            return {"method": name, **failed, "error": f"exit {proc.returncode}: {tail[0][:300]}"}
         return json.loads(row.read_text())
 
 
+def _layer_major_last(row: dict) -> bool:
+    return bool(row.get("layer_major"))
+
+
 def _result(args, argv, environment: dict, rows: list[dict], started: float) -> dict:
-    base = next((r["median_step_s"] for r in rows if r["method"] == "resident" and "median_step_s" in r), None)
+    # the reference: all-resident with the same micro-batches, one after another where that row was measured
+    resident = sorted((r for r in rows if r["method"] == "resident" and "median_step_s" in r), key=_layer_major_last)
+    base = resident[0]["median_step_s"] if resident else None
     for r in rows:
         if base and "median_step_s" in r:
             r["vs_resident"] = r["median_step_s"] / base
     clipping = f"gradients clipped to norm {args.clip:g}" if args.clip else "no gradient clipping"
+    if args.accumulation > 1:
+        how = {"on": "layer-major", "off": "one after another", "both": "one after another and layer-major"}
+        clipping += (
+            f"; {args.accumulation} micro-batches a step (gradient_accumulation_steps), resident and DGLS "
+            f"{how[args.layer_major]}; 'vs resident' against all-resident with the same micro-batches"
+            + (" one after another" if args.layer_major == "both" else "")
+        )
     if args.vram_budget is not None:
         clipping += f"; DGLS placed by --vram_budget {args.vram_budget:g} (its plan fixed at step 1)"
     if args.model == "flux":

@@ -86,6 +86,21 @@ def _on_disk(row: dict, _result: dict) -> str:
     )
 
 
+def _accumulated(cell: Cell) -> Cell:
+    """Full fine-tuning: ``cell`` in rows of several micro-batches a step, "-" in the others."""
+    return lambda row, result: cell(row, result) if row.get("micro_batches", 1) > 1 else "-"
+
+
+def _copied(row: dict, _result: dict) -> str:
+    """Full fine-tuning: GiB a step copied to the device and home (the disk tier's reads are host work: not here)."""
+    per = row.get("copied_gib_per_step")
+    if per is None:
+        return "-"
+    to_device = sum(v for k, v in per.items() if k.endswith(" in"))
+    home = sum(v for k, v in per.items() if k.endswith((" home", " out")))
+    return f"{to_device:.3g} / {home:.3g}"
+
+
 def _text(key: str) -> Cell:
     return lambda row, _result: str(row.get(key, "-"))
 
@@ -215,7 +230,10 @@ TABLES: dict[str, Table] = {
         columns=(
             ("method", _text("method")),
             ("trained params (B)", _key("trained_params_b", ".2f")),
+            ("micro-batches", _accumulated(_text("micro_batches"))),
+            ("layer-major", _accumulated(lambda r, _: "yes" if r.get("layer_major") else "no")),
             ("step (s)", _key("median_step_s", ".3f")),
+            ("per sample (s)", _accumulated(_key("per_sample_s", ".3f"))),
             VS_RESIDENT,
             ("host optimizer wait", _key("host_wait_share", ".0%")),
             ("GPU wait", _key("compute_wait_share", ".0%")),
@@ -223,6 +241,7 @@ TABLES: dict[str, Table] = {
             ("host: updates s/step", _key("host_update_s", ".2f")),
             ("updated on GPU", _key("device_share", ".0%")),
             ("streamed GiB", _key("streamed_gib", ".1f")),
+            ("copied GiB/step (to device / home)", _copied),
             PEAK_ALLOC,
             ("peak reserved GiB", _key("peak_reserved_gib", ".2f")),
             ("host RSS GiB", _key("host_rss_gib", ".1f")),
@@ -233,9 +252,15 @@ TABLES: dict[str, Table] = {
             ("placement (--vram_budget)", _text("placement")),
             ("grad norm", _key("grad_norm", ".3g")),
             ("speculation", _text("speculation")),
+            ("optimizer (diffusion-pipe's ways)", _text("optimizer")),
         ),
         optional=(
             "trained params (B)",
+            "micro-batches",
+            "layer-major",
+            "per sample (s)",
+            "copied GiB/step (to device / home)",
+            "optimizer (diffusion-pipe's ways)",
             "GPU wait",
             "updated on GPU",
             "host RSS peak GiB",

@@ -397,3 +397,178 @@ def test_the_accumulation_rows_copy_each_streamed_layer_once_a_direction_whateve
     assert copied[(1, False)] > 0 and copied[(2, True)] == copied[(1, True)] == copied[(1, False)]
     assert copied[(2, False)] > 1.5 * copied[(1, False)]
     assert rows[(2, True, False)]["reference_s"] == rows[(2, False, False)]["median_step_s"]
+
+
+# ---------------------------------------------------------------- bench_full: accumulation and diffusion-pipe's ways
+def full_bench(depth=(1, 1)):
+    """The tiny Flux-width layers bench_full trains (fp32 on the CPU), every weight trainable."""
+    cpu = torch.device("cpu")
+    return bench_full.fresh_bench(True, cpu, torch.float32, cpu, "flux", depth)
+
+
+def full_weights(bench) -> list[torch.Tensor]:
+    return [p.detach().clone() for layer in bench.layers for p in layer.parameters()]
+
+
+def dgls_full_run(accumulation, layer_major, steps=2, clip=1.0):
+    """bench_full's DGLS step (torch's fused AdamW on the host, every layer streamed): the weights after ``steps``
+    steps and the bytes copied in each direction."""
+    import full_methods
+
+    bench = full_bench()
+    for layer in bench.layers:
+        layer.to("cpu")
+    step, swapper, _ = bench_full.dgls_step(
+        bench, torch.device("cpu"), "torch_fused", 0.001, 1, clip, accumulation=accumulation, layer_major=layer_major
+    )
+    counter = full_methods.CopyCounter()
+    swapper.add_listener(counter)
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        swapper.remove()  # the trained weights back in the layers
+    return full_weights(bench), counter.take()
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_the_full_benchmarks_layer_major_dgls_step_equals_micro_batches_one_after_another(clip):
+    """--accumulation 4: the layer-major step trains the same fp32 weights as 4 micro-batches one after another
+    (bitwise: utils/dgls/engine/layer_major.py), copies each streamed layer in once and each gradient home once,
+    where one after another copies 4 times as much."""
+    seq, seq_copied = dgls_full_run(4, False, clip=clip)
+    major, major_copied = dgls_full_run(4, True, clip=clip)
+    one, one_copied = dgls_full_run(1, True, clip=clip)
+    assert all(torch.equal(a, b) for a, b in zip(seq, major))
+    assert not any(torch.equal(a, b) for a, b in zip(seq, full_weights(full_bench())))  # every weight trained
+    assert major_copied == one_copied and major_copied["gradients home"] > 0 and major_copied["weights in"] > 0
+    assert seq_copied["gradients home"] == 4 * major_copied["gradients home"]
+    assert seq_copied["weights in"] >= 3 * major_copied["weights in"]
+
+
+def test_the_full_benchmarks_resident_step_is_the_same_with_either_schedule():
+    runs = {}
+    for layer_major in (False, True):
+        bench = full_bench()
+        step = bench_full.resident_step(bench, 1.0, "adamw", accumulation=3, layer_major=layer_major)
+        for _ in range(2):
+            step()
+        runs[layer_major] = full_weights(bench)
+    assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True]))
+
+
+@pytest.mark.parametrize("kahan", [False, True], ids=["fallback", "kahan"])
+def test_dp_recipe_steps_every_param_in_its_gradient_hook_each_micro_batch(kahan):
+    """diffusion-pipe's gradient_release: an optimizer per param (betas ** (1 / N)), stepped and zeroed as its
+    gradient is accumulated, every micro-batch: the same weights as stepping each param after each micro-batch's
+    backward; no gradient is left on the params. Without a checkout bitsandbytes' AdamW8bit runs; with one
+    (DGLS_DIFFUSION_PIPE) its AdamW8bitKahan, on bitsandbytes 0.50 with the two config keys it dropped restored."""
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (dp-recipe's AdamW8bit)")
+    import bitsandbytes
+    import full_methods
+
+    checkout = os.environ.get("DGLS_DIFFUSION_PIPE") if kahan else "/nonexistent"
+    if kahan and not checkout:
+        pytest.skip("DGLS_DIFFUSION_PIPE is not set (a diffusion-pipe checkout, for its AdamW8bitKahan)")
+    hyper = {"lr": 1e-3, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.01}
+    cpu = torch.device("cpu")
+    bench = full_bench()
+    step, figures = full_methods.dp_recipe_step(bench, cpu, 2, checkout, hyper)
+    if kahan:
+        assert figures["optimizer"].startswith("diffusion-pipe's optimizers.adamw_8bit.AdamW8bitKahan")
+        klass, _ = full_methods.kahan_class(checkout)
+        if "old defaults" in figures["optimizer"]:
+            klass = full_methods.bnb_050_compatible(klass)
+    else:
+        assert "bitsandbytes.optim.AdamW8bit, gradient_release (fallback from adamw8bitkahan" in figures["optimizer"]
+        klass = bitsandbytes.optim.AdamW8bit
+    assert figures["optimizer_steps_per_step"] == 2 and figures["clipping"].startswith("none")
+    before = full_weights(bench)
+    for _ in range(2):
+        step()
+    got = full_weights(bench)
+    assert all(p.grad is None for layer in bench.layers for p in layer.parameters())
+
+    reference = full_bench()
+    params = [p for layer in reference.layers for p in layer.parameters()]
+    betas = tuple(b ** (1 / 2) for b in hyper["betas"])
+    optimizers = [klass([p], lr=1e-3, betas=betas, eps=1e-8, weight_decay=0.01) for p in params]
+    for _ in range(2 * 2):
+        full_methods.forward_backward(reference, 1 / 2)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(got, full_weights(reference)))
+    assert not any(torch.equal(a, b) for a, b in zip(got, before) if a.numel() > 1)
+
+
+def test_diffusion_pipes_ways_say_why_they_cannot_run_here(monkeypatch):
+    """torchao-offload needs torchao and CUDA, dp-recipe bitsandbytes: a row that cannot run says which is missing
+    (the rows are measured in-process here, each library hidden in turn)."""
+    args = bench_full.parse(["--tiny", "--model", "flux", "--flux_blocks", "1,1", "--steps", "1", "--warmup", "0"])
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    torchao = bench_full.measure("torchao-offload", args, cpu, torch.float32)
+    assert "needs torchao, which is not installed here" in torchao["skipped"], torchao
+    recipe = bench_full.measure("dp-recipe", args, cpu, torch.float32)
+    assert "needs bitsandbytes, which is not installed here" in recipe["skipped"], recipe
+    monkeypatch.delitem(sys.modules, "torchao")
+    if importlib.util.find_spec("torchao") is not None and not torch.cuda.is_available():
+        row = bench_full.measure("torchao-offload", args, cpu, torch.float32)
+        assert "runs on CUDA (or XPU) only" in row["skipped"], row
+
+
+def test_the_full_benchmark_compares_each_schedule_of_micro_batches_in_one_run(tmp_path):
+    """--accumulation 2 --layer_major both: resident and DGLS a row each way (their own processes), the others once;
+    every row records its micro-batches, schedule, per-sample time, RSS and pinned bytes; DGLS's rows the bytes copied
+    each way, halved layer-major; 'vs resident' against all-resident one after another; the table shows them."""
+    argv = ["--tiny", "--model", "flux", "--flux_blocks", "1,1", "--methods", "resident,dgls-torch_fused,dp-recipe"]
+    argv += ["--accumulation", "2", "--layer_major", "both", "--steps", "2", "--warmup", "0", "--clip", "0"]
+    result = bench_full.main([*argv, "--results_dir", str(tmp_path)])
+    rows = {(r["method"], r["layer_major"]): r for r in result["rows"]}
+    assert list(rows) == [
+        ("resident", False),
+        ("resident", True),
+        ("dgls-torch_fused", False),
+        ("dgls-torch_fused", True),
+        ("dp-recipe", False),
+    ]
+    recipe = rows.pop(("dp-recipe", False))
+    if importlib.util.find_spec("bitsandbytes") is None:
+        assert "needs bitsandbytes" in recipe["skipped"]
+    else:
+        rows[("dp-recipe", False)] = recipe
+    for r in rows.values():
+        assert "error" not in r and "skipped" not in r, r
+        assert r["micro_batches"] == 2 and r["per_sample_s"] == pytest.approx(r["median_step_s"] / 2)
+        assert r["host_rss_peak_gib"] >= r["host_rss_gib"] > 0 and r["pinned_gib"] >= 0
+    assert rows[("resident", False)]["vs_resident"] == 1.0
+    seq, major = rows[("dgls-torch_fused", False)], rows[("dgls-torch_fused", True)]
+    for direction in ("weights in", "gradients home"):
+        assert seq["copied_gib_per_step"][direction] == pytest.approx(2 * major["copied_gib_per_step"][direction])
+    markdown = (tmp_path / "full_flux.md").read_text()
+    assert "| micro-batches | layer-major | step (s) | per sample (s) |" in markdown
+    assert "copied GiB/step (to device / home)" in markdown and "one after another and layer-major" in markdown
+    assert report.render(json.loads((tmp_path / "full_flux.json").read_text())) == markdown
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_torchao_offload_and_dp_recipe_train_on_cuda(tmp_path):
+    """The device's smoke test of diffusion-pipe's two ways (tiny Flux widths in bf16): each runs its steps where its
+    library is installed, torchao's copying every offloaded gradient home each micro-batch and the params back once."""
+    argv = ["--tiny", "--model", "flux", "--flux_blocks", "1,1", "--methods", "resident,torchao-offload,dp-recipe"]
+    result = bench_full.main(
+        [*argv, "--accumulation", "2", "--steps", "2", "--warmup", "1", "--results_dir", str(tmp_path)]
+    )
+    rows = {r["method"]: r for r in result["rows"]}
+    for name, library in (("torchao-offload", "torchao"), ("dp-recipe", "bitsandbytes")):
+        if importlib.util.find_spec(library) is None:
+            assert f"needs {library}" in rows[name]["skipped"]
+            continue
+        assert "error" not in rows[name] and "skipped" not in rows[name], rows[name]
+        assert rows[name]["peak_reserved_gib"] >= rows[name]["peak_allocated_gib"] > 0
+    if "copied_gib_per_step" in rows["torchao-offload"]:
+        copied = rows["torchao-offload"]["copied_gib_per_step"]
+        assert copied["grads home"] == pytest.approx(2 * copied["params in"]) and copied["params in"] > 0
