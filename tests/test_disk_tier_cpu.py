@@ -455,3 +455,13 @@ def test_a_cuda_read_starts_only_once_the_copy_it_waits_for_was_issued(tmp_path)
         gate.issued.set()
         transport.reader.close()
         file.close()
+
+
+def test_a_disk_dir_without_a_host_ram_budget_is_refused_not_ignored(tmp_path, user_env):
+    """--disk_dir names where --host_ram_budget's spilled layers go: alone it would do nothing, silently."""
+    from utils.dgls.program.validate import prepare
+
+    toml = str(ROOT / "toml" / "demo.toml")
+    with pytest.raises(DGLSUserError, match="--disk_dir .* --host_ram_budget"):
+        prepare(["--config", toml, "--disk_dir", str(tmp_path)], ROOT)
+    prepare(["--config", toml, "--disk_dir", str(tmp_path), "--host_ram_budget", "auto"], ROOT)
