@@ -181,3 +181,40 @@ def test_what_the_library_cannot_share_is_refused_before_anything_is_built(setti
     with pytest.raises(DGLSUserError, match=expected):
         LayerSwapper(layers, config, device="cpu", log=None)
     assert all(p.device.type == "cpu" and p.numel() for layer in layers for p in layer.parameters())
+
+
+class _Work:
+    def __init__(self) -> None:
+        self.waited = False
+
+    def wait(self) -> None:
+        self.waited = True
+
+
+def test_a_non_owner_keeps_one_layers_gradients_in_flight_not_the_whole_models(monkeypatch):
+    """A non-owner's reduces run beside the backward; each layer's are waited for when the next layer's start, so
+    the gradients they keep alive are one layer's (N micro-batches' of it, layer-major), not every layer's of the
+    backward (N times the model's, layer-major: the device memory streaming exists to save)."""
+    from torch import nn
+
+    from utils.dgls.training.data_parallel import SharedGradients
+
+    works: list[_Work] = []
+
+    def reduce(tensor, dst, op, async_op=False):
+        works.append(_Work())
+        return works[-1]
+
+    monkeypatch.setattr(torch.distributed, "reduce", reduce)
+    params = {i: [nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(2))] for i in range(3)}
+    shared = SharedGradients(Ownership(rank=1, size=2, owners={0: 0, 1: 0, 2: 0}), params)
+    for idx in range(3):
+        for _micro_batch in range(2):  # layer-major: a layer's micro-batches in a row
+            for p in params[idx]:
+                p.grad = torch.ones_like(p)
+                shared._reduce(idx, p)
+                assert p.grad is None
+    assert [w.waited for w in works] == [True] * 8 + [False] * 4
+    assert {idx for idx, _, _ in shared._pending} == {2}
+    shared.backward_done()
+    assert all(w.waited for w in works) and not shared._pending
