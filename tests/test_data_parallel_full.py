@@ -91,6 +91,14 @@ def test_without_clipping_the_owners_update_during_the_backward_and_train_what_o
 
 
 @pytest.mark.slow  # starts 3 processes with torch
+@pytest.mark.parametrize("clip", [(), ("--no_clip", "--sgd")], ids=["clipped", "updates-in-backward"])
+def test_layer_major_steps_train_what_one_process_trains(tmp_path, clip):
+    """Layer-major accumulation (each layer's gradients summed on the device, one gradient a step home): every
+    micro-batch's gradients are reduced to the layer's owner, and the owner's device sum goes home once."""
+    assert_trains_like_one_process(tmp_path, 2, "--layer_major", *clip, tolerance=1e-5 if clip else TOLERANCE)
+
+
+@pytest.mark.slow  # starts 3 processes with torch
 def test_a_bf16_model_keeps_each_owners_fp32_masters_beside_the_shared_bf16_copies(tmp_path):
     """bf16: an owner's fp32 masters are its own, the bf16 copies every process streams are shared; the same training
     within two bf16 steps of the weights' scale (each process's rows are computed in bf16, then averaged)."""
