@@ -39,7 +39,7 @@ from ..errors import DGLSUserError
 from ..memory.copier import Copier, CudaCopier, DeferredCopier
 from ..memory.device_pool import DevicePool
 from ..memory.disk_tier import DiskTier
-from ..memory.layout import MB, LayerLayout, human_bytes, measure
+from ..memory.layout import MB, LayerLayout, TrainingLayout, human_bytes, measure
 from ..memory.precision import CastRules, check_device_support, name_of
 from ..memory.transport import CudaTransport, Direction, Transport, make_transport
 from ..planning.autoplan import PlacementDriver, resolve_budget
@@ -245,7 +245,9 @@ def build(
     )
 
 
-def _data_parallel_share(c: SwapConfig, entries: list[Entry], trained, streamed_layouts: dict):
+def _data_parallel_share(
+    c: SwapConfig, entries: list[Entry], trained: TrainingLayout, streamed_layouts: dict[int, LayerLayout]
+) -> tuple[SharedGradients | None, TrainingLayout]:
     """Data-parallel full fine-tuning: every process's owners of the host-trained layers, and the training layout
     of this process's share (:mod:`..training.data_parallel`). Refused with a VRAM budget, whose planner may make
     layers resident after step 1's probe (the owners are fixed at start-up). The host RAM check counts every share
@@ -290,7 +292,9 @@ def start_report(parts: Parts) -> list[str]:
     return lines
 
 
-def _tiers(config: SwapConfig, layers: list, layouts: list[LayerLayout], placement: Placement, host_trained: bool):
+def _tiers(
+    config: SwapConfig, layers: list, layouts: list[LayerLayout], placement: Placement, host_trained: bool
+) -> Tiers | None:
     """With ``host_ram_budget``: which streamed layers' masters spill to disk (:mod:`..streaming.tiers`)."""
     value = config.transfer.host_ram_budget
     if value is None:
