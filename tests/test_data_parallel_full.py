@@ -177,6 +177,9 @@ def test_a_collective_whose_partner_is_gone_is_one_line_and_other_errors_stay_th
             "data_parallel full fine-tuning shares the streamed layers' training among the processes",
         ),
         ({"vram_budget": 1.0}, "data-parallel full fine-tuning fixes each streamed layer's owner at start-up"),
+        # --plan only shows the plan (a full fine-tune's probe placement stays), as the demo's refusal of a VRAM
+        # budget advises: past that refusal, to the process group's
+        ({"vram_budget": 1.0, "plan": True}, "data_parallel full fine-tuning shares the streamed layers' training"),
     ],
 )
 def test_what_the_library_cannot_share_is_refused_before_anything_is_built(settings, expected):

@@ -250,9 +250,10 @@ def _data_parallel_share(
 ) -> tuple[SharedGradients | None, TrainingLayout]:
     """Data-parallel full fine-tuning: every process's owners of the host-trained layers, and the training layout
     of this process's share (:mod:`..training.data_parallel`). Refused with a VRAM budget, whose planner may make
-    layers resident after step 1's probe (the owners are fixed at start-up). The host RAM check counts every share
-    (one machine holds them all); the start-up line is this process's share's."""
-    if c.placement.planned:
+    layers resident after step 1's probe (the owners are fixed at start-up); with ``plan`` (only shown, the probe's
+    placement stays) it is not. The host RAM check counts every share (one machine holds them all); the start-up
+    line is this process's share's."""
+    if c.placement.planned and not c.placement.plan:
         raise DGLSUserError(
             "data-parallel full fine-tuning fixes each streamed layer's owner at start-up, and a VRAM budget's planner "
             "re-places layers after its probe: give the placement instead (--gpu_layers or --blocks_to_swap; "
