@@ -10,6 +10,7 @@
   too small even with everything on disk, is one clear line before anything is packed.
 """
 
+import errno
 import gc
 import os
 import re
@@ -506,3 +507,29 @@ def test_mutation_a_disk_read_not_waited_for_differs_under_layer_major(tmp_path,
     skip_waits(monkeypatch, Direction.DISK_IN)
     got, _ = _disk_reads(tmp_path, 2, True, steps=1)
     assert all(torch.isnan(loss).all() for loss in got.losses)
+
+
+def test_a_file_system_that_refuses_direct_io_is_read_by_threads_not_the_async_io_op(tmp_path, monkeypatch):
+    """DeepSpeed's async I/O op opens the file O_DIRECT itself: where the file system refuses that (tmpfs before
+    Linux 6.6, a common /tmp), every read would fail mid-start-up; the threads read buffered, and the line says why."""
+    from utils.dgls.memory import disk_io
+
+    monkeypatch.setattr(disk_io, "aio_handle", lambda threads: (object(), ""))  # the op builds and loads
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    file = DiskFile(tmp_path, 4096)
+    try:
+        reader = disk_io.open_reader(file.fd, 2, use_aio=True)
+        try:
+            assert isinstance(reader, ThreadReader) and not reader.direct
+            assert "buffered reads" in reader.name and "refuses direct I/O" in reader.name
+        finally:
+            reader.close()
+    finally:
+        file.close()
