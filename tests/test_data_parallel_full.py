@@ -229,3 +229,35 @@ def test_a_non_owner_keeps_one_layers_gradients_in_flight_not_the_whole_models(m
     assert {idx for idx, _, _ in shared._pending} == {2}
     shared.backward_done()
     assert all(w.waited for w in works) and not shared._pending
+
+
+def test_layer_major_reduces_each_layers_device_sum_once_a_step(monkeypatch):
+    """Under the layer-major schedule a layer's gradients are summed on the device over the step's micro-batches
+    (training/device_sums.py): the reduce to the owner sends that sum, once a step, not each micro-batch's gradient
+    (N times the bytes and collectives)."""
+    from torch import nn
+
+    from utils.dgls.training.data_parallel import SharedGradients
+    from utils.dgls.training.device_sums import DeviceSums
+
+    sent: list[torch.Tensor] = []
+
+    def reduce(tensor, dst, op, async_op=False):
+        sent.append(tensor.clone())
+        return _Work() if async_op else None
+
+    monkeypatch.setattr(torch.distributed, "reduce", reduce)
+    params = {i: [nn.Parameter(torch.zeros(3))] for i in range(2)}
+    shared = SharedGradients(Ownership(rank=1, size=2, owners={0: 0, 1: 1}), params)
+    shared.device_sums = sums = DeviceSums()
+    for idx in (1, 0):  # the backward: last layer first, each over its 4 micro-batches
+        for m in range(4):
+            sums.final = m == 3
+            (p,) = params[idx]
+            p.grad = torch.full((3,), float(m + 1))
+            shared._reduce(idx, p)
+            if m < 3:
+                assert p.grad is None, "summed on the device, nothing sent yet"
+    assert len(sent) == 2 and all(torch.equal(t, torch.full((3,), 10.0)) for t in sent)
+    assert torch.equal(params[1][0].grad, torch.full((3,), 5.0)), "the owner's: the mean over the 2 processes"
+    assert params[0][0].grad is None and sums.pending == 0

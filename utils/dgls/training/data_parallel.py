@@ -13,8 +13,12 @@ Data-parallel processes on one machine already stream from one host copy of the 
   data-parallel reduction of the resident params' gradients). On the owner the mean goes on into the host
   training (its landings, sums, norms and update); elsewhere the gradient is dropped once the reduce has sent it
   (a non-owner waits for a layer's reduces when the next layer's first one starts, and for the last layer's when
-  the backward ends: at most one layer's gradients are in flight, N micro-batches' of it under the layer-major
-  schedule, never the whole model's). The reduce of a layer runs as its gradients are ready, inside the backward.
+  the backward ends: at most one layer's gradients are in flight, never the whole model's). The reduce of a layer
+  runs as its gradients are ready, inside the backward.
+- Layer-major steps (:mod:`..engine.layer_major`): the hook first adds each micro-batch's gradient to the step's
+  device sum (:mod:`.device_sums`, the host training's same object) and reduces that sum once, at the layer's last
+  micro-batch: one reduce a step, not one per micro-batch; the owner's host training gets the reduced sum as the
+  step's one gradient.
 - Clipping: the host part of the squared gradient norm is summed over the processes (each owner counts its own
   layers once); the resident params' gradients are already the same everywhere and count once.
 - Publication: after the step's updates are queued, every process waits for its own updates to be written
@@ -74,6 +78,7 @@ import torch
 from torch import nn
 
 from ..errors import DGLSUserError
+from .device_sums import DeviceSums
 from .host_optimizer import HostOptimizerSpec
 
 
@@ -167,6 +172,9 @@ class SharedGradients:
         self.params = dict(params)
         self._hooks: list = []
         self._pending: list[tuple[int, object, torch.Tensor]] = []  # a non-owner's reduces not waited for: one layer's
+        # The layer-major schedule's (the host training's same object): a layer's gradients summed on the device over
+        # the step's micro-batches, reduced once at its last (:mod:`.device_sums`)
+        self.device_sums: DeviceSums | None = None
 
     def install(self, grad_arriving: Callable[[int], None]) -> None:
         """Hooks on every trained param; call before the host training installs its own (post-accumulate-grad
@@ -184,6 +192,10 @@ class SharedGradients:
         if grad is None:
             return
         param.grad = None
+        if self.device_sums is not None:  # None: summed on the device until the layer's last micro-batch
+            grad = self.device_sums.add(param, grad)
+            if grad is None:
+                return
         grad = grad.contiguous()
         owner = self.ownership.owners[idx]
         dist = torch.distributed
