@@ -128,11 +128,14 @@ def test_a_process_killed_mid_step_leaves_no_segment_and_the_other_stops_with_on
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-@pytest.mark.parametrize("variant", ["fp32", "bf16"])
+@pytest.mark.parametrize("variant", ["fp32", "bf16", "fp32-layer-major"])
 def test_two_gpus_train_what_one_gpu_trains_with_the_global_batch(tmp_path, variant):
-    """NCCL: the reduces to each layer's owner run on the device, the host updates on each owner's host side."""
+    """NCCL: the reduces to each layer's owner run on the device, the host updates on each owner's host side;
+    layer-major: each layer's device sum over the step's micro-batches is what is reduced."""
     if variant == "bf16":
         assert_trains_like_one_process(tmp_path, 2, "--cuda", "--bf16", "--sgd", tolerance=2**-7)
+    elif variant == "fp32-layer-major":
+        assert_trains_like_one_process(tmp_path, 2, "--cuda", "--sgd", "--layer_major", tolerance=1e-4)
     else:
         assert_trains_like_one_process(tmp_path, 2, "--cuda", "--sgd", tolerance=1e-4)
 
