@@ -312,3 +312,19 @@ def test_a_backward_that_reads_a_recomputed_tensor_without_waiting_fails(referen
     got = run("nonreentrant", ActivationOffloader(CPU, keep=BLOCKS, min_bytes=0, recompute=True))
     with pytest.raises(AssertionError):
         assert_bitwise_equal(got, references["nonreentrant"])
+
+
+def test_a_depth_set_inside_a_layer_major_steps_keeping_outlasts_it():
+    """keeping(N) raises the kept calls for a layer-major step and puts the old depth back after it; a depth set
+    inside the block (a placement change: the planner's) is the new one and stays, not overwritten by the old."""
+    offloader = ActivationOffloader(CPU, keep=2, min_bytes=0)
+    with offloader.keeping(4):
+        assert offloader.keep == 4
+    assert offloader.keep == 2 and offloader.kept_last_step == 4
+    with offloader.keeping(4):
+        offloader.set_depth(6, 3)
+    assert (offloader.keep, offloader.ahead) == (6, 3)
+    with offloader.keeping(4):
+        offloader.set_depth(4, 1)  # the raised value itself
+    assert offloader.keep == 4
+    offloader.close()

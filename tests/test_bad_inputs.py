@@ -525,6 +525,18 @@ CASES = [
         env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"),
     ),
     Case(
+        "demo-data-parallel-host-ram-budget",
+        demo("--host_ram_budget", "1"),
+        "--host_ram_budget keeps streamed layers on disk, and the 2 processes of this run on 1 pipeline stage(s)",
+        env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"),
+    ),
+    Case(
+        "drop-in-data-parallel-host-ram-budget",
+        dp("--host_ram_budget", "auto"),
+        "the disk tier does not combine with that copy yet",
+        env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"),
+    ),
+    Case(
         "demo-full-data-parallel-vram-budget",
         demo("--vram_budget", "8", base="demo_full.toml"),
         "--vram_budget with 2 data-parallel processes of a full fine-tune",

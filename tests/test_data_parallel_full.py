@@ -91,6 +91,14 @@ def test_without_clipping_the_owners_update_during_the_backward_and_train_what_o
 
 
 @pytest.mark.slow  # starts 3 processes with torch
+@pytest.mark.parametrize("clip", [(), ("--no_clip", "--sgd")], ids=["clipped", "updates-in-backward"])
+def test_layer_major_steps_train_what_one_process_trains(tmp_path, clip):
+    """Layer-major accumulation (each layer's gradients summed on the device, one gradient a step home): every
+    micro-batch's gradients are reduced to the layer's owner, and the owner's device sum goes home once."""
+    assert_trains_like_one_process(tmp_path, 2, "--layer_major", *clip, tolerance=1e-5 if clip else TOLERANCE)
+
+
+@pytest.mark.slow  # starts 3 processes with torch
 def test_a_bf16_model_keeps_each_owners_fp32_masters_beside_the_shared_bf16_copies(tmp_path):
     """bf16: an owner's fp32 masters are its own, the bf16 copies every process streams are shared; the same training
     within two bf16 steps of the weights' scale (each process's rows are computed in bf16, then averaged)."""
@@ -120,11 +128,14 @@ def test_a_process_killed_mid_step_leaves_no_segment_and_the_other_stops_with_on
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-@pytest.mark.parametrize("variant", ["fp32", "bf16"])
+@pytest.mark.parametrize("variant", ["fp32", "bf16", "fp32-layer-major"])
 def test_two_gpus_train_what_one_gpu_trains_with_the_global_batch(tmp_path, variant):
-    """NCCL: the reduces to each layer's owner run on the device, the host updates on each owner's host side."""
+    """NCCL: the reduces to each layer's owner run on the device, the host updates on each owner's host side;
+    layer-major: each layer's device sum over the step's micro-batches is what is reduced."""
     if variant == "bf16":
         assert_trains_like_one_process(tmp_path, 2, "--cuda", "--bf16", "--sgd", tolerance=2**-7)
+    elif variant == "fp32-layer-major":
+        assert_trains_like_one_process(tmp_path, 2, "--cuda", "--sgd", "--layer_major", tolerance=1e-4)
     else:
         assert_trains_like_one_process(tmp_path, 2, "--cuda", "--sgd", tolerance=1e-4)
 
@@ -169,6 +180,9 @@ def test_a_collective_whose_partner_is_gone_is_one_line_and_other_errors_stay_th
             "data_parallel full fine-tuning shares the streamed layers' training among the processes",
         ),
         ({"vram_budget": 1.0}, "data-parallel full fine-tuning fixes each streamed layer's owner at start-up"),
+        # --plan only shows the plan (a full fine-tune's probe placement stays), as the demo's refusal of a VRAM
+        # budget advises: past that refusal, to the process group's
+        ({"vram_budget": 1.0, "plan": True}, "data_parallel full fine-tuning shares the streamed layers' training"),
     ],
 )
 def test_what_the_library_cannot_share_is_refused_before_anything_is_built(settings, expected):
@@ -181,3 +195,72 @@ def test_what_the_library_cannot_share_is_refused_before_anything_is_built(setti
     with pytest.raises(DGLSUserError, match=expected):
         LayerSwapper(layers, config, device="cpu", log=None)
     assert all(p.device.type == "cpu" and p.numel() for layer in layers for p in layer.parameters())
+
+
+class _Work:
+    def __init__(self) -> None:
+        self.waited = False
+
+    def wait(self) -> None:
+        self.waited = True
+
+
+def test_a_non_owner_keeps_one_layers_gradients_in_flight_not_the_whole_models(monkeypatch):
+    """A non-owner's reduces run beside the backward; each layer's are waited for when the next layer's start, so
+    the gradients they keep alive are one layer's (N micro-batches' of it, layer-major), not every layer's of the
+    backward (N times the model's, layer-major: the device memory streaming exists to save)."""
+    from torch import nn
+
+    from utils.dgls.training.data_parallel import SharedGradients
+
+    works: list[_Work] = []
+
+    def reduce(tensor, dst, op, async_op=False):
+        works.append(_Work())
+        return works[-1]
+
+    monkeypatch.setattr(torch.distributed, "reduce", reduce)
+    params = {i: [nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(2))] for i in range(3)}
+    shared = SharedGradients(Ownership(rank=1, size=2, owners={0: 0, 1: 0, 2: 0}), params)
+    for idx in range(3):
+        for _micro_batch in range(2):  # layer-major: a layer's micro-batches in a row
+            for p in params[idx]:
+                p.grad = torch.ones_like(p)
+                shared._reduce(idx, p)
+                assert p.grad is None
+    assert [w.waited for w in works] == [True] * 8 + [False] * 4
+    assert {idx for idx, _, _ in shared._pending} == {2}
+    shared.backward_done()
+    assert all(w.waited for w in works) and not shared._pending
+
+
+def test_layer_major_reduces_each_layers_device_sum_once_a_step(monkeypatch):
+    """Under the layer-major schedule a layer's gradients are summed on the device over the step's micro-batches
+    (training/device_sums.py): the reduce to the owner sends that sum, once a step, not each micro-batch's gradient
+    (N times the bytes and collectives)."""
+    from torch import nn
+
+    from utils.dgls.training.data_parallel import SharedGradients
+    from utils.dgls.training.device_sums import DeviceSums
+
+    sent: list[torch.Tensor] = []
+
+    def reduce(tensor, dst, op, async_op=False):
+        sent.append(tensor.clone())
+        return _Work() if async_op else None
+
+    monkeypatch.setattr(torch.distributed, "reduce", reduce)
+    params = {i: [nn.Parameter(torch.zeros(3))] for i in range(2)}
+    shared = SharedGradients(Ownership(rank=1, size=2, owners={0: 0, 1: 1}), params)
+    shared.device_sums = sums = DeviceSums()
+    for idx in (1, 0):  # the backward: last layer first, each over its 4 micro-batches
+        for m in range(4):
+            sums.final = m == 3
+            (p,) = params[idx]
+            p.grad = torch.full((3,), float(m + 1))
+            shared._reduce(idx, p)
+            if m < 3:
+                assert p.grad is None, "summed on the device, nothing sent yet"
+    assert len(sent) == 2 and all(torch.equal(t, torch.full((3,), 10.0)) for t in sent)
+    assert torch.equal(params[1][0].grad, torch.full((3,), 5.0)), "the owner's: the mean over the 2 processes"
+    assert params[0][0].grad is None and sums.pending == 0

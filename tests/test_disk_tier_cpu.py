@@ -10,6 +10,7 @@
   too small even with everything on disk, is one clear line before anything is packed.
 """
 
+import errno
 import gc
 import os
 import re
@@ -448,4 +449,81 @@ def test_a_cuda_read_starts_only_once_the_copy_it_waits_for_was_issued(tmp_path)
     finally:
         gate.issued.set()
         transport.reader.close()
+        file.close()
+
+
+def test_a_disk_dir_without_a_host_ram_budget_is_refused_not_ignored(tmp_path, user_env):
+    """--disk_dir names where --host_ram_budget's spilled layers go: alone it would do nothing, silently."""
+    from utils.dgls.program.validate import prepare
+
+    toml = str(ROOT / "toml" / "demo.toml")
+    with pytest.raises(DGLSUserError, match="--disk_dir .* --host_ram_budget"):
+        prepare(["--config", toml, "--disk_dir", str(tmp_path)], ROOT)
+    prepare(["--config", toml, "--disk_dir", str(tmp_path), "--host_ram_budget", "auto"], ROOT)
+
+
+# ---------------------------------------------------------------- with layer-major accumulation
+def _disk_reads(tmp_path, accumulate: int, layer_major: bool, steps: int = 2):
+    """A LoRA run of ``accumulate`` micro-batches a step with layers on disk; its record and the bytes read."""
+    from layer_major_runs import train_lora
+
+    read = []
+
+    class Reads(Listener):
+        def copied(self, copy):
+            if copy.direction is Direction.DISK_IN:
+                read.append(copy.nbytes)
+
+    def hook(swapper):
+        assert swapper.store.disk_layers
+        swapper.add_listener(Reads())
+
+    got = train_lora(
+        "nonreentrant", accumulate, layer_major, swap=disk_config(tmp_path), steps=steps, swapper_hook=hook
+    )
+    return got, sum(read)
+
+
+def test_layer_major_with_layers_on_disk_equals_sequential_all_in_ram_and_reads_what_one_micro_batch_reads(tmp_path):
+    """Each micro-batch beyond the first reads nothing more from disk (the issue's goal); the numbers are sequential
+    micro-batches' with every layer in RAM."""
+    from layer_major_runs import train_lora
+
+    reference = train_lora("nonreentrant", 4, False, swap=SwapConfig.of(prefetch=1))
+    got, read = _disk_reads(tmp_path, 4, True)
+    assert_bitwise_equal(reference, got)
+    _, one = _disk_reads(tmp_path, 1, True)
+    _, sequential = _disk_reads(tmp_path, 4, False)
+    assert 0 < read == one and sequential > 2 * one  # (the slots keep a few layers across micro-batches)
+
+
+def test_mutation_a_disk_read_not_waited_for_differs_under_layer_major(tmp_path, monkeypatch):
+    skip_waits(monkeypatch, Direction.DISK_IN)
+    got, _ = _disk_reads(tmp_path, 2, True, steps=1)
+    assert all(torch.isnan(loss).all() for loss in got.losses)
+
+
+def test_a_file_system_that_refuses_direct_io_is_read_by_threads_not_the_async_io_op(tmp_path, monkeypatch):
+    """DeepSpeed's async I/O op opens the file O_DIRECT itself: where the file system refuses that (tmpfs before
+    Linux 6.6, a common /tmp), every read would fail mid-start-up; the threads read buffered, and the line says why."""
+    from utils.dgls.memory import disk_io
+
+    monkeypatch.setattr(disk_io, "aio_handle", lambda threads: (object(), ""))  # the op builds and loads
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    file = DiskFile(tmp_path, 4096)
+    try:
+        reader = disk_io.open_reader(file.fd, 2, use_aio=True)
+        try:
+            assert isinstance(reader, ThreadReader) and not reader.direct
+            assert "buffered reads" in reader.name and "refuses direct I/O" in reader.name
+        finally:
+            reader.close()
+    finally:
         file.close()

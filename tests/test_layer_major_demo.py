@@ -184,3 +184,8 @@ def test_the_drop_ins_train_batch_runs_layer_major_where_it_applies_and_says_how
     with off._layer_major(engine):
         assert "_train_schedule" not in vars(engine)
     assert lines[-1] == "DGLS: 4 micro-batches a step, one after another (--no-layer_major)"
+    with PipelineInterception(values, log=lines.append)._layer_major(staged):
+        pass
+    assert lines[-1] == (
+        "DGLS: 4 micro-batches a step, one after another: layer-major runs one pipeline stage, and this run has 2"
+    )

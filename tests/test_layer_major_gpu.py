@@ -91,3 +91,25 @@ def test_canary_layer_major_without_the_compute_side_wait_differs(template, sequ
     got = run(template, "nonreentrant", 2, layer_major=True, swap=CONFIGS["pf1"], swapper_hook=delayed(compute_ms=0))
     with pytest.raises(AssertionError):
         assert_bitwise_equal(sequential("nonreentrant", 2), got)
+
+
+@pytest.mark.parametrize("accumulate", [2, 4])
+def test_layer_major_with_every_streamed_block_on_disk_under_delays_equals_resident_sequential(
+    template, sequential, tmp_path, accumulate
+):
+    """The disk tier (a host RAM budget that holds only its staging ring) under layer-major: each block is read once
+    a direction a step into a ring of 2 buffers, with every read delayed too (a host sleep before each)."""
+    from test_ordering_gpu import disk_config
+
+    seen = {}
+
+    def hook(swapper):
+        seen["disk"] = list(swapper.store.disk_layers)
+        seen["streamed"] = list(swapper.streamed_layers)
+        delayed()(swapper)
+
+    got = run(
+        template, "nonreentrant", accumulate, layer_major=True, swap=disk_config(template, tmp_path), swapper_hook=hook
+    )
+    assert seen["disk"] and seen["disk"] == seen["streamed"], "every streamed block is on disk"
+    assert_bitwise_equal(sequential("nonreentrant", accumulate), got)

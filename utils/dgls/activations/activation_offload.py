@@ -140,6 +140,7 @@ class ActivationOffloader(Feature):
         self.recompute = RecomputeOffload(self) if recompute else None
         self.calling: CheckpointedCall | None = None  # the checkpointed call whose function runs now
         self._floor = 0  # the least kept in the last step (:meth:`keeping`)
+        self._depths_set = 0  # calls of :meth:`set_depth` so far (:meth:`keeping` leaves a new depth in place)
 
     # ---------------------------------------------------------------- public
     def wrap(self, checkpoint: Callable) -> Callable:
@@ -169,13 +170,15 @@ class ActivationOffloader(Feature):
         """At least the last ``count`` segments of a forward stay on the device inside the block. A layer-major step
         (:mod:`..engine.layer_major`) calls its last checkpointed layer once per micro-batch, and the layer after it
         (not checkpointed: no segment of its own) reads what those calls took (a vector every block passes on): all
-        ``count`` of them stay, as the last call of a forward does in one micro-batch."""
-        keep = self.keep
+        ``count`` of them stay, as the last call of a forward does in one micro-batch. A depth set inside the block
+        (:meth:`set_depth`: a placement change) is the new depth and stays after it."""
+        keep, depths = self.keep, self._depths_set
         self.keep = self._floor = max(keep, count)
         try:
             yield
         finally:
-            self.keep = keep
+            if self._depths_set == depths:  # else set_depth ran inside: its depth stands
+                self.keep = keep
 
     @property
     def kept_last_step(self) -> int:
@@ -191,6 +194,7 @@ class ActivationOffloader(Feature):
                 self._memory.free(buf)
             self._pool.clear()
         self.keep, self.ahead = max(1, keep), max(1, ahead)
+        self._depths_set += 1
 
     def synchronize(self) -> None:
         self.transport.synchronize(Direction.ACTIVATIONS_OUT, Direction.ACTIVATIONS_IN)

@@ -44,6 +44,7 @@ from ..training.training_feature import TrainingFeature
 from ..watching.stats import StepReader, StepWindow
 from .data import SyntheticLatents
 from .model import BLOCK_CLASSES, add_lora, build_layers
+from .settings import DemoSettings
 
 PLAN_STEP_LIMIT = 100  # --plan stops when the planner has its plan (after the probe); never trains past this
 
@@ -194,7 +195,7 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
     return result
 
 
-def accumulation_line(s, values: dict) -> str:
+def accumulation_line(s: DemoSettings, values: dict) -> str:
     """The start-up line of a step's micro-batches: how they run."""
     count = s.micro_batches(values["lazy_lora_steps"])
     if s.runs_layer_major(values):

@@ -39,7 +39,7 @@ from ..errors import DGLSUserError
 from ..memory.copier import Copier, CudaCopier, DeferredCopier
 from ..memory.device_pool import DevicePool
 from ..memory.disk_tier import DiskTier
-from ..memory.layout import MB, LayerLayout, human_bytes, measure
+from ..memory.layout import MB, LayerLayout, TrainingLayout, human_bytes, measure
 from ..memory.precision import CastRules, check_device_support, name_of
 from ..memory.transport import CudaTransport, Direction, Transport, make_transport
 from ..planning.autoplan import PlacementDriver, resolve_budget
@@ -253,12 +253,15 @@ def build(
     )
 
 
-def _data_parallel_share(c: SwapConfig, entries: list[Entry], trained, streamed_layouts: dict):
+def _data_parallel_share(
+    c: SwapConfig, entries: list[Entry], trained: TrainingLayout, streamed_layouts: dict[int, LayerLayout]
+) -> tuple[SharedGradients | None, TrainingLayout]:
     """Data-parallel full fine-tuning: every process's owners of the host-trained layers, and the training layout
     of this process's share (:mod:`..training.data_parallel`). Refused with a VRAM budget, whose planner may make
-    layers resident after step 1's probe (the owners are fixed at start-up). The host RAM check counts every share
-    (one machine holds them all); the start-up line is this process's share's."""
-    if c.placement.planned:
+    layers resident after step 1's probe (the owners are fixed at start-up); with ``plan`` (only shown, the probe's
+    placement stays) it is not. The host RAM check counts every share (one machine holds them all); the start-up
+    line is this process's share's."""
+    if c.placement.planned and not c.placement.plan:
         raise DGLSUserError(
             "data-parallel full fine-tuning fixes each streamed layer's owner at start-up, and a VRAM budget's planner "
             "re-places layers after its probe: give the placement instead (--gpu_layers or --blocks_to_swap; "
@@ -300,7 +303,9 @@ def start_report(parts: Parts) -> list[str]:
     return lines
 
 
-def _tiers(config: SwapConfig, layers: list, layouts: list[LayerLayout], placement: Placement, trained):
+def _tiers(
+    config: SwapConfig, layers: list, layouts: list[LayerLayout], placement: Placement, trained: TrainingLayout | None
+) -> tuple[Tiers | None, dict[int, int]]:
     """With ``host_ram_budget``: which streamed layers' packed weights spill to disk (:mod:`..streaming.tiers`), and for
     a full fine-tune (``trained``, the training layout) whose masters and optimizer state do, with their extents'
     bytes (:mod:`..training.disk_state`, which spills those first: they are read once a step)."""

@@ -32,7 +32,8 @@ Schedule
       together. The saving is whole layers'; with units it is what the slots keep between micro-batches.
     - Full fine-tuning (host-trained layers): each layer's gradients are summed on the device over the N
       micro-batches and go home once (:mod:`..training.device_sums`); the host training sees one micro-batch a step,
-      so the swapper must be built with ``accumulation_steps = 1``. LoRA (params on the device): autograd
+      so the swapper must be built with ``accumulation_steps = 1``. Data parallel (:mod:`..training.data_parallel`):
+      that sum is what is reduced to the layer's owner, once a step. LoRA (params on the device): autograd
       accumulates ``.grad`` as it does over sequential micro-batches.
 
 Arithmetic against N sequential micro-batches (same layers, same inputs, same loss)
@@ -74,6 +75,7 @@ import torch
 
 from ..errors import DGLSUserError
 from ..training.device_sums import DeviceSums
+from ..training.training_feature import TrainingFeature
 from .swapper import LayerSwapper
 
 
@@ -255,7 +257,7 @@ def _engine_step(swapper: LayerSwapper | None, count: int) -> Iterator[DeviceSum
         return
     swapper.micro_batches = count
     training = swapper.training
-    sums = None
+    sums = shared = None
     if training is not None:
         if training.accumulation_steps != 1:
             raise DGLSUserError(
@@ -264,6 +266,10 @@ def _engine_step(swapper: LayerSwapper | None, count: int) -> Iterator[DeviceSum
                 f"{training.accumulation_steps}"
             )
         sums = training.grads.device_sums = DeviceSums()
+        feature = swapper.feature(TrainingFeature)
+        shared = feature.shared if feature is not None else None
+        if shared is not None:  # data parallel: each layer's device sum is reduced to its owner once
+            shared.device_sums = sums
     offloader = swapper.activations
     kept = offloader.keeping(count) if offloader is not None else contextlib.nullcontext()
     try:
@@ -274,3 +280,5 @@ def _engine_step(swapper: LayerSwapper | None, count: int) -> Iterator[DeviceSum
     finally:
         if training is not None:
             training.grads.device_sums = None
+            if shared is not None:
+                shared.device_sums = None

@@ -150,8 +150,13 @@ def aio_handle(threads: int) -> tuple[object | None, str]:
 
 def open_reader(fd: int, threads: int = DEFAULT_THREADS, use_aio: bool = True) -> DiskReader:
     """The reader for the file ``fd``: DeepSpeed's async I/O where it builds and ``use_aio`` (CUDA runs), else
-    threads; its ``name`` says which, and why not the first."""
-    handle, why = aio_handle(threads) if use_aio else (None, "")
+    threads; its ``name`` says which, and why not the first. The async I/O op reads with ``O_DIRECT`` only: where
+    the file system refuses it (tmpfs before Linux 6.6), every read would fail, so the threads read, buffered."""
+    handle, why = (None, "")
+    if use_aio and not _direct_allowed(fd):
+        why = "the file system refuses direct I/O, which DeepSpeed's async I/O op needs"
+    elif use_aio:
+        handle, why = aio_handle(threads)
     if handle is not None:
         return AioReader(fd, handle, threads)
     reader = ThreadReader(fd, threads)
@@ -163,6 +168,15 @@ def open_reader(fd: int, threads: int = DEFAULT_THREADS, use_aio: bool = True) -
 def pread_into(fd: int, dst: torch.Tensor, offset: int) -> None:
     """Read ``dst``'s bytes (a contiguous tensor of any dtype) at ``offset`` of a buffered descriptor (any offset)."""
     _pread_all(fd, dst.view(torch.uint8) if dst.dim() else dst.reshape(1).view(torch.uint8), offset)
+
+
+def _direct_allowed(fd: int) -> bool:
+    """Whether the file ``fd`` opens for ``O_DIRECT`` reads."""
+    try:
+        os.close(os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT))
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 def _pread_all(fd: int, dst: torch.Tensor, offset: int) -> None:

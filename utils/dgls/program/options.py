@@ -700,6 +700,11 @@ def check(resolved: Resolved) -> None:
             )
         if unused:
             resolved.notes.append(f"DGLS: dynamic swapping is off: {', '.join(unused)} not used")
+    if resolved.given("disk_dir") and v["host_ram_budget"] is None:
+        raise DGLSUserError(
+            f"{label('disk_dir')} is where {label('host_ram_budget')} keeps the layers that do not fit in RAM, and "
+            "no host_ram_budget is set: add one (GiB, or auto), or drop disk_dir"
+        )
     if v["plan"]:
         if v["vram_budget"] is None:
             raise DGLSUserError(f"{label('plan')} plans from a VRAM budget: add --vram_budget (GiB, or auto)")

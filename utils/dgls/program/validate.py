@@ -175,6 +175,7 @@ def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, 
     if values["dynamic_swapping"] and not settings.activation_checkpointing:
         _offload_needs_checkpointing(resolved, values, f"[demo] activation_checkpointing = false in {path}")
     _check_layer_major(resolved, settings.pipeline_stages, f"[demo] pipeline_stages in {path}")
+    _check_disk_tier_sharing(resolved, dist.world_size, settings.pipeline_stages, f"[demo] pipeline_stages in {path}")
     if settings.full and values["dynamic_swapping"]:
         swap = _full_fine_tune(path, settings, swap, dist, resolved)
     elif resolved.given("host_adam") and values["dynamic_swapping"]:
@@ -353,6 +354,25 @@ def _check_layer_major(resolved: options.Resolved, stages: int, where: str) -> N
         )
 
 
+def _check_disk_tier_sharing(resolved: options.Resolved, world_size: int, stages: int, where: str) -> None:
+    """A host RAM budget with data-parallel processes that share one host copy (:mod:`..memory.peers`) is refused
+    here, before the model loads (the builder would refuse it once a layer spilled: :mod:`..streaming.masters`)."""
+    from ..memory.shm_space import SHM
+
+    if (
+        resolved.given("host_ram_budget")
+        and resolved.values["dynamic_swapping"]
+        and world_size > stages
+        and SHM.is_dir()
+    ):
+        raise DGLSUserError(
+            f"{resolved.label('host_ram_budget')} keeps streamed layers on disk, and the {world_size} processes of "
+            f"this run on {stages} pipeline stage(s) ({where}) are data parallel, sharing one host copy of the "
+            "streamed layers: the disk tier does not combine with that copy yet; drop host_ram_budget (the machine "
+            "holds one copy for all processes)"
+        )
+
+
 def _full_fine_tune(path: str, settings, swap: SwapConfig, dist: DistEnv, resolved: options.Resolved) -> SwapConfig:
     """A demo config without [adapter]: streamed layers are trained on the host; what that cannot do is refused.
     Several processes on one stage train data parallel, each updating its share of the streamed layers
@@ -442,6 +462,7 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
     if swapping and not config.get("activation_checkpointing", False):
         _offload_needs_checkpointing(resolved, values, f"{path} has no activation_checkpointing")
     _check_layer_major(resolved, stages, f"pipeline_stages in {path}")
+    _check_disk_tier_sharing(resolved, dist.world_size, stages, f"pipeline_stages in {path}")
     if swapping and (spec := dp_config.host_optimizer_spec(config, path)) is not None:
         swap = _drop_in_full_fine_tune(path, config, swap, spec, dist, stages, resolved, rest)
         dp_config.probe_host_optimizer(swap.training.host_optimizer, checkout)

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import DGLSUserError
-from ..memory.host_store import default_pinned_budget
+from ..memory.host_store import HostStore, default_pinned_budget
 from ..memory.layout import GiB, LayerLayout, human_bytes
 from ..memory.pinned import whole_pages
 
@@ -122,6 +122,6 @@ def spread(order: Sequence[int], k: int) -> list[int]:
     return [order[int((j + 0.5) * len(order) / k)] for j in range(k)] if k else []
 
 
-def tier_labels(store) -> dict[int, str]:
+def tier_labels(store: HostStore) -> dict[int, str]:
     """Where each hosted layer's master lives, for the placement table: disk, pinned RAM or (pageable) RAM."""
     return {i: "disk" if h.on_disk else "pinned RAM" if h.pinned else "RAM" for i, h in store.layers.items()}

@@ -214,8 +214,12 @@ class PipelineInterception:
             self._said_layer_major = True
             if _rank() == 0:
                 how = "layer-major (each layer runs all of them before the next)"
-                if not applies:
-                    how = "one after another" + (" (--no-layer_major)" if not self.values["layer_major"] else "")
+                if not self.values["layer_major"]:
+                    how = "one after another (--no-layer_major)"
+                elif not applies:
+                    how = (
+                        f"one after another: layer-major runs one pipeline stage, and this run has {engine.num_stages}"
+                    )
                 self.log(f"DGLS: {engine.micro_batches} micro-batches a step, {how}")
         return layer_major_batches(engine, self.swapper) if applies else contextlib.nullcontext()
 

@@ -34,13 +34,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..engine.layer_major import layer_major_losses
 from ..engine.swapper import LayerSwapper
 from ..errors import DGLSUserError
+
+if TYPE_CHECKING:  # deepspeed is imported when a run uses it
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from deepspeed.runtime.pipe.module import PipelineModule
 
 
 def _schedule_classes():
@@ -63,7 +67,7 @@ def _schedule_classes():
     return LayerMajorPass, LayerMajorSchedule
 
 
-def refusal(engine) -> str | None:
+def refusal(engine: PipelineEngine) -> str | None:
     """Why this engine's steps can't run layer-major (None: they can)."""
     module = engine.module
     if engine.num_stages != 1:
@@ -88,7 +92,7 @@ def refusal(engine) -> str | None:
     return None
 
 
-def stage_layers(module) -> list[Callable[[Any], Any]]:
+def stage_layers(module: PipelineModule) -> list[Callable[[Any], Any]]:
     """The stage's layers as ``PipelineModule.forward`` runs them with a checkpoint interval of 0 or 1, one callable
     each (a tuple is passed unpacked to the checkpoint function, and a 1-tuple unwrapped for the layer)."""
     funcs = list(module.forward_funcs)
@@ -118,7 +122,7 @@ def _clone_inputs(inputs):
     return tuple(t.clone() for t in inputs) if isinstance(inputs, tuple) else inputs.clone()
 
 
-def _exec_layer_major(engine, micro_batches: int, swapper: LayerSwapper | None) -> None:
+def _exec_layer_major(engine: PipelineEngine, micro_batches: int, swapper: LayerSwapper | None) -> None:
     """The :class:`LayerMajorPass` instruction (see the module doc)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -142,7 +146,7 @@ def _exec_layer_major(engine, micro_batches: int, swapper: LayerSwapper | None) 
 
 
 @contextlib.contextmanager
-def layer_major_batches(engine, swapper: LayerSwapper | None) -> Iterator[None]:
+def layer_major_batches(engine: PipelineEngine, swapper: LayerSwapper | None) -> Iterator[None]:
     """``engine.train_batch`` runs its micro-batches layer-major inside the block (see the module doc); refused in
     one line where it can't (:func:`refusal`)."""
     why = refusal(engine)

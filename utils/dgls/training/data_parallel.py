@@ -12,8 +12,13 @@ Data-parallel processes on one machine already stream from one host copy of the 
   (``torch.distributed.reduce``, SUM, then divided by the number of processes: the mean, as DeepSpeed's
   data-parallel reduction of the resident params' gradients). On the owner the mean goes on into the host
   training (its landings, sums, norms and update); elsewhere the gradient is dropped once the reduce has sent it
-  (a non-owner does not wait for it during the backward; every pending reduce is waited for when the backward
-  ends). The reduce of a layer runs as its gradients are ready, inside the backward.
+  (a non-owner waits for a layer's reduces when the next layer's first one starts, and for the last layer's when
+  the backward ends: at most one layer's gradients are in flight, never the whole model's). The reduce of a layer
+  runs as its gradients are ready, inside the backward.
+- Layer-major steps (:mod:`..engine.layer_major`): the hook first adds each micro-batch's gradient to the step's
+  device sum (:mod:`.device_sums`, the host training's same object) and reduces that sum once, at the layer's last
+  micro-batch: one reduce a step, not one per micro-batch; the owner's host training gets the reduced sum as the
+  step's one gradient.
 - Clipping: the host part of the squared gradient norm is summed over the processes (each owner counts its own
   layers once); the resident params' gradients are already the same everywhere and count once.
 - Publication: after the step's updates are queued, every process waits for its own updates to be written
@@ -25,7 +30,7 @@ Data-parallel processes on one machine already stream from one host copy of the 
 Streams (NCCL)
     - An owner's reduce is waited for on the compute stream before its gradient goes home (the copy home is
       ordered after the compute stream); a non-owner's runs on NCCL's stream beside the backward, its gradient kept
-      referenced until the backward's end.
+      referenced until it is waited for (the next layer's first reduce, or the backward's end).
 
 Refused (one line each)
     - An optimizer whose step sums over every param (Prodigy's d): each instance would see one share.
@@ -73,6 +78,7 @@ import torch
 from torch import nn
 
 from ..errors import DGLSUserError
+from .device_sums import DeviceSums
 from .host_optimizer import HostOptimizerSpec
 
 
@@ -165,7 +171,10 @@ class SharedGradients:
         self.ownership = ownership
         self.params = dict(params)
         self._hooks: list = []
-        self._pending: list[tuple[object, torch.Tensor]] = []  # a non-owner's reduces not waited for yet
+        self._pending: list[tuple[int, object, torch.Tensor]] = []  # a non-owner's reduces not waited for: one layer's
+        # The layer-major schedule's (the host training's same object): a layer's gradients summed on the device over
+        # the step's micro-batches, reduced once at its last (:mod:`.device_sums`)
+        self.device_sums: DeviceSums | None = None
 
     def install(self, grad_arriving: Callable[[int], None]) -> None:
         """Hooks on every trained param; call before the host training installs its own (post-accumulate-grad
@@ -183,6 +192,10 @@ class SharedGradients:
         if grad is None:
             return
         param.grad = None
+        if self.device_sums is not None:  # None: summed on the device until the layer's last micro-batch
+            grad = self.device_sums.add(param, grad)
+            if grad is None:
+                return
         grad = grad.contiguous()
         owner = self.ownership.owners[idx]
         dist = torch.distributed
@@ -191,15 +204,20 @@ class SharedGradients:
                 dist.reduce(grad, dst=owner, op=dist.ReduceOp.SUM)
                 param.grad = grad.div_(self.ownership.size)
             else:
+                if self._pending and self._pending[-1][0] != idx:  # the layer before's: its gradients may go
+                    self._wait_pending()
                 work = dist.reduce(grad, dst=owner, op=dist.ReduceOp.SUM, async_op=True)
-                self._pending.append((work, grad))
+                self._pending.append((idx, work, grad))
 
     def backward_done(self) -> None:
         """The backward ended: every reduce this process started has sent its gradient."""
-        pending, self._pending = self._pending, []
         with peer_failure("the reduction of the streamed layers' gradients"):
-            for work, _grad in pending:
-                work.wait()
+            self._wait_pending()
+
+    def _wait_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for _idx, work, _grad in pending:
+            work.wait()
 
     def norm_sum(self, squared: torch.Tensor) -> torch.Tensor:
         """The host part of the squared gradient norm, summed over the processes (each owner holds its layers')."""
