@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 pytest.importorskip("diffusers")
+pytestmark = pytest.mark.slow  # a benchmark's test, as tests/test_benchmarks_tiny.py's (diffusers' model classes)
 
 import host_ram_counted  # noqa: E402
 

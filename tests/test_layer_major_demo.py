@@ -12,7 +12,14 @@ from cli_helpers import demo_toml, run_in_process
 from safetensors.torch import load_file
 
 from utils.dgls.errors import DGLSUserError
-from utils.dgls.program.validate import prepare
+from utils.dgls.program import validate
+from utils.dgls.program.validate import deepspeed_too_old_for_layer_major, prepare
+
+# DeepSpeed below 0.19 (requirements.txt's floor, CI's floors step) runs micro-batches one after another and says
+# why (test_an_older_deepspeed_runs_micro_batches_one_after_another): the layer-major tests need a newer one
+needs_layer_major = pytest.mark.skipif(
+    deepspeed_too_old_for_layer_major() is not None, reason=str(deepspeed_too_old_for_layer_major())
+)
 
 
 def demo_run(folder, capsys, *flags, base="demo.toml", **demo):
@@ -33,6 +40,7 @@ def streamed_bytes(out: str) -> str:
 @pytest.mark.parametrize(
     "flags", [(), pytest.param(("--offload_activations",), marks=pytest.mark.slow)], ids=["plain", "offload"]
 )
+@needs_layer_major
 def test_the_demo_accumulates_layer_major_with_the_numbers_of_sequential_micro_batches(tmp_path, capsys, flags):
     layer_major, lm_losses, lm_out = demo_run(tmp_path / "lm", capsys, *flags, gradient_accumulation_steps=4)
     sequential, seq_losses, seq_out = demo_run(
@@ -47,11 +55,13 @@ def test_the_demo_accumulates_layer_major_with_the_numbers_of_sequential_micro_b
     assert streamed_bytes(lm_out) == streamed_bytes(one_out) != streamed_bytes(seq_out)
 
 
+@needs_layer_major
 def test_lazy_lora_steps_multiply_the_layer_major_micro_batches(tmp_path, capsys):
     _, _, out = demo_run(tmp_path, capsys, "--lazy_lora_steps", "2", gradient_accumulation_steps=2)
     assert "DGLS: 4 micro-batches a step, layer-major" in out
 
 
+@needs_layer_major
 def test_a_full_fine_tune_accumulates_layer_major_with_the_numbers_of_sequential_micro_batches(tmp_path, capsys):
     layer_major, lm_losses, _ = demo_run(tmp_path / "lm", capsys, base="demo_full.toml", gradient_accumulation_steps=2)
     sequential, seq_losses, _ = demo_run(
@@ -62,6 +72,7 @@ def test_a_full_fine_tune_accumulates_layer_major_with_the_numbers_of_sequential
         assert torch.equal(layer_major[k], sequential[k]), k
 
 
+@needs_layer_major
 def test_an_explicit_layer_major_with_several_pipeline_stages_is_refused():
     """The check the demo and the drop-in run (before anything is built)."""
     from utils.dgls.program.options import COMMAND_LINE, Resolved
@@ -74,6 +85,7 @@ def test_an_explicit_layer_major_with_several_pipeline_stages_is_refused():
     _check_layer_major(Resolved({"layer_major": True}, {"layer_major": "default"}), 2, "pipeline_stages in x.toml")
 
 
+@needs_layer_major
 def test_how_a_steps_micro_batches_run_is_said_at_start_up(tmp_path):
     from utils.dgls.demo.train import accumulation_line
 
@@ -89,6 +101,7 @@ def test_how_a_steps_micro_batches_run_is_said_at_start_up(tmp_path):
 
 
 @pytest.mark.slow
+@needs_layer_major
 def test_a_bf16_lora_accumulates_layer_major_with_the_numbers_of_sequential_micro_batches(tmp_path, capsys):
     """DeepSpeed's bf16 optimizer adds each micro-batch's gradient into its fp32 sums (immediate_grad_update, which the
     demo sets when it runs layer-major): the same sums as one backward a micro-batch."""
@@ -103,9 +116,13 @@ def test_a_bf16_lora_accumulates_layer_major_with_the_numbers_of_sequential_micr
 
 
 class FakeEngine:
-    """What layer_major_batches reads of a DeepSpeed pipeline engine (its refusals, the class's instruction map)."""
+    """What layer_major_batches reads of a DeepSpeed pipeline engine (its refusals, the class's instruction map and
+    schedule runner)."""
 
     _INSTRUCTION_MAP: dict = {}
+
+    def _exec_schedule(self, pipe_schedule) -> None:
+        pass
 
     def __init__(self, stages=1, interval=1, seed_layers=False, fp16=False, bf16=False, immediate=False):
         self.num_stages = stages
@@ -143,6 +160,7 @@ def test_what_layer_major_batches_refuse(engine, message):
                 pass
 
 
+@needs_layer_major
 def test_a_drop_in_full_fine_tune_runs_layer_major_by_default_and_its_host_sees_one_micro_batch(tmp_path, monkeypatch):
     """Through dgls_train.py's checks (the stand-in checkout): gradient_accumulation_steps 4 on one stage is one
     gradient a step for the host training (summed on the device), unless --no-layer_major or several stages."""
@@ -159,6 +177,7 @@ def test_a_drop_in_full_fine_tune_runs_layer_major_by_default_and_its_host_sees_
     assert prepare([*argv, "--lazy_lora_steps", "2", "--no-layer_major"], ROOT).swap.training.accumulation_steps == 8
 
 
+@needs_layer_major
 def test_the_drop_ins_train_batch_runs_layer_major_where_it_applies_and_says_how_once():
     """PipelineInterception's train_batch wrapper: DeepSpeed's schedule is replaced for the step on one stage with
     several micro-batches (the engine's instance attributes, removed after), and left alone otherwise."""
@@ -171,21 +190,40 @@ def test_the_drop_ins_train_batch_runs_layer_major_where_it_applies_and_says_how
     engine = FakeEngine()
     engine.micro_batches = 4
     with interception._layer_major(engine):
-        assert "_train_schedule" in vars(engine) and "_INSTRUCTION_MAP" in vars(engine)
-    assert "_train_schedule" not in vars(engine)
+        assert "_exec_schedule" in vars(engine) and "_INSTRUCTION_MAP" in vars(engine)
+    assert "_exec_schedule" not in vars(engine)
     with interception._layer_major(engine):
         pass
     assert lines == ["DGLS: 4 micro-batches a step, layer-major (each layer runs all of them before the next)"]
     staged = FakeEngine(stages=2)
     staged.micro_batches = 4
     with interception._layer_major(staged):
-        assert "_train_schedule" not in vars(staged)
+        assert "_exec_schedule" not in vars(staged)
     off = PipelineInterception({**values, "layer_major": False}, log=lines.append)
     with off._layer_major(engine):
-        assert "_train_schedule" not in vars(engine)
+        assert "_exec_schedule" not in vars(engine)
     assert lines[-1] == "DGLS: 4 micro-batches a step, one after another (--no-layer_major)"
     with PipelineInterception(values, log=lines.append)._layer_major(staged):
         pass
     assert lines[-1] == (
         "DGLS: 4 micro-batches a step, one after another: layer-major runs one pipeline stage, and this run has 2"
     )
+
+
+def test_an_older_deepspeed_runs_micro_batches_one_after_another(monkeypatch):
+    """DeepSpeed 0.18 (the floor): layer-major does not apply (start-up says why), and an explicit --layer_major is
+    one line."""
+    import importlib.metadata
+
+    from utils.dgls.program.options import COMMAND_LINE, Resolved
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.18.4")
+    why = deepspeed_too_old_for_layer_major()
+    assert why is not None and "0.19" in why and "0.18.4" in why
+    values = {"layer_major": True, "dynamic_swapping": True}
+    assert not validate.layer_major_applies(values, 1, 4)
+    given = Resolved({"layer_major": True}, {"layer_major": COMMAND_LINE})
+    with pytest.raises(DGLSUserError, match="layer-major needs DeepSpeed 0.19"):
+        validate._check_layer_major(given, 1, "x.toml")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.19.8")
+    assert deepspeed_too_old_for_layer_major() is None and validate.layer_major_applies(values, 1, 4)

@@ -35,7 +35,7 @@ from ..program.distributed import destroy_process_group
 from ..program.paths import new_run_dir
 from ..program.rendezvous import peers_arrived
 from ..program.stop_signals import stop_signal_received
-from ..program.validate import DemoRun
+from ..program.validate import DemoRun, deepspeed_too_old_for_layer_major
 from ..trainers.engine_hooks import EngineHooks
 from ..trainers.layer_major_batches import layer_major_batches
 from ..trainers.pipeline_hook import Stage, StageHook
@@ -204,6 +204,8 @@ def accumulation_line(s: DemoSettings, values: dict) -> str:
         how = "one after another (dynamic swapping is off)"
     elif not values["layer_major"]:
         how = "one after another (--no-layer_major)"
+    elif (too_old := deepspeed_too_old_for_layer_major()) is not None:
+        how = f"one after another: {too_old}"
     else:
         how = f"one after another: layer-major runs one pipeline stage, and this run has {s.pipeline_stages}"
     return f"DGLS: {count} micro-batches a step, {how}"

@@ -337,15 +337,39 @@ def _check_host_adam_build(spec) -> None:
         refuse_stale_lock("cpu_adam")  # DeepSpeed's CPUAdamBuilder.NAME, on every accelerator
 
 
+LAYER_MAJOR_DEEPSPEED = (0, 19)  # layer-major steps are checked bitwise against DeepSpeed's pipeline engine from here
+
+
+def deepspeed_too_old_for_layer_major() -> str | None:
+    """Why this DeepSpeed runs a step's micro-batches one after another, or None. DeepSpeed 0.18 builds its train
+    schedule inside ``train_batch`` and scales gradients differently: a layer-major step there gave numbers that
+    differ from one micro-batch after another in the last bits, so it is not run there."""
+    try:
+        from importlib.metadata import version
+
+        found = version("deepspeed")
+    except Exception:  # not installed: nothing runs DeepSpeed's engine
+        return None
+    parts = tuple(int(x) for x in found.split("+")[0].split(".")[:2] if x.isdigit())
+    if parts >= LAYER_MAJOR_DEEPSPEED:
+        return None
+    want = ".".join(map(str, LAYER_MAJOR_DEEPSPEED))
+    return f"layer-major needs DeepSpeed {want} or newer (this one is {found}: pip install -U deepspeed)"
+
+
 def layer_major_applies(values: dict, stages: int, micro_batches: int) -> bool:
     """A step's micro-batches run layer-major (:mod:`..engine.layer_major`): asked for (the default), with DGLS placing
-    the layers, on one pipeline stage, and more than one of them."""
-    return bool(values["layer_major"] and values["dynamic_swapping"] and stages == 1 and micro_batches > 1)
+    the layers, on one pipeline stage, more than one of them, and a DeepSpeed it is checked with."""
+    wanted = values["layer_major"] and values["dynamic_swapping"] and stages == 1 and micro_batches > 1
+    return bool(wanted and deepspeed_too_old_for_layer_major() is None)
 
 
 def _check_layer_major(resolved: options.Resolved, stages: int, where: str) -> None:
     """An explicit ``layer_major`` with several pipeline stages is refused (the default runs them one after another,
     and says so at start-up)."""
+    too_old = deepspeed_too_old_for_layer_major()
+    if resolved.given("layer_major") and resolved.values["layer_major"] and too_old is not None:
+        raise DGLSUserError(f"{resolved.label('layer_major')}: {too_old}, or drop it (one micro-batch after another)")
     if resolved.given("layer_major") and resolved.values["layer_major"] and stages > 1:
         raise DGLSUserError(
             f"{resolved.label('layer_major')} runs a step's micro-batches layer by layer on one pipeline stage, and "

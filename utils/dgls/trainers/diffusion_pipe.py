@@ -43,7 +43,7 @@ from ..program.options import swap_config
 from ..program.patches import Patches
 from ..program.rendezvous import peers_arrived
 from ..program.resume import ResumeChecks
-from ..program.validate import DropInRun, layer_major_applies
+from ..program.validate import DropInRun, deepspeed_too_old_for_layer_major, layer_major_applies
 from ..streaming.config import SwapConfig
 from ..watching.stats import StepReader, StepStats, StepWindow
 from .engine_hooks import EngineHooks
@@ -216,6 +216,8 @@ class PipelineInterception:
                 how = "layer-major (each layer runs all of them before the next)"
                 if not self.values["layer_major"]:
                     how = "one after another (--no-layer_major)"
+                elif (too_old := deepspeed_too_old_for_layer_major()) is not None:
+                    how = f"one after another: {too_old}"
                 elif not applies:
                     how = (
                         f"one after another: layer-major runs one pipeline stage, and this run has {engine.num_stages}"

@@ -9,8 +9,11 @@ reduce and step: the pass runs the stage's layers layer-major over the N micro-b
 (:func:`~..engine.layer_major.layer_major_losses`), so each streamed layer is fetched once a direction a step.
 
 What it replaces (attributes of this one engine object, set on entry and deleted on exit; the class is untouched)
-    - ``engine._train_schedule``: :class:`LayerMajorSchedule` (the loads, the pass, then ``ReduceTiedGrads``,
-      ``ReduceGrads``, ``OptimizerStep``, as ``TrainSchedule`` ends a one-stage step).
+    - ``engine._exec_schedule``: the class's, given :class:`LayerMajorSchedule` in place of the ``TrainSchedule``
+      that ``train_batch`` makes (the loads, the pass, then ``ReduceTiedGrads``, ``ReduceGrads``, ``OptimizerStep``,
+      as ``TrainSchedule`` ends a one-stage step); other schedules (``eval_batch``'s) pass through. Not
+      ``engine._train_schedule``: DeepSpeed 0.18 has no such hook (``train_batch`` builds ``TrainSchedule``
+      itself), and replacing it there would leave the step one micro-batch after another, silently.
     - ``engine._INSTRUCTION_MAP``: the class's map and :class:`LayerMajorPass`.
 
 What stays DeepSpeed's, as in a sequential step
@@ -154,18 +157,24 @@ def layer_major_batches(engine: PipelineEngine, swapper: LayerSwapper | None) ->
         raise DGLSUserError(why)
     LayerMajorPass, LayerMajorSchedule = _schedule_classes()
 
-    def train_schedule():
-        return LayerMajorSchedule(
-            micro_batches=engine.micro_batches, stages=engine.num_stages, stage_id=engine.stage_id
-        )
+    from deepspeed.runtime.pipe import schedule
+
+    exec_schedule = type(engine)._exec_schedule
+
+    def layer_major_schedule(pipe_schedule) -> None:
+        if type(pipe_schedule) is schedule.TrainSchedule:  # train_batch's: its steps, layer-major
+            pipe_schedule = LayerMajorSchedule(
+                micro_batches=pipe_schedule.micro_batches, stages=pipe_schedule.stages, stage_id=pipe_schedule.stage_id
+            )
+        exec_schedule(engine, pipe_schedule)
 
     def exec_pass(self, micro_batches: int) -> None:
         _exec_layer_major(self, micro_batches, swapper)
 
-    engine._train_schedule = train_schedule
+    engine._exec_schedule = layer_major_schedule
     engine._INSTRUCTION_MAP = {**type(engine)._INSTRUCTION_MAP, LayerMajorPass: exec_pass}
     try:
         yield
     finally:
-        del engine._train_schedule
+        del engine._exec_schedule
         del engine._INSTRUCTION_MAP
