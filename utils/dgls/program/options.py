@@ -425,8 +425,8 @@ OPTIONS: tuple[Option, ...] = (
         "layer_major",
         "bool",
         True,
-        "run each layer over all of a step's micro-batches before the next (one pipeline stage): each streamed "
-        "layer copied once a direction a step, the numbers of one micro-batch after another",
+        "run each layer over all of a step's micro-batches before the next (one pipeline stage, DeepSpeed 0.19 or "
+        "newer): each streamed layer copied once a direction a step, the numbers of one micro-batch after another",
         "turn off to run micro-batches one after another (several pipeline stages always do)",
         "training",
         policy=None,
