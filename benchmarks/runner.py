@@ -52,11 +52,11 @@ def derive(result: dict) -> None:
         r["vs_resident"] = r["median_step_s"] / reference
         if bandwidth and r.get("bytes_per_step") is not None:
             # what was really copied host-to-device (layers kept across a turnaround are copied once) ...
-            r["floor_s"] = max(resident, r["bytes_per_step"] / bandwidth / 1e9)
+            r["floor_s"] = max(reference, r["bytes_per_step"] / bandwidth / 1e9)
             r["vs_floor"] = r["median_step_s"] / r["floor_s"]
         if bandwidth and r.get("streamed_gib") is not None:
             # ... and every streamed byte twice a step
-            r["floor_2x_s"] = max(resident, 2 * r["streamed_gib"] * GiB / bandwidth / 1e9)
+            r["floor_2x_s"] = max(reference, 2 * r["streamed_gib"] * GiB / bandwidth / 1e9)
             r["vs_floor_2x"] = r["median_step_s"] / r["floor_2x_s"]
 
 
