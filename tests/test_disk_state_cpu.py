@@ -10,6 +10,7 @@
 """
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -228,3 +229,12 @@ def test_without_state_to_spill_the_weights_spill_and_equal_all_in_ram(tmp_path)
             assert bool(swapper.store.disk_layers) == (budget is not None)
             records.append(train_dgls(layers, swapper, CPU, "nonreentrant", accumulate=1))
     assert_same(*records)
+
+
+def test_the_profile_draws_disk_reads_and_write_backs_on_the_cpu(tmp_path):
+    """The trace has a lane for each disk direction (three passes: the clipped update of the first step, two
+    micro-batches, runs after its second pass)."""
+    trace = tmp_path / "trace.json"
+    run(tmp_path, BF16, STATES[(BF16, 2)], profile=str(trace), profile_warmup_steps=0, profile_steps=3)
+    lanes = {e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "transfer"}
+    assert {"disk reads", "disk writes"} <= lanes

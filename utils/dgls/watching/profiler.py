@@ -9,7 +9,9 @@ gradients home, activations out and in, optimizer state in and out, a lane each)
 backward pass (a "step"). Only steps
 ``warmup_steps + 1 .. warmup_steps + steps`` are kept; then the events are resolved (one
 device synchronize, after the step has been read anyway) and written as a Chrome trace, plus
-a PNG timeline when matplotlib is installed. Recording events never touches tensors, so a
+a PNG timeline when matplotlib is installed. Work that runs after the last kept pass, before the next
+(the optimizer step of a clipped full fine-tune: its updates, and their disk reads and write-backs) falls
+outside the window: profile one pass more to see it. Recording events never touches tensors, so a
 profiled run computes exactly what an unprofiled one does; without ``--profile`` there is no
 profiler at all.
 
