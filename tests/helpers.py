@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from functools import partial
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -156,3 +157,9 @@ def assert_bitwise_equal(a: RunRecord, b: RunRecord):
         assert torch.equal(x, y)
     for x, y in zip(a.eval_outputs, b.eval_outputs):
         assert torch.equal(x, y)
+
+
+def slow_case(value):
+    """A parametrize value whose case runs in CI's slow step, not the default run (which must stay under its
+    time on 2 cores): the neighbouring values of the same test keep the default run's coverage."""
+    return pytest.param(value, marks=pytest.mark.slow)

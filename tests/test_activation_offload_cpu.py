@@ -22,6 +22,7 @@ from helpers import (
     make_layers,
     run_layers,
     skip_waits,
+    slow_case,
     train,
 )
 
@@ -260,7 +261,7 @@ def test_with_recompute_offload_training_is_bitwise_the_same(references, mode, k
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("prefetch", [0, 1, 3])
+@pytest.mark.parametrize("prefetch", [0, slow_case(1), 3])  # 1 in the slow step
 def test_with_streamed_weights_and_recompute_offload_training_is_bitwise_the_same(references, mode, prefetch):
     """offload_recompute turns activation offload on; views of the streamed weights' slots bypass it."""
     layers, trainable = make_layers()

@@ -26,6 +26,7 @@ def run_dirs(folder):
     return sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
 
 
+@pytest.mark.slow  # a DeepSpeed process of its own: the slowest default test
 def test_demo_trains_saves_lora_and_writes_a_clean_log(tmp_path):
     """The README's demo command (6 steps, the output elsewhere), stdout and stderr to a file. The
     exact command, 30 steps with the loss going down, is in test_launch_lines.py (slow)."""

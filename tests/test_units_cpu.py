@@ -20,7 +20,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from full_ft import SPEC, assert_same, full_layers, host_trained_names, train_dgls, train_reference
-from helpers import SMALL, assert_bitwise_equal, host_saving_checkpoint, loop_mode, make_layers, run_layers, train
+from helpers import (
+    SMALL,
+    assert_bitwise_equal,
+    host_saving_checkpoint,
+    loop_mode,
+    make_layers,
+    run_layers,
+    slow_case,
+    train,
+)
 from torch import nn
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
@@ -135,7 +144,7 @@ def test_a_bad_unit_size_is_one_line(bad):
 
 # ---------------------------------------------------------------- exactness
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
+@pytest.mark.parametrize("prefetch", [0, slow_case(1), 2, slow_case(3)])  # 1 and 3 in the slow step
 def test_training_with_units_is_bitwise_the_same(references, mode, prefetch):
     """Several steps of 2 micro-batches with eval passes between, each checkpoint mode."""
     assert_bitwise_equal(references(mode), split_run(mode, prefetch=prefetch))
@@ -166,7 +175,7 @@ def test_full_fine_tuning_with_units_is_bitwise_the_same(mode):
 
 # ---------------------------------------------------------------- checkpoint_units
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
+@pytest.mark.parametrize("prefetch", [0, slow_case(1), 2, slow_case(3)])  # 1 and 3 in the slow step
 @pytest.mark.parametrize("unit_mb", [UNIT_MB, 0.04, 0])
 def test_checkpointed_units_train_bitwise_the_same(references, mode, prefetch, unit_mb):
     """Each swap unit (or each piece of a whole layer) under its own checkpoint, nested in every layer-checkpoint
@@ -195,7 +204,7 @@ def test_recompute_offload_with_swap_units_and_random_slots_stays_exact(referenc
 
 
 @pytest.mark.parametrize("mode", ["nonreentrant", "reentrant", "unsloth"])
-@pytest.mark.parametrize("prefetch", [0, 1, 3])
+@pytest.mark.parametrize("prefetch", [0, slow_case(1), 3])  # 1 in the slow step
 @pytest.mark.parametrize("unit_mb", [UNIT_MB, 0])
 def test_kept_piece_outputs_train_bitwise_the_same(references, mode, prefetch, unit_mb):
     """keep_piece_outputs: the layer's recompute takes its pieces' outputs from the forward (sent home with its
