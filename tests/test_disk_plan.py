@@ -5,17 +5,22 @@
 - With nothing spilled the model predicts the planner's step exactly; the floor is the bytes read a step over the
   disk's bandwidth, and the forecast says whether the reads hide.
 - The builder probes the disk only when something must spill.
+- With a VRAM budget the planner's predictions count the reads of the layers on disk (it keeps more of them
+  resident), and a LoRA planned that way trains bitwise as the all-in-RAM run.
 """
+
+import dataclasses
 
 import pytest
 import torch
-from helpers import make_layers
+from helpers import assert_bitwise_equal, make_layers, train
+from test_planner import flux_like
 
 from utils.dgls import LayerSwapper, SwapConfig
 from utils.dgls.engine import disk_planning
 from utils.dgls.memory.layout import LayerSizes
 from utils.dgls.planning.disk_plan import DiskCosts, choose_spilled, forecast, hiding_windows, simulate_reads
-from utils.dgls.planning.planner import StepProfile, UseTiming, simulate
+from utils.dgls.planning.planner import GiB, StepProfile, UseTiming, plan_for_budget, simulate
 from utils.dgls.streaming.schedule import Phase
 
 MB = 1_000_000
@@ -135,3 +140,31 @@ def test_the_builder_probes_the_disk_only_when_something_spills(tmp_path, monkey
         measured = swapper.store.disk.read_gbps
     assert len(calls) == 1 and measured > 0
     assert any(f"measured {measured:.2f} GB/s here" in line for line in lines)  # the probe's figure, said once
+
+
+# ---------------------------------------------------------------- with the VRAM planner
+def test_the_vram_planner_counts_the_reads_of_layers_on_disk_and_keeps_more_of_them_resident():
+    """Flux-like blocks (the planner's tests), the 18 last single blocks on disk at 2 GB/s: the plan made knowing it
+    keeps more of them resident than the plan made blind to the disk, and is predicted faster with the reads."""
+    sizes, profile = flux_like()
+    on_disk = {i: sizes[i].streamable_bytes for i in range(40, 58)}
+    with_disk = dataclasses.replace(profile, disk_reads=on_disk, read_bytes_per_ms=2 * MB)
+    blind, aware = plan_for_budget(sizes, profile, 16 * GiB), plan_for_budget(sizes, with_disk, 16 * GiB)
+    assert len(set(on_disk) - set(aware.streamed)) > len(set(on_disk) - set(blind.streamed))
+    assert aware.predicted_ms < simulate(sizes, with_disk, blind.streamed, blind.prefetch)
+    assert simulate(sizes, with_disk, aware.streamed, aware.prefetch) == pytest.approx(aware.predicted_ms)
+
+
+def test_a_vram_budget_with_a_host_ram_budget_plans_knowing_the_disk_and_trains_the_same(tmp_path):
+    """LoRA: the disk plan chooses among the probe's streamed layers at build; the planner's probe profile carries
+    their reads; once it settles it says what the plan reads from disk (on the CPU it keeps everything resident)."""
+    lines = []
+    layers, trainable = make_layers()
+    config = SwapConfig.of(vram_budget=0.002, host_ram_budget=0.0006, disk_dir=str(tmp_path))
+    with LayerSwapper(layers, config, device=torch.device("cpu"), log=lines.append) as swapper:
+        on_disk = list(swapper.store.disk_layers)
+        got = train(layers, trainable, torch.device("cpu"), "nonreentrant", steps=4)
+        assert swapper.driver.done and sorted(swapper.driver.profile.disk_reads) == on_disk
+        assert swapper.driver.profile.read_bytes_per_ms > 0
+    assert on_disk and f"DGLS disk plan: the plan keeps the {len(on_disk)} layers on disk resident" in "\n".join(lines)
+    assert_bitwise_equal(train(*make_layers(), torch.device("cpu"), "nonreentrant", steps=4), got)

@@ -23,11 +23,14 @@ from ..memory.disk_tier import PROBE_BYTES, probe_read_gbps
 from ..memory.layout import LayerLayout
 from ..memory.pinned import whole_pages
 from ..planning.autoplan import CPU_BYTES_PER_MS
-from ..planning.disk_plan import DiskCosts, DiskForecast, choose_spilled, estimated_uses, forecast
+from ..planning.disk_plan import DiskCosts, DiskForecast, choose_spilled, forecast
+from ..planning.planner import UseTiming
 from ..streaming.placement import Placement
+from ..streaming.schedule import Phase
 from ..streaming.tiers import RING_BUFFERS
 
 COPY_PROBE_BYTES = 64 * 1024 * 1024
+BACKWARD_SHARE = 2.0  # an estimated backward use computes this many times its forward
 
 
 class DiskChoice:
@@ -64,6 +67,18 @@ class DiskChoice:
         if self.costs is None:
             return None
         return forecast(self.costs, self.placement.streamed, spilled)
+
+
+def estimated_uses(layouts: Sequence[LayerLayout], scale_ms: float) -> tuple[UseTiming, ...]:
+    """A step's uses without a probe: every layer forward in order, then backward in reverse, each computing in
+    proportion to its params (a backward ``BACKWARD_SHARE`` times its forward), scaled so the step computes for
+    ``scale_ms``."""
+    params = [sum(p.param.numel() for p in layout.params) for layout in layouts]
+    weight = sum(params) * (1 + BACKWARD_SHARE) or 1
+    per = scale_ms / weight
+    forward = [UseTiming(i, Phase.FORWARD, n * per) for i, n in enumerate(params)]
+    backward = [UseTiming(i, Phase.BACKWARD, n * per * BACKWARD_SHARE) for i, n in reversed(list(enumerate(params)))]
+    return tuple(forward + backward)
 
 
 def copy_bytes_per_ms(device: torch.device) -> float:

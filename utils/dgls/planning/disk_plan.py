@@ -6,9 +6,10 @@ layers spill decides whether the disk tier costs nothing or sets the step time. 
 bytes must spill (:mod:`..streaming.tiers`); this model decides which.
 
 Model (:func:`simulate_reads`): the step's layer uses in order, each with its compute time (measured by the VRAM
-planner's probe, or estimated from param counts: :func:`estimated_uses`), replayed as :func:`.planner.simulate`
-replays them (compute runs the uses in order; a streamed layer's copy starts once its slot is free and the copy
-stream is), plus the disk reader (:mod:`..memory.copier`, :mod:`..memory.disk_tier`):
+planner's probe, :func:`profile_costs`, or estimated from param counts by the builder,
+:func:`~..engine.disk_planning.estimated_uses`), replayed as :func:`.planner.simulate` replays them (compute runs
+the uses in order; a streamed layer's copy starts once its slot is free and the copy stream is), plus the disk
+reader (:mod:`..memory.copier`, :mod:`..memory.disk_tier`):
 
 - a spilled layer's read is submitted with its fetch (``prefetch`` streamed uses ahead of its use) and its copy
   starts only once the read completed;
@@ -35,16 +36,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ..memory.layout import LayerLayout, human_bytes
-from ..streaming.schedule import Phase
-from .planner import UseTiming
+from ..memory.layout import LayerSizes, human_bytes
+
+if TYPE_CHECKING:  # the planner imports this module: its replay runs reads where the probe's profile has them
+    from .planner import StepProfile, UseTiming
 
 RING = 2  # staging buffers the reads land in (:data:`..streaming.tiers.RING_BUFFERS`)
 MAX_TRIED = 32  # candidates simulated per round when no read hides (the best windows first)
 CAPS = 4  # caps on the spilled layers' size tried (the staging ring holds two of the largest)
 HIDDEN_MS = 1e-6  # a step this much slower, or less, is as fast
-BACKWARD_SHARE = 2.0  # an estimated backward use computes this many times its forward
 
 
 @dataclass(frozen=True)
@@ -197,18 +199,6 @@ def _greedy(
     return chosen
 
 
-def estimated_uses(layouts: Sequence[LayerLayout], scale_ms: float) -> tuple[UseTiming, ...]:
-    """A step's uses without a probe: every layer forward in order, then backward in reverse, each computing in
-    proportion to its params (a backward ``BACKWARD_SHARE`` times its forward), scaled so the step computes for
-    ``scale_ms``."""
-    params = [sum(p.param.numel() for p in layout.params) for layout in layouts]
-    weight = sum(params) * (1 + BACKWARD_SHARE) or 1
-    per = scale_ms / weight
-    forward = [UseTiming(i, Phase.FORWARD, n * per) for i, n in enumerate(params)]
-    backward = [UseTiming(i, Phase.BACKWARD, n * per * BACKWARD_SHARE) for i, n in reversed(list(enumerate(params)))]
-    return tuple(forward + backward)
-
-
 @dataclass(frozen=True)
 class DiskForecast:
     """The prediction the start-up line says: the disk floor against the step's compute, and whether reads hide."""
@@ -257,4 +247,20 @@ def forecast(costs: DiskCosts, streamed: Sequence[int], spilled: Iterable[int]) 
     spilled = tuple(sorted(set(spilled)))
     return DiskForecast(
         costs, spilled, len(streamed), simulate_reads(costs, streamed, spilled), simulate_reads(costs, streamed, ())
+    )
+
+
+def profile_costs(sizes: Sequence[LayerSizes], profile: StepProfile, prefetch: int) -> DiskCosts | None:
+    """The model's inputs from the VRAM planner's probe (measured compute and copies; the disk tier's reads, which
+    the builder gives the planner), or None where no layer is on disk."""
+    if not profile.disk_reads:
+        return None
+    return DiskCosts(
+        uses=profile.uses,
+        copy_bytes={s.index: s.copy_bytes for s in sizes},
+        read_bytes=dict(profile.disk_reads),
+        copy_bytes_per_ms=profile.bytes_per_ms,
+        read_bytes_per_ms=profile.read_bytes_per_ms,
+        prefetch=prefetch,
+        measured=True,
     )

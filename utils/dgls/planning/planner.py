@@ -38,12 +38,13 @@ same budget keeps fewer layers resident than for a LoRA.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from ..errors import DGLSUserError
 from ..memory.layout import GiB, LayerSizes, device_bytes, human_bytes, pool_bytes, resident_bytes, training_bytes
 from ..streaming.schedule import Phase
+from .disk_plan import profile_costs, simulate_reads
 
 PREFETCH_CHOICES = (1, 2, 3, 4)
 # Split layers when 2 slots exceed 1/4 of the budget, into units <= 1/24 of it: a Wan-14B block at 4 GiB into its
@@ -80,6 +81,11 @@ class StepProfile:
     # last layer's calls for every micro-batch stay on the device (``probe_kept`` counts them), so no plan keeps
     # fewer.
     micro_batches: int = 1
+    # With a host RAM budget: the layers on disk (bytes per read) and the disk's read bandwidth; a plan's step then
+    # waits for their reads too (:func:`~.disk_plan.simulate_reads`), so layers on disk are the ones worth keeping
+    # resident.
+    disk_reads: Mapping[int, int] = field(default_factory=dict)
+    read_bytes_per_ms: float = 0.0
 
     @property
     def compute_ms(self) -> float:
@@ -206,8 +212,11 @@ def simulate(
 
     The host runs ahead of the GPU, so a copy starts as soon as the copy stream is free and
     its slot is: the slot of the copy ``prefetch + 1`` copies earlier, free once that
-    layer's last consecutive use has finished computing.
+    layer's last consecutive use has finished computing. Layers on disk (``profile.disk_reads``)
+    are read first, one at a time (:mod:`.disk_plan`, which replays the same two streams).
     """
+    if (costs := profile_costs(sizes, profile, prefetch)) is not None:
+        return simulate_reads(costs, streamed, profile.disk_reads, steps).step_ms
     streamed = set(streamed)
     n = len(profile.uses)
     sequence = [profile.uses[k % n] for k in range(steps * n)]
