@@ -22,7 +22,8 @@ Choice (:func:`choose_spilled`), greedy until what the caller keeps in RAM fits 
 - Each round takes the candidate that adds the least predicted step time per byte it frees; among those that add
   none (their reads hide), the one whose read has the longest hiding window (:func:`hiding_windows`: the compute
   between its fetch and its use, less its copy), so the layers whose copies hide behind the longest compute go
-  first. Candidates are tried in window order and the first whose read hides is taken at once.
+  first. Candidates are tried in window order and the first whose read hides is taken at once; where none hides, a
+  round takes a batch of the cheapest that are not neighbours (thousands of swap units take few rounds).
 - The staging ring (two buffers of the largest spilled layer) counts against the budget too: the greedy runs once
   per cap on the spilled layers' size (a few of their distinct sizes) and the fastest predicted choice that fits
   wins (then the one reading the fewest bytes).
@@ -46,6 +47,8 @@ if TYPE_CHECKING:  # the planner imports this module: its replay runs reads wher
 RING = 2  # staging buffers the reads land in (:data:`..streaming.tiers.RING_BUFFERS`)
 MAX_TRIED = 32  # candidates simulated per round when no read hides (the best windows first)
 CAPS = 4  # caps on the spilled layers' size tried (the staging ring holds two of the largest)
+BATCH_SHARE = 16  # a round of the greedy takes at most this share of the candidates (1 / BATCH_SHARE)
+GREEDY_STEPS = 2  # steps replayed to rank candidates (the second is in steady state)
 HIDDEN_MS = 1e-6  # a step this much slower, or less, is as fast
 
 
@@ -178,24 +181,32 @@ def choose_spilled(
 def _greedy(
     costs: DiskCosts, streamed: Sequence[int], ranked: list[int], over: Callable[[list[int]], int], tried: int
 ) -> list[int]:
-    """Spill from ``ranked`` (the longest hiding window first) until ``over`` is no more than 0, or all of them:
-    each round the first whose read hides, else the least added step time per byte it frees."""
+    """Spill from ``ranked`` (the longest hiding window first) until ``over`` is no more than 0, or all of them.
+    Each round simulates up to ``tried`` of the rest in that order: the first whose read hides is taken alone; else a
+    batch of the least added step time per byte (at most a ``BATCH_SHARE``-th of the candidates, no two within
+    ``prefetch + 1`` of each other in the run order, whose reads would meet), so many layers take few rounds."""
+    position = {layer: k for k, layer in enumerate(streamed)}
+    near = max(costs.prefetch, 0) + 1
+    largest_batch = max(1, len(ranked) // BATCH_SHARE)
     chosen: list[int] = []
-    base = simulate_reads(costs, streamed, chosen).step_ms
+    base = simulate_reads(costs, streamed, chosen, GREEDY_STEPS).step_ms
     while over(chosen) > 0 and len(chosen) < len(ranked):
-        pick, pick_ms, pick_cost = None, 0.0, float("inf")
-        for k, layer in enumerate(c for c in ranked if c not in chosen):
-            if k >= tried:
-                break
-            ms = simulate_reads(costs, streamed, [*chosen, layer]).step_ms
-            added = ms - base
+        taken = set(chosen)
+        scored: list[tuple[float, int]] = []
+        for layer in [c for c in ranked if c not in taken][:tried]:
+            added = simulate_reads(costs, streamed, [*chosen, layer], GREEDY_STEPS).step_ms - base
             if added <= HIDDEN_MS:
-                pick, pick_ms = layer, ms
+                scored = [(0.0, layer)]
                 break
-            if added / costs.read_bytes[layer] < pick_cost:
-                pick, pick_ms, pick_cost = layer, ms, added / costs.read_bytes[layer]
-        chosen.append(pick)
-        base = pick_ms
+            scored.append((added / costs.read_bytes[layer], layer))
+        batch: list[int] = []
+        for _, layer in sorted(scored):
+            if len(batch) >= largest_batch or (batch and over([*chosen, *batch]) <= 0):
+                break
+            if all(abs(position[layer] - position[other]) > near for other in batch):
+                batch.append(layer)
+        chosen += batch
+        base = simulate_reads(costs, streamed, chosen, GREEDY_STEPS).step_ms
     return chosen
 
 
