@@ -29,5 +29,7 @@ def test_the_disk_benchmark_measures_bandwidth_and_each_budget(tmp_path):
     assert budgets[-1]["layers_on_disk"] > budgets[0]["layers_on_disk"] >= 0
     assert budgets[-1]["read_gib_per_step"] > 0 and budgets[-1]["disk_floor_s"] > 0
     assert all(row["peak_rss_gib"] > 0 for row in result["rows"])
+    assert all_in_ram["disk_plan"] == [] and budgets[-1]["disk_plan"][0].startswith("DGLS disk plan: ")
+    assert any("DGLS disk plan: " in note for note in result["notes"])  # the prediction beside the measured step
     assert (out / "disk_flux.md").read_text() == report.render(result)
     assert list(tmp_path.iterdir()) == [out]  # the bandwidth file and the disk tier's files are gone
