@@ -5,7 +5,8 @@ two measured bandwidths, as the chooser :func:`~..streaming.tiers.plan_tiers` ca
   writes nothing to disk.
 - The disk's read bandwidth: :func:`~..memory.disk_tier.probe_read_gbps` in the run's disk directory, before any
   layer is packed, through the reader the tier will use; the tier keeps the figure for its start-up line.
-- The copy bandwidth: on CUDA a few timed copies of pinned bytes; on the CPU the planner's nominal one.
+- The copy bandwidth: on CUDA a few timed copies of page-locked bytes (unlocked after); on the CPU the planner's
+  nominal one.
 - Compute: the VRAM planner measures it on step 2, after the build; here it is estimated from param counts (each
   layer computing a step for as long as its two copies take, the break-even of streaming), and the line says so.
   With a VRAM budget the planner's own predictions use the measured compute and the reads of the layers chosen here
@@ -21,7 +22,7 @@ import torch
 
 from ..memory.disk_tier import PROBE_BYTES, probe_read_gbps
 from ..memory.layout import LayerLayout
-from ..memory.pinned import whole_pages
+from ..memory.pinned import page_aligned_empty, register, unregister, whole_pages
 from ..planning.autoplan import CPU_BYTES_PER_MS
 from ..planning.disk_plan import DiskCosts, DiskForecast, choose_spilled, forecast
 from ..planning.planner import UseTiming
@@ -86,15 +87,19 @@ def copy_bytes_per_ms(device: torch.device) -> float:
     CPU (no copies to time)."""
     if device.type != "cuda":
         return CPU_BYTES_PER_MS
-    src = torch.empty(COPY_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(COPY_PROBE_BYTES, dtype=torch.uint8, device=device)
-    dst.copy_(src, non_blocking=True)  # warm-up
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        dst.copy_(src, non_blocking=True)
-    end.record()
-    end.synchronize()
-    ms = start.elapsed_time(end)
-    del src, dst
+    src = page_aligned_empty(COPY_PROBE_BYTES)  # page-locked here and unlocked after (torch's pinned cache would
+    pointers = register(src)  # keep it for the run, RAM the host RAM budget counts on)
+    try:
+        dst = torch.empty(COPY_PROBE_BYTES, dtype=torch.uint8, device=device)
+        dst.copy_(src, non_blocking=True)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end)
+        del dst
+    finally:
+        unregister(pointers)
     return 3 * COPY_PROBE_BYTES / ms if ms > 0 else CPU_BYTES_PER_MS
