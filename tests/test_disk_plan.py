@@ -13,10 +13,11 @@ import dataclasses
 
 import pytest
 import torch
+from full_ft import SPEC, full_layers
 from helpers import assert_bitwise_equal, make_layers, train
 from test_planner import flux_like
 
-from utils.dgls import LayerSwapper, SwapConfig
+from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.engine import disk_planning
 from utils.dgls.memory.layout import LayerSizes
 from utils.dgls.planning.disk_plan import DiskCosts, choose_spilled, forecast, hiding_windows, simulate_reads
@@ -168,3 +169,14 @@ def test_a_vram_budget_with_a_host_ram_budget_plans_knowing_the_disk_and_trains_
         assert swapper.driver.profile.read_bytes_per_ms > 0
     assert on_disk and f"DGLS disk plan: the plan keeps the {len(on_disk)} layers on disk resident" in "\n".join(lines)
     assert_bitwise_equal(train(*make_layers(), torch.device("cpu"), "nonreentrant", steps=4), got)
+
+
+def test_a_full_fine_tune_the_planner_cannot_serve_is_refused_before_the_disk_is_probed(tmp_path, monkeypatch):
+    """Masters, optimizer state and weights all spill, with a VRAM budget (refused: its planner may make layers
+    resident after the probe): the line comes before the disk plan writes its probe file."""
+    monkeypatch.setattr(disk_planning, "probe_read_gbps", lambda *a, **k: pytest.fail("the disk was probed"))
+    config = SwapConfig.of(
+        host_optimizer=SPEC, accumulation_steps=2, host_ram_budget=0.002, disk_dir=str(tmp_path), vram_budget=1.0
+    )
+    with pytest.raises(DGLSUserError, match="give the placement instead"):
+        LayerSwapper(full_layers(torch.bfloat16), config, device=torch.device("cpu"), log=None)

@@ -332,10 +332,12 @@ def _tiers(
     budget = resolve_ram_budget(value, on_cpu)
     if trained is None:
         tiers, state = plan_tiers(layouts, hosted, placement.streamed, budget, RING_BUFFERS, choose=choose), {}
-    else:
+    else:  # what this run cannot keep on disk is refused before the disk plan probes the disk
+        _, state = plan_full_tiers(layouts, hosted, placement.streamed, budget, RING_BUFFERS, trained)
+        if state:
+            refuse_disk_state(config, trained, len(state))
         tiers, state = plan_full_tiers(layouts, hosted, placement.streamed, budget, RING_BUFFERS, trained, choose)
     if state:
-        refuse_disk_state(config, trained, len(state))
         trained.spill(state)
     if tiers.spilled and (forecast := choose.forecast(list(tiers.spilled))) is not None:
         tiers = dataclasses.replace(tiers, forecast=forecast.line())
