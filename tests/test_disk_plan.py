@@ -146,12 +146,14 @@ def test_the_builder_probes_the_disk_only_when_something_spills(tmp_path, monkey
 # ---------------------------------------------------------------- with the VRAM planner
 def test_the_vram_planner_counts_the_reads_of_layers_on_disk_and_keeps_more_of_them_resident():
     """Flux-like blocks (the planner's tests), the 18 last single blocks on disk at 2 GB/s: the plan made knowing it
-    keeps more of them resident than the plan made blind to the disk, and is predicted faster with the reads."""
+    keeps them all resident (the "disk first" pattern), the plan made blind to the disk few, and is predicted faster
+    with the reads."""
     sizes, profile = flux_like()
     on_disk = {i: sizes[i].streamable_bytes for i in range(40, 58)}
     with_disk = dataclasses.replace(profile, disk_reads=on_disk, read_bytes_per_ms=2 * MB)
     blind, aware = plan_for_budget(sizes, profile, 16 * GiB), plan_for_budget(sizes, with_disk, 16 * GiB)
     assert len(set(on_disk) - set(aware.streamed)) > len(set(on_disk) - set(blind.streamed))
+    assert aware.pattern.startswith("disk first") and not set(on_disk) & set(aware.streamed)  # no read left
     assert aware.predicted_ms < simulate(sizes, with_disk, blind.streamed, blind.prefetch)
     assert simulate(sizes, with_disk, aware.streamed, aware.prefetch) == pytest.approx(aware.predicted_ms)
 

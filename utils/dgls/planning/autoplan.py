@@ -23,7 +23,8 @@ Steps
 Disk tier (a host RAM budget, LoRA)
     - The builder chooses which of the probe's streamed layers live on disk (:mod:`.disk_plan`) and gives the driver
       their bytes and the disk's bandwidth; the probe's profile carries them, so every plan's prediction waits for
-      their reads (layers on disk are the ones worth keeping resident), and the settled plan's disk floor is said.
+      their reads (layers on disk are the ones worth keeping resident: the planner's "disk first" resident sets),
+      and the settled plan's disk floor is said.
       A full fine-tune whose training state would go to disk is refused with a VRAM budget (the builder's line).
 
 Why measure at all

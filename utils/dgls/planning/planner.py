@@ -251,6 +251,17 @@ def resident_patterns(candidates: list[int], resident_count: int) -> dict[str, l
     }
 
 
+def disk_first(candidates: list[int], on_disk: Iterable[int], resident_count: int) -> list[int]:
+    """A resident set of a given size that holds the layers on disk first (a read saved is worth many copies),
+    spread among them, then the other layers spread."""
+    on_disk = set(on_disk)
+    disk = [c for c in candidates if c in on_disk]
+    if resident_count <= len(disk):
+        return resident_patterns(disk, resident_count)["spread"]
+    rest = [c for c in candidates if c not in on_disk]
+    return sorted(disk + resident_patterns(rest, resident_count - len(disk))["spread"])
+
+
 def _check_minimum(sizes, profile, budget, prefetch_choices, copy_streams) -> None:
     prefetch = min(prefetch_choices)
     need = minimum_bytes(sizes, profile, prefetch, copy_streams)
@@ -304,7 +315,10 @@ def shortlist(
     families: dict[tuple[str, int], Plan] = {}
     for prefetch in prefetch_choices:
         for k in range(len(candidates) + 1):
-            for name, resident in resident_patterns(candidates, k).items():
+            patterns = resident_patterns(candidates, k)
+            if profile.disk_reads:  # with a host RAM budget, the layers on disk first
+                patterns["disk first"] = disk_first(candidates, profile.disk_reads, k)
+            for name, resident in patterns.items():
                 streamed = set(candidates) - set(resident)
                 peak = predict_peak(sizes, profile, streamed, prefetch, copy_streams)
                 if peak > budget:
@@ -335,7 +349,7 @@ def plan_for_budget(
 ) -> Plan:
     """The fitting placement with the lowest predicted step time (ties: fewer bytes streamed).
 
-    Tries resident sets of every size in three patterns and each prefetch depth, then
+    Tries resident sets of every size in three patterns (four with layers on disk) and each prefetch depth, then
     improves the best one greedily (see ``_improve``).
     """
     return shortlist(sizes, profile, budget, 1, prefetch_choices, copy_streams)[0]
