@@ -15,8 +15,8 @@ Parts
       direct I/O for the copies.
     - :class:`StagingRing`: ``count`` page-aligned buffers (page-locked on CUDA) the reads land in.
     - :class:`DiskTier`: the file, the ring and :meth:`DiskTier.read`, what the weight copier calls before the
-      host->device copy of a spilled layer; :meth:`DiskTier.measure` reads up to 512 MiB of the packed layers at
-      start-up for the disk's bandwidth and the floor it sets (said in the start-up line).
+      host->device copy of a spilled layer; :meth:`DiskTier.measure` reads up to 512 MiB of the packed layers for the
+      disk's bandwidth where the builder has no figure from :func:`probe_read_gbps` (said in the start-up line).
     - :func:`probe_read_gbps`: the disk's read bandwidth before any layer is packed (a small unnamed file written and
       read back through the same reader), which the disk plan (:mod:`..planning.disk_plan`) chooses the spilled
       layers with.
@@ -282,7 +282,7 @@ class DiskTier:
     reader: DiskReader
     spilled: frozenset[int]  # the layer indices whose masters live on disk
     notes: list[str] = field(default_factory=list)
-    read_gbps: float = 0.0  # measured at start-up (:meth:`measure`)
+    read_gbps: float = 0.0  # measured at start-up (:func:`probe_read_gbps`, or :meth:`measure`)
 
     @classmethod
     def open(
