@@ -169,7 +169,11 @@ def test_a_vram_budget_with_a_host_ram_budget_plans_knowing_the_disk_and_trains_
         got = train(layers, trainable, torch.device("cpu"), "nonreentrant", steps=4)
         assert swapper.driver.done and sorted(swapper.driver.profile.disk_reads) == on_disk
         assert swapper.driver.profile.read_bytes_per_ms > 0
-    assert on_disk and f"DGLS disk plan: the plan keeps the {len(on_disk)} layers on disk resident" in "\n".join(lines)
+    settled = f"DGLS disk plan: the plan keeps the {len(on_disk)} layers on disk resident: no step reads from disk"
+    assert on_disk and lines[-1] == settled
+    table = lines[-2].splitlines()  # the plan's placement table just before: every layer resident on the CPU
+    assert table[0].startswith(" idx") and all(row.endswith("resident") for row in table[1:9])
+    assert "streamed from disk" in lines[1] and "streamed from RAM" in lines[1]  # the probe's placement, three tiers
     assert_bitwise_equal(train(*make_layers(), torch.device("cpu"), "nonreentrant", steps=4), got)
 
 

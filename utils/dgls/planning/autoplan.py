@@ -233,6 +233,9 @@ class Placeable(Protocol):
 
     def apply_placement(self, streamed: Iterable[int], prefetch: int, kept_activations: int | None = None) -> None: ...
 
+    def placement_table(self) -> str:
+        """The placement table (with layers on disk: each streamed layer's tier)."""
+
 
 class DriverPhase(Enum):
     """Where the driver is; see :class:`DriverState` for the transitions."""
@@ -653,6 +656,7 @@ class PlacementDriver(Listener, Feature):
         if self.profile is not None and target is not None and self.disk_reads:  # the disk floor, measured compute
             placement = target.placement
             costs = profile_costs(placement.sizes, self.profile, placement.prefetch)
+            self.log(target.placement_table())  # the three tiers of the plan in force
             if on_disk := set(self.disk_reads) & set(placement.streamed):
                 self.log(forecast(costs, placement.streamed, on_disk).line())
             else:
