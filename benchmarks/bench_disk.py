@@ -5,12 +5,15 @@ Two parts, side by side in one run:
 - Read bandwidth of the directory's disk: a ``--file_gib`` file (unnamed, gone after the run) read in
   ``--request_mib`` requests by the disk tier's readers (:mod:`utils.dgls.memory.disk_io`): ``os.preadv``
   with direct I/O from 1 and from 8 threads, and DeepSpeed's async I/O where it builds.
-- The LoRA training step with the "spread" placement streaming ~``--gib``, at each host RAM budget of
-  ``--budgets`` (``all``: no budget, every master in RAM: the baseline). Per budget: the layers and GiB on disk,
-  the GiB read from disk per step (counted from the transport's reads), the median step, the disk floor (bytes
-  read per step / the 8-thread read bandwidth), and the peak host RSS during the arm, measured (a sampler thread).
+- The LoRA training step with the "spread" placement streaming ~``--gib`` (or, with ``--vram_budget``, the VRAM
+  planner's placement, timed once it settled), at each host RAM budget of ``--budgets`` (``all``: no budget, every
+  master in RAM: the baseline). Per budget: the layers and GiB on disk, the GiB read from disk per step (counted
+  from the transport's reads), the median step, the disk floor (bytes read per step / the 8-thread read
+  bandwidth), the peak host RSS during the arm, measured (a sampler thread), and the disk plan's prediction
+  (its start-up line, and with a VRAM budget the settled plan's, from measured compute).
 
-    python3 benchmarks/bench_disk.py [--model flux|wan] [--budgets all,16,8] [--gib 20] [--disk_dir DIR] [--tiny]
+    python3 benchmarks/bench_disk.py [--model flux|wan] [--budgets all,16,8] [--gib 20] [--vram_budget GIB]
+        [--disk_dir DIR] [--tiny]
 
 Writes benchmarks/results/<name>.json and .md (default name disk_<model>; results/tiny/ with --tiny).
 """
@@ -45,6 +48,7 @@ from utils.dgls.memory.transport import Direction  # noqa: E402
 from utils.dgls.streaming.tiers import RING_BUFFERS  # noqa: E402
 
 MiB = 1024**2
+PLANNER_STEPS = 80  # with --vram_budget: steps run, at most, before timing, for the planner to settle
 
 
 class PeakRSS:
@@ -117,15 +121,23 @@ def read_bandwidth(directory: str | None, nbytes: int, request: int, threads: tu
 def run_arm(bench: Bench, device, budget: float | None, streamed, prefetch, args) -> dict:
     place(bench.layers, device)
     resident = [s.index for s in bench.sizes if s.streamable_bytes and s.index not in streamed]
-    settings = dict(gpu_layers=resident, prefetch=prefetch)
+    if args.vram_budget is not None:  # the planner places the layers (its probe, trials, then the plan it keeps)
+        settings = dict(vram_budget=args.vram_budget)
+    else:
+        settings = dict(gpu_layers=resident, prefetch=prefetch)
     if budget is not None:
         settings.update(host_ram_budget=budget, disk_dir=args.disk_dir)
     machine.release_host_cache()
     reads = DiskReads()
+    lines: list[str] = []
     with PeakRSS() as rss:
-        with LayerSwapper(bench.layers, SwapConfig.of(**settings), device=device, log=None) as swapper:
+        with LayerSwapper(bench.layers, SwapConfig.of(**settings), device=device, log=lines.append) as swapper:
             swapper.add_listener(reads)
             time_steps(bench.training_step(), device, args.warmup, 0)
+            for _ in range(PLANNER_STEPS):  # until the planner settled (its last line is the plan's disk floor)
+                if swapper.driver is None or swapper.driver.done:
+                    break
+                time_steps(bench.training_step(), device, 1, 0)
             reads.nbytes = 0
             times = time_steps(bench.training_step(), device, 0, args.steps)[0]
             store = swapper.store
@@ -139,6 +151,9 @@ def run_arm(bench: Bench, device, budget: float | None, streamed, prefetch, args
         "median_step_s": statistics.median(times),
         "step_times_s": times,
         "peak_rss_gib": rss.peak / GiB,
+        # the disk plan's predictions (the start-up line; with --vram_budget the settled plan's, measured compute)
+        "disk_plan": [line for line in lines if line.startswith("DGLS disk plan")],
+        "plan": [line for line in lines if line.startswith("DGLS plan (")][-1:],
     }
 
 
@@ -160,6 +175,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--budgets", default="all,16,8", help="host RAM budgets in GiB; all: every master in RAM")
     parser.add_argument("--gib", type=float, default=20.0, help="streamed GiB of the spread placement")
     parser.add_argument("--prefetch", type=int, default=2)
+    parser.add_argument(
+        "--vram_budget", type=float, default=None, help="GiB: the planner places the layers (instead of --gib's spread)"
+    )
     parser.add_argument("--side", type=int, default=64, help="Flux: latent side (64: 1024x1024)")
     parser.add_argument("--latent_frames", type=int, default=21, help="Wan: latent frames (21: 81 video frames)")
     parser.add_argument("--disk_dir", default=None, help=f"default: the system temp ({default_directory()})")
@@ -218,6 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
                 ),  # fmt: skip
                 "disk floor: GiB read from disk per step / the 8-thread direct-I/O read bandwidth; a step cannot be "
                 "faster than that. Peak RSS: the process's resident set during the arm, sampled every 20 ms.",
+                *(f"host RAM budget {r['budget']}: {line}" for r in rows for line in r["plan"] + r["disk_plan"]),
             ],
             "rows": rows,
         }

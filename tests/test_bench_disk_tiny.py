@@ -29,5 +29,18 @@ def test_the_disk_benchmark_measures_bandwidth_and_each_budget(tmp_path):
     assert budgets[-1]["layers_on_disk"] > budgets[0]["layers_on_disk"] >= 0
     assert budgets[-1]["read_gib_per_step"] > 0 and budgets[-1]["disk_floor_s"] > 0
     assert all(row["peak_rss_gib"] > 0 for row in result["rows"])
+    assert all_in_ram["disk_plan"] == [] and budgets[-1]["disk_plan"][0].startswith("DGLS disk plan: ")
+    assert any("DGLS disk plan: " in note for note in result["notes"])  # the prediction beside the measured step
     assert (out / "disk_flux.md").read_text() == report.render(result)
     assert list(tmp_path.iterdir()) == [out]  # the bandwidth file and the disk tier's files are gone
+
+
+def test_the_disk_benchmark_with_a_vram_budget_times_the_settled_plan(tmp_path):
+    """--vram_budget: the planner places the layers; each arm is timed once it settled, and its plan and the disk
+    plan's lines (the start-up one, the settled one) are in the notes."""
+    out = tmp_path / "results"
+    argv = ["--tiny", "--vram_budget", "1", "--steps", "1", "--warmup", "1", "--disk_dir", str(tmp_path)]
+    bench_disk.main([*argv, "--results_dir", str(out)])
+    rows = json.loads((out / "disk_flux.json").read_text())["rows"]
+    assert all(row["plan"] and row["plan"][0].startswith("DGLS plan (") for row in rows)
+    assert rows[0]["disk_plan"] == [] and all(len(row["disk_plan"]) == 2 for row in rows[1:])

@@ -10,6 +10,8 @@ Modules
       for a trainer's own backward).
     - ``training_costs.py``: what a full fine-tune keeps on the device beyond the weights (the trainer's gradients
       and optimizer state of resident layers), from the objects that allocate it: the VRAM planner's figures.
+    - ``disk_planning.py``: with a host RAM budget, the disk plan's inputs (the layouts, the placement, the disk's and
+      the copies' measured bandwidths) and the chooser of the layers that spill to disk.
 
 May import: memory, streaming, watching, activations, training, planning.
 """

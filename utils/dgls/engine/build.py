@@ -58,6 +58,7 @@ from ..training.disk_state import DiskState, plan_full_tiers, refuse_disk_state
 from ..training.host_training import HostTraining, check_host_training, training_layout, update_buffer_bytes
 from ..training.training_feature import TrainingFeature
 from ..watching.profiler import Profiler
+from .disk_planning import DiskChoice
 from .training_costs import with_training_costs
 
 
@@ -141,7 +142,8 @@ def build(
     driver = _start_driver(c, budget, unit_bytes, device, log)
     if driver is not None:
         driver.check_static_minimum(sizes, placement.update_bytes)
-    tiers, state_spilled = _tiers(c, values, layouts, placement, trained)
+    disk_choice = DiskChoice(layouts, placement, device, c.transfer.disk_dir)  # which layers spill: disk_planning.py
+    tiers, state_spilled = _tiers(c, values, layouts, placement, trained, disk_choice)
     training_note = check_host_training(trained) if trained is not None else ""
     with ExitStack() as undo:  # a failure below frees what was made
         disk_state = None
@@ -158,7 +160,10 @@ def build(
         )  # fmt: skip
         undo.callback(masters.release)
         if disk is not None:
-            disk.measure()  # packed: the disk's read bandwidth, for the start-up line
+            disk.read_gbps = disk_choice.read_gbps or disk.measure()  # the disk's read bandwidth, for its line
+            if driver is not None:  # the VRAM planner's plans count the reads of the layers on disk
+                driver.disk_reads = {i: disk.file.extents[i][1] for i in disk.spilled}
+                driver.read_bytes_per_ms = disk.read_gbps * 1e6
         # weight copies are timed for the stats (collect_timing); the other directions only for --profile
         timed = {d for d in Direction if d is not Direction.WEIGHTS_IN} if c.observe.profile else set()
         timed |= {Direction.WEIGHTS_IN} if c.observe.collect_timing else set()
@@ -284,7 +289,7 @@ def start_report(parts: Parts) -> list[str]:
     store = parts.masters.store
     lines = [parts.placement.table(tier_labels(store) if parts.tiers is not None else None)]
     if parts.tiers is not None:
-        lines.append(parts.tiers.line())
+        lines += [parts.tiers.line(), *([parts.tiers.forecast] if parts.tiers.forecast else [])]
     if store.disk is not None:
         lines += [store.disk.describe(), *store.disk.notes]
     if parts.training is not None and parts.training.disk_state is not None:
@@ -304,7 +309,12 @@ def start_report(parts: Parts) -> list[str]:
 
 
 def _tiers(
-    config: SwapConfig, layers: list, layouts: list[LayerLayout], placement: Placement, trained: TrainingLayout | None
+    config: SwapConfig,
+    layers: list,
+    layouts: list[LayerLayout],
+    placement: Placement,
+    trained: TrainingLayout | None,
+    choose: DiskChoice,
 ) -> tuple[Tiers | None, dict[int, int]]:
     """With ``host_ram_budget``: which streamed layers' packed weights spill to disk (:mod:`..streaming.tiers`), and for
     a full fine-tune (``trained``, the training layout) whose masters and optimizer state do, with their extents'
@@ -321,11 +331,16 @@ def _tiers(
     )
     budget = resolve_ram_budget(value, on_cpu)
     if trained is None:
-        return plan_tiers(layouts, hosted, placement.streamed, budget, RING_BUFFERS), {}
-    tiers, state = plan_full_tiers(layouts, hosted, placement.streamed, budget, RING_BUFFERS, trained)
+        tiers, state = plan_tiers(layouts, hosted, placement.streamed, budget, RING_BUFFERS, choose=choose), {}
+    else:  # what this run cannot keep on disk is refused before the disk plan probes the disk
+        _, state = plan_full_tiers(layouts, hosted, placement.streamed, budget, RING_BUFFERS, trained)
+        if state:
+            refuse_disk_state(config, trained, len(state))
+        tiers, state = plan_full_tiers(layouts, hosted, placement.streamed, budget, RING_BUFFERS, trained, choose)
     if state:
-        refuse_disk_state(config, trained, len(state))
         trained.spill(state)
+    if tiers.spilled and (forecast := choose.forecast(list(tiers.spilled))) is not None:
+        tiers = dataclasses.replace(tiers, forecast=forecast.line())
     return tiers, state
 
 

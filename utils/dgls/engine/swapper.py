@@ -54,6 +54,7 @@ from ..streaming.hooks import HookAdapter, SlotRef
 from ..streaming.placement import Placement
 from ..streaming.residency import Residency, StreamedLayer
 from ..streaming.schedule import Phase, UsePredictor, current_phase
+from ..streaming.tiers import tier_labels
 from ..watching.listener import Listener
 from ..watching.stats import StatsCollector, StepStats
 from .build import build, resolve_device, start_report
@@ -341,7 +342,8 @@ class LayerSwapper:
         return self._plan_finished()
 
     def placement_table(self) -> str:
-        return self.placement.table()
+        """Where each layer lives; with layers on disk, each streamed layer's tier too (pinned RAM, RAM or disk)."""
+        return self.placement.table(tier_labels(self.store) if self.store.disk is not None else None)
 
     def step_stats(self, sync: bool = False) -> StepStats:
         """The most recent finished backward pass (a pure read). Timings of copies still in flight are

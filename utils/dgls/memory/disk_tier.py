@@ -15,8 +15,11 @@ Parts
       direct I/O for the copies.
     - :class:`StagingRing`: ``count`` page-aligned buffers (page-locked on CUDA) the reads land in.
     - :class:`DiskTier`: the file, the ring and :meth:`DiskTier.read`, what the weight copier calls before the
-      host->device copy of a spilled layer; :meth:`DiskTier.measure` reads up to 512 MiB of the packed layers at
-      start-up for the disk's bandwidth and the floor it sets (said in the start-up line).
+      host->device copy of a spilled layer; :meth:`DiskTier.measure` reads up to 512 MiB of the packed layers for the
+      disk's bandwidth where the builder has no figure from :func:`probe_read_gbps` (said in the start-up line).
+    - :func:`probe_read_gbps`: the disk's read bandwidth before any layer is packed (a small unnamed file written and
+      read back through the same reader), which the disk plan (:mod:`..planning.disk_plan`) chooses the spilled
+      layers with.
 
 Invariants
     - A read into ring buffer ``k`` waits for the weight copy that read buffer ``k`` before (a gate), and a
@@ -51,6 +54,7 @@ PREFIX = "dgls-disk-"
 NAMED = re.compile(rf"^{PREFIX}(\d+)-")
 FREE_MARGIN = 256 * 1024 * 1024  # left free on the disk beside the file
 MEASURE_BYTES = 512 * 1024 * 1024  # read at start-up to measure the disk's bandwidth
+PROBE_BYTES = 128 * 1024 * 1024  # written and read back before packing, for the disk plan
 RAM_FILE_SYSTEMS = ("tmpfs", "ramfs")
 
 
@@ -216,6 +220,33 @@ class DiskFile:
         self._map = None
 
 
+def probe_read_gbps(directory: str | Path | None, nbytes: int, pin: bool, threads: int = 8) -> tuple[float, str]:
+    """The disk's read bandwidth in GB/s and the reader's name, from ``nbytes`` (at most ``PROBE_BYTES``) written to
+    an unnamed file in ``directory`` (checked first: one clear line), flushed out of the page cache and read back
+    through the reader the tier will use (``pin``: CUDA runs, DeepSpeed's async I/O where it builds). The bytes are
+    not zeros: a file system may skip reading unwritten or zero blocks."""
+    size = whole_pages(max(min(nbytes, PROBE_BYTES), 1))
+    file = DiskFile(check_directory(directory, size), size)
+    try:
+        pattern = (torch.arange(min(size, 16 * 1024 * 1024), dtype=torch.int32) % 251 + 1).to(torch.uint8)
+        data = memoryview(pattern.numpy())
+        for offset in range(0, size, len(data)):
+            os.pwrite(file.fd, data[: min(len(data), size - offset)], offset)
+        os.fsync(file.fd)
+        os.posix_fadvise(file.fd, 0, size, os.POSIX_FADV_DONTNEED)
+        reader = open_reader(file.fd, threads, use_aio=pin)
+        try:
+            buffer = page_aligned_empty(size)
+            began = time.perf_counter()
+            reader.read(buffer, 0)
+            seconds = time.perf_counter() - began
+        finally:
+            reader.close()
+    finally:
+        file.close()
+    return (size / seconds / 1e9 if seconds > 0 else 0.0), reader.name
+
+
 class StagingRing:
     """``count`` page-aligned buffers of ``nbytes`` (page-locked when ``pin``), handed out in turn; each remembers
     the last copy that reads it, so the next read into it waits for that copy."""
@@ -251,7 +282,7 @@ class DiskTier:
     reader: DiskReader
     spilled: frozenset[int]  # the layer indices whose masters live on disk
     notes: list[str] = field(default_factory=list)
-    read_gbps: float = 0.0  # measured at start-up (:meth:`measure`)
+    read_gbps: float = 0.0  # measured at start-up (:func:`probe_read_gbps`, or :meth:`measure`)
 
     @classmethod
     def open(

@@ -20,6 +20,13 @@ Steps
       safety margin the plans were made with, one refined plan made with the measured error instead of the
       margin is measured against the winner (A B B A) and kept if it is faster and fits.
 
+Disk tier (a host RAM budget, LoRA)
+    - The builder chooses which of the probe's streamed layers live on disk (:mod:`.disk_plan`) and gives the driver
+      their bytes and the disk's bandwidth; the probe's profile carries them, so every plan's prediction waits for
+      their reads (layers on disk are the ones worth keeping resident: the planner's "disk first" resident sets),
+      and the settled plan's disk floor is said.
+      A full fine-tune whose training state would go to disk is refused with a VRAM budget (the builder's line).
+
 Why measure at all
     - The model ranks plans that differ by a few percent less reliably than timed steps do, so the last word
       goes to the measurement; the model's job is to cut thousands of placements to a handful.
@@ -62,6 +69,7 @@ from ..streaming.feature import Engine, Feature
 from ..streaming.schedule import Phase
 from ..watching.listener import Listener
 from ..watching.stats import elapsed_ms, timestamp
+from .disk_plan import forecast, profile_costs
 from .planner import GiB, Plan, StepProfile, UseTiming, minimum_bytes, plan_for_budget, shortlist, simulate
 
 AUTO_MARGIN = 1 * GiB  # kept free under "auto": CUDA context growth, other processes, fragmentation
@@ -225,6 +233,9 @@ class Placeable(Protocol):
 
     def apply_placement(self, streamed: Iterable[int], prefetch: int, kept_activations: int | None = None) -> None: ...
 
+    def placement_table(self) -> str:
+        """The placement table (with layers on disk: each streamed layer's tier)."""
+
 
 class DriverPhase(Enum):
     """Where the driver is; see :class:`DriverState` for the transitions."""
@@ -373,6 +384,10 @@ class PlacementDriver(Listener, Feature):
     fixed: bool = False  # full fine-tuning: step 1 is the probe, its plan applied once before any update (module doc)
     first_layer: int = 0  # this process's first layer in the whole layer list (what the explicit flags count from)
     unit_bytes: int | None = None  # the swap units' size the layers were split at (None: whole layers)
+    # with a host RAM budget: the layers on disk (bytes per read) and the disk's bandwidth, set by the builder once
+    # the disk tier is open; the plans then count their reads (:mod:`.disk_plan`)
+    disk_reads: dict[int, int] = field(default_factory=dict)
+    read_bytes_per_ms: float = 0.0
     plan: Plan | None = None  # the plan in force
     profile: StepProfile | None = None  # the probe's
     trials: list[Trial] = field(default_factory=list)  # every measured plan, refinement round included
@@ -637,6 +652,18 @@ class PlacementDriver(Listener, Feature):
         self.state.settle()
         if self.device.type == "cuda":
             self._reset_peak()  # the trials' peaks are not the plan's
+        target = self._target
+        if self.profile is not None and target is not None and self.disk_reads:  # the disk floor, measured compute
+            placement = target.placement
+            costs = profile_costs(placement.sizes, self.profile, placement.prefetch)
+            self.log(target.placement_table())  # the three tiers of the plan in force
+            if on_disk := set(self.disk_reads) & set(placement.streamed):
+                self.log(forecast(costs, placement.streamed, on_disk).line())
+            else:
+                self.log(
+                    f"DGLS disk plan: the plan keeps the {len(self.disk_reads)} layers on disk resident: no step "
+                    "reads from disk"
+                )
 
     def _watch(self, target: Placeable) -> None:
         """A pass after settling went over the budget (the peak since settling, or since the trainer last
@@ -774,7 +801,10 @@ class PlacementDriver(Listener, Feature):
         kept = offloader.kept_last_step if sent else 0
         update = target.placement.update_bytes
         micro = target.micro_batches
-        self.profile = StepProfile(uses, activation + other, overhead, bytes_per_ms, sent, segment, kept, update, micro)
+        self.profile = StepProfile(
+            uses, activation + other, overhead, bytes_per_ms, sent, segment, kept, update, micro,
+            disk_reads=self.disk_reads, read_bytes_per_ms=self.read_bytes_per_ms,
+        )  # fmt: skip
         if cuda:
             offloaded = (
                 f" with the inputs of {sent} checkpointed calls in host memory (up to {human_bytes(segment)} each)"

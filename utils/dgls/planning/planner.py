@@ -38,12 +38,13 @@ same budget keeps fewer layers resident than for a LoRA.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from ..errors import DGLSUserError
 from ..memory.layout import GiB, LayerSizes, device_bytes, human_bytes, pool_bytes, resident_bytes, training_bytes
 from ..streaming.schedule import Phase
+from .disk_plan import profile_costs, simulate_reads
 
 PREFETCH_CHOICES = (1, 2, 3, 4)
 # Split layers when 2 slots exceed 1/4 of the budget, into units <= 1/24 of it: a Wan-14B block at 4 GiB into its
@@ -80,6 +81,11 @@ class StepProfile:
     # last layer's calls for every micro-batch stay on the device (``probe_kept`` counts them), so no plan keeps
     # fewer.
     micro_batches: int = 1
+    # With a host RAM budget: the layers on disk (bytes per read) and the disk's read bandwidth; a plan's step then
+    # waits for their reads too (:func:`~.disk_plan.simulate_reads`), so layers on disk are the ones worth keeping
+    # resident.
+    disk_reads: Mapping[int, int] = field(default_factory=dict)
+    read_bytes_per_ms: float = 0.0
 
     @property
     def compute_ms(self) -> float:
@@ -206,8 +212,11 @@ def simulate(
 
     The host runs ahead of the GPU, so a copy starts as soon as the copy stream is free and
     its slot is: the slot of the copy ``prefetch + 1`` copies earlier, free once that
-    layer's last consecutive use has finished computing.
+    layer's last consecutive use has finished computing. Layers on disk (``profile.disk_reads``)
+    are read first, one at a time (:mod:`.disk_plan`, which replays the same two streams).
     """
+    if (costs := profile_costs(sizes, profile, prefetch)) is not None:
+        return simulate_reads(costs, streamed, profile.disk_reads, steps).step_ms
     streamed = set(streamed)
     n = len(profile.uses)
     sequence = [profile.uses[k % n] for k in range(steps * n)]
@@ -240,6 +249,17 @@ def resident_patterns(candidates: list[int], resident_count: int) -> dict[str, l
         "spread": spread,
         "first": candidates[:k],
     }
+
+
+def disk_first(candidates: list[int], on_disk: Iterable[int], resident_count: int) -> list[int]:
+    """A resident set of a given size that holds the layers on disk first (a read saved is worth many copies),
+    spread among them, then the other layers spread."""
+    on_disk = set(on_disk)
+    disk = [c for c in candidates if c in on_disk]
+    if resident_count <= len(disk):
+        return resident_patterns(disk, resident_count)["spread"]
+    rest = [c for c in candidates if c not in on_disk]
+    return sorted(disk + resident_patterns(rest, resident_count - len(disk))["spread"])
 
 
 def _check_minimum(sizes, profile, budget, prefetch_choices, copy_streams) -> None:
@@ -295,7 +315,10 @@ def shortlist(
     families: dict[tuple[str, int], Plan] = {}
     for prefetch in prefetch_choices:
         for k in range(len(candidates) + 1):
-            for name, resident in resident_patterns(candidates, k).items():
+            patterns = resident_patterns(candidates, k)
+            if profile.disk_reads:  # with a host RAM budget, the layers on disk first
+                patterns["disk first"] = disk_first(candidates, profile.disk_reads, k)
+            for name, resident in patterns.items():
                 streamed = set(candidates) - set(resident)
                 peak = predict_peak(sizes, profile, streamed, prefetch, copy_streams)
                 if peak > budget:
@@ -326,7 +349,7 @@ def plan_for_budget(
 ) -> Plan:
     """The fitting placement with the lowest predicted step time (ties: fewer bytes streamed).
 
-    Tries resident sets of every size in three patterns and each prefetch depth, then
+    Tries resident sets of every size in three patterns (four with layers on disk) and each prefetch depth, then
     improves the best one greedily (see ``_improve``).
     """
     return shortlist(sizes, profile, budget, 1, prefetch_choices, copy_streams)[0]

@@ -6,6 +6,9 @@ ring, must fit it; streamed layers that do not fit are spilled to disk (:mod:`..
 
 Policy (:func:`plan_tiers`)
     - Only streamed layers spill (a resident layer with an fp8 master keeps it in RAM: re-placement reads it).
+    - Which: the builder's ``choose`` (the disk plan, :mod:`..planning.disk_plan`: the layers whose reads hide behind
+      the longest compute, from the step's order and the measured bandwidths), given the candidates in the order they
+      run and the bytes a choice leaves over the budget. Without one (direct callers):
     - The layers read least often per step spill first (``reads``: uses per step; every streamed layer is read
       alike by default, a LoRA step's forward and backward); among those read alike, as few as fit, spread evenly
       over the order the layers run in: each disk read then overlaps the compute and copies of the RAM layers
@@ -21,7 +24,7 @@ Policy (:func:`plan_tiers`)
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import DGLSUserError
@@ -30,6 +33,8 @@ from ..memory.layout import GiB, LayerLayout, human_bytes
 from ..memory.pinned import whole_pages
 
 RING_BUFFERS = 2
+# (candidates in run order, over(spilled): bytes over the budget) -> the layers to spill: the builder's disk plan
+Chooser = Callable[[Sequence[int], Callable[[list[int]], int]], list[int]]
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,7 @@ class Tiers:
     ring_count: int
     spilled: dict[int, int] = field(default_factory=dict)
     states: int = 0  # full fine-tuning: layers whose fp32 masters and optimizer state live on disk
+    forecast: str = ""  # the disk plan's line: the disk floor against the step's compute (set by the builder)
 
     @property
     def ring_bytes(self) -> int:
@@ -85,9 +91,10 @@ def plan_tiers(
     budget: int,
     ring_count: int,
     reads: Mapping[int, int] | None = None,
+    choose: Chooser | None = None,
 ) -> Tiers:
-    """Spill streamed layers (the least read first, spread over the order) until the RAM masters and the ring fit
-    ``budget``."""
+    """Spill streamed layers until the RAM masters and the ring fit ``budget``: those ``choose`` picks, or without it
+    the least read first, spread over the order."""
     size = {i: layouts[i].host_bytes for i in hosted}
     ram = sum(whole_pages(n) for n in size.values())
     candidates = [i for i in sorted(streamed) if size.get(i, 0) > 0]  # the order they run in
@@ -97,8 +104,15 @@ def plan_tiers(
         left = ram - sum(whole_pages(size[i]) for i in spilled)
         return Tiers(budget, left, ring_count, {i: size[i] for i in sorted(spilled)})
 
+    def over(spilled: list[int]) -> int:
+        tiers = tiers_for(spilled)
+        return tiers.ram_bytes + tiers.ring_bytes - budget
+
     tiers, fixed = tiers_for([]), []
-    for level in sorted({reads.get(i, 1) for i in candidates}):
+    if choose is not None:
+        chosen = choose(candidates, over)
+        tiers = tiers_for(chosen if over(chosen) <= 0 else candidates)
+    for level in sorted({reads.get(i, 1) for i in candidates}) if choose is None else ():
         group = [i for i in candidates if reads.get(i, 1) == level]
         for k in range(len(group) + 1):
             tiers = tiers_for(fixed + spread(group, k))

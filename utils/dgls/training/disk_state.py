@@ -51,7 +51,7 @@ from ..memory.disk_tier import DiskFile, check_directory, remove_stale
 from ..memory.layout import LayerLayout, TrainingLayout, human_bytes
 from ..memory.pinned import page_aligned_empty, whole_pages
 from ..memory.transport import Copy, Transport
-from ..streaming.tiers import Tiers, plan_tiers, spread
+from ..streaming.tiers import Chooser, Tiers, plan_tiers, spread
 from .grad_return import TrainedLayer
 
 SLOTS = 2  # one being updated while the next one's state is read
@@ -97,13 +97,14 @@ def plan_full_tiers(
     budget: int,
     ring_count: int,
     trained: TrainingLayout,
+    choose: Chooser | None = None,
 ) -> tuple[Tiers, dict[int, int]]:
     """A full fine-tune under ``budget``: the weights' tiers and the spilled training states (layer -> extent bytes).
 
     RAM holds the packed copies, the gradients (landings, sums), the masters and state of the layers not spilled and
     ``SLOTS`` buffers of the largest spilled extent. States spill first (read once a step), as few as fit, spread over
-    the layer order; with every state on disk, the weights spill as for a LoRA (:func:`~..streaming.tiers.plan_tiers`)
-    within what is left."""
+    the layer order; with every state on disk, the weights spill as for a LoRA (:func:`~..streaming.tiers.plan_tiers`,
+    with ``choose``) within what is left."""
     packed = sum(whole_pages(layouts[i].host_bytes) for i in hosted)
     parts = trained.parts()
     gradients = parts["gradients"]
@@ -120,7 +121,7 @@ def plan_full_tiers(
     slots = SLOTS * max(extents.values(), default=0)
     left = budget - gradients - slots - sum(n for i, n in state.items() if i not in extents)
     try:
-        tiers = plan_tiers(layouts, hosted, streamed, max(left, 0), ring_count)
+        tiers = plan_tiers(layouts, hosted, streamed, max(left, 0), ring_count, choose=choose)
     except DGLSUserError:
         raise DGLSUserError(
             f"host_ram_budget {human_bytes(budget)} is too small for this full fine-tune: with every streamed layer's "

@@ -1,0 +1,105 @@
+"""Disk planning at build: the disk plan's inputs (:mod:`..planning.disk_plan`) from the layouts, the placement and
+two measured bandwidths, as the chooser :func:`~..streaming.tiers.plan_tiers` calls.
+
+- Lazy: nothing is measured unless something must spill (``over([])`` above 0): a budget that holds every master
+  writes nothing to disk.
+- The disk's read bandwidth: :func:`~..memory.disk_tier.probe_read_gbps` in the run's disk directory, before any
+  layer is packed, through the reader the tier will use; the tier keeps the figure for its start-up line.
+- The copy bandwidth: on CUDA a few timed copies of page-locked bytes (unlocked after); on the CPU the planner's
+  nominal one.
+- Compute: the VRAM planner measures it on step 2, after the build; here it is estimated from param counts (each
+  layer computing a step for as long as its two copies take, the break-even of streaming), and the line says so.
+  With a VRAM budget the planner's own predictions use the measured compute and the reads of the layers chosen here
+  (:attr:`~..planning.planner.StepProfile.read_ms`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from ..memory.disk_tier import PROBE_BYTES, probe_read_gbps
+from ..memory.layout import LayerLayout
+from ..memory.pinned import page_aligned_empty, register, unregister, whole_pages
+from ..planning.autoplan import CPU_BYTES_PER_MS
+from ..planning.disk_plan import DiskCosts, DiskForecast, choose_spilled, forecast
+from ..planning.planner import UseTiming
+from ..streaming.placement import Placement
+from ..streaming.schedule import Phase
+from ..streaming.tiers import RING_BUFFERS
+
+COPY_PROBE_BYTES = 64 * 1024 * 1024
+BACKWARD_SHARE = 2.0  # an estimated backward use computes this many times its forward
+
+
+class DiskChoice:
+    """The chooser for :func:`~..streaming.tiers.plan_tiers`; after it ran, :attr:`costs` and :meth:`forecast`."""
+
+    def __init__(self, layouts: Sequence[LayerLayout], placement: Placement, device: torch.device, directory) -> None:
+        self.layouts = layouts
+        self.placement = placement
+        self.device = device
+        self.directory: str | Path | None = directory
+        self.costs: DiskCosts | None = None
+        self.read_gbps = 0.0
+
+    def __call__(self, candidates: Sequence[int], over: Callable[[list[int]], int]) -> list[int]:
+        if over([]) <= 0:
+            return []
+        streamed = self.placement.streamed
+        total = sum(whole_pages(self.layouts[i].host_bytes) for i in streamed)
+        self.read_gbps, _ = probe_read_gbps(self.directory, min(total, PROBE_BYTES), pin=self.device.type == "cuda")
+        copy_per_ms = copy_bytes_per_ms(self.device)
+        step_copies_ms = 2 * sum(layout.sizes.streamable_bytes for layout in self.layouts) / copy_per_ms
+        self.costs = DiskCosts(
+            uses=estimated_uses(self.layouts, step_copies_ms),
+            copy_bytes={i: self.layouts[i].host_bytes for i in streamed},
+            read_bytes={i: whole_pages(self.layouts[i].host_bytes) for i in streamed},
+            copy_bytes_per_ms=copy_per_ms,
+            read_bytes_per_ms=max(self.read_gbps, 1e-6) * 1e6,
+            prefetch=self.placement.prefetch,
+            ring=RING_BUFFERS,
+        )
+        return choose_spilled(self.costs, [i for i in streamed if i in set(candidates)], over)
+
+    def forecast(self, spilled: Sequence[int]) -> DiskForecast | None:
+        if self.costs is None:
+            return None
+        return forecast(self.costs, self.placement.streamed, spilled)
+
+
+def estimated_uses(layouts: Sequence[LayerLayout], scale_ms: float) -> tuple[UseTiming, ...]:
+    """A step's uses without a probe: every layer forward in order, then backward in reverse, each computing in
+    proportion to its params (a backward ``BACKWARD_SHARE`` times its forward), scaled so the step computes for
+    ``scale_ms``."""
+    params = [sum(p.param.numel() for p in layout.params) for layout in layouts]
+    weight = sum(params) * (1 + BACKWARD_SHARE) or 1
+    per = scale_ms / weight
+    forward = [UseTiming(i, Phase.FORWARD, n * per) for i, n in enumerate(params)]
+    backward = [UseTiming(i, Phase.BACKWARD, n * per * BACKWARD_SHARE) for i, n in reversed(list(enumerate(params)))]
+    return tuple(forward + backward)
+
+
+def copy_bytes_per_ms(device: torch.device) -> float:
+    """Host-to-device bytes per ms: a few timed copies of pinned bytes on CUDA; the planner's nominal figure on the
+    CPU (no copies to time)."""
+    if device.type != "cuda":
+        return CPU_BYTES_PER_MS
+    src = page_aligned_empty(COPY_PROBE_BYTES)  # page-locked here and unlocked after (torch's pinned cache would
+    pointers = register(src)  # keep it for the run, RAM the host RAM budget counts on)
+    try:
+        dst = torch.empty(COPY_PROBE_BYTES, dtype=torch.uint8, device=device)
+        dst.copy_(src, non_blocking=True)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end)
+        del dst
+    finally:
+        unregister(pointers)
+    return 3 * COPY_PROBE_BYTES / ms if ms > 0 else CPU_BYTES_PER_MS

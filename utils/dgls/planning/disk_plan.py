@@ -1,0 +1,277 @@
+"""Disk plan: which streamed layers' masters go to the disk tier, chosen so their reads hide behind compute, and
+the floor the disk sets on a step.
+
+Why: a spilled byte costs many pinned ones (a local disk reads a few GB/s, a PCIe copy runs at tens), so which
+layers spill decides whether the disk tier costs nothing or sets the step time. The host RAM budget fixes how many
+bytes must spill (:mod:`..streaming.tiers`); this model decides which.
+
+Model (:func:`simulate_reads`): the step's layer uses in order, each with its compute time (measured by the VRAM
+planner's probe, :func:`profile_costs`, or estimated from param counts by the builder,
+:func:`~..engine.disk_planning.estimated_uses`), replayed as :func:`.planner.simulate` replays them (compute runs
+the uses in order; a streamed layer's copy starts once its slot is free and the copy stream is), plus the disk
+reader (:mod:`..memory.copier`, :mod:`..memory.disk_tier`):
+
+- a spilled layer's read is submitted with its fetch (``prefetch`` streamed uses ahead of its use) and its copy
+  starts only once the read completed;
+- the reads of a step run one at a time, in order, on the reader thread;
+- a read lands in one of ``ring`` staging buffers, after the copy that read that buffer before.
+
+Choice (:func:`choose_spilled`), greedy until what the caller keeps in RAM fits its budget:
+
+- Candidates are the streamed layers with bytes to read: a resident layer never spills.
+- Each round takes the candidate that adds the least predicted step time per byte it frees; among those that add
+  none (their reads hide), the one whose read has the longest hiding window (:func:`hiding_windows`: the compute
+  between its fetch and its use, less its copy), so the layers whose copies hide behind the longest compute go
+  first. Candidates are tried in window order and the first whose read hides is taken at once; where none hides, a
+  round takes a batch of the cheapest that are not neighbours (thousands of swap units take few rounds).
+- The staging ring (two buffers of the largest spilled layer) counts against the budget too: the greedy runs once
+  per cap on the spilled layers' size (a few of their distinct sizes) and the fastest predicted choice that fits
+  wins (then the one reading the fewest bytes).
+
+Invariants
+    - Pure: no I/O, no device; the same inputs give the same choice.
+    - Spilling nothing predicts the all-in-RAM step exactly as :func:`.planner.simulate` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..memory.layout import LayerSizes, human_bytes
+
+if TYPE_CHECKING:  # the planner imports this module: its replay runs reads where the probe's profile has them
+    from .planner import StepProfile, UseTiming
+
+RING = 2  # staging buffers the reads land in (:data:`..streaming.tiers.RING_BUFFERS`)
+MAX_TRIED = 32  # candidates simulated per round when no read hides (the best windows first)
+CAPS = 4  # caps on the spilled layers' size tried (the staging ring holds two of the largest)
+BATCH_SHARE = 16  # a round of the greedy takes at most this share of the candidates (1 / BATCH_SHARE)
+GREEDY_STEPS = 2  # steps replayed to rank candidates (the second is in steady state)
+HIDDEN_MS = 1e-6  # a step this much slower, or less, is as fast
+
+
+@dataclass(frozen=True)
+class DiskCosts:
+    """What the model replays: one step's uses, the bytes of each layer, the two bandwidths and the prefetch."""
+
+    uses: tuple[UseTiming, ...]  # one whole step, in order (the next step repeats it)
+    copy_bytes: Mapping[int, int]  # host->device bytes per fetch, by layer
+    read_bytes: Mapping[int, int]  # disk bytes per read (whole pages), by layer
+    copy_bytes_per_ms: float
+    read_bytes_per_ms: float
+    prefetch: int
+    ring: int = RING
+    measured: bool = False  # the compute times were measured (the VRAM planner's probe), not estimated
+
+    @property
+    def compute_ms(self) -> float:
+        return sum(u.compute_ms for u in self.uses)
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """One predicted step in steady state."""
+
+    step_ms: float
+    read_ms: float  # the reader's busy time in the step
+    read_bytes: int  # bytes read from disk in the step
+    reads: int
+
+
+def simulate_reads(costs: DiskCosts, streamed: Iterable[int], spilled: Iterable[int], steps: int = 3) -> StepTimes:
+    """The last of ``steps`` replayed steps with ``spilled`` (streamed layers) read from disk (the module doc)."""
+    streamed, spilled = set(streamed), set(spilled)
+    uses, n = costs.uses, len(costs.uses)
+    slots, ring = max(costs.prefetch, 0) + 1, max(costs.ring, 1)
+    hold_end: list[float] = []  # per copy: when its layer's run of consecutive uses ends
+    ring_free = [0.0] * ring  # per staging buffer: when the copy that read it last ended
+    copy_free = reader_free = t = 0.0
+    read_count = 0
+    step_end = [0.0] * steps
+    busy = [0.0] * steps
+    nbytes = [0] * steps
+    counts = [0] * steps
+    for k in range(steps * n):
+        use = uses[k % n]
+        layer = use.layer
+        continues = k > 0 and uses[(k - 1) % n].layer == layer
+        if layer in streamed and not continues:
+            issue = hold_end[-slots] if len(hold_end) >= slots else 0.0
+            start = max(issue, copy_free)
+            if layer in spilled:
+                b = read_count % ring
+                read_count += 1
+                read_start = max(issue, reader_free, ring_free[b])
+                read_ms = costs.read_bytes.get(layer, 0) / costs.read_bytes_per_ms
+                reader_free = read_start + read_ms
+                start = max(start, reader_free)
+                busy[k // n] += read_ms
+                nbytes[k // n] += costs.read_bytes.get(layer, 0)
+                counts[k // n] += 1
+            copy_free = start + costs.copy_bytes.get(layer, 0) / costs.copy_bytes_per_ms
+            if layer in spilled:
+                ring_free[(read_count - 1) % ring] = copy_free
+            t = max(t, copy_free)
+            hold_end.append(0.0)
+        t += use.compute_ms
+        if layer in streamed:
+            hold_end[-1] = t
+        step_end[k // n] = t
+    last = steps - 1
+    step = step_end[last] - step_end[last - 1] if steps > 1 else step_end[last]
+    return StepTimes(step, busy[last], nbytes[last], counts[last])
+
+
+def hiding_windows(costs: DiskCosts, streamed: Iterable[int]) -> dict[int, float]:
+    """Per streamed layer: the shortest, over its fetches in a step with nothing on disk, of the time between its
+    fetch and its use less its copy (the time a read of it has to hide in)."""
+    streamed = set(streamed)
+    uses, n = costs.uses, len(costs.uses)
+    slots = max(costs.prefetch, 0) + 1
+    hold_end: list[float] = []
+    copy_free = t = 0.0
+    windows: dict[int, float] = {}
+    for k in range(2 * n):  # the second step: its first fetches overlap the first step's end
+        use = uses[k % n]
+        continues = k > 0 and uses[(k - 1) % n].layer == use.layer
+        if use.layer in streamed and not continues:
+            issue = hold_end[-slots] if len(hold_end) >= slots else 0.0
+            copy_ms = costs.copy_bytes.get(use.layer, 0) / costs.copy_bytes_per_ms
+            copy_free = max(issue, copy_free) + copy_ms
+            t = max(t, copy_free)
+            hold_end.append(0.0)
+            if k >= n:
+                window = t - issue - copy_ms
+                windows[use.layer] = min(windows.get(use.layer, window), window)
+        t += use.compute_ms
+        if use.layer in streamed:
+            hold_end[-1] = t
+    return windows
+
+
+def choose_spilled(
+    costs: DiskCosts, streamed: Sequence[int], over: Callable[[list[int]], int], tried: int = MAX_TRIED
+) -> list[int]:
+    """Streamed layers to spill, in the order chosen, until ``over(chosen)`` (bytes over the RAM budget with
+    ``chosen`` spilled, the staging ring included) is no more than 0 (the module doc). The ring is two buffers of the
+    largest spilled layer, so each cap on the spilled layers' size (a few of their distinct sizes) gets its own
+    greedy choice, and the fastest predicted (then the fewest bytes read) wins. Returns every candidate when no
+    choice fits (the caller says so)."""
+    candidates = [i for i in streamed if costs.read_bytes.get(i, 0) > 0]
+    windows = hiding_windows(costs, streamed)
+    position = {layer: k for k, layer in enumerate(candidates)}
+    ranked = sorted(candidates, key=lambda i: (-windows.get(i, 0.0), position[i]))
+    if over([]) <= 0:
+        return []
+    sizes = sorted({costs.read_bytes[i] for i in candidates})
+    caps = sorted({sizes[min(len(sizes) - 1, (len(sizes) * q) // CAPS)] for q in range(1, CAPS + 1)})
+    best: tuple[float, int, list[int]] | None = None
+    for cap in caps:
+        chosen = _greedy(costs, streamed, [i for i in ranked if costs.read_bytes[i] <= cap], over, tried)
+        if over(chosen) > 0:
+            continue
+        times = simulate_reads(costs, streamed, chosen)
+        if best is None or (times.step_ms, times.read_bytes) < best[:2]:
+            best = (times.step_ms, times.read_bytes, chosen)
+    return best[2] if best is not None else candidates
+
+
+def _greedy(
+    costs: DiskCosts, streamed: Sequence[int], ranked: list[int], over: Callable[[list[int]], int], tried: int
+) -> list[int]:
+    """Spill from ``ranked`` (the longest hiding window first) until ``over`` is no more than 0, or all of them.
+    Each round simulates up to ``tried`` of the rest in that order: the first whose read hides is taken alone; else a
+    batch of the least added step time per byte (at most a ``BATCH_SHARE``-th of the candidates, no two within
+    ``prefetch + 1`` of each other in the run order, whose reads would meet), so many layers take few rounds."""
+    position = {layer: k for k, layer in enumerate(streamed)}
+    near = max(costs.prefetch, 0) + 1
+    largest_batch = max(1, len(ranked) // BATCH_SHARE)
+    chosen: list[int] = []
+    base = simulate_reads(costs, streamed, chosen, GREEDY_STEPS).step_ms
+    while over(chosen) > 0 and len(chosen) < len(ranked):
+        taken = set(chosen)
+        scored: list[tuple[float, int]] = []
+        for layer in [c for c in ranked if c not in taken][:tried]:
+            added = simulate_reads(costs, streamed, [*chosen, layer], GREEDY_STEPS).step_ms - base
+            if added <= HIDDEN_MS:
+                scored = [(0.0, layer)]
+                break
+            scored.append((added / costs.read_bytes[layer], layer))
+        batch: list[int] = []
+        for _, layer in sorted(scored):
+            if len(batch) >= largest_batch or (batch and over([*chosen, *batch]) <= 0):
+                break
+            if all(abs(position[layer] - position[other]) > near for other in batch):
+                batch.append(layer)
+        chosen += batch
+        base = simulate_reads(costs, streamed, chosen, GREEDY_STEPS).step_ms
+    return chosen
+
+
+@dataclass(frozen=True)
+class DiskForecast:
+    """The prediction the start-up line says: the disk floor against the step's compute, and whether reads hide."""
+
+    costs: DiskCosts
+    spilled: tuple[int, ...]
+    streamed: int
+    with_disk: StepTimes
+    in_ram: StepTimes
+
+    @property
+    def floor_ms(self) -> float:
+        """Bytes read from disk in a step over the disk's bandwidth: no step is faster."""
+        return self.with_disk.read_bytes / self.costs.read_bytes_per_ms
+
+    @property
+    def added_ms(self) -> float:
+        return self.with_disk.step_ms - self.in_ram.step_ms
+
+    @property
+    def hides(self) -> bool:
+        return self.added_ms <= HIDDEN_MS + 0.01 * self.in_ram.step_ms
+
+    def line(self) -> str:
+        c = self.costs
+        compute = "measured by the probe" if c.measured else "estimated from param counts, as long as the step's copies"
+        said = (
+            f"DGLS disk plan: {len(self.spilled)} of {self.streamed} streamed layers read from disk, "
+            f"{human_bytes(self.with_disk.read_bytes)} a step at {c.read_bytes_per_ms / 1e6:.2f} GB/s: disk floor "
+            f"{_ms(self.floor_ms)} against {_ms(c.compute_ms)} of compute a step ({compute}); predicted step "
+            f"{_ms(self.with_disk.step_ms)}, {_ms(self.in_ram.step_ms)} with every streamed layer in RAM"
+        )
+        if self.hides:
+            return said + ": the reads hide behind compute"
+        return (
+            said + f": the reads add {_ms(self.added_ms)} (raise --host_ram_budget, or a deeper --prefetch starts "
+            "each read earlier)"
+        )
+
+
+def _ms(value: float) -> str:
+    return f"{value:.0f} ms" if value >= 100 else f"{value:.3g} ms"
+
+
+def forecast(costs: DiskCosts, streamed: Sequence[int], spilled: Iterable[int]) -> DiskForecast:
+    spilled = tuple(sorted(set(spilled)))
+    return DiskForecast(
+        costs, spilled, len(streamed), simulate_reads(costs, streamed, spilled), simulate_reads(costs, streamed, ())
+    )
+
+
+def profile_costs(sizes: Sequence[LayerSizes], profile: StepProfile, prefetch: int) -> DiskCosts | None:
+    """The model's inputs from the VRAM planner's probe (measured compute and copies; the disk tier's reads, which
+    the builder gives the planner), or None where no layer is on disk."""
+    if not profile.disk_reads:
+        return None
+    return DiskCosts(
+        uses=profile.uses,
+        copy_bytes={s.index: s.copy_bytes for s in sizes},
+        read_bytes=dict(profile.disk_reads),
+        copy_bytes_per_ms=profile.bytes_per_ms,
+        read_bytes_per_ms=profile.read_bytes_per_ms,
+        prefetch=prefetch,
+        measured=True,
+    )
