@@ -81,8 +81,11 @@ def assert_trains_like_one_process(tmp_path, world: int, *extra: str, tolerance:
 
 
 @pytest.mark.slow  # starts 3 processes with torch
-def test_two_processes_train_what_one_trains_with_the_global_batch(tmp_path):
-    assert_trains_like_one_process(tmp_path, 2)
+@pytest.mark.parametrize("reductions", [(), ("--async_gloo",)], ids=["late", "async"])
+def test_two_processes_train_what_one_trains_with_the_global_batch(tmp_path, reductions):
+    """``late``: on the CPU each bucket's reduction runs when waited for (a missing wait reads unreduced bytes);
+    ``async``: gloo's run beside the backward, as NCCL's do."""
+    assert_trains_like_one_process(tmp_path, 2, *reductions)
 
 
 @pytest.mark.slow  # starts 3 processes with torch
