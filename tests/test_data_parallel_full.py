@@ -289,11 +289,12 @@ def test_a_bucket_is_rewritten_only_after_its_reduction_ran(monkeypatch, late):
     layers = list(range(7, -1, -1))
     shared, params, reduce, delivered = _shared(monkeypatch, rank=1, owners={i: 0 for i in range(8)}, late=late)
     _backward(shared, params, layers)
+    assert sum(shared._allocated.values()) == shared.in_flight + 1, "the pool, not a buffer per layer"
     shared.backward_done()
     assert len(reduce.sent) == len(layers) and not delivered, "a non-owner sends and keeps nothing"
     for idx, sent in zip(layers, reduce.sent, strict=True):
         assert torch.equal(sent, torch.full((6,), float(idx + 1))), (idx, sent)
-    assert sum(len(free) for free in shared._free.values()) == shared.in_flight + 1, "the pool, not one per layer"
+    assert not shared._free and not shared._allocated, "the pool went back to the allocator"
 
 
 def test_one_reduction_per_layer_and_pass_with_a_bounded_number_in_flight(monkeypatch):

@@ -34,7 +34,10 @@ Buckets (layout)
       each param at a fixed offset in layout order (:class:`BucketSlot`, from the layout's shapes: a streamed param
       is an empty placeholder while it is out), the same on every process.
     - Buckets are pool buffers of the largest layer's size: ``in_flight + 1`` per dtype (one open, ``in_flight``
-      reducing), so the device memory of the reduction is a few layers' gradients whatever the depth.
+      reducing), so the device memory of the reduction is that many layers' gradients whatever the depth, during
+      the backward only (the pool goes back to the allocator at its end, after every wait). A placement that leaves
+      less device memory free than that during the backward runs out of it: the placement is the user's here (a
+      VRAM budget's planner is refused, below).
 
 Mechanics
     1. A gradient arriving is copied into its layer's open bucket (the param keeps none; its own tensor is freed).
@@ -59,8 +62,8 @@ Streams (NCCL)
 Hazards handled
     - An owner reads a bucket only after waiting for its reduction (else: its own gradient, unreduced).
     - A bucket's buffer is rewritten only after its reduction was waited for (else another layer's bytes are sent).
-    - The owner's means are tensors of their own: the host training's copy home may still read them when the
-      buffer is reused.
+    - The owner's means are tensors of their own, not views of the bucket: the buffer is reused while the host
+      training's copy home may still read them.
     - Every launched reduction is waited for before the step's norm and updates read the gradients
       (:meth:`SharedGradients.backward_done`, before the host training's).
 
@@ -90,8 +93,9 @@ Refused (one line each)
 
 Invariants
     - Every process runs the same backward (the same layers, the same params with gradients, in the same order):
-      the reduces are collectives matched by order. A param without a gradient on one process must have none on
-      all (the demo's and diffusion-pipe's models give every trained param one).
+      the buckets are the same on every process, and their reductions are collectives matched by launch order
+      (waited for in that order too). A param without a gradient on one process must have none on all (the demo's
+      and diffusion-pipe's models give every trained param one).
     - Equal to one process with the global batch up to the order of summation (each process's mean over its rows,
       then the mean over processes).
     - The processes of the job are the processes that host these layers, all on one machine (one pipeline stage);
@@ -384,12 +388,15 @@ class SharedGradients:
 
     def backward_done(self) -> None:
         """The backward ended: the open bucket (a layer that did not get every gradient) is launched, and every
-        bucket in flight waited for (an owner's gradients are in its host training before it closes them)."""
+        bucket in flight waited for (an owner's gradients are in its host training before it closes them). The pool
+        goes back to the allocator: the next forward's activations may use that memory."""
         with peer_failure("the reduction of the streamed layers' gradients"):
             if self._open is not None:
                 self._launch(self._open)
             while self._flight:
                 self._complete(self._flight.popleft())
+        self._free.clear()
+        self._allocated.clear()
 
     def norm_sum(self, squared: torch.Tensor) -> torch.Tensor:
         """The host part of the squared gradient norm, summed over the processes (each owner holds its layers')."""
