@@ -73,14 +73,19 @@ def assert_trains_like_one_process(tmp_path, world: int, *extra: str, tolerance:
         evaluated = one["eval"][r * rows : (r + 1) * rows]  # its rows of the global batch, after the last step
         assert (rank["eval"] - evaluated).abs().max().item() <= max(1e-3, tolerance) * evaluated.abs().max().item()
         assert rank["named"] == [], "the shared segments lose their names once every rank mapped them"
+        # one reduction per host-trained layer and backward pass (its bucket), not one per param
+        assert rank["collectives"] == [len(one["owned"]) * rank["backwards"]] * len(rank["collectives"])
     owned = [set(rank["owned"]) for rank in many]
     assert all(owned) and set.union(*owned) == set(one["owned"]) and sum(map(len, owned)) == len(one["owned"])
     return many
 
 
 @pytest.mark.slow  # starts 3 processes with torch
-def test_two_processes_train_what_one_trains_with_the_global_batch(tmp_path):
-    assert_trains_like_one_process(tmp_path, 2)
+@pytest.mark.parametrize("reductions", [(), ("--async_gloo",)], ids=["late", "async"])
+def test_two_processes_train_what_one_trains_with_the_global_batch(tmp_path, reductions):
+    """``late``: on the CPU each bucket's reduction runs when waited for (a missing wait reads unreduced bytes);
+    ``async``: gloo's run beside the backward, as NCCL's do."""
+    assert_trains_like_one_process(tmp_path, 2, *reductions)
 
 
 @pytest.mark.slow  # starts 3 processes with torch
@@ -197,70 +202,161 @@ def test_what_the_library_cannot_share_is_refused_before_anything_is_built(setti
     assert all(p.device.type == "cpu" and p.numel() for layer in layers for p in layer.parameters())
 
 
-class _Work:
+# ---------------------------------------------------------------- buckets, in-process (a fake second process)
+OTHER = 100.0  # what the other process adds to every element of a bucket when its reduction runs
+
+
+class FakeReduce:
+    """``torch.distributed.reduce`` between this process and another whose gradients are all ``OTHER``: the sum is
+    made only when the reduction runs (blocking: when called; asynchronous: when its work is waited for, as a late
+    NCCL or gloo collective), so an owner that reads a bucket before waiting reads its own bytes, and a bucket
+    rewritten before its wait sends another layer's. ``sent``: the bytes each reduction read, in the order they ran;
+    ``calls``: reductions started; ``waiting``: asynchronous ones not waited for yet."""
+
     def __init__(self) -> None:
-        self.waited = False
+        self.sent: list[torch.Tensor] = []
+        self.calls = 0
+        self.waiting = 0
+        self.most_waiting = 0
 
-    def wait(self) -> None:
-        self.waited = True
+    def __call__(self, tensor, dst, op=None, async_op=False):
+        self.calls += 1
+        if not async_op:
+            self._run(tensor)
+            return None
+        self.waiting += 1
+        self.most_waiting = max(self.most_waiting, self.waiting)
+        return _DeferredWork(self, tensor)
+
+    def _run(self, tensor) -> None:
+        self.sent.append(tensor.clone())
+        tensor.add_(OTHER)
 
 
-def test_a_non_owner_keeps_one_layers_gradients_in_flight_not_the_whole_models(monkeypatch):
-    """A non-owner's reduces run beside the backward; each layer's are waited for when the next layer's start, so
-    the gradients they keep alive are one layer's (N micro-batches' of it, layer-major), not every layer's of the
-    backward (N times the model's, layer-major: the device memory streaming exists to save)."""
+class _DeferredWork:
+    def __init__(self, reduce: FakeReduce, tensor: torch.Tensor) -> None:
+        self.reduce, self.tensor, self.done = reduce, tensor, False
+
+    def wait(self) -> bool:
+        if not self.done:
+            self.reduce.waiting -= 1
+            self.reduce._run(self.tensor)
+            self.done = True
+        return True
+
+
+def _shared(monkeypatch, rank: int, owners: dict[int, int], numels=(4, 2), late: bool | None = None):
     from torch import nn
 
     from utils.dgls.training.data_parallel import SharedGradients
 
-    works: list[_Work] = []
-
-    def reduce(tensor, dst, op, async_op=False):
-        works.append(_Work())
-        return works[-1]
-
+    reduce = FakeReduce()
     monkeypatch.setattr(torch.distributed, "reduce", reduce)
-    params = {i: [nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(2))] for i in range(3)}
-    shared = SharedGradients(Ownership(rank=1, size=2, owners={0: 0, 1: 0, 2: 0}), params)
-    for idx in range(3):
-        for _micro_batch in range(2):  # layer-major: a layer's micro-batches in a row
-            for p in params[idx]:
-                p.grad = torch.ones_like(p)
-                shared._reduce(idx, p)
-                assert p.grad is None
-    assert [w.waited for w in works] == [True] * 8 + [False] * 4
-    assert {idx for idx, _, _ in shared._pending} == {2}
+    params = {i: [nn.Parameter(torch.zeros(n)) for n in numels] for i in owners}
+    shared = SharedGradients(Ownership(rank=rank, size=2, owners=owners), params, late=late)
+    delivered: list[tuple[int, torch.Tensor]] = []
+    by_param = {id(p): i for i, layer in params.items() for p in layer}
+    shared.install(lambda idx: None, lambda param, grad: delivered.append((by_param[id(param)], grad)))
+    return shared, params, reduce, delivered
+
+
+def _backward(shared, params, layers, value=lambda idx, position: float(idx + 1)) -> None:
+    """The hooks as a backward over ``layers`` (last layer first) calls them: each trained param's gradient, the
+    layer's own value (``idx + 1``), then the backward's end."""
+    for idx in layers:
+        for position, p in enumerate(params[idx]):
+            p.grad = torch.full_like(p, value(idx, position))
+            shared._reduce(idx, p)
+            assert p.grad is None, "the gradient left the param for its bucket"
+
+
+@pytest.mark.parametrize("late", [None, False], ids=["cpu-late", "async"])
+def test_an_owner_gets_each_params_mean_only_after_its_buckets_reduction_ran(monkeypatch, late):
+    """The owner's host training reads a layer's gradients only once its bucket's reduction was waited for: a missing
+    wait would give it its own gradient halved (here (idx + 1) / 2, not (idx + 1 + OTHER) / 2)."""
+    shared, params, reduce, delivered = _shared(monkeypatch, rank=0, owners={i: 0 for i in range(5)}, late=late)
+    _backward(shared, params, [4, 3, 2, 1, 0])
     shared.backward_done()
-    assert all(w.waited for w in works) and not shared._pending
+    assert [idx for idx, _ in delivered] == [4, 4, 3, 3, 2, 2, 1, 1, 0, 0], "each layer's params, in layout order"
+    for idx, grad in delivered:
+        assert torch.equal(grad, torch.full_like(grad, (idx + 1 + OTHER) / 2)), (idx, grad)
+
+
+@pytest.mark.parametrize("late", [None, False], ids=["cpu-late", "async"])
+def test_a_bucket_is_rewritten_only_after_its_reduction_ran(monkeypatch, late):
+    """Deeper than the pool (``in_flight + 1`` buffers), every bucket is reused: each reduction must still send
+    its own layer's bytes (a buffer given back before its wait sends the layer after's)."""
+    layers = list(range(7, -1, -1))
+    shared, params, reduce, delivered = _shared(monkeypatch, rank=1, owners={i: 0 for i in range(8)}, late=late)
+    _backward(shared, params, layers)
+    assert sum(shared._allocated.values()) == shared.in_flight + 1, "the pool, not a buffer per layer"
+    shared.backward_done()
+    assert len(reduce.sent) == len(layers) and not delivered, "a non-owner sends and keeps nothing"
+    for idx, sent in zip(layers, reduce.sent, strict=True):
+        assert torch.equal(sent, torch.full((6,), float(idx + 1))), (idx, sent)
+    assert not shared._free and not shared._allocated, "the pool went back to the allocator"
+
+
+def test_one_reduction_per_layer_and_pass_with_a_bounded_number_in_flight(monkeypatch):
+    """One collective per layer (its bucket), not one per param; at most ``in_flight`` run beside the backward, so
+    the device memory they hold does not grow with depth; each overlaps the backward of the layers after it."""
+    shared, params, reduce, delivered = _shared(monkeypatch, rank=0, owners={i: i % 2 for i in range(6)}, late=False)
+    for step in range(2):
+        calls = reduce.calls
+        _backward(shared, params, [5, 4, 3, 2, 1, 0])
+        assert reduce.calls - calls == 6 and reduce.waiting == shared.in_flight == 2
+        shared.backward_done()
+        assert reduce.waiting == 0 and shared.collectives == 6 * (step + 1)
+    assert reduce.most_waiting == 2
+    assert sorted({idx for idx, _ in delivered}) == [0, 2, 4], "the owner's layers only"
+
+
+def test_a_param_without_a_gradient_leaves_its_layers_bucket_partial_and_sent_when_the_next_layer_begins(monkeypatch):
+    """Every process runs the same backward, so a bucket that misses a param misses it everywhere: sent when another
+    layer's gradients begin (or the backward ends), the owner gets the params it holds."""
+    shared, params, reduce, delivered = _shared(monkeypatch, rank=0, owners={0: 0, 1: 0}, late=False)
+    p = params[1][0]
+    p.grad = torch.full_like(p, 2.0)
+    shared._reduce(1, p)  # layer 1's second param gets no gradient
+    assert reduce.calls == 0
+    _backward(shared, params, [0])
+    assert reduce.calls == 2
+    shared.backward_done()
+    assert [(idx, g.numel()) for idx, g in delivered] == [(1, 4), (0, 4), (0, 2)]
+    assert torch.equal(delivered[0][1], torch.full((4,), (2 + OTHER) / 2))
+
+
+def test_a_second_gradient_of_a_param_in_one_pass_launches_the_bucket_holding_the_first(monkeypatch):
+    """Reentrant checkpointing runs a layer's backward twice in one pass: each gradient is reduced, in its own
+    bucket, and the owner's host training gets both (it sums them, as one process's would)."""
+    shared, params, reduce, delivered = _shared(monkeypatch, rank=0, owners={0: 0}, late=False)
+    a, b = params[0]
+    for value in (1.0, 3.0):
+        for p in (a, b):
+            p.grad = torch.full_like(p, value)
+            shared._reduce(0, p)
+    shared.backward_done()
+    assert reduce.calls == 2
+    assert [g[0].item() for _, g in delivered] == [(1 + OTHER) / 2] * 2 + [(3 + OTHER) / 2] * 2
 
 
 def test_layer_major_reduces_each_layers_device_sum_once_a_step(monkeypatch):
     """Under the layer-major schedule a layer's gradients are summed on the device over the step's micro-batches
-    (training/device_sums.py): the reduce to the owner sends that sum, once a step, not each micro-batch's gradient
-    (N times the bytes and collectives)."""
-    from torch import nn
-
-    from utils.dgls.training.data_parallel import SharedGradients
+    (training/device_sums.py): the reduce to the owner sends that sum, once a step and layer (its bucket), not each
+    micro-batch's gradients (N times the bytes and collectives)."""
     from utils.dgls.training.device_sums import DeviceSums
 
-    sent: list[torch.Tensor] = []
-
-    def reduce(tensor, dst, op, async_op=False):
-        sent.append(tensor.clone())
-        return _Work() if async_op else None
-
-    monkeypatch.setattr(torch.distributed, "reduce", reduce)
-    params = {i: [nn.Parameter(torch.zeros(3))] for i in range(2)}
-    shared = SharedGradients(Ownership(rank=1, size=2, owners={0: 0, 1: 1}), params)
+    shared, params, reduce, delivered = _shared(monkeypatch, rank=1, owners={0: 0, 1: 1, 2: 0}, late=False)
     shared.device_sums = sums = DeviceSums()
-    for idx in (1, 0):  # the backward: last layer first, each over its 4 micro-batches
+    for idx in (2, 1, 0):  # the backward: last layer first, each over its 4 micro-batches
         for m in range(4):
             sums.final = m == 3
-            (p,) = params[idx]
-            p.grad = torch.full((3,), float(m + 1))
-            shared._reduce(idx, p)
-            if m < 3:
-                assert p.grad is None, "summed on the device, nothing sent yet"
-    assert len(sent) == 2 and all(torch.equal(t, torch.full((3,), 10.0)) for t in sent)
-    assert torch.equal(params[1][0].grad, torch.full((3,), 5.0)), "the owner's: the mean over the 2 processes"
-    assert params[0][0].grad is None and sums.pending == 0
+            for p in params[idx]:
+                p.grad = torch.full_like(p, float(m + 1))
+                shared._reduce(idx, p)
+                assert p.grad is None
+    shared.backward_done()
+    assert reduce.calls == 3 and all(torch.equal(t, torch.full((6,), 10.0)) for t in reduce.sent)
+    assert [idx for idx, _ in delivered] == [1, 1], "the owner's layer, its params"
+    assert all(torch.equal(g, torch.full_like(g, (10.0 + OTHER) / 2)) for _, g in delivered)
+    assert sums.pending == 0

@@ -281,7 +281,8 @@ def _data_parallel_share(
         {idx: streamed_layouts[idx] for idx in ownership.owned}, c.training.host_optimizer,
         c.training.accumulation_steps, c.training.clip_grads, c.training.speculate_clipping,
     )  # fmt: skip
-    return (SharedGradients(ownership, params) if ownership.size > 1 else None), owned
+    shapes = {idx: [(p.param.shape, p.param.dtype) for p in place.params] for idx, place in trained.layers.items()}
+    return (SharedGradients(ownership, params, shapes) if ownership.size > 1 else None), owned
 
 
 def start_report(parts: Parts) -> list[str]:

@@ -22,7 +22,8 @@ Modules
     - ``speculation.py``: under clipping, steps that start before the gradient norm is known, undone and redone
       in a step that clips (exact); their old values' spares.
     - ``data_parallel.py``: data-parallel full fine-tuning over the processes' shared host copy: an owner per
-      layer, gradients reduced to it during the backward, updates published at a barrier after each step.
+      layer, each layer's gradients reduced to it in one bucket beside the backward, updates published at a barrier
+      after each step.
     - ``disk_state.py``: with a host RAM budget, the fp32 masters and optimizer state of the layers that do not fit
       live in a file on disk, read before each one's host update and written back after it (they spill before the
       weights: read once a step).

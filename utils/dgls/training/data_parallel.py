@@ -8,17 +8,19 @@ Data-parallel processes on one machine already stream from one host copy of the 
   Only the owner builds the layer's fp32 master, gradient landings and optimizer state, so the machine holds one
   copy of each; for an fp32 model the shared packed copy is the master itself.
 - Gradients (:class:`SharedGradients`): a post-accumulate-grad hook on every trained param of a streamed layer,
-  installed before the host training's own, reduces the param's gradient to the layer's owner
-  (``torch.distributed.reduce``, SUM, then divided by the number of processes: the mean, as DeepSpeed's
-  data-parallel reduction of the resident params' gradients). On the owner the mean goes on into the host
-  training (its landings, sums, norms and update); elsewhere the gradient is dropped once the reduce has sent it
-  (a non-owner waits for a layer's reduces when the next layer's first one starts, and for the last layer's when
-  the backward ends: at most one layer's gradients are in flight, never the whole model's). The reduce of a layer
-  runs as its gradients are ready, inside the backward.
+  installed before the host training's own, takes the param's gradient into its layer's *bucket*, and once the
+  layer's gradients are all in, launches one asynchronous ``torch.distributed.reduce`` (SUM) of the bucket to the
+  layer's owner; the owner divides by the number of processes (the mean, as DeepSpeed's data-parallel reduction of
+  the resident params' gradients) and hands each param's mean to its host training (landings, sums, norms, update).
+  Why a reduce to the owner, not a reduce-scatter: every layer has exactly one owner, so the reduce *is* a
+  reduce-scatter of the model's gradients with layer-sized shards, launched layer by layer as the backward makes
+  them (one collective per layer, the owner gets its layer's exact sum, in the backend's order); with the owners
+  balanced each process sends about what one reduce-scatter of the whole model's gradients would. Splitting each
+  layer over the processes would need a layer's update split too, and the ownership is per layer.
 - Layer-major steps (:mod:`..engine.layer_major`): the hook first adds each micro-batch's gradient to the step's
-  device sum (:mod:`.device_sums`, the host training's same object) and reduces that sum once, at the layer's last
-  micro-batch: one reduce a step, not one per micro-batch; the owner's host training gets the reduced sum as the
-  step's one gradient.
+  device sum (:mod:`.device_sums`, the host training's same object); only the layer's last micro-batch's sum goes
+  into the bucket: one reduction per layer a step, not one per micro-batch; the owner's host training gets the
+  reduced sum as the step's one gradient.
 - Clipping: the host part of the squared gradient norm is summed over the processes (each owner counts its own
   layers once); the resident params' gradients are already the same everywhere and count once.
 - Publication: after the step's updates are queued, every process waits for its own updates to be written
@@ -27,10 +29,43 @@ Data-parallel processes on one machine already stream from one host copy of the 
   owner's writes, so the next forward's fetches read the updated weights; every streamed trained layer is
   evicted when a backward ends, so no slot keeps an old copy.
 
+Buckets (layout)
+    - A layer's bucket is flat, one segment per dtype (a layer computes in one, so one segment and one collective),
+      each param at a fixed offset in layout order (:class:`BucketSlot`, from the layout's shapes: a streamed param
+      is an empty placeholder while it is out), the same on every process.
+    - Buckets are pool buffers of the largest layer's size: ``in_flight + 1`` per dtype (one open, ``in_flight``
+      reducing), so the device memory of the reduction is that many layers' gradients whatever the depth, during
+      the backward only (the pool goes back to the allocator at its end, after every wait). A placement that leaves
+      less device memory free than that during the backward runs out of it: the placement is the user's here (a
+      VRAM budget's planner is refused, below).
+
+Mechanics
+    1. A gradient arriving is copied into its layer's open bucket (the param keeps none; its own tensor is freed).
+       One bucket is open: the layer whose gradients arrived last. It is launched when it holds every param's
+       gradient, when another layer's gradients begin (a param without one this pass: every process runs the same
+       backward, so the bucket misses it everywhere), when a param it holds gets a second gradient in one pass
+       (reentrant checkpointing), or when the backward ends.
+    2. Launch: where ``in_flight`` buckets already reduce, the oldest is waited for first (step 3); then one
+       ``reduce(async_op=True)`` per segment. Layer k's reduction runs beside the backward of the layers before it.
+    3. Completion, oldest first (the processes wait in one order): wait for the bucket's works; on the owner each
+       param's mean is a new tensor (``view / size``), handed to its host training
+       (:meth:`~.grad_return.GradReturn.receive`); the buffers go back to the pool. The backward's end completes
+       every bucket, before the host training closes the step's batches.
+    4. On the CPU (gloo) a reduction runs only when waited for (:class:`LateReduce`, as the CPU transport lands its
+       copies late): a missing wait, or a bucket rewritten before its wait, changes the numbers in a CPU test.
+
 Streams (NCCL)
-    - An owner's reduce is waited for on the compute stream before its gradient goes home (the copy home is
-      ordered after the compute stream); a non-owner's runs on NCCL's stream beside the backward, its gradient kept
-      referenced until it is waited for (the next layer's first reduce, or the backward's end).
+    - A reduction runs on NCCL's stream after the compute stream's copies into its bucket (NCCL orders it after the
+      current stream); waiting makes the compute stream wait for it, so the owner's division (and the copy home,
+      ordered after the compute stream) reads the sum, and the next copy into the buffer comes after the send.
+
+Hazards handled
+    - An owner reads a bucket only after waiting for its reduction (else: its own gradient, unreduced).
+    - A bucket's buffer is rewritten only after its reduction was waited for (else another layer's bytes are sent).
+    - The owner's means are tensors of their own, not views of the bucket: the buffer is reused while the host
+      training's copy home may still read them.
+    - Every launched reduction is waited for before the step's norm and updates read the gradients
+      (:meth:`SharedGradients.backward_done`, before the host training's).
 
 Refused (one line each)
     - An optimizer whose step sums over every param (Prodigy's d): each instance would see one share.
@@ -58,8 +93,9 @@ Refused (one line each)
 
 Invariants
     - Every process runs the same backward (the same layers, the same params with gradients, in the same order):
-      the reduces are collectives matched by order. A param without a gradient on one process must have none on
-      all (the demo's and diffusion-pipe's models give every trained param one).
+      the buckets are the same on every process, and their reductions are collectives matched by launch order
+      (waited for in that order too). A param without a gradient on one process must have none on all (the demo's
+      and diffusion-pipe's models give every trained param one).
     - Equal to one process with the global batch up to the order of summation (each process's mean over its rows,
       then the mean over processes).
     - The processes of the job are the processes that host these layers, all on one machine (one pipeline stage);
@@ -68,10 +104,12 @@ Invariants
 
 from __future__ import annotations
 
+import math
 import re
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -163,23 +201,112 @@ def check_shared(ownership: Ownership, local_ranks: int) -> None:
         )
 
 
-class SharedGradients:
-    """The reduce hooks of every trained param of the streamed layers, and the step's publication (see the
-    module doc). ``params``: entry -> its trained params (layout order), for every host-trained layer."""
+IN_FLIGHT = 2  # layers' buckets whose reduction runs beside the backward; the oldest is waited for before another
 
-    def __init__(self, ownership: Ownership, params: Mapping[int, Sequence[nn.Parameter]]) -> None:
+
+@dataclass(frozen=True)
+class BucketSlot:
+    """Where one trained param's gradient goes in its layer's bucket: the segment of its dtype, at ``offset``
+    (elements), in layout order; the same on every process (it reads only the layers' layouts)."""
+
+    position: int  # in the layer's trained params (layout order)
+    param: nn.Parameter
+    dtype: torch.dtype
+    shape: torch.Size
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(eq=False)
+class Bucket:
+    """One layer's gradients of one backward pass (or, layer-major, of one step), flat, one buffer per dtype (a
+    pool buffer: only its first ``sizes[dtype]`` elements are the layer's). Open while its gradients arrive, then in
+    flight: ``works`` are its reductions, one per dtype (one: a layer computes in one dtype)."""
+
+    layer: int
+    buffers: dict[torch.dtype, torch.Tensor]
+    sizes: dict[torch.dtype, int]
+    filled: dict[int, BucketSlot] = field(default_factory=dict)  # position -> slot, for the params it holds
+    works: list = field(default_factory=list)
+
+    def flat(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.buffers[dtype][: self.sizes[dtype]]
+
+    def view(self, slot: BucketSlot) -> torch.Tensor:
+        return self.buffers[slot.dtype][slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+
+class LateReduce:
+    """The CPU's reduction, as the CPU transport's copies: it runs only when waited for (a blocking
+    ``torch.distributed.reduce`` in :meth:`wait`), so in a CPU test an owner that reads its bucket without waiting
+    reads its own unreduced bytes, and a bucket rewritten before its wait sends another layer's. The processes wait
+    in one order (the buckets' launch order), so the deferred collectives still match."""
+
+    def __init__(self, tensor: torch.Tensor, dst: int) -> None:
+        self.tensor, self.dst, self.done = tensor, dst, False
+
+    def wait(self) -> bool:
+        if not self.done:
+            dist = torch.distributed
+            dist.reduce(self.tensor, dst=self.dst, op=dist.ReduceOp.SUM)
+            self.done = True
+        return True
+
+
+class SharedGradients:
+    """The reduce hooks of every trained param of the streamed layers, their buckets, and the step's publication (see
+    the module doc). ``params``: entry -> its trained params (layout order), for every host-trained layer; ``shapes``:
+    entry -> each param's (shape, dtype) in the layout (a streamed param is an empty placeholder while it is out;
+    None: the params' own). ``in_flight``: buckets reducing beside the backward at once. ``late``: reductions run
+    when waited for (:class:`LateReduce`); None: for CPU tensors, as the CPU transport's copies."""
+
+    def __init__(
+        self,
+        ownership: Ownership,
+        params: Mapping[int, Sequence[nn.Parameter]],
+        shapes: Mapping[int, Sequence[tuple[torch.Size, torch.dtype]]] | None = None,
+        *,
+        in_flight: int = IN_FLIGHT,
+        late: bool | None = None,
+    ) -> None:
         self.ownership = ownership
         self.params = dict(params)
+        self.in_flight = in_flight
+        self.late = late
         self._hooks: list = []
-        self._pending: list[tuple[int, object, torch.Tensor]] = []  # a non-owner's reduces not waited for: one layer's
+        self._slots: dict[int, BucketSlot] = {}  # id(param) -> its slot
+        self._sizes: dict[int, dict[torch.dtype, int]] = {}  # entry -> elements of each dtype's segment
+        for idx, layer in self.params.items():
+            laid = shapes[idx] if shapes is not None else [(p.shape, p.dtype) for p in layer]
+            sizes = self._sizes[idx] = {}
+            for position, (param, (shape, dtype)) in enumerate(zip(layer, laid, strict=True)):
+                self._slots[id(param)] = BucketSlot(position, param, dtype, torch.Size(shape), sizes.get(dtype, 0))
+                sizes[dtype] = sizes.get(dtype, 0) + self._slots[id(param)].numel
+        self._largest: dict[torch.dtype, int] = {}  # a pool buffer's elements, per dtype: the largest layer's segment
+        for sizes in self._sizes.values():
+            for dtype, numel in sizes.items():
+                self._largest[dtype] = max(self._largest.get(dtype, 0), numel)
+        self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}  # pool buffers not in a bucket
+        self._allocated: dict[tuple[torch.dtype, torch.device], int] = {}
+        self._open: Bucket | None = None  # the bucket collecting (the layer whose gradients arrived last)
+        self._flight: deque[Bucket] = deque()  # launched, not waited for; oldest first
+        self._deliver: Callable[[nn.Parameter, torch.Tensor], None] = _nowhere
+        self.collectives = 0  # reductions launched (one per bucket and dtype)
         # The layer-major schedule's (the host training's same object): a layer's gradients summed on the device over
         # the step's micro-batches, reduced once at its last (:mod:`.device_sums`)
         self.device_sums: DeviceSums | None = None
 
-    def install(self, grad_arriving: Callable[[int], None]) -> None:
+    def install(
+        self, grad_arriving: Callable[[int], None], deliver: Callable[[nn.Parameter, torch.Tensor], None]
+    ) -> None:
         """Hooks on every trained param; call before the host training installs its own (post-accumulate-grad
-        hooks run in the order they were registered). A foreign layer's gradient arriving is a use of it, as the
-        host training makes it for its own layers."""
+        hooks run in the order they were registered: the host training's find no ``.grad``). A foreign layer's
+        gradient arriving is a use of it, as the host training makes it for its own layers. ``deliver(param, grad)``:
+        an owned param's reduced mean goes into the host training (:meth:`~.grad_return.GradReturn.receive`)."""
+        self._deliver = deliver
         owned = set(self.ownership.owned)
         for idx, params in self.params.items():
             for param in params:
@@ -188,6 +315,8 @@ class SharedGradients:
                 self._hooks.append(param.register_post_accumulate_grad_hook(partial(self._reduce, idx)))
 
     def _reduce(self, idx: int, param: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: the gradient goes into its layer's open bucket (the param keeps none); a full
+        bucket is launched."""
         grad = param.grad
         if grad is None:
             return
@@ -196,28 +325,78 @@ class SharedGradients:
             grad = self.device_sums.add(param, grad)
             if grad is None:
                 return
-        grad = grad.contiguous()
-        owner = self.ownership.owners[idx]
-        dist = torch.distributed
+        slot = self._slots[id(param)]
         with peer_failure("the reduction of the streamed layers' gradients"):
-            if owner == self.ownership.rank:
-                dist.reduce(grad, dst=owner, op=dist.ReduceOp.SUM)
-                param.grad = grad.div_(self.ownership.size)
-            else:
-                if self._pending and self._pending[-1][0] != idx:  # the layer before's: its gradients may go
-                    self._wait_pending()
-                work = dist.reduce(grad, dst=owner, op=dist.ReduceOp.SUM, async_op=True)
-                self._pending.append((idx, work, grad))
+            bucket = self._open
+            if bucket is not None and (bucket.layer != idx or slot.position in bucket.filled):
+                self._launch(bucket)  # another layer's gradients began, or a second one of this param in one pass
+                bucket = None
+            if bucket is None:
+                bucket = self._open = self._new_bucket(idx, grad.device)
+            with torch.no_grad():
+                bucket.view(slot).copy_(grad)
+            bucket.filled[slot.position] = slot
+            if len(bucket.filled) == len(self.params[idx]):
+                self._launch(bucket)
+
+    def _new_bucket(self, idx: int, device: torch.device) -> Bucket:
+        """A bucket for layer ``idx`` from the pool (at most ``in_flight`` buckets are in flight and none is open
+        here, so one of its ``in_flight + 1`` buffers of each dtype is free)."""
+        buffers = {}
+        for dtype in self._sizes[idx]:
+            key = (dtype, device)
+            free = self._free.setdefault(key, [])
+            if not free:
+                if self._allocated.get(key, 0) > self.in_flight:
+                    raise AssertionError("a bucket buffer was asked for with every pool buffer in a bucket")
+                self._allocated[key] = self._allocated.get(key, 0) + 1
+                free.append(torch.empty(self._largest[dtype], dtype=dtype, device=device))
+            buffers[dtype] = free.pop()
+        return Bucket(idx, buffers, self._sizes[idx])
+
+    def _launch(self, bucket: Bucket) -> None:
+        """One asynchronous reduction per dtype of ``bucket`` to its layer's owner, after the oldest in flight was
+        waited for where ``in_flight`` are."""
+        self._open = None
+        while len(self._flight) >= self.in_flight:
+            self._complete(self._flight.popleft())
+        owner = self.ownership.owners[bucket.layer]
+        dist = torch.distributed
+        for dtype in bucket.sizes:
+            flat = bucket.flat(dtype)
+            late = self.late if self.late is not None else flat.device.type == "cpu"
+            work = (
+                LateReduce(flat, owner) if late else dist.reduce(flat, dst=owner, op=dist.ReduceOp.SUM, async_op=True)
+            )
+            bucket.works.append(work)
+            self.collectives += 1
+        self._flight.append(bucket)
+
+    def _complete(self, bucket: Bucket) -> None:
+        """Wait for ``bucket``'s reductions; on its owner each param's mean (a tensor of its own: the buffer goes
+        back to the pool) goes into the host training. Then its buffers may be rewritten."""
+        for work in bucket.works:
+            work.wait()
+        if self.ownership.owners[bucket.layer] == self.ownership.rank:
+            with torch.no_grad():
+                for position in sorted(bucket.filled):
+                    slot = bucket.filled[position]
+                    self._deliver(slot.param, bucket.view(slot).div(self.ownership.size))
+        for dtype, buffer in bucket.buffers.items():
+            self._free[(dtype, buffer.device)].append(buffer)
+        bucket.buffers = {}
 
     def backward_done(self) -> None:
-        """The backward ended: every reduce this process started has sent its gradient."""
+        """The backward ended: the open bucket (a layer that did not get every gradient) is launched, and every
+        bucket in flight waited for (an owner's gradients are in its host training before it closes them). The pool
+        goes back to the allocator: the next forward's activations may use that memory."""
         with peer_failure("the reduction of the streamed layers' gradients"):
-            self._wait_pending()
-
-    def _wait_pending(self) -> None:
-        pending, self._pending = self._pending, []
-        for _idx, work, _grad in pending:
-            work.wait()
+            if self._open is not None:
+                self._launch(self._open)
+            while self._flight:
+                self._complete(self._flight.popleft())
+        self._free.clear()
+        self._allocated.clear()
 
     def norm_sum(self, squared: torch.Tensor) -> torch.Tensor:
         """The host part of the squared gradient norm, summed over the processes (each owner holds its layers')."""
@@ -267,6 +446,10 @@ def _first_sentence(exc: Exception) -> str:
     """gloo's and NCCL's message without its source location and advice: 'Read error ...: Connection reset by peer'."""
     text = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip().split("\n")[0])
     return text.split(". ")[0].rstrip(".") or type(exc).__name__
+
+
+def _nowhere(param: nn.Parameter, grad: torch.Tensor) -> None:
+    raise AssertionError("a reduced gradient arrived before install gave it a destination")
 
 
 def _arriving(grad_arriving: Callable[[int], None], idx: int, grad: torch.Tensor) -> None:

@@ -269,6 +269,7 @@ class GradReturn:
         self._last_closed = last_closed  # a layer's step's last batch closed (its update may start)
         self._reopen_speculated = reopen_speculated  # undo a layer's speculative update (it waits for the norm)
         self._by_param = {id(tp.param): tp for layer in layers.values() for tp in layer.params}
+        self._layer_of = {id(tp.param): layer for layer in layers.values() for tp in layer.params}
         self._hooks: dict[int, list] = {}  # layer -> its params' hook handles
         self._grouping: TrainedLayer | None = None  # the layer whose grads arrived last (the only open group)
         self._backwards = 0  # backward passes since the last step
@@ -301,6 +302,7 @@ class GradReturn:
         self._remove_hooks(layer.index)
         for tp in layer.params:
             self._by_param.pop(id(tp.param), None)
+            self._layer_of.pop(id(tp.param), None)
         if self._grouping is layer:
             self._grouping = None
 
@@ -310,8 +312,17 @@ class GradReturn:
         param.grad = None
         if grad is not None and self.device_sums is not None:
             grad = self.device_sums.add(param, grad)  # None: summed on the device, its layer's last one comes later
-        if grad is None:
-            return
+        if grad is not None:
+            self._take(layer, tp, grad)
+
+    def receive(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """``param``'s gradient, given after its hook ran (data parallel: the mean reduced to this process, the
+        param's owner, :mod:`.data_parallel`): taken as the hook takes one, past the device sums (under the
+        layer-major schedule it is the step's sum already)."""
+        self._take(self._layer_of[id(param)], self._by_param[id(param)], grad)
+
+    def _take(self, layer: TrainedLayer, tp: TrainedParam, grad: torch.Tensor) -> None:
+        """``grad`` of ``tp`` into its layer's open batch (opened if need be)."""
         g = layer.grads
         if g.state is GradState.OPEN and tp.position in g.batch.params:  # a second grad in one pass: its own batch
             self._close(layer)

@@ -100,7 +100,7 @@ class TrainingFeature(Feature):
         self._evict = engine.evict
         use = lambda idx: engine.use(idx, current_phase())  # noqa: E731
         if self.shared is not None:  # its hooks first: the host training's own see the reduced gradients
-            self.shared.install(use)
+            self.shared.install(use, self.training.grads.receive)
         self.training.install(use)
 
     def fetch_gates(self, idx: int) -> list:
