@@ -76,7 +76,8 @@ class Parts:
     pool: DevicePool
     copier: Copier
     features: list[Feature]  # installed in this order, closed in reverse
-    replays: Callable[[nn.Module], bool]  # modules whose next call starts no use (unit checkpoints' kept outputs)
+    # modules whose next call starts no use (unit checkpoints' kept outputs); None: no module ever replays
+    replays: Callable[[nn.Module], bool] | None
     batch_move: bool  # one submit for all the prefetches of a use
     sync_each_step: bool
     copy_streams: int
@@ -241,7 +242,7 @@ def build(
         pool=pool,
         copier=copier,
         features=features,
-        replays=unit_checkpoints.replays if unit_checkpoints is not None else _replays_nothing,
+        replays=unit_checkpoints.replays if unit_checkpoints is not None else None,
         batch_move=c.transfer.batch_move,
         sync_each_step=c.transfer.sync_each_step,
         copy_streams=c.transfer.cuda_streams,
@@ -327,10 +328,6 @@ def _tiers(
         refuse_disk_state(config, trained, len(state))
         trained.spill(state)
     return tiers, state
-
-
-def _replays_nothing(module: nn.Module) -> bool:
-    return False
 
 
 def _plan_finished(plan_only: bool, driver: PlacementDriver | None) -> Callable[[], bool]:

@@ -94,6 +94,7 @@ class LayerSwapper:
         # the hot path and each use ask only the features that do something there
         self._gate_fetches = [f for f in p.features if overrides(f, "fetch_gates")]
         self._act_between_passes = [f for f in p.features if overrides(f, "between_passes")]
+        self._act_after_backward = [f for f in p.features if overrides(f, "after_backward")]
         self._pass_ended = False  # a backward ended and no use outside a backward began since
         self.micro_batches = 1  # of the last step, run layer-major (:mod:`.layer_major` sets it; the planner reads it)
         self.driver, self.training, self.activations = p.driver, p.training, p.activations  # for readers only
@@ -101,6 +102,7 @@ class LayerSwapper:
         self._copy_streams, self._plan_finished = p.copy_streams, p.plan_finished
         self.bindings = Bindings(self.layers, self.layouts, self.masters, self.device, self.true_value)
         self._streamed = self.bindings.streamed  # the slot policy's view: index -> StreamedLayer
+        self.streaming = self._streamed  # the hooks' view (live: re-placement changes it in place)
         self.predictor = UsePredictor(len(self.layers))
         self.stats = StatsCollector(self.device, lambda: self.pinned_bytes)
         self._listeners: list[Listener] = []
@@ -169,7 +171,7 @@ class LayerSwapper:
         """A backward pass finished: the features' ``after_backward`` (full fine-tuning evicts its layers
         there), then the listeners' step boundary (they record it; the planner acts at the next use)."""
         with self._lock:
-            for feature in self.features:
+            for feature in self._act_after_backward:
                 feature.after_backward()
             if self._sync_each_step and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

@@ -168,8 +168,10 @@ class Copier:
 
     # ---------------------------------------------------------------- lifecycle
     def check(self) -> None:
-        """Surface a worker failure in the calling thread."""
-        self.transport.copy_worker.check()
+        """Surface a worker failure in the calling thread (per use: one attribute read while none failed)."""
+        worker = self.transport.copy_worker
+        if worker.error is not None:
+            worker.check()
 
     def drain(self) -> None:
         """Wait until every submitted write has been issued and has finished."""
@@ -263,6 +265,7 @@ class CudaCopier(Copier):
         self.ordered_by_events = ordered_by_events  # False: the host waits for each copy instead
         self.transport = transport
         self.lanes = transport.lanes(Direction.WEIGHTS_IN)
+        self._timing = Direction.WEIGHTS_IN in transport.timed
         self.landing: list[torch.Tensor] = []
         self.landing_bytes = -1
         self.resize(landing_bytes)
@@ -272,7 +275,8 @@ class CudaCopier(Copier):
 
     @property
     def timing(self) -> bool:
-        return Direction.WEIGHTS_IN in self.transport.timed
+        """Weight copies record timing events (the transport's timed directions, fixed at its construction)."""
+        return self._timing
 
     def resize(self, landing_bytes: int) -> None:
         if landing_bytes == self.landing_bytes:
@@ -282,21 +286,20 @@ class CudaCopier(Copier):
         self.landing_bytes = landing_bytes
 
     def _prepare(self, token: Token) -> None:
-        token.ready = self.transport.event(self.timing)
-        token.start = self.transport.event(timed=True) if self.timing else None
+        event, timing = self.transport.event, self._timing
+        token.ready = event(timing)
+        token.start = event(timed=True) if timing else None
 
     def _wait(self, token: Token) -> Wait | None:
         self._wait_issued(token)
         if not self.ordered_by_events:
             self.transport.land(token)
             return None
-        if not self.timing:
+        if not self._timing:
             self.transport.acquire(token)
             return None
-        before = self.transport.mark(timed=True)
-        self.transport.acquire(token)
-        after = self.transport.mark(timed=True)
-        return Wait(token, before.event, after.event)
+        before, after = self.transport.acquire(token, timed=True)
+        return Wait(token, before, after)
 
     def _issue(self, tokens: list[Token]) -> None:
         k = self._next_lane
@@ -305,9 +308,16 @@ class CudaCopier(Copier):
             for gate in token.gates:
                 if isinstance(gate, Token) and not gate.issued.is_set():
                     raise OrderingError(f"layer {token.layer}'s copy would wait on an unrecorded copy (FIFO broken)")
-            host_waits = not self.ordered_by_events
-            with self.transport.issue(Direction.WEIGHTS_IN, token.gates, into=token, lane=k, host_waits=host_waits):
-                self._copy(token, self.landing[k])
+            self.transport.issue_work(
+                Direction.WEIGHTS_IN,
+                token.gates,
+                self._copy,
+                token,
+                self.landing[k],
+                into=token,
+                lane=k,
+                host_waits=not self.ordered_by_events,
+            )
             token.issued.set()
 
     def _copy(self, token: Token, landing: torch.Tensor) -> None:
@@ -347,9 +357,7 @@ def _upcast(
     """Write the fp8-stored params into the slot in their compute dtype (times their scales), from
     ``landing`` on CUDA or straight from the host master on the CPU (``source``: a disk layer's staging buffer)."""
     layout = host.layout
-    for k, p in enumerate(layout.params):
-        if not p.scaled:
-            continue
+    for k, p in layout.scaled_params:
         if landing is not None:
             base = p.host_offset - layout.direct_bytes
             source_view = landing[base : base + p.host_nbytes].view(p.stored).view(p.shape)

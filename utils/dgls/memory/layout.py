@@ -31,6 +31,7 @@ step. ``cast_target`` pairs are applied here (:class:`~.precision.CastRules`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -181,6 +182,11 @@ class LayerLayout:
     @property
     def landing_bytes(self) -> int:
         return self.sizes.landing_bytes
+
+    @functools.cached_property
+    def scaled_params(self) -> tuple[tuple[int, ParamLayout], ...]:
+        """(position, param) of the fp8-stored params (the upcast walks only these, once per fetch)."""
+        return tuple((k, p) for k, p in enumerate(self.params) if p.scaled)
 
     def of_entry(self, layer: int, part: str, holder: bool) -> LayerLayout:
         """The same layout, labelled as an entry of the caller's ``layer`` (see :mod:`..streaming.units`)."""
