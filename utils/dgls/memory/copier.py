@@ -79,9 +79,25 @@ class Token(Copy):
     host: HostLayer
     demand: bool  # issued because compute needed the layer now (a prefetch miss)
     gates: list = field(default_factory=list)  # Markers and Copies this write waits for
-    issued: threading.Event = field(default_factory=threading.Event)  # recorded (CUDA) / submitted (CPU)
+    # recorded (CUDA) / submitted (CPU); without a worker thread, :data:`PENDING` until issued, then :data:`ISSUED`
+    issued: threading.Event = field(default_factory=threading.Event)
     waited: bool = False  # the compute stream already waits for it
     source: torch.Tensor | None = None  # a disk layer's staging buffer, read instead of the host buffer
+
+
+# Without a worker thread a write is issued inside ``submit``, before its token is handed out: nothing waits for
+# its ``issued`` on another thread, so the token takes these shared events (a token's own event, a condition and
+# its lock, and a notify when set, are the weight path's largest cost per copy on the host) instead of its own.
+PENDING = threading.Event()  # never set: not issued (yet, or the issuing failed)
+ISSUED = threading.Event()
+ISSUED.set()
+
+
+def _mark_issued(token: Token) -> None:
+    if token.issued is PENDING:
+        token.issued = ISSUED
+    else:
+        token.issued.set()
 
 
 @dataclass(frozen=True)
@@ -118,7 +134,9 @@ class Copier:
         self.check()
         tokens = []
         for k, (slot, host, demand) in enumerate(requests):
-            state = self._slots.setdefault(slot, _SlotState())
+            state = self._slots.get(slot)
+            if state is None:
+                state = self._slots[slot] = _SlotState()
             if state.reading:
                 owner = state.write.layer if state.write is not None else None
                 raise OrderingError(
@@ -128,7 +146,15 @@ class Copier:
             gates = [g for g in (state.release, state.write) if g is not None]
             if after is not None:
                 gates.extend(after[k])
-            token = Token(nbytes=host.nbytes, layer=host.index, slot=slot, host=host, demand=demand, gates=gates)
+            token = Token(
+                nbytes=host.nbytes,
+                layer=host.index,
+                slot=slot,
+                host=host,
+                demand=demand,
+                gates=gates,
+                issued=threading.Event() if self.threaded else PENDING,
+            )
             self._prepare(token)
             if host.on_disk:  # read it into a staging buffer first (after that buffer's previous reader)
                 ring, token.source, read = self.store.disk.read(self.transport, host.index, host.nbytes)
@@ -241,7 +267,7 @@ class DeferredCopier(Copier):
                 then=partial(_upcast, host, buffer, None, token.source),
                 late=not self.threaded,  # the worker performs each write now, the earliest the protocol allows
             )
-            token.issued.set()
+            _mark_issued(token)
 
     def _wait(self, token: Token) -> None:
         self._wait_issued(token)
@@ -286,9 +312,9 @@ class CudaCopier(Copier):
         self.landing_bytes = landing_bytes
 
     def _prepare(self, token: Token) -> None:
-        event, timing = self.transport.event, self._timing
-        token.ready = event(timing)
-        token.start = event(timed=True) if timing else None
+        # the event a later write may be gated on before this one is issued (the worker); a timed copy's start
+        # event is made when it is issued, before anything reads it (the listeners, once it was acquired)
+        token.ready = self.transport.event(self._timing)
 
     def _wait(self, token: Token) -> Wait | None:
         self._wait_issued(token)
@@ -318,7 +344,7 @@ class CudaCopier(Copier):
                 lane=k,
                 host_waits=not self.ordered_by_events,
             )
-            token.issued.set()
+            _mark_issued(token)
 
     def _copy(self, token: Token, landing: torch.Tensor) -> None:
         """Enqueue the copy (and the fp8 upcast) on the current stream (a weights-in lane)."""

@@ -167,7 +167,8 @@ class LayerLayout:
     params: tuple[ParamLayout, ...]  # streamable params, direct ones first, then fp8-stored ones
     direct_bytes: int  # the prefix copied straight into the slot
 
-    @property
+    # index and host_bytes are read per fetch: cached (the layout is frozen)
+    @functools.cached_property
     def index(self) -> int:
         return self.sizes.index
 
@@ -175,7 +176,7 @@ class LayerLayout:
     def slot_bytes(self) -> int:
         return self.sizes.slot_bytes
 
-    @property
+    @functools.cached_property
     def host_bytes(self) -> int:
         return self.sizes.copy_bytes
 

@@ -470,15 +470,19 @@ class CudaTransport(Transport):
         timed = direction in self.timed
         if copy.ready is None:
             copy.ready = torch.cuda.Event(enable_timing=timed)
-        with (
-            autograd_profiler.record_function(RANGES[direction]) if profiler_recording() else NO_RANGE,
-            torch.cuda.stream(stream),  # the stream's device current too
-        ):
-            self._behind(direction, stream, copy, gates, timed, host_waits)
-            work(*args)
-            copy.ready.record(stream)
-            if host_waits:
-                stream.synchronize()
+        named = autograd_profiler.record_function(RANGES[direction]) if profiler_recording() else None
+        if named is not None:
+            named.__enter__()
+        try:
+            with torch.cuda.stream(stream):  # the stream's device current too
+                self._behind(direction, stream, copy, gates, timed, host_waits)
+                work(*args)
+                copy.ready.record(stream)
+                if host_waits:
+                    stream.synchronize()
+        finally:
+            if named is not None:
+                named.__exit__(None, None, None)
         for listener in self.listeners:
             listener.copied(copy)
         return copy
