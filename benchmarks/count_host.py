@@ -22,7 +22,7 @@ which autograd calls on its own):
   across the step with the collector off: what counts toward the next collection) and the unreachable ones a
   collection then finds (reference cycles): the engine's share of what makes the collector run.
 
-    python3 benchmarks/count_host.py [--old .old/utils/dgls] [--steps 2] [--top 25]
+    python3 benchmarks/count_host.py [--old .old/utils/dgls] [--steps 2] [--top 25] [--no-cuda] [--depth 19,38]
 
 Prints a table (and with ``--top`` the functions whose call counts differ most between the engines).
 """
@@ -288,6 +288,7 @@ def count_arm(bench, device, engine, resident: list[int], prefetch: int, steps: 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", type=Path, default=None, help="a utils/dgls folder of an older engine to compare")
+    parser.add_argument("--depth", default="19,38", help="double,single blocks (Flux-dev's by default)")
     parser.add_argument("--fraction", type=float, default=0.44, help="share of the streamable bytes streamed")
     parser.add_argument("--prefetch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
@@ -298,7 +299,8 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     device, dtype = torch.device("cpu"), torch.float32
-    bench = flux.build(True, device, dtype, depth=(19, 38))
+    double, single = (int(n) for n in args.depth.split(","))
+    bench = flux.build(True, device, dtype, depth=(double, single))
     gib = sum(s.streamable_bytes for s in bench.sizes) * args.fraction / 2**30
     streamed, _ = bench.spread_config(gib, args.prefetch)
     resident = [s.index for s in bench.sizes if s.streamable_bytes and s.index not in streamed]
