@@ -39,6 +39,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch._dynamo.eval_frame
+import torch.utils.checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -49,35 +51,46 @@ from models import place  # noqa: E402
 
 import utils.dgls  # noqa: E402
 
-ENTRY_POINTS = (*HOOK_ENTRY_POINTS, "_on_backward_end")
+# bench_host's entry points, the end-of-backward callback, and DGLS's saved-tensor hooks stacked on a checkpoint's
+# (the checkpoint's own hooks they call are not counted, and an unpack's recompute counts in the hooks it runs)
+ENTRY_POINTS = (*HOOK_ENTRY_POINTS, "_on_backward_end", "_pack_over", "_unpack_over")
 THIS_FILE = __file__
+# the outer saved-tensor hooks of a checkpoint, and the dynamo-disabling wrapper around them
+NOT_DGLS = (torch.utils.checkpoint.__file__, torch._dynamo.eval_frame.__file__)
 
 
 # ---------------------------------------------------------------- CUDA stand-ins
 class CudaCalls(Counter):
-    """How many times each stand-in was called."""
+    """How many times each stand-in was called; each call also counts in ``current`` (the entry point running)."""
+
+    current: Counter | None = None
+
+    def hit(self, name: str) -> None:
+        self[name] += 1
+        if self.current is not None:
+            self.current["cuda"] += 1
 
 
 class _Event:
     def __init__(self, calls: CudaCalls, enable_timing: bool = False, **_) -> None:
-        calls["Event()"] += 1
+        calls.hit("Event()")
         self.calls = calls
 
     def record(self, stream=None) -> None:
-        self.calls["Event.record"] += 1
+        self.calls.hit("Event.record")
 
     def wait(self, stream=None) -> None:
-        self.calls["Event.wait"] += 1
+        self.calls.hit("Event.wait")
 
     def synchronize(self) -> None:
-        self.calls["Event.synchronize"] += 1
+        self.calls.hit("Event.synchronize")
 
     def query(self) -> bool:
-        self.calls["Event.query"] += 1
+        self.calls.hit("Event.query")
         return True
 
     def elapsed_time(self, other) -> float:
-        self.calls["Event.elapsed_time"] += 1
+        self.calls.hit("Event.elapsed_time")
         return 0.0
 
 
@@ -87,16 +100,16 @@ class _Stream:
         self.device = device
 
     def wait_event(self, event) -> None:
-        self.calls["Stream.wait_event"] += 1
+        self.calls.hit("Stream.wait_event")
 
     def wait_stream(self, stream) -> None:
-        self.calls["Stream.wait_stream"] += 1
+        self.calls.hit("Stream.wait_stream")
 
     def synchronize(self) -> None:
-        self.calls["Stream.synchronize"] += 1
+        self.calls.hit("Stream.synchronize")
 
     def record_event(self, event=None):
-        self.calls["Stream.record_event"] += 1
+        self.calls.hit("Stream.record_event")
         return event
 
 
@@ -106,15 +119,15 @@ def cuda_stand_ins(calls: CudaCalls) -> Iterator[None]:
     cuda = torch.cuda
 
     def stream_context(stream):
-        calls["stream()"] += 1
+        calls.hit("stream()")
         return contextlib.nullcontext()
 
     def current_stream(device=None):
-        calls["current_stream()"] += 1
+        calls.hit("current_stream()")
         return _Stream(calls, device)
 
     def synchronize(device=None):
-        calls["synchronize()"] += 1
+        calls.hit("synchronize()")
 
     fakes = dict(
         Event=lambda *a, **k: _Event(calls, *a, **k),
@@ -175,50 +188,59 @@ def use_cuda_copier(swapper, engine) -> None:
 
 # ---------------------------------------------------------------- counting
 class HostCounter:
-    """Counts inside wrapped methods (outermost calls only), per entry point and per function."""
+    """Counts inside wrapped methods, per entry point (a nested one counts in its own name: an unpack's
+    recompute runs forward hooks) and per function; the checkpoint's own code is not counted."""
 
     def __init__(self, cuda_calls: CudaCalls) -> None:
         self.cuda_calls = cuda_calls
         self.by_entry: dict[str, Counter] = defaultdict(Counter)
         self.functions: Counter = Counter()
-        self._depth = 0
         self._entry: str | None = None
+        self._muted = None  # the frame of the checkpoint's code running now (until it returns)
 
     def reset(self) -> None:
         self.by_entry.clear()
         self.functions.clear()
 
     def _profile(self, frame, event: str, arg) -> None:
-        if frame.f_code.co_filename == THIS_FILE:  # the stand-ins and the wrapper itself
+        if self._muted is not None:
+            if event == "return" and frame is self._muted:
+                self._muted = None
+            return
+        filename = frame.f_code.co_filename
+        if filename == THIS_FILE:  # the stand-ins and the wrapper itself
+            return
+        if event == "call" and filename in NOT_DGLS:
+            self._muted = frame
             return
         if event == "call":
             entry = self.by_entry[self._entry]
             entry["py"] += 1
             code = frame.f_code
+            self.functions[f"{Path(code.co_filename).name}:{code.co_qualname}"] += 1
             if code.co_name == "__init__":  # an instance of a Python class (a dataclass's generated one too)
                 entry["objects"] += 1
                 made = frame.f_locals.get("self")
                 self.functions[f"new {type(made).__qualname__}"] += 1
-            self.functions[f"{Path(code.co_filename).name}:{code.co_qualname}"] += 1
         elif event == "c_call":
             self.by_entry[self._entry]["c"] += 1
             self.functions[f"C {getattr(arg, '__qualname__', None) or getattr(arg, '__name__', '?')}"] += 1
 
     def wrap(self, fn, name: str):
         def counted(*args, **kwargs):
-            if self._depth:
-                return fn(*args, **kwargs)
-            self._depth, self._entry = 1, name
-            cuda_before = sum(self.cuda_calls.values())
-            sys.setprofile(self._profile)
+            outer = self._entry, self._muted, self.cuda_calls.current
+            self._entry, self._muted = name, None
+            entry = self.by_entry[name]
+            self.cuda_calls.current = entry
+            entry["calls"] += 1
+            if outer[0] is None:
+                sys.setprofile(self._profile)
             try:
                 return fn(*args, **kwargs)
             finally:
-                sys.setprofile(None)
-                self._depth = 0
-                entry = self.by_entry[name]
-                entry["cuda"] += sum(self.cuda_calls.values()) - cuda_before
-                entry["calls"] += 1
+                if outer[0] is None:
+                    sys.setprofile(None)
+                self._entry, self._muted, self.cuda_calls.current = outer
 
         return counted
 
@@ -262,9 +284,10 @@ def count_arm(bench, device, engine, resident: list[int], prefetch: int, steps: 
         return None, gc_objects_per_step(step, steps), CudaCalls()
     calls = CudaCalls()
     counter = HostCounter(calls)
-    hooks = importlib.import_module(
-        f"{engine.__name__}.streaming.hooks" if engine is utils.dgls else f"{engine.__name__}.hooks"
-    )
+    try:  # this engine's layout, or the flat one before the folders
+        hooks = importlib.import_module(f"{engine.__name__}.streaming.hooks")
+    except ModuleNotFoundError:
+        hooks = importlib.import_module(f"{engine.__name__}.hooks")
     make = getattr(engine.SwapConfig, "of", engine.SwapConfig)
     config = make(gpu_layers=resident, prefetch=prefetch)
     stand_ins = cuda_stand_ins(calls) if cuda else contextlib.nullcontext()

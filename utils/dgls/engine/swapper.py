@@ -192,6 +192,8 @@ class LayerSwapper:
         """A saved view, rebuilt in its layer's current slot (making the layer resident first)."""
         self.use(ref.layer, current_phase())
         buffer = self._streamed[ref.layer].slot.buffer.view(ref.dtype)
+        if not torch.is_grad_enabled():  # in a backward proper: no context to enter
+            return torch.as_strided(buffer, ref.size, ref.stride, ref.offset)
         with torch.no_grad():
             return torch.as_strided(buffer, ref.size, ref.stride, ref.offset)
 

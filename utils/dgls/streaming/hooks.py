@@ -35,7 +35,7 @@ from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -70,11 +70,11 @@ class Engine(Protocol):
     def view_of(self, ref: SlotRef) -> torch.Tensor: ...
 
 
-@dataclass(frozen=True)
-class _Outer:
-    """A tensor packed by outer saved-tensor hooks that DGLS's hooks sit on top of."""
+class _Outer(tuple):
+    """``(value,)``: a tensor packed by outer saved-tensor hooks that DGLS's hooks sit on top of. A tuple subclass,
+    so making one per saved tensor runs no Python frame (a checkpointed layer saves dozens per call)."""
 
-    value: Any
+    __slots__ = ()
 
 
 def tensors_in(value) -> list[torch.Tensor]:
@@ -273,7 +273,7 @@ class HookAdapter:
 
     def _pack_over(self, outer, tensor: torch.Tensor):
         ref = self.engine.slot_ref(tensor)
-        return _Outer(outer[0](tensor)) if ref is None else ref
+        return _Outer((outer[0](tensor),)) if ref is None else ref
 
     def _unpack_over(self, outer, packed):
-        return self.engine.view_of(packed) if isinstance(packed, SlotRef) else outer[1](packed.value)
+        return self.engine.view_of(packed) if isinstance(packed, SlotRef) else outer[1](packed[0])
