@@ -26,7 +26,7 @@ Who owns what:
 
 - Every CUDA stream DGLS creates is created in :meth:`CudaTransport.__init__`, one (or, for
   weights, ``weight_lanes``) per :class:`Direction`, each with a comment saying why.
-- Every event is recorded here (:meth:`mark`, :meth:`issue`).
+- Every event is recorded here (:meth:`mark`, :meth:`issue` and :meth:`issue_work`, a timed :meth:`acquire`).
 - The worker threads (:class:`Worker`), two of them, each for one kind of work, in submission order:
   ``copy_worker`` issues the weight copier's copies (``--threading``), ``job_worker`` runs the host
   optimizer's jobs (gradient sums, updates). Two, because an item cannot be interrupted: on one
