@@ -21,7 +21,7 @@ Hazards
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import reduce
+from functools import partial, reduce
 
 import torch
 import torch.utils.checkpoint  # the selective checkpoint's mode class: named in USED, reached from torch
@@ -41,16 +41,24 @@ tree_unflatten = pytree.tree_unflatten
 
 
 # ---------------------------------------------------------------- autograd's state
+# The hot path's reads (every hook call makes some) are the C functions themselves, or partials of them: no
+# Python frame per call.
+
+# The autograd node running on this thread, or None: not None in a backward or a checkpoint's recompute (the
+# only way to tell a recompute from a forward without frames). ``torch._C._current_autograd_node``.
+current_autograd_node: Callable[[], object] = torch._C._current_autograd_node
+
+
 def in_backward() -> bool:
-    """True while autograd's engine runs a node on this thread (a backward or a checkpoint's recompute).
-    ``torch._C._current_autograd_node``: the only way to tell a recompute from a forward without frames."""
-    return torch._C._current_autograd_node() is not None
+    """True while autograd's engine runs a node on this thread (a backward or a checkpoint's recompute)."""
+    return current_autograd_node() is not None
 
 
-def top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
-    """The innermost active ``saved_tensors_hooks`` pair (pack, unpack), or None: DGLS stacks its own on top
-    of a checkpoint's. ``torch._C._autograd._top_saved_tensors_default_hooks``."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(True)
+# ``top_saved_tensors_hooks()``: the innermost active ``saved_tensors_hooks`` pair (pack, unpack), or None:
+# DGLS stacks its own on top of a checkpoint's. ``torch._C._autograd._top_saved_tensors_default_hooks``.
+top_saved_tensors_hooks: Callable[[], tuple[Callable, Callable] | None] = partial(
+    torch._C._autograd._top_saved_tensors_default_hooks, True
+)
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
@@ -64,7 +72,11 @@ SELECTIVE_CHECKPOINT_MODE = "_CachingTorchDispatchMode"  # torch.utils.checkpoin
 
 def under_selective_checkpoint() -> bool:
     """True inside ``torch.utils.checkpoint``'s selective-checkpoint caching mode, whose cached tensors DGLS
-    can't swap. ``torch.utils._python_dispatch._get_current_dispatch_mode_stack``."""
+    can't swap. ``torch.utils._python_dispatch._get_current_dispatch_mode_stack``, after
+    ``torch._C._len_torch_dispatch_stack``: no mode is active in a plain forward, and the list is built only when
+    one is."""
+    if not torch._C._len_torch_dispatch_stack():
+        return False
     stack = _python_dispatch._get_current_dispatch_mode_stack()
     return any(type(m).__name__ == SELECTIVE_CHECKPOINT_MODE for m in stack)
 
@@ -169,17 +181,18 @@ def sleep_on_stream(cycles: int) -> None:
 
 
 # ---------------------------------------------------------------- the profiler
-def profiler_recording() -> bool:
-    """True while a ``torch.profiler`` (or ``torch.autograd.profiler``) records: the check
-    ``record_function`` itself makes, without its cost when nothing records.
-    ``torch.autograd.profiler._is_profiler_enabled``, a module bool the profilers set on start and stop."""
-    return autograd_profiler._is_profiler_enabled
+# ``profiler_recording()``: True while a ``torch.profiler`` (or ``torch.autograd.profiler``) records: the check
+# ``record_function`` itself makes, without its cost when nothing records. It reads
+# ``torch.autograd.profiler._is_profiler_enabled`` (a module bool the profilers set on start and stop) at each
+# call; a partial of ``getattr``, so the read costs no Python frame (it runs per layer transition).
+profiler_recording: Callable[[], bool] = partial(getattr, autograd_profiler, "_is_profiler_enabled")
 
 
 # ---------------------------------------------------------------- the start-up check
 USED = (
     "torch._C._current_autograd_node",
     "torch._C._autograd._top_saved_tensors_default_hooks",
+    "torch._C._len_torch_dispatch_stack",
     "torch.autograd.Variable._execution_engine",
     "torch._foreach_norm",
     "torch._foreach_mul_",

@@ -77,7 +77,8 @@ class Parts:
     pool: DevicePool
     copier: Copier
     features: list[Feature]  # installed in this order, closed in reverse
-    replays: Callable[[nn.Module], bool]  # modules whose next call starts no use (unit checkpoints' kept outputs)
+    # modules whose next call starts no use (unit checkpoints' kept outputs); None: no module ever replays
+    replays: Callable[[nn.Module], bool] | None
     batch_move: bool  # one submit for all the prefetches of a use
     sync_each_step: bool
     copy_streams: int
@@ -246,7 +247,7 @@ def build(
         pool=pool,
         copier=copier,
         features=features,
-        replays=unit_checkpoints.replays if unit_checkpoints is not None else _replays_nothing,
+        replays=unit_checkpoints.replays if unit_checkpoints is not None else None,
         batch_move=c.transfer.batch_move,
         sync_each_step=c.transfer.sync_each_step,
         copy_streams=c.transfer.cuda_streams,
@@ -343,10 +344,6 @@ def _tiers(
     if tiers.spilled and (forecast := choose.forecast(list(tiers.spilled))) is not None:
         tiers = dataclasses.replace(tiers, forecast=forecast.line())
     return tiers, state
-
-
-def _replays_nothing(module: nn.Module) -> bool:
-    return False
 
 
 def _plan_finished(plan_only: bool, driver: PlacementDriver | None) -> Callable[[], bool]:

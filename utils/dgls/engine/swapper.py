@@ -95,6 +95,7 @@ class LayerSwapper:
         # the hot path and each use ask only the features that do something there
         self._gate_fetches = [f for f in p.features if overrides(f, "fetch_gates")]
         self._act_between_passes = [f for f in p.features if overrides(f, "between_passes")]
+        self._act_after_backward = [f for f in p.features if overrides(f, "after_backward")]
         self._pass_ended = False  # a backward ended and no use outside a backward began since
         self.micro_batches = 1  # of the last step, run layer-major (:mod:`.layer_major` sets it; the planner reads it)
         self.driver, self.training, self.activations = p.driver, p.training, p.activations  # for readers only
@@ -102,6 +103,7 @@ class LayerSwapper:
         self._copy_streams, self._plan_finished = p.copy_streams, p.plan_finished
         self.bindings = Bindings(self.layers, self.layouts, self.masters, self.device, self.true_value)
         self._streamed = self.bindings.streamed  # the slot policy's view: index -> StreamedLayer
+        self.streaming = self._streamed  # the hooks' view (live: re-placement changes it in place)
         self.predictor = UsePredictor(len(self.layers))
         self.stats = StatsCollector(self.device, lambda: self.pinned_bytes)
         self._listeners: list[Listener] = []
@@ -170,7 +172,7 @@ class LayerSwapper:
         """A backward pass finished: the features' ``after_backward`` (full fine-tuning evicts its layers
         there), then the listeners' step boundary (they record it; the planner acts at the next use)."""
         with self._lock:
-            for feature in self.features:
+            for feature in self._act_after_backward:
                 feature.after_backward()
             if self._sync_each_step and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -191,6 +193,8 @@ class LayerSwapper:
         """A saved view, rebuilt in its layer's current slot (making the layer resident first)."""
         self.use(ref.layer, current_phase())
         buffer = self._streamed[ref.layer].slot.buffer.view(ref.dtype)
+        if not torch.is_grad_enabled():  # in a backward proper: no context to enter
+            return torch.as_strided(buffer, ref.size, ref.stride, ref.offset)
         with torch.no_grad():
             return torch.as_strided(buffer, ref.size, ref.stride, ref.offset)
 

@@ -79,9 +79,25 @@ class Token(Copy):
     host: HostLayer
     demand: bool  # issued because compute needed the layer now (a prefetch miss)
     gates: list = field(default_factory=list)  # Markers and Copies this write waits for
-    issued: threading.Event = field(default_factory=threading.Event)  # recorded (CUDA) / submitted (CPU)
+    # recorded (CUDA) / submitted (CPU); without a worker thread, :data:`PENDING` until issued, then :data:`ISSUED`
+    issued: threading.Event = field(default_factory=threading.Event)
     waited: bool = False  # the compute stream already waits for it
     source: torch.Tensor | None = None  # a disk layer's staging buffer, read instead of the host buffer
+
+
+# Without a worker thread a write is issued inside ``submit``, before its token is handed out: nothing waits for
+# its ``issued`` on another thread, so the token takes these shared events (a token's own event, a condition and
+# its lock, and a notify when set, are the weight path's largest cost per copy on the host) instead of its own.
+PENDING = threading.Event()  # never set: not issued (yet, or the issuing failed)
+ISSUED = threading.Event()
+ISSUED.set()
+
+
+def _mark_issued(token: Token) -> None:
+    if token.issued is PENDING:
+        token.issued = ISSUED
+    else:
+        token.issued.set()
 
 
 @dataclass(frozen=True)
@@ -118,7 +134,9 @@ class Copier:
         self.check()
         tokens = []
         for k, (slot, host, demand) in enumerate(requests):
-            state = self._slots.setdefault(slot, _SlotState())
+            state = self._slots.get(slot)
+            if state is None:
+                state = self._slots[slot] = _SlotState()
             if state.reading:
                 owner = state.write.layer if state.write is not None else None
                 raise OrderingError(
@@ -128,7 +146,15 @@ class Copier:
             gates = [g for g in (state.release, state.write) if g is not None]
             if after is not None:
                 gates.extend(after[k])
-            token = Token(nbytes=host.nbytes, layer=host.index, slot=slot, host=host, demand=demand, gates=gates)
+            token = Token(
+                nbytes=host.nbytes,
+                layer=host.index,
+                slot=slot,
+                host=host,
+                demand=demand,
+                gates=gates,
+                issued=threading.Event() if self.threaded else PENDING,
+            )
             self._prepare(token)
             if host.on_disk:  # read it into a staging buffer first (after that buffer's previous reader)
                 ring, token.source, read = self.store.disk.read(self.transport, host.index, host.nbytes)
@@ -168,8 +194,10 @@ class Copier:
 
     # ---------------------------------------------------------------- lifecycle
     def check(self) -> None:
-        """Surface a worker failure in the calling thread."""
-        self.transport.copy_worker.check()
+        """Surface a worker failure in the calling thread (per use: one attribute read while none failed)."""
+        worker = self.transport.copy_worker
+        if worker.error is not None:
+            worker.check()
 
     def drain(self) -> None:
         """Wait until every submitted write has been issued and has finished."""
@@ -239,7 +267,7 @@ class DeferredCopier(Copier):
                 then=partial(_upcast, host, buffer, None, token.source),
                 late=not self.threaded,  # the worker performs each write now, the earliest the protocol allows
             )
-            token.issued.set()
+            _mark_issued(token)
 
     def _wait(self, token: Token) -> None:
         self._wait_issued(token)
@@ -263,6 +291,7 @@ class CudaCopier(Copier):
         self.ordered_by_events = ordered_by_events  # False: the host waits for each copy instead
         self.transport = transport
         self.lanes = transport.lanes(Direction.WEIGHTS_IN)
+        self._timing = Direction.WEIGHTS_IN in transport.timed
         self.landing: list[torch.Tensor] = []
         self.landing_bytes = -1
         self.resize(landing_bytes)
@@ -272,7 +301,8 @@ class CudaCopier(Copier):
 
     @property
     def timing(self) -> bool:
-        return Direction.WEIGHTS_IN in self.transport.timed
+        """Weight copies record timing events (the transport's timed directions, fixed at its construction)."""
+        return self._timing
 
     def resize(self, landing_bytes: int) -> None:
         if landing_bytes == self.landing_bytes:
@@ -282,21 +312,20 @@ class CudaCopier(Copier):
         self.landing_bytes = landing_bytes
 
     def _prepare(self, token: Token) -> None:
-        token.ready = self.transport.event(self.timing)
-        token.start = self.transport.event(timed=True) if self.timing else None
+        # the event a later write may be gated on before this one is issued (the worker); a timed copy's start
+        # event is made when it is issued, before anything reads it (the listeners, once it was acquired)
+        token.ready = self.transport.event(self._timing)
 
     def _wait(self, token: Token) -> Wait | None:
         self._wait_issued(token)
         if not self.ordered_by_events:
             self.transport.land(token)
             return None
-        if not self.timing:
+        if not self._timing:
             self.transport.acquire(token)
             return None
-        before = self.transport.mark(timed=True)
-        self.transport.acquire(token)
-        after = self.transport.mark(timed=True)
-        return Wait(token, before.event, after.event)
+        before, after = self.transport.acquire(token, timed=True)
+        return Wait(token, before, after)
 
     def _issue(self, tokens: list[Token]) -> None:
         k = self._next_lane
@@ -305,10 +334,17 @@ class CudaCopier(Copier):
             for gate in token.gates:
                 if isinstance(gate, Token) and not gate.issued.is_set():
                     raise OrderingError(f"layer {token.layer}'s copy would wait on an unrecorded copy (FIFO broken)")
-            host_waits = not self.ordered_by_events
-            with self.transport.issue(Direction.WEIGHTS_IN, token.gates, into=token, lane=k, host_waits=host_waits):
-                self._copy(token, self.landing[k])
-            token.issued.set()
+            self.transport.issue_work(
+                Direction.WEIGHTS_IN,
+                token.gates,
+                self._copy,
+                token,
+                self.landing[k],
+                into=token,
+                lane=k,
+                host_waits=not self.ordered_by_events,
+            )
+            _mark_issued(token)
 
     def _copy(self, token: Token, landing: torch.Tensor) -> None:
         """Enqueue the copy (and the fp8 upcast) on the current stream (a weights-in lane)."""
@@ -347,9 +383,7 @@ def _upcast(
     """Write the fp8-stored params into the slot in their compute dtype (times their scales), from
     ``landing`` on CUDA or straight from the host master on the CPU (``source``: a disk layer's staging buffer)."""
     layout = host.layout
-    for k, p in enumerate(layout.params):
-        if not p.scaled:
-            continue
+    for k, p in layout.scaled_params:
         if landing is not None:
             base = p.host_offset - layout.direct_bytes
             source_view = landing[base : base + p.host_nbytes].view(p.stored).view(p.shape)

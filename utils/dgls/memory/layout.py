@@ -31,6 +31,7 @@ step. ``cast_target`` pairs are applied here (:class:`~.precision.CastRules`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -166,7 +167,8 @@ class LayerLayout:
     params: tuple[ParamLayout, ...]  # streamable params, direct ones first, then fp8-stored ones
     direct_bytes: int  # the prefix copied straight into the slot
 
-    @property
+    # index and host_bytes are read per fetch: cached (the layout is frozen)
+    @functools.cached_property
     def index(self) -> int:
         return self.sizes.index
 
@@ -174,13 +176,18 @@ class LayerLayout:
     def slot_bytes(self) -> int:
         return self.sizes.slot_bytes
 
-    @property
+    @functools.cached_property
     def host_bytes(self) -> int:
         return self.sizes.copy_bytes
 
     @property
     def landing_bytes(self) -> int:
         return self.sizes.landing_bytes
+
+    @functools.cached_property
+    def scaled_params(self) -> tuple[tuple[int, ParamLayout], ...]:
+        """(position, param) of the fp8-stored params (the upcast walks only these, once per fetch)."""
+        return tuple((k, p) for k, p in enumerate(self.params) if p.scaled)
 
     def of_entry(self, layer: int, part: str, holder: bool) -> LayerLayout:
         """The same layout, labelled as an entry of the caller's ``layer`` (see :mod:`..streaming.units`)."""

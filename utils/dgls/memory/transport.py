@@ -6,12 +6,14 @@ say what to move in one vocabulary:
 - ``submit(direction, [(dst, src), ...], gates) -> Copy``: copy after every gate (a :class:`Copy`
   or a :class:`Marker`); nothing waits on the host. The returned :class:`Copy` is the token.
 - ``acquire(copy)``: from now on the compute stream may read the destination (it waits for the
-  copy on the device; the host does not).
+  copy on the device; the host does not). With ``timed`` (CUDA) it returns timing events around the wait.
 - ``land(copy_or_marker)``: the host may read the destination (it blocks until the bytes are there).
 - ``mark(direction=None) -> Marker``: stands for everything enqueued so far on the compute stream
   (or on a direction's stream), e.g. every kernel that reads a buffer: a later write waits for it.
 - ``issue(direction, gates) -> Copy`` (a context): arbitrary work (copies, an fp8 upcast, an
   optimizer kernel) enqueued on the direction's stream behind the gates; the copy is ready after it.
+  ``issue_work(direction, gates, work, *args)``: the same for one call ``work(*args)``, without a context
+  manager per copy (the weight copier's hot path: one per fetch).
 - ``read(dst, offset, gates) -> Copy``: disk -> host memory, the disk tier's third memory
   (:mod:`.disk_tier`): read ``dst.numel()`` bytes of the disk file at ``offset`` after the gates. A read
   is host work (:mod:`.disk_io`'s reader thread), not stream work: whoever waits for it (``land``, or
@@ -24,7 +26,7 @@ Who owns what:
 
 - Every CUDA stream DGLS creates is created in :meth:`CudaTransport.__init__`, one (or, for
   weights, ``weight_lanes``) per :class:`Direction`, each with a comment saying why.
-- Every event is recorded here (:meth:`mark`, :meth:`issue`).
+- Every event is recorded here (:meth:`mark`, :meth:`issue` and :meth:`issue_work`, a timed :meth:`acquire`).
 - The worker threads (:class:`Worker`), two of them, each for one kind of work, in submission order:
   ``copy_worker`` issues the weight copier's copies (``--threading``), ``job_worker`` runs the host
   optimizer's jobs (gradient sums, updates). Two, because an item cannot be interrupted: on one
@@ -95,6 +97,10 @@ class Direction(Enum):
     STATE_OUT = "optimizer state out"  # device updates: masters, moments and the compute-dtype copy home
     DISK_IN = "disk reads"  # the disk tier's file into pinned staging buffers (host work: no stream)
     DISK_OUT = "disk writes"  # the training state's write-backs to its file (host work: no stream)
+
+    # A key of the transport's tables on every copy: members are singletons, so identity hashing is correct, and
+    # it runs no Python frame (``Enum.__hash__`` does).
+    __hash__ = object.__hash__
 
 
 ON_DISK = (Direction.DISK_IN, Direction.DISK_OUT)
@@ -196,9 +202,11 @@ class Transport:
         self._report(copy)
         return copy
 
-    def acquire(self, copy: Copy) -> None:
-        """The compute side may read ``copy``'s destination from now on."""
+    def acquire(self, copy: Copy, timed: bool = False) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        """The compute side may read ``copy``'s destination from now on. ``timed`` (CUDA): returns the compute
+        stream's timing events before and after its wait (None on the CPU)."""
         self._land(copy)
+        return None
 
     def land(self, gate: Gate) -> None:
         """The host may read what ``gate`` stands for (it blocks until then)."""
@@ -234,6 +242,21 @@ class Transport:
             yield copy
         copy.span = (began, time.perf_counter())
         self._report(copy)
+
+    def issue_work(
+        self,
+        direction: Direction,
+        gates: Iterable[Gate],
+        work: Callable[..., None],
+        *args,
+        into: Copy | None = None,
+        lane: int = 0,
+        host_waits: bool = False,
+    ) -> Copy:
+        """:meth:`issue` for one call ``work(*args)`` (enqueued on the direction's stream behind ``gates``)."""
+        with self.issue(direction, gates, into=into, lane=lane, host_waits=host_waits) as copy:
+            work(*args)
+        return copy
 
     def read(
         self, dst: torch.Tensor, offset: int, gates: Iterable[Gate] = (), *, disk: DiskReader | None = None
@@ -371,11 +394,20 @@ class CudaTransport(Transport):
             raise ValueError("weight copies run on several streams: join them one by one")
         return copies[-1] if copies else None
 
-    def acquire(self, copy: Copy) -> None:
+    def acquire(self, copy: Copy, timed: bool = False) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
         if copy.io is not None:
             copy.io.result()
+        if not timed:
+            if copy.ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(copy.ready)
+            return None
+        compute = torch.cuda.current_stream(self.device)
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(compute)
         if copy.ready is not None:
-            self._compute().wait_event(copy.ready)
+            compute.wait_event(copy.ready)
+        after.record(compute)
+        return before, after
 
     def land(self, gate: Gate) -> None:
         if isinstance(gate, Copy) and gate.io is not None:
@@ -390,7 +422,7 @@ class CudaTransport(Transport):
 
     def mark(self, direction: Direction | None = None, timed: bool = False) -> Marker:
         event = torch.cuda.Event(enable_timing=timed)
-        event.record(self._compute() if direction is None else self.stream(direction))
+        event.record(torch.cuda.current_stream(self.device) if direction is None else self.streams[direction][0])
         return Marker(event)
 
     @contextmanager
@@ -407,36 +439,88 @@ class CudaTransport(Transport):
     ) -> Iterator[Copy]:
         copy = into if into is not None else Copy(direction=direction)
         copy.lane = lane
-        stream = self.stream(direction, lane)
+        stream = self.streams[direction][lane]
         timed = timed or direction in self.timed
         if copy.ready is None:
             copy.ready = torch.cuda.Event(enable_timing=timed)
         if after_compute:
             stream.wait_stream(self._compute())
         with profiler_range(RANGES[direction]), torch.cuda.stream(stream):  # the stream's device current too
-            for gate in gates:
-                if isinstance(gate, Copy) and gate.io is not None:  # a disk read: host work, waited for here
-                    gate.io.result()
-                    continue
-                event = _event_of(gate)
-                if event is None:
-                    continue
-                if host_waits:
-                    event.synchronize()
-                else:
-                    stream.wait_event(event)
-            if timed:
-                if copy.start is None:
-                    copy.start = torch.cuda.Event(enable_timing=True)
-                copy.start.record(stream)
-            cycles = self.delay.get(direction, 0)
-            if cycles:
-                sleep_on_stream(cycles)
+            self._behind(direction, stream, copy, gates, timed, host_waits)
             yield copy
             copy.ready.record(stream)
             if host_waits:
                 stream.synchronize()
         self._report(copy)
+
+    def issue_work(
+        self,
+        direction: Direction,
+        gates: Iterable[Gate],
+        work: Callable[..., None],
+        *args,
+        into: Copy | None = None,
+        lane: int = 0,
+        host_waits: bool = False,
+    ) -> Copy:
+        # :meth:`issue`'s steps for one call, without its generator and context manager objects
+        copy = into if into is not None else Copy(direction=direction)
+        copy.lane = lane
+        stream = self.streams[direction][lane]
+        timed = direction in self.timed
+        if copy.ready is None:
+            copy.ready = torch.cuda.Event(enable_timing=timed)
+        named = autograd_profiler.record_function(RANGES[direction]) if profiler_recording() else None
+        if named is not None:
+            named.__enter__()
+        try:
+            with torch.cuda.stream(stream):  # the stream's device current too
+                self._behind(direction, stream, copy, gates, timed, host_waits)
+                work(*args)
+                copy.ready.record(stream)
+                if host_waits:
+                    stream.synchronize()
+        finally:
+            if named is not None:
+                named.__exit__(None, None, None)
+        for listener in self.listeners:
+            listener.copied(copy)
+        return copy
+
+    def _behind(
+        self,
+        direction: Direction,
+        stream: torch.cuda.Stream,
+        copy: Copy,
+        gates: Iterable[Gate],
+        timed: bool,
+        host_waits: bool,
+    ) -> None:
+        """Inside :meth:`issue` (``stream`` current): the stream waits for ``gates`` (the host, with
+        ``host_waits``; disk reads always on the host), then the copy's start event and the tests' delay."""
+        for gate in gates:
+            if isinstance(gate, Copy):
+                if gate.io is not None:  # a disk read: host work, waited for here
+                    gate.io.result()
+                    continue
+                event = gate.ready
+            elif isinstance(gate, Marker):
+                event = gate.event
+            else:
+                continue
+            if event is None:
+                continue
+            if host_waits:
+                event.synchronize()
+            else:
+                stream.wait_event(event)
+        if timed:
+            if copy.start is None:
+                copy.start = torch.cuda.Event(enable_timing=True)
+            copy.start.record(stream)
+        cycles = self.delay.get(direction, 0) if self.delay else 0
+        if cycles:
+            sleep_on_stream(cycles)
 
     def after_compute(self, *directions: Direction) -> None:
         compute = self._compute()

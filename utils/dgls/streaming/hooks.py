@@ -31,11 +31,11 @@ saved tensors go through ``pack``: a view of a slot is replaced by a :class:`Slo
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -60,6 +60,9 @@ class SlotRef:
 class Engine(Protocol):
     """What the hooks call (implemented by :class:`~..engine.swapper.LayerSwapper`)."""
 
+    # the entries that stream now, read on every hook call: a live container (re-placement changes it in place)
+    streaming: Container[int]
+
     def use(self, index: int, phase: Phase) -> None: ...
     def pass_end(self) -> None: ...
     def is_streamed(self, index: int) -> bool: ...
@@ -67,23 +70,35 @@ class Engine(Protocol):
     def view_of(self, ref: SlotRef) -> torch.Tensor: ...
 
 
-@dataclass(frozen=True)
-class _Outer:
-    """A tensor packed by outer saved-tensor hooks that DGLS's hooks sit on top of."""
+class _Outer(tuple):
+    """``(value,)``: a tensor packed by outer saved-tensor hooks that DGLS's hooks sit on top of. A tuple subclass,
+    so making one per saved tensor runs no Python frame (a checkpointed layer saves dozens per call)."""
 
-    value: Any
+    __slots__ = ()
 
 
-def tensors_in(value) -> Iterable[torch.Tensor]:
-    """Every tensor in a nest of tuples, lists and dicts."""
+def tensors_in(value) -> list[torch.Tensor]:
+    """Every tensor in a nest of tuples, lists and dicts, in order (a list: the post-forward hook walks it twice,
+    and a flat output costs one call, not a generator per element)."""
     if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from tensors_in(v)
+        return [value]
+    found: list[torch.Tensor] = []
+    _collect_tensors(value, found)
+    return found
+
+
+def _collect_tensors(value, found: list[torch.Tensor]) -> None:
+    if isinstance(value, (list, tuple)):
+        items = value
     elif isinstance(value, dict):
-        for v in value.values():
-            yield from tensors_in(v)
+        items = value.values()
+    else:
+        return
+    for v in items:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        else:
+            _collect_tensors(v, found)
 
 
 def _is_torch_checkpoint(hooks) -> bool:
@@ -103,6 +118,7 @@ class HookAdapter:
     ) -> None:
         self.layers = layers
         self.engine = engine
+        self._streaming = engine.streaming
         # the caller's layer of each entry, and the entries split into swap units (:mod:`.units`)
         self.owners = list(owners) if owners is not None else list(range(len(layers)))
         self.holders = set(holders)
@@ -112,11 +128,14 @@ class HookAdapter:
         self._holding = False  # a schedule runs one step as several backward calls: one pass_end, at its end
         self._held_end = False  # a backward ended while holding
         # A module whose next call runs nothing of its own (a piece whose layer's recompute takes its kept
-        # output, :meth:`~..activations.unit_checkpoints.UnitCheckpoints.replays`): no use starts.
-        self.replays: Callable[[nn.Module], bool] = replays or (lambda module: False)
+        # output, :meth:`~..activations.unit_checkpoints.UnitCheckpoints.replays`): no use starts. None: none
+        # ever does (no unit checkpoints), and the pre-hook asks nothing.
+        self.replays: Callable[[nn.Module], bool] | None = replays
+        self._output_grad_hooks: dict[int, Callable[[torch.Tensor], None]] = {}  # per entry, made once
 
     def install(self) -> None:
         for idx, module in modules_of(self.layers):
+            self._output_grad_hooks[idx] = partial(self._on_output_grad, idx)
             self._handles.append(module.register_forward_pre_hook(partial(self._pre_forward, idx)))
             self._handles.append(module.register_forward_hook(partial(self._post_forward, idx), always_call=True))
 
@@ -127,15 +146,15 @@ class HookAdapter:
 
     # ---------------------------------------------------------------- module hooks
     def _pre_forward(self, idx: int, module: nn.Module, args) -> None:
-        if self.replays(module):
+        if self.replays is not None and self.replays(module):
             self._saved_hooks.append(None)
             return
         phase = current_phase()
         self.engine.use(idx, phase)
-        if phase is Phase.BACKWARD:
+        if phase is Phase.BACKWARD and not self._queued:
             self._queue_pass_end()
         pushed = None
-        if torch.is_grad_enabled() and self.engine.is_streamed(idx):
+        if idx in self._streaming and torch.is_grad_enabled():
             outer = top_saved_tensors_hooks()
             if outer is not None and _is_torch_checkpoint(outer) and under_selective_checkpoint():
                 raise DGLSUserError(
@@ -160,8 +179,9 @@ class HookAdapter:
                     "of 0 elements), set swap_unit_mb = 0 (--swap_unit_mb 0) to stream whole layers"
                 )
             return
-        if self.engine.is_streamed(idx):
-            for t in tensors_in(output):
+        tensors = tensors_in(output)
+        if idx in self._streaming:
+            for t in tensors:
                 if self.engine.slot_ref(t) is not None:
                     raise DGLSUserError(
                         f"layer {self.owners[idx]} ({type(module).__name__}) returns a view of its own weights, which "
@@ -169,14 +189,15 @@ class HookAdapter:
                         "gpu_layers)"
                     )
         if torch.is_grad_enabled() and current_phase() is not Phase.BACKWARD:
-            for t in tensors_in(output):
+            for t in tensors:
                 if t.requires_grad:
-                    t.register_hook(partial(self._on_output_grad, idx))
+                    t.register_hook(self._output_grad_hooks[idx])
                     break
 
     def _on_output_grad(self, idx: int, grad: torch.Tensor) -> None:
         self.engine.use(idx, Phase.BACKWARD)
-        self._queue_pass_end()
+        if not self._queued:
+            self._queue_pass_end()
 
     # ---------------------------------------------------------------- end of backward
     def _queue_pass_end(self) -> None:
@@ -224,7 +245,7 @@ class HookAdapter:
         """DGLS's saved-tensor hooks for entry ``idx`` above whatever hooks are active now, for the code inside
         the ``with``: :mod:`..activations.unit_checkpoints` puts them above a unit's own checkpoint."""
         pushed = None
-        if torch.is_grad_enabled() and self.engine.is_streamed(idx):
+        if idx in self._streaming and torch.is_grad_enabled():
             pushed = self._push_saved_tensor_hooks(top_saved_tensors_hooks())
         try:
             yield
@@ -238,7 +259,7 @@ class HookAdapter:
         :mod:`..activations.unit_checkpoints`): a use of the entry, with its saved-tensor hooks for the code inside."""
         phase = current_phase()
         self.engine.use(idx, phase)
-        if phase is Phase.BACKWARD:
+        if phase is Phase.BACKWARD and not self._queued:
             self._queue_pass_end()
         with self.saved_tensor_hooks(idx):
             yield
@@ -252,7 +273,7 @@ class HookAdapter:
 
     def _pack_over(self, outer, tensor: torch.Tensor):
         ref = self.engine.slot_ref(tensor)
-        return _Outer(outer[0](tensor)) if ref is None else ref
+        return _Outer((outer[0](tensor),)) if ref is None else ref
 
     def _unpack_over(self, outer, packed):
-        return self.engine.view_of(packed) if isinstance(packed, SlotRef) else outer[1](packed.value)
+        return self.engine.view_of(packed) if isinstance(packed, SlotRef) else outer[1](packed[0])

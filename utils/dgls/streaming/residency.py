@@ -69,6 +69,7 @@ class StreamedLayer:
     ) -> None:
         self.module = module
         self.host = host
+        self.index = host.index  # the entry's index (read on every transition)
         self.params = [p.param for p in host.layout.params]
         self._placeholders = [placeholder(p.dtype, len(p.shape)) for p in host.layout.params]
         self._views: dict[int, list[torch.Tensor]] = {}  # slot index -> views in that slot
@@ -77,10 +78,6 @@ class StreamedLayer:
         self.token: Token | None = None
         self._range: record_function | None = None  # the profiler range of the transition under way
         self._unbind()
-
-    @property
-    def index(self) -> int:
-        return self.host.index
 
     def fetch(self, slot: Slot, token: Token) -> None:
         """HOST -> FETCHING: the copier has a write of this layer into ``slot``."""

@@ -13,13 +13,17 @@ from enum import Enum
 
 import torch
 
-from ..torch_private import in_backward
+from ..torch_private import current_autograd_node
 
 
 class Phase(Enum):
     FORWARD = "F"  # forward with grad
     NO_GRAD = "N"  # forward without grad: eval, sampling, or a reentrant checkpoint's first pass
     BACKWARD = "B"  # inside backward: checkpoint recompute, saved-tensor unpack, or the output's gradient
+
+    # Uses are dict keys on every hook call (the predictor's tables, the prefetch plans): members are
+    # singletons, so identity hashing is correct, and it runs no Python frame (``Enum.__hash__`` does).
+    __hash__ = object.__hash__
 
     def __str__(self) -> str:
         return self.name.lower().replace("_", " ")
@@ -30,7 +34,7 @@ Use = tuple[int, Phase]
 
 def current_phase() -> Phase:
     """The phase of a use happening now, from autograd's state (never from Python frames)."""
-    if in_backward():
+    if current_autograd_node() is not None:  # in a backward or a checkpoint's recompute
         return Phase.BACKWARD
     return Phase.FORWARD if torch.is_grad_enabled() else Phase.NO_GRAD
 
