@@ -264,3 +264,37 @@ def test_layer_major_reduces_each_layers_device_sum_once_a_step(monkeypatch):
     assert len(sent) == 2 and all(torch.equal(t, torch.full((3,), 10.0)) for t in sent)
     assert torch.equal(params[1][0].grad, torch.full((3,), 5.0)), "the owner's: the mean over the 2 processes"
     assert params[0][0].grad is None and sums.pending == 0
+
+
+def test_a_layer_major_sum_without_a_last_micro_batch_gradient_is_reduced_once_at_the_flush(monkeypatch):
+    """A param whose last micro-batch gave no gradient: its device sum is reduced when its layer's micro-batches end
+    (DeviceSums.flush), and the owner hands the mean to the host training (no hook runs then)."""
+    from torch import nn
+
+    from utils.dgls.training.data_parallel import SharedGradients
+    from utils.dgls.training.device_sums import DeviceSums
+
+    sent: list[torch.Tensor] = []
+
+    def reduce(tensor, dst, op, async_op=False):
+        sent.append(tensor.clone())
+        return _Work() if async_op else None
+
+    monkeypatch.setattr(torch.distributed, "reduce", reduce)
+    params = {i: [nn.Parameter(torch.zeros(3))] for i in range(2)}
+    shared = SharedGradients(Ownership(rank=1, size=2, owners={0: 0, 1: 1}), params)
+    handed: list[tuple[nn.Parameter, torch.Tensor]] = []
+    shared.hand_on = lambda param, grad: handed.append((param, grad))
+    shared.device_sums = sums = DeviceSums()
+    for idx in (1, 0):
+        (p,) = params[idx]
+        for m in range(4):
+            sums.final = m == 3
+            if m < 2:  # the last two micro-batches skip the param
+                p.grad = torch.full((3,), float(m + 1))
+                shared._reduce(idx, p)
+        assert not sent or len(sent) == 1
+        sums.flush()
+    assert len(sent) == 2 and all(torch.equal(t, torch.full((3,), 3.0)) for t in sent)
+    assert [(p is params[1][0], g.tolist()) for p, g in handed] == [(True, [1.5] * 3)]
+    assert sums.pending == 0 and shared._pending

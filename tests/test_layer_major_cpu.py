@@ -13,6 +13,7 @@ from functools import partial
 
 import pytest
 import torch
+import torch.nn.functional as F
 from full_ft import SPEC, FullRecord, _weights, assert_same, full_layers, params_of
 from helpers import assert_bitwise_equal, checkpoint_for, make_layers, run_layers, skip_waits
 from layer_major_runs import _inputs, _loss, _micro_loss, batches, runners, train_lora
@@ -345,3 +346,91 @@ def test_swap_units_are_fetched_per_micro_batch_unless_the_slots_keep_them():
 
     one = fetched(1, True)
     assert one < fetched(4, True) < fetched(4, False)
+
+
+# ---------------------------------------------------------------- device sums
+class _Branchy(torch.nn.Module):
+    """A layer whose ``side`` branch runs only in micro-batches that ask for it (the input's flag): its params get a
+    gradient in some micro-batches of a step and none in others."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.main, self.side = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+
+    def forward(self, inputs):
+        x, use_side = inputs
+        y = torch.tanh(self.main(x))
+        return (y + self.side(x) if use_side else y), use_side
+
+
+def train_branchy(flags, layer_major, steps=2):
+    """Full fine-tuning steps of 4 streamed _Branchy layers over micro-batches whose side branches run where
+    ``flags`` says: the losses and the weights after the steps."""
+    torch.manual_seed(0)
+    layers = [_Branchy(16) for _ in range(4)]
+    cfg = SwapConfig.of(
+        host_optimizer=SPEC, accumulation_steps=1 if layer_major else len(flags), prefetch=1, blocks_to_swap=4
+    )
+    gen = torch.Generator().manual_seed(1)
+    data = [[(torch.randn(2, 16, generator=gen), torch.randn(2, 16, generator=gen)) for _ in flags] for _ in range(2)]
+    losses = []
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        assert all(swapper.training.owns(p) for layer in layers for p in layer.parameters())
+        for step in range(steps):
+            micro = [(x, flag) for (x, _), flag in zip(data[step], flags)]
+            targets = [t for _, t in data[step]]
+
+            def loss(out, m, targets=targets):
+                return F.mse_loss(out[0], targets[m])
+
+            if layer_major:
+                losses += layer_major_step(layers, micro, loss, swapper)
+            else:
+                for m, inputs in enumerate(micro):
+                    h = inputs
+                    for layer in layers:
+                        h = layer(h)
+                    result = loss(h, m)
+                    result.backward()
+                    losses.append(result.detach())
+            swapper.training.step()
+        return losses, _weights(layers)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [(True, False), (True, False, False, True), (False, True, False, False), (True, True, True, False)],
+    ids=["first-only", "not-the-middle", "second-only", "not-the-last"],
+)
+def test_a_param_without_a_gradient_in_the_last_micro_batch_trains_as_sequential_micro_batches_train_it(flags):
+    """A host-trained param whose branch the last micro-batch skips still gets the sum of what the others gave (the
+    device sum went unsent, then the step failed): bitwise the same as sequential micro-batches, in fp32."""
+    (seq_losses, seq_weights), (lm_losses, lm_weights) = train_branchy(flags, False), train_branchy(flags, True)
+    for a, b in zip(seq_losses, lm_losses, strict=True):
+        assert torch.equal(a, b)
+    moved = {k for k in seq_weights if k.endswith("side.weight")}
+    assert moved
+    for k in seq_weights:
+        assert torch.equal(seq_weights[k], lm_weights[k]), k
+
+
+def test_device_sums_and_the_hosts_accumulate_job_share_one_sum(monkeypatch):
+    """DeviceSums.add sums through grad_return.sum_gradient, the host's accumulate job's own (one implementation)."""
+    from utils.dgls.training import device_sums, grad_return
+
+    assert getattr(device_sums, "sum_gradient", None) is grad_return.sum_gradient
+    calls = []
+
+    def counted(acc, grad, first):
+        calls.append(first)
+        grad_return.sum_gradient(acc, grad, first)
+
+    monkeypatch.setattr(device_sums, "sum_gradient", counted)
+    sums = device_sums.DeviceSums()
+    param, sent = torch.nn.Parameter(torch.zeros(3)), []
+    for m in range(3):
+        sums.final = m == 2
+        got = sums.add(param, torch.full((3,), float(m + 1), dtype=torch.bfloat16), sent.append)
+    assert calls == [True, False, False]
+    assert got.dtype == torch.bfloat16 and torch.equal(got, torch.full((3,), 6.0, dtype=torch.bfloat16))
+    assert sums.pending == 0 and sent == []

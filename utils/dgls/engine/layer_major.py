@@ -31,7 +31,8 @@ Schedule
       come again, one after another: a unit is fetched once per micro-batch unless the slots hold the layer's units
       together. The saving is whole layers'; with units it is what the slots keep between micro-batches.
     - Full fine-tuning (host-trained layers): each layer's gradients are summed on the device over the N
-      micro-batches and go home once (:mod:`..training.device_sums`); the host training sees one micro-batch a step,
+      micro-batches and go home once (:mod:`..training.device_sums`; a param without a gradient in a layer's last
+      micro-batch sends its sum when the layer's micro-batches end); the host training sees one micro-batch a step,
       so the swapper must be built with ``accumulation_steps = 1``. Data parallel (:mod:`..training.data_parallel`):
       that sum is what is reduced to the layer's owner, once a step. LoRA (params on the device): autograd
       accumulates ``.grad`` as it does over sequential micro-batches.
@@ -179,6 +180,8 @@ class _Run:
                 if outputs:
                     torch.autograd.backward(outputs, grads)
                 del outputs, grads, cut
+            if self.sums is not None:  # params the layer's last micro-batch gave no gradient send their sums
+                self.sums.flush()
         self.cuts.clear()
 
 

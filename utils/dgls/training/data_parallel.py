@@ -175,6 +175,9 @@ class SharedGradients:
         # The layer-major schedule's (the host training's same object): a layer's gradients summed on the device over
         # the step's micro-batches, reduced once at its last (:mod:`.device_sums`)
         self.device_sums: DeviceSums | None = None
+        # The host training's intake of an owned gradient given outside its hook (a device sum flushed after its
+        # layer's micro-batches): :meth:`~.grad_return.GradReturn.receive`, set at install (:mod:`.training_feature`)
+        self.hand_on: Callable[[nn.Parameter, torch.Tensor], None] = _unset_hand_on
 
     def install(self, grad_arriving: Callable[[int], None]) -> None:
         """Hooks on every trained param; call before the host training installs its own (post-accumulate-grad
@@ -193,21 +196,34 @@ class SharedGradients:
             return
         param.grad = None
         if self.device_sums is not None:  # None: summed on the device until the layer's last micro-batch
-            grad = self.device_sums.add(param, grad)
+            grad = self.device_sums.add(param, grad, partial(self._reduce_sum, idx, param))
             if grad is None:
                 return
+        mean = self._send(idx, grad)
+        if mean is not None:
+            param.grad = mean  # the host training's hook, after this one, takes it
+
+    def _reduce_sum(self, idx: int, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """A layer-major device sum sent after its layer's micro-batches (:meth:`~.device_sums.DeviceSums.flush`):
+        reduced as in the hook; the owner hands the mean to the host training itself (no hook runs now)."""
+        mean = self._send(idx, grad)
+        if mean is not None:
+            self.hand_on(param, mean)
+
+    def _send(self, idx: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """Reduce ``grad`` to the layer's owner: the owner gets the mean, the others ``None``."""
         grad = grad.contiguous()
         owner = self.ownership.owners[idx]
         dist = torch.distributed
         with peer_failure("the reduction of the streamed layers' gradients"):
             if owner == self.ownership.rank:
                 dist.reduce(grad, dst=owner, op=dist.ReduceOp.SUM)
-                param.grad = grad.div_(self.ownership.size)
-            else:
-                if self._pending and self._pending[-1][0] != idx:  # the layer before's: its gradients may go
-                    self._wait_pending()
-                work = dist.reduce(grad, dst=owner, op=dist.ReduceOp.SUM, async_op=True)
-                self._pending.append((idx, work, grad))
+                return grad.div_(self.ownership.size)
+            if self._pending and self._pending[-1][0] != idx:  # the layer before's: its gradients may go
+                self._wait_pending()
+            work = dist.reduce(grad, dst=owner, op=dist.ReduceOp.SUM, async_op=True)
+            self._pending.append((idx, work, grad))
+            return None
 
     def backward_done(self) -> None:
         """The backward ended: every reduce this process started has sent its gradient."""
@@ -243,6 +259,10 @@ class SharedGradients:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+
+def _unset_hand_on(param: nn.Parameter, grad: torch.Tensor) -> None:
+    raise AssertionError("SharedGradients.hand_on was never set: the host training must set it at install")
 
 
 PEER_GONE = re.compile(r"peer|connection|timed out|timeout|NCCL", re.IGNORECASE)  # a collective's partner is gone

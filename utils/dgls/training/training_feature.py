@@ -100,6 +100,7 @@ class TrainingFeature(Feature):
         self._evict = engine.evict
         use = lambda idx: engine.use(idx, current_phase())  # noqa: E731
         if self.shared is not None:  # its hooks first: the host training's own see the reduced gradients
+            self.shared.hand_on = self.training.grads.receive  # reduced sums given outside the hooks
             self.shared.install(use)
         self.training.install(use)
 
