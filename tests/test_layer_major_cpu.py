@@ -13,10 +13,9 @@ from functools import partial
 
 import pytest
 import torch
-import torch.nn.functional as F
-from full_ft import SPEC, FullRecord, _weights, assert_same, full_layers, params_of
-from helpers import assert_bitwise_equal, checkpoint_for, make_layers, run_layers, skip_waits
-from layer_major_runs import _inputs, _loss, _micro_loss, batches, runners, train_lora
+from full_ft import SPEC, _weights, assert_same, full_layers
+from helpers import assert_bitwise_equal, make_layers, skip_waits
+from layer_major_runs import batches, micro_loss, runners, step, train_full, train_lora
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.engine.layer_major import layer_major_losses, layer_major_step
@@ -65,7 +64,7 @@ def test_a_second_backward_of_a_layer_major_step_is_refused():
     layers, _ = make_layers()
     data = batches()
     micro = [next(data) for _ in range(2)]
-    with layer_major_losses(runners(layers, "none"), [x for x, _ in micro], partial(_micro_loss, micro)) as got:
+    with layer_major_losses(runners(layers, "none"), [x for x, _ in micro], partial(micro_loss, micro)) as got:
         got[0].backward(retain_graph=True)
         with pytest.raises(RuntimeError, match="ran twice"):
             got[1].backward()
@@ -188,53 +187,6 @@ class _GradCopies(Listener):
             self.bytes += copy.nbytes
 
 
-def train_full(
-    mode, accumulate, layer_major, dtype=torch.float32, steps=2, max_norm=None, listener=None, spec=SPEC, **settings
-):
-    """Full fine-tuning steps: streamed layers trained on the host (accumulation_steps N sequentially, 1 layer-major),
-    the others by the trainer's optimizer; ``settings``: more SwapConfig settings (the checkpoint is the swapper's)."""
-    layers = full_layers(dtype)
-    steps_setting = 1 if layer_major else accumulate
-    cfg = SwapConfig.of(host_optimizer=spec, accumulation_steps=steps_setting, **{"prefetch": 1, **settings})
-    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
-        if listener is not None:
-            swapper.add_listener(listener)
-        training = swapper.training
-        params = params_of(layers)
-        resident = [p for p in params if not training.owns(p)]
-        trainer = SPEC.build(resident) if resident else None
-        run = runners(layers, mode, swapper.checkpoint_function(checkpoint_for(mode)))
-        data = batches(dtype)
-        losses, evals = [], []
-        for _ in range(steps):
-            micro = [next(data) for _ in range(accumulate)]
-            if layer_major:
-                losses += layer_major_step(
-                    run,
-                    [_inputs(x, mode) for x, _ in micro],
-                    lambda out, m, micro=micro: _loss(out, micro[m][1]),
-                    swapper,
-                )
-            else:
-                for x, target in micro:
-                    h = _inputs(x, mode)
-                    for layer in run:
-                        h = layer(h)
-                    loss = _loss(h, target)
-                    loss.backward()
-                    losses.append(loss.detach())
-            if max_norm is not None:
-                training.clip_grad_norm_(params, max_norm)
-            if trainer is not None:
-                trainer.step()
-                trainer.zero_grad()
-            training.step()
-            with torch.no_grad():
-                x, _ = next(data)
-                evals.append(run_layers(layers, x, "none").cpu())
-        return FullRecord(losses, _weights(layers), evals)
-
-
 @pytest.mark.parametrize("accumulate", [1, 2, 4])
 @pytest.mark.parametrize("mode", ["none", "nonreentrant", "reentrant"])
 def test_full_fine_tuning_layer_major_equals_sequential_in_fp32(mode, accumulate):
@@ -300,9 +252,7 @@ def test_a_host_training_told_several_micro_batches_is_refused():
         data = batches()
         micro = [next(data) for _ in range(2)]
         with pytest.raises(DGLSUserError, match="accumulation_steps = 1"):
-            layer_major_step(
-                runners(layers, "none"), [x for x, _ in micro], lambda o, m: _loss(o, micro[m][1]), swapper
-            )
+            layer_major_step(runners(layers, "none"), [x for x, _ in micro], partial(micro_loss, micro), swapper)
 
 
 def test_no_micro_batches_is_refused():
@@ -428,26 +378,12 @@ def train_branchy(flags, layer_major, steps=2):
     )
     gen = torch.Generator().manual_seed(1)
     data = [[(torch.randn(2, 16, generator=gen), torch.randn(2, 16, generator=gen)) for _ in flags] for _ in range(2)]
+    run = [*layers, lambda inputs: inputs[0]]  # the output without the flag
     losses = []
     with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
         assert all(swapper.training.owns(p) for layer in layers for p in layer.parameters())
-        for step in range(steps):
-            micro = [(x, flag) for (x, _), flag in zip(data[step], flags)]
-            targets = [t for _, t in data[step]]
-
-            def loss(out, m, targets=targets):
-                return F.mse_loss(out[0], targets[m])
-
-            if layer_major:
-                losses += layer_major_step(layers, micro, loss, swapper)
-            else:
-                for m, inputs in enumerate(micro):
-                    h = inputs
-                    for layer in layers:
-                        h = layer(h)
-                    result = loss(h, m)
-                    result.backward()
-                    losses.append(result.detach())
+        for micro in data[:steps]:
+            losses += step(run, [((x, flag), t) for (x, t), flag in zip(micro, flags)], "none", layer_major, swapper)
             swapper.training.step()
         return losses, _weights(layers)
 
