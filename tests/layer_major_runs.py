@@ -16,8 +16,29 @@ from utils.dgls import LayerSwapper, SwapConfig
 from utils.dgls.demo.data import SyntheticLatents
 from utils.dgls.demo.model import BLOCK_CLASSES
 from utils.dgls.engine.layer_major import layer_major_losses, layer_major_step
+from utils.dgls.memory.transport import Direction
+from utils.dgls.watching.listener import Listener
 
 CPU = torch.device("cpu")
+
+
+class WeightCopies(Listener):
+    """Per pass: the weight copies the transport made (prefetches a use never read included) and those a use read."""
+
+    def __init__(self) -> None:
+        self.passes: list[tuple[int, int]] = []
+        self.copies = self.used = 0
+
+    def copied(self, copy) -> None:
+        if copy.direction is Direction.WEIGHTS_IN:
+            self.copies += 1
+
+    def fetched(self, token) -> None:
+        self.used += 1
+
+    def pass_ended(self) -> None:
+        self.passes.append((self.copies, self.used))
+        self.copies = self.used = 0
 
 
 def runners(layers, mode: str, checkpoint_fn=None) -> list:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from full_ft import SPEC, _weights, assert_same, full_layers
 from helpers import assert_bitwise_equal, make_layers, skip_waits
-from layer_major_runs import batches, micro_loss, runners, step, train_full, train_lora
+from layer_major_runs import WeightCopies, batches, micro_loss, runners, step, train_full, train_lora
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.engine.layer_major import layer_major_losses, layer_major_step
@@ -289,28 +289,9 @@ def test_the_vram_planner_probes_a_layer_major_step_and_plans_for_its_micro_batc
     assert any("4 micro-batches a step, layer-major" in line for line in lines), lines
 
 
-class _WeightCopies(Listener):
-    """Per pass: the weight copies the transport made (prefetches a use never read included) and those a use read."""
-
-    def __init__(self) -> None:
-        self.passes: list[tuple[int, int]] = []
-        self.copies = self.used = 0
-
-    def copied(self, copy) -> None:
-        if copy.direction is Direction.WEIGHTS_IN:
-            self.copies += 1
-
-    def fetched(self, token) -> None:
-        self.used += 1
-
-    def pass_ended(self) -> None:
-        self.passes.append((self.copies, self.used))
-        self.copies = self.used = 0
-
-
 def unit_copies(accumulate, layer_major=True, steps=3, mode="nonreentrant", **settings):
     """The weight copies of each pass, the largest layer's unit count and the slot count, and the run's record."""
-    counter, seen = _WeightCopies(), {}
+    counter, seen = WeightCopies(), {}
 
     def hook(swapper):
         swapper.add_listener(counter)
@@ -344,7 +325,7 @@ def test_full_fine_tuning_swap_units_that_fit_the_slots_are_fetched_once_a_direc
     """The same with host-trained layers (their trained params stream in the units too), bitwise as sequential."""
 
     def copies(accumulate, layer_major=True):
-        counter = _WeightCopies()
+        counter = WeightCopies()
         record = train_full("nonreentrant", accumulate, layer_major, steps=3, listener=counter, **UNITS_IN_SLOTS)
         return counter.passes[1:], record
 
