@@ -360,3 +360,26 @@ def test_layer_major_reduces_each_layers_device_sum_once_a_step(monkeypatch):
     assert [idx for idx, _ in delivered] == [1, 1], "the owner's layer, its params"
     assert all(torch.equal(g, torch.full_like(g, (10.0 + OTHER) / 2)) for _, g in delivered)
     assert sums.pending == 0
+
+
+def test_a_layer_major_sum_without_a_last_micro_batch_gradient_is_reduced_once_at_the_flush(monkeypatch):
+    """A param whose last micro-batches gave no gradient: its device sum goes into its layer's bucket when the
+    layer's micro-batches end (DeviceSums.flush), reduced once, and the owner hands the mean to the host training
+    (no hook runs then)."""
+    from utils.dgls.training.device_sums import DeviceSums
+
+    shared, params, reduce, delivered = _shared(monkeypatch, rank=1, owners={0: 0, 1: 1}, numels=(3,), late=False)
+    shared.device_sums = sums = DeviceSums()
+    for idx in (1, 0):
+        (p,) = params[idx]
+        for m in range(4):
+            sums.final = m == 3
+            if m < 2:  # the last two micro-batches skip the param
+                p.grad = torch.full((3,), float(m + 1))
+                shared._reduce(idx, p)
+                assert p.grad is None, "summed on the device, nothing sent yet"
+        sums.flush()
+    shared.backward_done()
+    assert reduce.calls == 2 and all(torch.equal(t, torch.full((3,), 3.0)) for t in reduce.sent)
+    assert [(idx, g.tolist()) for idx, g in delivered] == [(1, [(3.0 + OTHER) / 2] * 3)], "the owner's layer only"
+    assert sums.pending == 0

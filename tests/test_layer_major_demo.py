@@ -178,9 +178,10 @@ def test_a_drop_in_full_fine_tune_runs_layer_major_by_default_and_its_host_sees_
 
 
 @needs_layer_major
-def test_the_drop_ins_train_batch_runs_layer_major_where_it_applies_and_says_how_once():
+def test_the_drop_ins_train_batch_runs_layer_major_where_it_applies():
     """PipelineInterception's train_batch wrapper: DeepSpeed's schedule is replaced for the step on one stage with
-    several micro-batches (the engine's instance attributes, removed after), and left alone otherwise."""
+    several micro-batches (the engine's instance attributes, removed after), and left alone otherwise; it says
+    nothing (start-up said how the micro-batches run)."""
     from utils.dgls.program.options import OPTIONS
     from utils.dgls.trainers.diffusion_pipe import PipelineInterception
 
@@ -192,9 +193,6 @@ def test_the_drop_ins_train_batch_runs_layer_major_where_it_applies_and_says_how
     with interception._layer_major(engine):
         assert "_exec_schedule" in vars(engine) and "_INSTRUCTION_MAP" in vars(engine)
     assert "_exec_schedule" not in vars(engine)
-    with interception._layer_major(engine):
-        pass
-    assert lines == ["DGLS: 4 micro-batches a step, layer-major (each layer runs all of them before the next)"]
     staged = FakeEngine(stages=2)
     staged.micro_batches = 4
     with interception._layer_major(staged):
@@ -202,12 +200,60 @@ def test_the_drop_ins_train_batch_runs_layer_major_where_it_applies_and_says_how
     off = PipelineInterception({**values, "layer_major": False}, log=lines.append)
     with off._layer_major(engine):
         assert "_exec_schedule" not in vars(engine)
-    assert lines[-1] == "DGLS: 4 micro-batches a step, one after another (--no-layer_major)"
-    with PipelineInterception(values, log=lines.append)._layer_major(staged):
-        pass
-    assert lines[-1] == (
-        "DGLS: 4 micro-batches a step, one after another: layer-major runs one pipeline stage, and this run has 2"
+    assert lines == []
+
+
+def _drop_in_argv(tmp_path, monkeypatch, top="gradient_accumulation_steps = 4", world_size=1):
+    from cli_helpers import FAKE, fake_config
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    if world_size > 1:  # as the deepspeed launcher starts rank 0 of a job
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", str(world_size))):
+            monkeypatch.setenv(key, value)
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", "29512")
+    return ["--config", str(fake_config(tmp_path, top=top)), "--diffusion_pipe", str(FAKE), "--blocks_to_swap", "1"]
+
+
+@needs_layer_major
+def test_the_drop_in_says_how_a_steps_micro_batches_run_before_the_model_loads(tmp_path, monkeypatch):
+    """dgls_train.py's checks (the stand-in checkout) say it in the start-up notes, from the TOML and the flags (it
+    came at train.py's first step, after the model loaded)."""
+    from conftest import ROOT
+
+    argv = _drop_in_argv(tmp_path, monkeypatch)
+    layer_major = "DGLS: 4 micro-batches a step, layer-major: each layer runs all of them before the next"
+    assert any(note.startswith(layer_major) for note in prepare(argv, ROOT).notes)
+    notes = prepare([*argv, "--no-layer_major"], ROOT).notes
+    assert "DGLS: 4 micro-batches a step, one after another (--no-layer_major)" in notes
+    notes = prepare([*argv, "--lazy_lora_steps", "2"], ROOT).notes
+    assert any(note.startswith("DGLS: 8 micro-batches a step, layer-major") for note in notes)
+    one = _drop_in_argv(tmp_path / "one", monkeypatch, top="gradient_accumulation_steps = 1")
+    assert not any("micro-batches a step" in note for note in prepare(one, ROOT).notes)
+
+
+@needs_layer_major
+def test_the_drop_ins_layer_major_refusals_come_from_the_start_up_checks(tmp_path, monkeypatch):
+    """What the TOML and the flags decide is refused by dgls_train.py's checks, before train.py runs: an explicit
+    --layer_major with several pipeline stages (the default says it runs them one after another) and with a DeepSpeed
+    older than 0.19."""
+    import importlib.metadata
+
+    from conftest import ROOT
+
+    staged = _drop_in_argv(
+        tmp_path, monkeypatch, top="gradient_accumulation_steps = 4\npipeline_stages = 2", world_size=2
     )
+    with pytest.raises(DGLSUserError, match="--layer_major runs a step's micro-batches layer by layer on one pipeline"):
+        prepare([*staged, "--layer_major"], ROOT)
+    said = "DGLS: 4 micro-batches a step, one after another: layer-major runs one pipeline stage, and this run has 2"
+    assert said in prepare(staged, ROOT).notes
+    argv = _drop_in_argv(tmp_path / "old", monkeypatch)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.18.4")
+    with pytest.raises(DGLSUserError, match="layer-major needs DeepSpeed 0.19 or newer"):
+        prepare([*argv, "--layer_major"], ROOT)
+    assert any("one after another: layer-major needs DeepSpeed 0.19" in note for note in prepare(argv, ROOT).notes)
 
 
 def test_an_older_deepspeed_runs_micro_batches_one_after_another(monkeypatch):

@@ -9,7 +9,7 @@ offload too (the last layer's N checkpointed calls stay, the others go home and 
 
 import pytest
 from helpers import assert_bitwise_equal
-from layer_major_runs import train_lora
+from layer_major_runs import WeightCopies, train_lora
 from test_ordering_gpu import BF16, FLUX_WIDTH, ComputeDelay, delay_every_copy, deterministic, device, fresh, template
 
 from utils.dgls import SwapConfig
@@ -112,4 +112,29 @@ def test_layer_major_with_every_streamed_block_on_disk_under_delays_equals_resid
         template, "nonreentrant", accumulate, layer_major=True, swap=disk_config(template, tmp_path), swapper_hook=hook
     )
     assert seen["disk"] and seen["disk"] == seen["streamed"], "every streamed block is on disk"
+    assert_bitwise_equal(sequential("nonreentrant", accumulate), got)
+
+
+@pytest.mark.parametrize("accumulate", [2, 4])
+def test_layer_major_swap_units_kept_over_micro_batches_under_delays_equal_resident_sequential(
+    template, sequential, accumulate
+):
+    """Flux-width double blocks as 8 swap units in 8 slots (engine/row_keeping.py keeps a layer's units over its
+    micro-batches): bitwise the resident sequential numbers under delays on every copy and use, and the second step
+    copies what a one-micro-batch step copies."""
+
+    def copies(n, hook):
+        counter = WeightCopies()
+
+        def both(swapper):
+            swapper.add_listener(counter)
+            hook(swapper)
+
+        swap = SwapConfig.of(prefetch=7, swap_unit_mb=256)
+        record = run(template, "nonreentrant", n, layer_major=True, swap=swap, swapper_hook=both)
+        return counter.passes[1:], record
+
+    one, _ = copies(1, lambda swapper: None)
+    passes, got = copies(accumulate, delayed())
+    assert passes == one and one[0][0] > 0
     assert_bitwise_equal(sequential("nonreentrant", accumulate), got)

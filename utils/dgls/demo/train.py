@@ -35,7 +35,7 @@ from ..program.distributed import destroy_process_group
 from ..program.paths import new_run_dir
 from ..program.rendezvous import peers_arrived
 from ..program.stop_signals import stop_signal_received
-from ..program.validate import DemoRun, deepspeed_too_old_for_layer_major
+from ..program.validate import DemoRun, accumulation_note
 from ..trainers.engine_hooks import EngineHooks
 from ..trainers.layer_major_batches import layer_major_batches
 from ..trainers.pipeline_hook import Stage, StageHook
@@ -197,18 +197,7 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
 
 def accumulation_line(s: DemoSettings, values: dict) -> str:
     """The start-up line of a step's micro-batches: how they run."""
-    count = s.micro_batches(values["lazy_lora_steps"])
-    if s.runs_layer_major(values):
-        how = "layer-major: each layer runs all of them before the next (each streamed layer copied once a direction)"
-    elif not values["dynamic_swapping"]:
-        how = "one after another (dynamic swapping is off)"
-    elif not values["layer_major"]:
-        how = "one after another (--no-layer_major)"
-    elif (too_old := deepspeed_too_old_for_layer_major()) is not None:
-        how = f"one after another: {too_old}"
-    else:
-        how = f"one after another: layer-major runs one pipeline stage, and this run has {s.pipeline_stages}"
-    return f"DGLS: {count} micro-batches a step, {how}"
+    return accumulation_note(values, s.pipeline_stages, s.micro_batches(values["lazy_lora_steps"]))
 
 
 def _interrupted(done: int, steps: int) -> RunInterrupted:

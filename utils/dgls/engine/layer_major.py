@@ -27,11 +27,14 @@ Schedule
       :meth:`~.swapper.LayerSwapper.use`). The backward calls are one pass for the engine (:meth:`~..streaming.hooks.
       HookAdapter.one_pass`): the features' ``after_backward`` and the listeners' step boundary run once, at the end.
     - Swap units (a layer streamed as its child modules, :mod:`..streaming.units`): the schedule's unit is the
-      caller's layer, and a layer's forward runs its units in its own order, so for each micro-batch the units
-      come again, one after another: a unit is fetched once per micro-batch unless the slots hold the layer's units
-      together. The saving is whole layers'; with units it is what the slots keep between micro-batches.
+      caller's layer, and a layer's forward runs its units in its own order, so each micro-batch uses them again, one
+      after another. :mod:`.row_keeping` keeps a layer's units in their slots over its micro-batches when they fit
+      the slots (and lets the use predictor see one micro-batch's uses): each unit is then fetched once a direction
+      a step, as whole layers are. A layer with more units than slots keeps none: its units are fetched per
+      micro-batch.
     - Full fine-tuning (host-trained layers): each layer's gradients are summed on the device over the N
-      micro-batches and go home once (:mod:`..training.device_sums`); the host training sees one micro-batch a step,
+      micro-batches and go home once (:mod:`..training.device_sums`; a param without a gradient in a layer's last
+      micro-batch sends its sum when the layer's micro-batches end); the host training sees one micro-batch a step,
       so the swapper must be built with ``accumulation_steps = 1``. Data parallel (:mod:`..training.data_parallel`):
       that sum is what is reduced to the layer's owner, once a step. LoRA (params on the device): autograd
       accumulates ``.grad`` as it does over sequential micro-batches.
@@ -76,6 +79,7 @@ import torch
 from ..errors import DGLSUserError
 from ..training.device_sums import DeviceSums
 from ..training.training_feature import TrainingFeature
+from .row_keeping import RowKeeping
 from .swapper import LayerSwapper
 
 
@@ -144,21 +148,25 @@ class _Run:
     """One step's forward (kept: each layer's outputs per micro-batch, and the losses with their graphs) and the
     backward that consumes it."""
 
-    def __init__(
-        self, layers: Sequence[Callable[[Any], Any]], micro_batches: Sequence[Any], sums: DeviceSums | None
-    ) -> None:
-        self.layers, self.count, self.sums = layers, len(micro_batches), sums
+    def __init__(self, layers: Sequence[Callable[[Any], Any]], micro_batches: Sequence[Any], engine: _Engine) -> None:
+        self.layers, self.count = layers, len(micro_batches)
+        self.sums, self.rows = engine.sums, engine.rows
         self.cuts: list[list[_Cut]] = []  # per layer, per micro-batch: the boundary above the layer
         self.values = list(micro_batches)  # after forward: the last layer's (cut) outputs
         self.losses: list[torch.Tensor] = []
 
     def forward(self, loss: Callable[[Any, int], torch.Tensor]) -> list[torch.Tensor]:
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             row: list[_Cut] = [None] * self.count  # type: ignore[list-item]
-            for m in reversed(range(self.count)):  # the backward runs 0..N-1: the step mirrors itself (module doc)
+            # the backward runs 0..N-1: the step mirrors itself (module doc)
+            for position, m in enumerate(reversed(range(self.count))):
+                if self.rows is not None:
+                    self.rows.micro_batch(i, position)
                 row[m] = _cut(layer(self.values[m]))
             self.cuts.append(row)
             self.values = [c.value for c in row]
+        if self.rows is not None:
+            self.rows.close()
         self.losses = [loss(value, m) for m, value in enumerate(self.values)]
         return self.losses
 
@@ -174,11 +182,17 @@ class _Run:
             for m, cut in enumerate(row):
                 if self.sums is not None:
                     self.sums.final = m == self.count - 1
+                if self.rows is not None:
+                    self.rows.micro_batch(i, m)
                 outputs, grads = _carried(cut)
                 row[m] = None  # type: ignore[call-overload]  # the outputs' graph and the leaves' grads go with it
                 if outputs:
                     torch.autograd.backward(outputs, grads)
                 del outputs, grads, cut
+            if self.sums is not None:  # params the layer's last micro-batch gave no gradient send their sums
+                self.sums.flush()
+        if self.rows is not None:
+            self.rows.close()
         self.cuts.clear()
 
 
@@ -198,8 +212,8 @@ def layer_major_step(
     that streams ``layers`` (``None``: nothing streams; the schedule alone)."""
     if not micro_batches:
         raise DGLSUserError("a layer-major step needs at least one micro-batch")
-    with _engine_step(swapper, len(micro_batches)) as sums:
-        run = _Run(layers, micro_batches, sums)
+    with _engine_step(swapper, layers, len(micro_batches)) as engine:
+        run = _Run(layers, micro_batches, engine)
         losses = [result.detach() for result in run.forward(loss)]
         run.backward([torch.ones_like(result) for result in losses])  # what a sequential ``loss.backward()`` seeds
         return losses
@@ -218,8 +232,8 @@ def layer_major_losses(
     call gives it, ``None`` if it gives none). Arguments as :func:`layer_major_step`."""
     if not micro_batches:
         raise DGLSUserError("a layer-major step needs at least one micro-batch")
-    with _engine_step(swapper, len(micro_batches)) as sums:
-        run = _Run(layers, micro_batches, sums)
+    with _engine_step(swapper, layers, len(micro_batches)) as engine:
+        run = _Run(layers, micro_batches, engine)
         losses = run.forward(loss)
         if any(x.requires_grad for x in losses):
             anchor = torch.zeros((), requires_grad=True)  # the node's one input: the losses' graphs stay its own
@@ -248,12 +262,21 @@ class _Backward(torch.autograd.Function):
         return (None,) * (2 + len(seeds))
 
 
+@dataclass(frozen=True)
+class _Engine:
+    """The engine's parts a step's schedule drives (``None``: nothing streams, or no host training)."""
+
+    sums: DeviceSums | None = None
+    rows: RowKeeping | None = None
+
+
 @contextlib.contextmanager
-def _engine_step(swapper: LayerSwapper | None, count: int) -> Iterator[DeviceSums | None]:
+def _engine_step(swapper: LayerSwapper | None, layers: Sequence[Any], count: int) -> Iterator[_Engine]:
     """The engine's side of a step of ``count`` micro-batches: one backward pass, the host-trained layers' device sums,
-    and with activation offload the last layer's ``count`` checkpointed calls kept on the device."""
+    each layer's swap units kept over its micro-batches (:mod:`.row_keeping`), and with activation offload the last
+    layer's ``count`` checkpointed calls kept on the device."""
     if swapper is None:
-        yield None
+        yield _Engine()
         return
     swapper.micro_batches = count
     training = swapper.training
@@ -272,12 +295,14 @@ def _engine_step(swapper: LayerSwapper | None, count: int) -> Iterator[DeviceSum
             shared.device_sums = sums
     offloader = swapper.activations
     kept = offloader.keeping(count) if offloader is not None else contextlib.nullcontext()
+    rows = RowKeeping(swapper, len(layers), count)
     try:
         with swapper.hooks.one_pass(), kept:
-            yield sums
+            yield _Engine(sums, rows)
         if sums is not None:
             sums.close()
     finally:
+        rows.close()
         if training is not None:
             training.grads.device_sums = None
             if shared is not None:

@@ -16,6 +16,9 @@ Mechanics
       predictor (:mod:`..streaming.schedule`) expects and starts copies of the next ``prefetch`` streamed layers, each
       into a free slot or else the least recently used slot that no protected layer (the current one and
       those being prefetched) holds. A copy also waits behind the features' fetch gates.
+    - A layer-major step's micro-batches of one layer (:mod:`.row_keeping`, :meth:`LayerSwapper.keep_for_repeats`):
+      no prefetch evicts that layer's swap units before its last micro-batch, and the uses of its later
+      micro-batches move the predictor without teaching it.
     - ``pass_end`` runs the features' ``after_backward``, then hands the step boundary to the listeners
       (stats, the profiler, the planner: they record it).
     - The first use after a pass ended that is not inside a backward runs the features' ``between_passes``
@@ -98,6 +101,8 @@ class LayerSwapper:
         self._act_after_backward = [f for f in p.features if overrides(f, "after_backward")]
         self._pass_ended = False  # a backward ended and no use outside a backward began since
         self.micro_batches = 1  # of the last step, run layer-major (:mod:`.layer_major` sets it; the planner reads it)
+        self._kept: frozenset[int] = frozenset()  # entries no prefetch evicts (:meth:`keep_for_repeats`)
+        self._repeating = False  # uses repeat ones observed: the predictor moves without learning
         self.driver, self.training, self.activations = p.driver, p.training, p.activations  # for readers only
         self._batch_move, self._sync_each_step = p.batch_move, p.sync_each_step
         self._copy_streams, self._plan_finished = p.copy_streams, p.plan_finished
@@ -155,7 +160,10 @@ class LayerSwapper:
             if (idx, phase) == self._last_use:
                 return
             self._last_use = (idx, phase)
-            self.predictor.observe((idx, phase))
+            if self._repeating:
+                self.predictor.relocate((idx, phase))
+            else:
+                self.predictor.observe((idx, phase))
             if idx != self._current:
                 self._release_current()
                 self._current = idx
@@ -223,7 +231,7 @@ class LayerSwapper:
         if depth == 0 or not self._streamed:
             return
         wanted = self._wanted(depth)
-        protected = set(wanted) | {self._current}
+        protected = set(wanted) | {self._current} | self._kept
         requests = []
         for idx in wanted:
             layer = self._streamed[idx]
@@ -239,6 +247,18 @@ class LayerSwapper:
         else:
             for request in requests:
                 self._fetch([request], demand=False)
+
+    def keep_for_repeats(self, kept: frozenset[int], repeating: bool) -> None:
+        """Until called again: no prefetch evicts the entries ``kept`` (a demand fetch still may), and with
+        ``repeating`` the uses repeat those since the last call without it (the predictor moves as it did then,
+        without learning). Called by :mod:`.row_keeping` at each of a layer-major step's micro-batches of one
+        layer."""
+        with self._lock:
+            self._kept, self._repeating = kept, repeating
+            if repeating:
+                self.predictor.repeat_row()
+            else:
+                self.predictor.begin_row()
 
     def _wanted(self, depth: int) -> tuple[int, ...]:
         """The next ``depth`` streamed layers the predictor expects after the current use, cached per

@@ -364,6 +364,22 @@ def layer_major_applies(values: dict, stages: int, micro_batches: int) -> bool:
     return bool(wanted and deepspeed_too_old_for_layer_major() is None)
 
 
+def accumulation_note(values: dict, stages: int, micro_batches: int) -> str:
+    """The start-up line of how a step's ``micro_batches`` run (the demo's and diffusion-pipe's; decided from the
+    configuration alone: :func:`layer_major_applies`)."""
+    if layer_major_applies(values, stages, micro_batches):
+        how = "layer-major: each layer runs all of them before the next (each streamed layer copied once a direction)"
+    elif not values["dynamic_swapping"]:
+        how = "one after another (dynamic swapping is off)"
+    elif not values["layer_major"]:
+        how = "one after another (--no-layer_major)"
+    elif (too_old := deepspeed_too_old_for_layer_major()) is not None:
+        how = f"one after another: {too_old}"
+    else:
+        how = f"one after another: layer-major runs one pipeline stage, and this run has {stages}"
+    return f"DGLS: {micro_batches} micro-batches a step, {how}"
+
+
 def _check_layer_major(resolved: options.Resolved, stages: int, where: str) -> None:
     """An explicit ``layer_major`` with several pipeline stages is refused (the default runs them one after another,
     and says so at start-up)."""
@@ -496,6 +512,9 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
         # diffusion-pipe autocasts each layer's forward to [model] dtype itself
         check_precision(swap.compute, dp_config.model_dtypes(config), True, "[model] dtype/transformer_dtype")
         notes += dp_config.startup_notes(config)
+        micro_batches = int(config.get("gradient_accumulation_steps", 1)) * values["lazy_lora_steps"]
+        if micro_batches > 1:  # said before the model loads (train.py's engine runs the same count)
+            notes.append(accumulation_note(values, stages, micro_batches))
     train_args = list(rest)
     if option_value(rest, "--master_port") is None:
         train_args += ["--master_port", str(dist.port)]

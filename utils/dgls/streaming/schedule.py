@@ -49,6 +49,8 @@ class UsePredictor:
         self.previous: Use | None = None
         self.current: Use | None = None
         self.version = 0  # grows whenever a prediction changes: what was derived from the tables is stale
+        self._row_before: Use | None = None  # the use before a repeated run began (begin_row)
+        self._restarting = False  # a repeat began: the next relocate follows _row_before
 
     def observe(self, use: Use) -> None:
         if self.current is not None:
@@ -59,6 +61,22 @@ class UsePredictor:
                 self._after_pair[(self.previous, self.current)] = use
                 self.version += 1
         self.previous, self.current = self.current, use
+
+    def begin_row(self) -> None:
+        """A run of uses begins that may be repeated (a layer-major step's first micro-batch of one layer,
+        :mod:`..engine.row_keeping`): remember the use before it."""
+        self._row_before, self._restarting = self.current, False
+
+    def repeat_row(self) -> None:
+        """The run begun at :meth:`begin_row` starts again: the next :meth:`relocate` follows the use before it."""
+        self._restarting = True
+
+    def relocate(self, use: Use) -> None:
+        """Move on to ``use`` without learning from it (a repeat of uses already observed): the tables stay those of
+        one run, and predict from where the repeat is, as they did in the first run."""
+        previous = self._row_before if self._restarting else self.current
+        self._restarting = False
+        self.previous, self.current = previous, use
 
     def upcoming(self, limit: int) -> Iterator[Use]:
         """Predicted uses after the current one, at most ``limit``."""

@@ -43,7 +43,7 @@ from ..program.options import swap_config
 from ..program.patches import Patches
 from ..program.rendezvous import peers_arrived
 from ..program.resume import ResumeChecks
-from ..program.validate import DropInRun, deepspeed_too_old_for_layer_major, layer_major_applies
+from ..program.validate import DropInRun, layer_major_applies
 from ..streaming.config import SwapConfig
 from ..watching.stats import StepReader, StepStats, StepWindow
 from .engine_hooks import EngineHooks
@@ -100,7 +100,6 @@ class PipelineInterception:
         self.stage_hook = StageHook(self.install)
         self.engine_hooks: EngineHooks | None = None
         self.resume_checks = ResumeChecks()
-        self._said_layer_major = False
 
     def __enter__(self) -> PipelineInterception:
         try:
@@ -207,22 +206,9 @@ class PipelineInterception:
         return train_batch_with_stats
 
     def _layer_major(self, engine):
-        """The step's micro-batches layer-major where :func:`..program.validate.layer_major_applies` (said once);
-        otherwise DeepSpeed's own schedule."""
+        """The step's micro-batches layer-major where :func:`..program.validate.layer_major_applies` (start-up said
+        how they run: :func:`..program.validate.accumulation_note`); otherwise DeepSpeed's own schedule."""
         applies = layer_major_applies(self.values, engine.num_stages, engine.micro_batches)
-        if not self._said_layer_major and engine.micro_batches > 1:
-            self._said_layer_major = True
-            if _rank() == 0:
-                how = "layer-major (each layer runs all of them before the next)"
-                if not self.values["layer_major"]:
-                    how = "one after another (--no-layer_major)"
-                elif (too_old := deepspeed_too_old_for_layer_major()) is not None:
-                    how = f"one after another: {too_old}"
-                elif not applies:
-                    how = (
-                        f"one after another: layer-major runs one pipeline stage, and this run has {engine.num_stages}"
-                    )
-                self.log(f"DGLS: {engine.micro_batches} micro-batches a step, {how}")
         return layer_major_batches(engine, self.swapper) if applies else contextlib.nullcontext()
 
     def _wrap_writer_init(self, original):

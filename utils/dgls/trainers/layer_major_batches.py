@@ -30,7 +30,11 @@ Refused before the first step (one line each): more than one pipeline stage (a s
 DeepSpeed's sends and receives per layer), a checkpoint interval above 1 (a checkpointed run of several layers
 would fetch each of them once per micro-batch), ``seed_layers`` (per-layer seeds keyed to the micro-batch order), fp16
 (its loss scaling runs per backward), and bf16 without ``immediate_grad_update`` (its fp32 sums would then add one
-bf16 sum of the N micro-batches instead of each micro-batch's gradient).
+bf16 sum of the N micro-batches instead of each micro-batch's gradient). What the TOML and the flags decide (the
+stages, the DeepSpeed version) is refused earlier, by dgls_train.py's start-up checks (``program/validate.py``), and
+only ever reaches :func:`refusal` from the library; the rest is the engine that train.py's own code builds, which
+those checks cannot read: diffusion-pipe's train.py builds none of them (its DeepSpeed config has no fp16 or bf16,
+its checkpoint interval is 1, no ``seed_layers``), and the demo builds its engine to fit.
 """
 
 from __future__ import annotations

@@ -322,9 +322,15 @@ class SharedGradients:
             return
         param.grad = None
         if self.device_sums is not None:  # None: summed on the device until the layer's last micro-batch
-            grad = self.device_sums.add(param, grad)
+            # a sum flushed after the layer's micro-batches comes back into the bucket as this one would
+            grad = self.device_sums.add(param, grad, partial(self._into_bucket, idx, param))
             if grad is None:
                 return
+        self._into_bucket(idx, param, grad)
+
+    def _into_bucket(self, idx: int, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """``grad`` into layer ``idx``'s open bucket (another layer's, or a second gradient of ``param`` in one
+        pass, launches the open one first); a full bucket is launched."""
         slot = self._slots[id(param)]
         with peer_failure("the reduction of the streamed layers' gradients"):
             bucket = self._open

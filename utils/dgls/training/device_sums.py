@@ -7,46 +7,74 @@ one's gradient, added to that sum, goes home as the layer's one gradient of the 
 micro-batch a step: ``accumulation_steps = 1``).
 
 Arithmetic
-    - The sum is the host's (:func:`~.grad_return._accumulate`): the first gradient in fp32 (as it came, or its
-      fp32 copy), each later one added in fp32, in micro-batch order. In fp32 the gradient that goes home is
-      bitwise the host's sum.
+    - The sum is the host's: :func:`~.grad_return.sum_gradient` (the one implementation) writes both: the first
+      gradient copied into an fp32 sum, each later one added in fp32, in micro-batch order. In fp32 the gradient
+      that goes home is bitwise the host's sum.
     - In a 16-bit compute dtype the fp32 sum is rounded once to that dtype on its way home (the landing's dtype);
       the host's sum of per-micro-batch gradients stays fp32. That rounding is the one difference: at most half a
       unit in the last place of the sum's bf16 value (a relative 2**-8 of each element; fp16: 2**-11).
+    - A param without a gradient in its layer's last micro-batch (a branch one micro-batch skips) still sends the
+      sum of what the others gave, as sequential micro-batches sum it on the host: the schedule calls
+      :meth:`DeviceSums.flush` after each layer's micro-batches, and each such sum goes on through the ``send``
+      its first gradient's hook gave (the same path as a last micro-batch's gradient). A param with no gradient in
+      any micro-batch sends nothing, as sequentially.
 
 Invariants
     - Only the training thread (the backward's hooks, the schedule) touches it.
-    - ``final`` is set by the schedule for each layer's last micro-batch; after it no sum is left (a sum left over
-      at :meth:`close` is a bug: refused, it would be a lost gradient).
+    - ``final`` is set by the schedule for each layer's last micro-batch; after each layer's micro-batches
+      :meth:`flush` sends what is left, so no sum outlives its layer's backward (a sum left at :meth:`close` would
+      be a lost gradient: a bug, refused).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
+
+from .grad_return import sum_gradient
+
+
+@dataclass
+class _Sum:
+    value: torch.Tensor  # fp32, on the device
+    dtype: torch.dtype  # the gradients' (what goes home)
+    send: Callable[[torch.Tensor], None]  # where the sum goes if its layer's last micro-batch gives none
+    added: int = 0  # micro-batches summed
 
 
 class DeviceSums:
     """fp32 device sums of the current layer's gradients, keyed by param (see the module doc)."""
 
     def __init__(self) -> None:
-        self._sums: dict[int, torch.Tensor] = {}
+        self._sums: dict[int, _Sum] = {}
         self.final = True  # the gradient arriving now is its layer's last of the step: it goes home
 
-    def add(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+    def add(self, param: torch.Tensor, grad: torch.Tensor, send: Callable[[torch.Tensor], None]) -> torch.Tensor | None:
         """``grad`` of ``param`` arrived: ``None`` while it is summed on the device, else what goes home (the
-        sum, in ``grad``'s dtype, or ``grad`` itself when nothing was summed before it)."""
-        acc = self._sums.pop(id(param), None)
-        with torch.no_grad():
-            if acc is None:
-                if self.final:
-                    return grad
-                acc = grad if grad.dtype == torch.float32 else grad.float()
-            else:
-                acc.add_(grad)
+        sum, in ``grad``'s dtype, or ``grad`` itself when nothing was summed before it). ``send``: what the caller
+        does with a gradient that goes home, for a sum :meth:`flush` sends."""
+        entry = self._sums.pop(id(param), None)
+        if entry is None:
             if self.final:
-                return acc if acc.dtype == grad.dtype else acc.to(grad.dtype)
-        self._sums[id(param)] = acc
+                return grad
+            entry = _Sum(torch.empty_like(grad, dtype=torch.float32), grad.dtype, send)
+        with torch.no_grad():
+            sum_gradient(entry.value, grad, first=entry.added == 0)
+        entry.added += 1
+        if self.final:
+            return _home(entry)
+        self._sums[id(param)] = entry
         return None
+
+    def flush(self) -> None:
+        """A layer's micro-batches ended: each sum left (a param without a gradient in the last micro-batch) goes
+        home through its ``send``, in the order of their last gradients (the same on every process of a data-parallel
+        job)."""
+        left, self._sums = self._sums, {}
+        for entry in left.values():
+            entry.send(_home(entry))
 
     @property
     def pending(self) -> int:
@@ -55,4 +83,8 @@ class DeviceSums:
 
     def close(self) -> None:
         if self._sums:
-            raise RuntimeError(f"{len(self._sums)} gradient sums were never sent home (a layer's last micro-batch)")
+            raise RuntimeError(f"{len(self._sums)} gradient sums were never sent home (flush after each layer)")
+
+
+def _home(entry: _Sum) -> torch.Tensor:
+    return entry.value if entry.value.dtype == entry.dtype else entry.value.to(entry.dtype)

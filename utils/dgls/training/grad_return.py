@@ -78,6 +78,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -85,10 +86,12 @@ from torch import nn
 from ..errors import DGLSUserError
 from ..memory.host_store import HostLayer
 from ..memory.transport import Copy, Direction, Transport
-from .device_sums import DeviceSums
 from .device_update import FlatLayer
 from .jobs import Job, Jobs
 from .optimizer_kernels import grad_norms
+
+if TYPE_CHECKING:  # device_sums imports this module's sum_gradient
+    from .device_sums import DeviceSums
 
 SEND_GROUP_BYTES = 64 * 2**20  # a layer's grads wait on the device until this many bytes go home together
 
@@ -269,7 +272,7 @@ class GradReturn:
         self._last_closed = last_closed  # a layer's step's last batch closed (its update may start)
         self._reopen_speculated = reopen_speculated  # undo a layer's speculative update (it waits for the norm)
         self._by_param = {id(tp.param): tp for layer in layers.values() for tp in layer.params}
-        self._layer_of = {id(tp.param): layer for layer in layers.values() for tp in layer.params}
+        self._owner_of = {id(tp.param): (layer, tp) for layer in layers.values() for tp in layer.params}
         self._hooks: dict[int, list] = {}  # layer -> its params' hook handles
         self._grouping: TrainedLayer | None = None  # the layer whose grads arrived last (the only open group)
         self._backwards = 0  # backward passes since the last step
@@ -302,7 +305,7 @@ class GradReturn:
         self._remove_hooks(layer.index)
         for tp in layer.params:
             self._by_param.pop(id(tp.param), None)
-            self._layer_of.pop(id(tp.param), None)
+            self._owner_of.pop(id(tp.param), None)
         if self._grouping is layer:
             self._grouping = None
 
@@ -310,19 +313,23 @@ class GradReturn:
         """Post-accumulate-grad hook: take the grad off the param into its layer's group."""
         grad = param.grad
         param.grad = None
-        if grad is not None and self.device_sums is not None:
-            grad = self.device_sums.add(param, grad)  # None: summed on the device, its layer's last one comes later
-        if grad is not None:
-            self._take(layer, tp, grad)
+        if grad is None:
+            return
+        if self.device_sums is not None:  # None: summed on the device; the sum comes back through _take
+            grad = self.device_sums.add(param, grad, partial(self._take, layer, tp))
+            if grad is None:
+                return
+        self._take(layer, tp, grad)
 
-    def receive(self, param: nn.Parameter, grad: torch.Tensor) -> None:
-        """``param``'s gradient, given after its hook ran (data parallel: the mean reduced to this process, the
-        param's owner, :mod:`.data_parallel`): taken as the hook takes one, past the device sums (under the
-        layer-major schedule it is the step's sum already)."""
-        self._take(self._layer_of[id(param)], self._by_param[id(param)], grad)
+    def receive(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """``param``'s gradient handed over outside its hook (data parallel: the mean reduced to this process, the
+        param's owner, :mod:`.data_parallel`, also of a device sum flushed after its layer's micro-batches): taken as
+        the hook takes one, past the device sums (under the layer-major schedule it is the step's sum already)."""
+        layer, tp = self._owner_of[id(param)]
+        self._take(layer, tp, grad)
 
     def _take(self, layer: TrainedLayer, tp: TrainedParam, grad: torch.Tensor) -> None:
-        """``grad`` of ``tp`` into its layer's open batch (opened if need be)."""
+        """``grad`` (``tp``'s gradient, off the param) into its layer's group."""
         g = layer.grads
         if g.state is GradState.OPEN and tp.position in g.batch.params:  # a second grad in one pass: its own batch
             self._close(layer)
@@ -446,13 +453,20 @@ def _accumulate(
     taken = {}
     with torch.no_grad():
         for position, landing, acc, first in work:
-            if first:
-                acc.copy_(landing)
-            else:
-                acc.add_(landing)
+            sum_gradient(acc, landing, first)
             if norms:
                 taken[position] = grad_norms([acc])[0]
     return taken
+
+
+def sum_gradient(acc: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
+    """Add a micro-batch's ``grad`` into the fp32 sum ``acc``: the step's first is copied (as autograd assigns a first
+    grad), each later one added, in micro-batch order. The one implementation of a step's gradient sum: the host's
+    accumulate job and the layer-major device sums (:mod:`.device_sums`) both call it, so their sums are the same."""
+    if first:
+        acc.copy_(grad)
+    else:
+        acc.add_(grad)
 
 
 def _before_accumulate(grad_arriving: Callable[[int], None], idx: int, grad: torch.Tensor) -> None:
