@@ -295,18 +295,13 @@ class CudaCopier(Copier):
         self.ordered_by_events = ordered_by_events  # False: the host waits for each copy instead
         self.transport = transport
         self.lanes = transport.lanes(Direction.WEIGHTS_IN)
-        self._timing = Direction.WEIGHTS_IN in transport.timed
+        self._timing = Direction.WEIGHTS_IN in transport.timed  # weight copies record timing events (fixed)
         self.landing: list[torch.Tensor] = []
         self.landing_bytes = -1
         self.resize(landing_bytes)
         self._next_lane = 0
         self._staging_done: list[Marker | None] = []
         super().__init__(transport, store, use_thread)
-
-    @property
-    def timing(self) -> bool:
-        """Weight copies record timing events (the transport's timed directions, fixed at its construction)."""
-        return self._timing
 
     def resize(self, landing_bytes: int) -> None:
         if landing_bytes == self.landing_bytes:
