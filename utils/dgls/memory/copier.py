@@ -86,10 +86,11 @@ class Token(Copy):
 
 
 # Without a worker thread a write is issued inside ``submit``, before its token is handed out: nothing waits for
-# its ``issued`` on another thread (except a disk layer's: the next read into its ring buffer, submitted maybe in the
-# same ``submit``, waits for it on the disk reader's thread; it keeps an event of its own), so the token takes these
-# shared events (a token's own event, a condition and
+# its ``issued`` on another thread, so the token takes these shared events (a token's own event, a condition and
 # its lock, and a notify when set, are the weight path's largest cost per copy on the host) instead of its own.
+# Except a disk layer's token: the next read into its ring buffer (maybe submitted in the same ``submit``) waits for
+# it on the disk reader's thread (CUDA), maybe before it is issued, so it keeps an event of its own (the builder
+# threads the CUDA copier whenever there is a disk tier, but the copier does not rely on that).
 PENDING = threading.Event()  # never set: not issued (yet, or the issuing failed)
 ISSUED = threading.Event()
 ISSUED.set()
@@ -155,8 +156,7 @@ class Copier:
                 host=host,
                 demand=demand,
                 gates=gates,
-                # a disk layer's token gates the next read into its ring buffer, which the reader thread (CUDA)
-                # waits for on this event, maybe before the token is issued: its own event, never the shared one
+                # a disk layer's: its own (see PENDING)
                 issued=threading.Event() if self.threaded or host.on_disk else PENDING,
             )
             self._prepare(token)
