@@ -223,6 +223,47 @@ def test_a_ring_buffer_is_read_into_only_after_its_previous_copy(tmp_path, gated
         store.release()
 
 
+def test_a_ring_buffer_reused_within_one_submit_is_read_into_after_its_copy(tmp_path):
+    """Two disk layers in one submit with one ring buffer (prefetch deeper than the ring): the second read's gate is
+    the first copy, not yet issued when the read is submitted. The read must still wait for it (on the CPU: the
+    gate lands when the read is performed, not when it is submitted, where it was a no-op)."""
+    copier, (first, second), pool, store, transport = ring_copier(tmp_path, True)
+    try:
+        token_a, token_b = copier.submit([(pool.slots[0], first, False), (pool.slots[1], second, False)])
+        copier.acquire(token_a)
+        copier.acquire(token_b)
+        for slot, host in ((pool.slots[0], first), (pool.slots[1], second)):
+            view = slot.buffer[: host.layout.params[0].nbytes].view(torch.float32)
+            assert torch.equal(view, host.master_view(0).flatten())
+    finally:
+        transport.close()
+        store.release()
+
+
+def test_the_issued_event_a_disk_read_waits_on_is_set_when_its_copy_is_issued(tmp_path):
+    """Without a copy worker, tokens share the copier's PENDING and ISSUED events; but the ring keeps a disk layer's
+    token as the gate of the next read into its buffer, and the CUDA backend's reader thread waits on the token's
+    ``issued`` event it read, maybe before the token was issued: that event must be the token's own and get set
+    (a shared PENDING is never set: the reader, and the copy waiting for its read, would hang)."""
+    copier, (first, second), pool, store, transport = ring_copier(tmp_path, True)
+    seen = []
+    consumed = store.disk.consumed
+
+    def consumed_seen(k, copy):
+        seen.append(copy.issued)  # what a reader thread running now would wait on
+        consumed(k, copy)
+
+    store.disk.consumed = consumed_seen
+    try:
+        tokens = copier.submit([(pool.slots[0], first, False), (pool.slots[1], second, False)])
+        assert len(seen) == 2 and all(event.is_set() for event in seen)
+        for token in tokens:
+            copier.acquire(token)
+    finally:
+        transport.close()
+        store.release()
+
+
 # ---------------------------------------------------------------- files
 def fds_into(directory: Path, pid: str = "self") -> list[str]:
     found = []

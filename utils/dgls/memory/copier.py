@@ -88,6 +88,9 @@ class Token(Copy):
 # Without a worker thread a write is issued inside ``submit``, before its token is handed out: nothing waits for
 # its ``issued`` on another thread, so the token takes these shared events (a token's own event, a condition and
 # its lock, and a notify when set, are the weight path's largest cost per copy on the host) instead of its own.
+# Except a disk layer's token: the next read into its ring buffer (maybe submitted in the same ``submit``) waits for
+# it on the disk reader's thread (CUDA), maybe before it is issued, so it keeps an event of its own (the builder
+# threads the CUDA copier whenever there is a disk tier, but the copier does not rely on that).
 PENDING = threading.Event()  # never set: not issued (yet, or the issuing failed)
 ISSUED = threading.Event()
 ISSUED.set()
@@ -153,7 +156,8 @@ class Copier:
                 host=host,
                 demand=demand,
                 gates=gates,
-                issued=threading.Event() if self.threaded else PENDING,
+                # a disk layer's: its own (see PENDING)
+                issued=threading.Event() if self.threaded or host.on_disk else PENDING,
             )
             self._prepare(token)
             if host.on_disk:  # read it into a staging buffer first (after that buffer's previous reader)
@@ -291,18 +295,13 @@ class CudaCopier(Copier):
         self.ordered_by_events = ordered_by_events  # False: the host waits for each copy instead
         self.transport = transport
         self.lanes = transport.lanes(Direction.WEIGHTS_IN)
-        self._timing = Direction.WEIGHTS_IN in transport.timed
+        self._timing = Direction.WEIGHTS_IN in transport.timed  # weight copies record timing events (fixed)
         self.landing: list[torch.Tensor] = []
         self.landing_bytes = -1
         self.resize(landing_bytes)
         self._next_lane = 0
         self._staging_done: list[Marker | None] = []
         super().__init__(transport, store, use_thread)
-
-    @property
-    def timing(self) -> bool:
-        """Weight copies record timing events (the transport's timed directions, fixed at its construction)."""
-        return self._timing
 
     def resize(self, landing_bytes: int) -> None:
         if landing_bytes == self.landing_bytes:

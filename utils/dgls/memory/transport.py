@@ -263,12 +263,18 @@ class Transport:
     ) -> Copy:
         """``dst.numel()`` bytes of the disk file at ``offset`` into ``dst`` (page-aligned host memory), after
         ``gates`` (the copies that still read ``dst``); ``disk``: another file's reader than the weights'. CPU:
-        ``dst`` holds NaN bytes until the read is waited for."""
+        ``dst`` holds NaN bytes until the read is waited for (its old bytes, where a gate is a copy not issued yet:
+        that copy still reads them)."""
         copy = Copy(direction=Direction.DISK_IN, nbytes=dst.numel())
+        # a gate not issued yet (the ring buffer's previous reader, a weight copy submitted in the same batch) lands
+        # when the read is performed, not now (landing it now would do nothing); ``dst`` keeps its bytes for it
+        later = [gate for gate in gates if isinstance(gate, Copy) and _unissued(gate)]
         for gate in gates:
-            self.land(gate)
-        copy.pending = partial((disk or self.reader).read, dst, offset)
-        _poison(dst)
+            if not any(gate is g for g in later):
+                self.land(gate)
+        copy.pending = partial(_read_after, self, later, (disk or self.reader).read, dst, offset)
+        if not later:
+            _poison(dst)
         self._report(copy)
         return copy
 
@@ -610,6 +616,17 @@ def _host_wait(gate: Gate) -> None:
 
 def _nothing() -> None:
     pass
+
+
+def _unissued(copy: Copy) -> bool:
+    return copy.issued is not None and not copy.issued.is_set()
+
+
+def _read_after(transport: Transport, gates: list[Gate], read: Callable, dst: torch.Tensor, offset: int) -> None:
+    """The CPU's disk read, when performed: after its gates not issued at its submission landed."""
+    for gate in gates:
+        transport.land(gate)
+    read(dst, offset)
 
 
 def _land_each(transport: Transport, copies: list[Copy]) -> None:

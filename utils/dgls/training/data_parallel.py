@@ -19,8 +19,9 @@ Data-parallel processes on one machine already stream from one host copy of the 
   layer over the processes would need a layer's update split too, and the ownership is per layer.
 - Layer-major steps (:mod:`..engine.layer_major`): the hook first adds each micro-batch's gradient to the step's
   device sum (:mod:`.device_sums`, the host training's same object); only the layer's last micro-batch's sum goes
-  into the bucket: one reduction per layer a step, not one per micro-batch; the owner's host training gets the
-  reduced sum as the step's one gradient.
+  into the bucket (a param without a gradient in that micro-batch: its sum, when the schedule flushes the sums after
+  the layer's micro-batches, through the same ``_into_bucket``): one reduction per layer a step, not one per
+  micro-batch; the owner's host training gets the reduced sum as the step's one gradient.
 - Clipping: the host part of the squared gradient norm is summed over the processes (each owner counts its own
   layers once); the resident params' gradients are already the same everywhere and count once.
 - Publication: after the step's updates are queued, every process waits for its own updates to be written

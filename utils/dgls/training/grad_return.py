@@ -271,7 +271,6 @@ class GradReturn:
         self._new_sum = new_sum  # an fp32 sum allocated after start-up (a second batch read directly)
         self._last_closed = last_closed  # a layer's step's last batch closed (its update may start)
         self._reopen_speculated = reopen_speculated  # undo a layer's speculative update (it waits for the norm)
-        self._by_param = {id(tp.param): tp for layer in layers.values() for tp in layer.params}
         self._owner_of = {id(tp.param): (layer, tp) for layer in layers.values() for tp in layer.params}
         self._hooks: dict[int, list] = {}  # layer -> its params' hook handles
         self._grouping: TrainedLayer | None = None  # the layer whose grads arrived last (the only open group)
@@ -280,7 +279,8 @@ class GradReturn:
         self.device_sums: DeviceSums | None = None  # the layer-major schedule's: grads summed on the device first
 
     def owns(self, param: torch.Tensor) -> TrainedParam | None:
-        return self._by_param.get(id(param))
+        owner = self._owner_of.get(id(param))
+        return owner[1] if owner is not None else None
 
     # ---------------------------------------------------------------- hooks
     def install(self, grad_arriving: Callable[[int], None]) -> None:
@@ -304,7 +304,6 @@ class GradReturn:
         it from ``layers``)."""
         self._remove_hooks(layer.index)
         for tp in layer.params:
-            self._by_param.pop(id(tp.param), None)
             self._owner_of.pop(id(tp.param), None)
         if self._grouping is layer:
             self._grouping = None
