@@ -417,7 +417,24 @@ def test_device_sums_and_the_hosts_accumulate_job_share_one_sum(monkeypatch):
     param, sent = torch.nn.Parameter(torch.zeros(3)), []
     for m in range(3):
         sums.final = m == 2
-        got = sums.add(param, torch.full((3,), float(m + 1), dtype=torch.bfloat16), sent.append)
+        got = sums.add(param, torch.full((3,), float(m + 1), dtype=torch.bfloat16), sent.append, (0, 0))
     assert calls == [True, False, False]
     assert got.dtype == torch.bfloat16 and torch.equal(got, torch.full((3,), 6.0, dtype=torch.bfloat16))
     assert sums.pending == 0 and sent == []
+
+
+def test_device_sums_flush_in_layer_and_position_order_whatever_order_their_last_gradients_came_in():
+    """The sums a flush sends (params without a gradient in their layer's last micro-batch) go in (layer, position)
+    order: with data parallel each goes into a reduction, and processes whose micro-batches skipped other params
+    (so whose last gradients came in another order) must still launch their reductions in one order."""
+    from utils.dgls.training.device_sums import DeviceSums
+
+    orders = [(5, 1), (4, 0), (5, 0), (4, 2)]
+    for arrival in (orders, orders[::-1], [orders[2], orders[0], orders[3], orders[1]]):
+        sums, sent = DeviceSums(), []
+        sums.final = False
+        params = {order: torch.nn.Parameter(torch.zeros(2)) for order in orders}  # alive: sums key on id(param)
+        for order in arrival:
+            sums.add(params[order], torch.ones(2), lambda g, o=order, s=sent: s.append(o), order)
+        sums.flush()
+        assert sent == sorted(orders), arrival

@@ -324,7 +324,8 @@ class SharedGradients:
         param.grad = None
         if self.device_sums is not None:  # None: summed on the device until the layer's last micro-batch
             # a sum flushed after the layer's micro-batches comes back into the bucket as this one would
-            grad = self.device_sums.add(param, grad, partial(self._into_bucket, idx, param))
+            send = partial(self._into_bucket, idx, param)
+            grad = self.device_sums.add(param, grad, send, (idx, self._slots[id(param)].position))
             if grad is None:
                 return
         self._into_bucket(idx, param, grad)

@@ -41,6 +41,7 @@ class _Sum:
     value: torch.Tensor  # fp32, on the device
     dtype: torch.dtype  # the gradients' (what goes home)
     send: Callable[[torch.Tensor], None]  # where the sum goes if its layer's last micro-batch gives none
+    order: tuple[int, int]  # (layer, position in its layout): the flush's order, the same on every process
     added: int = 0  # micro-batches summed
 
 
@@ -51,15 +52,18 @@ class DeviceSums:
         self._sums: dict[int, _Sum] = {}
         self.final = True  # the gradient arriving now is its layer's last of the step: it goes home
 
-    def add(self, param: torch.Tensor, grad: torch.Tensor, send: Callable[[torch.Tensor], None]) -> torch.Tensor | None:
+    def add(
+        self, param: torch.Tensor, grad: torch.Tensor, send: Callable[[torch.Tensor], None], order: tuple[int, int]
+    ) -> torch.Tensor | None:
         """``grad`` of ``param`` arrived: ``None`` while it is summed on the device, else what goes home (the
         sum, in ``grad``'s dtype, or ``grad`` itself when nothing was summed before it). ``send``: what the caller
-        does with a gradient that goes home, for a sum :meth:`flush` sends."""
+        does with a gradient that goes home, for a sum :meth:`flush` sends; ``order``: the param's (layer, position
+        in its layout), the order :meth:`flush` sends in."""
         entry = self._sums.pop(id(param), None)
         if entry is None:
             if self.final:
                 return grad
-            entry = _Sum(torch.empty_like(grad, dtype=torch.float32), grad.dtype, send)
+            entry = _Sum(torch.empty_like(grad, dtype=torch.float32), grad.dtype, send, order)
         with torch.no_grad():
             sum_gradient(entry.value, grad, first=entry.added == 0)
         entry.added += 1
@@ -70,10 +74,11 @@ class DeviceSums:
 
     def flush(self) -> None:
         """A layer's micro-batches ended: each sum left (a param without a gradient in the last micro-batch) goes
-        home through its ``send``, in the order of their last gradients (the same on every process of a data-parallel
-        job)."""
+        home through its ``send``, in (layer, position) order: the same on every process of a data-parallel job
+        whatever micro-batches skipped which params there (the order of their last gradients could differ, and with
+        it the order of the reductions the sums go into)."""
         left, self._sums = self._sums, {}
-        for entry in left.values():
+        for entry in sorted(left.values(), key=lambda e: e.order):
             entry.send(_home(entry))
 
     @property

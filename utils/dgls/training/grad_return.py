@@ -315,7 +315,7 @@ class GradReturn:
         if grad is None:
             return
         if self.device_sums is not None:  # None: summed on the device; the sum comes back through _take
-            grad = self.device_sums.add(param, grad, partial(self._take, layer, tp))
+            grad = self.device_sums.add(param, grad, partial(self._take, layer, tp), (layer.index, tp.position))
             if grad is None:
                 return
         self._take(layer, tp, grad)
