@@ -164,7 +164,7 @@ def build(
             disk.read_gbps = disk_choice.read_gbps or disk.measure()  # the disk's read bandwidth, for its line
             if driver is not None:  # the VRAM planner's plans count the reads of the layers on disk
                 driver.disk_reads = {i: disk.file.extents[i][1] for i in disk.spilled}
-                driver.read_bytes_per_ms = disk.read_gbps * 1e6
+                driver.read_bytes_per_ms = max(disk.read_gbps, 1e-6) * 1e6  # a measure of 0 must not divide
         # weight copies are timed for the stats (collect_timing); the other directions only for --profile
         timed = {d for d in Direction if d is not Direction.WEIGHTS_IN} if c.observe.profile else set()
         timed |= {Direction.WEIGHTS_IN} if c.observe.collect_timing else set()
