@@ -36,7 +36,8 @@ Mechanics
       activations-out direction gated on the compute stream's marker (the tensor was just produced),
       after which the device storage is freed (the transport keeps it alive for the copy). A restore
       allocates on the compute stream and submits an activations-in copy gated on the offload's copy; the
-      recompute acquires it. Host buffers are pinned and pooled by size; one goes back to the pool with
+      recompute acquires it (a timed wait where the transport times restores: the step stats' activation
+      waits and ``--profile``). Host buffers are pinned and pooled by size; one goes back to the pool with
       the copy that last read it.
     - CPU: the transport's CPU backend fills a restored storage with NaN bytes at once and writes the
       saved bytes only when the recompute acquires it, so a recompute that reads its inputs without
@@ -332,8 +333,8 @@ class ActivationOffloader(Feature):
         """The compute side may read ``offload``'s storage from now on (its restore was issued)."""
         if offload.restored:
             return
-        if offload.restoring is not None:
-            self.transport.acquire(offload.restoring)
+        if offload.restoring is not None:  # timed where the transport times restores: the stats and --profile
+            self.transport.acquire(offload.restoring, timed=Direction.ACTIVATIONS_IN in self.transport.timed)
         offload.restored = True
 
     # ---------------------------------------------------------------- host buffers
