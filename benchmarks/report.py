@@ -101,6 +101,13 @@ def _copied(row: dict, _result: dict) -> str:
     return f"{to_device:.3g} / {home:.3g}"
 
 
+def _mallocs(row: dict, _result: dict) -> str:
+    """The caching allocator's cudaMalloc calls and retries over a row's warm-up and timed steps."""
+    if "device_mallocs" not in row:
+        return "-"
+    return f"{row['device_mallocs']} / {row.get('alloc_retries', 0)}"
+
+
 def _text(key: str) -> Cell:
     return lambda row, _result: str(row.get(key, "-"))
 
@@ -132,9 +139,17 @@ TABLES: dict[str, Table] = {
             ("pinned host GiB", _key("pinned_gib", ".1f")),
             PEAK_ALLOC,
             ("peak reserved GiB", _key("peak_reserved_gib", ".2f")),
+            ("cudaMalloc / retries", _mallocs),
         ),
         rows=lambda result: [r for r in result["rows"] if "median_step_s" in r],
-        optional=("activation waits (ms)", "activations home GiB", "slot MiB", "pinned host GiB", "per sample (s)"),
+        optional=(
+            "cudaMalloc / retries",
+            "activation waits (ms)",
+            "activations home GiB",
+            "slot MiB",
+            "pinned host GiB",
+            "per sample (s)",
+        ),
     ),
     "fp8": Table(
         columns=(
