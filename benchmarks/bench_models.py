@@ -98,6 +98,12 @@ def parser() -> argparse.ArgumentParser:
         "--accumulation_budgets", action="store_true", help="accum rows: also at each --budgets GiB value (planned)"
     )
     p.add_argument(
+        "--accumulation_ways",
+        choices=("both", "layer-major", "sequential"),
+        default="both",
+        help="accum rows: DGLS rows both ways, or only one (the all-resident rows run both ways: the reference)",
+    )
+    p.add_argument(
         "--profile_dir",
         type=Path,
         default=None,
@@ -145,6 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
             budget_offload=args.budget_offload,
             accumulation=args.accumulation,
             accumulation_budgets=args.accumulation_budgets,
+            accumulation_ways=args.accumulation_ways,
             profile_dir=args.profile_dir,
             **defaults,
         )

@@ -115,6 +115,7 @@ class Options:
     budget_offload: str = "auto"  # vram_budget rows: offload_activations unset (auto), on, or off
     accumulation: str = "1,2,4,8"  # accum rows: micro-batches per step (comma list)
     accumulation_budgets: bool = False  # accum rows: also at each --budgets value (planned; rows take minutes)
+    accumulation_ways: str = "both"  # accum rows: DGLS rows one after another, layer-major, or both
     profile_dir: Path | None = None  # accum rows: each DGLS row's --profile trace of one step after its timed ones
 
 
@@ -265,9 +266,11 @@ class Methods:
 
     def accum(self) -> Iterator[Case]:
         """Per micro-batch count: all-resident one after another (the reference) and layer-major, then DGLS at each
-        --budgets value (with --accumulation_budgets) and each --gib target (default: 0 GiB), both ways."""
+        --budgets value (with --accumulation_budgets) and each --gib target (default: 0 GiB), both ways (or the one
+        --accumulation_ways names)."""
         gibs = parse_list(self.options.gib) or ([] if self.options.accumulation_budgets else ["0"])
         prefetch = self.options.prefetch
+        ways = {"both": (False, True), "layer-major": (True,), "sequential": (False,)}[self.options.accumulation_ways]
         for count in (int(n) for n in parse_list(self.options.accumulation)):
             reference: dict = {}
             for layer_major in (False, True):
@@ -278,7 +281,7 @@ class Methods:
                 if budget == "auto":
                     continue
                 gib = self.bench.tight_budget_gib() if self.options.tiny else float(budget)
-                for layer_major in (False, True):
+                for layer_major in ways:
                     how = "layer-major" if layer_major else "one after another"
                     name = f"DGLS vram_budget={gib:.3g} GiB, {count} micro-batch{'es' if count > 1 else ''} {how}"
                     profile = self.profile_path(name)
@@ -287,7 +290,7 @@ class Methods:
             for gib in gibs:
                 n = self.bench.blocks_to_swap_for_gib(float(gib))
                 config = SwapConfig.of(blocks_to_swap=n, prefetch=prefetch)
-                for layer_major in (False, True):
+                for layer_major in ways:
                     how = "layer-major" if layer_major else "one after another"
                     what = f"{count} micro-batch{'es' if count > 1 else ''} {how}"
                     name = f"DGLS ~{gib} GiB, {what} (blocks_to_swap={n}, prefetch={prefetch})"

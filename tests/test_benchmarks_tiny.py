@@ -399,6 +399,15 @@ def test_the_accumulation_rows_copy_each_streamed_layer_once_a_direction_whateve
     assert rows[(2, True, False)]["reference_s"] == rows[(2, False, False)]["median_step_s"]
 
 
+def test_accumulation_ways_keeps_the_resident_rows_both_ways_and_the_dgls_rows_one_way(tmp_path):
+    result = bench_models.main(
+        ["--model", "flux", *TINY, "--methods", "accum", "--gib", "0.001", "--accumulation", "2"]
+        + ["--accumulation_ways", "layer-major", "--results_dir", str(tmp_path), "--steps", "1", "--warmup", "0"]
+    )
+    ways = sorted((("DGLS" in r["method"]), r["layer_major"]) for r in result["rows"])
+    assert ways == [(False, False), (False, True), (True, True)]
+
+
 def test_the_accumulation_rows_write_a_profile_of_one_step_per_dgls_row(tmp_path):
     """--profile_dir: each DGLS accum row leaves the trace of one step after its timed ones (a pass per micro-batch
     one after another, one pass layer-major), its summary in the row and in the Markdown; resident rows none."""
