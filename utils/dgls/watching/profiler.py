@@ -111,10 +111,7 @@ class Profiler(Listener, Feature):
         self.steps_done = 0
         self.done = False
         self.notes: list[str] = []
-        if self.cuda:  # idle, so the event below is stamped as it is recorded: the host clock's pair (disk I/O)
-            torch.cuda.synchronize(self.device)
-        self._origin = timestamp(self.device)
-        self._host_origin = time.perf_counter()
+        self._stamp_clocks()
         self._uses: list[_Use] = []
         self._copies: list[_Copy] = []
         self._waits: list[_Wait] = []
@@ -135,7 +132,15 @@ class Profiler(Listener, Feature):
         if self._boundaries or self.done:
             raise RuntimeError("the profiler's window began already: construct it with a later one")
         self.warmup_steps, self.steps = self.steps_done + passes, steps
+        self._stamp_clocks()  # the pair taken at construction may be minutes old: the two clocks drift apart
         self._mark_boundary()  # the window's start when it starts now
+
+    def _stamp_clocks(self) -> None:
+        """The trace's origin on the device's clock and the host's, taken together (the host lane, disk I/O)."""
+        if self.cuda:  # idle, so the event below is stamped as it is recorded
+            torch.cuda.synchronize(self.device)
+        self._origin = timestamp(self.device)
+        self._host_origin = time.perf_counter()
 
     # ---------------------------------------------------------------- recording (called by the swapper)
     @property
