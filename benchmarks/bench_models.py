@@ -14,6 +14,8 @@ wan, or --name).
     python benchmarks/bench_models.py --model wan --tiny      # smoke test on CPU, seconds
     python benchmarks/bench_models.py --model flux --methods accum --gib 20 --accumulation 1,2,4,8   # layer-major
     python benchmarks/bench_models.py --model flux --methods accum --gib "" --accumulation_budgets --budgets 8,4
+    python benchmarks/bench_models.py --model flux --methods accum --accumulation 4 --accumulation_budgets \
+        --budgets 8 --gib "" --profile_dir /tmp/traces          # + a --profile trace of one step per DGLS row
     DGLS_DIFFUSION_PIPE=/path/to/diffusion-pipe python benchmarks/bench_models.py --model flux   # with dp
 
 A run starts no method past --deadline_s (480 s after start; a running timed loop then stops at 3
@@ -95,6 +97,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--accumulation_budgets", action="store_true", help="accum rows: also at each --budgets GiB value (planned)"
     )
+    p.add_argument(
+        "--accumulation_ways",
+        choices=("both", "layer-major", "sequential"),
+        default="both",
+        help="accum rows: DGLS rows both ways, or only one (the all-resident rows run both ways: the reference)",
+    )
+    p.add_argument(
+        "--profile_dir",
+        type=Path,
+        default=None,
+        help="accum rows: DGLS's --profile trace (JSON, and PNG with matplotlib) of one step after each DGLS row's "
+        "timed steps, a file per row in this folder",
+    )
     p.add_argument("--latent_frames", type=int, default=3, help="wan: latent frames of the clip (3 = 9 frames)")
     p.add_argument("--deadline_s", type=float, default=480.0, help="seconds after start: no method starts past it")
     p.add_argument("--strict", action="store_true", help="a failing method fails the run (tests)")
@@ -136,6 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
             budget_offload=args.budget_offload,
             accumulation=args.accumulation,
             accumulation_budgets=args.accumulation_budgets,
+            accumulation_ways=args.accumulation_ways,
+            profile_dir=args.profile_dir,
             **defaults,
         )
         print(

@@ -17,12 +17,14 @@ Each method is a generator of :class:`Case`: set-up before its first case, teard
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 from baselines import DPSwap, NaiveSwap, dp_checkout, dp_streamed_bytes, load_dp_offloading
@@ -33,6 +35,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from units import GiB
 
 from utils.dgls import LayerSwapper, SwapConfig
+from utils.dgls.watching.profiler import Profiler
 from utils.dgls.watching.stats import StepReader
 
 METHODS = {
@@ -46,6 +49,7 @@ METHODS = {
     "offload": "DGLS + activation offload",
     "accum": "gradient accumulation",
 }
+PROFILE_LATER = 10**9  # a profiler's window until :func:`profile_one_step` places it (after the timed steps)
 SETTLE_STEPS = 4  # vram_budget rows: untimed steps after the planner settled, on which it may still re-plan
 DEFAULT_METHODS = ("resident", "dgls", "dp", "auto", "naive")  # ab and options on request: they take long
 
@@ -111,6 +115,8 @@ class Options:
     budget_offload: str = "auto"  # vram_budget rows: offload_activations unset (auto), on, or off
     accumulation: str = "1,2,4,8"  # accum rows: micro-batches per step (comma list)
     accumulation_budgets: bool = False  # accum rows: also at each --budgets value (planned; rows take minutes)
+    accumulation_ways: str = "both"  # accum rows: DGLS rows one after another, layer-major, or both
+    profile_dir: Path | None = None  # accum rows: each DGLS row's --profile trace of one step after its timed ones
 
 
 @dataclass(frozen=True)
@@ -209,6 +215,7 @@ class Methods:
             "bytes_per_step": statistics.median(s.bytes_moved for s in stats) if stats else 0,
             "copy_gbps": statistics.median(s.gbps for s in stats) if stats else 0.0,
             "wait_ms": statistics.median(s.wait_ms for s in stats) if stats else 0.0,
+            "activation_wait_ms": statistics.median(s.activation_wait_ms for s in stats) if stats else 0.0,
             "hit_rate": min(s.hit_rate for s in stats) if stats else 1.0,
             "misses_per_step": statistics.median(s.misses for s in stats) if stats else 0,
             "activations_home_gib": statistics.median(s.activation_bytes for s in stats) / GiB if stats else 0.0,
@@ -259,9 +266,11 @@ class Methods:
 
     def accum(self) -> Iterator[Case]:
         """Per micro-batch count: all-resident one after another (the reference) and layer-major, then DGLS at each
-        --budgets value (with --accumulation_budgets) and each --gib target (default: 0 GiB), both ways."""
+        --budgets value (with --accumulation_budgets) and each --gib target (default: 0 GiB), both ways (or the one
+        --accumulation_ways names)."""
         gibs = parse_list(self.options.gib) or ([] if self.options.accumulation_budgets else ["0"])
         prefetch = self.options.prefetch
+        ways = {"both": (False, True), "layer-major": (True,), "sequential": (False,)}[self.options.accumulation_ways]
         for count in (int(n) for n in parse_list(self.options.accumulation)):
             reference: dict = {}
             for layer_major in (False, True):
@@ -272,18 +281,28 @@ class Methods:
                 if budget == "auto":
                     continue
                 gib = self.bench.tight_budget_gib() if self.options.tiny else float(budget)
-                for layer_major in (False, True):
+                for layer_major in ways:
                     how = "layer-major" if layer_major else "one after another"
                     name = f"DGLS vram_budget={gib:.3g} GiB, {count} micro-batch{'es' if count > 1 else ''} {how}"
-                    yield Case("accum", name, partial(self.measure_accum_budget, gib, count, layer_major, reference))
+                    profile = self.profile_path(name)
+                    run = partial(self.measure_accum_budget, gib, count, layer_major, reference, profile)
+                    yield Case("accum", name, run)
             for gib in gibs:
                 n = self.bench.blocks_to_swap_for_gib(float(gib))
                 config = SwapConfig.of(blocks_to_swap=n, prefetch=prefetch)
-                for layer_major in (False, True):
+                for layer_major in ways:
                     how = "layer-major" if layer_major else "one after another"
                     what = f"{count} micro-batch{'es' if count > 1 else ''} {how}"
                     name = f"DGLS ~{gib} GiB, {what} (blocks_to_swap={n}, prefetch={prefetch})"
-                    yield Case("accum", name, partial(self.measure_accum, config, count, layer_major, reference))
+                    run = partial(self.measure_accum, config, count, layer_major, reference, self.profile_path(name))
+                    yield Case("accum", name, run)
+
+    def profile_path(self, name: str) -> Path | None:
+        """Where a DGLS accum row's trace goes with --profile_dir: a file named after the row."""
+        if self.options.profile_dir is None:
+            return None
+        stem = "".join(c if c.isalnum() or c in ".-" else "_" for c in name).strip("_")
+        return Path(self.options.profile_dir) / f"{stem}.json"
 
     def accum_figures(self, count: int, layer_major: bool, times: list[float], reference: dict) -> dict:
         figures = {"micro_batches": count, "layer_major": layer_major, "per_sample_s": statistics.median(times) / count}
@@ -301,19 +320,25 @@ class Methods:
         figures = {"streamed_gib": 0.0, **peaks(self.device)}
         return times, {**figures, **self.accum_figures(count, layer_major, times, reference)}
 
-    def measure_accum_budget(self, gib: float, count: int, layer_major: bool, reference: dict):
+    def measure_accum_budget(
+        self, gib: float, count: int, layer_major: bool, reference: dict, profile: Path | None = None
+    ):
         """Planned from the CPU, as the vram_budget rows are (:meth:`auto`)."""
         place(self.bench.layers, torch.device("cpu"))
         release_host_cache()
         try:
-            times, figures = self.measure_auto(gib, micro_batches=count, layer_major=layer_major)
+            times, figures = self.measure_auto(gib, micro_batches=count, layer_major=layer_major, profile=profile)
         finally:
             place(self.bench.layers, self.device)
         return times, {**figures, **self.accum_figures(count, layer_major, times, reference)}
 
-    def measure_accum(self, config: SwapConfig, count: int, layer_major: bool, reference: dict):
+    def measure_accum(
+        self, config: SwapConfig, count: int, layer_major: bool, reference: dict, profile: Path | None = None
+    ):
         place(self.bench.layers, self.device)
-        with LayerSwapper(self.bench.layers, config, self.device, log=None) as swapper:
+        lines: list[str] = []
+        config = config.replace(**_profiling(profile))
+        with LayerSwapper(self.bench.layers, config, self.device, log=lines.append) as swapper:
             reset_peaks(self.device)
             ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=False))
             step = self.bench.training_step(
@@ -322,6 +347,7 @@ class Methods:
             after = StepReader(swapper, sync=True).end
             times, stats = time_steps(step, self.device, self.options.warmup, self.options.steps, after, self.deadline)
             figures = self.swap_figures(swapper, stats)  # peaks taken before leaving, which puts weights back
+            figures.update(profile_one_step(swapper, step, 1 if layer_major else count, lines))
         return times, {**figures, **self.accum_figures(count, layer_major, times, reference)}
 
     def ab(self) -> Iterator[Case]:
@@ -453,14 +479,22 @@ class Methods:
         return _rows_of(self.options.checkpoint_units)
 
     def measure_auto(
-        self, budget: float | str, checkpoint_units: bool = False, micro_batches: int = 1, layer_major: bool = False
+        self,
+        budget: float | str,
+        checkpoint_units: bool = False,
+        micro_batches: int = 1,
+        layer_major: bool = False,
+        profile: Path | None = None,
     ):
-        """A vram_budget row: planned (untimed), then timed; ``micro_batches`` a step, ``layer_major`` or not."""
+        """A vram_budget row: planned (untimed), then timed; ``micro_batches`` a step, ``layer_major`` or not;
+        ``profile``: the --profile trace of one step after the timed ones is written there."""
         lines: list[str] = []
         reset_peaks(self.device)
         before = torch.cuda.memory_allocated(self.device) / GiB if self.device.type == "cuda" else 0.0
         offload = {"auto": None, "on": True, "off": False}[self.options.budget_offload]
-        config = SwapConfig.of(vram_budget=budget, offload_activations=offload, checkpoint_units=checkpoint_units)
+        config = SwapConfig.of(
+            vram_budget=budget, offload_activations=offload, checkpoint_units=checkpoint_units, **_profiling(profile)
+        )
         with LayerSwapper(self.bench.layers, config, self.device, log=lines.append) as swapper:
             planner = swapper.driver
             planning = []
@@ -484,6 +518,7 @@ class Methods:
             after = StepReader(swapper, sync=True).end
             times, stats = time_steps(step, self.device, self.options.warmup, self.options.steps, after, self.deadline)
             figures = self.swap_figures(swapper, stats)
+            figures.update(profile_one_step(swapper, step, 1 if layer_major else micro_batches, lines))
             if "peak_reserved_gib" in figures:
                 figures["fits_budget"] = figures["peak_reserved_gib"] * GiB <= planner.budget
             return times, {
@@ -498,7 +533,7 @@ class Methods:
                 "plan_predicted_s": plan.predicted_ms / 1000 if plan else None,
                 "replanned": planner.replanned,
                 "planning_steps_s": [round(t, 4) for t in planning],
-                "plan_log": [line.strip() for line in lines if line.startswith(("DGLS", "  "))],
+                "plan_log": [line.strip() for line in lines if _planner_line(line)],
                 "trials": planner_trials(planner),
             }
 
@@ -583,6 +618,35 @@ class Methods:
             "warmup_steps": 1,
             **row_peaks,
         }
+
+
+def _planner_line(line: str) -> bool:
+    """A line of the planner's log (the profiler's line goes with the row's profile figures)."""
+    return line.startswith(("DGLS", "  ")) and not line.startswith("DGLS profile:")
+
+
+def _profiling(path: Path | None) -> dict:
+    """SwapConfig settings for a row profiled with --profile_dir: the profiler built, its window placed later."""
+    if path is None:
+        return {}
+    return {"profile": str(path), "profile_warmup_steps": PROFILE_LATER, "profile_steps": 1}
+
+
+def profile_one_step(swapper: LayerSwapper, step: Callable[[], object], passes: int, log: list[str]) -> dict:
+    """With a profiler built (--profile_dir), one more step, untimed, recorded (its ``passes`` backward passes:
+    micro-batches one after another are a pass each, a layer-major step one): the trace is written at its end, so
+    writing it never lands in a timed step. The row's figures: the trace's path and its step summary."""
+    profiler = swapper.feature(Profiler)
+    if profiler is None:
+        return {}
+    profiler.record_after(0, passes)
+    step()
+    sync(swapper.device)
+    if not profiler.done:
+        return {"profile_error": "the profiled step ended before its last pass"}
+    trace = json.loads(profiler.path.read_text())
+    written = [line for line in log if line.startswith("DGLS profile:")]
+    return {"profile": str(profiler.path), "profile_summary": trace["otherData"]["summary"], "profile_log": written}
 
 
 def _rows_of(choice: str) -> tuple[bool, ...]:

@@ -101,6 +101,13 @@ def _copied(row: dict, _result: dict) -> str:
     return f"{to_device:.3g} / {home:.3g}"
 
 
+def _mallocs(row: dict, _result: dict) -> str:
+    """The caching allocator's cudaMalloc calls and retries over a row's warm-up and timed steps."""
+    if "device_mallocs" not in row:
+        return "-"
+    return f"{row['device_mallocs']} / {row.get('alloc_retries', 0)}"
+
+
 def _text(key: str) -> Cell:
     return lambda row, _result: str(row.get(key, "-"))
 
@@ -126,14 +133,23 @@ TABLES: dict[str, Table] = {
             COPY_GBPS,
             COPY_SHARE,
             ("compute waited (ms)", _key("wait_ms", ".0f")),
+            ("activation waits (ms)", _key("activation_wait_ms", ".0f")),
             ("activations home GiB", _key("activations_home_gib", ".2f")),
             ("slot MiB", _key("slot_mib", ".0f")),
             ("pinned host GiB", _key("pinned_gib", ".1f")),
             PEAK_ALLOC,
             ("peak reserved GiB", _key("peak_reserved_gib", ".2f")),
+            ("cudaMalloc / retries", _mallocs),
         ),
         rows=lambda result: [r for r in result["rows"] if "median_step_s" in r],
-        optional=("activations home GiB", "slot MiB", "pinned host GiB", "per sample (s)"),
+        optional=(
+            "cudaMalloc / retries",
+            "activation waits (ms)",
+            "activations home GiB",
+            "slot MiB",
+            "pinned host GiB",
+            "per sample (s)",
+        ),
     ),
     "fp8": Table(
         columns=(
@@ -375,7 +391,22 @@ def row_notes(result: dict) -> list[str]:
         elif r.get("plan_log"):
             fits = {True: " (peak reserved within the budget)", False: " (peak reserved OVER the budget)"}
             notes.append(f"- {name}: {' / '.join(r['plan_log'])}{fits.get(r.get('fits_budget'), '')}")
+        if r.get("profile_summary"):
+            notes.append(f"- {name}: {profile_note(r)}")
     return notes
+
+
+def profile_note(row: dict) -> str:
+    """A profiled row (--profile_dir): where its trace is, and the profiled step's summary."""
+    parts = []
+    for step in row["profile_summary"].values():
+        text = f"{step['ms']:.0f} ms, compute waited {step['wait_ms']:.1f} ms for weights"
+        text += f" and {step.get('other_wait_ms', 0.0):.1f} ms for activation restores"
+        if "host_lead_ms_median" in step:
+            text += f", host ahead of the device by {step['host_lead_ms_median']:.1f} ms median"
+            text += f" ({step['host_lead_ms_min']:.1f} ms least)"
+        parts.append(text)
+    return f"profiled step after the timed ones ({row['profile']}): {'; '.join(parts)}"
 
 
 def render(result: dict) -> str:

@@ -74,13 +74,19 @@ def reset_peaks(device: torch.device) -> None:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_accumulated_memory_stats(device)
 
 
 def peaks(device: torch.device) -> dict:
-    """Peak allocated and reserved GiB since ``reset_peaks`` (nothing on CPU)."""
+    """Peak allocated and reserved GiB since ``reset_peaks``, and the caching allocator's calls to the driver since
+    then: ``cudaMalloc``s (a step that allocates afresh pays for them) and retries (an allocation that failed, freed
+    the cache and tried again: each synchronizes the device). Nothing on CPU."""
     if device.type != "cuda":
         return {}
+    stats = torch.cuda.memory_stats(device)
     return {
         "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GiB,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB,
+        "device_mallocs": stats.get("num_device_alloc", 0),
+        "alloc_retries": stats.get("num_alloc_retries", 0),
     }

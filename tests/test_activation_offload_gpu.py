@@ -144,3 +144,22 @@ def test_a_vram_budget_offloads_by_itself_and_stays_bitwise_equal(template, refe
         checkpoint_fn=checkpoint_for("nonreentrant"),
     )
     assert_bitwise_equal(reference, record)
+
+
+def test_waits_for_late_restores_are_counted_apart_from_the_weights(template):
+    """Restores 10 ms behind their gates and compute with no delay: the recomputes wait for them, and the step
+    stats say so in ``activation_wait_ms`` (the benchmarks' 'activation waits'), not in the weights' waits; with
+    timing off (collect_timing=False) neither is measured."""
+    seen = {}
+    for timing in (True, False):
+        layers, trainable = fresh(template)
+        config = SwapConfig.of(prefetch=1, offload_activations=True, collect_timing=timing)
+        with LayerSwapper(layers, config, device=device(), log=None) as swapper:
+            delay_every_copy(swapper, weights_ms=0.0, others_ms=10.0)
+            ckpt = swapper.checkpoint_function(checkpoint_for("nonreentrant"))
+            train(layers, trainable, device(), "nonreentrant", dtype=BF16, cfg=FLUX_WIDTH, checkpoint_fn=ckpt)
+            seen[timing] = swapper.total_stats(sync=True)
+    assert seen[True].activation_bytes > 0
+    assert seen[True].activation_wait_ms > 5.0, "at least one 10 ms-late restore was waited for"
+    assert "for their restores" in seen[True].line()
+    assert seen[False].activation_wait_ms == 0.0

@@ -399,6 +399,40 @@ def test_the_accumulation_rows_copy_each_streamed_layer_once_a_direction_whateve
     assert rows[(2, True, False)]["reference_s"] == rows[(2, False, False)]["median_step_s"]
 
 
+def test_accumulation_ways_keeps_the_resident_rows_both_ways_and_the_dgls_rows_one_way(tmp_path):
+    result = bench_models.main(
+        ["--model", "flux", *TINY, "--methods", "accum", "--gib", "0.001", "--accumulation", "2"]
+        + ["--accumulation_ways", "layer-major", "--results_dir", str(tmp_path), "--steps", "1", "--warmup", "0"]
+    )
+    ways = sorted((("DGLS" in r["method"]), r["layer_major"]) for r in result["rows"])
+    assert ways == [(False, False), (False, True), (True, True)]
+
+
+def test_the_accumulation_rows_write_a_profile_of_one_step_per_dgls_row(tmp_path):
+    """--profile_dir: each DGLS accum row leaves the trace of one step after its timed ones (a pass per micro-batch
+    one after another, one pass layer-major), its summary in the row and in the Markdown; resident rows none."""
+    traces = tmp_path / "traces"
+    result = bench_models.main(
+        ["--model", "flux", *TINY, "--methods", "accum", "--gib", "0.001", "--prefetch", "1", "--accumulation", "2"]
+        + ["--profile_dir", str(traces), "--results_dir", str(tmp_path), "--name", "profiled"]
+    )
+    rows = [r for r in result["rows"] if "DGLS" in r["method"]]
+    assert len(rows) == 2 and all("profile" not in r for r in result["rows"] if "DGLS" not in r["method"])
+    for row in rows:
+        trace = json.loads(open(row["profile"]).read())
+        steps = trace["otherData"]["steps"]
+        assert len(steps) == (1 if row["layer_major"] else 2) and steps[0] > row["steps"]  # after the timed steps
+        assert list(row["profile_summary"]) == [str(s) for s in steps]
+        assert sum(e.get("cat") == "compute" for e in trace["traceEvents"]) > 0
+        assert "activation_wait_ms" in row
+    assert sorted(p.name for p in traces.glob("*.json")) == sorted(
+        p.name for p in (traces / r["profile"].split("/")[-1] for r in rows)
+    )
+    markdown = (tmp_path / "profiled.md").read_text()
+    assert markdown.count("profiled step after the timed ones") == 2
+    assert report.render(json.loads((tmp_path / "profiled.json").read_text())) == markdown
+
+
 # ---------------------------------------------------------------- bench_full: accumulation and diffusion-pipe's ways
 def full_bench(depth=(1, 1)):
     """The tiny Flux-width layers bench_full trains (fp32 on the CPU), every weight trainable."""

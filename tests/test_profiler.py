@@ -173,6 +173,12 @@ def test_cuda_profile_has_copies_waits_and_every_use(tmp_path, streams):
     step_ms = [trace["otherData"]["summary"][str(s)]["ms"] for s in (2, 3)]
     assert all(ms > 0 for ms in step_ms)
     assert (tmp_path / "trace.png").exists() == HAS_MATPLOTLIB
+    # the host lane: one span per use, the host reaching it no later than the device (within the clocks' agreement)
+    host = spans(trace, "host")
+    assert len(host) == len(spans(trace, "compute")) and lanes(trace)["host"] == 4
+    for step in ("2", "3"):
+        row = trace["otherData"]["summary"][step]
+        assert row["host_lead_ms_min"] > -1.0 and row["host_lead_ms_median"] >= row["host_lead_ms_min"]
 
 
 def test_profile_shows_every_direction_through_the_transport(tmp_path):

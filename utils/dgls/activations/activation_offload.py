@@ -36,7 +36,8 @@ Mechanics
       activations-out direction gated on the compute stream's marker (the tensor was just produced),
       after which the device storage is freed (the transport keeps it alive for the copy). A restore
       allocates on the compute stream and submits an activations-in copy gated on the offload's copy; the
-      recompute acquires it. Host buffers are pinned and pooled by size; one goes back to the pool with
+      recompute acquires it (a timed wait where the transport times restores: the step stats' activation
+      waits and ``--profile``). Host buffers are pinned and pooled by size; one goes back to the pool with
       the copy that last read it.
     - CPU: the transport's CPU backend fills a restored storage with NaN bytes at once and writes the
       saved bytes only when the recompute acquires it, so a recompute that reads its inputs without
@@ -57,6 +58,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 import psutil
@@ -89,6 +91,7 @@ class Offload:
     restoring: Copy | None = None  # the host-to-device copy, once issued
     restored: bool = False  # waited for
     output: bool = False  # a checkpointed piece's kept output (comes back one segment later than inputs)
+    key: int = 0  # its storage's identity (:func:`_storage_key`), for the index of what is at home
 
 
 @dataclass(eq=False)
@@ -127,6 +130,12 @@ class ActivationOffloader(Feature):
         self._memory = PinnedMemory(self.pin, "drop --keep_piece_outputs, then --offload_recompute, or free RAM")
         self._recent: list[Segment] = []  # segments not yet offloaded, oldest first
         self._live: list[Segment] = []  # segments with offloads not yet restored and released
+        # Bookkeeping per checkpointed call independent of how many calls came before (a layer-major step has N times
+        # one forward's): the inputs' offloads not yet restored by storage (a later call that takes one finds it
+        # here), and the live segments that may have become reclaimable (a tensor of theirs died, or a later call
+        # restored one of their offloads) for :meth:`_reclaim`, instead of scanning every live segment per call
+        self._home: dict[int, tuple[Offload, Segment]] = {}
+        self._check: set[Segment] = set()
         self._last: Segment | None = None
         self.offloaded_bytes = 0  # totals, for the stats line and tests
         self.restored_bytes = 0
@@ -216,12 +225,16 @@ class ActivationOffloader(Feature):
         self._reclaim()
         tensors = [t for t in _tensors(args, kwargs) if t.device.type == self.device.type]
         taken = {_storage_key(t) for t in tensors}
-        for segment in self._live:  # a storage sent home that this call takes again: back first
-            for offload in segment.offloads:
-                tensor = offload.tensor()
-                if not offload.restored and tensor is not None and _storage_key(tensor) in taken:
-                    self.demand_restores += self.start_restore(offload)
-                    self.wait(offload)
+        for key in taken:  # a storage sent home that this call takes again: back first
+            found = self._home.get(key)
+            if found is None:
+                continue
+            offload, owner = found
+            tensor = offload.tensor()
+            if not offload.restored and tensor is not None and _storage_key(tensor) == key:
+                self.demand_restores += self.start_restore(offload)
+                self.wait(offload)
+                self._check.add(owner)  # all of it may be back now
         eligible = {_storage_key(t): weakref.ref(t) for t in tensors if self.eligible(t)}
         previous = self._last if self._last is not None and not self._last.done else None
         segment = Segment(eligible, previous, previous.position + 1 if previous is not None else 0)
@@ -261,6 +274,11 @@ class ActivationOffloader(Feature):
                 continue
             offload = self.send(tensor)
             offload.output = key in segment.outputs
+            # its death puts the segment up for reclaiming (a weak reference to the segment: no cycle holds the
+            # pinned buffer)
+            offload.tensor = weakref.ref(tensor, partial(_died, weakref.ref(segment), self._check))
+            offload.key = key
+            self._home[key] = (offload, segment)
             segment.offloads.append(offload)
         segment.storages.clear()
         if segment.offloads:
@@ -321,6 +339,7 @@ class ActivationOffloader(Feature):
         if tensor is None:  # freed meanwhile ('unsloth' keeps its own host copies, not the inputs)
             self.dropped_bytes += offload.nbytes
             offload.restored = True
+            self._back(offload)
             return
         storage = tensor.untyped_storage()
         storage.resize_(offload.nbytes)  # allocated on the compute stream
@@ -332,9 +351,16 @@ class ActivationOffloader(Feature):
         """The compute side may read ``offload``'s storage from now on (its restore was issued)."""
         if offload.restored:
             return
-        if offload.restoring is not None:
-            self.transport.acquire(offload.restoring)
+        if offload.restoring is not None:  # timed where the transport times restores: the stats and --profile
+            self.transport.acquire(offload.restoring, timed=Direction.ACTIVATIONS_IN in self.transport.timed)
         offload.restored = True
+        self._back(offload)
+
+    def _back(self, offload: Offload) -> None:
+        """``offload`` is no longer at home (restored, or its tensors gone): out of the index."""
+        found = self._home.get(offload.key)
+        if found is not None and found[0] is offload:
+            del self._home[offload.key]
 
     # ---------------------------------------------------------------- host buffers
     def give_back(self, offload: Offload) -> None:
@@ -345,6 +371,7 @@ class ActivationOffloader(Feature):
         """The segment's restores are waited for: its host buffers go back to the pool."""
         segment.done = True
         for offload in segment.offloads:
+            self._back(offload)
             self.give_back(offload)
         segment.offloads.clear()
         if segment in self._live:
@@ -352,8 +379,12 @@ class ActivationOffloader(Feature):
 
     def _reclaim(self) -> None:
         """Segments whose tensors are gone (their graph was dropped before a backward) give back their
-        buffers; so do segments whose every offload was restored by a later call."""
-        for segment in list(self._live):
+        buffers; so do segments whose every offload was restored by a later call. Only segments where one of
+        those happened since the last call are looked at (``_check``)."""
+        while self._check:
+            segment = self._check.pop()  # (one at a time: a tensor may die on another thread meanwhile)
+            if segment.done or not segment.offloads:
+                continue
             if all(o.tensor() is None or o.restored for o in segment.offloads):
                 unissued = (o for o in segment.offloads if not (o.restored or o.restoring))
                 self.dropped_bytes += sum(o.nbytes for o in unissued)
@@ -419,6 +450,13 @@ class CheckpointedCall:
                 return self.function(*args, **kwargs)
         finally:
             self.offloader.calling = outer
+
+
+def _died(segment: weakref.ref, check: set[Segment], _tensor: weakref.ref) -> None:
+    """A weak reference's callback: a tensor an offload of ``segment`` was sent for is gone (any thread)."""
+    owner = segment()
+    if owner is not None:
+        check.add(owner)
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:

@@ -165,9 +165,10 @@ def build(
             if driver is not None:  # the VRAM planner's plans count the reads of the layers on disk
                 driver.disk_reads = {i: disk.file.extents[i][1] for i in disk.spilled}
                 driver.read_bytes_per_ms = max(disk.read_gbps, 1e-6) * 1e6  # a measure of 0 must not divide
-        # weight copies are timed for the stats (collect_timing); the other directions only for --profile
+        # weight copies and activation restores are timed for the stats (collect_timing: copy GB/s, the compute
+        # stream's waits for each); the other directions only for --profile
         timed = {d for d in Direction if d is not Direction.WEIGHTS_IN} if c.observe.profile else set()
-        timed |= {Direction.WEIGHTS_IN} if c.observe.collect_timing else set()
+        timed |= {Direction.WEIGHTS_IN, Direction.ACTIVATIONS_IN} if c.observe.collect_timing else set()
         transport = make_transport(device, weight_lanes=c.transfer.cuda_streams, timed=timed)
         undo.callback(transport.close)
         if disk is not None:

@@ -37,7 +37,8 @@ Who owns what:
   ordering test widens every race the same way; disk reads have no stream: their delay is a host sleep of
   as many nanoseconds on the reader thread before each read (the same order of magnitude at ~1 GHz).
 - One listener event per copy (``copied(copy)``), with its direction and bytes, for the stats, the
-  profiler and the planner's probe.
+  profiler and the planner's probe; and one per timed wait of the compute stream (``acquired(copy, before,
+  after)``: a timed :meth:`acquire`), so the stats and the profiler see waits of every direction.
 - ``torch.profiler`` ranges (:func:`profiler_range`): ``DGLS <direction>`` around every copy's work (CUDA:
   its enqueue on the direction's stream, where the profiler links the kernels to it; CPU: the bytes
   landing), ``DGLS host waits for <direction>`` around every host wait (CUDA ``land``), and each worker
@@ -204,7 +205,8 @@ class Transport:
 
     def acquire(self, copy: Copy, timed: bool = False) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
         """The compute side may read ``copy``'s destination from now on. ``timed`` (CUDA): returns the compute
-        stream's timing events before and after its wait (None on the CPU)."""
+        stream's timing events before and after its wait, which the listeners hear (``acquired``); None on the
+        CPU."""
         self._land(copy)
         return None
 
@@ -330,6 +332,13 @@ class Transport:
         for listener in self.listeners:
             listener.copied(copy)
 
+    def _report_wait(self, copy: Copy, before, after) -> None:
+        """A timed wait of the compute stream for ``copy``: the listeners that time waits hear it (``acquired``)."""
+        for listener in self.listeners:
+            acquired = getattr(listener, "acquired", None)  # a CopyListener need not time waits
+            if acquired is not None:
+                acquired(copy, before, after)
+
 
 class CudaTransport(Transport):
     """Streams and CUDA events (see the module doc)."""
@@ -413,6 +422,7 @@ class CudaTransport(Transport):
         if copy.ready is not None:
             compute.wait_event(copy.ready)
         after.record(compute)
+        self._report_wait(copy, before, after)
         return before, after
 
     def land(self, gate: Gate) -> None:

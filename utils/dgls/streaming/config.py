@@ -344,7 +344,8 @@ class TrainingPolicy(_Policy):
 class ObservePolicy(_Policy):
     """What the run measures and records.
 
-    - ``collect_timing``: time weight copies (the step stats' copy times).
+    - ``collect_timing``: time weight copies and the compute stream's waits for them and for activation restores
+      (the step stats' copy times and waits).
     - ``profile``: a Chrome-trace JSON (and PNG) of copies and compute for ``profile_steps`` steps after
       ``profile_warmup_steps``; ``~`` expanded.
     - Read by the builder (:mod:`..engine.build`: the transport's timing, the profiler), and by the trainer

@@ -21,6 +21,11 @@ class Listener:
     def waited(self, wait: Wait) -> None:
         """The compute stream waited for a copy (CUDA, timing on): events before and after the wait."""
 
+    def acquired(self, copy: Copy, before, after) -> None:
+        """The compute stream waited for ``copy`` (CUDA, its direction timed): the events recorded on the compute
+        stream before and after its wait, resolved later. Weight copies come through :meth:`waited` too (with their
+        layer); this hook is the one for every other direction (activation restores)."""
+
     def copied(self, copy: Copy) -> None:
         """The transport enqueued (CUDA) or submitted (CPU) a copy, of any direction: its ``direction`` and
         ``nbytes`` (possibly on the worker thread: record, do not compute)."""

@@ -22,11 +22,18 @@ Disk reads and writes (the disk tier) are host work on the reader's thread, with
 CUDA they are timed with ``perf_counter`` too (``Copy.span``), and placed on the trace's clock through one pair
 of stamps taken together at start-up (the device synchronized, then a CUDA event and ``perf_counter``): the two
 clocks agree to well under a millisecond over a few steps.
+
+Waits for activation restores (offload_activations) are on the waits lane beside the weights' (the transport's
+``acquired`` event for their direction). On CUDA a "host" lane shows when the host reached each use, on the
+device's clock (the same pair of stamps): the device reaching a use long after the host did means the host is
+ahead; the two together (``host_lead_ms`` near 0 in the step summary) mean the device waited for the host to issue
+work, time no copy wait shows.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +49,7 @@ from .listener import Listener
 from .stats import elapsed_ms, timestamp
 
 PHASES = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.NO_GRAD: "forward (no grad)"}
-LANES = {"steps": 1, "compute": 2, "waits": 3}
+LANES = {"steps": 1, "compute": 2, "waits": 3, "host": 4}
 COPY_LANE = 10  # copy stream k is lane COPY_LANE + k
 # the other directions' streams, a lane each (weights are drawn per copy stream, with their layer)
 TRANSFER_LANES = {d: 30 + k for k, d in enumerate(d for d in Direction if d is not Direction.WEIGHTS_IN)}
@@ -55,6 +62,7 @@ class _Use:
     streamed: bool
     step: int
     at: Any  # a CUDA event or a perf_counter() value
+    host: float  # perf_counter() when the host reached the use (CUDA: the device reaches it later)
 
 
 @dataclass
@@ -70,10 +78,11 @@ class _Copy:
 
 @dataclass
 class _Wait:
-    layer: int
+    layer: int  # -1: a wait for another direction than weights (``direction``)
     step: int
     start: Any
     end: Any
+    direction: Direction = Direction.WEIGHTS_IN
 
 
 def png_path(path: Path) -> Path:
@@ -102,10 +111,7 @@ class Profiler(Listener, Feature):
         self.steps_done = 0
         self.done = False
         self.notes: list[str] = []
-        if self.cuda:  # idle, so the event below is stamped as it is recorded: the host clock's pair (disk I/O)
-            torch.cuda.synchronize(self.device)
-        self._origin = timestamp(self.device)
-        self._host_origin = time.perf_counter()
+        self._stamp_clocks()
         self._uses: list[_Use] = []
         self._copies: list[_Copy] = []
         self._waits: list[_Wait] = []
@@ -119,6 +125,23 @@ class Profiler(Listener, Feature):
         engine.add_listener(self)
         self.installed = True
 
+    def record_after(self, passes: int, steps: int) -> None:
+        """Record the ``steps`` passes that follow the next ``passes`` ones, counted from now, in place of the window
+        given at construction (which must not have begun): for a caller that knows where its steady steps start
+        only once it got there (a benchmark, after the VRAM planner settled). Call it between passes."""
+        if self._boundaries or self.done:
+            raise RuntimeError("the profiler's window began already: construct it with a later one")
+        self.warmup_steps, self.steps = self.steps_done + passes, steps
+        self._stamp_clocks()  # the pair taken at construction may be minutes old: the two clocks drift apart
+        self._mark_boundary()  # the window's start when it starts now
+
+    def _stamp_clocks(self) -> None:
+        """The trace's origin on the device's clock and the host's, taken together (the host lane, disk I/O)."""
+        if self.cuda:  # idle, so the event below is stamped as it is recorded
+            torch.cuda.synchronize(self.device)
+        self._origin = timestamp(self.device)
+        self._host_origin = time.perf_counter()
+
     # ---------------------------------------------------------------- recording (called by the swapper)
     @property
     def recording(self) -> bool:
@@ -130,11 +153,17 @@ class Profiler(Listener, Feature):
 
     def use_started(self, layer: int, phase: Phase, streamed: bool, missed: bool) -> None:
         if self.recording:
-            self._uses.append(_Use(layer, phase, streamed, self.steps_done + 1, timestamp(self.device)))
+            stamp = timestamp(self.device)
+            self._uses.append(_Use(layer, phase, streamed, self.steps_done + 1, stamp, time.perf_counter()))
 
     def waited(self, wait: Wait) -> None:
         if self.recording:
             self._waits.append(_Wait(wait.token.layer, self.steps_done + 1, wait.before, wait.after))
+
+    def acquired(self, copy: Copy, before, after) -> None:
+        """A wait of the compute stream for another direction than weights (an activation restore)."""
+        if self.recording and copy.direction is not Direction.WEIGHTS_IN:
+            self._waits.append(_Wait(-1, self.steps_done + 1, before, after, copy.direction))
 
     def fetched(self, token: Token) -> None:
         """A copy the current use acquired (reported once, as the step stats count it)."""
@@ -215,7 +244,20 @@ class Profiler(Listener, Feature):
             add(f"layer {u.layer} {u.phase.value}", "compute", LANES["compute"], start, end, args)
         for w in self._waits:
             start, end = self._us(w.start), self._us(w.end)
-            add(f"wait layer {w.layer}", "wait", LANES["waits"], start, end, {"layer": w.layer, "step": w.step})
+            if w.direction is Direction.WEIGHTS_IN:
+                add(f"wait layer {w.layer}", "wait", LANES["waits"], start, end, {"layer": w.layer, "step": w.step})
+            else:
+                args = {"direction": w.direction.value, "step": w.step}
+                add(f"wait {w.direction.value}", "other wait", LANES["waits"], start, end, args)
+        leads: dict[int, list[float]] = {}
+        if self.cuda:  # the host's timeline on the device's clock: how far ahead of the device it issues the work
+            for k, (u, start) in enumerate(uses):
+                host = (u.host - self._host_origin) * 1e6
+                nxt = uses[k + 1][0] if k + 1 < len(uses) else None
+                end = (nxt.host - self._host_origin) * 1e6 if nxt is not None and nxt.step == u.step else host
+                args = {"layer": u.layer, "phase": PHASES[u.phase], "step": u.step, "lead_ms": (start - host) / 1000}
+                add(f"host at layer {u.layer} {u.phase.value}", "host", LANES["host"], host, end, args)
+                leads.setdefault(u.step, []).append((start - host) / 1000)
         for c in self._copies:
             start, end = self._us(c.start), self._us(c.end)
             args = {"layer": c.layer, "bytes": c.nbytes, "demand": c.demand, "stream": c.stream, "step": c.step}
@@ -241,7 +283,11 @@ class Profiler(Listener, Feature):
                 "bytes": sum(e["args"]["bytes"] for e in mine if e["cat"] == "copy"),
                 "copy_ms": round(sum(e["dur"] for e in mine if e["cat"] == "copy") / 1000, 3),
                 "wait_ms": round(sum(e["dur"] for e in mine if e["cat"] == "wait") / 1000, 3),
+                "other_wait_ms": round(sum(e["dur"] for e in mine if e["cat"] == "other wait") / 1000, 3),
             }
+            if leads.get(step):  # the device reached a use this long after the host did: near 0, the host was late
+                row["host_lead_ms_min"] = round(min(leads[step]), 3)
+                row["host_lead_ms_median"] = round(statistics.median(leads[step]), 3)
             summary[str(step)] = row
         for i, step in enumerate(recorded):
             add(f"step {step}", "step", LANES["steps"], bounds[i], bounds[i + 1], {"step": step, **summary[str(step)]})
@@ -250,7 +296,8 @@ class Profiler(Listener, Feature):
             e["ts"] = round(e["ts"] - origin, 3)
             e["dur"] = round(e["dur"], 3)
         events.sort(key=lambda e: (e["tid"], e["ts"]))
-        lanes = {**LANES, **{self._copy_lane_name(k): COPY_LANE + k for k in range(self.copy_streams)}}
+        lanes = {k: v for k, v in LANES.items() if k != "host" or self.cuda}
+        lanes.update({self._copy_lane_name(k): COPY_LANE + k for k in range(self.copy_streams)})
         lanes.update({d.value: lane for d, lane in TRANSFER_LANES.items() if d in used})
         meta = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": f"DGLS on {self.device}"}}]
         for name, lane in lanes.items():
@@ -319,8 +366,10 @@ def draw_timeline(trace: dict, path: Path) -> None:
             color, alpha = colors.get(e["args"]["phase"], "#8C8C8C"), 1.0 if e["args"]["streamed"] else 0.45
         elif e["cat"] == "copy":
             color, alpha = "#C44E52" if e["args"]["demand"] else "#55A868", 1.0
-        elif e["cat"] == "wait":
+        elif e["cat"] in ("wait", "other wait"):
             color, alpha = "#D62728", 1.0
+        elif e["cat"] == "host":
+            color, alpha = "#8C8C8C", 0.6
         elif e["cat"] == "transfer":
             color, alpha = "#8172B3", 1.0
         else:
@@ -341,7 +390,8 @@ def draw_timeline(trace: dict, path: Path) -> None:
     legend = [Patch(color=c, label=f"compute {p} (streamed layer)") for p, c in colors.items()]
     legend += [Patch(color=colors["forward"], alpha=0.45, label="faded: resident layer")]
     legend += [Patch(color="#55A868", label="copy (prefetch)"), Patch(color="#C44E52", label="copy (on demand)")]
-    legend += [Patch(color="#D62728", label="compute waits on a copy")]
+    legend += [Patch(color="#D62728", label="compute waits on a copy (weights; activation restores)")]
+    legend += [Patch(color="#8C8C8C", alpha=0.6, label="host reaches the use (CUDA)")]
     legend += [Patch(color="#8172B3", label="copy of another direction (gradients, activations, optimizer state)")]
     ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=7, frameon=False)
     fig.tight_layout()
@@ -357,7 +407,9 @@ def summary_line(summary: dict) -> str:
     copy_ms = sum(r["copy_ms"] for r in rows)
     nbytes = sum(r["bytes"] for r in rows)
     gbps = f"{nbytes / copy_ms / 1e6:.1f} GB/s" if copy_ms > 0 else "n/a"
+    other = sum(r.get("other_wait_ms", 0.0) for r in rows)
     return (
         f"{len(rows)} steps, {ms / len(rows):.1f} ms per step; {sum(r['copies'] for r in rows)} copies, "
         f"{nbytes / 2**30:.2f} GiB at {gbps}; compute waited {sum(r['wait_ms'] for r in rows):.1f} ms in total"
+        + (f" (+{other:.1f} ms for activation restores)" if other else "")
     )

@@ -48,7 +48,10 @@ class StepStats:
     misses: int = 0  # uses whose layer had no copy on its way
     bytes_moved: int = 0
     copy_ms: float = 0.0  # time the copy streams spent copying (resolved copies only)
-    wait_ms: float = 0.0  # time the compute stream waited on copies (resolved waits only)
+    wait_ms: float = 0.0  # time the compute stream waited on weight copies (resolved waits only)
+    # time the compute stream waited on activation restores (offload_activations: the inputs of a checkpointed call
+    # coming back for its recompute), apart from the weights' waits: a restore issued too late shows here
+    activation_wait_ms: float = 0.0
     pending: int = 0  # copies and waits whose timing is not resolved yet
     peak_vram_bytes: int = 0  # torch's max_memory_allocated at the end of the pass (DGLS never resets it)
     pinned_bytes: int = 0
@@ -74,6 +77,7 @@ class StepStats:
             bytes_moved=self.bytes_moved - earlier.bytes_moved,
             copy_ms=self.copy_ms - earlier.copy_ms,
             wait_ms=self.wait_ms - earlier.wait_ms,
+            activation_wait_ms=self.activation_wait_ms - earlier.activation_wait_ms,
             activation_bytes=self.activation_bytes - earlier.activation_bytes,
             disk_bytes=self.disk_bytes - earlier.disk_bytes,
         )
@@ -85,6 +89,8 @@ class StepStats:
 
     def _extras(self) -> str:
         activations = f", activations home {human_bytes(self.activation_bytes)}" if self.activation_bytes else ""
+        if self.activation_wait_ms:
+            activations += f", waited {self.activation_wait_ms:.1f} ms for their restores"
         return activations + (f", read from disk {human_bytes(self.disk_bytes)}" if self.disk_bytes else "")
 
     def short(self) -> str:
@@ -110,12 +116,16 @@ class _Window:
 
     stats: StepStats = field(default_factory=StepStats)
     copies: list = field(default_factory=list)  # (start, ready) CUDA events
-    waits: list = field(default_factory=list)  # (before, after) CUDA events
+    waits: list = field(default_factory=list)  # (before, after) CUDA events: waits for weight copies
+    restores: list = field(default_factory=list)  # (before, after) CUDA events: waits for activation restores
 
-    def resolve(self, sync: bool) -> tuple[float, float]:
+    def unresolved(self) -> int:
+        return len(self.copies) + len(self.waits) + len(self.restores)
+
+    def resolve(self, sync: bool) -> tuple[float, float, float]:
         """Add the timings whose events completed (all of them with ``sync``); return the ms added."""
-        added = [0.0, 0.0]
-        for k, pairs in enumerate((self.copies, self.waits)):
+        added = [0.0, 0.0, 0.0]
+        for k, pairs in enumerate((self.copies, self.waits, self.restores)):
             left = []
             for start, end in pairs:
                 if sync or end.query():  # the end completing implies the start did (same stream)
@@ -125,8 +135,9 @@ class _Window:
             pairs[:] = left
         self.stats.copy_ms += added[0]
         self.stats.wait_ms += added[1]
-        self.stats.pending = len(self.copies) + len(self.waits)
-        return added[0], added[1]
+        self.stats.activation_wait_ms += added[2]
+        self.stats.pending = self.unresolved()
+        return added[0], added[1], added[2]
 
 
 def across_ranks(stats: StepStats, device: torch.device) -> StepStats:
@@ -144,6 +155,7 @@ def across_ranks(stats: StepStats, device: torch.device) -> StepStats:
         "bytes_moved",
         "copy_ms",
         "wait_ms",
+        "activation_wait_ms",
         "pending",
         "activation_bytes",
         "disk_bytes",
@@ -155,11 +167,10 @@ def across_ranks(stats: StepStats, device: torch.device) -> StepStats:
     dist.all_reduce(summed)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     total = {k: v.item() for k, v in zip(counters, summed)}
-    ints = {k: int(v) for k, v in total.items() if k not in ("copy_ms", "wait_ms")}
+    timings = ("copy_ms", "wait_ms", "activation_wait_ms")
+    ints = {k: int(v) for k, v in total.items() if k not in timings}
     peak, pinned = (int(v) for v in largest.tolist())
-    return StepStats(
-        **ints, copy_ms=total["copy_ms"], wait_ms=total["wait_ms"], peak_vram_bytes=peak, pinned_bytes=pinned
-    )
+    return StepStats(**ints, **{k: total[k] for k in timings}, peak_vram_bytes=peak, pinned_bytes=pinned)
 
 
 class StepReader:
@@ -213,6 +224,11 @@ class StatsCollector(Listener):
     def waited(self, wait: Wait) -> None:
         self._open.waits.append((wait.before, wait.after))
 
+    def acquired(self, copy: Copy, before, after) -> None:
+        """Waits for activation restores (those for weight copies come through :meth:`waited`, with their layer)."""
+        if copy.direction is Direction.ACTIVATIONS_IN:
+            self._open.restores.append((before, after))
+
     def copied(self, copy: Copy) -> None:
         if copy.direction is Direction.ACTIVATIONS_OUT:  # checkpointed inputs and recomputed tensors sent home
             self._open.stats.activation_bytes += copy.nbytes
@@ -228,19 +244,20 @@ class StatsCollector(Listener):
         if self.cuda:
             window.stats.peak_vram_bytes = torch.cuda.max_memory_allocated(self.device)
             self._total.peak_vram_bytes = max(self._total.peak_vram_bytes, window.stats.peak_vram_bytes)
-        if window.copies or window.waits:
+        if window.unresolved():
             self._unresolved.append(window)
         self._last = window
 
     # ---------------------------------------------------------------- reads
     def _resolve(self, sync: bool) -> None:
-        if sync and self.cuda and (self._unresolved or self._open.copies or self._open.waits):
+        if sync and self.cuda and (self._unresolved or self._open.unresolved()):
             torch.cuda.synchronize(self.device)
         for window in [*self._unresolved, self._open]:
-            copy_ms, wait_ms = window.resolve(sync)
+            copy_ms, wait_ms, restore_ms = window.resolve(sync)
             self._total.copy_ms += copy_ms
             self._total.wait_ms += wait_ms
-        self._unresolved = [w for w in self._unresolved if w.copies or w.waits]
+            self._total.activation_wait_ms += restore_ms
+        self._unresolved = [w for w in self._unresolved if w.unresolved()]
 
     def last_pass(self, sync: bool = False) -> StepStats:
         """The most recent finished pass (all zeros before the first one)."""
@@ -250,7 +267,7 @@ class StatsCollector(Listener):
     def total(self, sync: bool = False) -> StepStats:
         """Everything so far, the pass in progress included."""
         self._resolve(sync)
-        pending = sum(len(w.copies) + len(w.waits) for w in [*self._unresolved, self._open])
+        pending = sum(w.unresolved() for w in [*self._unresolved, self._open])
         peak = torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
         return replace(self._total, pending=pending, peak_vram_bytes=peak, pinned_bytes=self._pinned_bytes())
 
