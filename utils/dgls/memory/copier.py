@@ -245,8 +245,12 @@ class Copier:
 
 
 def _wake(tokens: list[Token]) -> None:
+    """The worker failed to issue ``tokens``: their waiters wake (and find the error). Only tokens of a threaded
+    copier get here, each with its own event; the shared :data:`PENDING` is never set (it would mark every later
+    worker-less token issued)."""
     for token in tokens:
-        token.issued.set()
+        if token.issued is not PENDING:
+            token.issued.set()
 
 
 def _nothing() -> None:
