@@ -113,6 +113,7 @@ def test_the_hot_reads_answer_as_before():
     assert not under_selective_checkpoint()
 
 
+@pytest.mark.slow  # with the other benchmark tests: diffusers' Flux class needs a newer peft than the floor
 def test_count_host_counts_this_engine_on_the_cuda_path():
     """The counting script's own run (few layers, one step): every hook entry point counted, CUDA calls made."""
     result = count_host.main(["--steps", "1", "--warmup", "1", "--depth", "2,2"])
