@@ -38,7 +38,8 @@ Who owns what:
   as many nanoseconds on the reader thread before each read (the same order of magnitude at ~1 GHz).
 - One listener event per copy (``copied(copy)``), with its direction and bytes, for the stats, the
   profiler and the planner's probe; and one per timed wait of the compute stream (``acquired(copy, before,
-  after)``: a timed :meth:`acquire`), so the stats and the profiler see waits of every direction.
+  after)``: a timed :meth:`acquire` of another direction than weights, whose waits the engine reports with
+  their layer), so the stats and the profiler see waits of every direction.
 - ``torch.profiler`` ranges (:func:`profiler_range`): ``DGLS <direction>`` around every copy's work (CUDA:
   its enqueue on the direction's stream, where the profiler links the kernels to it; CPU: the bytes
   landing), ``DGLS host waits for <direction>`` around every host wait (CUDA ``land``), and each worker
@@ -333,7 +334,11 @@ class Transport:
             listener.copied(copy)
 
     def _report_wait(self, copy: Copy, before, after) -> None:
-        """A timed wait of the compute stream for ``copy``: the listeners that time waits hear it (``acquired``)."""
+        """A timed wait of the compute stream for ``copy``: the listeners that time waits hear it (``acquired``).
+        Not a weight copy's: the weight copier's waits reach the listeners with their layer (the engine's
+        ``waited``), and this is the per-use hot path."""
+        if copy.direction is Direction.WEIGHTS_IN:
+            return
         for listener in self.listeners:
             acquired = getattr(listener, "acquired", None)  # a CopyListener need not time waits
             if acquired is not None:

@@ -261,11 +261,9 @@ def forecast(costs: DiskCosts, streamed: Sequence[int], spilled: Iterable[int]) 
     )
 
 
-def profile_costs(sizes: Sequence[LayerSizes], profile: StepProfile, prefetch: int) -> DiskCosts | None:
+def profile_costs(sizes: Sequence[LayerSizes], profile: StepProfile, prefetch: int) -> DiskCosts:
     """The model's inputs from the VRAM planner's probe (measured compute and copies; the disk tier's reads, which
-    the builder gives the planner), or None where no layer is on disk."""
-    if not profile.disk_reads:
-        return None
+    the builder gives the planner: none where no layer is on disk)."""
     return DiskCosts(
         uses=profile.uses,
         copy_bytes={s.index: s.copy_bytes for s in sizes},

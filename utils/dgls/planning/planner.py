@@ -213,29 +213,11 @@ def simulate(
     The host runs ahead of the GPU, so a copy starts as soon as the copy stream is free and
     its slot is: the slot of the copy ``prefetch + 1`` copies earlier, free once that
     layer's last consecutive use has finished computing. Layers on disk (``profile.disk_reads``)
-    are read first, one at a time (:mod:`.disk_plan`, which replays the same two streams).
+    are read first, one at a time: the replay is :func:`.disk_plan.simulate_reads` (with nothing on disk, the
+    copies and compute alone).
     """
-    if (costs := profile_costs(sizes, profile, prefetch)) is not None:
-        return simulate_reads(costs, streamed, profile.disk_reads, steps).step_ms
-    streamed = set(streamed)
-    n = len(profile.uses)
-    sequence = [profile.uses[k % n] for k in range(steps * n)]
-    slots = max(prefetch, 0) + 1
-    hold_end: list[float] = []  # per copy: when its layer's run of consecutive uses ends
-    copy_free = t = 0.0
-    step_end = [0.0] * steps
-    for k, use in enumerate(sequence):
-        continues = k > 0 and sequence[k - 1].layer == use.layer
-        if use.layer in streamed and not continues:
-            issue = hold_end[-slots] if len(hold_end) >= slots else 0.0
-            copy_free = max(issue, copy_free) + sizes[use.layer].copy_bytes / profile.bytes_per_ms
-            t = max(t, copy_free)
-            hold_end.append(0.0)
-        t += use.compute_ms
-        if use.layer in streamed:
-            hold_end[-1] = t
-        step_end[k // n] = t
-    return step_end[-1] - step_end[-2] if steps > 1 else step_end[-1]
+    costs = profile_costs(sizes, profile, prefetch)
+    return simulate_reads(costs, streamed, profile.disk_reads, steps).step_ms
 
 
 # ---------------------------------------------------------------- search
