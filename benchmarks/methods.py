@@ -274,16 +274,14 @@ class Methods:
         for count in (int(n) for n in parse_list(self.options.accumulation)):
             reference: dict = {}
             for layer_major in (False, True):
-                how = "layer-major" if layer_major else "one after another"
-                name = f"all-resident, {count} micro-batch{'es' if count > 1 else ''} {how}"
+                name = f"all-resident, {micro_batches(count, layer_major)}"
                 yield Case("accum", name, partial(self.measure_accum_resident, count, layer_major, reference))
             for budget in parse_list(self.options.budgets) if self.options.accumulation_budgets else ():
                 if budget == "auto":
                     continue
                 gib = self.bench.tight_budget_gib() if self.options.tiny else float(budget)
                 for layer_major in ways:
-                    how = "layer-major" if layer_major else "one after another"
-                    name = f"DGLS vram_budget={gib:.3g} GiB, {count} micro-batch{'es' if count > 1 else ''} {how}"
+                    name = f"DGLS vram_budget={gib:.3g} GiB, {micro_batches(count, layer_major)}"
                     profile = self.profile_path(name)
                     run = partial(self.measure_accum_budget, gib, count, layer_major, reference, profile)
                     yield Case("accum", name, run)
@@ -291,8 +289,7 @@ class Methods:
                 n = self.bench.blocks_to_swap_for_gib(float(gib))
                 config = SwapConfig.of(blocks_to_swap=n, prefetch=prefetch)
                 for layer_major in ways:
-                    how = "layer-major" if layer_major else "one after another"
-                    what = f"{count} micro-batch{'es' if count > 1 else ''} {how}"
+                    what = micro_batches(count, layer_major)
                     name = f"DGLS ~{gib} GiB, {what} (blocks_to_swap={n}, prefetch={prefetch})"
                     run = partial(self.measure_accum, config, count, layer_major, reference, self.profile_path(name))
                     yield Case("accum", name, run)
@@ -673,3 +670,8 @@ def memory_cap(device: torch.device, gib: float | None) -> Iterator[None]:
 def _slot_mib(swapper: LayerSwapper) -> float:
     """The pool's slot size: the largest streamed layer or swap unit."""
     return swapper.placement.slot_bytes / 2**20
+
+
+def micro_batches(count: int, layer_major: bool) -> str:
+    """An accum row's label: "4 micro-batches layer-major", "1 micro-batch one after another"."""
+    return f"{count} micro-batch{'es' if count > 1 else ''} {'layer-major' if layer_major else 'one after another'}"
