@@ -40,11 +40,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..memory.layout import LayerSizes, human_bytes
+from ..streaming.tiers import RING_BUFFERS
 
 if TYPE_CHECKING:  # the planner imports this module: its replay runs reads where the probe's profile has them
     from .planner import StepProfile, UseTiming
 
-RING = 2  # staging buffers the reads land in (:data:`..streaming.tiers.RING_BUFFERS`)
+RING = RING_BUFFERS  # staging buffers the reads land in
 MAX_TRIED = 32  # candidates simulated per round when no read hides (the best windows first)
 CAPS = 4  # caps on the spilled layers' size tried (the staging ring holds two of the largest)
 BATCH_SHARE = 16  # a round of the greedy takes at most this share of the candidates (1 / BATCH_SHARE)
