@@ -108,7 +108,9 @@ def parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="accum rows: DGLS's --profile trace (JSON, and PNG with matplotlib) of one step after each DGLS row's "
-        "timed steps, a file per row in this folder",
+        "timed steps, a file per row in this folder; and per accum row (all-resident ones too) two more steps under "
+        "torch.profiler: the CUDA runtime calls the host waited in and where, and the compute stream's gaps between "
+        "kernels (benchmarks/blocking.py)",
     )
     p.add_argument("--latent_frames", type=int, default=3, help="wan: latent frames of the clip (3 = 9 frames)")
     p.add_argument("--deadline_s", type=float, default=480.0, help="seconds after start: no method starts past it")

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 from baselines import DPSwap, NaiveSwap, dp_checkout, dp_streamed_bytes, load_dp_offloading
+from blocking import blocking_calls, device_gaps
 from machine import release_host_cache
 from models import Bench, place
 from timing import Deadline, peaks, reset_peaks, sync, time_steps
@@ -294,6 +295,13 @@ class Methods:
                     run = partial(self.measure_accum, config, count, layer_major, reference, self.profile_path(name))
                     yield Case("accum", name, run)
 
+    def blocking(self, step: Callable[[], object]) -> dict:
+        """With --profile_dir, two more steps under torch.profiler: where the host waited, and the compute stream's
+        gaps between kernels (:mod:`blocking`)."""
+        if self.options.profile_dir is None:
+            return {}
+        return {"blocking_calls": blocking_calls(step, self.device), "device_gaps": device_gaps(step, self.device)}
+
     def profile_path(self, name: str) -> Path | None:
         """Where a DGLS accum row's trace goes with --profile_dir: a file named after the row."""
         if self.options.profile_dir is None:
@@ -314,7 +322,7 @@ class Methods:
         times = time_steps(step, self.device, self.options.warmup, self.options.steps, None, self.deadline)[0]
         if not layer_major:
             reference["resident_s"] = statistics.median(times)
-        figures = {"streamed_gib": 0.0, **peaks(self.device)}
+        figures = {"streamed_gib": 0.0, **peaks(self.device), **self.blocking(step)}
         return times, {**figures, **self.accum_figures(count, layer_major, times, reference)}
 
     def measure_accum_budget(
@@ -345,6 +353,8 @@ class Methods:
             times, stats = time_steps(step, self.device, self.options.warmup, self.options.steps, after, self.deadline)
             figures = self.swap_figures(swapper, stats)  # peaks taken before leaving, which puts weights back
             figures.update(profile_one_step(swapper, step, 1 if layer_major else count, lines))
+            if profile is not None:
+                figures.update(self.blocking(step))
         return times, {**figures, **self.accum_figures(count, layer_major, times, reference)}
 
     def ab(self) -> Iterator[Case]:
@@ -516,6 +526,8 @@ class Methods:
             times, stats = time_steps(step, self.device, self.options.warmup, self.options.steps, after, self.deadline)
             figures = self.swap_figures(swapper, stats)
             figures.update(profile_one_step(swapper, step, 1 if layer_major else micro_batches, lines))
+            if profile is not None:
+                figures.update(self.blocking(step))
             if "peak_reserved_gib" in figures:
                 figures["fits_budget"] = figures["peak_reserved_gib"] * GiB <= planner.budget
             return times, {
