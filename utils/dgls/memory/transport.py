@@ -56,7 +56,9 @@ Backends:
   so a missing wait in any direction computes with NaN and a CPU test fails. Work issued with
   :meth:`issue` runs at once (after its gates landed). A disk read is late the same way: its
   destination holds NaN bytes until something waits for it. A disk write is late too: the file keeps
-  its old bytes until something waits for the write (a read that does not wait for it reads them).
+  its old bytes until something waits for the write (a read that does not wait for it reads them), and
+  its gates land only then, where the CUDA backend's disk job waits for them (a write not gated on the
+  copy that fills its source writes that copy's NaN bytes, or the source's stale ones).
 
 Invariants:
 
@@ -275,7 +277,7 @@ class Transport:
         for gate in gates:
             if not any(gate is g for g in later):
                 self.land(gate)
-        copy.pending = partial(_read_after, self, later, (disk or self.reader).read, dst, offset)
+        copy.pending = partial(_disk_after, self, later, (disk or self.reader).read, dst, offset)
         if not later:
             _poison(dst)
         self._report(copy)
@@ -283,12 +285,13 @@ class Transport:
 
     def write(self, src: torch.Tensor, offset: int, gates: Iterable[Gate] = (), *, disk: DiskReader) -> Copy:
         """``src``'s bytes (page-aligned host memory, whole pages) into ``disk``'s file at ``offset``, after
-        ``gates``. CPU: the file keeps its old bytes until the write is waited for (``src`` must not change
-        before)."""
+        ``gates`` (the copies that fill ``src``). CPU: the file keeps its old bytes until the write is waited for
+        (``src`` must not change before); its gates land then, not now, as the CUDA backend's disk job waits for
+        them on the disk thread: a gate not issued yet (a copy submitted after the write) is waited for, and a
+        gate waited for only by the write lands no earlier than it would on the device. (A read lands the gates
+        already issued at its submission: it poisons ``dst``, which they still read.)"""
         copy = Copy(direction=Direction.DISK_OUT, nbytes=src.numel())
-        for gate in gates:
-            self.land(gate)
-        copy.pending = partial(disk.write, src, offset)
+        copy.pending = partial(_disk_after, self, list(gates), disk.write, src, offset)
         self._report(copy)
         return copy
 
@@ -637,11 +640,12 @@ def _unissued(copy: Copy) -> bool:
     return copy.issued is not None and not copy.issued.is_set()
 
 
-def _read_after(transport: Transport, gates: list[Gate], read: Callable, dst: torch.Tensor, offset: int) -> None:
-    """The CPU's disk read, when performed: after its gates not issued at its submission landed."""
+def _disk_after(transport: Transport, gates: list[Gate], work: Callable, host: torch.Tensor, offset: int) -> None:
+    """The CPU's disk read or write, when performed: after ``gates`` landed (a read's not issued at its submission,
+    a write's all of them), as the CUDA backend's disk job waits for them first."""
     for gate in gates:
         transport.land(gate)
-    read(dst, offset)
+    work(host, offset)
 
 
 def _land_each(transport: Transport, copies: list[Copy]) -> None:

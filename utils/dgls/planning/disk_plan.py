@@ -159,7 +159,8 @@ def choose_spilled(
     ``chosen`` spilled, the staging ring included) is no more than 0 (the module doc). The ring is two buffers of the
     largest spilled layer, so each cap on the spilled layers' size (a few of their distinct sizes) gets its own
     greedy choice, and the fastest predicted (then the fewest bytes read) wins. Returns every candidate when no
-    choice fits (the caller says so)."""
+    choice fits (the caller says so): the largest cap's greedy ends fitting or with every candidate, so a choice
+    fits whenever spilling all of them does (:func:`~..streaming.tiers.plan_tiers` asserts it)."""
     candidates = [i for i in streamed if costs.read_bytes.get(i, 0) > 0]
     windows = hiding_windows(costs, streamed)
     position = {layer: k for k, layer in enumerate(candidates)}

@@ -266,9 +266,18 @@ def _host_adam_unused(resolved: options.Resolved, path: str) -> None:
 
 
 def _drop_in_full_fine_tune(
-    path: str, config: dict, swap: SwapConfig, spec, dist: DistEnv, stages: int, resolved: options.Resolved, rest
+    path: str,
+    config: dict,
+    swap: SwapConfig,
+    spec,
+    dist: DistEnv,
+    stages: int,
+    resolved: options.Resolved,
+    rest,
+    micro_batches: int,
 ) -> SwapConfig:
-    """A diffusion-pipe config without [adapter]: streamed layers train on the host."""
+    """A diffusion-pipe config without [adapter]: streamed layers train on the host (``micro_batches``: a step's,
+    gradient_accumulation_steps times ``--lazy_lora_steps``)."""
     if dist.world_size > stages:
         raise DGLSUserError(
             f"{path} has no [adapter] (a full fine-tune), and {dist.world_size} processes on {stages} pipeline "
@@ -282,14 +291,13 @@ def _drop_in_full_fine_tune(
             "--deepspeed_config: DGLS keeps the streamed layers' optimizer on the host itself (ZeRO offload would "
             "partition what DGLS replaces); drop it"
         )
-    steps = int(config.get("gradient_accumulation_steps", 1)) * resolved.values["lazy_lora_steps"]
     spec = dataclasses.replace(spec, implementation=resolved.values["host_adam"])
     _check_host_adam_build(spec)
     from . import dp_config
 
-    clip = dp_config.host_clipping(config, path, steps)  # 0 lets host updates start during backward
-    if layer_major_applies(resolved.values, stages, steps):
-        steps = 1  # each layer's gradients are summed on the device: the host sees one micro-batch a step
+    clip = dp_config.host_clipping(config, path, micro_batches)  # 0 lets host updates start during backward
+    # layer-major: each layer's gradients are summed on the device, so the host sees one micro-batch a step
+    steps = 1 if layer_major_applies(resolved.values, stages, micro_batches) else micro_batches
     return swap.replace(training=TrainingPolicy(host_optimizer=spec, accumulation_steps=steps, clip_grads=bool(clip)))
 
 
@@ -503,8 +511,10 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
         _offload_needs_checkpointing(resolved, values, f"{path} has no activation_checkpointing")
     _check_layer_major(resolved, stages, f"pipeline_stages in {path}")
     _check_disk_tier_sharing(resolved, dist.world_size, stages, f"pipeline_stages in {path}")
+    # a step's micro-batches: train.py's engine runs the same count (checked whole and >= 1 above)
+    micro_batches = config.get("gradient_accumulation_steps", 1) * values["lazy_lora_steps"]
     if swapping and (spec := dp_config.host_optimizer_spec(config, path)) is not None:
-        swap = _drop_in_full_fine_tune(path, config, swap, spec, dist, stages, resolved, rest)
+        swap = _drop_in_full_fine_tune(path, config, swap, spec, dist, stages, resolved, rest, micro_batches)
         dp_config.probe_host_optimizer(swap.training.host_optimizer, checkout)
     elif swapping and resolved.given("host_adam"):
         _host_adam_unused(resolved, path)
@@ -512,8 +522,7 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
         # diffusion-pipe autocasts each layer's forward to [model] dtype itself
         check_precision(swap.compute, dp_config.model_dtypes(config), True, "[model] dtype/transformer_dtype")
         notes += dp_config.startup_notes(config)
-        micro_batches = int(config.get("gradient_accumulation_steps", 1)) * values["lazy_lora_steps"]
-        if micro_batches > 1:  # said before the model loads (train.py's engine runs the same count)
+        if micro_batches > 1:  # said before the model loads
             notes.append(accumulation_note(values, stages, micro_batches))
     train_args = list(rest)
     if option_value(rest, "--master_port") is None:

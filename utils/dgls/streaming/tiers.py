@@ -8,7 +8,10 @@ Policy (:func:`plan_tiers`)
     - Only streamed layers spill (a resident layer with an fp8 master keeps it in RAM: re-placement reads it).
     - Which: the builder's ``choose`` (the disk plan, :mod:`..planning.disk_plan`: the layers whose reads hide behind
       the longest compute, from the step's order and the measured bandwidths), given the candidates in the order they
-      run and the bytes a choice leaves over the budget. Without one (direct callers):
+      run and the bytes a choice leaves over the budget. It returns a choice that fits whenever spilling every
+      candidate does (:func:`~..planning.disk_plan.choose_spilled`: its greedy over every size ends with all of them),
+      else every candidate (then the line below); a chooser that breaks this is a DGLS bug (an assertion), never a
+      silent spill of every layer. Without one (direct callers):
     - The layers read least often per step spill first (``reads``: uses per step; every streamed layer is read
       alike by default, a LoRA step's forward and backward); among those read alike, as few as fit, spread evenly
       over the order the layers run in: each disk read then overlaps the compute and copies of the RAM layers
@@ -111,7 +114,13 @@ def plan_tiers(
     tiers, fixed = tiers_for([]), []
     if choose is not None:
         chosen = choose(candidates, over)
-        tiers = tiers_for(chosen if over(chosen) <= 0 else candidates)
+        if over(chosen) > 0 and over(candidates) <= 0:  # not the user's to fix: the chooser broke its contract
+            raise AssertionError(
+                f"the disk plan chose {len(chosen)} of {len(candidates)} streamed layers to spill, "
+                f"{human_bytes(over(chosen))} over the host RAM budget, where spilling all of them fits it: a "
+                "chooser's choice must fit whenever spilling every candidate does"
+            )
+        tiers = tiers_for(chosen if over(chosen) <= 0 else candidates)  # nothing fits: refused below
     for level in sorted({reads.get(i, 1) for i in candidates}) if choose is None else ():
         group = [i for i in candidates if reads.get(i, 1) == level]
         for k in range(len(group) + 1):
