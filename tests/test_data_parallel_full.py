@@ -75,6 +75,8 @@ def assert_trains_like_one_process(tmp_path, world: int, *extra: str, tolerance:
         assert rank["named"] == [], "the shared segments lose their names once every rank mapped them"
         # one reduction per host-trained layer and backward pass (its bucket), not one per param
         assert rank["collectives"] == [len(one["owned"]) * rank["backwards"]] * len(rank["collectives"])
+        assert any("gradient buckets during the backward" in line for line in rank["started"]), rank["started"]
+    assert not any("gradient buckets" in line for line in one["started"]), "one process reduces nothing"
     owned = [set(rank["owned"]) for rank in many]
     assert all(owned) and set.union(*owned) == set(one["owned"]) and sum(map(len, owned)) == len(one["owned"])
     return many
@@ -383,3 +385,24 @@ def test_a_layer_major_sum_without_a_last_micro_batch_gradient_is_reduced_once_a
     assert reduce.calls == 2 and all(torch.equal(t, torch.full((3,), 3.0)) for t in reduce.sent)
     assert [(idx, g.tolist()) for idx, g in delivered] == [(1, [(3.0 + OTHER) / 2] * 3)], "the owner's layer only"
     assert sums.pending == 0
+
+
+def test_the_bucket_pool_is_in_flight_plus_one_of_the_largest_layers_segment_per_dtype_and_on_the_placement_line():
+    """The reduction's device memory at its largest, which the start-up placement line shows (the user places the
+    layers of a data-parallel full fine-tune): ``in_flight + 1`` buffers of each dtype, each the largest layer's."""
+    from torch import nn
+
+    from utils.dgls.memory.layout import LayerSizes
+    from utils.dgls.streaming.placement import Placement
+    from utils.dgls.training.data_parallel import SharedGradients
+
+    params = {
+        0: [nn.Parameter(torch.zeros(1000)), nn.Parameter(torch.zeros(24, dtype=torch.bfloat16))],
+        1: [nn.Parameter(torch.zeros(3000))],
+    }
+    shared = SharedGradients(Ownership(rank=0, size=2, owners={0: 0, 1: 1}), params, in_flight=2)
+    assert shared.pool_bytes == 3 * (3000 * 4 + 24 * 2)
+    sizes = (LayerSizes(0, "Block", 1 << 20, 0),)
+    line = Placement(sizes, streamed=(0,), prefetch=1, reduce_bytes=shared.pool_bytes).table().splitlines()[-1]
+    assert f"(+ {shared.pool_bytes / 1e6:.1f} MB of data parallel's gradient buckets during the backward)" in line
+    assert "gradient buckets" not in Placement(sizes, streamed=(0,), prefetch=1).table()

@@ -139,7 +139,8 @@ def build(
         if c.training.data_parallel:
             shared, trained = _data_parallel_share(c, entries, trained, streamed_layouts)
         update = update_buffer_bytes(trained, c.training.host_optimizer)  # what HostTraining reserves
-        placement = dataclasses.replace(placement, update_bytes=update)
+        buckets = shared.pool_bytes if shared is not None else 0  # data parallel's, during the backward
+        placement = dataclasses.replace(placement, update_bytes=update, reduce_bytes=buckets)
     driver = _start_driver(c, budget, unit_bytes, device, log)
     if driver is not None:
         driver.check_static_minimum(sizes, placement.update_bytes)

@@ -25,6 +25,7 @@ class Placement:
     prefetch: int
     copy_streams: int = 1
     update_bytes: int = 0  # full fine-tuning's device update buffers (reserved at start-up, whatever the placement)
+    reduce_bytes: int = 0  # data-parallel full fine-tuning's reduction buckets (the backward's, whatever the placement)
 
     @property
     def resident(self) -> tuple[int, ...]:
@@ -108,6 +109,11 @@ class Placement:
             + (
                 f" (+ {self.training_bytes / MB:.1f} MB of the trainer's gradients and optimizer state)"
                 if self.training_bytes
+                else ""
+            )
+            + (
+                f" (+ {self.reduce_bytes / MB:.1f} MB of data parallel's gradient buckets during the backward)"
+                if self.reduce_bytes
                 else ""
             )
             + f"; {len(self.streamed)} {'layers and units' if units else 'layers'} "

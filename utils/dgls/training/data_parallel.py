@@ -38,7 +38,8 @@ Buckets (layout)
       reducing), so the device memory of the reduction is that many layers' gradients whatever the depth, during
       the backward only (the pool goes back to the allocator at its end, after every wait). A placement that leaves
       less device memory free than that during the backward runs out of it: the placement is the user's here (a
-      VRAM budget's planner is refused, below).
+      VRAM budget's planner is refused, below), and the start-up placement line says how much the pool takes
+      (:attr:`SharedGradients.pool_bytes`).
 
 Mechanics
     1. A gradient arriving is copied into its layer's open bucket (the param keeps none; its own tensor is freed).
@@ -346,6 +347,12 @@ class SharedGradients:
             bucket.filled[slot.position] = slot
             if len(bucket.filled) == len(self.params[idx]):
                 self._launch(bucket)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Device bytes of the bucket pool at its largest (``in_flight + 1`` buffers of each dtype, each the largest
+        layer's segment), held during the backward: the start-up placement line counts them."""
+        return sum((self.in_flight + 1) * n * dtype.itemsize for dtype, n in self._largest.items())
 
     def _new_bucket(self, idx: int, device: torch.device) -> Bucket:
         """A bucket for layer ``idx`` from the pool (at most ``in_flight`` buckets are in flight and none is open
