@@ -98,6 +98,12 @@ def parser() -> argparse.ArgumentParser:
         "--accumulation_budgets", action="store_true", help="accum rows: also at each --budgets GiB value (planned)"
     )
     p.add_argument(
+        "--accumulation_ab",
+        action="store_true",
+        help="accum rows: also one row of all-resident layer-major steps alternating with one-after-another steps "
+        "(its 'vs resident' against those of the same rounds: no drift between rows)",
+    )
+    p.add_argument(
         "--accumulation_ways",
         choices=("both", "layer-major", "sequential"),
         default="both",
@@ -154,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
             accumulation=args.accumulation,
             accumulation_budgets=args.accumulation_budgets,
             accumulation_ways=args.accumulation_ways,
+            accumulation_ab=args.accumulation_ab,
             profile_dir=args.profile_dir,
             **defaults,
         )

@@ -118,6 +118,7 @@ class Options:
     accumulation_budgets: bool = False  # accum rows: also at each --budgets value (planned; rows take minutes)
     accumulation_ways: str = "both"  # accum rows: DGLS rows one after another, layer-major, or both
     profile_dir: Path | None = None  # accum rows: each DGLS row's --profile trace of one step after its timed ones
+    accumulation_ab: bool = False  # accum rows: also all-resident layer-major against one after another, alternating
 
 
 @dataclass(frozen=True)
@@ -277,6 +278,9 @@ class Methods:
             for layer_major in (False, True):
                 name = f"all-resident, {micro_batches(count, layer_major)}"
                 yield Case("accum", name, partial(self.measure_accum_resident, count, layer_major, reference))
+            if self.options.accumulation_ab:
+                name = f"A/B: all-resident, {micro_batches(count, True)} against one after another, step by step"
+                yield Case("accum", name, partial(self.measure_accum_ab, count))
             for budget in parse_list(self.options.budgets) if self.options.accumulation_budgets else ():
                 if budget == "auto":
                     continue
@@ -324,6 +328,28 @@ class Methods:
             reference["resident_s"] = statistics.median(times)
         figures = {"streamed_gib": 0.0, **peaks(self.device), **self.blocking(step)}
         return times, {**figures, **self.accum_figures(count, layer_major, times, reference)}
+
+    def measure_accum_ab(self, count: int):
+        """All-resident steps of ``count`` micro-batches, layer-major and one after another alternating (which goes
+        first swaps every round), so both see the same device state (clocks, temperature, allocator): the row's
+        times are the layer-major steps', its reference the others' of the same rounds."""
+        place(self.bench.layers, self.device)
+        reset_peaks(self.device)
+        steps = {
+            way: self.bench.training_step(micro_batches=count, layer_major=way) for way in (False, True)
+        }  # (one after another, layer-major)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for i in range(self.options.warmup + self.options.steps):
+            for way in (False, True) if i % 2 == 0 else (True, False):
+                took = time_steps(steps[way], self.device, 0, 1)[0]
+                if i >= self.options.warmup:
+                    times[way] += took
+            if self.deadline.passed() and len(times[True]) >= 3:
+                break
+        sequential = statistics.median(times[False])
+        figures = {"streamed_gib": 0.0, **peaks(self.device), "ab_resident_s": sequential}
+        figures["ab_resident_times_s"] = times[False]
+        return times[True], {**figures, **self.accum_figures(count, True, times[True], {"resident_s": sequential})}
 
     def measure_accum_budget(
         self, gib: float, count: int, layer_major: bool, reference: dict, profile: Path | None = None

@@ -408,6 +408,18 @@ def test_accumulation_ways_keeps_the_resident_rows_both_ways_and_the_dgls_rows_o
     assert ways == [(False, False), (False, True), (True, True)]
 
 
+def test_accumulation_ab_alternates_resident_layer_major_and_one_after_another_steps(tmp_path):
+    """--accumulation_ab: one more row, layer-major steps timed alternating with one-after-another ones; its 'vs
+    resident' is against those of the same rounds."""
+    result = bench_models.main(
+        ["--model", "flux", *TINY, "--methods", "accum", "--gib", "", "--accumulation", "2", "--accumulation_ab"]
+        + ["--results_dir", str(tmp_path), "--steps", "3", "--warmup", "1"]
+    )
+    (ab,) = [r for r in result["rows"] if r["method"].startswith("A/B")]
+    assert ab["layer_major"] and len(ab["step_times_s"]) == len(ab["ab_resident_times_s"]) == 3
+    assert ab["vs_resident"] == ab["median_step_s"] / ab["ab_resident_s"]
+
+
 def test_the_accumulation_rows_write_a_profile_of_one_step_per_dgls_row(tmp_path):
     """--profile_dir: each DGLS accum row leaves the trace of one step after its timed ones (a pass per micro-batch
     one after another, one pass layer-major), its summary in the row and in the Markdown; resident rows none."""
