@@ -58,7 +58,7 @@ from ..training.disk_state import DiskState, plan_full_tiers, refuse_disk_state
 from ..training.host_training import HostTraining, check_host_training, training_layout, update_buffer_bytes
 from ..training.training_feature import TrainingFeature
 from ..watching.profiler import Profiler
-from .disk_planning import DiskChoice
+from .disk_planning import DiskChoice, StateChoice
 from .training_costs import with_training_costs
 
 
@@ -293,7 +293,7 @@ def start_report(parts: Parts) -> list[str]:
     store = parts.masters.store
     lines = [parts.placement.table(tier_labels(store) if parts.tiers is not None else None)]
     if parts.tiers is not None:
-        lines += [parts.tiers.line(), *([parts.tiers.forecast] if parts.tiers.forecast else [])]
+        lines += [parts.tiers.line(), *parts.tiers.forecast.splitlines()]
     if store.disk is not None:
         lines += [store.disk.describe(), *store.disk.notes]
     if parts.training is not None and parts.training.disk_state is not None:
@@ -340,11 +340,17 @@ def _tiers(
         _, state = plan_full_tiers(layouts, hosted, placement.streamed, budget, RING_BUFFERS, trained)
         if state:
             refuse_disk_state(config, trained, len(state))
-        tiers, state = plan_full_tiers(layouts, hosted, placement.streamed, budget, RING_BUFFERS, trained, choose)
+        states = StateChoice(choose, trained, config.training.clip_grads, config.training.accumulation_steps)
+        tiers, state = plan_full_tiers(
+            layouts, hosted, placement.streamed, budget, RING_BUFFERS, trained, choose, states
+        )  # fmt: skip
+        if state and (forecast := states.forecast(list(state))) is not None:  # which layers' state, the time added
+            tiers = dataclasses.replace(tiers, forecast=forecast.line())
     if state:
         trained.spill(state)
     if tiers.spilled and (forecast := choose.forecast(list(tiers.spilled))) is not None:
-        tiers = dataclasses.replace(tiers, forecast=forecast.line())
+        lines = [line for line in (tiers.forecast, forecast.line()) if line]
+        tiers = dataclasses.replace(tiers, forecast="\n".join(lines))
     return tiers, state
 
 

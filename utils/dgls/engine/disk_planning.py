@@ -11,6 +11,10 @@ two measured bandwidths, as the chooser :func:`~..streaming.tiers.plan_tiers` ca
   layer computing a step for as long as its two copies take, the break-even of streaming), and the line says so.
   With a VRAM budget the planner's own predictions use the measured compute and the reads of the layers chosen here
   (:attr:`~..planning.planner.StepProfile.read_ms`).
+- Full fine-tuning (:class:`StateChoice`): which layers' fp32 masters and optimizer state go to disk, by the state
+  plan (:mod:`..planning.state_plan`), from the same probes (one of each per build), each layer's extent, and its
+  host update's time estimated from its param count at a nominal rate (``HOST_UPDATE_PARAMS_PER_MS``); the updates
+  run after the backward under clipping (spilled layers do not speculate), else as each layer's gradients come home.
 """
 
 from __future__ import annotations
@@ -21,17 +25,20 @@ from pathlib import Path
 import torch
 
 from ..memory.disk_tier import PROBE_BYTES, probe_read_gbps
-from ..memory.layout import LayerLayout
+from ..memory.layout import LayerLayout, TrainingLayout
 from ..memory.pinned import page_aligned_empty, register, unregister, whole_pages
 from ..planning.autoplan import CPU_BYTES_PER_MS
 from ..planning.disk_plan import DiskCosts, DiskForecast, choose_spilled, forecast
 from ..planning.planner import UseTiming
+from ..planning.state_plan import StateCosts, StateForecast, choose_state_spilled, forecast_state
 from ..streaming.placement import Placement
 from ..streaming.schedule import Phase
 from ..streaming.tiers import RING_BUFFERS
+from ..training.disk_state import extent_pieces
 
 COPY_PROBE_BYTES = 64 * 1024 * 1024
 BACKWARD_SHARE = 2.0  # an estimated backward use computes this many times its forward
+HOST_UPDATE_PARAMS_PER_MS = 300_000  # a nominal host AdamW step (fp32 master, two moments): params per ms
 
 
 class DiskChoice:
@@ -44,30 +51,78 @@ class DiskChoice:
         self.directory: str | Path | None = directory
         self.costs: DiskCosts | None = None
         self.read_gbps = 0.0
+        self._probed: tuple[float, float] | None = None
 
     def __call__(self, candidates: Sequence[int], over: Callable[[list[int]], int]) -> list[int]:
         if over([]) <= 0:
             return []
         streamed = self.placement.streamed
-        total = sum(whole_pages(self.layouts[i].host_bytes) for i in streamed)
-        self.read_gbps, _ = probe_read_gbps(self.directory, min(total, PROBE_BYTES), pin=self.device.type == "cuda")
-        copy_per_ms = copy_bytes_per_ms(self.device)
+        read_per_ms, copy_per_ms = self.probe()
         step_copies_ms = 2 * sum(layout.sizes.streamable_bytes for layout in self.layouts) / copy_per_ms
         self.costs = DiskCosts(
             uses=estimated_uses(self.layouts, step_copies_ms),
             copy_bytes={i: self.layouts[i].host_bytes for i in streamed},
             read_bytes={i: whole_pages(self.layouts[i].host_bytes) for i in streamed},
             copy_bytes_per_ms=copy_per_ms,
-            read_bytes_per_ms=max(self.read_gbps, 1e-6) * 1e6,
+            read_bytes_per_ms=read_per_ms,
             prefetch=self.placement.prefetch,
             ring=RING_BUFFERS,
         )
         return choose_spilled(self.costs, [i for i in streamed if i in set(candidates)], over)
 
+    def probe(self) -> tuple[float, float]:
+        """The disk's read bandwidth and the copy bandwidth in bytes per ms, measured on the first call only."""
+        if self._probed is None:
+            streamed = self.placement.streamed
+            total = sum(whole_pages(self.layouts[i].host_bytes) for i in streamed)
+            self.read_gbps, _ = probe_read_gbps(self.directory, min(total, PROBE_BYTES), pin=self.device.type == "cuda")
+            self._probed = (max(self.read_gbps, 1e-6) * 1e6, copy_bytes_per_ms(self.device))
+        return self._probed
+
     def forecast(self, spilled: Sequence[int]) -> DiskForecast | None:
         if self.costs is None:
             return None
         return forecast(self.costs, self.placement.streamed, spilled)
+
+
+class StateChoice:
+    """The chooser of the layers whose masters and optimizer state spill, for
+    :func:`~..training.disk_state.plan_full_tiers`: the state plan over ``disk``'s probes and layouts (the module
+    doc); after it ran, :attr:`costs` and :meth:`forecast`."""
+
+    def __init__(self, disk: DiskChoice, trained: TrainingLayout, clipping: bool, passes: int = 1) -> None:
+        self.disk = disk
+        self.trained = trained
+        # layer -> bytes of its extent (whole pages): read and written back per update
+        self.extents = {i: whole_pages(extent_pieces(trained, i)[1]) for i in trained.layers}
+        self.clipping = clipping
+        self.passes = max(1, passes)  # micro-batches a step (one after another): the updates follow the last
+        self.costs: StateCosts | None = None
+
+    def __call__(self, candidates: Sequence[int], over: Callable[[list[int]], int]) -> list[int]:
+        if over([]) <= 0:
+            return []
+        d = self.disk
+        read_per_ms, copy_per_ms = d.probe()
+        step_copies_ms = 2 * sum(layout.sizes.streamable_bytes for layout in d.layouts) / copy_per_ms
+        streamed = d.placement.streamed
+        self.costs = StateCosts(
+            uses=estimated_uses(d.layouts, step_copies_ms) * self.passes,
+            copy_bytes={i: d.layouts[i].host_bytes for i in streamed},
+            state_bytes=dict(self.extents),
+            update_ms={i: place.numel / HOST_UPDATE_PARAMS_PER_MS for i, place in self.trained.layers.items()},
+            copy_bytes_per_ms=copy_per_ms,
+            read_bytes_per_ms=read_per_ms,
+            write_bytes_per_ms=read_per_ms,  # write-backs reach the same disk, eventually at its pace
+            prefetch=d.placement.prefetch,
+            after_backward=self.clipping,
+        )
+        return choose_state_spilled(self.costs, streamed, candidates, over)
+
+    def forecast(self, spilled: Sequence[int]) -> StateForecast | None:
+        if self.costs is None:
+            return None
+        return forecast_state(self.costs, self.disk.placement.streamed, spilled)
 
 
 def estimated_uses(layouts: Sequence[LayerLayout], scale_ms: float) -> tuple[UseTiming, ...]:

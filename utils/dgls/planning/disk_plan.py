@@ -27,6 +27,8 @@ Choice (:func:`choose_spilled`), greedy until what the caller keeps in RAM fits 
 - The staging ring (two buffers of the largest spilled layer) counts against the budget too: the greedy runs once
   per cap on the spilled layers' size (a few of their distinct sizes) and the fastest predicted choice that fits
   wins (then the one reading the fewest bytes).
+- The greedy itself (:func:`choose_by_model`) takes any replay: the state plan (:mod:`.state_plan`, full
+  fine-tuning's masters and optimizer state) runs it over its own.
 
 Invariants
     - Pure: no I/O, no device; the same inputs give the same choice.
@@ -156,51 +158,89 @@ def choose_spilled(
     costs: DiskCosts, streamed: Sequence[int], over: Callable[[list[int]], int], tried: int = MAX_TRIED
 ) -> list[int]:
     """Streamed layers to spill, in the order chosen, until ``over(chosen)`` (bytes over the RAM budget with
-    ``chosen`` spilled, the staging ring included) is no more than 0 (the module doc). The ring is two buffers of the
-    largest spilled layer, so each cap on the spilled layers' size (a few of their distinct sizes) gets its own
-    greedy choice, and the fastest predicted (then the fewest bytes read) wins. Returns every candidate when no
-    choice fits (the caller says so): the largest cap's greedy ends fitting or with every candidate, so a choice
-    fits whenever spilling all of them does (:func:`~..streaming.tiers.plan_tiers` asserts it)."""
+    ``chosen`` spilled, the staging ring included) is no more than 0 (the module doc; :func:`choose_by_model`, with
+    this module's replay). Returns every candidate when no choice fits (the caller says so)."""
     candidates = [i for i in streamed if costs.read_bytes.get(i, 0) > 0]
-    windows = hiding_windows(costs, streamed)
-    position = {layer: k for k, layer in enumerate(candidates)}
-    ranked = sorted(candidates, key=lambda i: (-windows.get(i, 0.0), position[i]))
+
+    def score(chosen: list[int]) -> tuple[float, int]:
+        times = simulate_reads(costs, streamed, chosen, GREEDY_STEPS)
+        return times.step_ms, times.read_bytes
+
+    def final(chosen: list[int]) -> tuple[float, int]:
+        times = simulate_reads(costs, streamed, chosen)
+        return times.step_ms, times.read_bytes
+
+    position = {layer: k for k, layer in enumerate(streamed)}
+    return choose_by_model(
+        candidates, hiding_windows(costs, streamed), costs.read_bytes, score, over, position,
+        max(costs.prefetch, 0) + 1, tried, final,
+    )  # fmt: skip
+
+
+def choose_by_model(
+    candidates: Sequence[int],
+    windows: Mapping[int, float],
+    sizes: Mapping[int, int],
+    score: Callable[[list[int]], tuple[float, int]],
+    over: Callable[[list[int]], int],
+    position: Mapping[int, int],
+    near: int,
+    tried: int = MAX_TRIED,
+    final: Callable[[list[int]], tuple[float, int]] | None = None,
+) -> list[int]:
+    """The greedy of the module doc over any model of the step (this module's, or the state plan's:
+    :mod:`.state_plan`): ``candidates`` (in their run order), each one's hiding ``windows`` (ms; the longest first)
+    and ``sizes`` (bytes it frees; the buffers are sized by the largest spilled), ``score(chosen)``: (predicted step
+    ms, bytes moved a step), ``position`` and ``near`` (two layers within ``near`` positions of each other never enter
+    one batch: their transfers would meet), ``final`` (the score the caps' choices are compared by; ``score`` if
+    None). Each cap on the spilled layers' size (a few of the distinct sizes) gets its own greedy, and the fastest
+    predicted (then the fewest bytes moved) that fits wins. Returns every candidate when no choice fits: the largest
+    cap's greedy ends fitting or with every candidate, so a choice fits whenever spilling all of them does."""
+    candidates = list(candidates)
     if over([]) <= 0:
         return []
-    sizes = sorted({costs.read_bytes[i] for i in candidates})
-    caps = sorted({sizes[min(len(sizes) - 1, (len(sizes) * q) // CAPS)] for q in range(1, CAPS + 1)})
+    if not candidates:
+        return candidates
+    order = {layer: k for k, layer in enumerate(candidates)}
+    ranked = sorted(candidates, key=lambda i: (-windows.get(i, 0.0), order[i]))
+    distinct = sorted({sizes[i] for i in candidates})
+    caps = sorted({distinct[min(len(distinct) - 1, (len(distinct) * q) // CAPS)] for q in range(1, CAPS + 1)})
     best: tuple[float, int, list[int]] | None = None
     for cap in caps:
-        chosen = _greedy(costs, streamed, [i for i in ranked if costs.read_bytes[i] <= cap], over, tried)
+        chosen = _greedy([i for i in ranked if sizes[i] <= cap], sizes, score, over, position, near, tried)
         if over(chosen) > 0:
             continue
-        times = simulate_reads(costs, streamed, chosen)
-        if best is None or (times.step_ms, times.read_bytes) < best[:2]:
-            best = (times.step_ms, times.read_bytes, chosen)
+        step_ms, moved = (final or score)(chosen)
+        if best is None or (step_ms, moved) < best[:2]:
+            best = (step_ms, moved, chosen)
     return best[2] if best is not None else candidates
 
 
 def _greedy(
-    costs: DiskCosts, streamed: Sequence[int], ranked: list[int], over: Callable[[list[int]], int], tried: int
+    ranked: list[int],
+    sizes: Mapping[int, int],
+    score: Callable[[list[int]], tuple[float, int]],
+    over: Callable[[list[int]], int],
+    position: Mapping[int, int],
+    near: int,
+    tried: int,
 ) -> list[int]:
     """Spill from ``ranked`` (the longest hiding window first) until ``over`` is no more than 0, or all of them.
-    Each round simulates up to ``tried`` of the rest in that order: the first whose read hides is taken alone; else a
-    batch of the least added step time per byte (at most a ``BATCH_SHARE``-th of the candidates, no two within
-    ``prefetch + 1`` of each other in the run order, whose reads would meet), so many layers take few rounds."""
-    position = {layer: k for k, layer in enumerate(streamed)}
-    near = max(costs.prefetch, 0) + 1
+    Each round scores up to ``tried`` of the rest in that order: the first that adds no step time is taken alone;
+    else a batch of the least added step time per byte (at most a ``BATCH_SHARE``-th of the candidates, no two within
+    ``near`` of each other in ``position``), so many layers take few rounds."""
     largest_batch = max(1, len(ranked) // BATCH_SHARE)
     chosen: list[int] = []
-    base = simulate_reads(costs, streamed, chosen, GREEDY_STEPS).step_ms
+    base = score(chosen)[0]
     while over(chosen) > 0 and len(chosen) < len(ranked):
         taken = set(chosen)
         scored: list[tuple[float, int]] = []
         for layer in [c for c in ranked if c not in taken][:tried]:
-            added = simulate_reads(costs, streamed, [*chosen, layer], GREEDY_STEPS).step_ms - base
+            added = score([*chosen, layer])[0] - base
             if added <= HIDDEN_MS:
                 scored = [(0.0, layer)]
                 break
-            scored.append((added / costs.read_bytes[layer], layer))
+            scored.append((added / sizes[layer], layer))
         batch: list[int] = []
         for _, layer in sorted(scored):
             if len(batch) >= largest_batch or (batch and over([*chosen, *batch]) <= 0):
@@ -208,7 +248,7 @@ def _greedy(
             if all(abs(position[layer] - position[other]) > near for other in batch):
                 batch.append(layer)
         chosen += batch
-        base = simulate_reads(costs, streamed, chosen, GREEDY_STEPS).step_ms
+        base = score(chosen)[0]
     return chosen
 
 

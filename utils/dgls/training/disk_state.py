@@ -4,7 +4,8 @@ live in a file on disk; each is read for its layer's update and written back aft
 Why: a full fine-tune keeps, beside each streamed layer's packed copy, an fp32 master and the optimizer's state (AdamW:
 two fp32 moments), six times the bf16 weights; they are read once a step (by the update), the weights twice (forward
 and backward), so with a host RAM budget they spill first (:func:`plan_full_tiers`), the weights only once every
-layer's state is on disk (the disk tier, :mod:`..memory.disk_tier`).
+layer's state is on disk (the disk tier, :mod:`..memory.disk_tier`). Which layers' state spills: the state plan
+(:mod:`..planning.state_plan`), those whose reads and write-backs hide behind the most remaining work of the step.
 
 Layout
     - One unnamed file (:class:`~..memory.disk_tier.DiskFile`: gone when the process ends, however it ends) with an
@@ -98,25 +99,46 @@ def plan_full_tiers(
     ring_count: int,
     trained: TrainingLayout,
     choose: Chooser | None = None,
+    choose_states: Chooser | None = None,
 ) -> tuple[Tiers, dict[int, int]]:
     """A full fine-tune under ``budget``: the weights' tiers and the spilled training states (layer -> extent bytes).
 
     RAM holds the packed copies, the gradients (landings, sums), the masters and state of the layers not spilled and
-    ``SLOTS`` buffers of the largest spilled extent. States spill first (read once a step), as few as fit, spread over
-    the layer order; with every state on disk, the weights spill as for a LoRA (:func:`~..streaming.tiers.plan_tiers`,
-    with ``choose``) within what is left."""
+    ``SLOTS`` buffers of the largest spilled extent. States spill first (read once a step): those ``choose_states``
+    picks (the state plan, :mod:`..planning.state_plan`: the layers whose reads and write-backs hide behind the most
+    remaining work; given the candidates in layer order and the bytes a choice leaves over the budget, it returns a
+    choice that fits whenever spilling every state does, else every candidate), or without it as few as fit, spread
+    over the layer order; with every state on disk, the weights spill as for a LoRA
+    (:func:`~..streaming.tiers.plan_tiers`, with ``choose``) within what is left."""
     packed = sum(whole_pages(layouts[i].host_bytes) for i in hosted)
     parts = trained.parts()
     gradients = parts["gradients"]
     extents = {i: whole_pages(extent_pieces(trained, i)[1]) for i in trained.layers}
     state = {i: state_ram_bytes(trained, i) for i in trained.layers}
     order = sorted(i for i in extents if state[i])  # a layer with nothing to spill (fp32 SGD) saves nothing
-    for k in range(len(order) + 1):
-        chosen = spread(order, k)
+
+    def over(chosen: list[int]) -> int:
         slots = SLOTS * max((extents[i] for i in chosen), default=0)
-        kept = sum(n for i, n in state.items() if i not in chosen)
-        if packed + gradients + kept + slots <= budget:
-            return Tiers(budget, packed, ring_count, states=len(chosen)), {i: extents[i] for i in chosen}
+        spilled = set(chosen)
+        kept = sum(n for i, n in state.items() if i not in spilled)
+        return packed + gradients + kept + slots - budget
+
+    def fits(chosen: list[int]) -> tuple[Tiers, dict[int, int]]:
+        return Tiers(budget, packed, ring_count, states=len(chosen)), {i: extents[i] for i in sorted(chosen)}
+
+    if choose_states is not None:
+        chosen = choose_states(order, over)
+        if over(chosen) <= 0:
+            return fits(chosen)
+        if over(order) <= 0:  # not the user's to fix: the chooser broke its contract
+            raise AssertionError(
+                f"the state plan chose {len(chosen)} of {len(order)} layers' masters and optimizer state to spill, "
+                f"{human_bytes(over(chosen))} over the host RAM budget, where spilling all of them fits it"
+            )
+    else:
+        for k in range(len(order) + 1):
+            if over(spread(order, k)) <= 0:
+                return fits(spread(order, k))
     extents = {i: extents[i] for i in order}
     slots = SLOTS * max(extents.values(), default=0)
     left = budget - gradients - slots - sum(n for i, n in state.items() if i not in extents)
