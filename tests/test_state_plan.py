@@ -105,12 +105,15 @@ def test_with_clipping_the_updates_follow_the_backward_and_the_last_layers_spill
 
 
 def test_a_read_issued_by_the_spilled_update_before_hides_behind_it():
-    """Clipping: the updates are queued at once, so a spilled layer's update issues the next spilled layer's read
-    once its own landed: with long updates the second read costs nothing, without them it does."""
+    """Clipping: the updates are queued at once, so the first update to start issues the first spilled layer's read
+    and a spilled layer's update the next one's, once its own landed: with long updates those reads cost nothing,
+    without them they do."""
     slow = step_costs(after_backward=True, forward_ms=0.1, update_ms=30.0)
     streamed = list(range(8))
     one = simulate_state(slow, streamed, [2]).step_ms
+    assert one == pytest.approx(simulate_state(slow, streamed, ()).step_ms)  # issued as update 0 starts (ahead)
     assert simulate_state(slow, streamed, [2, 4]).step_ms == pytest.approx(one)  # read of 4 behind updates 2 and 3
+    assert simulate_state(slow, streamed, [0]).step_ms > one + 9  # the first update has nothing before it
     fast = step_costs(after_backward=True, forward_ms=0.1, update_ms=0.1)
     assert simulate_state(fast, streamed, [2, 4]).step_ms > simulate_state(fast, streamed, [2]).step_ms + 9
 
@@ -136,6 +139,28 @@ def test_with_no_trained_layer_the_replay_is_the_weights_disk_plan():
         assert simulate_state(no_training, streamed, ()).step_ms == pytest.approx(
             simulate_reads(weights, streamed, ()).step_ms
         )
+
+
+@pytest.mark.parametrize("after_backward", [False, True])
+def test_many_layers_whose_updates_bound_the_step_spill_spaced_so_every_read_hides(after_backward):
+    """160 layers, the host updates longer than the compute (the windows say little), each state's read and write-back
+    1.8 updates long: one layer in four can spill for free. A round that tried only the top of the ranking would take
+    neighbours once those stop hiding; tries spread over the ranking find the spaced ones (the step is unchanged)."""
+    n = 160
+    costs = StateCosts(
+        uses=tuple(UseTiming(i, F, 0.1) for i in range(n)) + tuple(UseTiming(i, B, 0.2) for i in reversed(range(n))),
+        copy_bytes={i: 10 for i in range(n)},
+        state_bytes={i: 1000 for i in range(n)},
+        update_ms={i: 1.0 for i in range(n)},
+        copy_bytes_per_ms=1000,
+        read_bytes_per_ms=550,
+        write_bytes_per_ms=550,
+        prefetch=1,
+        after_backward=after_backward,
+    )
+    chosen = choose_state_spilled(costs, range(n), range(n), lambda ch: n * 100 - 1000 * len(ch) + 2000 * bool(ch))
+    told = forecast_state(costs, list(range(n)), chosen)
+    assert len(chosen) == 18 and told.hides and told.added_ms < 0.5
 
 
 def test_a_budget_that_holds_everything_spills_nothing():
@@ -227,3 +252,25 @@ def test_the_chosen_spill_trains_as_all_in_ram_and_the_line_names_it(tmp_path, c
     assert f"of {len(spilled)} of 6 trained layers on disk (layers {ranges(spilled)})" in plan[0]
     assert "predicted step" in plan[0] and ("after the backward" in plan[0]) == clip
     assert_same(run(None, None, clip)[0], got)
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_every_spilled_read_is_issued_before_its_update_brings_it_in(tmp_path, monkeypatch, clip):
+    """An update job that starts issues the read of the first queued spilled layer (DiskState.ahead), so even the first
+    spilled layer of a step has its read in flight before its own update reaches it (what the state plan models)."""
+    events = []
+    bring_in, issue = disk_state.DiskState.bring_in, disk_state.DiskState._issue
+    monkeypatch.setattr(
+        disk_state.DiskState, "bring_in", lambda s, layer: events.append(("in", layer.index)) or bring_in(s, layer)
+    )
+    monkeypatch.setattr(disk_state.DiskState, "_issue", lambda s, idx: events.append(("read", idx)) or issue(s, idx))
+    _, spilled = run(tmp_path, 0.002, clip)
+    reads = [idx for kind, idx in events if kind == "read"]
+    assert spilled and sorted(reads) == sorted(spilled * 3)  # one read per spilled layer and step
+    pending = []
+    for kind, idx in events:
+        if kind == "read":
+            pending.append(idx)
+        else:
+            assert idx in pending, f"layer {idx}'s read was issued by its own update, not before it: {events}"
+            pending.remove(idx)

@@ -187,15 +187,18 @@ def choose_by_model(
     near: int,
     tried: int = MAX_TRIED,
     final: Callable[[list[int]], tuple[float, int]] | None = None,
+    spread_tries: bool = False,
 ) -> list[int]:
     """The greedy of the module doc over any model of the step (this module's, or the state plan's:
     :mod:`.state_plan`): ``candidates`` (in their run order), each one's hiding ``windows`` (ms; the longest first)
     and ``sizes`` (bytes it frees; the buffers are sized by the largest spilled), ``score(chosen)``: (predicted step
     ms, bytes moved a step), ``position`` and ``near`` (two layers within ``near`` positions of each other never enter
     one batch: their transfers would meet), ``final`` (the score the caps' choices are compared by; ``score`` if
-    None). Each cap on the spilled layers' size (a few of the distinct sizes) gets its own greedy, and the fastest
-    predicted (then the fewest bytes moved) that fits wins. Returns every candidate when no choice fits: the largest
-    cap's greedy ends fitting or with every candidate, so a choice fits whenever spilling all of them does."""
+    None), ``spread_tries`` (a round scores half its tries from the top of the ranking, half spread over the rest:
+    where the windows say little, a transfer that hides may lie far down it). Each cap on the spilled layers' size (a
+    few of the distinct sizes) gets its own greedy, and the fastest predicted (then the fewest bytes moved) that fits
+    wins. Returns every candidate when no choice fits: the largest cap's greedy ends fitting or with every candidate,
+    so a choice fits whenever spilling all of them does."""
     candidates = list(candidates)
     if over([]) <= 0:
         return []
@@ -207,7 +210,8 @@ def choose_by_model(
     caps = sorted({distinct[min(len(distinct) - 1, (len(distinct) * q) // CAPS)] for q in range(1, CAPS + 1)})
     best: tuple[float, int, list[int]] | None = None
     for cap in caps:
-        chosen = _greedy([i for i in ranked if sizes[i] <= cap], sizes, score, over, position, near, tried)
+        capped = [i for i in ranked if sizes[i] <= cap]
+        chosen = _greedy(capped, sizes, score, over, position, near, tried, spread_tries)
         if over(chosen) > 0:
             continue
         step_ms, moved = (final or score)(chosen)
@@ -224,6 +228,7 @@ def _greedy(
     position: Mapping[int, int],
     near: int,
     tried: int,
+    spread_tries: bool = False,
 ) -> list[int]:
     """Spill from ``ranked`` (the longest hiding window first) until ``over`` is no more than 0, or all of them.
     Each round scores up to ``tried`` of the rest in that order: the first that adds no step time is taken alone;
@@ -235,7 +240,7 @@ def _greedy(
     while over(chosen) > 0 and len(chosen) < len(ranked):
         taken = set(chosen)
         scored: list[tuple[float, int]] = []
-        for layer in [c for c in ranked if c not in taken][:tried]:
+        for layer in _tries([c for c in ranked if c not in taken], tried, spread_tries):
             added = score([*chosen, layer])[0] - base
             if added <= HIDDEN_MS:
                 scored = [(0.0, layer)]
@@ -250,6 +255,15 @@ def _greedy(
         chosen += batch
         base = score(chosen)[0]
     return chosen
+
+
+def _tries(rest: list[int], tried: int, spread_tries: bool) -> list[int]:
+    """The ``tried`` candidates a round scores: the first of ``rest``, or half of them and half spread over the rest."""
+    if not spread_tries or len(rest) <= tried:
+        return rest[:tried]
+    top = tried // 2
+    tail = rest[top:]
+    return rest[:top] + [tail[(j * len(tail)) // (tried - top)] for j in range(tried - top)]
 
 
 @dataclass(frozen=True)

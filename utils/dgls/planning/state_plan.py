@@ -24,10 +24,10 @@ its slot is free and the copy stream is), plus the host training:
   step's end (the gradient norm), in layer order;
 - the updates run one at a time, in queued order, on the job worker (``update_ms`` each);
 - the disk thread runs reads and write-backs one at a time, in submission order (every gate of a read or a write is
-  an earlier submission, so the order alone serializes them). A spilled layer's read is submitted by the update of
-  the spilled layer before it in the worker's order, once that one's read landed, where this one was already queued
-  when that update began; else by its own update. Its update waits for it; its write-back is submitted when the
-  update ends.
+  an earlier submission, so the order alone serializes them). At most one read is in flight ahead of its update: as
+  any update starts, with none in flight, the read of the first queued spilled layer is submitted
+  (:meth:`~..training.disk_state.DiskState.ahead`); and a spilled layer's update, once its own read landed, submits
+  the next queued spilled layer's. Its update waits for it; its write-back is submitted when the update ends.
 
 Choice (:func:`choose_state_spilled`): :func:`.disk_plan.choose_by_model` with this replay: candidates ranked by
 their hiding window (:func:`state_windows`: how long a layer's update could be late, with nothing on disk, before the
@@ -111,7 +111,7 @@ def _replay(costs: StateCosts, streamed: Iterable[int], spilled: Iterable[int], 
     out = _Replay([], [0.0] * steps, [0] * steps, [0] * steps, [], [])
     hold_end: list[float] = []  # per copy: when its layer's run of consecutive uses ends
     copy_free = grad_free = t = 0.0
-    worker_free = disk_free = 0.0
+    host = _Host(costs)
     done: dict[int, float] = {}  # trained layer -> its latest update's end
     for s in range(steps):
         ready: dict[int, float] = {}
@@ -141,36 +141,52 @@ def _replay(costs: StateCosts, streamed: Iterable[int], spilled: Iterable[int], 
             queue = [(norm, layer) for layer in sorted(last_backward)]
         out.step_end.append(t)
         out.fetch_ready.append(ready)
-        # the job worker and the disk thread, for this step's updates
-        issued: dict[int, float] = {}  # spilled layer -> when its read lands
-        spilled_queue = [(q, layer) for q, layer in queue if layer in spilled]
-        nth = 0  # spilled updates met so far in this step
-        ends: dict[int, float] = {}
-        for q, layer in queue:
-            begin = max(q, worker_free)
-            if layer in spilled:
-                nbytes = costs.state_bytes.get(layer, 0)
-                if layer not in issued:
-                    disk_free = max(begin, disk_free) + nbytes / costs.read_bytes_per_ms
-                    issued[layer] = disk_free
-                begin = max(begin, issued.pop(layer))
-                nth += 1
-                if nth < len(spilled_queue):
-                    q_next, following = spilled_queue[nth]
-                    if q_next <= max(q, worker_free):  # queued when this update began: its read is issued now
-                        following_bytes = costs.state_bytes.get(following, 0)
-                        disk_free = max(begin, disk_free) + following_bytes / costs.read_bytes_per_ms
-                        issued[following] = disk_free
-                end = begin + costs.update_ms[layer]
-                disk_free = max(end, disk_free) + nbytes / costs.write_bytes_per_ms
-                out.disk_ms[s] += nbytes / costs.read_bytes_per_ms + nbytes / costs.write_bytes_per_ms
-                out.disk_bytes[s] += 2 * nbytes
-                out.updates[s] += 1
-            else:
-                end = begin + costs.update_ms[layer]
-            worker_free = ends[layer] = done[layer] = end
+        ends = host.run(queue, spilled)  # the job worker and the disk thread, for this step's updates
+        for layer, end in ends.items():
+            done[layer] = end
+        out.disk_ms[s], out.disk_bytes[s], out.updates[s] = host.disk_ms, host.disk_bytes, host.updates
         out.update_end.append(ends)
     return out
+
+
+class _Host:
+    """The job worker and the disk thread across steps (the module doc): their free times carry over."""
+
+    def __init__(self, costs: StateCosts) -> None:
+        self.costs = costs
+        self.worker_free = self.disk_free = 0.0
+        self.issued: dict[int, float] = {}  # spilled layer -> when its read lands (one in flight at most)
+        self.disk_ms, self.disk_bytes, self.updates = 0.0, 0, 0
+
+    def read(self, layer: int, at: float) -> None:
+        self.disk_free = max(at, self.disk_free) + self.costs.state_bytes.get(layer, 0) / self.costs.read_bytes_per_ms
+        self.issued[layer] = self.disk_free
+
+    def run(self, queue: list[tuple[float, int]], spilled: set[int]) -> dict[int, float]:
+        """One step's updates, ``queue`` (queued at, layer) in queued order: each one's end."""
+        c = self.costs
+        waiting = [(q, layer) for q, layer in queue if layer in spilled]  # spilled, not yet brought in
+        self.disk_ms, self.disk_bytes, self.updates = 0.0, 0, 0
+        ends: dict[int, float] = {}
+        for q, layer in queue:
+            begin = max(q, self.worker_free)
+            if not self.issued and waiting and waiting[0][0] <= begin:  # ahead: the first queued spilled layer's
+                self.read(waiting[0][1], begin)
+            if layer in spilled:
+                nbytes = c.state_bytes.get(layer, 0)
+                landed = max(begin, self.issued.pop(layer))
+                waiting.pop(0)
+                if waiting and waiting[0][0] <= begin:  # queued when this update began: its read is issued now
+                    self.read(waiting[0][1], landed)
+                end = landed + c.update_ms[layer]
+                self.disk_free = max(end, self.disk_free) + nbytes / c.write_bytes_per_ms
+                self.disk_ms += nbytes / c.read_bytes_per_ms + nbytes / c.write_bytes_per_ms
+                self.disk_bytes += 2 * nbytes
+                self.updates += 1
+            else:
+                end = begin + c.update_ms[layer]
+            self.worker_free = ends[layer] = end
+        return ends
 
 
 def simulate_state(
@@ -223,7 +239,8 @@ def choose_state_spilled(
         return times.step_ms, times.disk_bytes
 
     position = {layer: k for k, layer in enumerate(order)}
-    return choose_by_model(order, state_windows(costs, streamed), costs.state_bytes, score, over, position, 1, tried)
+    windows = state_windows(costs, streamed)
+    return choose_by_model(order, windows, costs.state_bytes, score, over, position, 1, tried, spread_tries=True)
 
 
 @dataclass(frozen=True)

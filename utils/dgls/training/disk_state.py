@@ -18,7 +18,10 @@ Layout
 
 Order (all on the job worker's thread, in the update jobs' order; the transport's disk directions)
     - :meth:`DiskState.queued` (training thread): an update of the layer was queued (a FIFO).
-    - :meth:`DiskState.bring_in` (the update job, before the step): the layer's read (issued by the job before, or
+    - :meth:`DiskState.ahead` (every host update job, as it starts): with no read in flight, the read of the first
+      queued spilled layer is issued, so it overlaps the updates before that layer's (the state plan's model,
+      :mod:`..planning.state_plan`, replays this order).
+    - :meth:`DiskState.bring_in` (the update job, before the step): the layer's read (issued by a job before, or
       now) is landed and its tensors bound to its slot; then the read of the next queued spilled layer is issued into
       the other slot, so it overlaps this update.
     - :meth:`DiskState.send_home` (the update job, after the step): tensors the step made (a first step's state) are
@@ -199,6 +202,17 @@ class DiskState:
         if idx in self.spilled:
             with self._lock:
                 self._queue.append(idx)
+
+    def ahead(self) -> None:
+        """Job thread, as any update job starts (before it waits for its gradients): with no read in flight, the read
+        of the first queued spilled layer is issued now, so it overlaps the updates (and gradient copies) before that
+        layer's own."""
+        if self._reads:
+            return
+        with self._lock:
+            following = self._queue[0] if self._queue else None
+        if following is not None:
+            self._reads[following] = self._issue(following)
 
     def bring_in(self, layer: TrainedLayer) -> int:
         """Job thread, before ``layer``'s step: its read landed, its tensors bound; the next queued layer's read

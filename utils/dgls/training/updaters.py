@@ -191,6 +191,8 @@ class HostUpdater(Updater):
         began = time.perf_counter()
         if speculated is not None and speculated.cancelled:  # its step clipped before it started
             return UpdateDone(_resolved(previous), "host", 0, 0.0)
+        if self.disk is not None:  # a spilled layer's read, issued before this update waits for its gradients
+            self.disk.ahead()
         direct = grads.direct
         if direct is not None:  # one micro-batch a step: read the landings (after their copies)
             self.transport.land(direct.done)
