@@ -134,6 +134,7 @@ from units import GiB  # noqa: E402
 from utils.dgls import LayerSwapper, Listener, SwapConfig  # noqa: E402
 from utils.dgls.engine.layer_major import layer_major_step  # noqa: E402
 from utils.dgls.memory.transport import Direction  # noqa: E402
+from utils.dgls.planning.state_plan import ranges  # noqa: E402
 from utils.dgls.trainers.shm_op import without_shm_op  # noqa: E402
 from utils.dgls.training import optimizer_types  # noqa: E402
 from utils.dgls.training.host_optimizer import HostOptimizerSpec  # noqa: E402
@@ -422,10 +423,16 @@ def measure(name: str, args, device, dtype) -> dict:
             impl, _, ram_gib = name.split("-", 1)[1].partition("@")
             ram = dict(host_ram_budget=float(ram_gib), disk_dir=args.disk_dir) if ram_gib else None
             plan: list[str] = []
+
+            def log(line: str) -> None:  # the planner's placement; the state plan's line (which states on disk)
+                if "without the probe" in line:
+                    plan.append(line.split("this run): ", 1)[1])
+                elif line.startswith("DGLS disk state plan:"):
+                    row["state_plan"] = line
+
             step, swapper, norms = dgls_step(
                 bench, device, impl, args.stream_mib, args.prefetch, args.clip, args.optimizer, args.vram_budget,
-                lambda line: plan.append(line.split("this run): ", 1)[1]) if "without the probe" in line else None,
-                ram, count, layer_major,
+                log, ram, count, layer_major,
             )  # fmt: skip
             training = swapper.training
             counter = full_methods.CopyCounter()
@@ -467,6 +474,7 @@ def measure(name: str, args, device, dtype) -> dict:
         if training is not None:
             state = training.disk_state
             row["state_layers_on_disk"] = len(state.spilled) if state is not None else 0
+            row["state_layers"] = ranges(state.spilled) if state is not None else ""
             row["weight_layers_on_disk"] = len(swapper.store.disk_layers)
             row["disk_read_gib_per_step"] = disk.read / len(times) / GiB
             row["disk_written_gib_per_step"] = disk.written / len(times) / GiB
