@@ -7,6 +7,9 @@ Modules
       an enum.
     - ``disk_plan.py``: with a host RAM budget, which streamed layers spill to disk (their reads hiding behind the
       longest compute) and the floor the disk sets on a step.
+    - ``state_plan.py``: with a host RAM budget, which full fine-tuned layers keep their fp32 masters and optimizer
+      state on disk (their reads and write-backs hiding behind the updates and compute left in the step), and the
+      time they add.
 
 May import: memory, streaming, watching.
 """

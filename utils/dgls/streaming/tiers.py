@@ -20,8 +20,9 @@ Policy (:func:`plan_tiers`)
       being read into while the other is copied to the device; a third would buy little (a copy takes a small
       part of a read's time: PCIe is many times faster than a disk) and costs a layer of RAM.
     - A budget that cannot be met with every streamed layer spilled is one clear line, before anything is packed.
-    - Full fine-tuning: the layers' fp32 masters and optimizer state spill first (read once a step, by the update),
-      the weights only once every state is on disk (:func:`~..training.disk_state.plan_full_tiers`).
+    - Full fine-tuning: the layers' fp32 masters and optimizer state spill first (read once a step, by the update;
+      which layers': the state plan, :mod:`..planning.state_plan`), the weights only once every state is on disk
+      (:func:`~..training.disk_state.plan_full_tiers`).
 """
 
 from __future__ import annotations
