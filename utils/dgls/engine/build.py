@@ -340,7 +340,8 @@ def _tiers(
         _, state = plan_full_tiers(layouts, hosted, placement.streamed, budget, RING_BUFFERS, trained)
         if state:
             refuse_disk_state(config, trained, len(state))
-        states = StateChoice(choose, trained, config.training.clip_grads, config.training.accumulation_steps)
+        t = config.training
+        states = StateChoice(choose, trained, t.host_optimizer, t.clip_grads, t.accumulation_steps)
         tiers, state = plan_full_tiers(
             layouts, hosted, placement.streamed, budget, RING_BUFFERS, trained, choose, states
         )  # fmt: skip

@@ -13,12 +13,15 @@ two measured bandwidths, as the chooser :func:`~..streaming.tiers.plan_tiers` ca
   (:attr:`~..planning.planner.StepProfile.read_ms`).
 - Full fine-tuning (:class:`StateChoice`): which layers' fp32 masters and optimizer state go to disk, by the state
   plan (:mod:`..planning.state_plan`), from the same probes (one of each per build), each layer's extent, and its
-  host update's time estimated from its param count at a nominal rate (``HOST_UPDATE_PARAMS_PER_MS``); the updates
-  run after the backward under clipping (spilled layers do not speculate), else as each layer's gradients come home.
+  host update's time from its param count at the rate of one timed step of the run's optimizer over
+  ``UPDATE_PROBE_PARAMS`` params (:func:`host_update_params_per_ms`; DeepSpeed's op, built on the first update, at a
+  nominal ``HOST_UPDATE_PARAMS_PER_MS``, and the line says so); the updates run after the backward under clipping
+  (spilled layers do not speculate), else as each layer's gradients come home.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -35,10 +38,12 @@ from ..streaming.placement import Placement
 from ..streaming.schedule import Phase
 from ..streaming.tiers import RING_BUFFERS
 from ..training.disk_state import extent_pieces
+from ..training.host_optimizer import HostOptimizerSpec
 
 COPY_PROBE_BYTES = 64 * 1024 * 1024
 BACKWARD_SHARE = 2.0  # an estimated backward use computes this many times its forward
 HOST_UPDATE_PARAMS_PER_MS = 300_000  # a nominal host AdamW step (fp32 master, two moments): params per ms
+UPDATE_PROBE_PARAMS = 2 * 1024 * 1024  # params of the timed host step (its tensors freed after)
 
 
 class DiskChoice:
@@ -90,9 +95,12 @@ class StateChoice:
     :func:`~..training.disk_state.plan_full_tiers`: the state plan over ``disk``'s probes and layouts (the module
     doc); after it ran, :attr:`costs` and :meth:`forecast`."""
 
-    def __init__(self, disk: DiskChoice, trained: TrainingLayout, clipping: bool, passes: int = 1) -> None:
+    def __init__(
+        self, disk: DiskChoice, trained: TrainingLayout, spec: HostOptimizerSpec, clipping: bool, passes: int = 1
+    ) -> None:
         self.disk = disk
         self.trained = trained
+        self.spec = spec
         # layer -> bytes of its extent (whole pages): read and written back per update
         self.extents = {i: whole_pages(extent_pieces(trained, i)[1]) for i in trained.layers}
         self.clipping = clipping
@@ -106,16 +114,18 @@ class StateChoice:
         read_per_ms, copy_per_ms = d.probe()
         step_copies_ms = 2 * sum(layout.sizes.streamable_bytes for layout in d.layouts) / copy_per_ms
         streamed = d.placement.streamed
+        rate, timed = host_update_params_per_ms(self.spec)
         self.costs = StateCosts(
             uses=estimated_uses(d.layouts, step_copies_ms) * self.passes,
             copy_bytes={i: d.layouts[i].host_bytes for i in streamed},
             state_bytes=dict(self.extents),
-            update_ms={i: place.numel / HOST_UPDATE_PARAMS_PER_MS for i, place in self.trained.layers.items()},
+            update_ms={i: place.numel / rate for i, place in self.trained.layers.items()},
             copy_bytes_per_ms=copy_per_ms,
             read_bytes_per_ms=read_per_ms,
             write_bytes_per_ms=read_per_ms,  # write-backs reach the same disk, eventually at its pace
             prefetch=d.placement.prefetch,
             after_backward=self.clipping,
+            updates_timed=timed,
         )
         return choose_state_spilled(self.costs, streamed, candidates, over)
 
@@ -123,6 +133,22 @@ class StateChoice:
         if self.costs is None:
             return None
         return forecast_state(self.costs, self.disk.placement.streamed, spilled)
+
+
+def host_update_params_per_ms(spec: HostOptimizerSpec) -> tuple[float, bool]:
+    """Params a host update steps per ms, and whether it was timed: one step of ``spec``'s optimizer over
+    ``UPDATE_PROBE_PARAMS`` fp32 params timed after a first one (which makes its state); DeepSpeed's CPU Adam (a C++
+    op built on its first use, said then) at the nominal rate."""
+    if spec.implementation == "deepspeed":
+        return HOST_UPDATE_PARAMS_PER_MS, False
+    master = torch.zeros(UPDATE_PROBE_PARAMS)
+    master.grad = torch.full_like(master, 1e-3)
+    optimizer = spec.build([master])
+    optimizer.step()
+    began = time.perf_counter()
+    optimizer.step()
+    ms = (time.perf_counter() - began) * 1000
+    return (UPDATE_PROBE_PARAMS / ms if ms > 0 else HOST_UPDATE_PARAMS_PER_MS), True
 
 
 def estimated_uses(layouts: Sequence[LayerLayout], scale_ms: float) -> tuple[UseTiming, ...]:

@@ -68,6 +68,7 @@ class StateCosts:
     prefetch: int
     after_backward: bool = False  # clipping: every update waits for the norm, after the backward, in layer order
     measured: bool = False  # the compute times were measured, not estimated
+    updates_timed: bool = False  # the update times come from a timed host step, not a nominal rate
 
     @property
     def compute_ms(self) -> float:
@@ -268,7 +269,8 @@ class StateForecast:
 
     def line(self) -> str:
         c = self.costs
-        compute = "measured" if c.measured else "estimated from param counts"
+        compute = "compute measured" if c.measured else "compute estimated from param counts"
+        compute += ", updates from a timed host step" if c.updates_timed else ", updates at a nominal rate"
         when = "after the backward (clipping)" if c.after_backward else "during the backward"
         said = (
             f"DGLS disk state plan: the fp32 masters and optimizer state of {len(self.spilled)} of {self.trained} "
