@@ -14,6 +14,7 @@ optimizer state on disk, chosen by a replay of the step, and the time their read
   bitwise as the all-in-RAM run (with and without clipping).
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -21,6 +22,7 @@ import torch
 from full_ft import SPEC, assert_same, full_layers, train_dgls
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
+from utils.dgls.engine import disk_planning
 from utils.dgls.planning.disk_plan import DiskCosts, simulate_reads
 from utils.dgls.planning.planner import UseTiming
 from utils.dgls.planning.state_plan import (
@@ -274,3 +276,10 @@ def test_every_spilled_read_is_issued_before_its_update_brings_it_in(tmp_path, m
         else:
             assert idx in pending, f"layer {idx}'s read was issued by its own update, not before it: {events}"
             pending.remove(idx)
+
+
+def test_the_host_update_rate_is_timed_on_the_runs_optimizer_except_deepspeeds():
+    rate, timed = disk_planning.host_update_params_per_ms(SPEC)
+    assert timed and rate > 0
+    deepspeed = dataclasses.replace(SPEC, implementation="deepspeed")  # a C++ op built on its first update
+    assert disk_planning.host_update_params_per_ms(deepspeed) == (disk_planning.HOST_UPDATE_PARAMS_PER_MS, False)
