@@ -283,3 +283,16 @@ def test_the_host_update_rate_is_timed_on_the_runs_optimizer_except_deepspeeds()
     assert timed and rate > 0
     deepspeed = dataclasses.replace(SPEC, implementation="deepspeed")  # a C++ op built on its first update
     assert disk_planning.host_update_params_per_ms(deepspeed) == (disk_planning.HOST_UPDATE_PARAMS_PER_MS, False)
+
+
+def test_the_forecast_counts_the_speculation_a_state_on_disk_turns_off():
+    """Clipping: in RAM the updates would start during the backward on speculation; with any state on disk no layer
+    speculates, so the baseline the line compares with is the speculating step, and the line says why."""
+    clipped = step_costs(after_backward=True, forward_ms=1.0, update_ms=3.0)
+    speculating = StateCosts(**{**clipped.__dict__, "speculates_in_ram": True})
+    streamed = list(range(8))
+    told = forecast_state(speculating, streamed, [7])
+    during = simulate_state(step_costs(forward_ms=1.0, update_ms=3.0), streamed, ()).step_ms
+    assert told.in_ram.step_ms == pytest.approx(during) and during < simulate_state(clipped, streamed, ()).step_ms
+    assert "no layer speculates with states on disk" in told.line() and "in RAM (speculating)" in told.line()
+    assert forecast_state(clipped, streamed, [7]).in_ram.step_ms > during

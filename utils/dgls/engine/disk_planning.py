@@ -126,6 +126,7 @@ class StateChoice:
             prefetch=d.placement.prefetch,
             after_backward=self.clipping,
             updates_timed=timed,
+            speculates_in_ram=self.clipping and bool(self.trained.spares_wanted),  # before the spill turns it off
         )
         return choose_state_spilled(self.costs, streamed, candidates, over)
 

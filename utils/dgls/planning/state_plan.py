@@ -42,6 +42,7 @@ Invariants
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -69,6 +70,9 @@ class StateCosts:
     after_backward: bool = False  # clipping: every update waits for the norm, after the backward, in layer order
     measured: bool = False  # the compute times were measured, not estimated
     updates_timed: bool = False  # the update times come from a timed host step, not a nominal rate
+    # clipping where the run with every state in RAM would start updates during the backward on speculation (a host
+    # RAM budget that puts any state on disk turns speculation off: TrainingLayout.spill): the forecast's baseline
+    speculates_in_ram: bool = False
 
     @property
     def compute_ms(self) -> float:
@@ -271,14 +275,17 @@ class StateForecast:
         c = self.costs
         compute = "compute measured" if c.measured else "compute estimated from param counts"
         compute += ", updates from a timed host step" if c.updates_timed else ", updates at a nominal rate"
-        when = "after the backward (clipping)" if c.after_backward else "during the backward"
+        when = "during the backward"
+        if c.after_backward:
+            unspeculated = "; no layer speculates with states on disk" if c.speculates_in_ram else ""
+            when = f"after the backward (clipping{unspeculated})"
         said = (
             f"DGLS disk state plan: the fp32 masters and optimizer state of {len(self.spilled)} of {self.trained} "
             f"trained layers on disk (layers {ranges(self.spilled)}), {human_bytes(self.with_disk.disk_bytes // 2)} "
             f"read and written back a step at {c.read_bytes_per_ms / 1e6:.2f} GB/s: disk floor {_ms(self.floor_ms)} "
             f"against {_ms(c.compute_ms)} of compute and {_ms(c.updates_ms)} of host updates a step ({compute}; the "
             f"updates run {when}); predicted step {_ms(self.with_disk.step_ms)}, {_ms(self.in_ram.step_ms)} with "
-            "every state in RAM"
+            "every state in RAM" + (" (speculating)" if c.after_backward and c.speculates_in_ram else "")
         )
         if self.hides:
             return said + ": the state's reads and write-backs hide behind the step"
@@ -288,8 +295,9 @@ class StateForecast:
 def forecast_state(costs: StateCosts, streamed: Sequence[int], spilled: Iterable[int]) -> StateForecast:
     spilled = tuple(sorted(set(spilled)))
     trained = len(set(costs.update_ms) & set(streamed))
+    in_ram = dataclasses.replace(costs, after_backward=False) if costs.speculates_in_ram else costs
     return StateForecast(
-        costs, spilled, trained, simulate_state(costs, streamed, spilled), simulate_state(costs, streamed, ())
+        costs, spilled, trained, simulate_state(costs, streamed, spilled), simulate_state(in_ram, streamed, ())
     )
 
 
