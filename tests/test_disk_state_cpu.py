@@ -180,8 +180,8 @@ def test_states_on_disk_with_the_job_thread_equal_all_in_ram(tmp_path, reference
 
 
 def test_each_spilled_state_is_read_once_a_step_and_the_next_read_overlaps_the_update(tmp_path, monkeypatch):
-    """One read and one write-back per spilled layer and update; a layer's read is issued by the update before it
-    (so it overlaps that update), except the first of each step's."""
+    """One read and one write-back per spilled layer and update; a layer's read is issued by an update before it (so
+    it overlaps that update: DiskState.ahead, or the spilled update before it), or as its own update job starts."""
     events = []
     bring_in, issue = disk_state.DiskState.bring_in, disk_state.DiskState._issue
     monkeypatch.setattr(
