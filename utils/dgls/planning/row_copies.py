@@ -22,7 +22,8 @@ The step model (:func:`simulate_rows`)
       are the same run repeated ``micro_batches`` times is a repeated row (:func:`step_rows`).
     - Residency is replayed over the step: a slot per resident entry, at most ``slot_count`` of them; a use of a
       streamed entry that is not resident copies it into a free slot, or else into the least recently used slot that
-      no kept unit holds. The copy starts once the copy stream is free and the slot's last use has ended (as
+      no kept unit holds and none of the next ``prefetch`` streamed entries the step uses (the engine's prefetch
+      protects them). The copy starts once the copy stream is free and the slot's last use has ended (as
       :func:`.disk_plan.simulate_reads`, whose replay this is with residency: reads from disk precede their copies,
       one at a time); compute waits for it.
     - Prefetch is not replayed: copies start as early as their slot allows (the host runs ahead), which is what
@@ -185,6 +186,7 @@ def simulate_rows(
             pinned[k] = plan.kept
         for k in range(row.start + row.period, row.stop):
             refetch_at[k] = True
+    ahead = _ahead(uses, streamed, prefetch)
     copy_bytes = {s.index: s.copy_bytes for s in sizes}
     reads = profile.disk_reads
     resident: OrderedDict[int, None] = OrderedDict()
@@ -205,7 +207,10 @@ def simulate_rows(
             else:
                 free_at = 0.0
                 if len(resident) >= slots:
-                    victim = next((v for v in resident if v not in pinned[j]), next(iter(resident)))
+                    victim = next(
+                        (v for v in resident if v not in pinned[j] and v not in ahead[j]),
+                        next((v for v in resident if v not in pinned[j]), next(iter(resident))),
+                    )
                     del resident[victim]
                     free_at = last_end.get(victim, 0.0)
                 start = max(free_at, copy_free)
@@ -242,6 +247,23 @@ def index_ranges(indices: Iterable[int]) -> str:
         else:
             out.append((i, i))
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)
+
+
+def _ahead(uses: Sequence[UseTiming], streamed: set[int], depth: int) -> list[frozenset[int]]:
+    """Per use: the next ``depth`` streamed entries other than its own that the step (repeated) uses after it, which
+    the engine's prefetch protects from eviction."""
+    n = len(uses)
+    out: list[frozenset[int]] = []
+    for j in range(n):
+        found: list[int] = []
+        for k in range(j + 1, j + 1 + n):
+            e = uses[k % n].layer
+            if e in streamed and e != uses[j].layer and e not in found:
+                found.append(e)
+                if len(found) == depth:
+                    break
+        out.append(frozenset(found))
+    return out
 
 
 def _collapsed(uses: Iterable[int]) -> list[int]:
