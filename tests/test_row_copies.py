@@ -125,7 +125,9 @@ def test_units_that_outnumber_the_slots_are_counted_per_micro_batch(micro_batche
     assert 0 < two.refetched_bytes <= got.refetched_bytes <= (micro_batches - 1) * rule
     assert rule < 2 * 2 * UNITS * UNIT
     assert got.refetched_layers == (1, 2)
-    assert abs(got.copied_bytes - got.refetched_bytes - one.copied_bytes) <= UNIT  # the first micro-batch's copies
+    # the first micro-batch's copies: one micro-batch's, but for at most one unit a repeated row (4 here) where the
+    # row's first and last micro-batches meet its neighbours
+    assert abs(got.copied_bytes - got.refetched_bytes - one.copied_bytes) <= 4 * UNIT
     assert got.step_ms > one.step_ms  # copy-bound: the refetches cost time
 
 

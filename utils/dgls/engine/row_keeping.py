@@ -10,7 +10,8 @@ What :class:`RowKeeping` tells the engine (:meth:`~.swapper.LayerSwapper.keep_fo
     - Kept: in every micro-batch but the row's last, the units :func:`~..planning.row_copies.plan_row` keeps (the one
       rule, which the planner's model replays): all of the row's streamed units when they fit the slots (each then
       stays resident from its first fetch to the row's last micro-batch); when they outnumber the slots, as many as
-      leave two slots to the others (one read while the next is filled), chosen for the fewest fetches; the others
+      leave two slots to the others (one read while the next is filled), chosen for the fewest bytes fetched again
+      (a demand fetch evicts a kept unit only when no other slot is free to take); the others
       are fetched again in each micro-batch, and meanwhile a prefetch takes only the row's own units (the next
       layer's would take a slot the row needs again). In the last micro-batch nothing is kept and the slot policy
       is the one of a single micro-batch (a unit the layer is done with makes room for the next layer's).
@@ -86,6 +87,7 @@ class RowKeeping:
             swapper.add_listener(memory)
         self.memory = memory
         self._plans: dict[Key, RowPlan] = {}  # this step's, from the first micro-batch's uses
+        self._bytes = {i: layout.sizes.copy_bytes for i, layout in enumerate(swapper.layouts)}
 
     def micro_batch(self, row: int, position: int, backward: bool = False) -> None:
         """``position``: the micro-batch's place in the row's run (0: the row's first, ``count - 1``: its last);
@@ -106,7 +108,7 @@ class RowKeeping:
         swapper = self.swapper
         recorded = self.memory.uses.get(key)
         uses = [i for i in (recorded or self._entries[row]) if swapper.is_streamed(i)]
-        plan = plan_row(uses, len(swapper.pool.slots))
+        plan = plan_row(uses, len(swapper.pool.slots), self._bytes)
         if not first:
             self._plans[key] = plan
         return plan
@@ -120,8 +122,7 @@ class RowKeeping:
         if not refetched:
             return
         self.memory.reported = True
-        sizes = {i: layout.sizes.copy_bytes for i, layout in enumerate(self.swapper.layouts)}
-        extra = (self.count - 1) * sum(sizes[e] for plan in refetched.values() for e in plan.refetched)
+        extra = (self.count - 1) * sum(self._bytes[e] for plan in refetched.values() for e in plan.refetched)
         kept = min(len(plan.kept) for plan in refetched.values())
         layers = sorted({row for row, _ in refetched})
         line = refetch_line(self.count, len(self.swapper.pool.slots), layers, extra, kept)

@@ -220,7 +220,9 @@ class LayerSwapper:
         if layer.state is Residency.IN_USE:  # the same layer again in another phase (the turnaround)
             return
         if layer.state is Residency.HOST:
-            self._fetch([(layer, self._claim_slot(layer.index, {layer.index}))], demand=True)
+            # a kept entry is evicted only when every other slot is in use (:meth:`keep_for_repeats`)
+            slot = self._claim_slot(layer.index, {layer.index} | self._kept) if self._kept else None
+            self._fetch([(layer, slot or self._claim_slot(layer.index, {layer.index}))], demand=True)
         first = layer.state is Residency.FETCHING
         wait = layer.acquire(self.copier)
         for listener in self._listeners:
@@ -254,7 +256,8 @@ class LayerSwapper:
                 self._fetch([request], demand=False)
 
     def keep_for_repeats(self, kept: frozenset[int], repeating: bool, within: frozenset[int] | None = None) -> None:
-        """Until called again: no prefetch evicts the entries ``kept`` (a demand fetch still may), a prefetch takes
+        """Until called again: no prefetch evicts the entries ``kept`` (a demand fetch only when no other slot is free
+        to take), a prefetch takes
         only entries ``within`` (None: any), and with ``repeating`` the uses repeat those since the last call without
         it (the predictor moves as it did then, without learning). Called by :mod:`.row_keeping` at each of a
         layer-major step's micro-batches of one layer."""

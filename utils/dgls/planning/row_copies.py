@@ -10,10 +10,10 @@ Why
 
 The rule (:func:`plan_row`), from one micro-batch's uses of the row's streamed units
     - K <= S: every unit is kept (no prefetch evicts it) until the row's last micro-batch.
-    - K > S and S >= 3: S - 2 units are kept, chosen greedily to leave the fewest fetches per micro-batch after the
-      first (:func:`repeat_misses`: the others share the 2 free slots, least recently used first, so a copy can
-      land in one while the other is read); in those micro-batches the prefetch stays within the row's units (the
-      next layer's units would take a slot the row needs again). Before, such a row kept none.
+    - K > S and S >= 3: S - 2 units are kept, chosen greedily to leave the fewest bytes fetched per micro-batch
+      after the first (:func:`repeat_misses`: the others share the 2 free slots, least recently used first, so a
+      copy can land in one while the other is read); in those micro-batches the prefetch stays within the row's
+      units (the next layer's units would take a slot the row needs again). Before, such a row kept none.
     - K > S and S < 3: nothing is kept (no slot to spare beside the one being read and the one being filled).
     - The row's last micro-batch keeps nothing: the units it is done with make room for the next layer's.
 
@@ -23,9 +23,11 @@ The step model (:func:`simulate_rows`)
     - Residency is replayed over the step: a slot per resident entry, at most ``slot_count`` of them; a use of a
       streamed entry that is not resident copies it into a free slot, or else into the least recently used slot that
       no kept unit holds and none of the next ``prefetch`` streamed entries the step uses (the engine's prefetch
-      protects them). The copy starts once the copy stream is free and the slot's last use has ended (as
-      :func:`.disk_plan.simulate_reads`, whose replay this is with residency: reads from disk precede their copies,
-      one at a time); compute waits for it.
+      protects them; in a repeated row's micro-batch but the last, none: the units not kept share the other slots
+      least recently used first, as :func:`plan_row` counts). The copy
+      starts once the copy stream is free and the slot's last use has ended (as :func:`.disk_plan.simulate_reads`,
+      whose replay this is with residency: reads from disk precede their copies, one at a time); compute waits for
+      it.
     - Prefetch is not replayed: copies start as early as their slot allows (the host runs ahead), which is what
       ``prefetch + 1`` slots bound.
 
@@ -90,8 +92,9 @@ def repeat_misses(uses: Sequence[int], kept: Iterable[int], slots: int) -> tuple
     return tuple(misses)
 
 
-def plan_row(uses: Sequence[int], slots: int) -> RowPlan:
-    """The rule of the module doc for a row whose micro-batch uses the streamed entries ``uses`` (in order)."""
+def plan_row(uses: Sequence[int], slots: int, nbytes: Mapping[int, int] | None = None) -> RowPlan:
+    """The rule of the module doc for a row whose micro-batch uses the streamed entries ``uses`` (in order);
+    ``nbytes``: each entry's copy bytes (the fewest bytes fetched again is chosen; None: the fewest fetches)."""
     units = distinct(uses)
     if len(units) <= slots:
         return RowPlan(frozenset(units), None, ())
@@ -99,8 +102,12 @@ def plan_row(uses: Sequence[int], slots: int) -> RowPlan:
     kept: list[int] = []
     for _ in range(budget):  # greedy: the unit whose keeping leaves the fewest fetches (ties: the earliest used)
         rest = [u for u in units if u not in kept]
-        kept.append(min(rest, key=lambda u: (len(repeat_misses(uses, [*kept, u], slots)), units.index(u))))
+        kept.append(min(rest, key=lambda u: (_cost(repeat_misses(uses, [*kept, u], slots), nbytes), units.index(u))))
     return RowPlan(frozenset(kept), frozenset(units) if kept else None, repeat_misses(uses, kept, slots))
+
+
+def _cost(misses: Sequence[int], nbytes: Mapping[int, int] | None) -> int:
+    return sum(nbytes.get(e, 0) for e in misses) if nbytes is not None else len(misses)
 
 
 # ---------------------------------------------------------------- the step
@@ -175,19 +182,21 @@ def simulate_rows(
     uses, n = profile.uses, len(profile.uses)
     slots = slot_count(len(streamed), prefetch)
     owners = {s.index: s.owner for s in sizes}
+    copy_bytes = {s.index: s.copy_bytes for s in sizes}
     pinned: list[frozenset[int]] = [frozenset()] * n  # per use: the entries kept while it runs
+    horizon = list(range(n, 2 * n))  # per use: where the uses the prefetch sees end (exclusive)
     refetch_at: list[bool] = [False] * n  # per use: a copy there is a micro-batch's refetch
     for row in step_rows(uses, owners, profile.micro_batches):
         if row.count < 2:
             continue
         first = [u.layer for u in uses[row.start : row.start + row.period] if u.layer in streamed]
-        plan = plan_row(_collapsed(first), slots)
+        plan = plan_row(_collapsed(first), slots, copy_bytes)
         for k in range(row.start, row.stop - row.period):
             pinned[k] = plan.kept
+            horizon[k] = k + 1  # the units share what the kept leave least recently used first (plan_row)
         for k in range(row.start + row.period, row.stop):
             refetch_at[k] = True
-    ahead = _ahead(uses, streamed, prefetch)
-    copy_bytes = {s.index: s.copy_bytes for s in sizes}
+    ahead = _ahead(uses, streamed, prefetch, horizon)
     reads = profile.disk_reads
     resident: OrderedDict[int, None] = OrderedDict()
     last_end: dict[int, float] = {}
@@ -249,14 +258,14 @@ def index_ranges(indices: Iterable[int]) -> str:
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)
 
 
-def _ahead(uses: Sequence[UseTiming], streamed: set[int], depth: int) -> list[frozenset[int]]:
-    """Per use: the next ``depth`` streamed entries other than its own that the step (repeated) uses after it, which
-    the engine's prefetch protects from eviction."""
+def _ahead(uses: Sequence[UseTiming], streamed: set[int], depth: int, horizon: Sequence[int]) -> list[frozenset[int]]:
+    """Per use: the next ``depth`` streamed entries other than its own that the step (repeated) uses after it, before
+    its ``horizon``, which the engine's prefetch protects from eviction."""
     n = len(uses)
     out: list[frozenset[int]] = []
     for j in range(n):
         found: list[int] = []
-        for k in range(j + 1, j + 1 + n):
+        for k in range(j + 1, max(j + 1, min(horizon[j], j + 1 + n))):
             e = uses[k % n].layer
             if e in streamed and e != uses[j].layer and e not in found:
                 found.append(e)
