@@ -45,8 +45,8 @@ from ..errors import DGLSUserError
 from ..memory.layout import GiB, LayerSizes, device_bytes, human_bytes, pool_bytes, resident_bytes, training_bytes
 from ..streaming.schedule import Phase
 from .disk_plan import profile_costs, simulate_reads
+from .row_copies import RowModel, repeated_rows, simulate_rows
 from .row_copies import index_ranges as _ranges
-from .row_copies import repeated_rows, simulate_rows
 
 PREFETCH_CHOICES = (1, 2, 3, 4)
 # Split layers when 2 slots exceed 1/4 of the budget, into units <= 1/24 of it: a Wan-14B block at 4 GiB into its
@@ -206,18 +206,27 @@ def unit_bytes_for_budget(sizes: Sequence[LayerSizes], budget: int) -> int | Non
 
 # ---------------------------------------------------------------- time
 def simulate(
-    sizes: Sequence[LayerSizes], profile: StepProfile, streamed: Iterable[int], prefetch: int, steps: int = 3
+    sizes: Sequence[LayerSizes],
+    profile: StepProfile,
+    streamed: Iterable[int],
+    prefetch: int,
+    steps: int = 3,
+    rows: RowModel | None = None,
 ) -> float:
     """Predicted milliseconds of one step in steady state (the last of ``steps`` replayed steps).
 
     The host runs ahead of the GPU, so a copy starts as soon as the copy stream is free and
     its slot is: the slot of the copy ``prefetch + 1`` copies earlier, free once that
-    layer's last consecutive use has finished computing. Layers on disk (``profile.disk_reads``)
+    layer's last consecutive use has finished computing. A layer-major step whose swap units repeat per micro-batch
+    is replayed with residency instead (:func:`.row_copies.simulate_rows`; ``rows``: its model, built once per
+    search). Layers on disk (``profile.disk_reads``)
     are read first, one at a time: the replay is :func:`.disk_plan.simulate_reads` (with nothing on disk, the
     copies and compute alone).
     """
-    if repeated_rows(sizes, profile):  # layer-major with swap units: which units stay over micro-batches
-        return simulate_rows(sizes, profile, streamed, prefetch, steps).step_ms
+    if rows is None and repeated_rows(sizes, profile):
+        rows = RowModel(sizes, profile)
+    if rows is not None:  # layer-major with swap units: which units stay over micro-batches (:mod:`.row_copies`)
+        return simulate_rows(sizes, profile, streamed, prefetch, steps, rows).step_ms
     costs = profile_costs(sizes, profile, prefetch)
     return simulate_reads(costs, streamed, profile.disk_reads, steps).step_ms
 
@@ -312,6 +321,7 @@ def shortlist(
     _check_minimum(sizes, profile, budget, prefetch_choices, copy_streams)
     candidates = [s.index for s in sizes if s.streamable_bytes]
     families: dict[tuple[str, int], Plan] = {}
+    rows = RowModel(sizes, profile) if repeated_rows(sizes, profile) else None  # built once for the search
     for prefetch in prefetch_choices:
         for k in range(len(candidates) + 1):
             patterns = resident_patterns(candidates, k)
@@ -322,14 +332,14 @@ def shortlist(
                 peak = predict_peak(sizes, profile, streamed, prefetch, copy_streams)
                 if peak > budget:
                     continue
-                ms = simulate(sizes, profile, streamed, prefetch)
+                ms = simulate(sizes, profile, streamed, prefetch, rows=rows)
                 plan = Plan(tuple(sorted(streamed)), prefetch, ms, peak, budget, name)
                 best = families.get((name, prefetch))
                 if best is None or _better(plan, best, sizes):
                     families[(name, prefetch)] = plan
     assert families  # the minimum fits, so "everything streamed" was considered
     ranked = sorted(families.values(), key=lambda p: (p.predicted_ms, sum(sizes[i].copy_bytes for i in p.streamed)))
-    first = _improve(sizes, profile, ranked[0], copy_streams)
+    first = _improve(sizes, profile, ranked[0], copy_streams, rows)
     picks = [first]
     for plan in ranked[1:]:
         if len(picks) == count or plan.predicted_ms > first.predicted_ms * (1 + within):
@@ -337,16 +347,17 @@ def shortlist(
         if not any(plan.runs_like(p) for p in picks):
             picks.append(plan)
     return [
-        with_refetches(sizes, profile, replace(keep_activations(profile, p), micro_batches=profile.micro_batches))
+        with_refetches(sizes, profile, replace(keep_activations(profile, p), micro_batches=profile.micro_batches), rows)
         for p in picks
     ]
 
 
-def with_refetches(sizes: Sequence[LayerSizes], profile: StepProfile, plan: Plan) -> Plan:
-    """``plan`` with what its micro-batches after the first fetch again (layer-major swap units, :mod:`.row_copies`)."""
-    if not repeated_rows(sizes, profile):
+def with_refetches(sizes: Sequence[LayerSizes], profile: StepProfile, plan: Plan, rows: RowModel | None = None) -> Plan:
+    """``plan`` with what its micro-batches after the first fetch again (layer-major swap units, :mod:`.row_copies`;
+    ``rows``: the profile's model, if built)."""
+    if rows is None and not repeated_rows(sizes, profile):
         return plan
-    step = simulate_rows(sizes, profile, plan.streamed, plan.prefetch)
+    step = simulate_rows(sizes, profile, plan.streamed, plan.prefetch, model=rows)
     return replace(plan, refetched_bytes=step.refetched_bytes, refetched_layers=step.refetched_layers)
 
 
@@ -365,7 +376,9 @@ def plan_for_budget(
     return shortlist(sizes, profile, budget, 1, prefetch_choices, copy_streams)[0]
 
 
-def _improve(sizes: Sequence[LayerSizes], profile: StepProfile, best: Plan, copy_streams: int) -> Plan:
+def _improve(
+    sizes: Sequence[LayerSizes], profile: StepProfile, best: Plan, copy_streams: int, rows: RowModel | None = None
+) -> Plan:
     """While a streamed layer can become resident within the budget, make resident the one
     that lowers the predicted time most."""
     streamed = set(best.streamed)
@@ -374,7 +387,7 @@ def _improve(sizes: Sequence[LayerSizes], profile: StepProfile, best: Plan, copy
         for i in sorted(streamed):
             trial = streamed - {i}
             if predict_peak(sizes, profile, trial, best.prefetch, copy_streams) <= best.budget:
-                options.append((simulate(sizes, profile, trial, best.prefetch), -sizes[i].copy_bytes, i))
+                options.append((simulate(sizes, profile, trial, best.prefetch, rows=rows), -sizes[i].copy_bytes, i))
         if not options:
             return best
         ms, _, i = min(options)

@@ -174,29 +174,52 @@ def repeated_rows(sizes: Sequence[LayerSizes], profile: StepProfile) -> list[Row
     ]
 
 
+class RowModel:
+    """What :func:`simulate_rows` derives from the step alone (its rows, each entry's owner and bytes) and the rows'
+    plans per streamed set and slot count: built once for a search over many plans of one profile."""
+
+    def __init__(self, sizes: Sequence[LayerSizes], profile: StepProfile) -> None:
+        self.owners = {s.index: s.owner for s in sizes}
+        self.copy_bytes = {s.index: s.copy_bytes for s in sizes}
+        self.rows = [r for r in step_rows(profile.uses, self.owners, profile.micro_batches) if r.count > 1]
+        self._uses = profile.uses
+        self._plans: dict[tuple[tuple[int, ...], int], RowPlan] = {}
+
+    def plan(self, row: Row, streamed: set[int], slots: int) -> RowPlan:
+        first = [u.layer for u in self._uses[row.start : row.start + row.period] if u.layer in streamed]
+        key = (tuple(_collapsed(first)), slots)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = plan_row(key[0], slots, self.copy_bytes)
+        return plan
+
+
 def simulate_rows(
-    sizes: Sequence[LayerSizes], profile: StepProfile, streamed: Iterable[int], prefetch: int, steps: int = 3
+    sizes: Sequence[LayerSizes],
+    profile: StepProfile,
+    streamed: Iterable[int],
+    prefetch: int,
+    steps: int = 3,
+    model: RowModel | None = None,
 ) -> RowStep:
-    """The last of ``steps`` replayed steps (the module doc)."""
+    """The last of ``steps`` replayed steps (the module doc); ``model``: the profile's, if built already."""
+    model = model if model is not None else RowModel(sizes, profile)
     streamed = set(streamed)
     uses, n = profile.uses, len(profile.uses)
     slots = slot_count(len(streamed), prefetch)
-    owners = {s.index: s.owner for s in sizes}
-    copy_bytes = {s.index: s.copy_bytes for s in sizes}
+    owners, copy_bytes = model.owners, model.copy_bytes
     pinned: list[frozenset[int]] = [frozenset()] * n  # per use: the entries kept while it runs
     horizon = list(range(n, 2 * n))  # per use: where the uses the prefetch sees end (exclusive)
     refetch_at: list[bool] = [False] * n  # per use: a copy there is a micro-batch's refetch
-    for row in step_rows(uses, owners, profile.micro_batches):
-        if row.count < 2:
-            continue
-        first = [u.layer for u in uses[row.start : row.start + row.period] if u.layer in streamed]
-        plan = plan_row(_collapsed(first), slots, copy_bytes)
+    for row in model.rows:
+        plan = model.plan(row, streamed, slots)
         for k in range(row.start, row.stop - row.period):
             pinned[k] = plan.kept
             horizon[k] = k + 1  # the units share what the kept leave least recently used first (plan_row)
         for k in range(row.start + row.period, row.stop):
             refetch_at[k] = True
-    ahead = _ahead(uses, streamed, prefetch, horizon)
+    layer_of, compute = [u.layer for u in uses], [u.compute_ms for u in uses]
+    ahead: dict[int, frozenset[int]] = {}  # per use, once asked: what the prefetch protects (_ahead)
     reads = profile.disk_reads
     resident: OrderedDict[int, None] = OrderedDict()
     last_end: dict[int, float] = {}
@@ -207,19 +230,20 @@ def simulate_rows(
     copied = [0] * steps
     refetched = [0] * steps
     layers: set[int] = set()
-    for k in range(steps * n):
-        use, j = uses[k % n], k % n
-        e = use.layer
-        if e in streamed:
+    for step in range(steps):
+        for j in range(n):
+            e = layer_of[j]
+            if e not in streamed:
+                t += compute[j]
+                continue
             if e in resident:
                 resident.move_to_end(e)
             else:
                 free_at = 0.0
                 if len(resident) >= slots:
-                    victim = next(
-                        (v for v in resident if v not in pinned[j] and v not in ahead[j]),
-                        next((v for v in resident if v not in pinned[j]), next(iter(resident))),
-                    )
+                    if j not in ahead:
+                        ahead[j] = _ahead(layer_of, streamed, prefetch, j, horizon[j])
+                    victim = _victim(resident, pinned[j], ahead[j])
                     del resident[victim]
                     free_at = last_end.get(victim, 0.0)
                 start = max(free_at, copy_free)
@@ -233,15 +257,14 @@ def simulate_rows(
                     ring_free[(read_count - 1) % len(ring_free)] = copy_free
                 t = max(t, copy_free)
                 resident[e] = None
-                copied[k // n] += copy_bytes.get(e, 0)
+                copied[step] += copy_bytes.get(e, 0)
                 if refetch_at[j]:
-                    refetched[k // n] += copy_bytes.get(e, 0)
-                    if k // n == steps - 1:
+                    refetched[step] += copy_bytes.get(e, 0)
+                    if step == steps - 1:
                         layers.add(owners.get(e, e))
-        t += use.compute_ms
-        if e in streamed:
+            t += compute[j]
             last_end[e] = t
-        step_end[k // n] = t
+        step_end[step] = t
     last = steps - 1
     step = step_end[last] - step_end[last - 1] if steps > 1 else step_end[last]
     return RowStep(step, copied[last], refetched[last], tuple(sorted(layers)))
@@ -258,21 +281,30 @@ def index_ranges(indices: Iterable[int]) -> str:
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)
 
 
-def _ahead(uses: Sequence[UseTiming], streamed: set[int], depth: int, horizon: Sequence[int]) -> list[frozenset[int]]:
-    """Per use: the next ``depth`` streamed entries other than its own that the step (repeated) uses after it, before
-    its ``horizon``, which the engine's prefetch protects from eviction."""
-    n = len(uses)
-    out: list[frozenset[int]] = []
-    for j in range(n):
-        found: list[int] = []
-        for k in range(j + 1, max(j + 1, min(horizon[j], j + 1 + n))):
-            e = uses[k % n].layer
-            if e in streamed and e != uses[j].layer and e not in found:
-                found.append(e)
-                if len(found) == depth:
-                    break
-        out.append(frozenset(found))
-    return out
+def _ahead(layers: Sequence[int], streamed: set[int], depth: int, j: int, horizon: int) -> frozenset[int]:
+    """The next ``depth`` streamed entries other than use ``j``'s that the step (repeated) uses after it, before
+    ``horizon``: the engine's prefetch protects them from eviction."""
+    n = len(layers)
+    found: list[int] = []
+    for k in range(j + 1, max(j + 1, min(horizon, j + 1 + n))):
+        e = layers[k % n]
+        if e in streamed and e != layers[j] and e not in found:
+            found.append(e)
+            if len(found) == depth:
+                break
+    return frozenset(found)
+
+
+def _victim(resident: OrderedDict[int, None], pinned: frozenset[int], ahead: frozenset[int]) -> int:
+    """The least recently used resident entry neither kept nor about to be used; else not kept; else any."""
+    fallback = None
+    for v in resident:
+        if v not in pinned:
+            if v not in ahead:
+                return v
+            if fallback is None:
+                fallback = v
+    return fallback if fallback is not None else next(iter(resident))
 
 
 def _collapsed(uses: Iterable[int]) -> list[int]:
