@@ -290,6 +290,20 @@ def test_the_vram_planner_probes_a_layer_major_step_and_plans_for_its_micro_batc
     assert any("4 micro-batches a step, layer-major" in line for line in lines), lines
 
 
+@pytest.mark.slow  # probes, plans and measures plans, as the test above
+def test_the_vram_planner_with_layer_major_swap_units_keeps_the_numbers_and_says_what_comes_again():
+    """Swap units under a budget: the probe's step has repeated rows, the planner replays them (planning/row_copies.py)
+    and its plans say where units still come again per micro-batch; the steps keep the numbers of sequential
+    micro-batches while the driver re-places layers between them."""
+    lines: list[str] = []
+    config = SwapConfig.of(vram_budget=0.5 / 1024, swap_unit_mb=0.1)
+    got = train_lora("nonreentrant", 4, layer_major=True, swap=config, steps=5, log=lines.append)
+    assert_bitwise_equal(train_lora("nonreentrant", 4, layer_major=False, steps=5), got)
+    plans = [line for line in lines if line.startswith("DGLS plan (")]
+    assert plans and all("4 micro-batches a step, layer-major" in line for line in plans), lines
+    assert any("fetched again" in line for line in lines), lines
+
+
 def unit_copies(accumulate, layer_major=True, steps=3, mode="nonreentrant", **settings):
     """The weight copies of each pass, the largest layer's unit count and the slot count, and the run's record."""
     counter, seen = WeightCopies(), {}
