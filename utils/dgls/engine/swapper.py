@@ -257,10 +257,9 @@ class LayerSwapper:
 
     def keep_for_repeats(self, kept: frozenset[int], repeating: bool, within: frozenset[int] | None = None) -> None:
         """Until called again: no prefetch evicts the entries ``kept`` (a demand fetch only when no other slot is free
-        to take), a prefetch takes
-        only entries ``within`` (None: any), and with ``repeating`` the uses repeat those since the last call without
-        it (the predictor moves as it did then, without learning). Called by :mod:`.row_keeping` at each of a
-        layer-major step's micro-batches of one layer."""
+        to take), a prefetch takes only entries ``within`` (None: any), and with ``repeating`` the uses repeat those
+        since the last call without it (the predictor moves as it did then, without learning). Called by
+        :mod:`.row_keeping` at each of a layer-major step's micro-batches of one layer."""
         with self._lock:
             self._kept, self._repeating, self._within = kept, repeating, within
             if repeating:
