@@ -138,3 +138,24 @@ def test_layer_major_swap_units_kept_over_micro_batches_under_delays_equal_resid
     passes, got = copies(accumulate, delayed())
     assert passes == one and one[0][0] > 0
     assert_bitwise_equal(sequential("nonreentrant", accumulate), got)
+
+
+@pytest.mark.parametrize("mode", ["nonreentrant", "reentrant"])
+@pytest.mark.parametrize("accumulate", [2, 4])
+def test_layer_major_swap_units_partly_kept_under_delays_equal_resident_sequential(
+    template, sequential, mode, accumulate
+):
+    """Flux-width double blocks as 8 swap units in 4 slots (prefetch 3): each layer keeps 2 units over its micro-batches
+    and fetches the others again in each (planning/row_copies.plan_row), the prefetch staying within the layer's units
+    and demand fetches sparing the kept ones: bitwise the resident sequential numbers under delays on every copy and
+    use, and every copy of the last step read by a use (no prefetch wasted on the next layer's units)."""
+    counter = WeightCopies()
+
+    def both(swapper):
+        swapper.add_listener(counter)
+        delayed()(swapper)
+
+    swap = SwapConfig.of(prefetch=3, swap_unit_mb=256)
+    got = run(template, mode, accumulate, layer_major=True, swap=swap, swapper_hook=both)
+    assert_bitwise_equal(sequential(mode, accumulate), got)
+    assert all(copies == used for copies, used in counter.passes[-1:])

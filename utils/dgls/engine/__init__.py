@@ -9,7 +9,8 @@ Modules
       the next, so each streamed layer is fetched once a direction a step (a step function, and the losses of one
       for a trainer's own backward).
     - ``row_keeping.py``: a layer's swap units kept in their slots over a layer-major step's micro-batches of that
-      layer (when they fit the slots), and the use predictor told those micro-batches repeat the first.
+      layer (all when they fit the slots, else as many as leave two slots to the others:
+      :func:`~..planning.row_copies.plan_row`), and the use predictor told those micro-batches repeat the first.
     - ``training_costs.py``: what a full fine-tune keeps on the device beyond the weights (the trainer's gradients
       and optimizer state of resident layers), from the objects that allocate it: the VRAM planner's figures.
     - ``disk_planning.py``: with a host RAM budget, the disk plan's inputs (the layouts, the placement, the disk's and

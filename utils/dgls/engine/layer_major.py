@@ -30,8 +30,9 @@ Schedule
       caller's layer, and a layer's forward runs its units in its own order, so each micro-batch uses them again, one
       after another. :mod:`.row_keeping` keeps a layer's units in their slots over its micro-batches when they fit
       the slots (and lets the use predictor see one micro-batch's uses): each unit is then fetched once a direction
-      a step, as whole layers are. A layer with more units than slots keeps none: its units are fetched per
-      micro-batch.
+      a step, as whole layers are. A layer with more units than slots keeps as many as leave two slots to the others,
+      which are fetched again per micro-batch (said once, with the bytes it adds; the planner counts it and prefers
+      plans whose slots hold the units: :mod:`..planning.row_copies`).
     - Full fine-tuning (host-trained layers): each layer's gradients are summed on the device over the N
       micro-batches and go home once (:mod:`..training.device_sums`; a param without a gradient in a layer's last
       micro-batch sends its sum when the layer's micro-batches end); the host training sees one micro-batch a step,
@@ -183,7 +184,7 @@ class _Run:
                 if self.sums is not None:
                     self.sums.final = m == self.count - 1
                 if self.rows is not None:
-                    self.rows.micro_batch(i, m)
+                    self.rows.micro_batch(i, m, backward=True)
                 outputs, grads = _carried(cut)
                 row[m] = None  # type: ignore[call-overload]  # the outputs' graph and the leaves' grads go with it
                 if outputs:
@@ -301,6 +302,7 @@ def _engine_step(swapper: LayerSwapper | None, layers: Sequence[Any], count: int
             yield _Engine(sums, rows)
         if sums is not None:
             sums.close()
+        rows.report()
     finally:
         rows.close()
         if training is not None:

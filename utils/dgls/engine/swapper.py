@@ -103,6 +103,9 @@ class LayerSwapper:
         self.micro_batches = 1  # of the last step, run layer-major (:mod:`.layer_major` sets it; the planner reads it)
         self._kept: frozenset[int] = frozenset()  # entries no prefetch evicts (:meth:`keep_for_repeats`)
         self._repeating = False  # uses repeat ones observed: the predictor moves without learning
+        self._within: frozenset[int] | None = None  # the only entries a prefetch takes (None: any; keep_for_repeats)
+        self.row_memory: Listener | None = None  # :mod:`.row_keeping`'s record of each row's uses, over steps
+        self.log = log  # for lines the engine says after start-up (:mod:`.row_keeping`'s, once)
         self.driver, self.training, self.activations = p.driver, p.training, p.activations  # for readers only
         self._batch_move, self._sync_each_step = p.batch_move, p.sync_each_step
         self._copy_streams, self._plan_finished = p.copy_streams, p.plan_finished
@@ -217,7 +220,9 @@ class LayerSwapper:
         if layer.state is Residency.IN_USE:  # the same layer again in another phase (the turnaround)
             return
         if layer.state is Residency.HOST:
-            self._fetch([(layer, self._claim_slot(layer.index, {layer.index}))], demand=True)
+            # a kept entry is evicted only when every other slot is in use (:meth:`keep_for_repeats`)
+            slot = self._claim_slot(layer.index, {layer.index} | self._kept) if self._kept else None
+            self._fetch([(layer, slot or self._claim_slot(layer.index, {layer.index}))], demand=True)
         first = layer.state is Residency.FETCHING
         wait = layer.acquire(self.copier)
         for listener in self._listeners:
@@ -231,6 +236,8 @@ class LayerSwapper:
         if depth == 0 or not self._streamed:
             return
         wanted = self._wanted(depth)
+        if self._within is not None:
+            wanted = tuple(i for i in wanted if i in self._within)
         protected = set(wanted) | {self._current} | self._kept
         requests = []
         for idx in wanted:
@@ -248,13 +255,13 @@ class LayerSwapper:
             for request in requests:
                 self._fetch([request], demand=False)
 
-    def keep_for_repeats(self, kept: frozenset[int], repeating: bool) -> None:
-        """Until called again: no prefetch evicts the entries ``kept`` (a demand fetch still may), and with
-        ``repeating`` the uses repeat those since the last call without it (the predictor moves as it did then,
-        without learning). Called by :mod:`.row_keeping` at each of a layer-major step's micro-batches of one
-        layer."""
+    def keep_for_repeats(self, kept: frozenset[int], repeating: bool, within: frozenset[int] | None = None) -> None:
+        """Until called again: no prefetch evicts the entries ``kept`` (a demand fetch only when no other slot is free
+        to take), a prefetch takes only entries ``within`` (None: any), and with ``repeating`` the uses repeat those
+        since the last call without it (the predictor moves as it did then, without learning). Called by
+        :mod:`.row_keeping` at each of a layer-major step's micro-batches of one layer."""
         with self._lock:
-            self._kept, self._repeating = kept, repeating
+            self._kept, self._repeating, self._within = kept, repeating, within
             if repeating:
                 self.predictor.repeat_row()
             else:

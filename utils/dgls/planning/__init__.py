@@ -5,6 +5,8 @@ Modules
     - ``autoplan.py``: ``--vram_budget``: probe, shortlist, measure, refine, settle (a full fine-tune: one plan,
       fixed before step 1's update); a typed driver stepped between passes (a feature of the engine), its phases
       an enum.
+    - ``row_copies.py``: layer-major swap units: which of a layer's units stay in the slots over its micro-batches
+      (the rule the engine applies) and the planner's replay of what the others cost a step.
     - ``disk_plan.py``: with a host RAM budget, which streamed layers spill to disk (their reads hiding behind the
       longest compute) and the floor the disk sets on a step.
     - ``state_plan.py``: with a host RAM budget, which full fine-tuned layers keep their fp32 masters and optimizer

@@ -45,6 +45,8 @@ from ..errors import DGLSUserError
 from ..memory.layout import GiB, LayerSizes, device_bytes, human_bytes, pool_bytes, resident_bytes, training_bytes
 from ..streaming.schedule import Phase
 from .disk_plan import profile_costs, simulate_reads
+from .row_copies import RowModel, repeated_rows, simulate_rows
+from .row_copies import index_ranges as _ranges
 
 PREFETCH_CHOICES = (1, 2, 3, 4)
 # Split layers when 2 slots exceed 1/4 of the budget, into units <= 1/24 of it: a Wan-14B block at 4 GiB into its
@@ -104,6 +106,10 @@ class Plan:
     pattern: str
     kept_activations: int = 0  # checkpointed calls of a pass whose inputs stay on the device (0: no offload)
     micro_batches: int = 1  # run layer-major in each step (the probe's): its activations were measured for them all
+    # Layer-major with swap units: copies of units a micro-batch after the first fetches again (their layers do not
+    # keep all their streamed units in the slots; :mod:`.row_copies`), a step
+    refetched_bytes: int = 0
+    refetched_layers: tuple[int, ...] = ()
 
     def runs_like(self, other: Plan) -> bool:
         """Same streamed layers, and a prefetch depth that makes no difference (deeper than the
@@ -124,18 +130,12 @@ class Plan:
         kept = f", inputs of the last {self.kept_activations} checkpointed calls kept" if self.kept_activations else ""
         if self.micro_batches > 1:
             kept += f"; {self.micro_batches} micro-batches a step, layer-major, their activations measured together"
+        if self.refetched_layers:
+            kept += (
+                f"; the swap units of layers {_ranges(self.refetched_layers)} outnumber the slots: "
+                f"{human_bytes(self.refetched_bytes)} a step fetched again in micro-batches after the first"
+            )
         return kept
-
-
-def _ranges(indices: Iterable[int]) -> str:
-    """0,1,2,5,7,8 -> '0-2,5,7-8'."""
-    out: list[str] = []
-    for i in sorted(indices):
-        if out and out[-1][1] == i - 1:
-            out[-1] = (out[-1][0], i)
-        else:
-            out.append((i, i))
-    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)
 
 
 # ---------------------------------------------------------------- memory
@@ -206,18 +206,41 @@ def unit_bytes_for_budget(sizes: Sequence[LayerSizes], budget: int) -> int | Non
 
 # ---------------------------------------------------------------- time
 def simulate(
-    sizes: Sequence[LayerSizes], profile: StepProfile, streamed: Iterable[int], prefetch: int, steps: int = 3
+    sizes: Sequence[LayerSizes],
+    profile: StepProfile,
+    streamed: Iterable[int],
+    prefetch: int,
+    steps: int = 3,
+    rows: RowModel | None = None,
 ) -> float:
     """Predicted milliseconds of one step in steady state (the last of ``steps`` replayed steps).
 
     The host runs ahead of the GPU, so a copy starts as soon as the copy stream is free and
     its slot is: the slot of the copy ``prefetch + 1`` copies earlier, free once that
-    layer's last consecutive use has finished computing. Layers on disk (``profile.disk_reads``)
+    layer's last consecutive use has finished computing. A layer-major step whose swap units repeat per micro-batch
+    is replayed with residency instead (:func:`.row_copies.simulate_rows`; ``rows``: its model, built once per
+    search). Layers on disk (``profile.disk_reads``)
     are read first, one at a time: the replay is :func:`.disk_plan.simulate_reads` (with nothing on disk, the
     copies and compute alone).
     """
+    if rows is None and repeated_rows(sizes, profile):
+        rows = RowModel(sizes, profile)
+    if rows is not None:  # layer-major with swap units: which units stay over micro-batches (:mod:`.row_copies`)
+        return simulate_rows(sizes, profile, streamed, prefetch, steps, rows).step_ms
     costs = profile_costs(sizes, profile, prefetch)
     return simulate_reads(costs, streamed, profile.disk_reads, steps).step_ms
+
+
+def prefetch_depths(sizes: Sequence[LayerSizes], profile: StepProfile) -> tuple[int, ...]:
+    """The prefetch depths the search tries: :data:`PREFETCH_CHOICES`, and with layer-major swap units each depth
+    whose slots hold all the units one of those layers streams (:mod:`.row_copies`: fetched once a step instead of
+    once a micro-batch)."""
+    candidates = {s.index for s in sizes if s.streamable_bytes}
+    units = {
+        len({u.layer for u in profile.uses[r.start : r.start + r.period]} & candidates)
+        for r in repeated_rows(sizes, profile)
+    }
+    return tuple(sorted(set(PREFETCH_CHOICES) | {k - 1 for k in units if k > 1}))
 
 
 # ---------------------------------------------------------------- search
@@ -244,7 +267,7 @@ def disk_first(candidates: list[int], on_disk: Iterable[int], resident_count: in
     return sorted(disk + resident_patterns(rest, resident_count - len(disk))["spread"])
 
 
-def _check_minimum(sizes, profile, budget, prefetch_choices, copy_streams) -> None:
+def _check_minimum(sizes, profile, budget, prefetch_choices: Sequence[int], copy_streams) -> None:
     prefetch = min(prefetch_choices)
     need = minimum_bytes(sizes, profile, prefetch, copy_streams)
     if need > budget:
@@ -284,17 +307,21 @@ def shortlist(
     profile: StepProfile,
     budget: int,
     count: int = 3,
-    prefetch_choices: Sequence[int] = PREFETCH_CHOICES,
+    prefetch_choices: Sequence[int] | None = None,
     copy_streams: int = 1,
     within: float = 0.15,
 ) -> list[Plan]:
     """The best fitting plan of each (pattern, prefetch) family, fastest first: the planner's
     choice (improved greedily) and up to ``count - 1`` runners-up predicted within ``within``
     of it, distinct in pattern or prefetch, for the swapper to measure (the model ranks
-    near-equal plans less reliably than one real step does)."""
+    near-equal plans less reliably than one real step does). ``prefetch_choices``: default
+    :func:`prefetch_depths`."""
+    if prefetch_choices is None:
+        prefetch_choices = prefetch_depths(sizes, profile)
     _check_minimum(sizes, profile, budget, prefetch_choices, copy_streams)
     candidates = [s.index for s in sizes if s.streamable_bytes]
     families: dict[tuple[str, int], Plan] = {}
+    rows = RowModel(sizes, profile) if repeated_rows(sizes, profile) else None  # built once for the search
     for prefetch in prefetch_choices:
         for k in range(len(candidates) + 1):
             patterns = resident_patterns(candidates, k)
@@ -305,28 +332,40 @@ def shortlist(
                 peak = predict_peak(sizes, profile, streamed, prefetch, copy_streams)
                 if peak > budget:
                     continue
-                ms = simulate(sizes, profile, streamed, prefetch)
+                ms = simulate(sizes, profile, streamed, prefetch, rows=rows)
                 plan = Plan(tuple(sorted(streamed)), prefetch, ms, peak, budget, name)
                 best = families.get((name, prefetch))
                 if best is None or _better(plan, best, sizes):
                     families[(name, prefetch)] = plan
     assert families  # the minimum fits, so "everything streamed" was considered
     ranked = sorted(families.values(), key=lambda p: (p.predicted_ms, sum(sizes[i].copy_bytes for i in p.streamed)))
-    first = _improve(sizes, profile, ranked[0], copy_streams)
+    first = _improve(sizes, profile, ranked[0], copy_streams, rows)
     picks = [first]
     for plan in ranked[1:]:
         if len(picks) == count or plan.predicted_ms > first.predicted_ms * (1 + within):
             break
         if not any(plan.runs_like(p) for p in picks):
             picks.append(plan)
-    return [replace(keep_activations(profile, plan), micro_batches=profile.micro_batches) for plan in picks]
+    return [
+        with_refetches(sizes, profile, replace(keep_activations(profile, p), micro_batches=profile.micro_batches), rows)
+        for p in picks
+    ]
+
+
+def with_refetches(sizes: Sequence[LayerSizes], profile: StepProfile, plan: Plan, rows: RowModel | None = None) -> Plan:
+    """``plan`` with what its micro-batches after the first fetch again (layer-major swap units, :mod:`.row_copies`;
+    ``rows``: the profile's model, if built)."""
+    if rows is None and not repeated_rows(sizes, profile):
+        return plan
+    step = simulate_rows(sizes, profile, plan.streamed, plan.prefetch, model=rows)
+    return replace(plan, refetched_bytes=step.refetched_bytes, refetched_layers=step.refetched_layers)
 
 
 def plan_for_budget(
     sizes: Sequence[LayerSizes],
     profile: StepProfile,
     budget: int,
-    prefetch_choices: Sequence[int] = PREFETCH_CHOICES,
+    prefetch_choices: Sequence[int] | None = None,
     copy_streams: int = 1,
 ) -> Plan:
     """The fitting placement with the lowest predicted step time (ties: fewer bytes streamed).
@@ -337,7 +376,9 @@ def plan_for_budget(
     return shortlist(sizes, profile, budget, 1, prefetch_choices, copy_streams)[0]
 
 
-def _improve(sizes: Sequence[LayerSizes], profile: StepProfile, best: Plan, copy_streams: int) -> Plan:
+def _improve(
+    sizes: Sequence[LayerSizes], profile: StepProfile, best: Plan, copy_streams: int, rows: RowModel | None = None
+) -> Plan:
     """While a streamed layer can become resident within the budget, make resident the one
     that lowers the predicted time most."""
     streamed = set(best.streamed)
@@ -346,7 +387,7 @@ def _improve(sizes: Sequence[LayerSizes], profile: StepProfile, best: Plan, copy
         for i in sorted(streamed):
             trial = streamed - {i}
             if predict_peak(sizes, profile, trial, best.prefetch, copy_streams) <= best.budget:
-                options.append((simulate(sizes, profile, trial, best.prefetch), -sizes[i].copy_bytes, i))
+                options.append((simulate(sizes, profile, trial, best.prefetch, rows=rows), -sizes[i].copy_bytes, i))
         if not options:
             return best
         ms, _, i = min(options)
