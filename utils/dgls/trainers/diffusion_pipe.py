@@ -35,6 +35,7 @@ import toml
 
 from ..engine.swapper import LayerSwapper
 from ..errors import DGLSUserError, RunInterrupted
+from ..memory.file_backed import weight_sources
 from ..memory.monitor import MemoryMonitor, MemoryReading
 from ..memory.shm_space import check_before_start
 from ..program.distributed import destroy_process_group
@@ -272,6 +273,7 @@ class PipelineInterception:
             self.swap = swap_config(self.values)
         swap = self.swap.for_stage(stage.start, stage.stop, stage.layer_count)
         log = (lambda line: self.log(stage.label + line)) if stage.data_parallel_id == 0 else (lambda line: None)
+        log(weight_sources(stage.layers).line())  # what the load copied into process memory (memory/file_backed.py)
         self.swapper = LayerSwapper(stage.layers, swap, device=device, log=log, share_group=stage.share_group)
         swapper = self.swapper
         self.monitor = MemoryMonitor(swapper.device, lambda: swapper.pinned_bytes)

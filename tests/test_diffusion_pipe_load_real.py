@@ -1,0 +1,51 @@
+"""What diffusion-pipe's loaders leave in process memory, measured in its real train.py through dgls_train.py.
+
+For each tiny model type (tests/fixtures/tiny_models, float32 files trained in float32 on CPU), DGLS's start-up line
+(utils/dgls/memory/file_backed.py) says how many bytes of the layers' weights are views of the checkpoint files and
+how many are copies; a cast (Flux with transformer_dtype float8) is reported as copies of that dtype.
+
+Opt-in and slow (marked ``slow``): set DGLS_DIFFUSION_PIPE to a diffusion-pipe checkout.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from dp_runs import requires_checkout
+from test_diffusion_pipe_models_real import SPECS, checkout, prepare  # noqa: F401 (fixtures)
+
+pytestmark = [pytest.mark.slow, requires_checkout]
+
+LOAD_LINE = re.compile(
+    r"model load: ([\d.]+) (MiB|GiB) of the layers' weights are read in place from (\d+) file\(s\) \(no copy in RAM\), "
+    r"([\d.]+) (MiB|GiB) are copies in process memory(.*)"
+)
+
+
+def load_line(log: str) -> tuple[float, float, str]:
+    """(MiB read in place, MiB copied, what follows: the copies' dtypes) from a run's log."""
+    found = LOAD_LINE.findall(log)
+    assert len(found) == 1, f"expected one model load line, found {found}"
+    mapped, mapped_unit, _, copied, copied_unit, rest = found[0]
+    scale = {"MiB": 1.0, "GiB": 1024.0}
+    return float(mapped) * scale[mapped_unit], float(copied) * scale[copied_unit], rest
+
+
+# Model types whose loader keeps every layer weight a view of the file when the file's dtype is the run's.
+IN_PLACE = {"flux", "wan", "chroma", "hunyuan-video", "sd3", "lumina_2", "qwen_image"}
+
+
+@pytest.mark.parametrize("model_type", list(SPECS))
+def test_the_load_line_says_what_was_copied(prepare, tmp_path, model_type):
+    p = prepare(model_type)
+    log = p.run(
+        p.configs(tmp_path, "dgls", True), tmp_path / "dgls.log", dgls=f"--blocks_to_swap {p.spec.swap} --prefetch 1"
+    )
+    assert "TRAINING COMPLETE!" in log
+    mapped, copied, rest = load_line(log)
+    print(f"{model_type}: {mapped:.2f} MiB in place, {copied:.2f} MiB copied{rest}")
+    if model_type in IN_PLACE:
+        assert mapped > 0 and copied == 0, f"{model_type}: {mapped} MiB in place, {copied} MiB copied{rest}"
+    else:
+        assert copied > 0 and "float32" in rest, f"{model_type}: {mapped} MiB in place, {copied} MiB copied{rest}"

@@ -1,0 +1,164 @@
+"""File-backed weights (utils/dgls/memory/file_backed.py), and the load paths diffusion-pipe uses, measured:
+safetensors' CPU reads (load_file, safe_open's get_tensor) and what diffusers and accelerate build from them are
+views of the file (anonymous memory does not grow with the file's size); a dtype cast or a load_state_dict into real
+weights is a copy, and the accounting counts it by dtype."""
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from utils.dgls.memory.file_backed import file_mappings, weight_sources
+
+MiB = 2**20
+
+
+def rss_anon() -> int:
+    """This process's anonymous resident memory (pages of a file mapping are not in it)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+class Two(torch.nn.Module):
+    def __init__(self, n: int = 64) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(n, n)
+        self.b = torch.nn.Linear(n, n, bias=False)
+
+
+def saved(tmp_path, module: torch.nn.Module, name: str = "m.safetensors"):
+    path = tmp_path / name
+    save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(path))
+    return path
+
+
+def total_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def test_the_maps_parser_keeps_files_only():
+    maps = (
+        "7f0000000000-7f0000001000 r--p 00000000 fd:01 1234 /models/flux.safetensors\n"
+        "7f0000002000-7f0000003000 rw-p 00000000 00:00 0 \n"
+        "7f0000004000-7f0000005000 rw-p 00000000 00:00 0 [heap]\n"
+        "7f0000006000-7f0000007000 r--p 00000000 fd:01 99 /tmp/x (deleted)\n"
+    )
+    assert file_mappings(maps) == [
+        (0x7F0000000000, 0x7F0000001000, "/models/flux.safetensors"),
+        (0x7F0000006000, 0x7F0000007000, "/tmp/x"),
+    ]
+
+
+def test_safetensors_reads_are_views_of_the_file(tmp_path):
+    torch.manual_seed(0)
+    path = saved(tmp_path, Two())
+    state = load_file(str(path))
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(state["a.weight"], requires_grad=False)
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        model.v = torch.nn.Parameter(f.get_tensor("b.weight"), requires_grad=False)
+    sources = weight_sources([model, "a function between layers"])
+    assert sources.file_bytes == {str(path): 2 * 64 * 64 * 4} and not sources.copied_bytes
+    assert "0.00 MiB are copies" in sources.line()
+
+
+def test_accelerate_set_module_tensor_keeps_views_and_a_cast_copies(tmp_path):
+    """diffusion-pipe's Wan, HunyuanVideo, Lumina, Qwen-Image loaders: a meta model, then
+    set_module_tensor_to_device(..., dtype=...) with each tensor of the file."""
+    from accelerate import init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+
+    torch.manual_seed(0)
+    path = saved(tmp_path, Two())
+    state = load_file(str(path))
+    for dtype, expect_copied in ((torch.float32, {}), (torch.bfloat16, {torch.bfloat16: (64 * 64 * 2 + 64) * 2})):
+        with init_empty_weights():
+            model = Two()
+        for name, _ in list(model.named_parameters()):
+            set_module_tensor_to_device(model, name, device="cpu", dtype=dtype, value=state[name])
+        sources = weight_sources([model])
+        assert sources.copied_bytes == expect_copied, dtype
+        assert sources.mapped == (total_bytes(model) if not expect_copied else 0), dtype
+    assert "bfloat16" in sources.line() and "dtype cast" in sources.line()
+
+
+def test_load_state_dict_assign_keeps_views_and_copy_into_real_weights_copies(tmp_path):
+    """Chroma's and Cosmos' loaders assign (views); a model built with real weights gets copies."""
+    torch.manual_seed(0)
+    path = saved(tmp_path, Two())
+    with torch.device("meta"):
+        assigned = Two()
+    assigned.load_state_dict(load_file(str(path)), assign=True)
+    copied = Two()
+    copied.load_state_dict(load_file(str(path)))
+    assert weight_sources([assigned]).mapped == total_bytes(assigned)
+    assert weight_sources([copied]).copied_bytes == {torch.float32: total_bytes(copied)}
+
+
+def tiny_flux(dtype):
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        pooled_projection_dim=16,
+        axes_dims_rope=(2, 2, 4),
+    ).to(dtype)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_diffusers_from_pretrained_keeps_views_unless_it_casts(tmp_path):
+    """Flux and SD3 (diffusers' from_pretrained with torch_dtype): the checkpoint's dtype gives views; another
+    dtype gives copies of the whole model."""
+    from diffusers import FluxTransformer2DModel
+
+    tiny_flux(torch.bfloat16).save_pretrained(tmp_path / "transformer")
+    same = FluxTransformer2DModel.from_pretrained(tmp_path / "transformer", torch_dtype=torch.bfloat16)
+    cast = FluxTransformer2DModel.from_pretrained(tmp_path / "transformer", torch_dtype=torch.float32)
+    total = total_bytes(same)
+    assert weight_sources([same]).mapped == total and not weight_sources([same]).copied_bytes
+    assert weight_sources([cast]).copied_bytes == {torch.float32: 2 * total}
+
+
+def test_anonymous_memory_does_not_grow_with_the_file(tmp_path):
+    """A 256 MiB checkpoint read through safetensors and set into a meta model (the Wan/Qwen-Image path), every
+    byte read: anonymous memory grows by far less than the file; the same model cast to bf16 grows by the cast's
+    size (the measurement's control)."""
+    from accelerate import init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+
+    n, count = 2048, 16  # 16 float32 layers of 16 MiB
+    path = tmp_path / "big.safetensors"
+    save_file({f"{i}.weight": torch.full((n, n), float(i)) for i in range(count)}, str(path))
+
+    def load(dtype):
+        with init_empty_weights():
+            model = torch.nn.Sequential(*(torch.nn.Linear(n, n, bias=False) for _ in range(count)))
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                set_module_tensor_to_device(model, key, device="cpu", dtype=dtype, value=f.get_tensor(key))
+        read = sum(float(p.detach().float().sum()) for p in model.parameters())  # every page
+        assert read == n * n * sum(range(count))
+        return model
+
+    before = rss_anon()
+    in_place = load(torch.float32)
+    grown_in_place = rss_anon() - before
+    assert weight_sources([in_place]).mapped == count * n * n * 4
+    del in_place
+    before = rss_anon()
+    cast = load(torch.bfloat16)
+    grown_cast = rss_anon() - before
+    print(f"RssAnon growth, 256 MiB file: in place {grown_in_place / MiB:.1f} MiB, cast {grown_cast / MiB:.1f} MiB")
+    assert weight_sources([cast]).copied_bytes == {torch.bfloat16: count * n * n * 2}
+    assert grown_cast > 100 * MiB, "the control: the bf16 cast allocates 128 MiB"
+    assert grown_in_place < 24 * MiB, f"views grew anonymous memory by {grown_in_place / MiB:.1f} MiB"
