@@ -33,11 +33,11 @@ def load_line(log: str) -> tuple[float, float, str]:
 
 
 # Model types whose loader keeps every layer weight a view of the file when the file's dtype is the run's.
-IN_PLACE = {"flux", "wan", "chroma", "hunyuan-video", "sd3", "lumina_2", "qwen_image"}
+IN_PLACE = {"flux", "sdxl", "wan", "chroma", "hunyuan-video", "sd3", "lumina_2", "qwen_image"}
 
 
 @pytest.mark.parametrize("model_type", list(SPECS))
-def test_the_load_line_says_what_was_copied(prepare, tmp_path, model_type):
+def test_the_load_line_says_what_was_copied(prepare, tmp_path, model_type):  # noqa: F811 (the fixture)
     p = prepare(model_type)
     log = p.run(
         p.configs(tmp_path, "dgls", True), tmp_path / "dgls.log", dgls=f"--blocks_to_swap {p.spec.swap} --prefetch 1"
@@ -49,3 +49,24 @@ def test_the_load_line_says_what_was_copied(prepare, tmp_path, model_type):
         assert mapped > 0 and copied == 0, f"{model_type}: {mapped} MiB in place, {copied} MiB copied{rest}"
     else:
         assert copied > 0 and "float32" in rest, f"{model_type}: {mapped} MiB in place, {copied} MiB copied{rest}"
+
+
+def test_a_cast_is_said_at_start_up(checkout, tmp_path):  # noqa: F811 (the fixture)
+    """Flux with transformer_dtype = 'float8' (float32 files, bf16 run): diffusion-pipe casts every 2-D block
+    weight outside its high-precision list, so those are copies in process memory, said as float8 bytes; the
+    rest (1-D weights, whose bf16 cast is a copy too) is no longer read in place either."""
+    from test_diffusion_pipe_models_real import build_tiny_flux, files, run_train
+
+    model_dir = build_tiny_flux(tmp_path / "model", num_double=3, num_single=3, heads=8)
+    model = {"type": "flux", "diffusers_path": str(model_dir), "transformer_dtype": "float8"}
+    data = files.write_dataset(tmp_path / "data", n=4, size=64)
+    config = files.write_configs(
+        tmp_path / "cfg", model, data, tmp_path / "out", max_steps=1, dtype="bfloat16", activation_checkpointing=True
+    )
+    runner = ("--preload=cpu_autocast",)
+    run_train(checkout, config, tmp_path / "cache.log", "--cache_only", runner_args=runner)
+    log = run_train(checkout, config, tmp_path / "dgls.log", dgls="--blocks_to_swap 6 --prefetch 1", runner_args=runner)
+    assert "TRAINING COMPLETE!" in log
+    mapped, copied, rest = load_line(log)
+    print(f"flux float8: {mapped:.2f} MiB in place, {copied:.2f} MiB copied{rest}")
+    assert mapped == 0 and copied > 0 and "float8_e4m3fn" in rest and "bfloat16" in rest, rest

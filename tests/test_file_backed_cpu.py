@@ -8,18 +8,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from utils.dgls.memory.file_backed import file_mappings, weight_sources
+from utils.dgls.memory.file_backed import anonymous_memory, file_mappings, weight_sources
 
 MiB = 2**20
 
 
 def rss_anon() -> int:
-    """This process's anonymous resident memory (pages of a file mapping are not in it)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no RssAnon in /proc/self/status")
+    value = anonymous_memory()
+    assert value is not None, "no RssAnon in /proc/self/status"
+    return value
 
 
 class Two(torch.nn.Module):
@@ -62,7 +59,22 @@ def test_safetensors_reads_are_views_of_the_file(tmp_path):
         model.v = torch.nn.Parameter(f.get_tensor("b.weight"), requires_grad=False)
     sources = weight_sources([model, "a function between layers"])
     assert sources.file_bytes == {str(path): 2 * 64 * 64 * 4} and not sources.copied_bytes
-    assert "0.00 MiB are copies" in sources.line()
+    assert "0.00 MiB are copies" in sources.line() and "the process holds" in sources.line()
+
+
+def test_an_adapters_weights_are_not_counted(tmp_path):
+    """A LoRA's weights are made by the run (PEFT's lora_A/lora_B), not loaded: only the base weights count."""
+    import peft
+
+    torch.manual_seed(0)
+    path = saved(tmp_path, Two())
+    with torch.device("meta"):
+        model = Two()
+    model.load_state_dict(load_file(str(path)), assign=True)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["a", "b"]))
+    assert any("lora_A" in name for name, _ in model.named_parameters())
+    sources = weight_sources([model])
+    assert sources.mapped == (64 * 64 * 2 + 64) * 4 and not sources.copied_bytes
 
 
 def test_accelerate_set_module_tensor_keeps_views_and_a_cast_copies(tmp_path):

@@ -36,6 +36,18 @@ def size_text(nbytes: int) -> str:
     return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB / 10 else f"{nbytes / MiB:.2f} MiB"
 
 
+def anonymous_memory() -> int | None:
+    """This process's anonymous resident memory (``RssAnon``; pages of a file mapping are not in it), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def file_mappings(maps: str | None = None) -> list[tuple[int, int, str]]:
     """(start, end, path) of every mapping of a regular file in this process, sorted by start (``maps``: the text of
     /proc/self/maps, read when None); empty where the platform has no /proc."""
@@ -61,6 +73,7 @@ class WeightSources:
 
     file_bytes: dict[str, int] = field(default_factory=dict)
     copied_bytes: dict[torch.dtype, int] = field(default_factory=dict)
+    process_anonymous: int | None = None  # the whole process's anonymous memory when measured (Linux)
 
     @property
     def mapped(self) -> int:
@@ -85,6 +98,8 @@ class WeightSources:
                 "dtype than the run's, or a loader that copies; a machine needs that much RAM beside the rest before "
                 "DGLS places the layers)"
             )
+        if self.process_anonymous is not None:
+            text += f"; the process holds {size_text(self.process_anonymous)} of anonymous memory"
         return text
 
 
@@ -96,7 +111,7 @@ def weight_sources(modules: Iterable[object], maps: list[tuple[int, int, str]] |
     doc."""
     maps = file_mappings() if maps is None else maps
     starts = [start for start, _, _ in maps]
-    result = WeightSources()
+    result = WeightSources(process_anonymous=anonymous_memory())
     seen_views: set[tuple[int, int]] = set()
     seen_storages: set[int] = set()
     for module in modules:
