@@ -32,10 +32,6 @@ def load_line(log: str) -> tuple[float, float, str]:
     return float(mapped) * scale[mapped_unit], float(copied) * scale[copied_unit], rest
 
 
-# Model types whose loader keeps every layer weight a view of the file when the file's dtype is the run's.
-IN_PLACE = {"flux", "sdxl", "wan", "chroma", "hunyuan-video", "sd3", "lumina_2", "qwen_image"}
-
-
 @pytest.mark.parametrize("model_type", list(SPECS))
 def test_the_load_line_says_what_was_copied(prepare, tmp_path, model_type):  # noqa: F811 (the fixture)
     p = prepare(model_type)
@@ -45,10 +41,8 @@ def test_the_load_line_says_what_was_copied(prepare, tmp_path, model_type):  # n
     assert "TRAINING COMPLETE!" in log
     mapped, copied, rest = load_line(log)
     print(f"{model_type}: {mapped:.2f} MiB in place, {copied:.2f} MiB copied{rest}")
-    if model_type in IN_PLACE:
-        assert mapped > 0 and copied == 0, f"{model_type}: {mapped} MiB in place, {copied} MiB copied{rest}"
-    else:
-        assert copied > 0 and "float32" in rest, f"{model_type}: {mapped} MiB in place, {copied} MiB copied{rest}"
+    # every type's loader keeps the layer weights views of the file when the file's dtype is the run's
+    assert mapped > 0 and copied == 0, f"{model_type}: {mapped} MiB in place, {copied} MiB copied{rest}"
 
 
 def test_a_cast_is_said_at_start_up(checkout, tmp_path):  # noqa: F811 (the fixture)

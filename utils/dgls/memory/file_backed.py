@@ -94,9 +94,9 @@ class WeightSources:
                 f"{size_text(b)} {str(d).removeprefix('torch.')}" for d, b in self.copied_bytes.items()
             )
             text += (
-                f" ({by_dtype}: a dtype cast after loading, e.g. transformer_dtype or a checkpoint stored in another "
-                "dtype than the run's, or a loader that copies; a machine needs that much RAM beside the rest before "
-                "DGLS places the layers)"
+                f" ({by_dtype}): made after loading, by a cast (transformer_dtype, or the run's dtype where the "
+                "checkpoint stores another) or a loader that copies; this much RAM is needed before DGLS places the "
+                "layers, where a checkpoint stored in the dtype the layers train in would be read in place"
             )
         if self.process_anonymous is not None:
             text += f"; the process holds {size_text(self.process_anonymous)} of anonymous memory"
