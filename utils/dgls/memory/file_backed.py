@@ -29,6 +29,9 @@ from pathlib import Path
 import torch
 
 MiB, GiB = 2**20, 2**30
+SCRATCH_PREFIX = (
+    "dgls-cast-"  # files of the load's casts (trainers/file_backed_casts.py): on disk, but not read in place
+)
 
 
 def size_text(nbytes: int) -> str:
@@ -72,6 +75,7 @@ class WeightSources:
     """Bytes of some modules' CPU weights: views of files (by file) and copies in process memory (by dtype)."""
 
     file_bytes: dict[str, int] = field(default_factory=dict)
+    scratch_bytes: int = 0  # cast into DGLS's scratch files (page cache, written back under pressure)
     copied_bytes: dict[torch.dtype, int] = field(default_factory=dict)
     process_anonymous: int | None = None  # the whole process's anonymous memory when measured (Linux)
 
@@ -89,6 +93,8 @@ class WeightSources:
             f"DGLS: model load: {size_text(self.mapped)} of the layers' weights are read in place from "
             f"{len(self.file_bytes)} file(s) (no copy in RAM), {size_text(self.copied)} are copies in process memory"
         )
+        if self.scratch_bytes:
+            text += f", {size_text(self.scratch_bytes)} cast into a scratch file in the disk_dir (not held in RAM)"
         if self.copied:
             by_dtype = ", ".join(
                 f"{size_text(b)} {str(d).removeprefix('torch.')}" for d, b in self.copied_bytes.items()
@@ -127,7 +133,10 @@ def weight_sources(modules: Iterable[object], maps: list[tuple[int, int, str]] |
                     continue
                 seen_views.add((tensor.data_ptr(), nbytes))
                 path = maps[where][2]
-                result.file_bytes[path] = result.file_bytes.get(path, 0) + nbytes
+                if Path(path).name.startswith(SCRATCH_PREFIX):
+                    result.scratch_bytes += nbytes
+                else:
+                    result.file_bytes[path] = result.file_bytes.get(path, 0) + nbytes
                 continue
             storage = tensor.untyped_storage()  # a copy: its whole storage is allocated, once for all its views
             if storage.data_ptr() in seen_storages:

@@ -1,0 +1,110 @@
+"""File-backed casts (utils/dgls/trainers/file_backed_casts.py): while installed, accelerate's
+set_module_tensor_to_device casts into unlinked scratch files: the same bytes as the cast, anonymous memory not growing
+with the cast model, nothing left in the directory, every binding restored on removal, no room one clear line."""
+
+import os
+import sys
+import types
+
+import pytest
+import torch
+from accelerate import init_empty_weights
+from accelerate.utils import modeling
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from utils.dgls.errors import DGLSUserError
+from utils.dgls.memory.file_backed import anonymous_memory, weight_sources
+from utils.dgls.trainers import file_backed_casts
+from utils.dgls.trainers.file_backed_casts import FileBackedCasts
+
+MiB = 2**20
+N, COUNT = 2048, 8  # 8 float32 layers of 16 MiB: 64 MiB of bf16 once cast
+
+
+def checkpoint(tmp_path):
+    path = tmp_path / "fp32.safetensors"
+    torch.manual_seed(0)
+    save_file({f"{i}.weight": torch.randn(N, N) for i in range(COUNT)} | {"0.bias": torch.randn(N)}, str(path))
+    return path
+
+
+def load(path, dtype, setter):
+    """diffusion-pipe's Wan/Qwen-Image load: a meta model, each file tensor set with the dtype it is cast to."""
+    with init_empty_weights():
+        model = torch.nn.Sequential(*(torch.nn.Linear(N, N, bias=i == 0) for i in range(COUNT)))
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        for key in f.keys():
+            setter(model, key, device="cpu", dtype=dtype, value=f.get_tensor(key))
+    return model
+
+
+def test_casts_go_to_a_scratch_file_with_the_same_bytes(tmp_path):
+    path, scratch = checkpoint(tmp_path), tmp_path / "scratch"
+    plain = load(path, torch.bfloat16, modeling.set_module_tensor_to_device)
+    casts = FileBackedCasts(scratch)
+    casts.install()
+    try:
+        before = anonymous_memory()
+        from accelerate.utils import set_module_tensor_to_device  # what diffusion-pipe's files bind
+
+        assert set_module_tensor_to_device.__wrapped__ is casts._original
+        cast = load(path, torch.bfloat16, set_module_tensor_to_device)
+        grown = anonymous_memory() - before
+        sources = weight_sources([cast])
+    finally:
+        casts.remove()
+    for (name, a), (_, b) in zip(plain.named_parameters(), cast.named_parameters(), strict=True):
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a.view(torch.int16), b.view(torch.int16)), name
+    cast_bytes = (COUNT * N * N + N) * 2
+    print(f"RssAnon growth casting 128 MiB of fp32 to bf16 into scratch files: {grown / MiB:.1f} MiB")
+    assert grown < 16 * MiB, f"the cast grew anonymous memory by {grown / MiB:.1f} MiB"
+    assert sources.scratch_bytes == cast_bytes and not sources.copied_bytes and casts.scratch.bytes == cast_bytes
+    assert "cast into a scratch file" in sources.line()
+    assert os.listdir(scratch) == [], "scratch files are unlinked once mapped"
+
+
+def test_what_is_not_a_cpu_float_cast_is_accelerates(tmp_path):
+    path = checkpoint(tmp_path)
+    casts = FileBackedCasts(tmp_path / "scratch")
+    casts.install()
+    try:
+        same = load(path, torch.float32, modeling.set_module_tensor_to_device)  # no cast: views of the checkpoint
+    finally:
+        casts.remove()
+    assert casts.scratch.bytes == 0 and weight_sources([same]).mapped == (COUNT * N * N + N) * 4
+
+
+def test_every_binding_is_restored(tmp_path):
+    original = modeling.set_module_tensor_to_device
+    before = types.ModuleType("dgls_test_casts_before")
+    before.set_module_tensor_to_device = original
+    sys.modules[before.__name__] = before
+    casts = FileBackedCasts(tmp_path)
+    try:
+        casts.install()
+        during = types.ModuleType("dgls_test_casts_during")  # train.py's model files, imported while it is installed
+        exec("from accelerate.utils import set_module_tensor_to_device", during.__dict__)
+        sys.modules[during.__name__] = during
+        assert before.set_module_tensor_to_device is during.set_module_tensor_to_device is not original
+        casts.remove()
+        casts.remove()  # idempotent
+        import accelerate.utils
+
+        for module in (modeling, accelerate.utils, before, during):
+            assert module.set_module_tensor_to_device is original, module
+    finally:
+        casts.remove()
+        sys.modules.pop("dgls_test_casts_before", None)
+        sys.modules.pop("dgls_test_casts_during", None)
+
+
+def test_a_disk_without_room_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(file_backed_casts, "check_directory", _no_room)
+    casts = FileBackedCasts(tmp_path)
+    with pytest.raises(DGLSUserError, match="no room"):
+        casts.scratch.empty(torch.Size([4]), torch.bfloat16)
+
+
+def _no_room(directory, nbytes):
+    raise DGLSUserError(f"disk_dir {directory} has no room for {nbytes} bytes")
