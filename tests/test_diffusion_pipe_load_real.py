@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from dp_runs import requires_checkout
+from dp_runs import requires_checkout, run_train
 from test_diffusion_pipe_models_real import SPECS, checkout, prepare  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.slow, requires_checkout]
@@ -64,3 +64,30 @@ def test_a_cast_is_said_at_start_up(checkout, tmp_path):  # noqa: F811 (the fixt
     mapped, copied, rest = load_line(log)
     print(f"flux float8: {mapped:.2f} MiB in place, {copied:.2f} MiB copied{rest}")
     assert mapped == 0 and copied > 0 and "float8_e4m3fn" in rest and "bfloat16" in rest, rest
+
+
+@pytest.mark.parametrize("model_type", ["hunyuan-video", "wan", "qwen_image", "lumina_2"])
+def test_casts_go_to_a_scratch_file_under_a_host_ram_budget(prepare, tmp_path, model_type):  # noqa: F811
+    """Loaders that cast through accelerate's set_module_tensor_to_device (float32 files, a bf16 run): with a host
+    RAM budget the casts are in DGLS's scratch file, not in process memory (trainers/file_backed_casts.py); the run
+    trains as without the budget."""
+    from test_diffusion_pipe_models_real import files
+
+    p = prepare(model_type)
+    runner_args = (*p.spec.runner_args(), "--preload=cpu_autocast")
+
+    def run(name: str, dgls: str) -> str:
+        config = files.write_configs(
+            tmp_path / f"cfg_{name}", p.model, p.data, tmp_path / f"out_{name}", max_steps=2, dtype="bfloat16"
+        )
+        return run_train(p.checkout, config, tmp_path / f"{name}.log", dgls=dgls, runner_args=runner_args, env=p.env)
+
+    swap = f"--blocks_to_swap {p.spec.swap} --prefetch 1 --verbose"
+    budget = run("budget", f"{swap} --host_ram_budget 1 --disk_dir {tmp_path / 'disk'}")
+    plain = run("plain", swap)
+    mapped, copied, rest = load_line(budget)
+    print(f"{model_type} bf16 under a budget: {mapped:.2f} MiB in place, {copied:.2f} MiB copied{rest}")
+    assert "cast into a scratch file" in rest and copied == 0, rest
+    assert "cast into a scratch file" not in load_line(plain)[2] and load_line(plain)[1] > 0
+    losses = [re.findall(r"loss[:=]\s*([\d.e+-]+)", log) for log in (budget, plain)]
+    assert losses[0] and losses[0] == losses[1], losses
