@@ -2,19 +2,23 @@
 set_module_tensor_to_device casts into unlinked scratch files: the same bytes as the cast, anonymous memory not growing
 with the cast model, nothing left in the directory, every binding restored on removal, no room one clear line."""
 
+import json
 import os
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
 from accelerate import init_empty_weights
 from accelerate.utils import modeling
+from helpers import child_env
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from utils.dgls.errors import DGLSUserError
-from utils.dgls.memory.file_backed import anonymous_memory, weight_sources
+from utils.dgls.memory.file_backed import weight_sources
 from utils.dgls.trainers import file_backed_casts
 from utils.dgls.trainers.file_backed_casts import FileBackedCasts
 
@@ -43,33 +47,68 @@ def load(path, dtype, setter):
 
 def test_casts_go_to_a_scratch_file_with_the_same_bytes(tmp_path):
     path, scratch = checkpoint(tmp_path), tmp_path / "scratch"
-    before = anonymous_memory()
     plain = load(path, torch.bfloat16, modeling.set_module_tensor_to_device)
-    grown_plain = anonymous_memory() - before
     casts = FileBackedCasts(scratch)
     casts.install()
     try:
-        before = anonymous_memory()
         from accelerate.utils import set_module_tensor_to_device  # what diffusion-pipe's files bind
 
         assert set_module_tensor_to_device.__wrapped__ is casts._original
         cast = load(path, torch.bfloat16, set_module_tensor_to_device)
-        grown = anonymous_memory() - before
         sources = weight_sources([cast])
     finally:
         casts.remove()
     for (name, a), (_, b) in zip(plain.named_parameters(), cast.named_parameters(), strict=True):
         assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a.view(torch.int16), b.view(torch.int16)), name
     cast_bytes = (COUNT * ROWS * N + ROWS) * 2
-    print(
-        f"RssAnon growth casting 240 MiB of fp32 to bf16: {grown_plain / MiB:.1f} MiB, "
-        f"into scratch files {grown / MiB:.1f} MiB"
-    )
-    assert grown_plain > 100 * MiB, "the control: the cast in anonymous memory allocates 120 MiB"
-    assert grown < 16 * MiB, f"the cast grew anonymous memory by {grown / MiB:.1f} MiB"
     assert sources.scratch_bytes == cast_bytes and not sources.copied_bytes and casts.scratch.bytes == cast_bytes
     assert "cast into a scratch file" in sources.line()
     assert os.listdir(scratch) == [], "scratch files are unlinked once mapped"
+
+
+MEASURE = """
+import json, sys
+import torch
+from accelerate.utils import modeling
+sys.path.insert(0, sys.argv[3])
+from test_file_backed_casts_cpu import load
+from utils.dgls.memory.file_backed import anonymous_memory
+from utils.dgls.trainers.file_backed_casts import FileBackedCasts
+
+before = anonymous_memory()
+plain = load(sys.argv[1], torch.bfloat16, modeling.set_module_tensor_to_device)
+grown_plain = anonymous_memory() - before
+casts = FileBackedCasts(sys.argv[2])
+casts.install()
+before = anonymous_memory()
+cast = load(sys.argv[1], torch.bfloat16, modeling.set_module_tensor_to_device)
+grown = anonymous_memory() - before
+casts.remove()
+print(json.dumps([grown_plain, grown]))
+"""
+
+
+def test_a_cast_into_scratch_files_adds_no_anonymous_memory(tmp_path):
+    """Measured in a fresh process (the suite's own threads and freed heap would blur RssAnon): the cast in anonymous
+    memory grows it by the cast's size (the control), the same cast into scratch files by next to nothing."""
+    path = checkpoint(tmp_path)
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(path), str(tmp_path / "scratch"), str(root / "tests")],
+        cwd=root,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    grown_plain, grown = json.loads(out.stdout.strip().splitlines()[-1])
+    print(
+        f"RssAnon growth casting 240 MiB of fp32 to bf16: {grown_plain / MiB:.1f} MiB, "
+        f"into scratch {grown / MiB:.1f} MiB"
+    )
+    assert grown_plain > 100 * MiB, "the control: the cast in anonymous memory allocates 120 MiB"
+    assert grown < 16 * MiB, f"the cast grew anonymous memory by {grown / MiB:.1f} MiB"
 
 
 def test_what_is_not_a_cpu_float_cast_is_accelerates(tmp_path):

@@ -3,20 +3,20 @@ safetensors' CPU reads (load_file, safe_open's get_tensor) and what diffusers an
 views of the file (anonymous memory does not grow with the file's size); a dtype cast or a load_state_dict into real
 weights is a copy, and the accounting counts it by dtype."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from helpers import child_env
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from utils.dgls.memory.file_backed import anonymous_memory, file_mappings, weight_sources
+from utils.dgls.memory.file_backed import file_mappings, weight_sources
 
 MiB = 2**20
-
-
-def rss_anon() -> int:
-    value = anonymous_memory()
-    assert value is not None, "no RssAnon in /proc/self/status"
-    return value
 
 
 class Two(torch.nn.Module):
@@ -141,38 +141,59 @@ def test_diffusers_from_pretrained_keeps_views_unless_it_casts(tmp_path):
     assert weight_sources([cast]).copied_bytes == {torch.float32: 2 * total}
 
 
+MEASURE = """
+import json, sys
+import torch
+from accelerate import init_empty_weights
+from accelerate.utils import set_module_tensor_to_device
+from safetensors import safe_open
+from utils.dgls.memory.file_backed import anonymous_memory, weight_sources
+
+path, n, rows, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+
+def load(dtype):
+    with init_empty_weights():
+        model = torch.nn.Sequential(*(torch.nn.Linear(n, rows, bias=False) for _ in range(count)))
+    with safe_open(path, framework="pt", device="cpu") as f:
+        for key in f.keys():
+            set_module_tensor_to_device(model, key, device="cpu", dtype=dtype, value=f.get_tensor(key))
+    read = sum(float(p.detach().float().sum()) for p in model.parameters())  # every page
+    assert read == rows * n * sum(range(count)), read
+    return model
+
+before = anonymous_memory()
+in_place = load(torch.float32)
+grown_in_place = anonymous_memory() - before
+sources = weight_sources([in_place])
+del in_place
+before = anonymous_memory()
+cast = load(torch.bfloat16)
+grown_cast = anonymous_memory() - before
+copied = weight_sources([cast]).copied_bytes
+print(json.dumps([grown_in_place, sources.mapped, grown_cast, {str(k): v for k, v in copied.items()}]))
+"""
+
+
 def test_anonymous_memory_does_not_grow_with_the_file(tmp_path):
     """A 240 MiB checkpoint read through safetensors and set into a meta model (the Wan/Qwen-Image path), every
-    byte read: anonymous memory grows by far less than the file; the same model cast to bf16 grows by the cast's
-    size (the measurement's control)."""
-    from accelerate import init_empty_weights
-    from accelerate.utils import set_module_tensor_to_device
-
-    # 3 float32 layers of 80 MiB: each bf16 cast (40 MiB) is above glibc's largest mmap threshold (32 MiB), so it
-    # gets fresh pages however much freed heap earlier tests left behind (the control below measures it)
+    byte read, in a fresh process (the suite's threads and freed heap would blur RssAnon): anonymous memory grows by
+    far less than the file; the same model cast to bf16 grows by the cast's size (the measurement's control)."""
+    # 3 float32 layers of 80 MiB: each bf16 cast (40 MiB) is above glibc's largest mmap threshold (32 MiB)
     n, rows, count = 4096, 5120, 3
     path = tmp_path / "big.safetensors"
     save_file({f"{i}.weight": torch.full((rows, n), float(i)) for i in range(count)}, str(path))
-
-    def load(dtype):
-        with init_empty_weights():
-            model = torch.nn.Sequential(*(torch.nn.Linear(n, rows, bias=False) for _ in range(count)))
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                set_module_tensor_to_device(model, key, device="cpu", dtype=dtype, value=f.get_tensor(key))
-        read = sum(float(p.detach().float().sum()) for p in model.parameters())  # every page
-        assert read == rows * n * sum(range(count))
-        return model
-
-    before = rss_anon()
-    in_place = load(torch.float32)
-    grown_in_place = rss_anon() - before
-    assert weight_sources([in_place]).mapped == count * rows * n * 4
-    del in_place
-    before = rss_anon()
-    cast = load(torch.bfloat16)
-    grown_cast = rss_anon() - before
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(path), str(n), str(rows), str(count)],
+        cwd=root,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    grown_in_place, mapped, grown_cast, copied = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"RssAnon growth, 240 MiB file: in place {grown_in_place / MiB:.1f} MiB, cast {grown_cast / MiB:.1f} MiB")
-    assert weight_sources([cast]).copied_bytes == {torch.bfloat16: count * rows * n * 2}
+    assert mapped == count * rows * n * 4 and copied == {"torch.bfloat16": count * rows * n * 2}
     assert grown_cast > 100 * MiB, "the control: the bf16 cast allocates 120 MiB"
     assert grown_in_place < 24 * MiB, f"views grew anonymous memory by {grown_in_place / MiB:.1f} MiB"
