@@ -17,7 +17,9 @@ Modules
     - ``disk_io.py``: how the disk tier reads (DeepSpeed's async I/O where it builds, else direct-I/O ``preadv``
       from threads) and writes back (full fine-tuning's state).
     - ``mapped_safetensors.py``: a checkpoint's tensors as views of a private mapping of its file (a load that copies
-      nothing into process memory: the building block of loading a model larger than RAM).
+      nothing into process memory; safetensors' own CPU reads already are such views: see ``file_backed.py``).
+    - ``file_backed.py``: how many bytes of the layers' weights are views of their checkpoint files and how many are
+      copies (casts) in process memory, for the start-up line.
     - ``pinned.py``: page-locked host memory of exact size.
     - ``peers.py``: one shared host copy per machine for the processes that hold the same layers.
     - ``shm_space.py``: room in ``/dev/shm`` for that shared copy, checked before anything is written.

@@ -8,6 +8,8 @@ Modules
       checkpoints.
     - ``layer_major_batches.py``: DeepSpeed's pipeline engine runs a step's micro-batches layer-major (one stage: the
       demo's and train.py's steps, ``--layer_major``).
+    - ``file_backed_casts.py``: under a host RAM budget, the casts diffusion-pipe's loaders make (accelerate's
+      ``set_module_tensor_to_device``) go to a scratch file in the disk_dir while the model loads, not to RAM.
     - ``shm_op.py``: keeps DeepSpeed's CPU shared-memory all-reduce op (a C++ build DGLS never uses) out of
       every run.
 

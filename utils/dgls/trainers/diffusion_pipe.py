@@ -35,6 +35,7 @@ import toml
 
 from ..engine.swapper import LayerSwapper
 from ..errors import DGLSUserError, RunInterrupted
+from ..memory.file_backed import weight_sources
 from ..memory.monitor import MemoryMonitor, MemoryReading
 from ..memory.shm_space import check_before_start
 from ..program.distributed import destroy_process_group
@@ -47,6 +48,7 @@ from ..program.validate import DropInRun, layer_major_applies
 from ..streaming.config import SwapConfig
 from ..watching.stats import StepReader, StepStats, StepWindow
 from .engine_hooks import EngineHooks
+from .file_backed_casts import FileBackedCasts
 from .layer_major_batches import layer_major_batches
 from .pipeline_hook import Stage, StageHook
 from .shm_op import without_shm_op
@@ -75,7 +77,11 @@ class PipelineInterception:
       and checkpoints (:class:`~.engine_hooks.EngineHooks`), and ``Saver.save_full_model``, which reads
       params directly: it runs inside :meth:`~..engine.swapper.LayerSwapper.true_weights`, so it saves the masters;
     * ``DeepSpeedEngine.load_checkpoint`` (:class:`~..program.resume.ResumeChecks`): a resumed checkpoint's layer files
-      must fit the layers (train.py loads them non-strictly, which would skip what does not match).
+      must fit the layers (train.py loads them non-strictly, which would skip what does not match);
+    * with a host RAM budget, until the stage is built, accelerate's ``set_module_tensor_to_device``
+      (:mod:`.file_backed_casts`): the load's casts go to a scratch file in the disk_dir, not RAM. When the stage is
+      built, one line says how many bytes of its weights are views of the checkpoint files and how many are copies
+      (:mod:`..memory.file_backed`).
     """
 
     def __init__(
@@ -100,6 +106,8 @@ class PipelineInterception:
         self.stage_hook = StageHook(self.install)
         self.engine_hooks: EngineHooks | None = None
         self.resume_checks = ResumeChecks()
+        # with a host RAM budget, the load's casts go to a scratch file, not RAM, until the stage is built
+        self.casts = FileBackedCasts(values.get("disk_dir")) if values.get("host_ram_budget") is not None else None
 
     def __enter__(self) -> PipelineInterception:
         try:
@@ -134,6 +142,8 @@ class PipelineInterception:
             SummaryWriter = None
         if SummaryWriter is not None:
             self.patches.replace(SummaryWriter, "__init__", self._wrap_writer_init)
+        if self.casts is not None:
+            self.casts.install()
         return self
 
     def _hook_full_fine_tune(self) -> None:
@@ -272,6 +282,9 @@ class PipelineInterception:
             self.swap = swap_config(self.values)
         swap = self.swap.for_stage(stage.start, stage.stop, stage.layer_count)
         log = (lambda line: self.log(stage.label + line)) if stage.data_parallel_id == 0 else (lambda line: None)
+        log(weight_sources(stage.layers).line())  # what the load copied into process memory (memory/file_backed.py)
+        if self.casts is not None:
+            self.casts.remove()  # the model is loaded
         self.swapper = LayerSwapper(stage.layers, swap, device=device, log=log, share_group=stage.share_group)
         swapper = self.swapper
         self.monitor = MemoryMonitor(swapper.device, lambda: swapper.pinned_bytes)
@@ -282,6 +295,8 @@ class PipelineInterception:
     def __exit__(self, *exc) -> None:
         """Always, also after an error or Ctrl-C: the layers back, the worker thread and pinned memory freed."""
         self.stage_hook.__exit__(*exc)
+        if self.casts is not None:
+            self.casts.remove()
         self.patches.restore()  # before the engine hooks: its train_batch wraps theirs
         self.resume_checks.__exit__(*exc)  # so does its load_checkpoint
         if self.engine_hooks is not None:
