@@ -130,7 +130,7 @@ def summarize(events: list[dict]) -> dict:
 
 
 def _innermost(frames: list[tuple[float, float, str]], ts: float) -> str | None:
-    """The latest-starting frame of this repository open at ``ts`` (``frames``: one thread's, sorted; they nest)."""
+    """The latest-starting of ``frames`` open at ``ts`` (``frames``: one thread's, sorted; they nest)."""
     i = bisect.bisect_right(frames, (ts, float("inf"), ""))
     while i > 0:
         i -= 1

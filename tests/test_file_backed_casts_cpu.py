@@ -28,6 +28,12 @@ MiB = 2**20
 N, ROWS, COUNT = 4096, 5120, 3
 
 
+@pytest.fixture(autouse=True)
+def on_a_disk(monkeypatch):
+    """The tests' folders count as a disk wherever the machine's temp is tmpfs (casts there are not installed)."""
+    monkeypatch.setattr(file_backed_casts, "file_system", lambda directory: "ext4")
+
+
 def checkpoint(tmp_path):
     path = tmp_path / "fp32.safetensors"
     torch.manual_seed(0)
@@ -153,5 +159,54 @@ def test_a_disk_without_room_is_one_line(tmp_path, monkeypatch):
         casts.scratch.empty(torch.Size([4]), torch.bfloat16)
 
 
-def _no_room(directory, nbytes):
+def _no_room(directory, nbytes, purpose):
+    assert purpose == "the model load's casts"
     raise DGLSUserError(f"disk_dir {directory} has no room for {nbytes} bytes")
+
+
+def test_a_disk_that_fills_after_the_check_is_one_line_not_a_sigbus(tmp_path, monkeypatch):
+    """The scratch file's blocks are allocated before it is mapped: a sparse file's mapping would take them as the
+    casts write, and a disk filled meanwhile would kill the process (SIGBUS). A file system that cannot allocate
+    ahead keeps the free-space check alone."""
+    import errno
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(DGLSUserError, match="no room for a .* scratch file of the model load's casts") as raised:
+        FileBackedCasts(tmp_path).scratch.empty(torch.Size([4]), torch.bfloat16)
+    assert "\n" not in str(raised.value) and not list(tmp_path.iterdir()), "one line, and no file left"
+
+    def unsupported(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    cast = FileBackedCasts(tmp_path).scratch.empty(torch.Size([4]), torch.bfloat16)
+    assert cast.shape == (4,)
+
+
+def test_on_a_ram_file_system_the_casts_stay_and_a_line_says_why(tmp_path, monkeypatch):
+    """A scratch file on tmpfs is RAM too: nothing is installed, and the start-up note says what to change."""
+    monkeypatch.setattr(file_backed_casts, "file_system", lambda directory: "tmpfs")
+    before = modeling.set_module_tensor_to_device
+    casts = FileBackedCasts(tmp_path)
+    casts.install()
+    assert modeling.set_module_tensor_to_device is before
+    assert "is on tmpfs, which is RAM" in casts.note and "--disk_dir" in casts.note
+    casts.remove()
+
+
+def test_an_accelerate_without_the_function_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.delattr(modeling, "set_module_tensor_to_device")
+    with pytest.raises(DGLSUserError, match="has no utils.modeling.set_module_tensor_to_device"):
+        FileBackedCasts(tmp_path).install()
+
+
+def test_removal_lets_go_of_the_chunk_being_carved(tmp_path):
+    casts = FileBackedCasts(tmp_path)
+    casts.install()
+    casts.scratch.empty(torch.Size([4]), torch.bfloat16)
+    assert casts.scratch._chunk is not None
+    casts.remove()
+    assert casts.scratch._chunk is None

@@ -104,7 +104,9 @@ class StateChoice:
         # layer -> bytes of its extent (whole pages): read and written back per update
         self.extents = {i: whole_pages(extent_pieces(trained, i)[1]) for i in trained.layers}
         self.clipping = clipping
-        self.passes = max(1, passes)  # micro-batches a step (one after another): the updates follow the last
+        # micro-batches a step one after another (the updates follow the last); a layer-major step's count is not known
+        # at build (the schedule sets it per step): its compute is counted once, so the time added is overstated
+        self.passes = max(1, passes)
         self.costs: StateCosts | None = None
 
     def __call__(self, candidates: Sequence[int], over: Callable[[list[int]], int]) -> list[int]:

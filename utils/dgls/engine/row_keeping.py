@@ -52,10 +52,12 @@ Key = tuple[int, bool]  # (row, backward)
 
 class RowMemory(Listener):
     """The streamed entries each row's first micro-batch used, per direction, in order (consecutive uses as one):
-    recorded while a row's first micro-batch runs, kept over steps."""
+    recorded while a row's first micro-batch runs, kept over steps; and the plans made from them (the same uses and
+    slots give the same plan: one is made once, not per row and step)."""
 
     def __init__(self) -> None:
         self.uses: dict[Key, list[int]] = {}
+        self.plans: dict[tuple[tuple[int, ...], int], RowPlan] = {}  # (uses, slots) -> plan_row's plan
         self.reported = False
         self._key: Key | None = None
 
@@ -97,6 +99,8 @@ class RowKeeping:
         if position < self.count - 1 and row in self._entries:
             plan = self._plan(key, row, first=position == 0)  # before this micro-batch's record replaces the last
             kept, within = plan.kept, plan.within
+        elif position == self.count - 1 > 0 and row in self._entries:
+            self._plan(key, row, first=False)  # the last keeps nothing; its plan is for report() (2: no middle one)
         self.memory.record(key if position == 0 and self.count > 1 and row in self._entries else None)
         self.swapper.keep_for_repeats(kept, repeating=position > 0, within=within)
 
@@ -107,8 +111,11 @@ class RowKeeping:
             return self._plans[key]
         swapper = self.swapper
         recorded = self.memory.uses.get(key)
-        uses = [i for i in (recorded or self._entries[row]) if swapper.is_streamed(i)]
-        plan = plan_row(uses, len(swapper.pool.slots), self._bytes)
+        uses = tuple(i for i in (recorded or self._entries[row]) if swapper.is_streamed(i))
+        slots = len(swapper.pool.slots)
+        plan = self.memory.plans.get((uses, slots))
+        if plan is None:
+            plan = self.memory.plans[(uses, slots)] = plan_row(list(uses), slots, self._bytes)
         if not first:
             self._plans[key] = plan
         return plan
@@ -123,7 +130,7 @@ class RowKeeping:
             return
         self.memory.reported = True
         extra = (self.count - 1) * sum(self._bytes[e] for plan in refetched.values() for e in plan.refetched)
-        kept = min(len(plan.kept) for plan in refetched.values())
+        kept = min(len(plan.kept) for plan in refetched.values())  # the line says "at least"
         layers = sorted({row for row, _ in refetched})
         line = refetch_line(self.count, len(self.swapper.pool.slots), layers, extra, kept)
         if line and self.swapper.log is not None:

@@ -222,7 +222,9 @@ class LayerSwapper:
         if layer.state is Residency.HOST:
             # a kept entry is evicted only when every other slot is in use (:meth:`keep_for_repeats`)
             slot = self._claim_slot(layer.index, {layer.index} | self._kept) if self._kept else None
-            self._fetch([(layer, slot or self._claim_slot(layer.index, {layer.index}))], demand=True)
+            if slot is None:
+                slot = self._claim_slot(layer.index, {layer.index})
+            self._fetch([(layer, slot)], demand=True)
         first = layer.state is Residency.FETCHING
         wait = layer.acquire(self.copier)
         for listener in self._listeners:

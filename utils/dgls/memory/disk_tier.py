@@ -86,8 +86,11 @@ def file_system(directory: Path) -> str:
     return kind
 
 
-def check_directory(directory: str | Path | None, nbytes: int) -> Path:
-    """The directory for a ``nbytes`` file, made if missing; one clear line if it cannot take the file."""
+def check_directory(
+    directory: str | Path | None, nbytes: int, purpose: str = "the layers that do not fit the host RAM budget"
+) -> Path:
+    """The directory for a ``nbytes`` file, made if missing; one clear line (saying what needs it: ``purpose``) if it
+    cannot take the file."""
     path = Path(directory).expanduser() if directory else default_directory()
     hint = "name another directory with --disk_dir, or raise --host_ram_budget"
     if path.exists() and not path.is_dir():
@@ -101,8 +104,8 @@ def check_directory(directory: str | Path | None, nbytes: int) -> Path:
     free = free_bytes(path)
     if free < nbytes + FREE_MARGIN:
         raise DGLSUserError(
-            f"disk_dir {path} has {human_bytes(free)} free; the layers that do not fit the host RAM budget need "
-            f"{human_bytes(nbytes)} (and {human_bytes(FREE_MARGIN)} left free): {hint}"
+            f"disk_dir {path} has {human_bytes(free)} free; {purpose} need {human_bytes(nbytes)} (and "
+            f"{human_bytes(FREE_MARGIN)} left free): {hint}"
         )
     return path
 

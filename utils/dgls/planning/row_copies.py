@@ -320,7 +320,7 @@ def refetch_line(micro_batches: int, slots: int, layers: Sequence[int], extra_by
     """The start-up line where units are fetched again per micro-batch ('' where none is)."""
     if not layers or micro_batches < 2:
         return ""
-    keeping = f"{kept} of each layer's units kept, the others" if kept else "none of them kept: their units"
+    keeping = f"at least {kept} of each layer's units kept, the others" if kept else "none of them kept: their units"
     return (
         f"DGLS: layer-major over {micro_batches} micro-batches: layers {index_ranges(layers)} have more streamed "
         f"swap units than the {slots} slots ({keeping} fetched again in each micro-batch after the first: "

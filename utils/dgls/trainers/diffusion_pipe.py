@@ -143,7 +143,11 @@ class PipelineInterception:
         if SummaryWriter is not None:
             self.patches.replace(SummaryWriter, "__init__", self._wrap_writer_init)
         if self.casts is not None:
-            self.casts.install()
+            try:
+                self.casts.install()
+            except BaseException:
+                self.__exit__(*sys.exc_info())  # the patches above back before the error goes up
+                raise
         return self
 
     def _hook_full_fine_tune(self) -> None:
@@ -283,6 +287,8 @@ class PipelineInterception:
         swap = self.swap.for_stage(stage.start, stage.stop, stage.layer_count)
         log = (lambda line: self.log(stage.label + line)) if stage.data_parallel_id == 0 else (lambda line: None)
         log(weight_sources(stage.layers).line())  # what the load copied into process memory (memory/file_backed.py)
+        if self.casts is not None and self.casts.note:
+            log(self.casts.note)
         if self.casts is not None:
             self.casts.remove()  # the model is loaded
         self.swapper = LayerSwapper(stage.layers, swap, device=device, log=log, share_group=stage.share_group)

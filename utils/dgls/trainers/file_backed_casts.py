@@ -29,6 +29,7 @@ Invariants
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import tempfile
@@ -39,8 +40,9 @@ from typing import Any
 import torch
 
 from ..errors import DGLSUserError
-from ..memory.disk_tier import check_directory, default_directory
+from ..memory.disk_tier import RAM_FILE_SYSTEMS, check_directory, default_directory, file_system
 from ..memory.file_backed import SCRATCH_PREFIX
+from ..memory.layout import human_bytes
 from ..program.patches import Patches
 
 CHUNK = 256 * 2**20
@@ -65,10 +67,15 @@ class ScratchFiles:
         self.bytes += nbytes
         return self._chunk[start : start + nbytes].view(dtype).view(shape)
 
+    def drop_chunk(self) -> None:
+        """No more casts: the chunk being carved is not held here any longer."""
+        self._chunk, self._used = None, 0
+
     def _new_chunk(self, nbytes: int) -> torch.Tensor:
-        check_directory(self.directory, nbytes)  # room for it, or one clear line
+        check_directory(self.directory, nbytes, "the model load's casts")  # room for it, or one clear line
         fd, name = tempfile.mkstemp(dir=self.directory, prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
         try:
+            _reserve(fd, nbytes, self.directory)
             storage = torch.UntypedStorage.from_file(name, shared=True, nbytes=nbytes)
         except RuntimeError as exc:
             raise DGLSUserError(
@@ -79,6 +86,21 @@ class ScratchFiles:
             os.close(fd)
             os.unlink(name)  # the mapping keeps it; nothing stays behind after any exit
         return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,))
+
+
+def _reserve(fd: int, nbytes: int, directory: Path) -> None:
+    """The file's blocks, allocated now: a sparse file's mapping would take its blocks as the casts write it, and a
+    disk filled meanwhile (by another rank's casts, or anything else) would kill the process with SIGBUS. A file
+    system that cannot allocate ahead (some network and FUSE ones) keeps the free-space check alone."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return
+        raise DGLSUserError(
+            f"disk_dir {directory}: no room for a {human_bytes(nbytes)} scratch file of the model load's casts "
+            f"({exc.strerror}): name another directory with --disk_dir, or free space on it"
+        ) from None
 
 
 def _bindings(value: Any, name: str) -> list[Any]:
@@ -102,11 +124,31 @@ class FileBackedCasts:
         self.patches = Patches()
         self._original: Callable | None = None
         self._replacement: Callable | None = None
+        self.note = ""  # a start-up line where it is not installed (the directory is RAM)
 
     def install(self) -> None:
-        from accelerate.utils import modeling
-
-        original = modeling.__dict__[NAME]
+        directory = self.scratch.directory
+        if (kind := file_system(directory)) in RAM_FILE_SYSTEMS:  # a scratch file there would be RAM too
+            self.note = (
+                f"DGLS: the model load's casts stay in process memory: disk_dir {directory} is on {kind}, which is "
+                "RAM; name a directory on a disk with --disk_dir to cast into a file there"
+            )
+            return
+        try:
+            import accelerate
+            from accelerate.utils import modeling
+        except ImportError as exc:
+            raise DGLSUserError(
+                f"with a host RAM budget DGLS casts the model load's weights into a file through accelerate, which "
+                f"cannot be imported ({exc}): pip install accelerate (diffusion-pipe's loaders use it too)"
+            ) from None
+        original = modeling.__dict__.get(NAME)
+        if original is None:
+            raise DGLSUserError(
+                f"accelerate {accelerate.__version__} has no utils.modeling.{NAME}, where DGLS casts the "
+                "model load's weights into a file with a host RAM budget: this accelerate is too old or too new "
+                "for DGLS; please report its version"
+            )
         scratch = self.scratch
 
         def set_module_tensor_to_device(module, tensor_name, device, value=None, dtype=None, *args, **kwargs):
@@ -130,9 +172,11 @@ class FileBackedCasts:
             self.patches.replace(module, NAME, lambda _original: set_module_tensor_to_device)
 
     def remove(self) -> None:
-        """Every replacement back, including the bindings modules made while it was installed; idempotent."""
+        """Every replacement back, including the bindings modules made while it was installed; idempotent. The
+        chunk being carved is let go (its space is freed with the last tensor cast into it)."""
         self.patches.restore()
         if self._replacement is not None:
             for module in _bindings(self._replacement, NAME):
                 setattr(module, NAME, self._original)
         self._replacement = None
+        self.scratch.drop_chunk()
