@@ -25,12 +25,12 @@ from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.engine import disk_planning
 from utils.dgls.planning.disk_plan import DiskCosts, simulate_reads
 from utils.dgls.planning.planner import UseTiming
+from utils.dgls.planning.row_copies import index_ranges
 from utils.dgls.planning.state_plan import (
     SLOTS,
     StateCosts,
     choose_state_spilled,
     forecast_state,
-    ranges,
     simulate_state,
     state_windows,
     update_order,
@@ -196,7 +196,7 @@ def test_the_choice_frees_the_bytes_needed_whenever_spilling_every_state_does(af
 
 
 def test_ranges_collapse_runs():
-    assert ranges([9, 0, 1, 2, 3, 7, 10]) == "0-3, 7, 9-10" and ranges([]) == ""
+    assert index_ranges([9, 0, 1, 2, 3, 7, 10, 3]) == "0-3,7,9-10" and index_ranges([]) == ""
 
 
 # ---------------------------------------------------------------- plan_full_tiers with a state chooser
@@ -251,7 +251,7 @@ def test_the_chosen_spill_trains_as_all_in_ram_and_the_line_names_it(tmp_path, c
     got, spilled = run(tmp_path, 0.002, clip, lines.append)
     plan = [line for line in lines if line.startswith("DGLS disk state plan:")]
     assert spilled and len(plan) == 1
-    assert f"of {len(spilled)} of 6 trained layers on disk (layers {ranges(spilled)})" in plan[0]
+    assert f"of {len(spilled)} of 6 trained layers on disk (layers {index_ranges(spilled)})" in plan[0]
     assert "predicted step" in plan[0] and ("after the backward" in plan[0]) == clip
     assert_same(run(None, None, clip)[0], got)
 

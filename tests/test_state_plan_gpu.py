@@ -9,7 +9,7 @@ from full_ft import SPEC, assert_same, full_layers, train_dgls
 from test_ordering_gpu import delay_every_copy
 
 from utils.dgls import LayerSwapper, SwapConfig
-from utils.dgls.planning.state_plan import ranges
+from utils.dgls.planning.row_copies import index_ranges
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -40,5 +40,5 @@ def run(tmp_path, clip, budget=None, delayed=False, log=None):
 def test_the_chosen_states_on_disk_with_every_direction_delayed_equal_all_in_ram(tmp_path, clip):
     lines = []
     got, spilled = run(tmp_path, clip, STATES, delayed=True, log=lines.append)
-    assert spilled and any(f"(layers {ranges(spilled)})" in line for line in lines if "disk state plan" in line)
+    assert spilled and any(f"(layers {index_ranges(spilled)})" in line for line in lines if "disk state plan" in line)
     assert_same(run(None, clip)[0], got)

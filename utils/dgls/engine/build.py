@@ -293,7 +293,7 @@ def start_report(parts: Parts) -> list[str]:
     store = parts.masters.store
     lines = [parts.placement.table(tier_labels(store) if parts.tiers is not None else None)]
     if parts.tiers is not None:
-        lines += [parts.tiers.line(), *parts.tiers.forecast.splitlines()]
+        lines += [parts.tiers.line(), *parts.tiers.forecast]
     if store.disk is not None:
         lines += [store.disk.describe(), *store.disk.notes]
     if parts.training is not None and parts.training.disk_state is not None:
@@ -346,12 +346,11 @@ def _tiers(
             layouts, hosted, placement.streamed, budget, RING_BUFFERS, trained, choose, states
         )  # fmt: skip
         if state and (forecast := states.forecast(list(state))) is not None:  # which layers' state, the time added
-            tiers = dataclasses.replace(tiers, forecast=forecast.line())
+            tiers = dataclasses.replace(tiers, forecast=(forecast.line(),))
     if state:
         trained.spill(state)
     if tiers.spilled and (forecast := choose.forecast(list(tiers.spilled))) is not None:
-        lines = [line for line in (tiers.forecast, forecast.line()) if line]
-        tiers = dataclasses.replace(tiers, forecast="\n".join(lines))
+        tiers = dataclasses.replace(tiers, forecast=(*tiers.forecast, forecast.line()))
     return tiers, state
 
 

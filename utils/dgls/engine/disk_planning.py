@@ -63,9 +63,8 @@ class DiskChoice:
             return []
         streamed = self.placement.streamed
         read_per_ms, copy_per_ms = self.probe()
-        step_copies_ms = 2 * sum(layout.sizes.streamable_bytes for layout in self.layouts) / copy_per_ms
         self.costs = DiskCosts(
-            uses=estimated_uses(self.layouts, step_copies_ms),
+            uses=self.estimated_uses(),
             copy_bytes={i: self.layouts[i].host_bytes for i in streamed},
             read_bytes={i: whole_pages(self.layouts[i].host_bytes) for i in streamed},
             copy_bytes_per_ms=copy_per_ms,
@@ -83,6 +82,12 @@ class DiskChoice:
             self.read_gbps, _ = probe_read_gbps(self.directory, min(total, PROBE_BYTES), pin=self.device.type == "cuda")
             self._probed = (max(self.read_gbps, 1e-6) * 1e6, copy_bytes_per_ms(self.device))
         return self._probed
+
+    def estimated_uses(self) -> tuple[UseTiming, ...]:
+        """A step's uses without a probe (:func:`estimated_uses`), computing as long as its copies of every
+        streamable byte both ways take at the probed copy bandwidth."""
+        step_copies_ms = 2 * sum(layout.sizes.streamable_bytes for layout in self.layouts) / self.probe()[1]
+        return estimated_uses(self.layouts, step_copies_ms)
 
     def forecast(self, spilled: Sequence[int]) -> DiskForecast | None:
         if self.costs is None:
@@ -114,11 +119,10 @@ class StateChoice:
             return []
         d = self.disk
         read_per_ms, copy_per_ms = d.probe()
-        step_copies_ms = 2 * sum(layout.sizes.streamable_bytes for layout in d.layouts) / copy_per_ms
         streamed = d.placement.streamed
         rate, timed = host_update_params_per_ms(self.spec)
         self.costs = StateCosts(
-            uses=estimated_uses(d.layouts, step_copies_ms) * self.passes,
+            uses=d.estimated_uses() * self.passes,
             copy_bytes={i: d.layouts[i].host_bytes for i in streamed},
             state_bytes=dict(self.extents),
             update_ms={i: place.numel / rate for i, place in self.trained.layers.items()},

@@ -271,9 +271,9 @@ def simulate_rows(
 
 
 def index_ranges(indices: Iterable[int]) -> str:
-    """0,1,2,5,7,8 -> '0-2,5,7-8'."""
+    """0,1,2,5,7,8 -> '0-2,5,7-8' (each index once)."""
     out: list[tuple[int, int]] = []
-    for i in sorted(indices):
+    for i in sorted(set(indices)):
         if out and out[-1][1] == i - 1:
             out[-1] = (out[-1][0], i)
         else:

@@ -50,6 +50,7 @@ from ..memory.layout import human_bytes
 from ..streaming.schedule import Phase
 from .disk_plan import HIDDEN_MS, MAX_TRIED, choose_by_model
 from .planner import UseTiming
+from .row_copies import index_ranges
 
 SLOTS = 2  # the disk state's buffers (training/disk_state.py): one layer updated while the next one's state is read
 GREEDY_STEPS = 3  # steps replayed to rank candidates (updates of a step are needed by the next one's fetches)
@@ -281,8 +282,9 @@ class StateForecast:
             when = f"after the backward (clipping{unspeculated})"
         said = (
             f"DGLS disk state plan: the fp32 masters and optimizer state of {len(self.spilled)} of {self.trained} "
-            f"trained layers on disk (layers {ranges(self.spilled)}), {human_bytes(self.with_disk.disk_bytes // 2)} "
-            f"read and written back a step at {c.read_bytes_per_ms / 1e6:.2f} GB/s: disk floor {_ms(self.floor_ms)} "
+            f"trained layers on disk (layers {index_ranges(self.spilled)}), "
+            f"{human_bytes(self.with_disk.disk_bytes // 2)} read and written back a step at "
+            f"{c.read_bytes_per_ms / 1e6:.2f} GB/s: disk floor {_ms(self.floor_ms)} "
             f"against {_ms(c.compute_ms)} of compute and {_ms(c.updates_ms)} of host updates a step ({compute}; the "
             f"updates run {when}); predicted step {_ms(self.with_disk.step_ms)}, {_ms(self.in_ram.step_ms)} with "
             "every state in RAM" + (" (speculating)" if c.after_backward and c.speculates_in_ram else "")
@@ -299,17 +301,6 @@ def forecast_state(costs: StateCosts, streamed: Sequence[int], spilled: Iterable
     return StateForecast(
         costs, spilled, trained, simulate_state(costs, streamed, spilled), simulate_state(in_ram, streamed, ())
     )
-
-
-def ranges(indices: Iterable[int]) -> str:
-    """``0-3, 7, 9-10``: sorted indices, runs collapsed."""
-    runs: list[list[int]] = []
-    for i in sorted(set(indices)):
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def _ms(value: float) -> str:

@@ -50,7 +50,9 @@ class Tiers:
     ring_count: int
     spilled: dict[int, int] = field(default_factory=dict)
     states: int = 0  # full fine-tuning: layers whose fp32 masters and optimizer state live on disk
-    forecast: str = ""  # the disk plan's line: the disk floor against the step's compute (set by the builder)
+    # the plans' lines (set by the builder): the state plan's (a full fine-tune's states on disk), then the disk plan's
+    # (the disk floor against the step's compute)
+    forecast: tuple[str, ...] = ()
 
     @property
     def ring_bytes(self) -> int:

@@ -286,9 +286,10 @@ class PipelineInterception:
             self.swap = swap_config(self.values)
         swap = self.swap.for_stage(stage.start, stage.stop, stage.layer_count)
         log = (lambda line: self.log(stage.label + line)) if stage.data_parallel_id == 0 else (lambda line: None)
-        log(weight_sources(stage.layers).line())  # what the load copied into process memory (memory/file_backed.py)
-        if self.casts is not None and self.casts.note:
-            log(self.casts.note)
+        if stage.data_parallel_id == 0:  # what the load copied into process memory (memory/file_backed.py)
+            log(weight_sources(stage.layers).line())
+            if self.casts is not None and self.casts.note:
+                log(self.casts.note)
         if self.casts is not None:
             self.casts.remove()  # the model is loaded
         self.swapper = LayerSwapper(stage.layers, swap, device=device, log=log, share_group=stage.share_group)
