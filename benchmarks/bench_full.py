@@ -134,7 +134,7 @@ from units import GiB  # noqa: E402
 from utils.dgls import LayerSwapper, Listener, SwapConfig  # noqa: E402
 from utils.dgls.engine.layer_major import layer_major_step  # noqa: E402
 from utils.dgls.memory.transport import Direction  # noqa: E402
-from utils.dgls.planning.state_plan import ranges  # noqa: E402
+from utils.dgls.planning.row_copies import index_ranges  # noqa: E402
 from utils.dgls.trainers.shm_op import without_shm_op  # noqa: E402
 from utils.dgls.training import optimizer_types  # noqa: E402
 from utils.dgls.training.host_optimizer import HostOptimizerSpec  # noqa: E402
@@ -474,7 +474,7 @@ def measure(name: str, args, device, dtype) -> dict:
         if training is not None:
             state = training.disk_state
             row["state_layers_on_disk"] = len(state.spilled) if state is not None else 0
-            row["state_layers"] = ranges(state.spilled) if state is not None else ""
+            row["state_layers"] = index_ranges(state.spilled) if state is not None else ""
             row["weight_layers_on_disk"] = len(swapper.store.disk_layers)
             row["disk_read_gib_per_step"] = disk.read / len(times) / GiB
             row["disk_written_gib_per_step"] = disk.written / len(times) / GiB
