@@ -365,6 +365,46 @@ def test_every_one_line_message_is_one_write_as_under_python_u(monkeypatch):
     assert writes == ["dgls: error: pipeline_stages = 3 leaves a stage without layers\n"]
 
 
+GROUPED_FAILURE = """
+import atexit, os, sys
+sys.path.insert(0, {root!r})
+import torch.distributed as dist
+from utils.dgls.errors import DGLSUserError
+from utils.dgls.program.distributed import free_port
+from utils.dgls.program.launch import entry
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+dist.init_process_group("gloo", rank=0, world_size=1)
+atexit.register(lambda: sys.stdout.write("atexit ran\\n"))
+class TornDown:  # says so in the interpreter's teardown, which the failed grouped process must skip
+    def __del__(self):
+        sys.stdout.write("torn down\\n")
+kept = TornDown()
+def main():
+    if sys.argv[1] == "user":
+        raise DGLSUserError("another process of this data-parallel job stopped")
+    raise ValueError("a bug")
+sys.exit(entry(main))
+"""
+
+
+@pytest.mark.parametrize("kind", ["user", "bug"])
+def test_a_failed_process_with_its_group_alive_ends_with_its_own_exit_code(tmp_path, kind):
+    """A run that fails with its process group alive (a peer killed mid-step: CI saw this) must not leave it to
+    interpreter finalization, where gloo's threads can abort the process ("terminate called without an active
+    exception", exit -6): it ends with 2 and its one line (a bug: 1 and its traceback once), atexit handlers run, the
+    teardown is skipped."""
+    script = tmp_path / "fail.py"
+    script.write_text(GROUPED_FAILURE.format(root=str(ROOT)))
+    proc = subprocess.run(
+        [sys.executable, str(script), kind], env=child_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.stdout == "atexit ran\n"
+    if kind == "user":
+        assert (proc.returncode, proc.stderr) == (2, "dgls: error: another process of this data-parallel job stopped\n")
+    else:
+        assert proc.returncode == 1 and proc.stderr.count("ValueError: a bug") == 1, proc.stderr
+
+
 # ------------------------------------------------------------------ the real program (slow)
 
 

@@ -19,8 +19,11 @@ start-up (:mod:`.rendezvous`).
 
 from __future__ import annotations
 
+import atexit
 import math
+import os
 import socket
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -170,3 +173,27 @@ def destroy_process_group() -> None:
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def group_alive() -> bool:
+    """Whether this process has a torch.distributed process group (never imports torch to find out)."""
+    distributed = sys.modules.get("torch.distributed")
+    return distributed is not None and distributed.is_available() and distributed.is_initialized()
+
+
+def end_failed_process(code: int) -> None:
+    """After a run failed with its process group still alive: end the process now with ``code``; else return.
+
+    The group cannot be destroyed safely after a failure (a peer may be inside a collective, or gone), and a
+    process that leaves it alive can abort in interpreter finalization instead of exiting with ``code``
+    ("terminate called without an active exception", SIGABRT from gloo's threads; see
+    :func:`destroy_process_group`): a CI run saw it after a peer was killed mid-step. So the process runs
+    its ``atexit`` handlers (logging's flush among them), flushes its streams and ends with ``os._exit``,
+    skipping only the module teardown that aborts. Nothing of a failed run is kept anyway: the run's own
+    clean-up (the swapper's removal, its segments' unlinking) happened on the way out of it."""
+    if not group_alive():
+        return
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import signal
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
 from ..errors import DGLSUserError, RunInterrupted, print_line
 from . import options as opts
+from .distributed import end_failed_process, group_alive
 from .stop_signals import StopSignals
 
 DEMO_MODEL_TYPE = "dgls_demo"
@@ -140,17 +142,22 @@ def entry(main: Callable[[], int]) -> int:
             return main()
         except DGLSUserError as exc:
             print_line(f"dgls: error: {exc}")
-            return USER_ERROR_EXIT
+            code = USER_ERROR_EXIT
         except RunInterrupted as exc:
             print_line(f"dgls: {stop.how}: {exc}")
-            return stop.exit_code
+            code = stop.exit_code
         except KeyboardInterrupt:
             print_line(f"dgls: {stop.how} before training started; nothing was saved")
-            return stop.exit_code
+            code = stop.exit_code
         except Exception as exc:
-            if stop.received is None:
+            if stop.received is None:  # a bug: its traceback, and Python's exit code for one
+                if group_alive():
+                    traceback.print_exc()
+                    end_failed_process(1)
                 raise
             what = (str(exc).strip().splitlines() or [""])[-1][:200]
             signal_name = "Ctrl-C" if stop.received == signal.SIGINT else "SIGTERM"
             print_line(f"dgls: {stop.how}: {signal_name} stopped the run ({type(exc).__name__}: {what})")
-            return stop.exit_code
+            code = stop.exit_code
+    end_failed_process(code)
+    return code
