@@ -18,7 +18,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 try:
-    from utils.dgls.program.launch import entry
+    from utils.dgls.program.launch import run_as_program
     from utils.dgls.program.validate import DemoRun, prepare
 except ModuleNotFoundError as exc:  # an incomplete copy into a checkout, or a package not installed
     missing = exc.name or str(exc)
@@ -56,4 +56,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(entry(main))
+    run_as_program(main)

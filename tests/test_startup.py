@@ -371,7 +371,7 @@ sys.path.insert(0, {root!r})
 import torch.distributed as dist
 from utils.dgls.errors import DGLSUserError
 from utils.dgls.program.distributed import free_port
-from utils.dgls.program.launch import entry
+from utils.dgls.program.launch import run_as_program
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 dist.init_process_group("gloo", rank=0, world_size=1)
 atexit.register(lambda: sys.stdout.write("atexit ran\\n"))
@@ -383,7 +383,7 @@ def main():
     if sys.argv[1] == "user":
         raise DGLSUserError("another process of this data-parallel job stopped")
     raise ValueError("a bug")
-sys.exit(entry(main))
+run_as_program(main)
 """
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -142,22 +143,33 @@ def entry(main: Callable[[], int]) -> int:
             return main()
         except DGLSUserError as exc:
             print_line(f"dgls: error: {exc}")
-            code = USER_ERROR_EXIT
+            return USER_ERROR_EXIT
         except RunInterrupted as exc:
             print_line(f"dgls: {stop.how}: {exc}")
-            code = stop.exit_code
+            return stop.exit_code
         except KeyboardInterrupt:
             print_line(f"dgls: {stop.how} before training started; nothing was saved")
-            code = stop.exit_code
+            return stop.exit_code
         except Exception as exc:
-            if stop.received is None:  # a bug: its traceback, and Python's exit code for one
-                if group_alive():
-                    traceback.print_exc()
-                    end_failed_process(1)
+            if stop.received is None:
                 raise
             what = (str(exc).strip().splitlines() or [""])[-1][:200]
             signal_name = "Ctrl-C" if stop.received == signal.SIGINT else "SIGTERM"
             print_line(f"dgls: {stop.how}: {signal_name} stopped the run ({type(exc).__name__}: {what})")
-            code = stop.exit_code
-    end_failed_process(code)
-    return code
+            return stop.exit_code
+
+
+def run_as_program(main: Callable[[], int]) -> NoReturn:
+    """``dgls_train.py``'s ``__main__``: :func:`entry`, then exit with its code. A failed run whose process group
+    is still alive ends through :func:`.distributed.end_failed_process` (gloo's threads can abort a plain exit);
+    a bug's traceback is printed first, and its exit code is 1, as Python's own."""
+    try:
+        code = entry(main)
+    except Exception:
+        if group_alive():
+            traceback.print_exc()
+            end_failed_process(1)
+        raise
+    if code != 0:
+        end_failed_process(code)
+    sys.exit(code)
