@@ -294,6 +294,7 @@ def _agree_in(rank: int, port: int, folder: Path) -> None:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow  # two processes with torch and gloo
 def test_every_process_raises_the_problem_one_found(tmp_path):
     """A process that raised alone would leave the others waiting in DeepSpeed's collectives."""
     from utils.dgls.program.distributed import free_port

@@ -387,6 +387,7 @@ run_as_program(main)
 """
 
 
+@pytest.mark.slow  # a process with torch and gloo per case
 @pytest.mark.parametrize("kind", ["user", "bug"])
 def test_a_failed_process_with_its_group_alive_ends_with_its_own_exit_code(tmp_path, kind):
     """A run that fails with its process group alive (a peer killed mid-step: CI saw this) must not leave it to

@@ -176,7 +176,7 @@ def test_full_fine_tuning_with_units_is_bitwise_the_same(mode):
 # ---------------------------------------------------------------- checkpoint_units
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("prefetch", [0, slow_case(1), 2, slow_case(3)])  # 1 and 3 in the slow step
-@pytest.mark.parametrize("unit_mb", [UNIT_MB, 0.04, 0])
+@pytest.mark.parametrize("unit_mb", [UNIT_MB, slow_case(0.04), 0])
 def test_checkpointed_units_train_bitwise_the_same(references, mode, prefetch, unit_mb):
     """Each swap unit (or each piece of a whole layer) under its own checkpoint, nested in every layer-checkpoint
     mode (or alone): the same numbers."""
@@ -204,7 +204,7 @@ def test_recompute_offload_with_swap_units_and_random_slots_stays_exact(referenc
 
 
 @pytest.mark.parametrize("mode", ["nonreentrant", "reentrant", "unsloth"])
-@pytest.mark.parametrize("prefetch", [0, slow_case(1), 3])  # 1 in the slow step
+@pytest.mark.parametrize("prefetch", [slow_case(0), slow_case(1), 3])  # 0 and 1 in the slow step
 @pytest.mark.parametrize("unit_mb", [UNIT_MB, 0])
 def test_kept_piece_outputs_train_bitwise_the_same(references, mode, prefetch, unit_mb):
     """keep_piece_outputs: the layer's recompute takes its pieces' outputs from the forward (sent home with its
