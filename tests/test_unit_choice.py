@@ -76,7 +76,8 @@ def test_where_the_one_micro_batch_units_stay_over_the_micro_batches_they_are_ke
     single = unit_bytes_for_budget(sizes(None), ROOMY)
     assert choice.unit_bytes == single
     assert split_cost(sizes(single), single, ROOMY // UNIT_SLOTS_SHARE).keeps_all
-    assert "so a layer's 5 units fit 5 slots" in choice.line and f"stay over its {n} micro-batches" in choice.line
+    assert "so each layer's units (at most 5) fit 5 slots" in choice.line
+    assert f"stay over its {n} micro-batches" in choice.line
 
 
 def test_whole_layers_stay_whole_whatever_the_micro_batches():
@@ -98,21 +99,51 @@ def test_with_micro_batches_the_units_that_stay_in_the_slots_are_chosen(n):
     assert before.units == 14 and before.refetched > 0
     assert choice.unit_bytes > single and after.units == after.slots == 5 and after.keeps_all and after.pool <= share
     line = choice.line
-    assert f"a step runs {n} micro-batches layer-major" in line and "so a layer's 5 units fit 5 slots" in line, line
+    assert f"a step runs {n} micro-batches layer-major" in line, line
+    assert "so each layer's units (at most 5) fit 5 slots" in line, line
     assert f"stay over its {n} micro-batches" in line and "the one-micro-batch size" in line, line
     assert line.endswith("(--swap_unit_mb to choose, 0 for whole layers)")
 
 
-def test_where_no_split_keeps_all_the_one_micro_batch_size_stays_unless_another_fetches_less():
-    """A budget whose quarter holds no split's units: the fewest bytes fetched again wins, the one-micro-batch size
-    on a tie; the line says what still comes again."""
+def test_where_no_split_keeps_all_the_one_micro_batch_size_stays_if_none_fetches_less():
+    """A budget whose quarter holds no split's units, and none fetching less again than the one-micro-batch size:
+    that size, and the line says what still comes again."""
     choice, sizes = choose(150 * D2, 4)
     share = 150 * D2 // UNIT_SLOTS_SHARE
     single = unit_bytes_for_budget(sizes(None), 150 * D2)
     costs = [split_cost(sizes(t), t, share) for t in {single, *split_points(model()[0])}]
-    least = min(c.refetched for c in costs if c is not None)
-    assert split_cost(sizes(choice.unit_bytes), choice.unit_bytes, share).refetched == least > 0
-    assert "fetched again" in choice.line or "fetches least again" in choice.line, choice.line
+    assert choice.unit_bytes == single
+    assert split_cost(sizes(single), single, share).refetched == min(c.refetched for c in costs if c is not None) > 0
+    assert "no unit size lets every layer's units fit the slots within that quarter: at 5 slots" in choice.line
+
+
+def synthetic(units: dict[int | None, list[int]], layers: int = 2):
+    """``layers`` layers, each split at unit size t into entries of ``units[t]`` bytes (None: whole)."""
+
+    def split(t: int | None) -> list[LayerSizes]:
+        sizes: list[LayerSizes] = []
+        for layer in range(layers):
+            if t is None:
+                sizes.append(LayerSizes(len(sizes), "Block", sum(units[None]), 0, layer=layer))
+                continue
+            sizes.append(LayerSizes(len(sizes), "Block", 0, 0, layer=layer, holder=True))
+            for k, nbytes in enumerate(units[t]):
+                sizes.append(LayerSizes(len(sizes), "Linear", nbytes, 0, layer=layer, part=f"u{k}"))
+        return sizes
+
+    return split
+
+
+def test_where_no_split_keeps_all_the_split_fetching_least_again_wins():
+    """Budget 2000 (slots' quarter 500), layers of 400 bytes. The one-micro-batch units (83 bytes) give 120 + 7 x 40
+    (the 120 cannot be split): 4 slots within the quarter keep 2, 240 bytes a layer come again; units of 200 give
+    165 + 135 + 50 + 50: 3 slots keep the 165, 235 come again. The fewer bytes win, and the line says so."""
+    split = synthetic({None: [400], 83: [120] + [40] * 7, 200: [165, 135, 50, 50]})
+    assert split_cost(split(83), 83, 500).refetched == 2 * 240
+    assert split_cost(split(200), 200, 500).refetched == 2 * 235
+    choice = choose_unit_bytes(split(None), 2000, 4, split, [200])
+    assert choice.unit_bytes == 200 and "the size that fetches least again" in choice.line, choice.line
+    assert choose_unit_bytes(split(None), 2000, 1, split, [200]).unit_bytes == 83
 
 
 # ---------------------------------------------------------------- the planner's step model

@@ -130,30 +130,30 @@ def choose_unit_bytes(
 
 
 def _line(chosen: SplitCost, base: SplitCost | None, single: int, n: int) -> str:
-    """The start-up line: what was chosen for ``n`` layer-major micro-batches, and why."""
+    """The start-up line: what was chosen for ``n`` layer-major micro-batches, and why (bytes fetched again: per
+    direction, in each micro-batch after the first, with every layer streamed)."""
     head = (
         f"DGLS: two slots of the largest layer would take over a quarter of the budget, and a step runs {n} "
         f"micro-batches layer-major: layers over {human_bytes(chosen.unit_bytes)} stream as swap units"
     )
     kept = (
-        f"so a layer's {chosen.units} units fit {chosen.slots} slots ({human_bytes(chosen.pool)}) within that quarter "
-        f"and stay over its {n} micro-batches (each copied once a direction a step)"
+        f"so each layer's units (at most {chosen.units}) fit {chosen.slots} slots ({human_bytes(chosen.pool)}) within "
+        f"that quarter and stay over its {n} micro-batches (each copied once a direction a step)"
     )
     tail = " (--swap_unit_mb to choose, 0 for whole layers)"
+
+    def again(cost: SplitCost) -> str:
+        return f"about {human_bytes(cost.refetched)} a direction again in each micro-batch after the first"
+
     if chosen is base:
         if chosen.keeps_all:
             return f"{head}, {kept}{tail}"
         return (
-            f"{head}; no unit size lets every layer's units fit the slots within that quarter: at "
-            f"{chosen.slots} slots about {human_bytes(chosen.refetched)} a micro-batch after the first is fetched "
-            f"again (the planner counts it){tail}"
+            f"{head}; no unit size lets every layer's units fit the slots within that quarter: at {chosen.slots} "
+            f"slots they fetch {again(chosen)} (the planner counts it){tail}"
         )
-    before = f"the one-micro-batch size, {human_bytes(single)}, would fetch " + (
-        f"about {human_bytes(base.refetched)} again in each micro-batch after the first" if base else "them again"
-    )
+    before = f"the one-micro-batch size, {human_bytes(single)}, would fetch " + (again(base) if base else "more again")
     if chosen.keeps_all:
         return f"{head}, {kept}; {before}{tail}"
-    return (
-        f"{head}, the size that fetches least again per micro-batch at the slots within that quarter (about "
-        f"{human_bytes(chosen.refetched)} at {chosen.slots} slots); {before}{tail}"
-    )
+    least = f"the size that fetches least again at the slots within that quarter ({again(chosen)} at {chosen.slots})"
+    return f"{head}, {least}; {before}{tail}"
