@@ -199,12 +199,12 @@ def _loss(micro, out, m):
     return torch.nn.functional.mse_loss(out[0], micro[m][1])
 
 
-def train(n: int, swap: SwapConfig | None, steps: int = 3):
+def train(n: int, swap: SwapConfig | None, steps: int = 3, log=None):
     """LoRA-like steps (each block's gain trains) of ``n`` micro-batches, layer-major; the bytes copied per step, the
     trained gains, and the swapper's unit size and slot count."""
     layers, trainable = model()
     counter = WeightBytes()
-    swapper = LayerSwapper(layers, swap, device=CPU, log=None) if swap is not None else None
+    swapper = LayerSwapper(layers, swap, device=CPU, log=log) if swap is not None else None
     seen = {}
     try:
         if swapper is not None:
@@ -267,6 +267,18 @@ def test_mutation_a_builder_that_ignores_the_micro_batches_copies_as_much_as_bef
     once, _ = copies_at_the_quarters_slots(chosen_units(4), n=1)
     with pytest.raises(AssertionError):
         assert after == once  # the test above's check
+
+
+def test_a_step_of_other_micro_batches_than_the_units_were_sized_for_says_how_to_size_them():
+    """A library loop that did not tell the builder its micro-batches: the line saying which units come again per
+    micro-batch (the probe's slots) says how to size them for this count; told, it does not."""
+    untold: list[str] = []
+    train(4, SwapConfig.of(vram_budget=TIGHT / GiB), steps=2, log=untold.append)
+    said = [line for line in untold if "fetched again in each micro-batch" in line]
+    assert len(said) == 1 and "layer_major_micro_batches = 4 in the SwapConfig sizes them for 4" in said[0], untold
+    told: list[str] = []
+    train(4, SwapConfig.of(vram_budget=TIGHT / GiB, layer_major_micro_batches=4), steps=2, log=told.append)
+    assert not any("layer_major_micro_batches" in line for line in told), told
 
 
 def test_swap_unit_mb_given_wins_over_the_choice_for_the_micro_batches():
