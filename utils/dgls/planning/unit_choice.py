@@ -31,6 +31,12 @@ The rule (:func:`choose_unit_bytes`)
       fetches fewest wins (ties: the smaller pool, then fewer units). A split whose units all stay fetches none.
     - ``--swap_unit_mb`` always wins (the builder asks only without it).
 
+What it costs
+    - Larger units raise the smallest footprint the planner can fall back to (two slots of the largest unit): from
+      at most a 12th of the budget (two units of a 24th) to at most a quarter (two slots hold a layer's two units).
+      A run whose activations leave less than that is refused after the probe with the planner's one line, which
+      names ``--swap_unit_mb``; the start-up line gives the one-micro-batch size to pass there.
+
 Invariants
     - Pure: sizes in, a size and its start-up line out; the same inputs give the same answer.
     - N = 1 gives :func:`.planner.unit_bytes_for_budget`'s answer and its line, word for word.
