@@ -199,24 +199,30 @@ def _loss(micro, out, m):
     return torch.nn.functional.mse_loss(out[0], micro[m][1])
 
 
-def train(n: int, swap: SwapConfig | None, steps: int = 3, log=None):
+def train(n: int, swap: SwapConfig | None, steps: int = 3, log=None, device=CPU, hook=None):
     """LoRA-like steps (each block's gain trains) of ``n`` micro-batches, layer-major; the bytes copied per step, the
-    trained gains, and the swapper's unit size and slot count."""
+    trained gains (on the CPU), and the swapper's unit size and slot count. ``hook(swapper)`` sees the swapper
+    first; without ``swap`` the layers are resident on ``device``."""
     layers, trainable = model()
     counter = WeightBytes()
-    swapper = LayerSwapper(layers, swap, device=CPU, log=log) if swap is not None else None
+    if swap is None:
+        for layer in layers:
+            layer.to(device)
+    swapper = LayerSwapper(layers, swap, device=device, log=log) if swap is not None else None
     seen = {}
     try:
         if swapper is not None:
             swapper.add_listener(counter)
             seen = {"unit": swapper.unit_bytes, "slots": len(swapper.pool.slots)}
+            if hook is not None:
+                hook(swapper)
         opt = torch.optim.SGD(trainable, lr=0.1)
         for s in range(steps):
-            micro = micro_batches(n, D, seed=s)
+            micro = [(tuple(t.to(device) for t in x), y.to(device)) for x, y in micro_batches(n, D, seed=s)]
             layer_major_step(layers, [x for x, _ in micro], partial(_loss, micro), swapper)
             opt.step()
             opt.zero_grad()
-        return counter.passes, [p.detach().clone() for p in trainable], seen
+        return counter.passes, [p.detach().cpu().clone() for p in trainable], seen
     finally:
         if swapper is not None:
             swapper.remove()
@@ -230,13 +236,13 @@ def chosen_units(n: int) -> int:
         return swapper.unit_bytes
 
 
-def copies_at_the_quarters_slots(unit: int, n: int = 4):
+def copies_at_the_quarters_slots(unit: int, n: int = 4, device=CPU, hook=None):
     """Every layer streamed as units of ``unit`` bytes, with the slots a quarter of the tight budget holds for them
     (planning/unit_choice.split_cost): the weight bytes of the third step, the trained gains."""
     layers, _ = model()
     cost = split_cost(sizes_of(layers)(unit), unit, TIGHT // UNIT_SLOTS_SHARE)
     swap = SwapConfig.of(swap_unit_mb=unit / MB, prefetch=cost.slots - 1, blocks_to_swap=BLOCKS)
-    passes, gains, seen = train(n, swap)
+    passes, gains, seen = train(n, swap, device=device, hook=hook)
     assert seen["slots"] == cost.slots
     return passes[-1], gains
 
