@@ -320,3 +320,22 @@ def test_the_start_up_checks_tell_the_builder_the_layer_major_micro_batches(tmp_
     config = fake_config(tmp_path / "dp", top="gradient_accumulation_steps = 4")
     drop_in = ["--config", str(config), "--diffusion_pipe", str(FAKE), "--vram_budget", "8"]
     assert told(drop_in, ROOT) == 4 and told([*drop_in, "--no-layer_major"], ROOT) == 1
+
+
+@pytest.mark.slow  # two demo runs to their probe: about 12 s on 2 cores
+@needs_layer_major
+def test_the_demo_sizes_its_units_for_its_layer_major_micro_batches_and_says_so(tmp_path, capsys):
+    """dgls_train.py's demo end to end (--plan: it stops after the probe): with gradient_accumulation_steps = 4 under
+    a tight budget, the start-up line is the one for 4 layer-major micro-batches; with one micro-batch, the one
+    before."""
+    from cli_helpers import demo_toml, run_in_process
+
+    def start_up(folder, **demo) -> str:
+        config = demo_toml(folder, steps=3, **demo)
+        code, out, err = run_in_process(["--config", str(config), "--vram_budget", "0.00105", "--plan"], capsys)
+        assert code == 0, err
+        (line,) = [line for line in out.splitlines() if "two slots of the largest layer" in line]
+        return line
+
+    assert "a step runs 4 micro-batches layer-major" in start_up(tmp_path / "4", gradient_accumulation_steps=4)
+    assert "layer-major" not in start_up(tmp_path / "1", gradient_accumulation_steps=1)
