@@ -287,6 +287,20 @@ def test_a_step_of_other_micro_batches_than_the_units_were_sized_for_says_how_to
     assert not any("layer_major_micro_batches" in line for line in told), told
 
 
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_full_fine_tune_sizes_its_units_for_the_micro_batches_too(n):
+    """Host-trained layers stream their trainable params in the units too (the builder counts them): the same
+    choice as the frozen model's, for one micro-batch and for four."""
+    from full_ft import SPEC
+
+    layers, _ = model()
+    for layer in layers:
+        layer.requires_grad_(True)
+    config = SwapConfig.of(vram_budget=TIGHT / GiB, host_optimizer=SPEC, layer_major_micro_batches=n)
+    with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
+        assert swapper.unit_bytes == chosen_units(n)
+
+
 def test_swap_unit_mb_given_wins_over_the_choice_for_the_micro_batches():
     layers, _ = model()
     lines: list[str] = []
