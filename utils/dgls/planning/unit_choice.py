@@ -6,10 +6,10 @@ Why
     for activations and a deep prefetch. A layer-major step (:mod:`..engine.layer_major`) runs each layer over its N
     micro-batches, and a layer's units stay in the slots over them only when the slots hold them all
     (:func:`.row_copies.plan_row`); with more units than slots, the others are fetched again in each micro-batch
-    after the first. Small units of uneven size are the worst case: a Flux block at 3 GiB splits into 14 units of up
-    to 113 MB (its modulation Linear cannot be split), and 14 slots of 113 MB are twice the quarter, while units at
-    its attention's and MLPs' size (5 of at most 151 MB) fit it. So the count of a layer's units matters as much as
-    their size, and it is chosen here.
+    after the first. Small units of uneven size are the worst case: a Flux-dev double block (diffusers' modules,
+    bf16) at 3 GiB splits into 14 units of up to 113 MB (its modulation Linear cannot be split), and 14 slots of
+    113 MB are twice the quarter, while units at its attention's and MLPs' size (5 of at most 151 MB) fit it. So the
+    count of a layer's units matters as much as their size, and it is chosen here.
 
 Why a rule and not the planner's step model
     The layers are split when the engine is built, before the probe step measures compute times, the copy
@@ -51,7 +51,7 @@ from ..memory.layout import LayerSizes, human_bytes, pool_bytes, slot_count
 from .planner import PREFETCH_CHOICES, UNIT_SLOTS_SHARE, unit_bytes_for_budget
 from .row_copies import plan_row
 
-Split = Callable[[int], Sequence[LayerSizes]]  # unit bytes -> the entries' sizes at that split
+Split = Callable[[int | None], Sequence[LayerSizes]]  # unit bytes (None: whole) -> the entries' sizes then
 
 
 @dataclass(frozen=True)
