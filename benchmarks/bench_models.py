@@ -110,6 +110,13 @@ def parser() -> argparse.ArgumentParser:
         help="accum rows: DGLS rows both ways, or only one (the all-resident rows run both ways: the reference)",
     )
     p.add_argument(
+        "--accumulation_units",
+        choices=("micro_batches", "one", "both"),
+        default="micro_batches",
+        help="accum vram_budget rows, layer-major: swap units sized for the step's micro-batches (as dgls_train.py "
+        "does), for one micro-batch (the size before), or a row of each",
+    )
+    p.add_argument(
         "--profile_dir",
         type=Path,
         default=None,
@@ -161,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
             accumulation_budgets=args.accumulation_budgets,
             accumulation_ways=args.accumulation_ways,
             accumulation_ab=args.accumulation_ab,
+            accumulation_units=args.accumulation_units,
             profile_dir=args.profile_dir,
             **defaults,
         )

@@ -33,7 +33,7 @@ from machine import release_host_cache
 from models import Bench, place
 from timing import Deadline, peaks, reset_peaks, sync, time_steps
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
-from units import GiB
+from units import GiB, MiB
 
 from utils.dgls import LayerSwapper, SwapConfig
 from utils.dgls.watching.profiler import Profiler
@@ -119,6 +119,9 @@ class Options:
     accumulation_ways: str = "both"  # accum rows: DGLS rows one after another, layer-major, or both
     profile_dir: Path | None = None  # accum rows: each DGLS row's --profile trace of one step after its timed ones
     accumulation_ab: bool = False  # accum rows: also all-resident layer-major against one after another, alternating
+    # accum vram_budget rows, layer-major: swap units sized for the step's micro-batches (as dgls_train.py tells the
+    # builder), for one micro-batch (the size before: utils/dgls/planning/unit_choice.py), or a row of each
+    accumulation_units: str = "micro_batches"
 
 
 @dataclass(frozen=True)
@@ -286,10 +289,13 @@ class Methods:
                     continue
                 gib = self.bench.tight_budget_gib() if self.options.tiny else float(budget)
                 for layer_major in ways:
-                    name = f"DGLS vram_budget={gib:.3g} GiB, {micro_batches(count, layer_major)}"
-                    profile = self.profile_path(name)
-                    run = partial(self.measure_accum_budget, gib, count, layer_major, reference, profile)
-                    yield Case("accum", name, run)
+                    for sized_for in self._units_sized_for(count, layer_major):
+                        name = f"DGLS vram_budget={gib:.3g} GiB, {micro_batches(count, layer_major)}"
+                        if sized_for != count and layer_major:
+                            name += f", units sized for {sized_for} micro-batch"
+                        profile = self.profile_path(name)
+                        run = partial(self.measure_accum_budget, gib, count, layer_major, reference, profile, sized_for)
+                        yield Case("accum", name, run)
             for gib in gibs:
                 n = self.bench.blocks_to_swap_for_gib(float(gib))
                 config = SwapConfig.of(blocks_to_swap=n, prefetch=prefetch)
@@ -298,6 +304,12 @@ class Methods:
                     name = f"DGLS ~{gib} GiB, {what} (blocks_to_swap={n}, prefetch={prefetch})"
                     run = partial(self.measure_accum, config, count, layer_major, reference, self.profile_path(name))
                     yield Case("accum", name, run)
+
+    def _units_sized_for(self, count: int, layer_major: bool) -> tuple[int, ...]:
+        """The micro-batch counts a vram_budget accum row's builder is told (``layer_major_micro_batches``)."""
+        if not layer_major or count == 1:
+            return (1,)
+        return {"micro_batches": (count,), "one": (1,), "both": (1, count)}[self.options.accumulation_units]
 
     def blocking(self, step: Callable[[], object]) -> dict:
         """With --profile_dir, two more steps under torch.profiler: where the host waited, and the compute stream's
@@ -352,13 +364,22 @@ class Methods:
         return times[True], {**figures, **self.accum_figures(count, True, times[True], {"resident_s": sequential})}
 
     def measure_accum_budget(
-        self, gib: float, count: int, layer_major: bool, reference: dict, profile: Path | None = None
+        self,
+        gib: float,
+        count: int,
+        layer_major: bool,
+        reference: dict,
+        profile: Path | None = None,
+        sized_for: int = 1,
     ):
-        """Planned from the CPU, as the vram_budget rows are (:meth:`auto`)."""
+        """Planned from the CPU, as the vram_budget rows are (:meth:`auto`); ``sized_for``: the micro-batches the
+        builder sizes swap units for."""
         place(self.bench.layers, torch.device("cpu"))
         release_host_cache()
         try:
-            times, figures = self.measure_auto(gib, micro_batches=count, layer_major=layer_major, profile=profile)
+            times, figures = self.measure_auto(
+                gib, micro_batches=count, layer_major=layer_major, profile=profile, sized_for=sized_for
+            )
         finally:
             place(self.bench.layers, self.device)
         return times, {**figures, **self.accum_figures(count, layer_major, times, reference)}
@@ -518,15 +539,21 @@ class Methods:
         micro_batches: int = 1,
         layer_major: bool = False,
         profile: Path | None = None,
+        sized_for: int = 1,
     ):
         """A vram_budget row: planned (untimed), then timed; ``micro_batches`` a step, ``layer_major`` or not;
-        ``profile``: the --profile trace of one step after the timed ones is written there."""
+        ``profile``: the --profile trace of one step after the timed ones is written there; ``sized_for``: the
+        layer-major micro-batches the builder sizes swap units for (``layer_major_micro_batches``)."""
         lines: list[str] = []
         reset_peaks(self.device)
         before = torch.cuda.memory_allocated(self.device) / GiB if self.device.type == "cuda" else 0.0
         offload = {"auto": None, "on": True, "off": False}[self.options.budget_offload]
         config = SwapConfig.of(
-            vram_budget=budget, offload_activations=offload, checkpoint_units=checkpoint_units, **_profiling(profile)
+            vram_budget=budget,
+            offload_activations=offload,
+            checkpoint_units=checkpoint_units,
+            layer_major_micro_batches=sized_for,
+            **_profiling(profile),
         )
         with LayerSwapper(self.bench.layers, config, self.device, log=lines.append) as swapper:
             planner = swapper.driver
@@ -559,6 +586,8 @@ class Methods:
             return times, {
                 **figures,
                 "slot_mib": _slot_mib(swapper),
+                "unit_mib": swapper.unit_bytes / MiB if swapper.unit_bytes else None,
+                "units_sized_for": sized_for,
                 "offload_activations": self.options.budget_offload,
                 "kept_activations": plan.kept_activations if plan else None,
                 "checkpoint_units": checkpoint_units,

@@ -618,3 +618,16 @@ def test_torchao_offload_and_dp_recipe_train_on_cuda(tmp_path):
     if "copied_gib_per_step" in rows["torchao-offload"]:
         copied = rows["torchao-offload"]["copied_gib_per_step"]
         assert copied["grads home"] == pytest.approx(2 * copied["params in"]) and copied["params in"] > 0
+
+
+def test_accumulation_units_both_gives_a_budget_row_per_unit_size_choice(tmp_path):
+    """--accumulation_units both: a layer-major vram_budget row with swap units sized for its micro-batches and one
+    with them sized for one (the size before), each saying which (utils/dgls/planning/unit_choice.py)."""
+    result = bench_models.main(
+        ["--model", "flux", *TINY, "--methods", "accum", "--gib", "", "--accumulation", "2", "--accumulation_budgets"]
+        + ["--budgets", "1", "--accumulation_ways", "layer-major", "--accumulation_units", "both"]
+        + ["--results_dir", str(tmp_path), "--steps", "1", "--warmup", "0"]
+    )
+    rows = [r for r in result["rows"] if "DGLS" in r["method"]]
+    assert sorted(r["units_sized_for"] for r in rows) == [1, 2] and all("unit_mib" in r for r in rows)
+    assert [r["method"].endswith("units sized for 1 micro-batch") for r in rows] == [True, False]

@@ -33,6 +33,7 @@ NOT_OPTIONS = {
     "accumulation_steps",
     "clip_grads",
     "first_layer",  # a pipeline stage's first layer, set by for_stage
+    "layer_major_micro_batches",  # set by the start-up checks where layer-major applies
     "speculate_clipping",
     "data_parallel",  # set by the start-up checks from the launcher's processes and pipeline stages
 }

@@ -43,7 +43,7 @@ from ..memory.layout import MB, LayerLayout, TrainingLayout, human_bytes, measur
 from ..memory.precision import CastRules, check_device_support, name_of
 from ..memory.transport import CudaTransport, Direction, Transport, make_transport
 from ..planning.autoplan import PlacementDriver, resolve_budget
-from ..planning.planner import unit_bytes_for_budget
+from ..planning.unit_choice import choose_unit_bytes
 from ..streaming.config import SwapConfig
 from ..streaming.feature import Feature
 from ..streaming.forward_patches import ForwardPatches
@@ -51,7 +51,7 @@ from ..streaming.masters import Masters, has_fp8
 from ..streaming.placement import Placement, plan_placement
 from ..streaming.tiers import RING_BUFFERS, Tiers, plan_tiers, resolve_ram_budget, tier_labels
 from ..streaming.trainable_cast import TrainableCast
-from ..streaming.units import Entry, split_layers, split_note
+from ..streaming.units import Entry, split_layers, split_note, split_points
 from ..torch_private import check_torch
 from ..training.data_parallel import SharedGradients, job_ownership, refuse_whole_step
 from ..training.disk_state import DiskState, plan_full_tiers, refuse_disk_state
@@ -424,20 +424,24 @@ def _unit_bytes(
     log: Callable[[str], None],
 ) -> int | None:
     """The largest swap unit in bytes (None: whole layers): ``swap_unit_mb`` if given, else the planner's
-    choice for the VRAM budget (from the whole layers' sizes)."""
+    choice for the VRAM budget and the step's layer-major micro-batches (:mod:`..planning.unit_choice`)."""
     given = config.placement.swap_unit_mb
     if given is not None:  # rounded up: any size above 0, however small, splits (0 alone means whole layers)
         return math.ceil(given * MB) or None
     if budget is None:
         return None
-    whole = measure(layers, rules, config.compute.mixed_precision, host_trained=host_trained)
-    unit = unit_bytes_for_budget([layout.sizes for layout in whole], budget)
-    if unit is not None:
-        log(
-            f"DGLS: two slots of the largest layer would take over a quarter of the budget: layers over "
-            f"{human_bytes(unit)} stream as swap units (--swap_unit_mb to choose, 0 for whole layers)"
-        )
-    return unit
+
+    def sizes(unit: int | None) -> list:
+        entries = split_layers(layers, unit, trainable_streams=host_trained)
+        laid = measure([e.value for e in entries], rules, config.compute.mixed_precision, host_trained=host_trained)
+        return [layout.of_entry(e.layer, e.part, e.holder).sizes for layout, e in zip(laid, entries)]
+
+    micro_batches = config.placement.layer_major_micro_batches
+    points = split_points(layers, host_trained) if micro_batches > 1 else set()  # the candidates it tries
+    choice = choose_unit_bytes(sizes(None), budget, micro_batches, sizes, points)
+    if choice.line:
+        log(choice.line)
+    return choice.unit_bytes
 
 
 def _offloads_activations(config: SwapConfig, driver: PlacementDriver | None, device: torch.device) -> bool:

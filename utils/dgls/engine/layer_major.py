@@ -32,7 +32,9 @@ Schedule
       the slots (and lets the use predictor see one micro-batch's uses): each unit is then fetched once a direction
       a step, as whole layers are. A layer with more units than slots keeps as many as leave two slots to the others,
       which are fetched again per micro-batch (said once, with the bytes it adds; the planner counts it and prefers
-      plans whose slots hold the units: :mod:`..planning.row_copies`).
+      plans whose slots hold the units: :mod:`..planning.row_copies`). Under a VRAM budget the builder sizes the
+      units for the step's micro-batches (``layer_major_micro_batches``, which the demo's and diffusion-pipe's
+      start-up checks set), so that a layer's units fit the slots where a size allows (:mod:`..planning.unit_choice`).
     - Full fine-tuning (host-trained layers): each layer's gradients are summed on the device over the N
       micro-batches and go home once (:mod:`..training.device_sums`; a param without a gradient in a layer's last
       micro-batch sends its sum when the layer's micro-batches end); the host training sees one micro-batch a step,

@@ -24,7 +24,8 @@ What :class:`RowKeeping` tells the engine (:meth:`~.swapper.LayerSwapper.keep_fo
       micro-batch), not unit 1 again.
     - Said once (:meth:`RowKeeping.report`, the first step with N > 1 whose rows fetch units again): which layers'
       units come again per micro-batch and the bytes the rule predicts that adds a step
-      (:func:`~..planning.row_copies.refetch_line`).
+      (:func:`~..planning.row_copies.refetch_line`); where a VRAM budget's units were sized for another count of
+      micro-batches (``layer_major_micro_batches``: :mod:`..planning.unit_choice`), how to size them for this one.
 
 Invariants
     - Correctness never depends on it: it changes only which slots a prefetch may take (and which entries it may
@@ -134,7 +135,19 @@ class RowKeeping:
         layers = sorted({row for row, _ in refetched})
         line = refetch_line(self.count, len(self.swapper.pool.slots), layers, extra, kept)
         if line and self.swapper.log is not None:
-            self.swapper.log(line)
+            self.swapper.log(line + self._sized_for())
+
+    def _sized_for(self) -> str:
+        """Where the builder chose the unit size for other micro-batches than this step's (the library's own loop
+        did not say its count: :mod:`..planning.unit_choice`), how to size them for these ('' otherwise)."""
+        placement = self.swapper.config.placement
+        told = placement.layer_major_micro_batches
+        if placement.swap_unit_mb is not None or not self.swapper.unit_bytes or told == self.count:
+            return ""
+        return (
+            f" (the VRAM budget's swap units were sized for {told} layer-major micro-batch(es) a step: "
+            f"layer_major_micro_batches = {self.count} in the SwapConfig sizes them for {self.count})"
+        )
 
     def close(self) -> None:
         self.memory.record(None)

@@ -7,6 +7,8 @@ Modules
       an enum.
     - ``row_copies.py``: layer-major swap units: which of a layer's units stay in the slots over its micro-batches
       (the rule the engine applies) and the planner's replay of what the others cost a step.
+    - ``unit_choice.py``: the swap-unit size for a VRAM budget, knowing the step's layer-major micro-batches (units
+      whose count per layer fits the slots, so they stay over the micro-batches), chosen before the probe.
     - ``disk_plan.py``: with a host RAM budget, which streamed layers spill to disk (their reads hiding behind the
       longest compute) and the floor the disk sets on a step.
     - ``state_plan.py``: with a host RAM budget, which full fine-tuned layers keep their fp32 masters and optimizer

@@ -175,6 +175,7 @@ def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, 
     if values["dynamic_swapping"] and not settings.activation_checkpointing:
         _offload_needs_checkpointing(resolved, values, f"[demo] activation_checkpointing = false in {path}")
     _check_layer_major(resolved, settings.pipeline_stages, f"[demo] pipeline_stages in {path}")
+    swap = with_layer_major(swap, values, settings.pipeline_stages, settings.micro_batches(values["lazy_lora_steps"]))
     _check_disk_tier_sharing(resolved, dist.world_size, settings.pipeline_stages, f"[demo] pipeline_stages in {path}")
     if settings.full and values["dynamic_swapping"]:
         swap = _full_fine_tune(path, settings, swap, dist, resolved)
@@ -372,6 +373,14 @@ def layer_major_applies(values: dict, stages: int, micro_batches: int) -> bool:
     return bool(wanted and deepspeed_too_old_for_layer_major() is None)
 
 
+def with_layer_major(swap: SwapConfig, values: dict, stages: int, micro_batches: int) -> SwapConfig:
+    """``swap`` told the micro-batches a step runs layer-major where :func:`layer_major_applies` (the builder sizes
+    swap units so a layer's can stay over them: :mod:`..planning.unit_choice`); unchanged elsewhere."""
+    if not layer_major_applies(values, stages, micro_batches):
+        return swap
+    return swap.replace(layer_major_micro_batches=micro_batches)
+
+
 def accumulation_note(values: dict, stages: int, micro_batches: int) -> str:
     """The start-up line of how a step's ``micro_batches`` run (the demo's and diffusion-pipe's; decided from the
     configuration alone: :func:`layer_major_applies`)."""
@@ -513,6 +522,7 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
     _check_disk_tier_sharing(resolved, dist.world_size, stages, f"pipeline_stages in {path}")
     # a step's micro-batches: train.py's engine runs the same count (checked whole and >= 1 above)
     micro_batches = config.get("gradient_accumulation_steps", 1) * values["lazy_lora_steps"]
+    swap = with_layer_major(swap, values, stages, micro_batches)
     if swapping and (spec := dp_config.host_optimizer_spec(config, path)) is not None:
         swap = _drop_in_full_fine_tune(path, config, swap, spec, dist, stages, resolved, rest, micro_batches)
         dp_config.probe_host_optimizer(swap.training.host_optimizer, checkout)

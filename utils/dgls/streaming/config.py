@@ -145,6 +145,9 @@ class PlacementPolicy(_Policy):
       (:mod:`.units`); None: whole layers unless the planner needs smaller slots; 0: never.
     - ``first_layer``: where this process's layers start in the whole list (a pipeline stage's, set by
       :meth:`for_stage`; no option): the planner names resident layers by their index in the whole list.
+    - ``layer_major_micro_batches``: the micro-batches each step runs layer-major (:mod:`..engine.layer_major`; 1:
+      one a pass, or one after another), set by the start-up checks where layer-major applies (no option): the
+      builder sizes swap units so a layer's units can stay over them (:mod:`..planning.unit_choice`).
     - Read by the builder (:mod:`..engine.build`: placement, swap units, the planner) and :mod:`.placement`.
     """
 
@@ -157,6 +160,7 @@ class PlacementPolicy(_Policy):
     prefetch: int = _whole(2, 0)
     swap_unit_mb: float | None = _size(None, "is a size in MB >= 0 (0: never split a layer)")
     first_layer: int = _whole(0, 0)
+    layer_major_micro_batches: int = _whole(1, 1)
 
     def _check_together(self) -> None:
         ends = self.initial_gpu_layers is not None or self.final_gpu_layers is not None

@@ -107,6 +107,21 @@ def _split(
         # a weighty module without forward or children is read by its holder: it stays resident
 
 
+def split_points(layers: Sequence, trainable_streams: bool = False) -> set[int]:
+    """The unit sizes at which :func:`split_layers` changes its answer: the param bytes of each module that has
+    children and a forward of its own, layers included (at that size it is one unit, or the layer stays whole;
+    one byte less splits it). A module without children is a unit at any size; one without a forward always
+    splits. Sizes count as :func:`split_layers` counts them (``trainable_streams``)."""
+    points: set[int] = set()
+    for layer in layers:
+        if isinstance(layer, nn.Module):
+            for module in layer.modules():
+                if _has_forward(module) and any(True for _ in module.children()):
+                    if size := param_bytes(module, trainable_streams):
+                        points.add(size)
+    return points
+
+
 # Modules that keep only their input for backward (PEFT's LoRA layers wrap one as ``base_layer``): a checkpoint
 # keeps that input anyway, so checkpointing one on its own frees nothing and costs a rerun.
 SAVES_ONLY_ITS_INPUT = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
