@@ -16,6 +16,7 @@ optimizer state on disk, chosen by a replay of the step, and the time their read
 
 import dataclasses
 import random
+import types
 
 import pytest
 import torch
@@ -163,6 +164,23 @@ def test_many_layers_whose_updates_bound_the_step_spill_spaced_so_every_read_hid
     chosen = choose_state_spilled(costs, range(n), range(n), lambda ch: n * 100 - 1000 * len(ch) + 2000 * bool(ch))
     told = forecast_state(costs, list(range(n)), chosen)
     assert len(chosen) == 18 and told.hides and told.added_ms < 0.5
+
+
+def test_a_layer_major_step_computes_its_micro_batches_at_each_fetch_and_sequential_ones_repeat_the_pass():
+    """The state plan's step: N micro-batches one after another are N passes (each fetching again); N layer-major
+    ones are one pass whose every use computes N micro-batches. Counting a layer-major step's compute once would
+    overstate the time a spill adds (less compute to hide its reads behind)."""
+    uses = (UseTiming(0, Phase.FORWARD, 2.0), UseTiming(0, Phase.BACKWARD, 4.0))
+    disk = types.SimpleNamespace(estimated_uses=lambda: uses)
+    trained = types.SimpleNamespace(layers={})
+
+    def step(**kw):
+        return disk_planning.StateChoice(disk, trained, SPEC, clipping=False, **kw).step_uses()
+
+    assert step() == uses
+    assert step(passes=3) == uses * 3
+    assert [u.compute_ms for u in step(layer_major=4)] == [8.0, 16.0]
+    assert [(u.layer, u.phase) for u in step(layer_major=4)] == [(0, Phase.FORWARD), (0, Phase.BACKWARD)]
 
 
 def test_a_budget_that_holds_everything_spills_nothing():

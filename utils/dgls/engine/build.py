@@ -341,7 +341,8 @@ def _tiers(
         if state:
             refuse_disk_state(config, trained, len(state))
         t = config.training
-        states = StateChoice(choose, trained, t.host_optimizer, t.clip_grads, t.accumulation_steps)
+        layer_major = config.placement.layer_major_micro_batches
+        states = StateChoice(choose, trained, t.host_optimizer, t.clip_grads, t.accumulation_steps, layer_major)
         tiers, state = plan_full_tiers(
             layouts, hosted, placement.streamed, budget, RING_BUFFERS, trained, choose, states
         )  # fmt: skip

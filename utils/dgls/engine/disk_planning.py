@@ -101,7 +101,13 @@ class StateChoice:
     doc); after it ran, :attr:`costs` and :meth:`forecast`."""
 
     def __init__(
-        self, disk: DiskChoice, trained: TrainingLayout, spec: HostOptimizerSpec, clipping: bool, passes: int = 1
+        self,
+        disk: DiskChoice,
+        trained: TrainingLayout,
+        spec: HostOptimizerSpec,
+        clipping: bool,
+        passes: int = 1,
+        layer_major: int = 1,
     ) -> None:
         self.disk = disk
         self.trained = trained
@@ -109,9 +115,9 @@ class StateChoice:
         # layer -> bytes of its extent (whole pages): read and written back per update
         self.extents = {i: whole_pages(extent_pieces(trained, i)[1]) for i in trained.layers}
         self.clipping = clipping
-        # micro-batches a step one after another (the updates follow the last); a layer-major step's count is not known
-        # at build (the schedule sets it per step): its compute is counted once, so the time added is overstated
-        self.passes = max(1, passes)
+        self.passes = max(1, passes)  # micro-batches a step one after another (the updates follow the last)
+        # micro-batches a step layer-major: each use (one fetch) computes all of them
+        self.layer_major = max(1, layer_major)
         self.costs: StateCosts | None = None
 
     def __call__(self, candidates: Sequence[int], over: Callable[[list[int]], int]) -> list[int]:
@@ -122,7 +128,7 @@ class StateChoice:
         streamed = d.placement.streamed
         rate, timed = host_update_params_per_ms(self.spec)
         self.costs = StateCosts(
-            uses=d.estimated_uses() * self.passes,
+            uses=self.step_uses(),
             copy_bytes={i: d.layouts[i].host_bytes for i in streamed},
             state_bytes=dict(self.extents),
             update_ms={i: place.numel / rate for i, place in self.trained.layers.items()},
@@ -135,6 +141,14 @@ class StateChoice:
             speculates_in_ram=self.clipping and bool(self.trained.spares_wanted),  # before the spill turns it off
         )
         return choose_state_spilled(self.costs, streamed, candidates, over)
+
+    def step_uses(self) -> tuple[UseTiming, ...]:
+        """One step's uses: a pass's, repeated for micro-batches one after another, each computing for all of a
+        layer-major step's micro-batches."""
+        uses = self.disk.estimated_uses()
+        if self.layer_major > 1:
+            uses = tuple(UseTiming(u.layer, u.phase, u.compute_ms * self.layer_major) for u in uses)
+        return uses * self.passes
 
     def forecast(self, spilled: Sequence[int]) -> StateForecast | None:
         if self.costs is None:
