@@ -155,13 +155,16 @@ def train_reference(
     master_device="cpu",
     update_device=None,
     whole_step=False,
+    previous_norm=False,
 ):
     """The same training without streaming (see the module doc). ``host_names``: ``"i.name"`` of the params
     DGLS trains on the host, with ``host_spec``'s optimizer, masters, sums and their norms on ``master_device``
     (device updates on CUDA: torch's fused AdamW on the GPU, whose kernel they run, and grad norms taken
     there). ``update_device(step, name)``: where that param's update of ``step`` (from 0) runs instead (split
     updates): its master, state and gradient move there for the step (the norms stay on ``master_device``).
-    ``whole_step``: one instance of ``host_spec``'s class over every param, in order (see the module doc)."""
+    ``whole_step``: one instance of ``host_spec``'s class over every param, in order (see the module doc).
+    ``previous_norm``: every step after the first is clipped with the previous step's coefficient (DGLS's
+    ``clip_mode = "previous_norm"``), the first with its own."""
     named = [(f"{i}.{n}", p) for i, layer in enumerate(layers) for n, p in layer.named_parameters()]
     host = [(n, p) for n, p in named if n in host_names]
     masters = {id(p): p.detach().to(master_device, torch.float32, copy=True) for _, p in host}
@@ -174,6 +177,7 @@ def train_reference(
         host_opt, trainer = host_spec.build([masters.get(id(p), copies.get(id(p))) for _, p in named]), None
     batches = _batches(device, dtype, cfg)
     losses, evals = [], []
+    previous = None  # the last step's coefficient (previous_norm)
     for step in range(steps):
         for _ in range(accumulate):
             inputs, target = next(batches)
@@ -196,6 +200,8 @@ def train_reference(
             total = torch.stack(norms).square().sum().sqrt()
             limit = torch.tensor(float(norm_of_step(max_norm, step)), dtype=torch.float32)
             coef = torch.clamp(limit / (total + 1e-6), max=1.0)
+            if previous_norm:
+                coef, previous = (previous if previous is not None else coef), coef
             for p in device_params:
                 if p.grad is not None:
                     p.grad.detach().mul_(coef.to(p.grad.device))

@@ -134,7 +134,7 @@ def build(
         streamed_layouts = {idx: layouts[idx] for idx in placement.streamed}
         trained = training_layout(
             streamed_layouts, c.training.host_optimizer, c.training.accumulation_steps,
-            c.training.clip_grads, c.training.speculate_clipping,
+            c.training.clip_grads, c.training.speculates,
         )  # fmt: skip
         if c.training.data_parallel:
             shared, trained = _data_parallel_share(c, entries, trained, streamed_layouts)
@@ -184,7 +184,7 @@ def build(
             trainer = TrainingFeature.start(
                 masters, trained, transport, c.training.host_optimizer, training_note, device=device,
                 threading=c.transfer.threading, accumulation_steps=c.training.accumulation_steps,
-                clipping=c.training.clip_grads, speculate=c.training.speculate_clipping,
+                clipping=c.training.clip_grads, speculate=c.training.speculates, clip_mode=c.training.clip_mode,
                 plan_fix=driver.fix_plan if driver is not None else None, shared=shared, disk_state=disk_state,
             )  # fmt: skip
             features.append(trainer)

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import DGLSUserError
 from ..spelling import did_you_mean
-from ..streaming.config import SYNC_MODES, SwapConfig, policy_types
+from ..streaming.config import CLIP_MODES, SYNC_MODES, SwapConfig, policy_types
 from ..training.host_optimizer import IMPLEMENTATIONS
 
 AUTOCAST_MODES = ("fp32", "fp16", "bf16")
@@ -447,6 +447,20 @@ OPTIONS: tuple[Option, ...] = (
         "training",
         IMPLEMENTATIONS,
         policy=None,
+    ),
+    Option(
+        "clip_mode",
+        "choice",
+        "exact",
+        "how a full fine-tune's gradient clipping scales the streamed layers' updates: exact (each update uses this "
+        "step's norm: where steps clip, updates wait for the end of the backward), or previous_norm (inexact, "
+        "opt-in: each update starts as its gradients land, scaled by the previous step's clip coefficient; step 1 "
+        "waits)",
+        "steps that clip most of the time leave updates on the critical path (see the README's clipping note for "
+        "the measured effect on the loss)",
+        "training",
+        CLIP_MODES,
+        policy="training",
     ),
     Option(
         "profile",

@@ -181,6 +181,7 @@ def _demo(path: str, config: dict, rest: list[str], resolved: options.Resolved, 
         swap = _full_fine_tune(path, settings, swap, dist, resolved)
     elif resolved.given("host_adam") and values["dynamic_swapping"]:
         _host_adam_unused(resolved, path)
+    swap = _with_clip_mode(swap, resolved, path, settings.full and values["dynamic_swapping"])
     if not values["plan"]:
         count = param_count(settings.model) if settings.full else lora_param_count(settings.model, settings.lora_rank)
         where = f"[demo] output_dir = '{settings.output_dir}' in {path}"
@@ -264,6 +265,20 @@ def _host_adam_unused(resolved: options.Resolved, path: str) -> None:
         f"{resolved.label('host_adam')} picks the host AdamW of a full fine-tune, and {path} trains a LoRA "
         "([adapter]): drop it"
     )
+
+
+def _with_clip_mode(swap: SwapConfig, resolved: options.Resolved, path: str, full_fine_tune: bool) -> SwapConfig:
+    """``--clip_mode`` into the training policy the full fine-tune's checks built (the policy refuses what the mode
+    cannot combine with); refused where no streamed layer trains on the host (nothing would read it)."""
+    mode = resolved.values["clip_mode"]
+    if mode == "exact":
+        return swap
+    if not full_fine_tune:
+        raise DGLSUserError(
+            f"{resolved.label('clip_mode')} {mode} scales the host updates of a full fine-tune's streamed layers, and "
+            f"{path} trains none (a LoRA, [adapter], or dynamic_swapping off): drop it"
+        )
+    return swap.replace(clip_mode=mode)
 
 
 def _drop_in_full_fine_tune(
@@ -528,6 +543,7 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
         dp_config.probe_host_optimizer(swap.training.host_optimizer, checkout)
     elif swapping and resolved.given("host_adam"):
         _host_adam_unused(resolved, path)
+    swap = _with_clip_mode(swap, resolved, path, swap.training.host_optimizer is not None)
     if swapping:
         # diffusion-pipe autocasts each layer's forward to [model] dtype itself
         check_precision(swap.compute, dp_config.model_dtypes(config), True, "[model] dtype/transformer_dtype")

@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # a TrainingPolicy holds the spec the trainer built; the engi
 
 PLACEMENT_KEYS = ("gpu_layers", "blocks_to_swap", "initial_gpu_layers", "final_gpu_layers")
 SYNC_MODES = ("none", "step", "layer")
+CLIP_MODES = ("exact", "previous_norm")  # how clipping scales streamed layers' updates (..training.previous_norm)
 
 Check = Callable[[str, Any], Any]  # (field name, value) -> the value to keep; raises DGLSUserError
 
@@ -329,6 +330,8 @@ class TrainingPolicy(_Policy):
     - ``speculate_clipping`` (with clipping): updates start during backward at coefficient 1 and are redone in a
       step that clips, exactly (:mod:`..training.speculation`); False: they wait for the gradient norm, and the
       host RAM of their old values is not taken.
+    - ``clip_mode`` (with clipping): ``exact`` (the default); ``previous_norm`` (opt-in, inexact): each update starts
+      as its gradients land, scaled by the previous step's clip coefficient (:mod:`..training.previous_norm`).
     - ``data_parallel``: every process of the ``torch.distributed`` job holds these layers (data parallel, one
       machine): each updates its share of them, gradients reduced to each layer's owner, over the one host copy the
       processes share (:mod:`..training.data_parallel`).
@@ -342,6 +345,33 @@ class TrainingPolicy(_Policy):
     clip_grads: bool = True
     speculate_clipping: bool = True
     data_parallel: bool = False
+    clip_mode: str = _checked("exact", _one_of(CLIP_MODES))
+
+    @property
+    def speculates(self) -> bool:
+        """Updates speculate under clipping (exact clipping only: :mod:`..training.previous_norm` needs no spares)."""
+        return self.speculate_clipping and self.clip_mode == "exact"
+
+    def _check_together(self) -> None:
+        if self.clip_mode == "exact":
+            return
+        mode = f"clip_mode {self.clip_mode}"
+        if not self.clip_grads:
+            raise DGLSUserError(
+                f"{mode} scales each update by the previous step's clip coefficient, and this run does not clip "
+                "(gradient_clipping = 0, clip_grads = False): its updates already start as their gradients land; "
+                "drop clip_mode"
+            )
+        if self.data_parallel:
+            raise DGLSUserError(
+                f"{mode} is not built for data-parallel full fine-tuning (each process updates a share of the "
+                "layers): use clip_mode exact, or one process per pipeline stage"
+            )
+        if self.host_optimizer is not None and self.host_optimizer.whole_step:
+            raise DGLSUserError(
+                f"{mode}: [optimizer] type {self.host_optimizer.type!r} steps one instance over every param after "
+                "the backward, so no update can start earlier: use clip_mode exact"
+            )
 
 
 @dataclass(frozen=True)

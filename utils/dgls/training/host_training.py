@@ -26,7 +26,8 @@ What the trainer calls
        (:meth:`set_step_lr`), and
        ``step`` queues only the layers that had no gradient. With clipping, the same happens on speculation
        (:mod:`.speculation`): the update runs at coefficient 1, and ``step`` keeps it (the step did not clip) or
-       queues its undo and the update with the coefficient.
+       queues its undo and the update with the coefficient. With ``clip_mode`` ``previous_norm`` (opt-in, inexact:
+       :mod:`.previous_norm`) updates start as without clipping, at the previous step's coefficient.
 
 With a VRAM budget (``first_step``, the planner's): step 1 is the planner's probe, and its plan may hand layers to
 the trainer before their first update (:mod:`..planning.autoplan`). Until the first step's updates are queued, none
@@ -63,13 +64,14 @@ from ..memory.host_store import HostLayer, ram_reserve
 from ..memory.layout import LayerLayout, TrainingLayout, human_bytes
 from ..memory.pinned import PinnedMemory
 from ..memory.transport import Copy, Direction, Transport
-from . import optimizer_types, speculation
+from . import optimizer_types, previous_norm, speculation
 from .device_update import DeviceUpdater, FlatLayer, FlatParam
 from .disk_state import DiskState
 from .grad_return import SEND_GROUP_BYTES, GradReturn, GradState, TrainedLayer, TrainedParam
 from .host_optimizer import HostOptimizerSpec
 from .jobs import Jobs
 from .optimizer_kernels import grad_norms
+from .previous_norm import PreviousNorm
 from .speculation import Spare, Speculation, clipping_line, refresh_copies, spares_for
 from .update_split import UpdateSplit
 from .updaters import DeviceSide, HostUpdater, SplitUpdater, Updater, update_threads
@@ -143,13 +145,16 @@ class HostTraining:
         host_norm_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
         after_step: Callable[[Callable[[], None]], None] | None = None,
         disk_state: DiskState | None = None,
+        clip_mode: str = "exact",
     ) -> None:
         """``first_step``: the VRAM planner's, called once before the first step's clipping or updates (True), or at
         its updates when nothing came first (False); until the first step's updates are queued, none starts
         during backward (see the module doc). Data parallel (:mod:`.data_parallel`): ``host_norm_sum`` sums the
         host-trained part of the squared gradient norm over the processes that each train a share of the layers;
         ``after_step(finish)`` runs once a step's updates are queued (the share's publication). ``disk_state``: the
-        masters and optimizer state of the layers it spilled live on disk (:mod:`.disk_state`; host updates)."""
+        masters and optimizer state of the layers it spilled live on disk (:mod:`.disk_state`; host updates).
+        ``clip_mode`` ``previous_norm``: updates start early at the previous step's coefficient (:mod:`.previous_norm`;
+        the training policy refuses what it cannot combine with)."""
         self.disk_state = disk_state
         self._host_norm_sum = host_norm_sum
         self._after_step = after_step
@@ -159,6 +164,8 @@ class HostTraining:
         self.transport = transport  # gradients home (its CPU backend lands them late unless ``threaded``)
         self.worker = transport.job_worker  # the jobs (accumulations, host updates) run on its thread, or deferred
         self.jobs = Jobs(self.worker)
+        # clip_mode previous_norm: the previous step's coefficient, the early layers' norms (.previous_norm)
+        self.previous_norm = PreviousNorm(self.jobs) if clipping and clip_mode == previous_norm.MODE else None
         self.updater = updater  # the device's updates (device and split), None for host updates
         self.accumulation_steps = accumulation_steps
         self.clipping = clipping
@@ -182,7 +189,10 @@ class HostTraining:
         spares: dict[int, Spare] = {}
         self.layers: dict[int, TrainedLayer] = {i: self._layer(i, layers[i], spares) for i in self.layout.layers}
         # clipping: which layers' updates start before the norm is known, and what became of them (.speculation)
-        self.speculation = Speculation(spares, clipping_line(self.layout, spec, clipping, speculate))
+        line = clipping_line(self.layout, spec, clipping, speculate)
+        if self.previous_norm is not None:
+            line = previous_norm.clipping_line(len(self.layout.layers))
+        self.speculation = Speculation(spares, line)
         self.grads = GradReturn(
             self.layers,
             transport,
@@ -209,7 +219,8 @@ class HostTraining:
         if not spec.split:
             return DeviceSide(self.jobs, self.updater)
         sizes = {idx: layer.numel for idx, layer in self.layers.items()}
-        all_at_once = self.clipping and not self.speculation.spares  # else updates trickle in during backward
+        # else updates trickle in during backward
+        all_at_once = self.clipping and not self.speculation.spares and self.previous_norm is None
         split = SplitUpdater(self.jobs, self.transport, self.updater, sizes, all_at_once)
         for layer in self.layers.values():
             if layer.flat is None:  # flat layers have theirs
@@ -349,6 +360,8 @@ class HostTraining:
             )
         self.before_step()
         host = self.grads.host_norms()
+        if self.previous_norm is not None:  # the layers whose updates started hold their norms there
+            host.update(self.previous_norm.norms())
         norms: list[torch.Tensor | int] = []  # a host norm, or the index of a device one
         trained_here: list[bool] = []  # each norm's: a host-trained param's (True) or a resident one's
         on_device: list[torch.Tensor] = []
@@ -381,8 +394,9 @@ class HostTraining:
             squared = reduce(squared)
         total = squared.sqrt()
         coef = torch.clamp(torch.tensor(float(max_norm), dtype=torch.float32) / (total + 1e-6), max=1.0)
+        applied = self.previous_norm.applied(coef) if self.previous_norm is not None else coef
         for grad in device_grads:
-            grad.detach().mul_(coef.to(grad.device))
+            grad.detach().mul_(applied.to(grad.device))
         self._coef = coef
         return total
 
@@ -444,6 +458,9 @@ class HostTraining:
         if first is not None:  # the trainer may have stepped already: the planner keeps the placement
             first(False)
         coef, self._coef = self._coef, None
+        exact = coef
+        if self.previous_norm is not None:  # every update of the step at the previous step's coefficient
+            coef = self.previous_norm.applied(coef)
         self._closed.clear()  # not started: they wait, as the norm is known
         keep = coef is None or bool(coef == 1.0)  # the step does not clip: speculative updates are its own
         self.speculation.step_begins(keep)
@@ -467,6 +484,8 @@ class HostTraining:
         self.grads.step_taken()
         self._hold = False
         self.speculation.step_taken(clipped=not keep)
+        if self.previous_norm is not None:
+            self.previous_norm.step_taken(exact)
         if self._after_step is not None:
             self._after_step(self.finish)
 
@@ -522,6 +541,11 @@ class HostTraining:
             return
         if not self.clipping:
             self.updates.submit(layer, layer.grads.take_early(), None, self._step_lr)
+            return
+        if self.previous_norm is not None:  # at the previous step's coefficient; step 1 waits for its own
+            if self.previous_norm.ready:
+                grads = self.previous_norm.take(layer)
+                self.updates.submit(layer, grads, self.previous_norm.previous, self._step_lr)
             return
         if not self.speculation.active:
             return

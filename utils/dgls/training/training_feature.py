@@ -63,6 +63,7 @@ class TrainingFeature(Feature):
         speculate: bool = True,
         shared: SharedGradients | None = None,
         disk_state: DiskState | None = None,
+        clip_mode: str = "exact",
     ) -> TrainingFeature:
         """fp32 masters, gradient landings and the optimizer of the streamed layers, allocated from ``layout`` (the
         same object :func:`~.host_training.check_host_training` measured before packing; ``note``: its line).
@@ -93,6 +94,7 @@ class TrainingFeature(Feature):
             host_norm_sum=shared.norm_sum if shared is not None else None,
             after_step=shared.publish if shared is not None else None,
             disk_state=disk_state,
+            clip_mode=clip_mode,
         )
         return cls(training, note, replaceable=plan_fix is not None, shared=shared)
 

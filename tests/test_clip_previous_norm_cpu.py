@@ -1,0 +1,212 @@
+"""``clip_mode = "previous_norm"`` on the CPU (utils/dgls/training/previous_norm.py): each streamed layer's update
+starts as its gradients land, scaled by the previous step's clip coefficient. Its numbers are bitwise a reference
+that clips every step after the first with the previous step's coefficient (tests/full_ft.py, ``previous_norm``),
+step 1 is exact clipping, the updates start before the backward ends, the default stays exact, and what the mode
+cannot combine with is refused in one line."""
+
+import dataclasses
+
+import pytest
+import torch
+from cli_helpers import demo_toml, run_in_process, snapshot
+from full_ft import (
+    MAX_NORM,
+    NEVER_CLIPS,
+    SPEC,
+    assert_same,
+    differs,
+    full_layers,
+    host_trained_names,
+    train_dgls,
+    train_reference,
+)
+
+from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
+from utils.dgls.streaming.config import TrainingPolicy
+from utils.dgls.training.host_optimizer import HostOptimizerSpec
+
+CPU = torch.device("cpu")
+BF16 = torch.bfloat16
+FUSED = dataclasses.replace(SPEC, implementation="torch_fused")
+DEVICE = dataclasses.replace(SPEC, implementation="device")
+SPLIT = dataclasses.replace(SPEC, implementation="split")
+SGD = HostOptimizerSpec(type="sgd", lr=1e-2, momentum=0.9, weight_decay=0.01, implementation="torch")
+# steps that clip and one that does not: the coefficient applied changes from step to step
+NORMS = [MAX_NORM, MAX_NORM, NEVER_CLIPS, MAX_NORM, 0.02]
+
+
+def previous_norm_run(spec, dtype=BF16, accumulate=1, norms=NORMS, exact_reference=False, lines=None, **kw):
+    """DGLS with clip_mode previous_norm and the reference (clipping by the previous step's coefficient, or
+    with ``exact_reference`` by each step's own)."""
+    layers = full_layers(dtype)
+    cfg = SwapConfig.of(host_optimizer=spec, accumulation_steps=accumulate, clip_mode="previous_norm", **kw)
+    with LayerSwapper(layers, cfg, device=CPU, log=lines.append if lines is not None else None) as swapper:
+        names = host_trained_names(layers, swapper)
+        got = train_dgls(
+            layers, swapper, CPU, "nonreentrant", steps=len(norms), accumulate=accumulate, dtype=dtype,
+            max_norm=norms,
+        )  # fmt: skip
+        training = swapper.training
+    reference_spec = FUSED if spec.on_device and spec.type == "adamw" else spec
+    want = train_reference(
+        full_layers(dtype), names, CPU, "nonreentrant", steps=len(norms), accumulate=accumulate, dtype=dtype,
+        max_norm=norms, host_spec=reference_spec, previous_norm=not exact_reference,
+    )  # fmt: skip
+    return got, want, training
+
+
+@pytest.mark.parametrize(
+    "spec, dtype, accumulate, threading",
+    [
+        (SPEC, torch.float32, 2, False),  # fp32 sums, their norms from the accumulate job and the norms job
+        (FUSED, BF16, 1, False),  # the landings read directly, their norms taken on the device
+        (FUSED, BF16, 1, True),  # the job worker's thread
+        (SGD, BF16, 1, False),  # SGD: the coefficient scales the step itself
+        (DEVICE, BF16, 1, False),  # device updates of flat layers
+        (SPLIT, BF16, 2, False),
+    ],
+    ids=["host-fp32-sums", "host-fused-bf16", "host-fused-bf16-threaded", "sgd-host", "device-flat", "split-sums"],
+)
+def test_updates_at_the_previous_coefficient_equal_the_reference_bitwise(spec, dtype, accumulate, threading):
+    got, want, training = previous_norm_run(spec, dtype, accumulate, threading=threading)
+    assert_same(got, want)
+    layers = len(training.layers)
+    assert training.previous_norm.early_updates == (len(NORMS) - 1) * layers  # every step after the first
+    assert training.speculation.spares == {}  # no old values kept: nothing is undone in this mode
+
+
+def test_the_mode_is_not_exact_clipping_where_steps_clip():
+    """The test above can fail: the same run against exact clipping differs (steps 2 on clip by another norm)."""
+    got, want, _ = previous_norm_run(FUSED, exact_reference=True)
+    assert differs(got, want)
+
+
+def test_step_one_is_exact_clipping():
+    """Step 1 has no previous norm: it waits for its own, and equals exact clipping bitwise."""
+    got, want, training = previous_norm_run(FUSED, norms=[MAX_NORM], exact_reference=True)
+    assert_same(got, want)
+    assert training.previous_norm.early_updates == 0
+
+
+def test_updates_start_before_the_backward_ends(monkeypatch):
+    """The order of events: step 1's updates are queued after the norm; every later step's before the backward
+    ends (the last layer's gradients closing is its last event), and none at the step."""
+    events: list[str] = []
+    layers = full_layers(BF16)
+    cfg = SwapConfig.of(host_optimizer=FUSED, accumulation_steps=1, clip_mode="previous_norm")
+    with LayerSwapper(layers, cfg, device=CPU) as swapper:
+        training = swapper.training
+        submit, done, clip = training.updates.submit, training.backward_done, training.clip_grad_norm_
+        monkeypatch.setattr(training.updates, "submit", _recorded(events, "update", submit))
+        monkeypatch.setattr(training, "backward_done", _recorded(events, "backward_done", done))
+        monkeypatch.setattr(training, "clip_grad_norm_", _recorded(events, "norm", clip))
+        train_dgls(layers, swapper, CPU, "nonreentrant", steps=3, accumulate=1, dtype=BF16, max_norm=MAX_NORM)
+        count = len(training.layers)
+    assert count >= 2
+    step = ["backward_done", "norm", *["update"] * count]
+    early = [*["update"] * count, "backward_done", "norm"]
+    assert events == step + early + early, events
+
+
+def _recorded(events: list[str], name: str, call):
+    """``call``, which first appends ``name`` to ``events``."""
+
+    def run(*args, **kwargs):
+        events.append(name)
+        return call(*args, **kwargs)
+
+    return run
+
+
+def test_the_default_is_exact_and_takes_its_spares():
+    assert TrainingPolicy().clip_mode == "exact"
+    lines: list[str] = []
+    layers = full_layers(BF16)
+    cfg = SwapConfig.of(host_optimizer=FUSED, accumulation_steps=1)
+    with LayerSwapper(layers, cfg, device=CPU, log=lines.append) as swapper:
+        assert swapper.training.previous_norm is None and swapper.training.speculation.spares
+    assert not any("previous_norm" in line for line in lines)
+
+
+def test_the_start_up_line_says_what_the_mode_does():
+    lines: list[str] = []
+    previous_norm_run(FUSED, norms=[MAX_NORM], lines=lines)
+    said = [line for line in lines if line.startswith("DGLS clipping: ")]
+    assert len(said) == 1 and "clip_mode previous_norm (inexact, opt-in)" in said[0], lines
+    assert "scaled by the previous step's clip coefficient" in said[0] and "step 1 waits" in said[0]
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(clip_grads=False), "this run does not clip"),
+        (dict(data_parallel=True), "is not built for data-parallel full fine-tuning"),
+        (dict(clip_mode="previous"), "clip_mode"),
+    ],
+    ids=["no-clipping", "data-parallel", "unknown-mode"],
+)
+def test_the_policy_refuses_what_the_mode_cannot_combine_with_in_one_line(settings, message):
+    settings = {"clip_mode": "previous_norm", **settings}
+    with pytest.raises(DGLSUserError, match=message) as caught:
+        TrainingPolicy(host_optimizer=FUSED, **settings)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_whole_step_optimizer_is_refused_in_one_line():
+    whole = next((s for s in _whole_step_specs() if s.whole_step), None)
+    if whole is None:
+        pytest.skip("pytorch_optimizer is not installed")
+    with pytest.raises(DGLSUserError, match="no update can start earlier") as caught:
+        TrainingPolicy(host_optimizer=whole, clip_mode="previous_norm")
+    assert "\n" not in str(caught.value)
+
+
+def _whole_step_specs():
+    try:
+        yield HostOptimizerSpec.from_table({"type": "Prodigy", "lr": 1.0})
+    except DGLSUserError:
+        return
+
+
+@pytest.mark.parametrize(
+    "base, flags, message",
+    [
+        ("demo.toml", ("--clip_mode", "previous_norm"), "--clip_mode previous_norm scales the host updates"),
+        ("demo.toml", (), "[dgls] clip_mode in"),
+    ],
+    ids=["flag-with-lora", "toml-key-with-lora"],
+)
+def test_the_demo_refuses_the_mode_where_no_streamed_layer_trains_on_the_host(
+    base, flags, message, tmp_path, capsys, user_env
+):
+    dgls = None if flags else {"clip_mode": "previous_norm"}
+    path = demo_toml(tmp_path, base=base, dgls=dgls if dgls is not None else "keep")
+    before = snapshot(tmp_path)
+    code, _out, err = run_in_process(["--config", str(path), *flags], capsys)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dgls: error: ") and message in lines[0], err
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("where", ["flag", "toml"])
+def test_the_demo_full_fine_tune_takes_the_mode_from_the_flag_or_the_toml(where, tmp_path, user_env):
+    from conftest import ROOT
+
+    from utils.dgls.program.validate import prepare
+
+    dgls = "keep"
+    if where == "toml":
+        import toml
+
+        dgls = {
+            **toml.loads((ROOT / "toml" / "demo_full.toml").read_text()).get("dgls", {}),
+            "clip_mode": "previous_norm",
+        }
+    path = demo_toml(tmp_path, base="demo_full.toml", dgls=dgls)
+    flags = ["--clip_mode", "previous_norm"] if where == "flag" else []
+    run = prepare(["--config", str(path), *flags], ROOT)
+    assert run.swap.training.clip_mode == "previous_norm" and not run.swap.training.speculates
+    assert prepare(
+        ["--config", str(demo_toml(tmp_path / "exact", base="demo_full.toml"))], ROOT
+    ).swap.training.speculates
