@@ -17,8 +17,10 @@ every block checkpointed):
   the GPU's share of the params in the timed steps). Small resident layers train with AdamW on the GPU.
   With clipping, each layer's update starts as its gradients land, at coefficient 1, and a step that clips redoes
   them (utils/dgls/training/speculation.py); ``dgls-IMPL-wait`` (not in the default list) makes them wait for
-  the norm, as before. 'grad norm' is the median norm of the timed steps (the synthetic data decides whether a
-  step clips), 'speculation' what became of the speculative updates since the method started.
+  the norm, as before; ``dgls-IMPL-prevnorm`` (opt-in, inexact: utils/dgls/training/previous_norm.py) starts
+  them as their gradients land, scaled by the previous step's clip coefficient. 'grad norm' is the median norm of
+  the timed steps (the synthetic data decides whether a step clips), 'speculation' what became of the speculative
+  updates since the method started (prevnorm: how many started before their step's norm).
 - ``torchao-offload`` (not in the default list): diffusion-pipe's ``[optimizer] type = 'offload'``, built as its
   train.py builds it: torchao's ``CPUOffloadOptimizer(groups, torch.optim.AdamW, fused=True, ...)`` over the model's
   bf16 params, everything else on the GPU; ``--offload_gradients`` passes its option of that name. CUDA only.
@@ -337,18 +339,22 @@ def dgls_step(
     layer_major: bool = False,
 ):
     """DGLS's step of ``implementation`` (``IMPL``, or ``IMPL-wait``: with clipping, updates wait for the gradient
-    norm instead of speculating): layers of ``stream_mib`` or more streamed, or with ``budget`` (GiB) the planner's
-    placement, its plan fixed before step 1's update (``log`` hears the plan; the trainer's optimizer then holds every
-    param, as diffusion-pipe's does, and the layers the plan keeps resident bring their gradients to it). Returns the
-    step, the swapper and the list each step's gradient norm is appended to. ``accumulation`` micro-batches a step:
+    norm instead of speculating; ``IMPL-prevnorm``: clip_mode previous_norm): layers of ``stream_mib`` or more
+    streamed, or with ``budget`` (GiB) the planner's placement, its plan fixed before step 1's update (``log`` hears
+    the plan; the trainer's optimizer then holds every param, as diffusion-pipe's does, and the layers the plan keeps
+    resident bring their gradients to it). Returns the step, the swapper and the list each step's gradient norm is appended to. ``accumulation`` micro-batches a step:
     one after another (the host training told ``accumulation_steps``), or ``layer_major`` (each layer's gradients
     summed on the device over the micro-batches and sent home once: the host training sees one a step)."""
     implementation, _, wait = implementation.partition("-")
-    if wait not in ("", "wait"):
-        raise ValueError(f"a DGLS method is dgls-IMPL or dgls-IMPL-wait, got dgls-{implementation}-{wait}")
+    if wait not in ("", "wait", "prevnorm"):
+        raise ValueError(
+            f"a DGLS method is dgls-IMPL, dgls-IMPL-wait or dgls-IMPL-prevnorm, got dgls-{implementation}-{wait}"
+        )
     spec = host_spec(optimizer, implementation)
     sizes = bench.sizes  # measured before anything was trainable: streamable = every param of the layer
-    common = dict(host_optimizer=spec, clip_grads=bool(clip), speculate_clipping=not wait, **(ram or {}))
+    common = dict(host_optimizer=spec, clip_grads=bool(clip), speculate_clipping=wait != "wait", **(ram or {}))
+    if wait == "prevnorm":
+        common["clip_mode"] = "previous_norm"
     common["accumulation_steps"] = 1 if layer_major else accumulation
     if budget is not None:
         config = SwapConfig.of(vram_budget=budget, **common)
@@ -442,7 +448,8 @@ def measure(name: str, args, device, dtype) -> dict:
             disk = DiskBytes()
             swapper.add_listener(disk)
         else:
-            raise ValueError(f"unknown method {name!r}: one of {', '.join(METHODS + OTHERS)}, or dgls-IMPL-wait")
+            known = ", ".join(METHODS + OTHERS)
+            raise ValueError(f"unknown method {name!r}: one of {known}, or dgls-IMPL-wait, dgls-IMPL-prevnorm")
         reset_peaks(device)
         for _ in range(1 + args.warmup):  # the first step builds optimizer state and kernels (and fixes a plan)
             step()
@@ -494,6 +501,8 @@ def measure(name: str, args, device, dtype) -> dict:
             if norms:
                 row["grad_norm"] = statistics.median(norms[-len(times) :])
             row["speculation"] = training.speculation.describe()
+            if training.previous_norm is not None:
+                row["speculation"] = training.previous_norm.describe()
         else:  # torch's caching host allocator: torchao's host copies, DeepSpeed's pinned buffers (CUDA only)
             row["pinned_gib"] = full_methods.host_pinned_bytes(device) / GiB
         row.update(median_step_s=statistics.median(times), step_times_s=times, steps=len(times), **peaks(device))
