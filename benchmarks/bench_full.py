@@ -338,13 +338,14 @@ def dgls_step(
     accumulation: int = 1,
     layer_major: bool = False,
 ):
-    """DGLS's step of ``implementation`` (``IMPL``, or ``IMPL-wait``: with clipping, updates wait for the gradient
-    norm instead of speculating; ``IMPL-prevnorm``: clip_mode previous_norm): layers of ``stream_mib`` or more
-    streamed, or with ``budget`` (GiB) the planner's placement, its plan fixed before step 1's update (``log`` hears
-    the plan; the trainer's optimizer then holds every param, as diffusion-pipe's does, and the layers the plan keeps
-    resident bring their gradients to it). Returns the step, the swapper and the list each step's gradient norm is appended to. ``accumulation`` micro-batches a step:
-    one after another (the host training told ``accumulation_steps``), or ``layer_major`` (each layer's gradients
-    summed on the device over the micro-batches and sent home once: the host training sees one a step)."""
+    """DGLS's step of ``implementation`` (``IMPL``, or ``IMPL-wait``: with clipping, updates wait for the gradient norm
+    instead of speculating; ``IMPL-prevnorm``: clip_mode previous_norm): layers of ``stream_mib`` or more streamed, or
+    with ``budget`` (GiB) the planner's placement, its plan fixed before step 1's update (``log`` hears the plan; the
+    trainer's optimizer then holds every param, as diffusion-pipe's does, and the layers the plan keeps resident bring
+    their gradients to it). Returns the step, the swapper and the list each step's gradient norm is appended to.
+    ``accumulation`` micro-batches a step: one after another (the host training told ``accumulation_steps``), or
+    ``layer_major`` (each layer's gradients summed on the device over the micro-batches and sent home once: the host
+    training sees one a step)."""
     implementation, _, wait = implementation.partition("-")
     if wait not in ("", "wait", "prevnorm"):
         raise ValueError(
