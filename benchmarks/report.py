@@ -324,6 +324,31 @@ TABLES: dict[str, Table] = {
 }
 
 
+TABLES["clip_modes"] = Table(  # benchmarks/clip_modes.py: exact clipping vs clip_mode previous_norm
+    columns=(
+        ("optimizer, limit", _text("method")),
+        ("limit (median norm)", lambda r, _: f"{_f(r['limit'], '.3g')} ({_f(r['median_norm'], '.3g')})"),
+        (
+            "clipped: exact / previous_norm",
+            lambda r, _: f"{r['clipped_share']:.0%} / {r['clipped_share_previous_norm']:.0%}",
+        ),
+        (
+            "mean loss: exact / previous_norm",
+            lambda r, _: f"{r['mean_loss_exact']:.4f} / {r['mean_loss_previous_norm']:.4f}",
+        ),
+        (
+            "final loss: exact / previous_norm",
+            lambda r, _: f"{r['final_loss_exact']:.4f} / {r['final_loss_previous_norm']:.4f}",
+        ),
+        ("mean loss diff", lambda r, _: f"{r['mean_loss_diff'] / r['mean_loss_exact']:+.2%}"),
+        ("final loss diff", lambda r, _: f"{r['final_loss_rel_diff']:+.2%}"),
+        ("max curve diff", lambda r, _: f"{r['max_smoothed_rel_diff']:.2%}"),
+        ("weights apart", lambda r, _: f"{r['weights_apart_rel']:.3f}"),
+        ("no clipping: final loss diff", lambda r, _: f"{r['unclipped_final_rel_diff']:+.2%}"),
+    )
+)
+
+
 def _per_gpu(key: str, fmt: str) -> Cell:
     """A list of per-GPU figures (rank order) as 'a / b / c'."""
 
@@ -489,7 +514,8 @@ def index(results: dict[str, dict], out: Path, findings: str = "") -> str:
         files = [f"[{name}.json]({name}.json)", f"[{name}.md]({name}.md)"]
         lines.append("Files: " + ", ".join(files))
         if (out / f"{name}.png").exists():
-            lines += ["", f"![{name}: step time vs peak VRAM]({name}.png)"]
+            caption = "loss curves" if result["benchmark"] == "clip_modes" else "step time vs peak VRAM"
+            lines += ["", f"![{name}: {caption}]({name}.png)"]
     return "\n".join(lines) + "\n"
 
 

@@ -22,8 +22,9 @@ Why this scheme, and not ZeRO-Offload's one-step delayed update
 Arithmetic (what the tests check against a reference that clips each step with the previous step's coefficient)
     - Every param of the model, streamed or resident, is scaled by the same coefficient in a step: the previous
       step's (``applied``), so the whole model takes one scaled gradient step, as plain clipping does.
-    - Step 1 has no previous norm: its updates wait for its norm and use it (exact clipping), as do the updates of
-      a step whose layers' gradients closed after the norm (none started early).
+    - Step 1 has no previous norm: its updates wait for its norm and use it (exact clipping). So does the first step
+      after a resume (the coefficient is not in the checkpoint). A step the trainer does not clip keeps the
+      previous coefficient for the next.
     - The norm of a step is bitwise exact clipping's: the same per-param norms (device norms taken before the grads
       left, or the sums' norms the accumulate job took), summed in the trainer's param order. A layer whose update
       started early hands its norms here first (:meth:`PreviousNorm.take`), since the update scales its gradient
