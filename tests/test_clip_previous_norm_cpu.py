@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from cli_helpers import demo_toml, run_in_process, snapshot
 from full_ft import (
     MAX_NORM,
@@ -20,8 +21,10 @@ from full_ft import (
     train_dgls,
     train_reference,
 )
+from helpers import SMALL, run_layers
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
+from utils.dgls.demo.data import SyntheticLatents
 from utils.dgls.streaming.config import TrainingPolicy
 from utils.dgls.training.host_optimizer import HostOptimizerSpec
 
@@ -210,3 +213,30 @@ def test_the_demo_full_fine_tune_takes_the_mode_from_the_flag_or_the_toml(where,
     assert prepare(
         ["--config", str(demo_toml(tmp_path / "exact", base="demo_full.toml"))], ROOT
     ).swap.training.speculates
+
+
+def test_a_gradient_after_an_early_update_is_refused_in_one_line_that_names_the_mode():
+    """After step 1 a layer's update starts once its step's last micro-batch closed: a further backward before the
+    step (more micro-batches than accumulation_steps) has no step to go to."""
+    layers = full_layers()
+    cfg = SwapConfig.of(host_optimizer=SGD, accumulation_steps=1, clip_mode="previous_norm")
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        train_dgls(layers, swapper, CPU, "nonreentrant", steps=1, accumulate=1)  # step 1 waits: nothing early
+        with pytest.raises(DGLSUserError, match="with clip_mode previous_norm its update had started") as caught:
+            train_dgls(layers, swapper, CPU, "nonreentrant", steps=1, accumulate=2, start_step=1)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_layer_run_twice_under_reentrant_checkpointing_is_refused_with_the_mode_named():
+    layers = full_layers()
+    cfg = SwapConfig.of(host_optimizer=SGD, accumulation_steps=1, clip_mode="previous_norm")
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        train_dgls(layers, swapper, CPU, "nonreentrant", steps=1, accumulate=1)
+        data = SyntheticLatents(SMALL, samples=2, image_tokens=12, text_tokens=5)
+        inputs, target = next(data.batches(2, torch.float32, CPU))
+        inputs = (inputs[0].requires_grad_(), *inputs[1:])
+        twice = layers[:2] + [layers[1]] + layers[2:]
+        assert 1 in swapper.training.layers
+        loss = F.mse_loss(run_layers(twice, inputs, "reentrant"), target)
+        with pytest.raises(DGLSUserError, match="second gradient in one backward pass .* use clip_mode exact"):
+            loss.backward()

@@ -275,7 +275,7 @@ class GradReturn:
         self._hooks: dict[int, list] = {}  # layer -> its params' hook handles
         self._grouping: TrainedLayer | None = None  # the layer whose grads arrived last (the only open group)
         self._backwards = 0  # backward passes since the last step
-        self._queued_in: dict[int, int] = {}  # no clipping: layer -> the pass (``_backwards``) its update started in
+        self._queued_in: dict[int, int] = {}  # layer -> the pass (``_backwards``) its update started in
         self.device_sums: DeviceSums | None = None  # the layer-major schedule's: grads summed on the device first
 
     def owns(self, param: torch.Tensor) -> TrainedParam | None:
@@ -335,17 +335,20 @@ class GradReturn:
         if g.state is not GradState.OPEN:
             if g.state is GradState.SPECULATED:  # its update started before this grad: undone, it waits
                 self._reopen_speculated(layer)
-            if g.state is GradState.QUEUED:
+            if g.state is GradState.QUEUED:  # started early: no clipping, or clip_mode previous_norm
+                started, wait = "without clipping", "set clip_grads = True"
+                if self.clipping:
+                    started, wait = "with clip_mode previous_norm", "use clip_mode exact"
                 if self._queued_in.get(layer.index) == self._backwards:
                     raise DGLSUserError(
                         f"layer {layer.index} got a second gradient in one backward pass (it runs more than once, with "
-                        "reentrant checkpointing: each run's backward is its own), and without clipping its update "
-                        "started after the first: set clip_grads = True (updates then wait for the step), or "
-                        "checkpoint with use_reentrant=False"
+                        f"reentrant checkpointing: each run's backward is its own), and {started} its update "
+                        f"started after the first: {wait} (updates then wait for the step), or checkpoint with "
+                        "use_reentrant=False"
                     )
                 raise DGLSUserError(
                     f"layer {layer.index} got gradients from more backward passes in a step than accumulation_steps "
-                    f"({self.accumulation_steps}) says, and without clipping its update had started: set "
+                    f"({self.accumulation_steps}) says, and {started} its update had started: set "
                     "accumulation_steps to the micro-batches of each optimizer step"
                 )
             if g.state is GradState.DIRECT:  # a second batch this step: sum on the host after all
@@ -393,8 +396,7 @@ class GradReturn:
             job = self._submit_sum(layer, batch, last)
             g.close_summed(job)
         if last:  # no clipping: nothing to wait for; clipping: the update may start on speculation
-            if not self.clipping:
-                self._queued_in[layer.index] = self._backwards
+            self._queued_in[layer.index] = self._backwards  # read if it started early (QUEUED) and a grad comes
             self._last_closed(layer)
 
     def _promote(self, layer: TrainedLayer) -> None:
