@@ -240,3 +240,24 @@ def test_a_layer_run_twice_under_reentrant_checkpointing_is_refused_with_the_mod
         loss = F.mse_loss(run_layers(twice, inputs, "reentrant"), target)
         with pytest.raises(DGLSUserError, match="second gradient in one backward pass .* use clip_mode exact"):
             loss.backward()
+
+
+def test_a_drop_in_full_fine_tune_takes_the_mode_and_refuses_it_without_clipping(tmp_path, user_env):
+    """diffusion-pipe's train.py (the stand-in checkout): the mode reaches the training policy; with
+    ``gradient_clipping = 0`` there is nothing to scale, and the line says so."""
+    from cli_helpers import FAKE, FAKE_TABLES, fake_config
+    from conftest import ROOT
+
+    from utils.dgls.program.validate import prepare
+
+    full = FAKE_TABLES.replace('[adapter]\ntype = "lora"\nrank = 4\n', "")
+    flags = ["--diffusion_pipe", str(FAKE), "--clip_mode", "previous_norm"]
+    run = prepare(["--config", str(fake_config(tmp_path / "a", tables=full)), *flags], ROOT)
+    assert run.swap.training.clip_mode == "previous_norm" and run.swap.training.clip_grads
+    config = fake_config(tmp_path / "b", top="gradient_clipping = 0", tables=full)
+    with pytest.raises(DGLSUserError, match="previous step's clip coefficient, and this run does not clip") as caught:
+        prepare(["--config", str(config), *flags], ROOT)
+    assert "\n" not in str(caught.value)
+    lora = fake_config(tmp_path / "c")
+    with pytest.raises(DGLSUserError, match="--clip_mode previous_norm scales the host updates"):
+        prepare(["--config", str(lora), *flags], ROOT)
