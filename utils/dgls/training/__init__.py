@@ -21,6 +21,8 @@ Modules
     - ``update_split.py``: which layers take that step on the GPU and which on the CPU (``--host_adam split``).
     - ``speculation.py``: under clipping, steps that start before the gradient norm is known, undone and redone
       in a step that clips (exact); their old values' spares.
+    - ``previous_norm.py``: ``clip_mode previous_norm`` (opt-in, inexact): steps that start as their gradients land,
+      scaled by the previous step's clip coefficient.
     - ``data_parallel.py``: data-parallel full fine-tuning over the processes' shared host copy: an owner per
       layer, each layer's gradients reduced to it in one bucket beside the backward, updates published at a barrier
       after each step.
