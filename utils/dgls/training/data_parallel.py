@@ -348,6 +348,10 @@ class SharedGradients:
             if len(bucket.filled) == len(self.params[idx]):
                 self._launch(bucket)
 
+    def shape_of(self, param: nn.Parameter) -> torch.Size:
+        """A trained param's full shape (its layout's: a streamed param is an empty placeholder while it is out)."""
+        return self._slots[id(param)].shape
+
     @property
     def pool_bytes(self) -> int:
         """Device bytes of the bucket pool at its largest (``in_flight + 1`` buffers of each dtype, each the largest
