@@ -48,12 +48,13 @@ def assert_close_models(expected: dict, got: dict) -> None:
 
 def test_two_processes_full_fine_tune_with_dgls_train_and_resume_what_plain_train_py_does(checkout, tmp_path):
     """2 steps (one epoch of 4 images over 2 processes), a checkpoint, then --resume_from_checkpoint to step 4, each
-    as two data-parallel processes: with DGLS the saved models of steps 2 and 4 and every step's loss are plain
-    train.py's; the checkpoint holds each process's share of the host optimizer state."""
+    as two data-parallel processes, then one process resumes that to step 6: with DGLS the saved models of steps 2,
+    4 and 6 and every step's loss are plain train.py's; the two processes' checkpoint holds each one's share of the
+    host optimizer state, and one process takes every layer's state from the two files."""
     tiny = _load_fixture("tiny_flux")
     model = tiny.build_tiny_flux(tmp_path / "model", seed=0, num_double=3, num_single=3)
     data = tiny.write_dataset(tmp_path / "data", n=4, size=64, seed=0)
-    common = dict(epochs=3, eval_every_n_steps=None, eval_before_first_step=False, dtype=DTYPE, full=True)
+    common = dict(epochs=5, eval_every_n_steps=None, eval_before_first_step=False, dtype=DTYPE, full=True)
     models, losses = {}, {}
     for name, dgls in (("plain", None), ("dgls", DGLS)):
         out = tmp_path / f"out_{name}"
@@ -67,19 +68,22 @@ def test_two_processes_full_fine_tune_with_dgls_train_and_resume_what_plain_trai
             checkout, second, tmp_path / f"{name}_2", WORLD, "--resume_from_checkpoint", dgls=dgls
         )
         assert "Resuming training from checkpoint" in resumed[0] and "TRAINING COMPLETE!" in resumed[0]
+        third = tiny.write_configs(tmp_path / f"cfg3_{name}", model, data, out, max_steps=6, **common)
+        alone = run_train(checkout, third, tmp_path / f"{name}_3.log", "--resume_from_checkpoint", seed=1, dgls=dgls)
+        assert "Resuming training from checkpoint" in alone and "TRAINING COMPLETE!" in alone
         if dgls is not None:
             for log in (logs[0], resumed[0]):
                 assert "DGLS data parallel: each of the 2 processes updates its share" in log, log[-3000:]
                 assert not any(line.startswith("dgls: ") for line in log.splitlines())
-        models[name] = {step: saved_model(out, f"step{step}") for step in (2, 4)}
+        models[name] = {step: saved_model(out, f"step{step}") for step in (2, 4, 6)}
         losses[name] = train_losses(out)
     tag = only_run_dir(tmp_path / "out_dgls") / "global_step2"
     shares = sorted(p.name for p in tag.glob("dgls_host_optimizer_stage*.pt"))
     assert shares == [f"dgls_host_optimizer_stage0_rank{r}.pt" for r in range(WORLD)], shares
-    assert len(losses["plain"]) == len(losses["dgls"]) == 4, losses
+    assert len(losses["plain"]) == len(losses["dgls"]) == 6, losses
     for plain, dgls in zip(losses["plain"], losses["dgls"]):
         assert abs(plain - dgls) <= TOLERANCE * abs(plain) * 10, losses
-    for step in (2, 4):
+    for step in (2, 4, 6):
         assert_close_models(models["plain"][step], models["dgls"][step])
     moved = [k for k in models["dgls"][2] if k.startswith("single_blocks.")]
     assert any(not (models["dgls"][2][k] == models["dgls"][4][k]).all() for k in moved), "the resume trained nothing"

@@ -122,6 +122,8 @@ def test_every_process_saves_its_share_of_the_host_state_and_rank_0_writes_while
     save (rank 0 writes every layer's masters) runs inside the masters' block, on every rank."""
     monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: None)
     (tmp_path / "global_step2").mkdir()  # DeepSpeed's save made it
+    for stale in ("dgls_host_optimizer_stage0.pt", "dgls_host_optimizer_stage0_rank2.pt"):  # an earlier save's
+        torch.save({5: layer_state(5)}, tmp_path / "global_step2" / stale)
     inside = []
     for rank in (0, 1):
         owned = [idx for idx, owner in OWNERS.items() if owner == rank]
@@ -143,6 +145,13 @@ def test_every_process_saves_its_share_of_the_host_state_and_rank_0_writes_while
     assert [p.name for p in files] == ["dgls_host_optimizer_stage0_rank0.pt", "dgls_host_optimizer_stage0_rank1.pt"]
     held = [sorted(torch.load(p, weights_only=True)) for p in files]
     assert held == [[0, 3], [1, 2]]
+
+    training = SimpleNamespace(adopt=lambda params: None, state_dict=lambda: {i: layer_state(i) for i in OWNERS})
+    one = EngineHooks(lambda module: training)._wrap_save(lambda engine, save_dir, tag, *a, **k: None)
+    one(fake_engine(0), tmp_path, "global_step2")  # one process saves the same tag again: its file alone is read
+    files = host_state_files(tmp_path / "global_step2", 0, "dgls_host_optimizer_stage")
+    assert [p.name for p in files] == ["dgls_host_optimizer_stage0.pt"]
+    assert not list((tmp_path / "global_step2").glob("*_rank*.pt"))
 
 
 def read(path: Path) -> object:

@@ -31,10 +31,14 @@ checkpoint holds no host optimizer state for them):
   replaces for streamed layers: refused with a message at the first step.
 - ``save_checkpoint``: the model states hold the true weights already (state dicts read the host
   masters); the host optimizer's state is saved beside them, ``dgls_host_optimizer_stage{N}.pt`` in the
-  checkpoint's tag folder.
-- ``load_checkpoint``: before DeepSpeed loads, this stage's file is read and checked against the host
-  training (:meth:`~..training.host_training.HostTraining.state_problem`: the same layers, shapes and optimizer kind),
-  every process together (:func:`~..program.resume.agree`); a checkpoint without it, or a file cut short or damaged,
+  checkpoint's tag folder. Data parallel (``shared``, :mod:`..training.shared_saves`): DeepSpeed's save runs while
+  rank 0 holds every owner's masters, and each process saves its share, ``dgls_host_optimizer_stage{N}_rank{R}.pt``
+  (then a barrier: the checkpoint is whole when the save returns); files of the tag that this save does not write
+  (an earlier save by another number of processes) are removed.
+- ``load_checkpoint``: before DeepSpeed loads, this stage's file (or its processes' files, merged: each process keeps
+  the layers it owns now) is read and checked against the host training
+  (:meth:`~..training.host_training.HostTraining.state_problem`: the same layers, shapes and optimizer kind), every
+  process together (:func:`~..program.resume.agree`); a checkpoint without it, or a file cut short or damaged,
   is one line (written without host training, resuming would restart the moments silently). After DeepSpeed
   loaded (masters included, through the state-dict hooks) the host optimizers take the state. With
   ``load_optimizer_states=False`` (train.py's ``--reset_optimizer``) neither is read.
@@ -57,7 +61,13 @@ from ..program.patches import Patches
 from ..program.resume import HOST_STATE_PREFIX, agree, damaged, host_state_file, resolve_tag, torch_file_problem
 from ..training.data_parallel import peer_failure
 from ..training.host_training import HostTraining
-from ..training.shared_saves import SharedSaves, host_state_files, merged_host_state, share_file
+from ..training.shared_saves import (
+    SharedSaves,
+    host_state_files,
+    merged_host_state,
+    share_file,
+    stale_host_state_files,
+)
 
 
 class EngineHooks:
@@ -150,12 +160,17 @@ class EngineHooks:
             grid = getattr(engine, "grid", None)
             if training is not None and shared is not None:  # every owner its share, then the checkpoint is whole
                 training.adopt(engine.module.parameters())
-                torch.save(training.state_dict(), _state_file(save_dir, tag, engine, shared.ownership.rank))
+                path = _state_file(save_dir, tag, engine, shared.ownership.rank)
+                if shared.ownership.rank == 0:
+                    _remove_stale(path, shared.ownership.size)
+                torch.save(training.state_dict(), path)
                 with peer_failure("a checkpoint's save"):
                     torch.distributed.barrier()
             elif training is not None and (grid is None or grid.get_data_parallel_id() == 0):
                 training.adopt(engine.module.parameters())
-                torch.save(training.state_dict(), _state_file(save_dir, tag, engine))
+                path = _state_file(save_dir, tag, engine)
+                _remove_stale(path, None)
+                torch.save(training.state_dict(), path)
             return result
 
         return save_checkpoint
@@ -240,6 +255,14 @@ def _state_file(folder, tag: str, engine, rank: int | None = None) -> Path:
     if rank is not None:
         return share_file(Path(folder) / str(tag), stage, rank, HOST_STATE_PREFIX)
     return host_state_file(Path(folder) / str(tag), stage)
+
+
+def _remove_stale(path: Path, processes: int | None) -> None:
+    """The host optimizer files of ``path``'s stage that this save (by ``processes`` data-parallel processes, None:
+    one) does not write, removed: left by an earlier save of the same tag, a resume would read them too."""
+    stage = int(path.name.removeprefix(HOST_STATE_PREFIX).split("_")[0].removesuffix(".pt"))
+    for stale in stale_host_state_files(path.parent, stage, HOST_STATE_PREFIX, processes):
+        stale.unlink(missing_ok=True)
 
 
 def _stage_sum(engine) -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -120,6 +120,17 @@ def host_state_files(folder: Path, stage: int, prefix: str) -> list[Path]:
     return [p for _, p in sorted(shares)]
 
 
+def stale_host_state_files(folder: Path, stage: int, prefix: str, processes: int | None) -> list[Path]:
+    """Files of ``stage`` in ``folder`` that a save by ``processes`` data-parallel processes (None: one process,
+    which writes the stage's one file) does not write: an earlier save of the same tag by another number of
+    processes left them, and a resume would read them with the new ones."""
+    shares = [(int(m.group(1)), p) for p in folder.glob(f"{prefix}{stage}_rank*.pt") if (m := RANK_FILE.search(p.name))]
+    if processes is None:
+        return [p for _, p in sorted(shares)]
+    whole = folder / f"{prefix}{stage}.pt"
+    return ([whole] if whole.exists() else []) + [p for rank, p in sorted(shares) if rank >= processes]
+
+
 def share_file(folder: Path, stage: int, rank: int, prefix: str) -> Path:
     """The file of data-parallel ``rank``'s share of ``stage``'s host optimizer state."""
     return folder / f"{prefix}{stage}_rank{rank}.pt"
