@@ -228,3 +228,19 @@ def test_one_process_resumes_the_shares_two_processes_saved(tmp_path):
     with pytest.raises(DGLSUserError, match="^[^\n]*$") as caught:
         load_into(run)
     assert f"the file holding layers {layers[1::2]} is missing" in str(caught.value)
+
+
+def test_the_check_before_start_up_takes_the_shares_of_a_stage_as_that_stage(tmp_path):
+    """Before start-up (program/resume.py): the processes' files of stage 0 are stage 0's, not stages of their own."""
+    from cli_helpers import write_checkpoint
+    from test_resume_checks import FULL, resume
+
+    folder = write_checkpoint(tmp_path / "out" / "20250101_00-00-00", adapter=False, host_stages=1)
+    (folder / "dgls_host_optimizer_stage0.pt").rename(folder / "dgls_host_optimizer_stage0_rank0.pt")
+    torch.save({2: layer_state(2)}, folder / "dgls_host_optimizer_stage0_rank1.pt")
+    resume(tmp_path, FULL, "--resume_from_checkpoint")
+    torch.save({2: layer_state(2)}, folder / "dgls_host_optimizer_stage1_rank0.pt")
+    with pytest.raises(
+        DGLSUserError, match="holds DGLS host optimizer states of 2 pipeline stages, and this run has 1"
+    ):
+        resume(tmp_path, FULL, "--resume_from_checkpoint")
