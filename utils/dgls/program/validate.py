@@ -277,7 +277,8 @@ def _drop_in_full_fine_tune(
     micro_batches: int,
 ) -> SwapConfig:
     """A diffusion-pipe config without [adapter]: streamed layers train on the host (``micro_batches``: a step's,
-    gradient_accumulation_steps times ``--lazy_lora_steps``)."""
+    gradient_accumulation_steps times ``--lazy_lora_steps``). More processes than stages train data parallel on one
+    stage, each updating its share (:mod:`..training.data_parallel`; its saves: :mod:`..training.shared_saves`)."""
     data_parallel = dist.world_size > stages
     if data_parallel:
         _check_data_parallel_full_fine_tune(path, spec, dist.world_size, stages, "pipeline_stages", swap, resolved)
