@@ -56,6 +56,7 @@ from ..torch_private import check_torch
 from ..training.data_parallel import SharedGradients, job_ownership, refuse_whole_step
 from ..training.disk_state import DiskState, plan_full_tiers, refuse_disk_state
 from ..training.host_training import HostTraining, check_host_training, training_layout, update_buffer_bytes
+from ..training.shared_saves import READER
 from ..training.training_feature import TrainingFeature
 from ..watching.profiler import Profiler
 from .disk_planning import DiskChoice, StateChoice
@@ -276,9 +277,12 @@ def _data_parallel_share(
             "--vram_budget with --plan prints the one it would choose)"
         )
     refuse_whole_step(c.training.host_optimizer)
-    check_host_training(trained)  # the machine holds every share: the processes' shares together are this layout
     numels = {idx: place.numel for idx, place in trained.layers.items()}
     ownership = job_ownership(numels, {idx: entries[idx].layer for idx in numels})
+    # the machine holds every share (the processes' shares together are this layout), and while a save runs the
+    # reader holds the other owners' own fp32 masters too (:mod:`..training.shared_saves`)
+    lent = [p for idx, place in trained.layers.items() if ownership.owners[idx] != READER for p in place.params]
+    check_host_training(trained, save_copy=sum(4 * p.numel for p in lent if p.own_master))
     params = {idx: [p.param.param for p in place.params] for idx, place in trained.layers.items()}
     owned = training_layout(
         {idx: streamed_layouts[idx] for idx in ownership.owned}, c.training.host_optimizer,
