@@ -141,6 +141,21 @@ def test_every_cast_form_gives_the_casts_bits_in_a_scratch_file(tmp_path, how, d
     assert weight_sources([holder]).scratch_bytes == cast.numel() * cast.element_size()
 
 
+def test_a_cast_method_wrapped_by_something_else_is_still_caught(tmp_path, monkeypatch):
+    """A library (or the tests' CPU shim) that puts a wrapper in ``torch.Tensor.to``'s place: the mode is handed the
+    wrapper, which still casts through torch's own method."""
+    own = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *args, **kwargs: own(self, *args, **kwargs))
+    source = torch.randn(64, 64)
+    casts = FileBackedCasts(tmp_path)
+    casts.install()
+    try:
+        cast = source.to(torch.bfloat16)
+    finally:
+        casts.remove()
+    assert casts.scratch.bytes == cast.numel() * 2 and same_bits(cast, own(source, torch.bfloat16))
+
+
 def test_what_is_not_a_cpu_float_cast_is_untouched(tmp_path):
     """Same dtype, integers, small tensors, tracked by autograd, non-contiguous, subclasses, in-place ops and every
     other function run as without the mode."""

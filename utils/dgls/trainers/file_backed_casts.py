@@ -112,19 +112,29 @@ def _reserve(fd: int, nbytes: int, directory: Path) -> None:
         ) from None
 
 
-_Base = torch._C.TensorBase  # the methods' own objects: what a mode is handed, however the method was reached
-FIXED_CASTS = {_Base.bfloat16: torch.bfloat16, _Base.half: torch.float16, _Base.float: torch.float32}
-FIXED_CASTS[_Base.double] = torch.float64
+_Base = torch._C.TensorBase
+FIXED_CASTS = {"bfloat16": torch.bfloat16, "half": torch.float16, "float": torch.float32, "double": torch.float64}
+CAST_METHODS = ("to", "type", "type_as", *FIXED_CASTS)
 KEEPS_LAYOUT = (None, torch.preserve_format, torch.contiguous_format)  # of a contiguous source: a contiguous cast
+
+
+def cast_method(func: Any) -> str | None:
+    """The name of the tensor cast method ``func`` is, or None. A mode is handed the method as ``torch.Tensor`` has it
+    now: torch's own, or a wrapper something put in its place (it still casts through torch's)."""
+    for name in CAST_METHODS:
+        if func is getattr(_Base, name) or func is getattr(torch.Tensor, name, None):
+            return name
+    return None
 
 
 def cast_target(func: Any, args: tuple, kwargs: dict) -> torch.dtype | None:
     """The dtype ``func(*args, **kwargs)`` casts ``args[0]`` to on the CPU, or None where the call is no such cast
     (another function, another device, a layout of its own, arguments not understood)."""
-    if func in FIXED_CASTS:
+    name = cast_method(func)
+    if name in FIXED_CASTS:
         fixed = len(args) == 1 and kwargs.get("memory_format") in KEEPS_LAYOUT
-        return FIXED_CASTS[func] if fixed else None
-    if func is _Base.to:
+        return FIXED_CASTS[name] if fixed else None
+    if name == "to":
         kwargs = {k: v for k, v in kwargs.items() if k != "copy"}  # a new tensor either way: the cast makes one
         try:
             device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
@@ -132,7 +142,7 @@ def cast_target(func: Any, args: tuple, kwargs: dict) -> torch.dtype | None:
             return None
         cpu = device is None or device.type == "cpu"
         return dtype if cpu and memory_format in KEEPS_LAYOUT else None
-    if func is _Base.type:
+    if name == "type":
         target = args[1] if len(args) > 1 else kwargs.get("dtype")
         if isinstance(target, str):  # 'torch.BFloat16Tensor'; a CUDA type is not on the CPU
             target = None if "cuda" in target else getattr(torch, target.removeprefix("torch."), None)
@@ -140,7 +150,7 @@ def cast_target(func: Any, args: tuple, kwargs: dict) -> torch.dtype | None:
             return target
         dtype = getattr(target, "dtype", None)  # a legacy type class (torch.BFloat16Tensor)
         return dtype if isinstance(dtype, torch.dtype) and getattr(target, "is_cuda", True) is False else None
-    if func is _Base.type_as and len(args) == 2 and isinstance(args[1], torch.Tensor):
+    if name == "type_as" and len(args) == 2 and isinstance(args[1], torch.Tensor):
         return args[1].dtype if args[1].device.type == "cpu" else None
     return None
 
