@@ -215,8 +215,10 @@ from accelerate.utils import modeling
 sys.path.insert(0, sys.argv[3])
 from test_file_backed_casts_cpu import cast_in_place, load, load_views
 from utils.dgls.memory.file_backed import anonymous_memory
+from utils.dgls.trainers import file_backed_casts
 from utils.dgls.trainers.file_backed_casts import FileBackedCasts
 
+file_backed_casts.file_system = lambda directory: "ext4"  # as the tests' fixture: wherever the temp is tmpfs
 LOADS = {
     "accelerate": lambda: load(sys.argv[1], torch.bfloat16, modeling.set_module_tensor_to_device),
     "p.data = p.data.to": lambda: cast_in_place(load_views(sys.argv[1]), torch.bfloat16),
@@ -302,6 +304,43 @@ def _holder(tensor):
     holder = torch.nn.Module()
     holder.p = torch.nn.Parameter(tensor, requires_grad=False)
     return holder
+
+
+FORKED = """
+import os, sys
+import torch
+from utils.dgls.trainers import file_backed_casts
+from utils.dgls.trainers.file_backed_casts import FileBackedCasts
+from utils.dgls.memory.file_backed import file_mappings
+
+file_backed_casts.file_system = lambda directory: "ext4"  # as the tests' fixture: wherever the temp is tmpfs
+casts = FileBackedCasts(sys.argv[1])
+casts.install()
+parent = torch.randn(64, 64).to(torch.bfloat16)  # the chunk is mapped now, shared with a child
+read, write = os.pipe()
+child = os.fork()
+if child == 0:  # train.py's caching worker: a fork of the process that loads
+    cast = torch.full((64, 64), 7.0).to(torch.bfloat16)
+    mapped = any(start <= cast.data_ptr() < end for start, end, _ in file_mappings())
+    os.write(write, b"mapped" if mapped else b"anonymous")
+    os._exit(0)
+os.waitpid(child, 0)
+after = torch.randn(64, 64).to(torch.bfloat16)  # the parent's next cast, in the bytes after its first
+casts.remove()
+print(os.read(read, 64).decode(), casts.scratch.bytes == 2 * 64 * 64 * 2)
+"""
+
+
+def test_a_forked_process_casts_as_without_the_mode(tmp_path):
+    """The child inherits the mode and the chunk's shared mapping: it must not carve from it (the parent hands out the
+    same bytes next)."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", FORKED, str(tmp_path)], cwd=root, env=child_env(), capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["anonymous", "True"], out.stdout
 
 
 def test_the_mode_is_off_the_stack_after_removal_and_training_is_untouched(tmp_path):

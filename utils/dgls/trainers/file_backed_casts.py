@@ -175,16 +175,19 @@ def caught(source: Any, dtype: torch.dtype | None) -> bool:
 class CastsIntoScratch(TorchFunctionMode):
     """The mode: a caught cast (see :func:`caught`) is made into :class:`ScratchFiles`; every other call runs on.
 
-    Inside ``__torch_function__`` torch has taken this mode off the stack, so the copy it makes is not seen again.
+    Inside ``__torch_function__`` torch has taken this mode off the stack, so the copy it makes is not seen again. A
+    process forked while it is on (train.py's caching workers) inherits it with the chunk's mapping, shared with this
+    process: there it casts as without the mode, or both would carve the same bytes.
     """
 
     def __init__(self, scratch: ScratchFiles) -> None:
         super().__init__()
         self.scratch = scratch
+        self.pid = os.getpid()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if args and caught(args[0], dtype := cast_target(func, args, kwargs)):
+        if args and caught(args[0], dtype := cast_target(func, args, kwargs)) and os.getpid() == self.pid:
             cast = self.scratch.empty(args[0].shape, dtype)
             cast.copy_(args[0])
             return cast
