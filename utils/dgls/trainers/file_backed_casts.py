@@ -15,7 +15,12 @@ loads, ``p.data = p.data.to(dtype)`` in diffusion-pipe's Flux, Chroma and LTX lo
 
 When: :class:`~.diffusion_pipe.PipelineInterception` installs it before train.py runs, only with a host RAM budget (the
 user said RAM is short, and named where disk space is), and removes it once this process's stage is built, before DGLS
-places the layers, and after any error.
+places the layers, and after any error. train.py caches its dataset in that window too: on a GPU its casts are of GPU
+tensors (untouched); a CPU-only run's VAE and text-encoder casts go to the file as well, with the same bytes.
+
+Not reached (the start-up line, :mod:`..memory.file_backed`, still counts them as copies): loads that copy without a
+cast (``torch.load`` of a ``.pt`` without ``mmap``, ``load_state_dict`` into weights that are not meta), casts of a
+non-contiguous tensor, a cast made in another thread or in a forked process.
 
 Invariants
     - Caught: a CPU-to-CPU cast of a plain tensor or parameter (no other subclass), strided, contiguous, not
@@ -30,7 +35,8 @@ Invariants
     - The directory is checked for room before each chunk is written: one clear line otherwise.
     - Each tensor starts on a 256-byte boundary of its chunk.
     - The mode is on this thread's stack only between ``install`` and ``remove`` (mode stacks are per thread; other
-      threads never see it), and off before DGLS places the layers and trains.
+      threads never see it), and off before DGLS places the layers and trains; it casts in the process that
+      installed it only.
 """
 
 from __future__ import annotations
