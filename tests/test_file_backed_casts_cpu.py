@@ -512,3 +512,22 @@ def test_removal_lets_go_of_the_chunk_being_carved(tmp_path):
     assert casts.scratch._chunk is not None
     casts.remove()
     assert casts.scratch._chunk is None
+
+
+@pytest.mark.gpu
+def test_casts_to_the_gpu_are_untouched_and_a_cast_tensor_moves_there(tmp_path):
+    """A cast that goes to the GPU (``.to('cuda', dtype)``, ``.cuda()`` after a CPU cast) is torch's own; a scratch
+    tensor moves to the GPU with its bytes, as a weight does when DGLS places it."""
+    source = torch.randn(256, 256)
+    casts = FileBackedCasts(tmp_path)
+    casts.install()
+    try:
+        on_gpu = source.to("cuda", torch.bfloat16)
+        cast = source.to(torch.float8_e4m3fn)
+        gpu_source = source.cuda()
+        from_gpu = gpu_source.to(torch.bfloat16)
+        moved = cast.to("cuda")
+    finally:
+        casts.remove()
+    assert on_gpu.is_cuda and from_gpu.is_cuda and casts.scratch.bytes == cast.numel()
+    assert same_bits(moved.cpu(), source.to(torch.float8_e4m3fn)) and same_bits(on_gpu.cpu(), source.bfloat16())
