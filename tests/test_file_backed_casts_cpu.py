@@ -21,6 +21,7 @@ from helpers import child_env, make_layers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from utils.dgls import torch_private
 from utils.dgls.errors import DGLSUserError
 from utils.dgls.memory.file_backed import weight_sources
 from utils.dgls.trainers import file_backed_casts
@@ -39,7 +40,7 @@ def on_a_disk(monkeypatch):
 
 
 def stack_depth() -> int:
-    return torch._C._len_torch_function_stack()
+    return torch_private.function_mode_depth()
 
 
 def checkpoint(tmp_path, rows=ROWS, n=N, count=COUNT):

@@ -55,6 +55,7 @@ from ..errors import DGLSUserError
 from ..memory.disk_tier import RAM_FILE_SYSTEMS, check_directory, default_directory, file_system
 from ..memory.file_backed import SCRATCH_PREFIX
 from ..memory.layout import human_bytes
+from ..torch_private import parse_to, take_off_function_mode_stack, tensor_method
 
 CHUNK = 256 * 2**20
 ALIGN = 256
@@ -118,7 +119,6 @@ def _reserve(fd: int, nbytes: int, directory: Path) -> None:
         ) from None
 
 
-_Base = torch._C.TensorBase
 FIXED_CASTS = {"bfloat16": torch.bfloat16, "half": torch.float16, "float": torch.float32, "double": torch.float64}
 CAST_METHODS = ("to", "type", "type_as", *FIXED_CASTS)
 KEEPS_LAYOUT = (None, torch.preserve_format, torch.contiguous_format)  # of a contiguous source: a contiguous cast
@@ -128,7 +128,7 @@ def cast_method(func: Any) -> str | None:
     """The name of the tensor cast method ``func`` is, or None. A mode is handed the method as ``torch.Tensor`` has it
     now: torch's own, or a wrapper something put in its place (it still casts through torch's)."""
     for name in CAST_METHODS:
-        if func is getattr(_Base, name) or func is getattr(torch.Tensor, name, None):
+        if func is tensor_method(name) or func is getattr(torch.Tensor, name, None):
             return name
     return None
 
@@ -143,7 +143,7 @@ def cast_target(func: Any, args: tuple, kwargs: dict) -> torch.dtype | None:
     if name == "to":
         kwargs = {k: v for k, v in kwargs.items() if k != "copy"}  # a new tensor either way: the cast makes one
         try:
-            device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+            device, dtype, _, memory_format = parse_to(*args[1:], **kwargs)
         except (TypeError, RuntimeError):
             return None
         cpu = device is None or device.type == "cpu"
@@ -200,19 +200,6 @@ class CastsIntoScratch(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _take_off_stack(mode: TorchFunctionMode) -> None:
-    """``mode`` off this thread's torch-function mode stack, wherever it is on it; the modes above it stay, in order
-    (a mode a loader entered and never left must not take this one's place: ``__exit__`` pops the top only)."""
-    above = []
-    while torch._C._len_torch_function_stack():
-        top = torch._C._pop_torch_function_stack()
-        if top is mode:
-            break
-        above.append(top)
-    for other in reversed(above):
-        torch._C._push_on_torch_function_stack(other)
-
-
 class FileBackedCasts:
     """The mode's lifetime (see the module doc): ``install`` before train.py loads, ``remove`` once the stage is
     built; ``remove`` is idempotent and must run on the thread that installed (mode stacks are per thread)."""
@@ -240,6 +227,6 @@ class FileBackedCasts:
         if self.mode is not None:
             if threading.get_ident() != self._thread:
                 raise RuntimeError("file-backed casts removed on another thread than the one that installed them")
-            _take_off_stack(self.mode)
+            take_off_function_mode_stack(self.mode)
             self.mode = None
         self.scratch.drop_chunk()
