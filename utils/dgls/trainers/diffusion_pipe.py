@@ -80,9 +80,9 @@ class PipelineInterception:
       (data parallel: rank 0 holds the other owners' for the save, :mod:`..training.shared_saves`);
     * ``DeepSpeedEngine.load_checkpoint`` (:class:`~..program.resume.ResumeChecks`): a resumed checkpoint's layer files
       must fit the layers (train.py loads them non-strictly, which would skip what does not match);
-    * with a host RAM budget, until the stage is built, accelerate's ``set_module_tensor_to_device``
-      (:mod:`.file_backed_casts`): the load's casts go to a scratch file in the disk_dir, not RAM. When the stage is
-      built, one line says how many bytes of its weights are views of the checkpoint files and how many are copies
+    * with a host RAM budget, until the stage is built, a torch-function mode (:mod:`.file_backed_casts`, not a
+      patch): the load's dtype casts go to a scratch file in the disk_dir, not RAM. When the stage is built, one line
+      says how many bytes of its weights are views of the checkpoint files and how many are copies
       (:mod:`..memory.file_backed`).
     """
 
@@ -292,12 +292,12 @@ class PipelineInterception:
             self.swap = swap_config(self.values)
         swap = self.swap.for_stage(stage.start, stage.stop, stage.layer_count)
         log = (lambda line: self.log(stage.label + line)) if stage.data_parallel_id == 0 else (lambda line: None)
+        if self.casts is not None:
+            self.casts.remove()  # the model is loaded: nothing of DGLS's runs under the casts' mode
         if stage.data_parallel_id == 0:  # what the load copied into process memory (memory/file_backed.py)
             log(weight_sources(stage.layers).line())
             if self.casts is not None and self.casts.note:
                 log(self.casts.note)
-        if self.casts is not None:
-            self.casts.remove()  # the model is loaded
         self.swapper = LayerSwapper(stage.layers, swap, device=device, log=log, share_group=stage.share_group)
         swapper = self.swapper
         self.monitor = MemoryMonitor(swapper.device, lambda: swapper.pinned_bytes)
