@@ -180,6 +180,7 @@ def test_what_is_not_a_cpu_float_cast_is_untouched(tmp_path):
             torch.tensor(1.5).to(torch.bfloat16),  # a scalar
             x.t().to(torch.bfloat16),  # non-contiguous: its own layout
             x.to("meta", torch.bfloat16),
+            torch.empty(64, 64, device="meta").to(torch.bfloat16),  # a meta source (init_empty_weights)
             x[None, None].to(torch.bfloat16, memory_format=torch.channels_last),  # a layout of its own
             x.as_subclass(Sub).to(torch.bfloat16),
             x * 2,
@@ -194,8 +195,19 @@ def test_what_is_not_a_cpu_float_cast_is_untouched(tmp_path):
     assert casts.scratch.bytes == 0, "nothing was cast into the scratch file"
     assert cast_tracked.grad_fn is not None, "autograd records the cast as without the mode"
     assert x.to(torch.float32) is x and results[0] is x
-    assert same_bits(in_place, x.to(torch.bfloat16)) and type(results[9]) is Sub
+    assert same_bits(in_place, x.to(torch.bfloat16)) and type(results[10]) is Sub and results[8].is_meta
     assert weight_sources([]).scratch_bytes == 0
+
+
+def test_a_second_install_is_a_bug_not_a_mode_left_on_the_stack(tmp_path):
+    casts = FileBackedCasts(tmp_path)
+    casts.install()
+    try:
+        with pytest.raises(RuntimeError, match="already redirected"):
+            casts.install()
+    finally:
+        casts.remove()
+    assert torch.randn(64, 64).to(torch.bfloat16).untyped_storage().nbytes() == 64 * 64 * 2
 
 
 def test_cast_target_knows_gpu_and_meta_casts_are_not_cpu_casts():

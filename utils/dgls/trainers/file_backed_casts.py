@@ -34,9 +34,9 @@ Invariants
       included; the space is freed when the last tensor of a chunk is.
     - The directory is checked for room before each chunk is written: one clear line otherwise.
     - Each tensor starts on a 256-byte boundary of its chunk.
-    - The mode is on this thread's stack only between ``install`` and ``remove`` (mode stacks are per thread; other
-      threads never see it), and off before DGLS places the layers and trains; it casts in the process that
-      installed it only.
+    - The mode is on this thread's stack only between ``install`` and ``remove`` (mode stacks are per thread: other
+      Python threads never see it; torch's autograd workers copy the stack, but nothing runs backward while it is
+      on), and off before DGLS places the layers and trains; it casts in the process that installed it only.
 """
 
 from __future__ import annotations
@@ -126,7 +126,8 @@ KEEPS_LAYOUT = (None, torch.preserve_format, torch.contiguous_format)  # of a co
 
 def cast_method(func: Any) -> str | None:
     """The name of the tensor cast method ``func`` is, or None. A mode is handed the method as ``torch.Tensor`` has it
-    now: torch's own, or a wrapper something put in its place (it still casts through torch's)."""
+    now: torch's own, or a wrapper something put in its place (it still casts through torch's). A caught cast is made
+    here, so such a wrapper's other work does not run for it (nothing train.py loads wraps these methods)."""
     for name in CAST_METHODS:
         if func is tensor_method(name) or func is getattr(torch.Tensor, name, None):
             return name
@@ -211,6 +212,8 @@ class FileBackedCasts:
         self.note = ""  # a start-up line where it is not installed (the directory is RAM)
 
     def install(self) -> None:
+        if self.mode is not None:
+            raise RuntimeError("the load's casts are already redirected: install once, then remove")
         directory = self.scratch.directory
         if (kind := file_system(directory)) in RAM_FILE_SYSTEMS:  # a scratch file there would be RAM too
             self.note = (
