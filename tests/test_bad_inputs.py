@@ -545,6 +545,32 @@ CASES = [
     Case(
         "dp-full-optimizer", dp(tables=FULL_TABLES.replace('"adamw"', '"genericoptim"')), "'genericoptim' cannot train"
     ),
+    # a drop-in full fine-tune of several processes trains data parallel on one stage (training/data_parallel.py)
+    Case(
+        "dp-full-data-parallel-in-stages",
+        dp(top="pipeline_stages = 2", tables=FULL_TABLES),
+        "would be data parallel within each stage: a full fine-tune runs data parallel on one stage, or one process "
+        "per stage; set pipeline_stages = 1 or 4",
+        env(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0"),
+    ),
+    Case(
+        "dp-full-data-parallel-vram-budget",
+        dp("--vram_budget", "8", tables=FULL_TABLES),
+        "--vram_budget with 2 data-parallel processes of a full fine-tune",
+        env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"),
+    ),
+    Case(
+        "dp-full-data-parallel-gradient-release",
+        dp(tables=FULL_TABLES + "gradient_release = true\n"),
+        "gradient_release = true in",
+        env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"),
+    ),
+    Case(
+        "dp-full-data-parallel-whole-step",
+        dp(tables=FULL_TABLES.replace('"adamw"', '"Prodigy"').replace("lr = 1e-3", "lr = 1.0")),
+        "[optimizer] type 'Prodigy' steps one instance over every param",
+        env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"),
+    ),
     # a VRAM budget plans a full fine-tune at step 1, before any update (planning/autoplan.py): what that cannot serve
     Case(
         "dp-full-vram-budget-gradient-release",
@@ -856,6 +882,22 @@ def test_an_abbreviated_resume_flag_is_checked_up_front_and_passed_in_full(tmp_p
         prepare(dp("--resume")(tmp_path), ROOT)
     run = prepare(dp("--cache")(tmp_path), ROOT)
     assert "--cache_only" in run.train_args and "--cache" not in run.train_args
+
+
+def test_a_drop_in_full_fine_tune_of_two_processes_on_one_stage_trains_data_parallel(tmp_path, monkeypatch):
+    """Two processes of a diffusion-pipe full fine-tune on one pipeline stage each update their share of the streamed
+    layers (training/data_parallel.py); one process, or a LoRA, does not share."""
+    from utils.dgls.program.validate import prepare
+
+    for key, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0").items():
+        monkeypatch.setenv(key, value)
+    run = prepare(dp("--blocks_to_swap", "1", tables=FULL_TABLES)(tmp_path / "full"), ROOT)
+    assert run.swap.training.data_parallel and run.swap.training.host_optimizer is not None
+    lora = prepare(dp("--blocks_to_swap", "1")(tmp_path / "lora"), ROOT)
+    assert lora.swap.training.host_optimizer is None and not lora.swap.training.data_parallel
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    one = prepare(dp("--blocks_to_swap", "1", tables=FULL_TABLES)(tmp_path / "one"), ROOT)
+    assert one.swap.training.host_optimizer is not None and not one.swap.training.data_parallel
 
 
 LISTEN = "import socket, sys, time\ns = socket.socket()\ns.bind(('127.0.0.1', 0))\ns.listen()\n"

@@ -631,3 +631,6 @@ def test_accumulation_units_both_gives_a_budget_row_per_unit_size_choice(tmp_pat
     rows = [r for r in result["rows"] if "DGLS" in r["method"]]
     assert sorted(r["units_sized_for"] for r in rows) == [1, 2] and all("unit_mib" in r for r in rows)
     assert [r["method"].endswith("units sized for 1 micro-batch") for r in rows] == [True, False]
+    # the builder was told: its start-up line for 2 layer-major micro-batches (the row records only the argument)
+    told = [any("a step runs 2 micro-batches layer-major" in line for line in r["plan_log"]) for r in rows]
+    assert told == [False, True], [r["plan_log"] for r in rows]

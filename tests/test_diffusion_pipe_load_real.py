@@ -91,3 +91,39 @@ def test_casts_go_to_a_scratch_file_under_a_host_ram_budget(prepare, tmp_path, m
     assert "cast into a scratch file" not in load_line(plain)[2] and load_line(plain)[1] > 0
     losses = [re.findall(r"steps: \d+ loss: (\S+)", log) for log in (budget, plain)]
     assert losses[0] and losses[0] == losses[1], losses
+
+
+def test_flux_float8_casts_go_to_a_scratch_file_under_a_host_ram_budget(checkout, tmp_path):  # noqa: F811
+    """Flux with transformer_dtype = 'float8' (float32 files, a bf16 run) casts twice, neither through accelerate:
+    diffusers' torch_dtype cast of every weight, then diffusion-pipe's ``p.data = p.data.to(float8)``. Under a host RAM
+    budget both are in DGLS's scratch file (trainers/file_backed_casts.py): no byte of the layers is a copy in process
+    memory, and the run trains as without the budget."""
+    from test_diffusion_pipe_models_real import build_tiny_flux, files, run_train
+
+    model_dir = build_tiny_flux(tmp_path / "model", num_double=3, num_single=3, heads=8)
+    model = {"type": "flux", "diffusers_path": str(model_dir), "transformer_dtype": "float8"}
+    data = files.write_dataset(tmp_path / "data", n=4, size=64)
+    runner = ("--preload=cpu_autocast",)
+
+    def config(name: str):
+        return files.write_configs(
+            tmp_path / f"cfg_{name}", model, data, tmp_path / f"out_{name}", max_steps=2, dtype="bfloat16",
+            activation_checkpointing=True,
+        )  # fmt: skip
+
+    def run(name: str, dgls: str) -> str:
+        return run_train(checkout, config(name), tmp_path / f"{name}.log", dgls=dgls, runner_args=runner)
+
+    # the cache first: a run that caches draws from the RNG (the VAE's sample), so both runs start alike
+    run_train(checkout, config("cache"), tmp_path / "cache.log", "--cache_only", runner_args=runner)
+    swap = "--blocks_to_swap 6 --prefetch 1 --verbose"
+    budget = run("budget", f"{swap} --host_ram_budget 1 --disk_dir {tmp_path / 'disk'}")
+    plain = run("plain", swap)
+    assert "TRAINING COMPLETE!" in budget and "TRAINING COMPLETE!" in plain
+    mapped, copied, rest = load_line(budget)
+    print(f"flux float8 under a budget: {mapped:.2f} MiB in place, {copied:.2f} MiB copied{rest}")
+    assert copied == 0 and "cast into a scratch file" in rest and "float8" not in rest, rest
+    assert load_line(plain)[1] > 0, "without the budget the casts are copies"
+    assert list((tmp_path / "disk").iterdir()) == [], "no scratch file is left"
+    losses = [re.findall(r"steps: \d+ loss: (\S+)", log) for log in (budget, plain)]
+    assert losses[0] and losses[0] == losses[1], losses

@@ -143,6 +143,35 @@ def test_the_builder_probes_the_disk_only_when_something_spills(tmp_path, monkey
     assert any(f"measured {measured:.2f} GB/s here" in line for line in lines)  # the probe's figure, said once
 
 
+def test_the_builder_tells_the_disk_plan_how_many_micro_batches_a_layer_major_step_computes(tmp_path):
+    """layer_major_micro_batches = 4: each fetch (and read) of a layer-major step serves 4 micro-batches, so the disk
+    plan costs 4 times the compute behind the reads (the state plan's rule, disk_planning.step_uses); before, it
+    counted one micro-batch's."""
+    from test_state_plan import compute_a_step
+
+    def disk_plan_compute(n: int) -> float:
+        lines: list[str] = []
+        (tmp_path / str(n)).mkdir()
+        config = SwapConfig.of(host_ram_budget=0.0006, disk_dir=str(tmp_path / str(n)), prefetch=1,
+                               layer_major_micro_batches=n)  # fmt: skip
+        with LayerSwapper(make_layers()[0], config, device=torch.device("cpu"), log=lines.append) as swapper:
+            assert swapper.store.disk_layers
+        (line,) = [line for line in lines if line.startswith("DGLS disk plan:")]
+        return compute_a_step(line)
+
+    one, four = disk_plan_compute(1), disk_plan_compute(4)
+    assert one > 0 and four == pytest.approx(4 * one, rel=0.02)
+
+
+def test_a_layer_major_step_costs_each_use_at_its_micro_batches_and_sequential_passes_repeat():
+    """The one rule both disk choosers use (disk_planning.step_uses)."""
+    uses = (UseTiming(0, F, 2.0), UseTiming(1, F, 1.0), UseTiming(1, B, 2.0))
+    assert disk_planning.step_uses(uses) == uses
+    assert [u.compute_ms for u in disk_planning.step_uses(uses, 3)] == [6.0, 3.0, 6.0]
+    assert disk_planning.step_uses(uses, 1, passes=2) == uses * 2
+    assert [(u.layer, u.phase) for u in disk_planning.step_uses(uses, 3, 2)] == [(u.layer, u.phase) for u in uses] * 2
+
+
 # ---------------------------------------------------------------- with the VRAM planner
 def test_the_vram_planner_counts_the_reads_of_layers_on_disk_and_keeps_more_of_them_resident():
     """Flux-like blocks (the planner's tests), the 18 last single blocks on disk at 2 GB/s: the plan made knowing it

@@ -340,6 +340,24 @@ def test_a_host_without_the_ram_for_training_is_refused_with_the_numbers(monkeyp
         pass
 
 
+def test_a_data_parallel_saves_copy_of_the_other_owners_masters_is_counted_in_the_ram_check(monkeypatch):
+    """While a save runs, a data-parallel job's reader also holds the other owners' fp32 masters
+    (training/shared_saves.py): a host with room for the training state but not for that copy is refused up front,
+    naming it, rather than running out of RAM at the first save."""
+    with LayerSwapper(full_layers(torch.bfloat16), config(), device=CPU, log=None) as swapper:
+        layout = swapper.training.layout
+    need = sum(v for k, v in layout.parts().items() if k != "speculation")
+
+    class Host:
+        total = 16 * 2**30  # reserve: 2 GiB
+        available = 2 * 2**30 + need + 1024
+
+    monkeypatch.setattr(host_training.psutil, "virtual_memory", lambda: Host)
+    assert host_training.check_host_training(layout).startswith("DGLS host training:")
+    with pytest.raises(DGLSUserError, match=r"a save's copy of the other processes' masters 0\.2 MiB\) beyond"):
+        host_training.check_host_training(layout, save_copy=200 * 1024)
+
+
 def test_remove_puts_the_trained_weights_back():
     layers = full_layers()
     with LayerSwapper(layers, config(), device=CPU, log=None) as swapper:

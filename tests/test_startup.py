@@ -378,30 +378,36 @@ atexit.register(lambda: sys.stdout.write("atexit ran\\n"))
 class TornDown:  # says so in the interpreter's teardown, which the failed grouped process must skip
     def __del__(self):
         sys.stdout.write("torn down\\n")
-kept = TornDown()
+kept, logs = TornDown(), []
 def main():
+    logs.append(open(sys.argv[2], "w"))  # left open, its line in Python's buffer: a trainer's log
+    logs[0].write("logged\\n")
     if sys.argv[1] == "user":
         raise DGLSUserError("another process of this data-parallel job stopped")
+    if sys.argv[1] == "quit":  # train.py's quit() after --cache_only
+        sys.exit()
     raise ValueError("a bug")
 run_as_program(main)
 """
 
 
 @pytest.mark.slow  # a process with torch and gloo per case
-@pytest.mark.parametrize("kind", ["user", "bug"])
-def test_a_failed_process_with_its_group_alive_ends_with_its_own_exit_code(tmp_path, kind):
-    """A run that fails with its process group alive (a peer killed mid-step: CI saw this) must not leave it to
-    interpreter finalization, where gloo's threads can abort the process ("terminate called without an active
-    exception", exit -6): it ends with 2 and its one line (a bug: 1 and its traceback once), atexit handlers run, the
-    teardown is skipped."""
-    script = tmp_path / "fail.py"
+@pytest.mark.parametrize("kind", ["user", "bug", "quit"])
+def test_a_process_that_ends_with_its_group_alive_ends_with_its_own_exit_code(tmp_path, kind):
+    """A run that ends with its process group alive (a peer killed mid-step: CI saw this; train.py's quit()) must
+    not leave it to interpreter finalization, where gloo's threads can abort the process ("terminate called without
+    an active exception", exit -6): it ends with 2 and its one line (a bug: 1 and its traceback once; quit: 0),
+    atexit handlers run, a file left open keeps what was written to it, the teardown is skipped."""
+    script, log = tmp_path / "fail.py", tmp_path / "train.log"
     script.write_text(GROUPED_FAILURE.format(root=str(ROOT)))
     proc = subprocess.run(
-        [sys.executable, str(script), kind], env=child_env(), capture_output=True, text=True, timeout=120
+        [sys.executable, str(script), kind, str(log)], env=child_env(), capture_output=True, text=True, timeout=120
     )
-    assert proc.stdout == "atexit ran\n"
+    assert proc.stdout == "atexit ran\n" and log.read_text() == "logged\n"
     if kind == "user":
         assert (proc.returncode, proc.stderr) == (2, "dgls: error: another process of this data-parallel job stopped\n")
+    elif kind == "quit":
+        assert (proc.returncode, proc.stderr) == (0, "")
     else:
         assert proc.returncode == 1 and proc.stderr.count("ValueError: a bug") == 1, proc.stderr
 

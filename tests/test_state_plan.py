@@ -16,6 +16,7 @@ optimizer state on disk, chosen by a replay of the step, and the time their read
 
 import dataclasses
 import random
+import re
 import types
 
 import pytest
@@ -179,8 +180,8 @@ def test_a_layer_major_step_computes_its_micro_batches_at_each_fetch_and_sequent
 
     assert step() == uses
     assert step(passes=3) == uses * 3
-    assert [u.compute_ms for u in step(layer_major=4)] == [8.0, 16.0]
-    assert [(u.layer, u.phase) for u in step(layer_major=4)] == [(0, Phase.FORWARD), (0, Phase.BACKWARD)]
+    assert [u.compute_ms for u in step(layer_major_micro_batches=4)] == [8.0, 16.0]
+    assert [(u.layer, u.phase) for u in step(layer_major_micro_batches=4)] == [(0, Phase.FORWARD), (0, Phase.BACKWARD)]
 
 
 def test_a_budget_that_holds_everything_spills_nothing():
@@ -261,6 +262,30 @@ def run(tmp_path, budget, clip, log=None):
         record = train_dgls(layers, swapper, CPU, "nonreentrant", steps=3, accumulate=1, dtype=torch.bfloat16,
                             max_norm=0.05 if clip else None)  # fmt: skip
     return record, spilled
+
+
+def compute_a_step(line: str) -> float:
+    """The ms of compute a step a disk plan's start-up line counts."""
+    return float(re.search(r"against ([0-9.e+-]+) ms of compute", line).group(1))
+
+
+def test_the_builder_tells_the_state_plan_how_many_micro_batches_a_layer_major_step_computes(tmp_path):
+    """layer_major_micro_batches = 4 in the SwapConfig (the step's micro-batches run layer-major): the state plan's
+    step computes 4 times one micro-batch's at each fetch, so its line counts 4 times the compute of the build for
+    one; a builder that does not pass it on counts one."""
+
+    def state_plan_compute(n: int) -> float:
+        lines: list[str] = []
+        cfg = SwapConfig.of(host_optimizer=SPEC, prefetch=1, host_ram_budget=0.002, disk_dir=str(tmp_path / str(n)),
+                            layer_major_micro_batches=n)  # fmt: skip
+        (tmp_path / str(n)).mkdir()
+        with LayerSwapper(full_layers(torch.bfloat16), cfg, device=CPU, log=lines.append) as swapper:
+            assert swapper.training.disk_state is not None  # the budget spills state
+        (line,) = [line for line in lines if line.startswith("DGLS disk state plan:")]
+        return compute_a_step(line)
+
+    one, four = state_plan_compute(1), state_plan_compute(4)
+    assert one > 0 and four == pytest.approx(4 * one, rel=0.02)
 
 
 @pytest.mark.parametrize("clip", [False, True])

@@ -6,6 +6,10 @@ up to 6 d^2; at its attention's size, 5 units of at most 8 d^2 fit the slots a q
   layer's units in the slots: the same size.
 - N > 1 where it does not: the split whose units stay, which the planner's own step model (row_copies.simulate_rows)
   predicts copies less and runs faster; the engine copies fewer bytes a step with it, bitwise the same numbers.
+- Synthetic splits: a tie with the one-micro-batch size keeps it; among other sizes the smaller pool wins; the slots
+  are the fewest that hold every layer's units (3 of the 5 the quarter holds; 7, beyond the prefetch choices); a size
+  above the layers' slot bytes that splits them is tried (stored wider than computed); the line says when the
+  one-micro-batch units fit no two slots.
 - Mutation: a builder that ignores N copies as much as before.
 """
 
@@ -117,13 +121,14 @@ def test_where_no_split_keeps_all_the_one_micro_batch_size_stays_if_none_fetches
     assert "no unit size lets every layer's units fit the slots within that quarter: at 5 slots" in choice.line
 
 
-def synthetic(units: dict[int | None, list[int]], layers: int = 2):
-    """``layers`` layers, each split at unit size t into entries of ``units[t]`` bytes (None: whole)."""
+def synthetic(units: dict[int | None, list[int] | None], layers: int = 2):
+    """``layers`` layers, each split at unit size t into entries of ``units[t]`` bytes (t None, or ``units[t]``
+    None: whole)."""
 
     def split(t: int | None) -> list[LayerSizes]:
         sizes: list[LayerSizes] = []
         for layer in range(layers):
-            if t is None:
+            if t is None or units[t] is None:
                 sizes.append(LayerSizes(len(sizes), "Block", sum(units[None]), 0, layer=layer))
                 continue
             sizes.append(LayerSizes(len(sizes), "Block", 0, 0, layer=layer, holder=True))
@@ -144,6 +149,54 @@ def test_where_no_split_keeps_all_the_split_fetching_least_again_wins():
     choice = choose_unit_bytes(split(None), 2000, 4, split, [200])
     assert choice.unit_bytes == 200 and "the size that fetches least again" in choice.line, choice.line
     assert choose_unit_bytes(split(None), 2000, 1, split, [200]).unit_bytes == 83
+
+
+def test_a_tie_with_the_one_micro_batch_size_keeps_it():
+    """Units of 200 fetch as many bytes again as the one-micro-batch units (83) from a smaller pool (4 slots of 80
+    against 5 of 100): nothing fetches less, so the one-micro-batch size stays."""
+    split = synthetic({None: [400], 83: [100, 80, 60, 40, 40, 20, 20, 40], 200: [80, 80, 80, 80, 40, 20, 20]})
+    base, other = split_cost(split(83), 83, 500), split_cost(split(200), 200, 500)
+    assert base.refetched == other.refetched > 0 and other.pool < base.pool
+    choice = choose_unit_bytes(split(None), 2000, 4, split, [200])
+    assert choice.unit_bytes == 83 and "no unit size lets every layer's units fit the slots" in choice.line
+
+
+def test_among_sizes_that_fetch_as_little_again_the_smaller_pool_wins():
+    """Units of 100 (4 a layer, 4 slots: 400 bytes) and of 225 (225 + 175, 2 slots: 450 bytes) both stay over the
+    micro-batches; the smaller pool wins, though its units are more."""
+    split = synthetic({None: [400], 83: [120] + [40] * 7, 100: [100] * 4, 225: [225, 175]})
+    small, large = split_cost(split(100), 100, 500), split_cost(split(225), 225, 500)
+    assert small.keeps_all and large.keeps_all and small.pool < large.pool and small.entries > large.entries
+    assert choose_unit_bytes(split(None), 2000, 4, split, [225, 100]).unit_bytes == 100
+
+
+def test_the_slots_are_the_fewest_that_hold_every_layers_units_at_any_count():
+    """3 units a layer get 3 slots (300 bytes), not the 5 the quarter would hold; 7 units a layer get 7 slots (490
+    bytes within the 500), a depth beyond the planner's prefetch choices, and all stay."""
+    split = synthetic({None: [400], 83: [120] + [40] * 7, 100: [100] * 3, 70: [70] * 7})
+    three, seven = split_cost(split(100), 100, 500), split_cost(split(70), 70, 500)
+    assert (three.slots, three.pool, three.keeps_all) == (3, 300, True)
+    assert (seven.slots, seven.pool, seven.keeps_all) == (7, 490, True)
+    assert "so each layer's units (at most 7) fit 7 slots" in choose_unit_bytes(split(None), 2000, 4, split, [70]).line
+    assert "so each layer's units (at most 3) fit 3 slots" in choose_unit_bytes(split(None), 2000, 4, split, [100]).line
+
+
+def test_a_candidate_is_tried_where_it_splits_whatever_the_layers_slot_bytes():
+    """Split points count params in their storage dtype, slots in their compute dtype: stored wider than they
+    compute, a layer of 400 slot bytes splits at a unit size of 500 (its modules' stored bytes). Tried, those
+    units stay; a size that splits nothing (1000) is no candidate."""
+    split = synthetic({None: [400], 83: [120] + [40] * 7, 500: [100] * 4, 1000: None})
+    assert len(split(1000)) == len(split(None))
+    choice = choose_unit_bytes(split(None), 2000, 4, split, [500, 1000])
+    assert choice.unit_bytes == 500 and split_cost(split(500), 500, 500).keeps_all
+
+
+def test_where_the_one_micro_batch_units_fit_no_two_slots_the_line_says_so():
+    split = synthetic({None: [400], 83: [300, 100], 100: [100] * 4})
+    assert split_cost(split(83), 83, 500) is None  # two slots of 300 are over the quarter's 500
+    choice = choose_unit_bytes(split(None), 2000, 4, split, [100])
+    assert choice.unit_bytes == 100
+    assert "the one-micro-batch size, 0.0 MiB, does not fit two slots within that quarter" in choice.line, choice.line
 
 
 # ---------------------------------------------------------------- the planner's step model
@@ -262,6 +315,7 @@ def test_under_a_budget_the_engine_copies_fewer_bytes_a_step_with_units_chosen_f
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+@pytest.mark.slow  # five builds and their steps: about 4 s on 2 cores, and the default run is near its limit
 def test_mutation_a_builder_that_ignores_the_micro_batches_copies_as_much_as_before(monkeypatch):
     choose_as_before = build.choose_unit_bytes
 
@@ -275,6 +329,7 @@ def test_mutation_a_builder_that_ignores_the_micro_batches_copies_as_much_as_bef
         assert after == once  # the test above's check
 
 
+@pytest.mark.slow  # two runs of layer-major steps under a budget: about 3 s on 2 cores (the default run's limit)
 def test_a_step_of_other_micro_batches_than_the_units_were_sized_for_says_how_to_size_them():
     """A library loop that did not tell the builder its micro-batches: the line saying which units come again per
     micro-batch (the probe's slots) says how to size them for this count; told, it does not."""

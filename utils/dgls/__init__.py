@@ -42,6 +42,11 @@ with the numbers of the same micro-batches run one after another (:mod:`utils.dg
     losses = layer_major_step(run, [inputs for inputs, _ in micro], lambda out, m: loss_fn(out, micro[m][1]), swapper)
     optimizer.step()  # a full fine-tune: build the swapper with accumulation_steps=1 (the host sees one gradient)
 
+Where a ``vram_budget`` sizes swap units, tell the builder the step's count,
+``SwapConfig.of(vram_budget=10, layer_major_micro_batches=len(micro))``: it then sizes them so each layer's units stay
+in the slots over the micro-batches where a unit size allows (:mod:`utils.dgls.planning.unit_choice`); untold, it
+sizes them for one, and where units then come again in each micro-batch a line says how to size them for the count.
+
 With ``vram_budget`` instead of ``blocks_to_swap`` the plan is made at step 1 and fixed before its first update: build
 the optimizer over every trainable param (those trained on the host have no ``.grad`` at its step, and the layers the
 plan keeps resident bring step 1's), and let DGLS hear of the step before your optimizer does:

@@ -188,6 +188,41 @@ def sleep_on_stream(cycles: int) -> None:
 profiler_recording: Callable[[], bool] = partial(getattr, autograd_profiler, "_is_profiler_enabled")
 
 
+# ---------------------------------------------------------------- torch-function modes
+# Used by trainers/file_backed_casts.py, whose mode makes the load's casts in a scratch file.
+
+
+def tensor_method(name: str) -> Callable:
+    """Torch's own tensor method ``name`` (``torch._C.TensorBase``'s): the object a torch-function mode is handed for
+    it while nothing has put another function in ``torch.Tensor.<name>``'s place."""
+    return getattr(torch._C.TensorBase, name)
+
+
+# ``parse_to(*args, **kwargs)``: (device, dtype, non_blocking, memory_format) of ``Tensor.to``'s arguments (no
+# ``copy``), as ``Module.to`` parses them; raises TypeError on arguments ``Tensor.to`` would refuse.
+# ``torch._C._nn._parse_to``.
+parse_to: Callable[..., tuple] = torch._C._nn._parse_to
+
+
+def function_mode_depth() -> int:
+    """How many torch-function modes are on this thread's stack. ``torch._C._len_torch_function_stack``."""
+    return torch._C._len_torch_function_stack()
+
+
+def take_off_function_mode_stack(mode: object) -> None:
+    """``mode`` off this thread's torch-function mode stack wherever it is on it; the modes above it stay, in order
+    (``TorchFunctionMode.__exit__`` pops the top only). ``torch._C._pop_torch_function_stack`` and
+    ``_push_on_torch_function_stack``."""
+    above = []
+    while torch._C._len_torch_function_stack():
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)
+
+
 # ---------------------------------------------------------------- the start-up check
 USED = (
     "torch._C._current_autograd_node",
@@ -208,6 +243,11 @@ USED = (
     "torch.utils._pytree.TreeSpec",
     "torch.utils._pytree.tree_flatten",
     "torch.utils._pytree.tree_unflatten",
+    "torch._C.TensorBase",
+    "torch._C._nn._parse_to",
+    "torch._C._len_torch_function_stack",
+    "torch._C._pop_torch_function_stack",
+    "torch._C._push_on_torch_function_stack",
 )
 
 

@@ -40,7 +40,7 @@ from ..trainers.engine_hooks import EngineHooks
 from ..trainers.layer_major_batches import layer_major_batches
 from ..trainers.pipeline_hook import Stage, StageHook
 from ..trainers.shm_op import without_shm_op
-from ..training.training_feature import TrainingFeature
+from ..training.shared_saves import SharedSaves
 from ..watching.stats import StepReader, StepWindow
 from .data import SyntheticLatents
 from .model import BLOCK_CLASSES, add_lora, build_layers
@@ -165,7 +165,7 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
             _train(run, engine, swapper, result, log, progress)
         planned_only = swapper is not None and run.values["plan"]  # --plan: measured and planned, nothing to save
         if not planned_only:
-            result.lora = _gather_trained(layers, engine, s.full, _owners(swapper))
+            result.lora = _gather_trained(layers, engine, s.full, SharedSaves.of(swapper))
         finished = True
     except KeyboardInterrupt:
         raise _interrupted(len(result.losses), s.steps) from None
@@ -258,30 +258,20 @@ class HeldLog:
             self.log(line)
 
 
-def _owners(swapper: LayerSwapper | None) -> dict[int, int]:
-    """A data-parallel full fine-tune: the rank that updates each streamed layer (the stage's layer index), whose
-    fp32 masters only it holds (:mod:`..training.data_parallel`); {} otherwise."""
-    feature = swapper.feature(TrainingFeature) if swapper is not None else None
-    if feature is None or feature.shared is None:
-        return {}
-    return {swapper.entries[idx].layer: rank for idx, rank in feature.shared.ownership.owners.items()}
-
-
-def _gather_trained(layers: list, engine, full: bool, owners: dict[int, int]) -> dict[str, torch.Tensor]:
+def _gather_trained(layers: list, engine, full: bool, shared: SharedSaves | None) -> dict[str, torch.Tensor]:
     """The trained weights (the LoRA, or every weight of a full fine-tune: state dicts, so streamed layers
-    give their host masters), each layer's from the pipeline stage that trained it (on rank 0; {} elsewhere): from
-    its first data-parallel replica, or from its owner where the replicas share its training (``owners``)."""
+    give their host masters), each layer's from the first data-parallel replica of the pipeline stage that trained it
+    (on rank 0; {} elsewhere). Where the replicas share its training (``shared``: data parallel on one stage, rank 0
+    the first replica) the other owners send rank 0 their masters for it (:mod:`..training.shared_saves`)."""
     module = engine.module
     local = {}
-    first = engine.grid.get_data_parallel_id() == 0
-    rank = torch.distributed.get_rank()
-    for i in range(module._local_start, module._local_stop):
-        owner = owners.get(i - module._local_start)
-        if owner == rank or (owner is None and first):
-            trainable = {name for name, p in layers[i].named_parameters() if p.requires_grad}
-            for name, value in layers[i].state_dict().items():
-                if full or name in trainable:
-                    local[f"layers.{i}.{name}"] = value.detach().to("cpu", torch.float32).contiguous()
+    with shared.owners_masters() if shared is not None else contextlib.nullcontext():
+        if engine.grid.get_data_parallel_id() == 0:
+            for i in range(module._local_start, module._local_stop):
+                trainable = {name for name, p in layers[i].named_parameters() if p.requires_grad}
+                for name, value in layers[i].state_dict().items():
+                    if full or name in trainable:
+                        local[f"layers.{i}.{name}"] = value.detach().to("cpu", torch.float32).contiguous()
     parts: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(parts, local)
     return {k: v for part in parts for k, v in part.items()} if torch.distributed.get_rank() == 0 else {}

@@ -39,7 +39,7 @@ from ..errors import DGLSUserError
 from ..memory.copier import Copier, CudaCopier, DeferredCopier
 from ..memory.device_pool import DevicePool
 from ..memory.disk_tier import DiskTier
-from ..memory.layout import MB, LayerLayout, TrainingLayout, human_bytes, measure
+from ..memory.layout import MB, LayerLayout, LayerSizes, TrainingLayout, human_bytes, measure
 from ..memory.precision import CastRules, check_device_support, name_of
 from ..memory.transport import CudaTransport, Direction, Transport, make_transport
 from ..planning.autoplan import PlacementDriver, resolve_budget
@@ -56,6 +56,7 @@ from ..torch_private import check_torch
 from ..training.data_parallel import SharedGradients, job_ownership, refuse_whole_step
 from ..training.disk_state import DiskState, plan_full_tiers, refuse_disk_state
 from ..training.host_training import HostTraining, check_host_training, training_layout, update_buffer_bytes
+from ..training.shared_saves import READER
 from ..training.training_feature import TrainingFeature
 from ..watching.profiler import Profiler
 from .disk_planning import DiskChoice, StateChoice
@@ -144,7 +145,8 @@ def build(
     driver = _start_driver(c, budget, unit_bytes, device, log)
     if driver is not None:
         driver.check_static_minimum(sizes, placement.update_bytes)
-    disk_choice = DiskChoice(layouts, placement, device, c.transfer.disk_dir)  # which layers spill: disk_planning.py
+    # which layers spill (disk_planning.py); a layer-major step's fetches each compute its micro-batches
+    disk_choice = DiskChoice(layouts, placement, device, c.transfer.disk_dir, c.placement.layer_major_micro_batches)
     tiers, state_spilled = _tiers(c, values, layouts, placement, trained, disk_choice)
     training_note = check_host_training(trained) if trained is not None else ""
     with ExitStack() as undo:  # a failure below frees what was made
@@ -276,9 +278,12 @@ def _data_parallel_share(
             "--vram_budget with --plan prints the one it would choose)"
         )
     refuse_whole_step(c.training.host_optimizer)
-    check_host_training(trained)  # the machine holds every share: the processes' shares together are this layout
     numels = {idx: place.numel for idx, place in trained.layers.items()}
     ownership = job_ownership(numels, {idx: entries[idx].layer for idx in numels})
+    # the machine holds every share (the processes' shares together are this layout), and while a save runs the
+    # reader holds the other owners' own fp32 masters too (:mod:`..training.shared_saves`)
+    lent = [p for idx, place in trained.layers.items() if ownership.owners[idx] != READER for p in place.params]
+    check_host_training(trained, save_copy=sum(4 * p.numel for p in lent if p.own_master))
     params = {idx: [p.param.param for p in place.params] for idx, place in trained.layers.items()}
     owned = training_layout(
         {idx: streamed_layouts[idx] for idx in ownership.owned}, c.training.host_optimizer,
@@ -342,7 +347,9 @@ def _tiers(
             refuse_disk_state(config, trained, len(state))
         t = config.training
         layer_major = config.placement.layer_major_micro_batches
-        states = StateChoice(choose, trained, t.host_optimizer, t.clip_grads, t.accumulation_steps, layer_major)
+        states = StateChoice(
+            choose, trained, t.host_optimizer, t.clip_grads, t.accumulation_steps, layer_major_micro_batches=layer_major
+        )
         tiers, state = plan_full_tiers(
             layouts, hosted, placement.streamed, budget, RING_BUFFERS, trained, choose, states
         )  # fmt: skip
@@ -432,7 +439,7 @@ def _unit_bytes(
     if budget is None:
         return None
 
-    def sizes(unit: int | None) -> list:
+    def sizes(unit: int | None) -> list[LayerSizes]:
         entries = split_layers(layers, unit, trainable_streams=host_trained)
         laid = measure([e.value for e in entries], rules, config.compute.mixed_precision, host_trained=host_trained)
         return [layout.of_entry(e.layer, e.part, e.holder).sizes for layout, e in zip(laid, entries)]

@@ -9,6 +9,8 @@ two measured bandwidths, as the chooser :func:`~..streaming.tiers.plan_tiers` ca
   nominal one.
 - Compute: the VRAM planner measures it on step 2, after the build; here it is estimated from param counts (each
   layer computing a step for as long as its two copies take, the break-even of streaming), and the line says so.
+  A layer-major step (``layer_major_micro_batches`` N) computes its N micro-batches at each fetch: both choosers
+  cost its uses at N times one micro-batch's compute (:func:`step_uses`, one rule for both).
   With a VRAM budget the planner's own predictions use the measured compute and the reads of the layers chosen here
   (:attr:`~..planning.planner.StepProfile.read_ms`).
 - Full fine-tuning (:class:`StateChoice`): which layers' fp32 masters and optimizer state go to disk, by the state
@@ -49,11 +51,20 @@ UPDATE_PROBE_PARAMS = 2 * 1024 * 1024  # params of the timed host step (its tens
 class DiskChoice:
     """The chooser for :func:`~..streaming.tiers.plan_tiers`; after it ran, :attr:`costs` and :meth:`forecast`."""
 
-    def __init__(self, layouts: Sequence[LayerLayout], placement: Placement, device: torch.device, directory) -> None:
+    def __init__(
+        self,
+        layouts: Sequence[LayerLayout],
+        placement: Placement,
+        device: torch.device,
+        directory,
+        layer_major_micro_batches: int = 1,
+    ) -> None:
         self.layouts = layouts
         self.placement = placement
         self.device = device
         self.directory: str | Path | None = directory
+        # micro-batches a step layer-major: each use (one fetch, one read) computes all of them
+        self.layer_major_micro_batches = max(1, layer_major_micro_batches)
         self.costs: DiskCosts | None = None
         self.read_gbps = 0.0
         self._probed: tuple[float, float] | None = None
@@ -64,7 +75,7 @@ class DiskChoice:
         streamed = self.placement.streamed
         read_per_ms, copy_per_ms = self.probe()
         self.costs = DiskCosts(
-            uses=self.estimated_uses(),
+            uses=step_uses(self.estimated_uses(), self.layer_major_micro_batches),
             copy_bytes={i: self.layouts[i].host_bytes for i in streamed},
             read_bytes={i: whole_pages(self.layouts[i].host_bytes) for i in streamed},
             copy_bytes_per_ms=copy_per_ms,
@@ -84,8 +95,8 @@ class DiskChoice:
         return self._probed
 
     def estimated_uses(self) -> tuple[UseTiming, ...]:
-        """A step's uses without a probe (:func:`estimated_uses`), computing as long as its copies of every
-        streamable byte both ways take at the probed copy bandwidth."""
+        """One micro-batch's pass of uses without a probe (:func:`estimated_uses`), computing as long as its copies of
+        every streamable byte both ways take at the probed copy bandwidth."""
         step_copies_ms = 2 * sum(layout.sizes.streamable_bytes for layout in self.layouts) / self.probe()[1]
         return estimated_uses(self.layouts, step_copies_ms)
 
@@ -107,7 +118,7 @@ class StateChoice:
         spec: HostOptimizerSpec,
         clipping: bool,
         passes: int = 1,
-        layer_major: int = 1,
+        layer_major_micro_batches: int = 1,
     ) -> None:
         self.disk = disk
         self.trained = trained
@@ -117,7 +128,7 @@ class StateChoice:
         self.clipping = clipping
         self.passes = max(1, passes)  # micro-batches a step one after another (the updates follow the last)
         # micro-batches a step layer-major: each use (one fetch) computes all of them
-        self.layer_major = max(1, layer_major)
+        self.layer_major_micro_batches = max(1, layer_major_micro_batches)
         self.costs: StateCosts | None = None
 
     def __call__(self, candidates: Sequence[int], over: Callable[[list[int]], int]) -> list[int]:
@@ -143,17 +154,27 @@ class StateChoice:
         return choose_state_spilled(self.costs, streamed, candidates, over)
 
     def step_uses(self) -> tuple[UseTiming, ...]:
-        """One step's uses: a pass's, repeated for micro-batches one after another, each computing for all of a
-        layer-major step's micro-batches."""
-        uses = self.disk.estimated_uses()
-        if self.layer_major > 1:
-            uses = tuple(UseTiming(u.layer, u.phase, u.compute_ms * self.layer_major) for u in uses)
-        return uses * self.passes
+        """One step's uses (:func:`step_uses`): the updates follow the last of its sequential passes."""
+        return step_uses(self.disk.estimated_uses(), self.layer_major_micro_batches, self.passes)
 
     def forecast(self, spilled: Sequence[int]) -> StateForecast | None:
         if self.costs is None:
             return None
         return forecast_state(self.costs, self.disk.placement.streamed, spilled)
+
+
+def step_uses(
+    pass_uses: Sequence[UseTiming], layer_major_micro_batches: int = 1, passes: int = 1
+) -> tuple[UseTiming, ...]:
+    """One step's uses from one micro-batch's pass: each use computing for all of a layer-major step's micro-batches
+    (one fetch serves them), the pass repeated for micro-batches one after another (each fetches again).
+
+    - The disk plan (:class:`DiskChoice`) costs one pass (``passes`` 1): its step repeats whole, so a sequential
+      pass repeats it as the next step does; the state plan's updates follow the last pass, so it counts them all."""
+    uses = tuple(pass_uses)
+    if layer_major_micro_batches > 1:
+        uses = tuple(UseTiming(u.layer, u.phase, u.compute_ms * layer_major_micro_batches) for u in uses)
+    return uses * max(1, passes)
 
 
 def host_update_params_per_ms(spec: HostOptimizerSpec) -> tuple[float, bool]:

@@ -22,13 +22,16 @@ Why a rule and not the planner's step model
 
 The rule (:func:`choose_unit_bytes`)
     - One micro-batch (N = 1), or whole layers by the rule for one: that choice, unchanged.
-    - Otherwise each candidate split (the one-micro-batch choice, and a unit size at each module size of the layers:
-      the sizes where the split changes) gets the slots its pool can have within a quarter of the budget: the fewest
-      that hold every layer's streamed units, else the most the planner's prefetch depths give. Its cost is what
-      :func:`.row_copies.plan_row` fetches again per micro-batch after the first at those slots (each layer's units
-      in their order, once: the forward's row).
+    - Otherwise each candidate split (the one-micro-batch choice, and a unit size at each module size of the layers,
+      :func:`..streaming.units.split_points`, where it splits a layer: the split's own answer, as its sizes count
+      params in their storage dtype and the slots in their compute dtype) gets the slots its pool can have within a
+      quarter of the budget: the fewest that hold every layer's streamed units, else the most the planner's prefetch
+      depths give. Its cost is what :func:`.row_copies.plan_row` fetches again per micro-batch after the first at
+      those slots (each layer's units in their order, once: the forward's row).
     - The one-micro-batch choice stays unless another candidate fetches fewer bytes again; then the candidate that
       fetches fewest wins (ties: the smaller pool, then fewer units). A split whose units all stay fetches none.
+      One-micro-batch units of which not even two slots fit the quarter (a module that cannot split) lose to any
+      split whose slots do, and the line says why.
     - ``--swap_unit_mb`` always wins (the builder asks only without it).
 
 What it costs
@@ -117,16 +120,13 @@ def choose_unit_bytes(
     if micro_batches < 2:
         return UnitChoice(single, quarter.format(human_bytes(single)))
     share = budget // UNIT_SLOTS_SHARE
-    largest_layer = max(s.slot_bytes for s in whole if s.streamable_bytes)
     base = split_cost(split(single), single, share)
     costs = [base] if base is not None else []
     if base is None or not base.keeps_all:
-        tried = {single}
-        for t in sorted(set(candidates)):
-            if 0 < t < largest_layer and t not in tried:
-                tried.add(t)
-                if (cost := split_cost(split(t), t, share)) is not None:
-                    costs.append(cost)
+        for t in sorted(set(candidates) - {single}):
+            entries = split(t) if t > 0 else whole
+            if len(entries) > len(whole) and (cost := split_cost(entries, t, share)) is not None:  # t splits a layer
+                costs.append(cost)
     best = min(costs, key=lambda c: (c.refetched, c.pool, c.entries), default=None)
     if best is None:  # not even two slots of the one-micro-batch units fit the share: nothing better is known
         return UnitChoice(single, quarter.format(human_bytes(single)))
@@ -158,7 +158,9 @@ def _line(chosen: SplitCost, base: SplitCost | None, single: int, n: int) -> str
             f"{head}; no unit size lets every layer's units fit the slots within that quarter: at {chosen.slots} "
             f"slots they fetch {again(chosen)} (the planner counts it){tail}"
         )
-    before = f"the one-micro-batch size, {human_bytes(single)}, would fetch " + (again(base) if base else "more again")
+    before = f"the one-micro-batch size, {human_bytes(single)}, " + (
+        f"would fetch {again(base)}" if base else "does not fit two slots within that quarter"
+    )
     if chosen.keeps_all:
         return f"{head}, {kept}; {before}{tail}"
     least = f"the size that fetches least again at the slots within that quarter ({again(chosen)} at {chosen.slots})"

@@ -181,19 +181,46 @@ def group_alive() -> bool:
     return distributed is not None and distributed.is_available() and distributed.is_initialized()
 
 
-def end_failed_process(code: int) -> None:
-    """After a run failed with its process group still alive: end the process now with ``code``; else return.
+def end_with_group_alive(code: int) -> None:
+    """A run that ends with its process group still alive (it failed, was stopped, or train.py quit early, as
+    ``--cache_only`` does): end the process now with ``code``; without a group, return.
 
-    The group cannot be destroyed safely after a failure (a peer may be inside a collective, or gone), and a
-    process that leaves it alive can abort in interpreter finalization instead of exiting with ``code``
-    ("terminate called without an active exception", SIGABRT from gloo's threads; see
-    :func:`destroy_process_group`): a CI run saw it after a peer was killed mid-step. So the process runs
-    its ``atexit`` handlers (logging's flush among them), flushes its streams and ends with ``os._exit``,
-    skipping only the module teardown that aborts. Nothing of a failed run is kept anyway: the run's own
-    clean-up (the swapper's removal, its segments' unlinking) happened on the way out of it."""
+    The group cannot be destroyed safely then (a peer may be inside a collective, or gone), and a process that
+    leaves it alive can abort in interpreter finalization instead of exiting with ``code`` ("terminate called
+    without an active exception", SIGABRT from gloo's threads; see :func:`destroy_process_group`): a CI run saw it
+    after a peer was killed mid-step. So the process ends with ``os._exit`` after what a normal exit would keep:
+
+    - the ``atexit`` handlers (logging's flush, ``weakref.finalize`` clean-ups among them), run through the
+      interpreter's own ``atexit._run_exitfuncs`` (private, but it is what exit runs, and there is no public way);
+    - the Python-level buffers of files the run left open, and of TensorBoard writers (diffusion-pipe's flushes
+      every 120 s): :func:`_flush_open_files`; then stdout and stderr.
+
+    Skipped: the interpreter's teardown (module globals' ``__del__``, the joins of non-daemon threads), which is
+    where the abort happens. DGLS's own clean-up does not depend on it: the swapper's removal ran on the way out,
+    shared segments are unlinked once mapped, and disk-tier files have no name."""
     if not group_alive():
         return
     atexit._run_exitfuncs()
+    _flush_open_files()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
+
+
+def _flush_open_files() -> None:
+    """Flush every writable file object and TensorBoard ``SummaryWriter`` still open (best effort: one that fails
+    to flush, a closed pipe say, is left as a normal exit would leave it)."""
+    import gc
+    import io
+
+    tensorboard = sys.modules.get("torch.utils.tensorboard")
+    kinds = (io.IOBase, getattr(tensorboard, "SummaryWriter", io.IOBase))
+    for obj in gc.get_objects():
+        kind = type(obj)  # not isinstance: that reads __class__, which some objects warn on (torch's reduce_op)
+        if not issubclass(kind, kinds):
+            continue
+        try:
+            if not issubclass(kind, io.IOBase) or (not obj.closed and obj.writable()):
+                obj.flush()
+        except (OSError, ValueError):
+            pass

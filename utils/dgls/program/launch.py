@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 from ..errors import DGLSUserError, RunInterrupted, print_line
 from . import options as opts
-from .distributed import end_failed_process, group_alive
+from .distributed import end_with_group_alive, group_alive
 from .stop_signals import StopSignals
 
 DEMO_MODEL_TYPE = "dgls_demo"
@@ -160,16 +160,29 @@ def entry(main: Callable[[], int]) -> int:
 
 
 def run_as_program(main: Callable[[], int]) -> NoReturn:
-    """``dgls_train.py``'s ``__main__``: :func:`entry`, then exit with its code. A failed run whose process group
-    is still alive ends through :func:`.distributed.end_failed_process` (gloo's threads can abort a plain exit);
-    a bug's traceback is printed first, and its exit code is 1, as Python's own."""
+    """``dgls_train.py``'s ``__main__``: :func:`entry`, then exit with its code. A run that ends with its process
+    group still alive (a failure, a stop, train.py's own ``quit()`` after ``--cache_only``, ``--plan``'s early
+    exit) ends through :func:`.distributed.end_with_group_alive`, since gloo's threads can abort a plain exit. A
+    bug's traceback is printed first (``traceback.print_exc``, as Python's default hook would) with exit code 1."""
     try:
         code = entry(main)
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
     except Exception:
         if group_alive():
             traceback.print_exc()
-            end_failed_process(1)
+            end_with_group_alive(1)
         raise
-    if code != 0:
-        end_failed_process(code)
+    end_with_group_alive(code)
     sys.exit(code)
+
+
+def _exit_code(code: object) -> int:
+    """The exit status Python gives ``SystemExit(code)``: None is 0, a number itself, anything else is printed to
+    stderr and is 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print_line(str(code))
+    return 1

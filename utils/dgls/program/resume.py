@@ -7,7 +7,8 @@ time), with a value the folder of that name; ``engine.load_checkpoint(run_dir, l
 then reads the tag in ``run_dir/latest`` and loads ``run_dir/<tag>/``: ``layer_NN-model_states.pt`` per layer
 (only the trainable params: saved with ``exclude_frozen_parameters``, so a LoRA's hold only its adapter
 weights), ``mp_rank_NN_model_states.pt`` (the trainer's optimizer, scheduler and train.py's client state)
-and, for DGLS's full fine-tune of streamed layers, ``dgls_host_optimizer_stage<S>.pt`` (:mod:`..trainers.engine_hooks`).
+and, for DGLS's full fine-tune of streamed layers, ``dgls_host_optimizer_stage<S>.pt`` (:mod:`..trainers.engine_hooks`;
+``dgls_host_optimizer_stage<S>_rank<R>.pt``, one per process, for a data-parallel one: :mod:`..training.shared_saves`).
 
 Two places check, with the same lines:
 
@@ -238,7 +239,7 @@ def _check_host_state(run_dir: Path, tag: str, flag: str, host_state: bool, stag
             "DGLS's full fine-tune of streamed layers, so their optimizer state is in no file DGLS reads: resume it as "
             "it was trained (--no-dynamic_swapping), or pass --reset_optimizer to start the optimizer afresh"
         )
-    saved_stages = sorted(int(m.group(1)) for p in files if (m := re.search(r"stage(\d+)\.pt$", p.name)))
+    saved_stages = sorted(int(m.group(1)) for p in files if (m := re.search(r"stage(\d+)(?:_rank\d+)?\.pt$", p.name)))
     if saved_stages and saved_stages[-1] >= stages:
         raise DGLSUserError(
             f"{folder} holds DGLS host optimizer states of {saved_stages[-1] + 1} pipeline stages, and this run has "

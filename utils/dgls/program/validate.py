@@ -293,13 +293,18 @@ def _drop_in_full_fine_tune(
     micro_batches: int,
 ) -> SwapConfig:
     """A diffusion-pipe config without [adapter]: streamed layers train on the host (``micro_batches``: a step's,
-    gradient_accumulation_steps times ``--lazy_lora_steps``)."""
-    if dist.world_size > stages:
-        raise DGLSUserError(
-            f"{path} has no [adapter] (a full fine-tune), and {dist.world_size} processes on {stages} pipeline "
-            "stage(s) would be data parallel: full fine-tuning of streamed layers runs one process per stage; set "
-            f"pipeline_stages = {dist.world_size}"
-        )
+    gradient_accumulation_steps times ``--lazy_lora_steps``). More processes than stages train data parallel on one
+    stage, each updating its share (:mod:`..training.data_parallel`; its saves: :mod:`..training.shared_saves`)."""
+    data_parallel = dist.world_size > stages
+    if data_parallel:
+        _check_data_parallel_full_fine_tune(path, spec, dist.world_size, stages, "pipeline_stages", swap, resolved)
+        if spec.gradient_release:  # train.py asserts one data-parallel process at its first step
+            raise DGLSUserError(
+                f"[optimizer] gradient_release = true in {path} steps each param inside the backward pass, which "
+                f"train.py runs with one process per pipeline stage, and the {dist.world_size} processes of this run "
+                f"on {stages} stage(s) are data parallel: drop gradient_release, or set pipeline_stages = "
+                f"{dist.world_size}"
+            )
     if swap.placement.planned:
         _check_planned_full_fine_tune(path, spec, resolved)
     if option_value(rest, "--deepspeed_config") is not None:
@@ -314,7 +319,10 @@ def _drop_in_full_fine_tune(
     clip = dp_config.host_clipping(config, path, micro_batches)  # 0 lets host updates start during backward
     # layer-major: each layer's gradients are summed on the device, so the host sees one micro-batch a step
     steps = 1 if layer_major_applies(resolved.values, stages, micro_batches) else micro_batches
-    return swap.replace(training=TrainingPolicy(host_optimizer=spec, accumulation_steps=steps, clip_grads=bool(clip)))
+    policy = TrainingPolicy(
+        host_optimizer=spec, accumulation_steps=steps, clip_grads=bool(clip), data_parallel=data_parallel
+    )
+    return swap.replace(training=policy)
 
 
 def _check_planned_full_fine_tune(path: str, spec, resolved: options.Resolved) -> None:
@@ -450,34 +458,46 @@ def _full_fine_tune(path: str, settings, swap: SwapConfig, dist: DistEnv, resolv
     Several processes on one stage train data parallel, each updating its share of the streamed layers
     (:mod:`..training.data_parallel`): on one stage only, and with a placement fixed at start-up."""
     data_parallel = dist.world_size > settings.pipeline_stages
-    if data_parallel and settings.pipeline_stages > 1:
-        raise DGLSUserError(
-            f"{path} has no [adapter] (a full fine-tune), and {dist.world_size} processes on "
-            f"{settings.pipeline_stages} pipeline stages would be data parallel within each stage: a full fine-tune "
-            f"runs data parallel on one stage, or one process per stage; set [demo] pipeline_stages = 1 or "
-            f"{dist.world_size}"
-        )
-    if data_parallel and swap.placement.planned and not resolved.values["plan"]:
-        raise DGLSUserError(
-            f"{resolved.label('vram_budget')} with {dist.world_size} data-parallel processes of a full fine-tune "
-            f"({path} has no [adapter]): each streamed layer's owner is fixed at start-up, and the planner re-places "
-            "layers after its probe; give the placement (--gpu_layers or --blocks_to_swap: --plan prints the one it "
-            "would choose)"
-        )
     spec = dataclasses.replace(settings.optimizer, implementation=resolved.values["host_adam"])
     if data_parallel:
-        from ..training.data_parallel import refuse_whole_step
-
-        try:
-            refuse_whole_step(spec)
-        except DGLSUserError as exc:
-            raise DGLSUserError(f"{path}: {exc}") from None
+        stages = settings.pipeline_stages
+        _check_data_parallel_full_fine_tune(
+            path, spec, dist.world_size, stages, "[demo] pipeline_stages", swap, resolved
+        )
     _check_host_adam_build(spec)
     # layer-major: each layer's gradients are summed on the device, so the host sees one micro-batch a step
     count = settings.micro_batches(resolved.values["lazy_lora_steps"])
     steps = 1 if layer_major_applies(resolved.values, settings.pipeline_stages, count) else count
     policy = TrainingPolicy(host_optimizer=spec, accumulation_steps=steps, data_parallel=data_parallel)
     return swap.replace(training=policy)
+
+
+def _check_data_parallel_full_fine_tune(
+    path: str, spec, world_size: int, stages: int, setting: str, swap: SwapConfig, resolved: options.Resolved
+) -> None:
+    """A full fine-tune whose ``world_size`` processes on ``stages`` pipeline stages are data parallel (the demo's
+    and diffusion-pipe's; ``setting`` names where stages are set): each process updates its share of the streamed
+    layers (:mod:`..training.data_parallel`), on one stage only, with a placement fixed at start-up and a per-param
+    optimizer."""
+    if stages > 1:
+        raise DGLSUserError(
+            f"{path} has no [adapter] (a full fine-tune), and {world_size} processes on {stages} pipeline stages "
+            "would be data parallel within each stage: a full fine-tune runs data parallel on one stage, or one "
+            f"process per stage; set {setting} = 1 or {world_size}"
+        )
+    if swap.placement.planned and not resolved.values["plan"]:
+        raise DGLSUserError(
+            f"{resolved.label('vram_budget')} with {world_size} data-parallel processes of a full fine-tune "
+            f"({path} has no [adapter]): each streamed layer's owner is fixed at start-up, and the planner re-places "
+            "layers after its probe; give the placement (--gpu_layers or --blocks_to_swap: --plan prints the one it "
+            "would choose)"
+        )
+    from ..training.data_parallel import refuse_whole_step
+
+    try:
+        refuse_whole_step(spec)
+    except DGLSUserError as exc:
+        raise DGLSUserError(f"{path}: {exc}") from None
 
 
 def _demo_device(wanted: str, resolved: options.Resolved, dist: DistEnv) -> torch.device:

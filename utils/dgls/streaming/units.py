@@ -108,10 +108,14 @@ def _split(
 
 
 def split_points(layers: Sequence, trainable_streams: bool = False) -> set[int]:
-    """The unit sizes at which :func:`split_layers` changes its answer: the param bytes of each module that has
-    children and a forward of its own, layers included (at that size it is one unit, or the layer stays whole;
-    one byte less splits it). A module without children is a unit at any size; one without a forward always
-    splits. Sizes count as :func:`split_layers` counts them (``trainable_streams``)."""
+    """The unit sizes at which a module stops being one unit of :func:`split_layers`: the param bytes of each module
+    that has children and a forward of its own, layers included (at that size it is one unit, or the layer stays
+    whole; one byte less splits it). A module without children is a unit at any size; one without a forward always
+    splits. Sizes count as :func:`split_layers` counts them (``trainable_streams``).
+
+    - Not every size where its answer changes: a child under ``min(MIN_PART_BYTES, size // MIN_PART_SHARE)`` stays
+      with its holder, so the answer also changes at ``MIN_PART_SHARE`` times each child's bytes under
+      ``MIN_PART_BYTES``; those moves only take small children out of the slots, and are not listed."""
     points: set[int] = set()
     for layer in layers:
         if isinstance(layer, nn.Module):

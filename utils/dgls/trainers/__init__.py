@@ -8,8 +8,9 @@ Modules
       checkpoints.
     - ``layer_major_batches.py``: DeepSpeed's pipeline engine runs a step's micro-batches layer-major (one stage: the
       demo's and train.py's steps, ``--layer_major``).
-    - ``file_backed_casts.py``: under a host RAM budget, the casts diffusion-pipe's loaders make (accelerate's
-      ``set_module_tensor_to_device``) go to a scratch file in the disk_dir while the model loads, not to RAM.
+    - ``file_backed_casts.py``: under a host RAM budget, the dtype casts diffusion-pipe's loaders make (diffusers',
+      accelerate's, ``p.data = p.data.to(dtype)``, ``Module.to(dtype)``) go to a scratch file in the disk_dir while
+      the model loads, not to RAM (a torch-function mode, on only while train.py loads).
     - ``shm_op.py``: keeps DeepSpeed's CPU shared-memory all-reduce op (a C++ build DGLS never uses) out of
       every run.
 

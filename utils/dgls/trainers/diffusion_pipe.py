@@ -46,6 +46,7 @@ from ..program.rendezvous import peers_arrived
 from ..program.resume import ResumeChecks
 from ..program.validate import DropInRun, layer_major_applies
 from ..streaming.config import SwapConfig
+from ..training.shared_saves import SharedSaves
 from ..watching.stats import StepReader, StepStats, StepWindow
 from .engine_hooks import EngineHooks
 from .file_backed_casts import FileBackedCasts
@@ -75,12 +76,13 @@ class PipelineInterception:
       so the probe steps never leave a LoRA or a checkpoint behind, however the run is saved;
     * for a full fine-tune (no [adapter]: streamed layers train on the host), DeepSpeed's optimizer step
       and checkpoints (:class:`~.engine_hooks.EngineHooks`), and ``Saver.save_full_model``, which reads
-      params directly: it runs inside :meth:`~..engine.swapper.LayerSwapper.true_weights`, so it saves the masters;
+      params directly: it runs inside :meth:`~..engine.swapper.LayerSwapper.true_weights`, so it saves the masters
+      (data parallel: rank 0 holds the other owners' for the save, :mod:`..training.shared_saves`);
     * ``DeepSpeedEngine.load_checkpoint`` (:class:`~..program.resume.ResumeChecks`): a resumed checkpoint's layer files
       must fit the layers (train.py loads them non-strictly, which would skip what does not match);
-    * with a host RAM budget, until the stage is built, accelerate's ``set_module_tensor_to_device``
-      (:mod:`.file_backed_casts`): the load's casts go to a scratch file in the disk_dir, not RAM. When the stage is
-      built, one line says how many bytes of its weights are views of the checkpoint files and how many are copies
+    * with a host RAM budget, until the stage is built, a torch-function mode (:mod:`.file_backed_casts`, not a
+      patch): the load's dtype casts go to a scratch file in the disk_dir, not RAM. When the stage is built, one line
+      says how many bytes of its weights are views of the checkpoint files and how many are copies
       (:mod:`..memory.file_backed`).
     """
 
@@ -162,14 +164,18 @@ class PipelineInterception:
 
         def save_true_weights(original):
             def save_full_model(saver_self, *args, **kwargs):
-                with self.swapper.true_weights():
-                    return original(saver_self, *args, **kwargs)
+                shared = SharedSaves.of(self.swapper)  # data parallel: rank 0 saves the other owners' masters too
+                with shared.owners_masters() if shared is not None else contextlib.nullcontext():
+                    with self.swapper.true_weights():
+                        return original(saver_self, *args, **kwargs)
 
             return save_full_model
 
         self.patches.replace(saver, "save_full_model", save_true_weights)
         self.engine_hooks = EngineHooks(
-            lambda module: self.swapper.training if self.swapper is not None else None, self.reset_optimizer_params
+            lambda module: self.swapper.training if self.swapper is not None else None,
+            self.reset_optimizer_params,
+            shared=lambda module: SharedSaves.of(self.swapper),
         )
         self.engine_hooks.__enter__()
 
@@ -286,12 +292,12 @@ class PipelineInterception:
             self.swap = swap_config(self.values)
         swap = self.swap.for_stage(stage.start, stage.stop, stage.layer_count)
         log = (lambda line: self.log(stage.label + line)) if stage.data_parallel_id == 0 else (lambda line: None)
+        if self.casts is not None:
+            self.casts.remove()  # the model is loaded: nothing of DGLS's runs under the casts' mode
         if stage.data_parallel_id == 0:  # what the load copied into process memory (memory/file_backed.py)
             log(weight_sources(stage.layers).line())
             if self.casts is not None and self.casts.note:
                 log(self.casts.note)
-        if self.casts is not None:
-            self.casts.remove()  # the model is loaded
         self.swapper = LayerSwapper(stage.layers, swap, device=device, log=log, share_group=stage.share_group)
         swapper = self.swapper
         self.monitor = MemoryMonitor(swapper.device, lambda: swapper.pinned_bytes)

@@ -31,10 +31,14 @@ checkpoint holds no host optimizer state for them):
   replaces for streamed layers: refused with a message at the first step.
 - ``save_checkpoint``: the model states hold the true weights already (state dicts read the host
   masters); the host optimizer's state is saved beside them, ``dgls_host_optimizer_stage{N}.pt`` in the
-  checkpoint's tag folder.
-- ``load_checkpoint``: before DeepSpeed loads, this stage's file is read and checked against the host
-  training (:meth:`~..training.host_training.HostTraining.state_problem`: the same layers, shapes and optimizer kind),
-  every process together (:func:`~..program.resume.agree`); a checkpoint without it, or a file cut short or damaged,
+  checkpoint's tag folder. Data parallel (``shared``, :mod:`..training.shared_saves`): DeepSpeed's save runs while
+  rank 0 holds every owner's masters, and each process saves its share, ``dgls_host_optimizer_stage{N}_rank{R}.pt``
+  (then a barrier: the checkpoint is whole when the save returns); files of the tag that this save does not write
+  (an earlier save by another number of processes) are removed.
+- ``load_checkpoint``: before DeepSpeed loads, this stage's file (or its processes' files, merged: each process keeps
+  the layers it owns now) is read and checked against the host training
+  (:meth:`~..training.host_training.HostTraining.state_problem`: the same layers, shapes and optimizer kind), every
+  process together (:func:`~..program.resume.agree`); a checkpoint without it, or a file cut short or damaged,
   is one line (written without host training, resuming would restart the moments silently). After DeepSpeed
   loaded (masters included, through the state-dict hooks) the host optimizers take the state. With
   ``load_optimizer_states=False`` (train.py's ``--reset_optimizer``) neither is read.
@@ -45,6 +49,7 @@ The patches are on the class, installed in ``__enter__`` and removed in ``__exit
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,18 +58,33 @@ from torch import nn
 
 from ..errors import DGLSUserError
 from ..program.patches import Patches
-from ..program.resume import agree, damaged, host_state_file, resolve_tag, torch_file_problem
+from ..program.resume import HOST_STATE_PREFIX, agree, damaged, host_state_file, resolve_tag, torch_file_problem
+from ..training.data_parallel import peer_failure
 from ..training.host_training import HostTraining
+from ..training.shared_saves import (
+    SharedSaves,
+    host_state_files,
+    merged_host_state,
+    share_file,
+    stale_host_state_files,
+)
 
 
 class EngineHooks:
     """A context manager: while it is open, DeepSpeed steps and checkpoints include ``find(module)``'s host training."""
 
-    def __init__(self, find: Callable[[nn.Module], HostTraining | None], keep_hyper_parameters: bool = False) -> None:
+    def __init__(
+        self,
+        find: Callable[[nn.Module], HostTraining | None],
+        keep_hyper_parameters: bool = False,
+        shared: Callable[[nn.Module], SharedSaves | None] = lambda module: None,
+    ) -> None:
         """``keep_hyper_parameters``: a resume keeps the host optimizers' settings as built, not as saved (train.py's
-        ``--reset_optimizer_params`` does so for its own optimizer)."""
+        ``--reset_optimizer_params`` does so for its own optimizer). ``shared``: the engine's data-parallel saves
+        (:mod:`..training.shared_saves`), or None where one process trains the stage's host layers."""
         self.find = find
         self.keep_hyper_parameters = keep_hyper_parameters
+        self.shared = shared
         self.patches = Patches()
 
     def __enter__(self) -> EngineHooks:
@@ -130,22 +150,33 @@ class EngineHooks:
         return take_model_step
 
     def _wrap_save(self, original):
-        find = self.find
+        find, find_shared = self.find, self.shared
 
         def save_checkpoint(engine, save_dir, tag=None, *args, **kwargs):
-            training = find(engine.module)
+            training, shared = find(engine.module), find_shared(engine.module)
             tag = tag if tag is not None else f"global_step{engine.global_steps}"
-            result = original(engine, save_dir, tag, *args, **kwargs)
+            with shared.owners_masters() if shared is not None else contextlib.nullcontext():
+                result = original(engine, save_dir, tag, *args, **kwargs)  # rank 0 writes every layer's masters
             grid = getattr(engine, "grid", None)
-            if training is not None and (grid is None or grid.get_data_parallel_id() == 0):
+            if training is not None and shared is not None:  # every owner its share, then the checkpoint is whole
                 training.adopt(engine.module.parameters())
-                torch.save(training.state_dict(), _state_file(save_dir, tag, engine))
+                path = _state_file(save_dir, tag, engine, shared.ownership.rank)
+                if shared.ownership.rank == 0:
+                    _remove_stale(path, shared.ownership.size)
+                torch.save(training.state_dict(), path)
+                with peer_failure("a checkpoint's save"):
+                    torch.distributed.barrier()
+            elif training is not None and (grid is None or grid.get_data_parallel_id() == 0):
+                training.adopt(engine.module.parameters())
+                path = _state_file(save_dir, tag, engine)
+                _remove_stale(path, None)
+                torch.save(training.state_dict(), path)
             return result
 
         return save_checkpoint
 
     def _wrap_load(self, original):
-        find, keep = self.find, self.keep_hyper_parameters
+        find, keep, find_shared = self.find, self.keep_hyper_parameters, self.shared
 
         def load_checkpoint(engine, load_dir, tag=None, *args, **kwargs):
             training = find(engine.module)
@@ -154,7 +185,8 @@ class EngineHooks:
                 try:
                     run_dir, tag = resolve_tag(load_dir, tag)
                     path = _state_file(run_dir, tag, engine)
-                    state = _read_host_state(training, engine.module, path, run_dir, tag, keep)
+                    shared = find_shared(engine.module)
+                    state = _read_host_state(training, engine.module, path, run_dir, tag, keep, shared)
                 except DGLSUserError as exc:
                     problem = str(exc)
             agree(problem)  # before DeepSpeed loads anything, every process together
@@ -167,43 +199,70 @@ class EngineHooks:
 
 
 def _read_host_state(
-    training: HostTraining | None, module: nn.Module, path: Path, run_dir: Path, tag: str, keep_hyper_parameters: bool
+    training: HostTraining | None,
+    module: nn.Module,
+    path: Path,
+    run_dir: Path,
+    tag: str,
+    keep_hyper_parameters: bool,
+    shared: SharedSaves | None = None,
 ) -> dict | None:
-    """This stage's host optimizer state from its checkpoint file, checked against ``training`` (None: this
+    """This stage's host optimizer state from its checkpoint file(s), checked against ``training`` (None: this
     stage trains nothing on the host, and the checkpoint must hold nothing for it either) as it will be loaded
     (``keep_hyper_parameters``: the run's settings, not the saved ones); ``module``: the engine's, whose params the
-    host training is handed first (a whole step's instance is built over them)."""
+    host training is handed first (a whole step's instance is built over them). ``path``: the stage's one file; a
+    data-parallel save has a file per process beside it instead (:mod:`..training.shared_saves`), read together;
+    with ``shared`` this process keeps only the layers it owns (any number of processes may have saved them)."""
     flag = "--resume_from_checkpoint"
+    stage = int(path.stem.removeprefix(HOST_STATE_PREFIX))
+    files = host_state_files(path.parent, stage, HOST_STATE_PREFIX)
     if training is None:
-        if path.exists():
+        if files:
             raise DGLSUserError(
-                f"{path} holds the host optimizer state of streamed layers, and this run trains no layer of this "
+                f"{files[0]} holds the host optimizer state of streamed layers, and this run trains no layer of this "
                 "pipeline stage on the host: resume with the placement it was saved with (the same --blocks_to_swap "
                 "or --gpu_layers), or pass --reset_optimizer to start the optimizer afresh"
             )
         return None
-    if not path.exists():
+    if not files:
         raise DGLSUserError(
             f"the checkpoint in {path.parent} has no DGLS host optimizer state ({path.name}): it was saved without "
             "full fine-tuning of streamed layers on this pipeline stage; resume it the way it was trained, or pass "
             "--reset_optimizer to start the optimizer afresh"
         )
-    if (problem := torch_file_problem(path)) is None:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # a damaged file fails in many ways (EOFError, UnpicklingError, KeyError ...)
-            problem = f"cannot be read ({type(exc).__name__})"
-        else:
-            training.adopt(module.parameters())
-            if (problem := training.state_problem(state, keep_hyper_parameters)) is None:
-                return state
-            raise DGLSUserError(f"{path} {problem}")
-    raise DGLSUserError(damaged(path, "DGLS's host optimizer state", problem, run_dir, tag, flag))
+
+    def read(file: Path) -> object:
+        if (problem := torch_file_problem(file)) is None:
+            try:
+                return torch.load(file, map_location="cpu", weights_only=True)
+            except Exception as exc:  # a damaged file fails in many ways (EOFError, UnpicklingError, KeyError ...)
+                problem = f"cannot be read ({type(exc).__name__})"
+        raise DGLSUserError(damaged(file, "DGLS's host optimizer state", problem, run_dir, tag, flag))
+
+    training.adopt(module.parameters())
+    every = shared.layers if shared is not None else set(training.layers)
+    state, problem = merged_host_state(files, read, set(training.layers), every)
+    if problem is not None:
+        raise DGLSUserError(f"the checkpoint in {path.parent} {problem}")
+    if (problem := training.state_problem(state, keep_hyper_parameters)) is None:
+        return state
+    raise DGLSUserError(f"{files[0] if len(files) == 1 else path.parent} {problem}")
 
 
-def _state_file(folder, tag: str, engine) -> Path:
+def _state_file(folder, tag: str, engine, rank: int | None = None) -> Path:
+    """The stage's host optimizer file, or data-parallel ``rank``'s share of it."""
     stage = engine.grid.get_pipe_parallel_rank() if getattr(engine, "grid", None) is not None else 0
+    if rank is not None:
+        return share_file(Path(folder) / str(tag), stage, rank, HOST_STATE_PREFIX)
     return host_state_file(Path(folder) / str(tag), stage)
+
+
+def _remove_stale(path: Path, processes: int | None) -> None:
+    """The host optimizer files of ``path``'s stage that this save (by ``processes`` data-parallel processes, None:
+    one) does not write, removed: left by an earlier save of the same tag, a resume would read them too."""
+    stage = int(path.name.removeprefix(HOST_STATE_PREFIX).split("_")[0].removesuffix(".pt"))
+    for stale in stale_host_state_files(path.parent, stage, HOST_STATE_PREFIX, processes):
+        stale.unlink(missing_ok=True)
 
 
 def _stage_sum(engine) -> Callable[[torch.Tensor], torch.Tensor] | None:

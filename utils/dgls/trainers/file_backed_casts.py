@@ -7,46 +7,61 @@ memory before DGLS places the first layer, so a machine whose RAM is smaller tha
 ``host_ram_budget`` says. Cast into a shared mapping of a file instead, the copies are page cache the kernel writes back
 and takes back under pressure; DGLS reads each layer once as it places it, then the file's space is freed.
 
-What it replaces (through :class:`~..program.patches.Patches`, so each replacement carries ``__wrapped__``):
-accelerate's ``set_module_tensor_to_device``, which diffusion-pipe's Wan, HunyuanVideo, Lumina 2 and Qwen-Image
-loaders call with the dtype each weight is cast to, in ``accelerate.utils.modeling`` and in every module bound to it
-(also the bindings train.py's imports make while it is installed, undone on removal). Casts written as
-``p.data = p.data.to(dtype)`` (Flux's, Chroma's and LTX's ``transformer_dtype``) and diffusers' own ``torch_dtype``
-casts are not reached: the start-up line (:mod:`..memory.file_backed`) counts them as copies in process memory.
+How: one :class:`torch.overrides.TorchFunctionMode` (:class:`CastsIntoScratch`), pushed on this thread's mode stack
+while the model loads and taken off once the stage is built: no function is replaced. It sees every cast a loader
+writes, whoever calls it: ``Tensor.to(dtype)`` / ``.to(device, dtype)`` / ``.to(other)`` (diffusers' and accelerate's
+loads, ``p.data = p.data.to(dtype)`` in diffusion-pipe's Flux, Chroma and LTX loaders, ``Module.to(dtype)`` through
+``Module._apply``), ``Tensor.type(dtype)``, ``.type_as``, ``.bfloat16()``, ``.half()``, ``.float()``, ``.double()``.
 
 When: :class:`~.diffusion_pipe.PipelineInterception` installs it before train.py runs, only with a host RAM budget (the
-user said RAM is short, and named where disk space is), and removes it once this process's stage is built, and after
-any error.
+user said RAM is short, and named where disk space is), and removes it once this process's stage is built, before DGLS
+places the layers, and after any error. train.py caches its dataset in that window too: on a GPU its casts are of GPU
+tensors (untouched); a CPU-only run's VAE and text-encoder casts go to the file as well, with the same bytes.
+
+Not reached (the start-up line, :mod:`..memory.file_backed`, still counts them as copies): loads that copy without a
+cast (``torch.load`` of a ``.pt`` without ``mmap``, ``load_state_dict`` into weights that are not meta), casts of a
+non-contiguous tensor, a cast made in another thread or in a forked process.
 
 Invariants
-    - The cast tensor holds the bytes ``value.to(dtype)`` gives (``copy_`` casts the same way); only floating-point
-      CPU casts go to the file, everything else is accelerate's own path.
+    - Caught: a CPU-to-CPU cast of a plain tensor or parameter (no other subclass), strided, contiguous, not
+      autograd-tracked (``requires_grad`` under grad mode), from one floating dtype to another (float8 included), of at
+      least :data:`MIN_BYTES`. Everything else (GPU tensors, integer casts, in-place ops, any other function) runs as
+      without the mode, unchanged.
+    - The cast tensor holds the bytes the cast gives (``copy_`` is the cast ``Tensor.to`` makes), is contiguous and is
+      a plain tensor with its own storage of exactly its bytes (a view of the chunk's storage, which it keeps alive:
+      ``p.data = cast`` keeps the mapping); sent to another process, only it is copied into shared memory.
     - Scratch files are unlinked as soon as they are mapped: nothing is left on disk after any exit, ``kill -9``
       included; the space is freed when the last tensor of a chunk is.
     - The directory is checked for room before each chunk is written: one clear line otherwise.
     - Each tensor starts on a 256-byte boundary of its chunk.
+    - The mode is on this thread's stack only between ``install`` and ``remove`` (mode stacks are per thread: other
+      Python threads never see it; torch's autograd workers copy the stack, but nothing runs backward while it is
+      on), and off before DGLS places the layers and trains; it casts in the process that installed it only.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import sys
 import tempfile
-from collections.abc import Callable
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ..errors import DGLSUserError
 from ..memory.disk_tier import RAM_FILE_SYSTEMS, check_directory, default_directory, file_system
 from ..memory.file_backed import SCRATCH_PREFIX
 from ..memory.layout import human_bytes
-from ..program.patches import Patches
+from ..torch_private import parse_to, take_off_function_mode_stack, tensor_method
 
 CHUNK = 256 * 2**20
 ALIGN = 256
+# Casts smaller than this stay in process memory: scalars and a few-element vectors a computation casts (a timestep,
+# a shift); a weight is larger (a Flux norm of one head is 128 values)
+MIN_BYTES = 16
 
 
 class ScratchFiles:
@@ -54,29 +69,31 @@ class ScratchFiles:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._chunk: torch.Tensor | None = None  # the chunk being carved (uint8 over its whole mapping)
+        self._chunk: torch.UntypedStorage | None = None  # the chunk being carved (its whole mapping)
         self._used = 0
         self.bytes = 0  # every byte handed out
 
     def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` and ``dtype`` in a scratch file, with a storage of its own bytes."""
         nbytes = shape.numel() * dtype.itemsize
         start = -(-self._used // ALIGN) * ALIGN
-        if self._chunk is None or start + nbytes > self._chunk.numel():
+        if self._chunk is None or start + nbytes > self._chunk.nbytes():
             self._chunk, start = self._new_chunk(max(nbytes, CHUNK)), 0
         self._used = start + nbytes
         self.bytes += nbytes
-        return self._chunk[start : start + nbytes].view(dtype).view(shape)
+        storage = self._chunk[start : start + nbytes]  # a storage of these bytes that keeps the chunk mapped
+        return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
     def drop_chunk(self) -> None:
         """No more casts: the chunk being carved is not held here any longer."""
         self._chunk, self._used = None, 0
 
-    def _new_chunk(self, nbytes: int) -> torch.Tensor:
+    def _new_chunk(self, nbytes: int) -> torch.UntypedStorage:
         check_directory(self.directory, nbytes, "the model load's casts")  # room for it, or one clear line
         fd, name = tempfile.mkstemp(dir=self.directory, prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
         try:
             _reserve(fd, nbytes, self.directory)
-            storage = torch.UntypedStorage.from_file(name, shared=True, nbytes=nbytes)
+            return torch.UntypedStorage.from_file(name, shared=True, nbytes=nbytes)
         except RuntimeError as exc:
             raise DGLSUserError(
                 f"disk_dir {self.directory}: cannot map a scratch file for the load's casts ({exc}); name another "
@@ -85,7 +102,6 @@ class ScratchFiles:
         finally:
             os.close(fd)
             os.unlink(name)  # the mapping keeps it; nothing stays behind after any exit
-        return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,))
 
 
 def _reserve(fd: int, nbytes: int, directory: Path) -> None:
@@ -103,30 +119,101 @@ def _reserve(fd: int, nbytes: int, directory: Path) -> None:
         ) from None
 
 
-def _bindings(value: Any, name: str) -> list[Any]:
-    """Every loaded module whose global ``name`` is ``value`` (read from ``__dict__``: lazy modules import nothing)."""
-    found = []
-    for module in list(sys.modules.values()):
-        names = getattr(module, "__dict__", None)
-        if isinstance(names, dict) and names.get(name) is value:
-            found.append(module)
-    return found
+FIXED_CASTS = {"bfloat16": torch.bfloat16, "half": torch.float16, "float": torch.float32, "double": torch.float64}
+CAST_METHODS = ("to", "type", "type_as", *FIXED_CASTS)
+KEEPS_LAYOUT = (None, torch.preserve_format, torch.contiguous_format)  # of a contiguous source: a contiguous cast
 
 
-NAME = "set_module_tensor_to_device"
+def cast_method(func: Any) -> str | None:
+    """The name of the tensor cast method ``func`` is, or None. A mode is handed the method as ``torch.Tensor`` has it
+    now: torch's own, or a wrapper something put in its place (it still casts through torch's). A caught cast is made
+    here, so such a wrapper's other work does not run for it (nothing train.py loads wraps these methods)."""
+    for name in CAST_METHODS:
+        if func is tensor_method(name) or func is getattr(torch.Tensor, name, None):
+            return name
+    return None
+
+
+def cast_target(func: Any, args: tuple, kwargs: dict) -> torch.dtype | None:
+    """The dtype ``func(*args, **kwargs)`` casts ``args[0]`` to on the CPU, or None where the call is no such cast
+    (another function, another device, a layout of its own, arguments not understood)."""
+    name = cast_method(func)
+    if name in FIXED_CASTS:
+        fixed = len(args) == 1 and kwargs.get("memory_format") in KEEPS_LAYOUT
+        return FIXED_CASTS[name] if fixed else None
+    if name == "to":
+        kwargs = {k: v for k, v in kwargs.items() if k != "copy"}  # a new tensor either way: the cast makes one
+        try:
+            device, dtype, _, memory_format = parse_to(*args[1:], **kwargs)
+        except (TypeError, RuntimeError):
+            return None
+        cpu = device is None or device.type == "cpu"
+        return dtype if cpu and memory_format in KEEPS_LAYOUT else None
+    if name == "type":
+        target = args[1] if len(args) > 1 else kwargs.get("dtype")
+        if isinstance(target, str):  # 'torch.BFloat16Tensor'; a CUDA type is not on the CPU
+            target = None if "cuda" in target else getattr(torch, target.removeprefix("torch."), None)
+        if isinstance(target, torch.dtype):
+            return target
+        dtype = getattr(target, "dtype", None)  # a legacy type class (torch.BFloat16Tensor)
+        return dtype if isinstance(dtype, torch.dtype) and getattr(target, "is_cuda", True) is False else None
+    if name == "type_as" and len(args) == 2 and isinstance(args[1], torch.Tensor):
+        return args[1].dtype if args[1].device.type == "cpu" else None
+    return None
+
+
+def caught(source: Any, dtype: torch.dtype | None) -> bool:
+    """Whether the cast of ``source`` to ``dtype`` goes to a scratch file (the module doc's first invariant)."""
+    return (
+        dtype is not None
+        and type(source) in (torch.Tensor, torch.nn.Parameter)
+        and source.device.type == "cpu"
+        and source.layout == torch.strided
+        and source.is_floating_point()
+        and dtype.is_floating_point
+        and source.dtype != dtype
+        and source.numel() * dtype.itemsize >= MIN_BYTES
+        and source.is_contiguous()
+        and not source.is_neg()
+        and not (source.requires_grad and torch.is_grad_enabled())
+    )
+
+
+class CastsIntoScratch(TorchFunctionMode):
+    """The mode: a caught cast (see :func:`caught`) is made into :class:`ScratchFiles`; every other call runs on.
+
+    Inside ``__torch_function__`` torch has taken this mode off the stack, so the copy it makes is not seen again. A
+    process forked while it is on (train.py's caching workers) inherits it with the chunk's mapping, shared with this
+    process: there it casts as without the mode, or both would carve the same bytes.
+    """
+
+    def __init__(self, scratch: ScratchFiles) -> None:
+        super().__init__()
+        self.scratch = scratch
+        self.pid = os.getpid()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if args and caught(args[0], dtype := cast_target(func, args, kwargs)) and os.getpid() == self.pid:
+            cast = self.scratch.empty(args[0].shape, dtype)
+            cast.copy_(args[0])
+            return cast
+        return func(*args, **kwargs)
 
 
 class FileBackedCasts:
-    """The patch (see the module doc): ``install`` before train.py loads, ``remove`` once the stage is built."""
+    """The mode's lifetime (see the module doc): ``install`` before train.py loads, ``remove`` once the stage is
+    built; ``remove`` is idempotent and must run on the thread that installed (mode stacks are per thread)."""
 
     def __init__(self, directory: str | Path | None) -> None:
         self.scratch = ScratchFiles(Path(directory).expanduser() if directory else default_directory())
-        self.patches = Patches()
-        self._original: Callable | None = None
-        self._replacement: Callable | None = None
+        self.mode: CastsIntoScratch | None = None  # on the stack of ``self._thread`` while not None
+        self._thread: int | None = None
         self.note = ""  # a start-up line where it is not installed (the directory is RAM)
 
     def install(self) -> None:
+        if self.mode is not None:
+            raise RuntimeError("the load's casts are already redirected: install once, then remove")
         directory = self.scratch.directory
         if (kind := file_system(directory)) in RAM_FILE_SYSTEMS:  # a scratch file there would be RAM too
             self.note = (
@@ -134,49 +221,15 @@ class FileBackedCasts:
                 "RAM; name a directory on a disk with --disk_dir to cast into a file there"
             )
             return
-        try:
-            import accelerate
-            from accelerate.utils import modeling
-        except ImportError as exc:
-            raise DGLSUserError(
-                f"with a host RAM budget DGLS casts the model load's weights into a file through accelerate, which "
-                f"cannot be imported ({exc}): pip install accelerate (diffusion-pipe's loaders use it too)"
-            ) from None
-        original = modeling.__dict__.get(NAME)
-        if original is None:
-            raise DGLSUserError(
-                f"accelerate {accelerate.__version__} has no utils.modeling.{NAME}, where DGLS casts the "
-                "model load's weights into a file with a host RAM budget: this accelerate is too old or too new "
-                "for DGLS; please report its version"
-            )
-        scratch = self.scratch
-
-        def set_module_tensor_to_device(module, tensor_name, device, value=None, dtype=None, *args, **kwargs):
-            if (
-                value is not None
-                and dtype is not None
-                and str(device) == "cpu"
-                and isinstance(value, torch.Tensor)
-                and value.device.type == "cpu"
-                and value.is_floating_point()
-                and dtype.is_floating_point
-                and value.dtype != dtype
-            ):
-                cast = scratch.empty(value.shape, dtype)
-                cast.copy_(value)
-                value = cast
-            return original(module, tensor_name, device, value, dtype, *args, **kwargs)
-
-        self._original, self._replacement = original, set_module_tensor_to_device
-        for module in _bindings(original, NAME):
-            self.patches.replace(module, NAME, lambda _original: set_module_tensor_to_device)
+        self.mode, self._thread = CastsIntoScratch(self.scratch), threading.get_ident()
+        self.mode.__enter__()
 
     def remove(self) -> None:
-        """Every replacement back, including the bindings modules made while it was installed; idempotent. The
-        chunk being carved is let go (its space is freed with the last tensor cast into it)."""
-        self.patches.restore()
-        if self._replacement is not None:
-            for module in _bindings(self._replacement, NAME):
-                setattr(module, NAME, self._original)
-        self._replacement = None
+        """The mode off the stack; the chunk being carved is let go (its space is freed with the last tensor cast
+        into it)."""
+        if self.mode is not None:
+            if threading.get_ident() != self._thread:
+                raise RuntimeError("file-backed casts removed on another thread than the one that installed them")
+            take_off_function_mode_stack(self.mode)
+            self.mode = None
         self.scratch.drop_chunk()

@@ -26,6 +26,8 @@ Modules
     - ``data_parallel.py``: data-parallel full fine-tuning over the processes' shared host copy: an owner per
       layer, each layer's gradients reduced to it in one bucket beside the backward, updates published at a barrier
       after each step.
+    - ``shared_saves.py``: what a data-parallel full fine-tune saves: every owner's masters sent to the process that
+      writes, each process's share of the host optimizer state in a file of its own, merged on resume.
     - ``disk_state.py``: with a host RAM budget, the fp32 masters and optimizer state of the layers that do not fit
       live in a file on disk, read before each one's host update and written back after it (they spill before the
       weights: read once a step).

@@ -74,24 +74,13 @@ Refused (one line each)
     - A VRAM budget's planner: it may make layers resident after its probe, and owners are fixed at start-up.
     - Processes that do not all map the one host copy (several machines, no ``/dev/shm``, pipeline stages).
     - A collective whose partner process is gone (killed, crashed): :func:`peer_failure`, instead of a traceback.
-    - Under diffusion-pipe's train.py (``program/validate.py``, tested end to end in
-      tests/test_diffusion_pipe_data_parallel_real.py): its saves read every param on data-parallel rank 0
-      (``Saver.save_full_model`` directly, DeepSpeed's layer files through state dicts), and rank 0 holds fp32
-      masters only for its own share, so other owners' layers would be saved as the shared bf16 copy; DeepSpeed
-      saves one optimizer state, and the host state is split among owners. What it takes:
+    - Under diffusion-pipe's train.py, ``gradient_release`` (train.py asserts one data-parallel process for it).
 
-      1. each owner's fp32 masters in a ``/dev/shm`` segment of its own (``..memory.peers``' protocol: create,
-         barrier, every process maps every owner's, barrier, unlink), laid out from the ownership and sizes every
-         process knows, so rank 0's ``true_value`` reads any layer's true master after the step's barrier,
-         without a gather or a second copy (writes stay the owner's; a load writes only owned masters);
-      2. each owner's host optimizer state in its own file beside the checkpoint
-         (``dgls_host_optimizer_stage0_rank{R}.pt``) from ``EngineHooks``' save on every rank, and a resume that
-         reads each rank's file, refused (one line, through ``agree``) when the number of processes or the
-         ownership differs from the saved one;
-      3. ``_drop_in_full_fine_tune`` then sets ``data_parallel`` on one stage with the demo's refusals (a VRAM
-         budget's planner, a whole-step optimizer; ``gradient_release``, which diffusion-pipe itself keeps to
-         one process per stage), and the test compares against the plain two-process run it already makes
-         (saved model and a resume, in bf16 so that the shared copy differs from the masters).
+Saves (:mod:`.shared_saves`)
+    A trainer saves from data-parallel rank 0 (diffusion-pipe: ``Saver.save_full_model`` and DeepSpeed's layer
+    files), which holds fp32 masters only for its own share: for a save every owner sends it its masters, and each
+    process writes its share of the host optimizer state to a file of its own (a resume merges them, with any number
+    of processes). Tested end to end in tests/test_diffusion_pipe_data_parallel_real.py.
 
 Invariants
     - Every process runs the same backward (the same layers, the same params with gradients, in the same order):
@@ -347,6 +336,10 @@ class SharedGradients:
             bucket.filled[slot.position] = slot
             if len(bucket.filled) == len(self.params[idx]):
                 self._launch(bucket)
+
+    def shape_of(self, param: nn.Parameter) -> torch.Size:
+        """A trained param's full shape (its layout's: a streamed param is an empty placeholder while it is out)."""
+        return self._slots[id(param)].shape
 
     @property
     def pool_bytes(self) -> int:

@@ -736,16 +736,19 @@ def host_training_bytes(
     return training_layout({idx: layouts[idx] for idx in streamed}, spec, 2 if sums else 1, clipping, speculate).parts()
 
 
-def check_host_training(layout: TrainingLayout) -> str:
+def check_host_training(layout: TrainingLayout, save_copy: int = 0) -> str:
     """Refuse, with the numbers, when the host cannot hold the masters, gradients and optimizer state and
     still keep its reserve (a tenth of its RAM, 2 GiB at least: the weight store's rule; much of this is
     page-locked, which the host cannot swap out); otherwise the start-up line that says how much they take.
     ``layout`` is the object :class:`HostTraining` then allocates from (the builder hands it the same one). The
     spares of speculative updates (:mod:`.speculation`) are optional: the layout keeps those that fit in half of
     what is left beside the rest (:meth:`~..memory.layout.TrainingLayout.limit_spares`); the clipping line says what
-    became of them."""
+    became of them. ``save_copy``: bytes one process holds besides while a save runs (a data-parallel job's reader,
+    the other owners' masters: :mod:`.shared_saves`), counted as needed too."""
     parts = layout.parts()
     parts.pop("speculation", None)
+    if save_copy:
+        parts["a save's copy of the other processes' masters"] = save_copy
     need = sum(parts.values())
     memory = psutil.virtual_memory()
     reserve = ram_reserve(memory.total)

@@ -42,6 +42,8 @@ class TrainingFeature(Feature):
     ) -> None:
         self.training = training
         self.shared = shared  # data parallel: the reduce hooks and the step's publication (.data_parallel)
+        # data parallel, on the process that writes a save: the other owners' masters, lent for it (.shared_saves)
+        self.lent: dict[int, torch.Tensor] = {}
         self.note = note  # the start-up line of its host RAM (check_host_training)
         self._replaceable = replaceable  # the VRAM planner's one re-placement, before any update, is to come
         self._evict: Callable[[Iterable[int]], None] = lambda indices: None  # the engine's, from install
@@ -133,7 +135,8 @@ class TrainingFeature(Feature):
                 param.grad = grad.to(param.device, param.dtype, copy=True)
 
     def true_value(self, param: torch.Tensor) -> torch.Tensor | None:
-        return self.training.master_of(param)
+        lent = self.lent.get(id(param))
+        return lent if lent is not None else self.training.master_of(param)
 
     def flush(self) -> None:
         self.training.finish()

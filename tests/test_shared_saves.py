@@ -1,0 +1,246 @@
+"""What a data-parallel full fine-tune saves and resumes (utils/dgls/training/shared_saves.py), in-process.
+
+The collectives are stand-ins (a queue of sends that the reader's receives take in order), the processes run one
+after another: each owner's masters reach the reader's true values for a save, each process writes its share of the
+host optimizer state, and a resume takes every layer's state from whichever file holds it (another number of
+processes included). tests/test_diffusion_pipe_data_parallel_real.py runs the real thing through train.py.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_resume_checks import host_state, load_into
+from torch import nn
+
+from utils.dgls import DGLSUserError
+from utils.dgls.trainers.engine_hooks import EngineHooks, _read_host_state
+from utils.dgls.training.data_parallel import Ownership, SharedGradients
+from utils.dgls.training.shared_saves import SharedSaves, host_state_files, merged_host_state
+from utils.dgls.training.training_feature import TrainingFeature
+
+OWNERS = {0: 0, 1: 1, 2: 1, 3: 0}  # layer -> rank
+SHAPES = {0: [(3, 2), (2,)], 1: [(4,), (2, 2)], 2: [(5,)], 3: [(1, 3)]}  # layer -> its params' shapes
+
+
+class FakeP2P:
+    """``torch.distributed.send``/``recv`` between processes run one after another: a send is queued, a receive
+    takes the oldest (of the same source and shape: a transfer out of order fails)."""
+
+    def __init__(self) -> None:
+        self.queue: deque = deque()
+        self.rank = 0
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self.queue.append((self.rank, dst, tensor.clone()))
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        sender, dst, sent = self.queue.popleft()
+        assert (sender, dst, sent.shape, sent.dtype) == (src, self.rank, tensor.shape, tensor.dtype)
+        tensor.copy_(sent)
+
+
+@pytest.fixture
+def p2p(monkeypatch) -> FakeP2P:
+    fake = FakeP2P()
+    monkeypatch.setattr(torch.distributed, "send", fake.send)
+    monkeypatch.setattr(torch.distributed, "recv", fake.recv)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda *a: "gloo")
+    return fake
+
+
+def process(rank: int, seed: int) -> tuple[TrainingFeature, dict[int, list[nn.Parameter]], dict[int, torch.Tensor]]:
+    """One process's training feature: every host-trained layer's params (empty placeholders, as streamed params
+    are), its own layers' fp32 masters (random, by ``id`` of the param)."""
+    gen = torch.Generator().manual_seed(seed)
+    params = {idx: [nn.Parameter(torch.empty(0)) for _ in shapes] for idx, shapes in SHAPES.items()}
+    masters = {
+        id(p): torch.randn(shape, generator=gen)
+        for idx, shapes in SHAPES.items()
+        if OWNERS[idx] == rank
+        for p, shape in zip(params[idx], shapes)
+    }
+    shapes = {idx: [(torch.Size(s), torch.bfloat16) for s in SHAPES[idx]] for idx in SHAPES}
+    shared = SharedGradients(Ownership(rank, 2, OWNERS), params, shapes)
+    training = SimpleNamespace(master_of=lambda p: masters.get(id(p)), finish=lambda: None)
+    return TrainingFeature(training, "", shared=shared), params, masters
+
+
+def test_the_reader_saves_each_owners_fp32_masters_and_only_inside_the_block(p2p):
+    """Rank 1 sends its layers' masters; rank 0's true values of those params are them inside the block (what its
+    state dicts and ``true_weights`` read), its own stay its own, and after the block it holds none of rank 1's."""
+    reader, reader_params, reader_masters = process(0, seed=0)
+    owner, _, owner_masters = process(1, seed=1)
+    saves = {
+        rank: SharedSaves.of(SimpleNamespace(feature=lambda kind, f=f: f)) for rank, f in ((0, reader), (1, owner))
+    }
+    p2p.rank = 1
+    with saves[1].owners_masters():
+        assert owner.lent == {}, "only the reader holds other owners' masters"
+    sent = list(p2p.queue)
+    assert [entry[2].shape for entry in sent] == [torch.Size(s) for idx in (1, 2) for s in SHAPES[idx]]
+    p2p.rank = 0
+    with saves[0].owners_masters():
+        for idx, params in reader_params.items():
+            for k, param in enumerate(params):
+                value = reader.true_value(param)
+                if OWNERS[idx] == 0:
+                    assert value is reader_masters[id(param)]
+                else:
+                    theirs = [m for m in owner_masters.values() if m.shape == torch.Size(SHAPES[idx][k])]
+                    assert value.dtype == torch.float32 and torch.equal(value, theirs[0])
+    assert not p2p.queue, "every send was received"
+    assert all(reader.true_value(p) is None for idx in (1, 2) for p in reader_params[idx])
+
+
+def test_an_owner_without_a_master_for_its_param_is_a_bug_not_a_save(p2p):
+    owner, params, masters = process(1, seed=1)
+    masters.clear()
+    saves = SharedSaves.of(SimpleNamespace(feature=lambda kind: owner))
+    with pytest.raises(AssertionError, match="holds no master"), saves.owners_masters():
+        pass
+
+
+def fake_engine(rank: int) -> SimpleNamespace:
+    grid = SimpleNamespace(get_pipe_parallel_rank=lambda: 0, get_data_parallel_id=lambda: rank)
+    return SimpleNamespace(module=nn.Linear(1, 1), global_steps=2, grid=grid)
+
+
+def layer_state(idx: int) -> dict:
+    return {"state": {0: {"exp_avg": torch.full((2,), float(idx))}}, "param_groups": [{"params": [0], "lr": 1.0}]}
+
+
+def test_every_process_saves_its_share_of_the_host_state_and_rank_0_writes_while_holding_the_masters(
+    tmp_path, monkeypatch
+):
+    """Each rank's file holds the layers it owns (a save from rank 0 only would lose rank 1's); DeepSpeed's own
+    save (rank 0 writes every layer's masters) runs inside the masters' block, on every rank."""
+    monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: None)
+    (tmp_path / "global_step2").mkdir()  # DeepSpeed's save made it
+    for stale in ("dgls_host_optimizer_stage0.pt", "dgls_host_optimizer_stage0_rank2.pt"):  # an earlier save's
+        torch.save({5: layer_state(5)}, tmp_path / "global_step2" / stale)
+    inside = []
+    for rank in (0, 1):
+        owned = [idx for idx, owner in OWNERS.items() if owner == rank]
+        training = SimpleNamespace(adopt=lambda params: None, state_dict=lambda o=owned: {i: layer_state(i) for i in o})
+        lent = []
+
+        @contextmanager
+        def owners_masters(lent=lent):
+            lent.append(True)
+            yield
+            lent.pop()
+
+        shared = SimpleNamespace(ownership=Ownership(rank, 2, OWNERS), owners_masters=owners_masters)
+        hooks = EngineHooks(lambda module, t=training: t, shared=lambda module, s=shared: s)
+        save = hooks._wrap_save(lambda engine, save_dir, tag, *a, lent=lent, **k: inside.append(bool(lent)))
+        save(fake_engine(rank), tmp_path, "global_step2")
+    assert inside == [True, True]
+    files = host_state_files(tmp_path / "global_step2", 0, "dgls_host_optimizer_stage")
+    assert [p.name for p in files] == ["dgls_host_optimizer_stage0_rank0.pt", "dgls_host_optimizer_stage0_rank1.pt"]
+    held = [sorted(torch.load(p, weights_only=True)) for p in files]
+    assert held == [[0, 3], [1, 2]]
+
+    training = SimpleNamespace(adopt=lambda params: None, state_dict=lambda: {i: layer_state(i) for i in OWNERS})
+    one = EngineHooks(lambda module: training)._wrap_save(lambda engine, save_dir, tag, *a, **k: None)
+    one(fake_engine(0), tmp_path, "global_step2")  # one process saves the same tag again: its file alone is read
+    files = host_state_files(tmp_path / "global_step2", 0, "dgls_host_optimizer_stage")
+    assert [p.name for p in files] == ["dgls_host_optimizer_stage0.pt"]
+    assert not list((tmp_path / "global_step2").glob("*_rank*.pt"))
+
+
+def read(path: Path) -> object:
+    return torch.load(path, weights_only=True)
+
+
+def write_shares(folder: Path, shares: list[list[int]], whole: dict | None = None) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for rank, layers in enumerate(shares):
+        state = {i: (whole[i] if whole is not None else layer_state(i)) for i in layers}
+        torch.save(state, folder / f"dgls_host_optimizer_stage0_rank{rank}.pt")
+        paths.append(folder / f"dgls_host_optimizer_stage0_rank{rank}.pt")
+    return paths
+
+
+@pytest.mark.parametrize(
+    "saved, keep",
+    [([[0, 3], [1, 2]], {1, 2}), ([[0, 3], [1, 2]], {0, 1, 2, 3}), ([[0, 1, 2, 3]], {0, 3}), ([[0], [1], [2, 3]], {3})],
+    ids=["same-owners", "two-into-one", "one-into-two", "three-into-two"],
+)
+def test_a_resume_takes_each_layers_state_from_whichever_file_holds_it(tmp_path, saved, keep):
+    paths = write_shares(tmp_path, saved)
+    state, problem = merged_host_state(paths, read, keep, set(OWNERS))
+    assert problem is None and sorted(state) == sorted(keep)
+    for idx, value in state.items():
+        assert torch.equal(value["state"][0]["exp_avg"], layer_state(idx)["state"][0]["exp_avg"])
+
+
+def test_a_missing_or_doubled_share_is_one_line(tmp_path):
+    paths = write_shares(tmp_path / "a", [[0, 3], [1, 2]])
+    state, problem = merged_host_state(paths[:1], read, {0, 3}, set(OWNERS))
+    assert state is None and "the file holding layers [1, 2] is missing" in problem and "\n" not in problem
+    paths = write_shares(tmp_path / "b", [[0, 3], [1, 2, 3]])
+    state, problem = merged_host_state(paths, read, {0, 3}, set(OWNERS))
+    assert state is None and "holds the optimizer state of layer 3 twice" in problem
+
+
+def test_a_whole_step_state_in_the_one_file_goes_to_the_host_trainings_check(tmp_path):
+    torch.save({"optimizer": {}, "layers": [0]}, tmp_path / "dgls_host_optimizer_stage0.pt")
+    state, problem = merged_host_state([tmp_path / "dgls_host_optimizer_stage0.pt"], read, {0}, {0})
+    assert problem is None and state == {"optimizer": {}, "layers": [0]}
+
+
+def test_a_data_parallel_process_reads_only_its_layers_from_a_one_process_checkpoint(tmp_path):
+    folder = tmp_path / "global_step2"
+    folder.mkdir()
+    torch.save({i: layer_state(i) for i in OWNERS}, folder / "dgls_host_optimizer_stage0.pt")
+    training = SimpleNamespace(
+        layers={1: None, 2: None},
+        adopt=lambda params: None,
+        state_problem=lambda state, keep: None if sorted(state) == [1, 2] else f"holds {sorted(state)}",
+    )
+    shared = SimpleNamespace(layers=set(OWNERS))
+    path = folder / "dgls_host_optimizer_stage0.pt"
+    state = _read_host_state(training, nn.Linear(1, 1), path, tmp_path, "global_step2", False, shared)
+    assert sorted(state) == [1, 2]
+
+
+def test_one_process_resumes_the_shares_two_processes_saved(tmp_path):
+    """A real host training (one process) loads the state two processes saved, split by owner: each layer's moments
+    as saved; with one share gone, one line before DeepSpeed loads."""
+    run, state = host_state(tmp_path)
+    folder = run / "global_step2"
+    (folder / "dgls_host_optimizer_stage0.pt").unlink()
+    layers = sorted(state)
+    write_shares(folder, [layers[::2], layers[1::2]], whole=state)
+    training, loaded = load_into(run)
+    assert loaded == ["global_step2"]
+    for idx, layer in training.layers.items():
+        for i, p in enumerate(p for g in layer.optimizer.param_groups for p in g["params"]):
+            assert torch.equal(layer.optimizer.state[p]["exp_avg"], state[idx]["state"][i]["exp_avg"])
+    (folder / "dgls_host_optimizer_stage0_rank1.pt").unlink()
+    with pytest.raises(DGLSUserError, match="^[^\n]*$") as caught:
+        load_into(run)
+    assert f"the file holding layers {layers[1::2]} is missing" in str(caught.value)
+
+
+def test_the_check_before_start_up_takes_the_shares_of_a_stage_as_that_stage(tmp_path):
+    """Before start-up (program/resume.py): the processes' files of stage 0 are stage 0's, not stages of their own."""
+    from cli_helpers import write_checkpoint
+    from test_resume_checks import FULL, resume
+
+    folder = write_checkpoint(tmp_path / "out" / "20250101_00-00-00", adapter=False, host_stages=1)
+    (folder / "dgls_host_optimizer_stage0.pt").rename(folder / "dgls_host_optimizer_stage0_rank0.pt")
+    torch.save({2: layer_state(2)}, folder / "dgls_host_optimizer_stage0_rank1.pt")
+    resume(tmp_path, FULL, "--resume_from_checkpoint")
+    torch.save({2: layer_state(2)}, folder / "dgls_host_optimizer_stage1_rank0.pt")
+    with pytest.raises(
+        DGLSUserError, match="holds DGLS host optimizer states of 2 pipeline stages, and this run has 1"
+    ):
+        resume(tmp_path, FULL, "--resume_from_checkpoint")

@@ -1,0 +1,176 @@
+"""What a data-parallel full fine-tune saves, and how a resume reads it back (:mod:`.data_parallel`).
+
+Each process of a data-parallel full fine-tune holds the fp32 masters and the host optimizer state of its *share*
+of the streamed layers only; the other layers it sees as the shared packed copy (bf16 for a bf16 model). A trainer
+saves from one process (diffusion-pipe: DeepSpeed's layer files and ``Saver.save_full_model`` from data-parallel
+rank 0, through state dicts and :meth:`~..engine.swapper.LayerSwapper.true_weights`), so:
+
+- Masters (:meth:`SharedSaves.owners_masters`, around each save): every process enters it together; each owner
+  sends the fp32 masters of its layers to the *reader* (rank 0, the one that writes), param by param in layer
+  order (``torch.distributed.send``/``recv``; through the GPU with NCCL, one param at a time), and the reader's
+  :class:`~.training_feature.TrainingFeature` gives them as the true values of those params for the block (the state
+  dicts and ``true_weights`` read them as a single process reads its own masters). Why a gather at save time, not
+  the masters in a shared segment: the host training's allocation stays as it is, and the cost is the reader's
+  RAM for the other owners' masters while a save runs (what the saver's own copies already cost, in fp32).
+- Optimizer state (:func:`host_state_files`, :func:`merged_host_state`): each process writes its share's file,
+  ``dgls_host_optimizer_stage<S>_rank<R>.pt`` (its layers' optimizer state dicts, no gather: each owner writes its
+  own bytes, in parallel); one process per stage writes ``dgls_host_optimizer_stage<S>.pt``. A resume reads every
+  file of its stage, one at a time, keeping only the layers this process updates: the files together must hold
+  exactly the stage's host-trained layers, each in one file. So a resume with another number of processes (and so
+  other owners) works: the masters are in the layer files, and each layer's optimizer state goes to its new owner.
+
+Invariants
+    - Every process of the job enters :meth:`SharedSaves.owners_masters` (a save is collective: train.py calls its
+      saves on every rank); the transfers are matched by their order (layers, then params, in layout order).
+    - Outside the block the reader's true values are its own masters (loads write only owned masters).
+    - The reader is rank 0 of the default group: data parallel runs on one pipeline stage, whose data-parallel
+      rank 0 is the job's rank 0.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .data_parallel import Ownership, peer_failure
+
+READER = 0  # the rank that writes a data-parallel job's saves (its stage's data-parallel rank 0)
+RANK_FILE = re.compile(r"_rank(\d+)\.pt$")
+
+
+@dataclass
+class SharedSaves:
+    """The saves of one data-parallel process: ``ownership`` and the trained ``params`` of every host-trained layer
+    (entry -> params in layout order, the same on every process), each param's full ``shapes`` (by ``id``; a
+    streamed param is an empty placeholder while it is out), ``master_of`` (this process's masters), ``flush`` (its
+    queued updates written) and ``lend`` (the reader's true values for the block: ``{}`` ends them)."""
+
+    ownership: Ownership
+    params: Mapping[int, Sequence[nn.Parameter]]
+    shapes: Mapping[int, torch.Size]
+    master_of: Callable[[nn.Parameter], torch.Tensor | None]
+    flush: Callable[[], None]
+    lend: Callable[[dict[int, torch.Tensor]], None]
+
+    @classmethod
+    def of(cls, swapper) -> SharedSaves | None:
+        """A swapper's saves when it trains its share of a data-parallel full fine-tune, else None."""
+        from .training_feature import TrainingFeature
+
+        feature = swapper.feature(TrainingFeature) if swapper is not None else None
+        if feature is None or feature.shared is None:
+            return None
+        shared = feature.shared
+
+        def lend(values: dict[int, torch.Tensor]) -> None:
+            feature.lent = values
+
+        shapes = {id(p): shared.shape_of(p) for params in shared.params.values() for p in params}
+        return cls(shared.ownership, shared.params, shapes, feature.training.master_of, feature.flush, lend)
+
+    @property
+    def layers(self) -> set[int]:
+        """Every host-trained layer of the stage (each process's share together)."""
+        return set(self.ownership.owners)
+
+    @contextmanager
+    def owners_masters(self) -> Iterator[None]:
+        """Every process together: inside the block the reader's true values of the other owners' params are their
+        fp32 masters (see the module doc)."""
+        dist = torch.distributed
+        rank = self.ownership.rank
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+        lent: dict[int, torch.Tensor] = {}
+        self.flush()  # this owner's queued updates are in its masters
+        with peer_failure("a save of the streamed layers' masters"):
+            for idx in sorted(self.ownership.owners):
+                owner = self.ownership.owners[idx]
+                if owner == READER or rank not in (owner, READER):
+                    continue
+                for param in self.params[idx]:
+                    if rank == owner:
+                        master = self.master_of(param)
+                        if master is None:
+                            raise AssertionError(f"the owner of layer {idx} holds no master for one of its params")
+                        dist.send(master.to(device or "cpu", torch.float32).contiguous(), dst=READER)
+                    else:
+                        received = torch.empty(self.shapes[id(param)], dtype=torch.float32, device=device or "cpu")
+                        dist.recv(received, src=owner)
+                        lent[id(param)] = received.cpu()
+        self.lend(lent)
+        try:
+            yield
+        finally:
+            self.lend({})
+
+
+def host_state_files(folder: Path, stage: int, prefix: str) -> list[Path]:
+    """The host optimizer files of ``stage`` in a checkpoint's tag ``folder``: the one file of a stage with one
+    process, else the data-parallel processes' (by rank)."""
+    whole = folder / f"{prefix}{stage}.pt"
+    if whole.exists():
+        return [whole]
+    shares = [(int(m.group(1)), p) for p in folder.glob(f"{prefix}{stage}_rank*.pt") if (m := RANK_FILE.search(p.name))]
+    return [p for _, p in sorted(shares)]
+
+
+def stale_host_state_files(folder: Path, stage: int, prefix: str, processes: int | None) -> list[Path]:
+    """Files of ``stage`` in ``folder`` that a save by ``processes`` data-parallel processes (None: one process,
+    which writes the stage's one file) does not write: an earlier save of the same tag by another number of
+    processes left them, and a resume would read them with the new ones."""
+    shares = [(int(m.group(1)), p) for p in folder.glob(f"{prefix}{stage}_rank*.pt") if (m := RANK_FILE.search(p.name))]
+    if processes is None:
+        return [p for _, p in sorted(shares)]
+    whole = folder / f"{prefix}{stage}.pt"
+    return ([whole] if whole.exists() else []) + [p for rank, p in sorted(shares) if rank >= processes]
+
+
+def share_file(folder: Path, stage: int, rank: int, prefix: str) -> Path:
+    """The file of data-parallel ``rank``'s share of ``stage``'s host optimizer state."""
+    return folder / f"{prefix}{stage}_rank{rank}.pt"
+
+
+def merged_host_state(
+    paths: Sequence[Path], read: Callable[[Path], object], keep: set[int], expected: set[int]
+) -> tuple[object, str | None]:
+    """The per-layer states of the layers ``keep`` from the files ``paths`` (``read`` gives what one holds; they
+    are read one at a time, and only the kept layers' states are held), checked: together the files must hold
+    exactly the ``expected`` layers, each in one file. Returns (state, None), or (None, why not: words that follow
+    the checkpoint folder's name). A single file that is not per-layer (a whole step's) is returned as it is (the
+    host training's check names what it holds)."""
+    merged: dict = {}
+    seen: dict[int, str] = {}
+    for path in paths:
+        state = read(path)
+        if not isinstance(state, dict) or not all(_is_layer(k) for k in state):
+            if len(paths) == 1:
+                return state, None
+            return None, f"holds {path.name}, with no per-layer optimizer states"
+        for key, value in state.items():
+            idx = int(key)
+            if idx in seen:
+                return None, f"holds the optimizer state of layer {idx} twice, in {seen[idx]} and {path.name}"
+            seen[idx] = path.name
+            if idx in keep:
+                merged[idx] = value
+        del state  # the next file is read without this one's other layers held
+    if set(seen) != expected:
+        missing = sorted(expected - set(seen))
+        lost = f"; the file holding layers {missing} is missing" if missing and not set(seen) - expected else ""
+        return None, (
+            f"holds the optimizer state of layers {sorted(seen)} of this pipeline stage, and this run trains layers "
+            f"{sorted(expected)} of it on the host ({len(paths)} file(s) read{lost}): resume with the placement it "
+            "was saved with (the same --blocks_to_swap or --gpu_layers, and pipeline_stages), or pass "
+            "--reset_optimizer to start the optimizer afresh"
+        )
+    return merged, None
+
+
+def _is_layer(key: object) -> bool:
+    return isinstance(key, int) or (isinstance(key, str) and key.isdigit())
