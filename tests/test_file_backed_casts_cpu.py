@@ -255,6 +255,7 @@ print(json.dumps(grown))
 """
 
 
+@pytest.mark.slow  # fresh processes with torch
 def test_a_cast_into_scratch_files_adds_no_anonymous_memory(tmp_path):
     """Measured in a fresh process (the suite's own threads and freed heap would blur RssAnon): each load that casts
     240 MiB of fp32 weights (accelerate's, Flux's ``p.data = p.data.to``, ``Module.to``, to float8) grows anonymous
@@ -344,6 +345,7 @@ print(os.read(read, 64).decode(), casts.scratch.bytes == 2 * 64 * 64 * 2)
 """
 
 
+@pytest.mark.slow  # a fresh process with torch, and a fork
 def test_a_forked_process_casts_as_without_the_mode(tmp_path):
     """The child inherits the mode and the chunk's shared mapping: it must not carve from it (the parent hands out the
     same bytes next)."""

@@ -175,6 +175,7 @@ print(json.dumps([grown_in_place, sources.mapped, grown_cast, {str(k): v for k, 
 """
 
 
+@pytest.mark.slow  # fresh processes with torch
 def test_anonymous_memory_does_not_grow_with_the_file(tmp_path):
     """A 240 MiB checkpoint read through safetensors and set into a meta model (the Wan/Qwen-Image path), every
     byte read, in a fresh process (the suite's threads and freed heap would blur RssAnon): anonymous memory grows by

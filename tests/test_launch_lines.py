@@ -39,6 +39,7 @@ def fake_facts(proc) -> dict:
     return json.loads(line[len("FAKE_TRAIN ") :])
 
 
+@pytest.mark.slow  # dgls_train.py in fresh processes
 def test_user_error_from_the_real_entry_point_is_one_line_exit_2(tmp_path):
     proc = run_user_command(python_cmd("--config", str(tmp_path / "missing.toml"), "--prefetch", "x"), tmp_path)
     assert proc.returncode == 2
