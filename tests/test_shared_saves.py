@@ -244,3 +244,45 @@ def test_the_check_before_start_up_takes_the_shares_of_a_stage_as_that_stage(tmp
         DGLSUserError, match="holds DGLS host optimizer states of 2 pipeline stages, and this run has 1"
     ):
         resume(tmp_path, FULL, "--resume_from_checkpoint")
+
+
+def test_a_resume_maps_each_file_and_keeps_copies_of_its_layers_only(tmp_path, monkeypatch):
+    """N processes resuming a one-process checkpoint map the file (each reads only its layers' bytes, not the whole
+    file at once), and keep copies: a view of the mapped file would stay in the optimizer (its ``load_state_dict``
+    keeps a tensor of its dtype) and a later save of the same tag rewrites the file under it."""
+    folder = tmp_path / "global_step2"
+    folder.mkdir()
+    torch.save({i: layer_state(i) for i in OWNERS}, folder / "dgls_host_optimizer_stage0.pt")
+    loads, mapped = [], []
+    load = torch.load
+
+    def spy(*args, **kwargs):
+        loads.append(kwargs.get("mmap", False))
+        state = load(*args, **kwargs)
+        mapped.extend(v["state"][0]["exp_avg"].untyped_storage().data_ptr() for v in state.values())
+        return state
+
+    monkeypatch.setattr(torch, "load", spy)
+    training = SimpleNamespace(layers={1: None, 2: None}, adopt=lambda params: None, state_problem=lambda s, k: None)
+    path = folder / "dgls_host_optimizer_stage0.pt"
+    state = _read_host_state(training, nn.Linear(1, 1), path, tmp_path, "global_step2", False, SimpleNamespace(
+        layers=set(OWNERS)))  # fmt: skip
+    assert loads == [True], "the file is mapped, not read whole"
+    assert sorted(state) == [1, 2]
+    for idx, value in state.items():
+        kept = value["state"][0]["exp_avg"]
+        assert kept.untyped_storage().data_ptr() not in mapped, f"layer {idx}'s state is a view of the mapped file"
+        assert torch.equal(kept, layer_state(idx)["state"][0]["exp_avg"])
+
+
+def test_a_whole_step_state_is_copied_out_of_its_file_too(tmp_path):
+    torch.save({"optimizer": {"state": {0: torch.ones(3)}}}, tmp_path / "dgls_host_optimizer_stage0.pt")
+    held = []
+
+    def mapped(path):
+        held.append(torch.load(path, weights_only=True, mmap=True))
+        return held[-1]
+
+    state, problem = merged_host_state([tmp_path / "dgls_host_optimizer_stage0.pt"], mapped, {0}, {0})
+    assert problem is None and torch.equal(state["optimizer"]["state"][0], torch.ones(3))
+    assert state["optimizer"]["state"][0].data_ptr() != held[0]["optimizer"]["state"][0].data_ptr()

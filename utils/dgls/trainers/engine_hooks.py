@@ -234,7 +234,8 @@ def _read_host_state(
     def read(file: Path) -> object:
         if (problem := torch_file_problem(file)) is None:
             try:
-                return torch.load(file, map_location="cpu", weights_only=True)
+                # mapped: each process reads only the layers it keeps (merged_host_state copies them)
+                return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
             except Exception as exc:  # a damaged file fails in many ways (EOFError, UnpicklingError, KeyError ...)
                 problem = f"cannot be read ({type(exc).__name__})"
         raise DGLSUserError(damaged(file, "DGLS's host optimizer state", problem, run_dir, tag, flag))

@@ -142,15 +142,19 @@ def merged_host_state(
     """The per-layer states of the layers ``keep`` from the files ``paths`` (``read`` gives what one holds; they
     are read one at a time, and only the kept layers' states are held), checked: together the files must hold
     exactly the ``expected`` layers, each in one file. Returns (state, None), or (None, why not: words that follow
-    the checkpoint folder's name). A single file that is not per-layer (a whole step's) is returned as it is (the
-    host training's check names what it holds)."""
+    the checkpoint folder's name). A single file that is not per-layer (a whole step's) is returned whole (the
+    host training's check names what it holds).
+
+    - ``read`` may map the files (``torch.load(mmap=True)``: a process reads only its layers' bytes, not every
+      file whole): the returned tensors are copies (:func:`owned`), never views of a file, which a later save of
+      the same tag rewrites under them (an optimizer's ``load_state_dict`` keeps a tensor of its dtype as it is)."""
     merged: dict = {}
     seen: dict[int, str] = {}
     for path in paths:
         state = read(path)
         if not isinstance(state, dict) or not all(_is_layer(k) for k in state):
             if len(paths) == 1:
-                return state, None
+                return owned(state), None
             return None, f"holds {path.name}, with no per-layer optimizer states"
         for key, value in state.items():
             idx = int(key)
@@ -158,7 +162,7 @@ def merged_host_state(
                 return None, f"holds the optimizer state of layer {idx} twice, in {seen[idx]} and {path.name}"
             seen[idx] = path.name
             if idx in keep:
-                merged[idx] = value
+                merged[idx] = owned(value)
         del state  # the next file is read without this one's other layers held
     if set(seen) != expected:
         missing = sorted(expected - set(seen))
@@ -174,3 +178,14 @@ def merged_host_state(
 
 def _is_layer(key: object) -> bool:
     return isinstance(key, int) or (isinstance(key, str) and key.isdigit())
+
+
+def owned(value: object) -> object:
+    """``value`` with every tensor in it (through dicts, lists and tuples) copied into memory of its own."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {key: owned(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(owned(item) for item in value)
+    return value
