@@ -54,19 +54,24 @@ def p2p(monkeypatch) -> FakeP2P:
     return fake
 
 
-def process(rank: int, seed: int) -> tuple[TrainingFeature, dict[int, list[nn.Parameter]], dict[int, torch.Tensor]]:
+def process(
+    rank: int, seed: int, fp32: frozenset[int] = frozenset()
+) -> tuple[TrainingFeature, dict[int, list[nn.Parameter]], dict[int, torch.Tensor]]:
     """One process's training feature: every host-trained layer's params (empty placeholders, as streamed params
-    are), its own layers' fp32 masters (random, by ``id`` of the param)."""
+    are), its own layers' fp32 masters (random, by ``id`` of the param). The layers ``fp32`` compute in fp32: their
+    params' masters are the shared packed copies (none of their own)."""
     gen = torch.Generator().manual_seed(seed)
     params = {idx: [nn.Parameter(torch.empty(0)) for _ in shapes] for idx, shapes in SHAPES.items()}
     masters = {
         id(p): torch.randn(shape, generator=gen)
         for idx, shapes in SHAPES.items()
-        if OWNERS[idx] == rank
+        if OWNERS[idx] == rank and idx not in fp32
         for p, shape in zip(params[idx], shapes)
     }
-    shapes = {idx: [(torch.Size(s), torch.bfloat16) for s in SHAPES[idx]] for idx in SHAPES}
-    shared = SharedGradients(Ownership(rank, 2, OWNERS), params, shapes)
+    dtype = {idx: torch.float32 if idx in fp32 else torch.bfloat16 for idx in SHAPES}
+    shapes = {idx: [(torch.Size(s), dtype[idx]) for s in SHAPES[idx]] for idx in SHAPES}
+    own = frozenset(id(p) for idx, layer in params.items() if idx not in fp32 for p in layer)
+    shared = SharedGradients(Ownership(rank, 2, OWNERS), params, shapes, own_masters=own)
     training = SimpleNamespace(master_of=lambda p: masters.get(id(p)), finish=lambda: None)
     return TrainingFeature(training, "", shared=shared), params, masters
 
@@ -96,6 +101,32 @@ def test_the_reader_saves_each_owners_fp32_masters_and_only_inside_the_block(p2p
                     assert value.dtype == torch.float32 and torch.equal(value, theirs[0])
     assert not p2p.queue, "every send was received"
     assert all(reader.true_value(p) is None for idx in (1, 2) for p in reader_params[idx])
+
+
+def test_params_whose_master_is_the_shared_fp32_copy_are_not_sent(p2p):
+    """An fp32 layer's master is the shared packed copy, which the reader reads as it is: nothing of it is sent (nor
+    counted in the RAM check), and the reader's true value of it stays the packed copy's (None: no master); a bf16
+    layer's fp32 masters are sent."""
+    reader, reader_params, _ = process(0, seed=0, fp32=frozenset({2}))
+    owner, _, owner_masters = process(1, seed=1, fp32=frozenset({2}))
+    p2p.rank = 1
+    with SharedSaves.of(SimpleNamespace(feature=lambda kind: owner)).owners_masters():
+        pass
+    assert [entry[2].shape for entry in p2p.queue] == [torch.Size(s) for s in SHAPES[1]], "layer 1's only"
+    p2p.rank = 0
+    with SharedSaves.of(SimpleNamespace(feature=lambda kind: reader)).owners_masters():
+        assert all(reader.true_value(p) is None for p in reader_params[2]), "layer 2: the shared fp32 copy"
+        sent = [reader.true_value(p) for p in reader_params[1]]
+        assert [m.shape for m in sent] == [torch.Size(s) for s in SHAPES[1]]
+        assert all(any(torch.equal(m, theirs) for theirs in owner_masters.values()) for m in sent)
+    assert not p2p.queue
+
+    every_fp32 = frozenset(SHAPES)
+    owner, _, _ = process(1, seed=1, fp32=every_fp32)
+    p2p.rank = 1
+    with SharedSaves.of(SimpleNamespace(feature=lambda kind: owner)).owners_masters():
+        pass
+    assert not p2p.queue, "an fp32 model's save sends nothing"
 
 
 def test_an_owner_without_a_master_for_its_param_is_a_bug_not_a_save(p2p):

@@ -290,7 +290,10 @@ def _data_parallel_share(
         c.training.accumulation_steps, c.training.clip_grads, c.training.speculate_clipping,
     )  # fmt: skip
     shapes = {idx: [(p.param.shape, p.param.dtype) for p in place.params] for idx, place in trained.layers.items()}
-    return (SharedGradients(ownership, params, shapes) if ownership.size > 1 else None), owned
+    own = frozenset(id(p.param.param) for place in trained.layers.values() for p in place.params if p.own_master)
+    if ownership.size == 1:
+        return None, owned
+    return SharedGradients(ownership, params, shapes, own_masters=own), owned
 
 
 def start_report(parts: Parts) -> list[str]:

@@ -252,7 +252,10 @@ class SharedGradients:
     the module doc). ``params``: entry -> its trained params (layout order), for every host-trained layer; ``shapes``:
     entry -> each param's (shape, dtype) in the layout (a streamed param is an empty placeholder while it is out;
     None: the params' own). ``in_flight``: buckets reducing beside the backward at once. ``late``: reductions run
-    when waited for (:class:`LateReduce`); None: for CPU tensors, as the CPU transport's copies."""
+    when waited for (:class:`LateReduce`); None: for CPU tensors, as the CPU transport's copies. For the saves
+    (:mod:`.shared_saves`): ``own_masters``, the ``id`` of each param whose owner holds an fp32 master of its own
+    (the layout's flag, the same on every process; None: every param), and ``save_group``, the process group they
+    send masters over (None: the default group)."""
 
     def __init__(
         self,
@@ -262,8 +265,12 @@ class SharedGradients:
         *,
         in_flight: int = IN_FLIGHT,
         late: bool | None = None,
+        own_masters: frozenset[int] | None = None,
+        save_group: object | None = None,
     ) -> None:
         self.ownership = ownership
+        self.own_masters = own_masters
+        self.save_group = save_group
         self.params = dict(params)
         self.in_flight = in_flight
         self.late = late

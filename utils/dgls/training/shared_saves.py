@@ -7,7 +7,9 @@ rank 0, through state dicts and :meth:`~..engine.swapper.LayerSwapper.true_weigh
 
 - Masters (:meth:`SharedSaves.owners_masters`, around each save): every process enters it together; each owner
   sends the fp32 masters of its layers to the *reader* (rank 0, the one that writes), param by param in layer
-  order (``torch.distributed.send``/``recv``; through the GPU with NCCL, one param at a time), and the reader's
+  order (``torch.distributed.send``/``recv``; through the GPU with NCCL, one param at a time), only the params
+  with a master of their own (an fp32 param outside a flat layer has none: its master is the shared packed copy,
+  which the reader reads as it is, published at the step's barrier), and the reader's
   :class:`~.training_feature.TrainingFeature` gives them as the true values of those params for the block (the state
   dicts and ``true_weights`` read them as a single process reads its own masters). Why a gather at save time, not
   the masters in a shared segment: the host training's allocation stays as it is, and the cost is the reader's
@@ -30,7 +32,7 @@ Invariants
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +51,8 @@ class SharedSaves:
     """The saves of one data-parallel process: ``ownership`` and the trained ``params`` of every host-trained layer
     (entry -> params in layout order, the same on every process), each param's full ``shapes`` (by ``id``; a
     streamed param is an empty placeholder while it is out), ``master_of`` (this process's masters), ``flush`` (its
-    queued updates written) and ``lend`` (the reader's true values for the block: ``{}`` ends them)."""
+    queued updates written), ``lend`` (the reader's true values for the block: ``{}`` ends them) and
+    ``own_masters`` (the ``id`` of each param with an fp32 master of its own: the ones a save sends)."""
 
     ownership: Ownership
     params: Mapping[int, Sequence[nn.Parameter]]
@@ -57,6 +60,7 @@ class SharedSaves:
     master_of: Callable[[nn.Parameter], torch.Tensor | None]
     flush: Callable[[], None]
     lend: Callable[[dict[int, torch.Tensor]], None]
+    own_masters: Collection[int]
 
     @classmethod
     def of(cls, swapper) -> SharedSaves | None:
@@ -72,7 +76,8 @@ class SharedSaves:
             feature.lent = values
 
         shapes = {id(p): shared.shape_of(p) for params in shared.params.values() for p in params}
-        return cls(shared.ownership, shared.params, shapes, feature.training.master_of, feature.flush, lend)
+        own = shared.own_masters if shared.own_masters is not None else frozenset(shapes)
+        return cls(shared.ownership, shared.params, shapes, feature.training.master_of, feature.flush, lend, own)
 
     @property
     def layers(self) -> set[int]:
@@ -94,6 +99,8 @@ class SharedSaves:
                 if owner == READER or rank not in (owner, READER):
                     continue
                 for param in self.params[idx]:
+                    if id(param) not in self.own_masters:  # the shared packed copy is its master
+                        continue
                     if rank == owner:
                         master = self.master_of(param)
                         if master is None:
