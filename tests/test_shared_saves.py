@@ -317,3 +317,26 @@ def test_a_whole_step_state_is_copied_out_of_its_file_too(tmp_path):
     state, problem = merged_host_state([tmp_path / "dgls_host_optimizer_stage0.pt"], mapped, {0}, {0})
     assert problem is None and torch.equal(state["optimizer"]["state"][0], torch.ones(3))
     assert state["optimizer"]["state"][0].data_ptr() != held[0]["optimizer"]["state"][0].data_ptr()
+
+
+def test_the_check_before_start_up_finds_a_missing_share_and_a_layer_in_two_shares(tmp_path):
+    """Before start-up, not after the model's load: share files with a rank missing between (rank 1 of 0..2), or
+    with one layer in two of them, are one line naming the file or the layer."""
+    from cli_helpers import write_checkpoint
+    from test_resume_checks import FULL, resume
+
+    folder = write_checkpoint(tmp_path / "out" / "20250101_00-00-00", adapter=False, host_stages=1)
+    (folder / "dgls_host_optimizer_stage0.pt").unlink()
+    for rank, layers in enumerate([[0], [1], [2]]):
+        torch.save({i: layer_state(i) for i in layers}, folder / f"dgls_host_optimizer_stage0_rank{rank}.pt")
+    resume(tmp_path, FULL, "--resume_from_checkpoint")
+    (folder / "dgls_host_optimizer_stage0_rank1.pt").unlink()
+    with pytest.raises(DGLSUserError, match="^[^\n]*$") as caught:
+        resume(tmp_path, FULL, "--resume_from_checkpoint")
+    assert "processes [0, 2] of pipeline stage 0 and no dgls_host_optimizer_stage0_rank1.pt" in str(caught.value)
+    torch.save({2: layer_state(2)}, folder / "dgls_host_optimizer_stage0_rank1.pt")
+    with pytest.raises(DGLSUserError, match="^[^\n]*$") as caught:
+        resume(tmp_path, FULL, "--resume_from_checkpoint")
+    assert "layer 2 twice, in dgls_host_optimizer_stage0_rank1.pt and dgls_host_optimizer_stage0_rank2.pt" in str(
+        caught.value
+    )
