@@ -150,36 +150,50 @@ def test_every_process_saves_its_share_of_the_host_state_and_rank_0_writes_while
     tmp_path, monkeypatch
 ):
     """Each rank's file holds the layers it owns (a save from rank 0 only would lose rank 1's); DeepSpeed's own
-    save (rank 0 writes every layer's masters) runs inside the masters' block, on every rank."""
-    monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: None)
-    (tmp_path / "global_step2").mkdir()  # DeepSpeed's save made it
-    for stale in ("dgls_host_optimizer_stage0.pt", "dgls_host_optimizer_stage0_rank2.pt"):  # an earlier save's
-        torch.save({5: layer_state(5)}, tmp_path / "global_step2" / stale)
+    save (rank 0 writes every layer's masters, and ``latest`` last) runs inside the masters' block, on every rank,
+    after every share is written (its torch.save, then the barrier): a save that stops part way leaves no
+    ``latest`` naming a checkpoint without its shares. The tag folder is made if DeepSpeed has not made it."""
+    events: list[str] = []
+    save = torch.save
+    monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: events.append("barrier"))
+    monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: (events.append(f"save {Path(f).name}"), save(obj, f)))
     inside = []
-    for rank in (0, 1):
+    for rank in (0, 1, 0, 1):  # a save into no tag folder (DeepSpeed's save makes it after the shares), then again
+        if inside == [True, True]:  # the same tag again, with an earlier save's files in it, which rank 0 removes
+            for stale in ("dgls_host_optimizer_stage0.pt", "dgls_host_optimizer_stage0_rank2.pt"):
+                save({5: layer_state(5)}, tmp_path / "global_step2" / stale)
+            events.clear()
         owned = [idx for idx, owner in OWNERS.items() if owner == rank]
         training = SimpleNamespace(adopt=lambda params: None, state_dict=lambda o=owned: {i: layer_state(i) for i in o})
         lent = []
 
         @contextmanager
         def owners_masters(lent=lent):
+            events.append("masters")
             lent.append(True)
             yield
             lent.pop()
 
+        def deepspeed(engine, save_dir, tag, *a, lent=lent, **k):
+            events.append("deepspeed")
+            inside.append(bool(lent))
+
         shared = SimpleNamespace(ownership=Ownership(rank, 2, OWNERS), owners_masters=owners_masters)
         hooks = EngineHooks(lambda module, t=training: t, shared=lambda module, s=shared: s)
-        save = hooks._wrap_save(lambda engine, save_dir, tag, *a, lent=lent, **k: inside.append(bool(lent)))
-        save(fake_engine(rank), tmp_path, "global_step2")
-    assert inside == [True, True]
+        hooks._wrap_save(deepspeed)(fake_engine(rank), tmp_path, "global_step2")
+        share = f"save dgls_host_optimizer_stage0_rank{rank}.pt"
+        assert events == [share, "barrier", "masters", "deepspeed"], events
+        events.clear()
+    assert inside == [True] * 4
     files = host_state_files(tmp_path / "global_step2", 0, "dgls_host_optimizer_stage")
     assert [p.name for p in files] == ["dgls_host_optimizer_stage0_rank0.pt", "dgls_host_optimizer_stage0_rank1.pt"]
     held = [sorted(torch.load(p, weights_only=True)) for p in files]
     assert held == [[0, 3], [1, 2]]
 
     training = SimpleNamespace(adopt=lambda params: None, state_dict=lambda: {i: layer_state(i) for i in OWNERS})
-    one = EngineHooks(lambda module: training)._wrap_save(lambda engine, save_dir, tag, *a, **k: None)
+    one = EngineHooks(lambda module: training)._wrap_save(lambda *a, **k: events.append("deepspeed"))
     one(fake_engine(0), tmp_path, "global_step2")  # one process saves the same tag again: its file alone is read
+    assert events == ["save dgls_host_optimizer_stage0.pt", "deepspeed"], "its file before DeepSpeed's latest"
     files = host_state_files(tmp_path / "global_step2", 0, "dgls_host_optimizer_stage")
     assert [p.name for p in files] == ["dgls_host_optimizer_stage0.pt"]
     assert not list((tmp_path / "global_step2").glob("*_rank*.pt"))
