@@ -35,11 +35,14 @@ class FakeP2P:
     def __init__(self) -> None:
         self.queue: deque = deque()
         self.rank = 0
+        self.groups: list = []  # the group of each send and receive, in order
 
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, group=None) -> None:
+        self.groups.append(group)
         self.queue.append((self.rank, dst, tensor.clone()))
 
-    def recv(self, tensor: torch.Tensor, src: int) -> None:
+    def recv(self, tensor: torch.Tensor, src: int, group=None) -> None:
+        self.groups.append(group)
         sender, dst, sent = self.queue.popleft()
         assert (sender, dst, sent.shape, sent.dtype) == (src, self.rank, tensor.shape, tensor.dtype)
         tensor.copy_(sent)
@@ -55,7 +58,7 @@ def p2p(monkeypatch) -> FakeP2P:
 
 
 def process(
-    rank: int, seed: int, fp32: frozenset[int] = frozenset()
+    rank: int, seed: int, fp32: frozenset[int] = frozenset(), group: object | None = None
 ) -> tuple[TrainingFeature, dict[int, list[nn.Parameter]], dict[int, torch.Tensor]]:
     """One process's training feature: every host-trained layer's params (empty placeholders, as streamed params
     are), its own layers' fp32 masters (random, by ``id`` of the param). The layers ``fp32`` compute in fp32: their
@@ -71,7 +74,7 @@ def process(
     dtype = {idx: torch.float32 if idx in fp32 else torch.bfloat16 for idx in SHAPES}
     shapes = {idx: [(torch.Size(s), dtype[idx]) for s in SHAPES[idx]] for idx in SHAPES}
     own = frozenset(id(p) for idx, layer in params.items() if idx not in fp32 for p in layer)
-    shared = SharedGradients(Ownership(rank, 2, OWNERS), params, shapes, own_masters=own)
+    shared = SharedGradients(Ownership(rank, 2, OWNERS), params, shapes, own_masters=own, save_group=group)
     training = SimpleNamespace(master_of=lambda p: masters.get(id(p)), finish=lambda: None)
     return TrainingFeature(training, "", shared=shared), params, masters
 
@@ -127,6 +130,24 @@ def test_params_whose_master_is_the_shared_fp32_copy_are_not_sent(p2p):
     with SharedSaves.of(SimpleNamespace(feature=lambda kind: owner)).owners_masters():
         pass
     assert not p2p.queue, "an fp32 model's save sends nothing"
+
+
+def test_with_nccl_the_masters_go_over_the_saves_gloo_group_on_the_cpu(p2p, monkeypatch):
+    """The default group is NCCL's (which sends from the GPU: two fp32 copies of a param there at a save, hours in);
+    the masters go over the gloo group made at start-up instead, as CPU tensors (no CUDA here: a GPU path fails)."""
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda *a: "nccl")
+    group = object()
+    reader, reader_params, _ = process(0, seed=0, group=group)
+    owner, _, owner_masters = process(1, seed=1, group=group)
+    p2p.rank = 1
+    with SharedSaves.of(SimpleNamespace(feature=lambda kind: owner)).owners_masters():
+        pass
+    assert all(entry[2].device.type == "cpu" for entry in p2p.queue) and len(p2p.queue) == 3
+    p2p.rank = 0
+    with SharedSaves.of(SimpleNamespace(feature=lambda kind: reader)).owners_masters():
+        got = [reader.true_value(p) for idx in (1, 2) for p in reader_params[idx]]
+        assert all(any(torch.equal(m, theirs) for theirs in owner_masters.values()) for m in got)
+    assert p2p.groups == [group] * 6, "every send and receive over the saves' group"
 
 
 def test_an_owner_without_a_master_for_its_param_is_a_bug_not_a_save(p2p):

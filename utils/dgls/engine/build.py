@@ -293,7 +293,8 @@ def _data_parallel_share(
     own = frozenset(id(p.param.param) for place in trained.layers.values() for p in place.params if p.own_master)
     if ownership.size == 1:
         return None, owned
-    return SharedGradients(ownership, params, shapes, own_masters=own), owned
+    saves = torch.distributed.new_group(backend="gloo")  # every rank, here: the saves' masters go on the CPU
+    return SharedGradients(ownership, params, shapes, own_masters=own, save_group=saves), owned
 
 
 def start_report(parts: Parts) -> list[str]:

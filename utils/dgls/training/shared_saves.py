@@ -7,7 +7,8 @@ rank 0, through state dicts and :meth:`~..engine.swapper.LayerSwapper.true_weigh
 
 - Masters (:meth:`SharedSaves.owners_masters`, around each save): every process enters it together; each owner
   sends the fp32 masters of its layers to the *reader* (rank 0, the one that writes), param by param in layer
-  order (``torch.distributed.send``/``recv``; through the GPU with NCCL, one param at a time), only the params
+  order (``torch.distributed.send``/``recv`` of CPU tensors over a gloo group made at start-up for the saves, so
+  NCCL's jobs put no masters on the GPU; without one, the default group's), only the params
   with a master of their own (an fp32 param outside a flat layer has none: its master is the shared packed copy,
   which the reader reads as it is, published at the step's barrier), and the reader's
   :class:`~.training_feature.TrainingFeature` gives them as the true values of those params for the block (the state
@@ -36,11 +37,15 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .data_parallel import Ownership, peer_failure
+
+if TYPE_CHECKING:
+    from ..engine.swapper import LayerSwapper
 
 READER = 0  # the rank that writes a data-parallel job's saves (its stage's data-parallel rank 0)
 RANK_FILE = re.compile(r"_rank(\d+)\.pt$")
@@ -51,8 +56,10 @@ class SharedSaves:
     """The saves of one data-parallel process: ``ownership`` and the trained ``params`` of every host-trained layer
     (entry -> params in layout order, the same on every process), each param's full ``shapes`` (by ``id``; a
     streamed param is an empty placeholder while it is out), ``master_of`` (this process's masters), ``flush`` (its
-    queued updates written), ``lend`` (the reader's true values for the block: ``{}`` ends them) and
-    ``own_masters`` (the ``id`` of each param with an fp32 master of its own: the ones a save sends)."""
+    queued updates written), ``lend`` (the reader's true values for the block: ``{}`` ends them),
+    ``own_masters`` (the ``id`` of each param with an fp32 master of its own: the ones a save sends) and ``group``
+    (the gloo process group of every rank that the masters go through, on the CPU; None: the default group, through
+    the GPU where it is NCCL's)."""
 
     ownership: Ownership
     params: Mapping[int, Sequence[nn.Parameter]]
@@ -61,9 +68,10 @@ class SharedSaves:
     flush: Callable[[], None]
     lend: Callable[[dict[int, torch.Tensor]], None]
     own_masters: Collection[int]
+    group: object | None = None
 
     @classmethod
-    def of(cls, swapper) -> SharedSaves | None:
+    def of(cls, swapper: LayerSwapper | None) -> SharedSaves | None:
         """A swapper's saves when it trains its share of a data-parallel full fine-tune, else None."""
         from .training_feature import TrainingFeature
 
@@ -77,7 +85,8 @@ class SharedSaves:
 
         shapes = {id(p): shared.shape_of(p) for params in shared.params.values() for p in params}
         own = shared.own_masters if shared.own_masters is not None else frozenset(shapes)
-        return cls(shared.ownership, shared.params, shapes, feature.training.master_of, feature.flush, lend, own)
+        master_of = feature.training.master_of
+        return cls(shared.ownership, shared.params, shapes, master_of, feature.flush, lend, own, shared.save_group)
 
     @property
     def layers(self) -> set[int]:
@@ -90,7 +99,9 @@ class SharedSaves:
         fp32 masters (see the module doc)."""
         dist = torch.distributed
         rank = self.ownership.rank
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+        group = self.group
+        nccl = group is None and dist.get_backend() == "nccl"  # no gloo group: the default one's device
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
         lent: dict[int, torch.Tensor] = {}
         self.flush()  # this owner's queued updates are in its masters
         with peer_failure("a save of the streamed layers' masters"):
@@ -105,10 +116,10 @@ class SharedSaves:
                         master = self.master_of(param)
                         if master is None:
                             raise AssertionError(f"the owner of layer {idx} holds no master for one of its params")
-                        dist.send(master.to(device or "cpu", torch.float32).contiguous(), dst=READER)
+                        dist.send(master.to(device or "cpu", torch.float32).contiguous(), dst=READER, group=group)
                     else:
                         received = torch.empty(self.shapes[id(param)], dtype=torch.float32, device=device or "cpu")
-                        dist.recv(received, src=owner)
+                        dist.recv(received, src=owner, group=group)
                         lent[id(param)] = received.cpu()
         self.lend(lent)
         try:
