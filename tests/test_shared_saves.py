@@ -150,6 +150,20 @@ def test_with_nccl_the_masters_go_over_the_saves_gloo_group_on_the_cpu(p2p, monk
     assert p2p.groups == [group] * 6, "every send and receive over the saves' group"
 
 
+def test_an_owner_writes_its_queued_updates_into_its_masters_before_it_sends_them(p2p, monkeypatch):
+    """The host training's ``finish`` (its queued updates written) runs before the first send: else the reader
+    saves masters a step old."""
+    owner, _, _ = process(1, seed=1)
+    order = []
+    owner.training.finish = lambda: order.append("finish")
+    send = p2p.send
+    monkeypatch.setattr(torch.distributed, "send", lambda *a, **k: (order.append("send"), send(*a, **k)))
+    p2p.rank = 1
+    with SharedSaves.of(SimpleNamespace(feature=lambda kind: owner)).owners_masters():
+        pass
+    assert order == ["finish", "send", "send", "send"], order
+
+
 def test_an_owner_without_a_master_for_its_param_is_a_bug_not_a_save(p2p):
     owner, params, masters = process(1, seed=1)
     masters.clear()
