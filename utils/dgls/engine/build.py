@@ -270,7 +270,8 @@ def _data_parallel_share(
     of this process's share (:mod:`..training.data_parallel`). Refused with a VRAM budget, whose planner may make
     layers resident after step 1's probe (the owners are fixed at start-up); with ``plan`` (only shown, the probe's
     placement stays) it is not. The host RAM check counts every share (one machine holds them all); the start-up
-    line is this process's share's."""
+    line is this process's share's. With several processes, every one makes the saves' gloo group here
+    (:mod:`..training.shared_saves`: the masters go over it on the CPU)."""
     if c.placement.planned and not c.placement.plan:
         raise DGLSUserError(
             "data-parallel full fine-tuning fixes each streamed layer's owner at start-up, and a VRAM budget's planner "

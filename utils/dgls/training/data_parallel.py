@@ -78,9 +78,10 @@ Refused (one line each)
 
 Saves (:mod:`.shared_saves`)
     A trainer saves from data-parallel rank 0 (diffusion-pipe: ``Saver.save_full_model`` and DeepSpeed's layer
-    files), which holds fp32 masters only for its own share: for a save every owner sends it its masters, and each
-    process writes its share of the host optimizer state to a file of its own (a resume merges them, with any number
-    of processes). Tested end to end in tests/test_diffusion_pipe_data_parallel_real.py.
+    files), which holds fp32 masters only for its own share: for a save every owner sends it its own masters (on the
+    CPU, over a gloo group every rank makes at start-up: ``SharedGradients.save_group``), and each process writes its
+    share of the host optimizer state to a file of its own (a resume merges them, with any number of processes).
+    Tested end to end in tests/test_diffusion_pipe_data_parallel_real.py.
 
 Invariants
     - Every process runs the same backward (the same layers, the same params with gradients, in the same order):
