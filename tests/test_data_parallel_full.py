@@ -155,6 +155,7 @@ def assert_reader_saves_every_owners_masters(tmp_path, *extra: str) -> list[dict
     theirs = [k for k in owner["weights"] if int(k.split(".")[0]) in owner["owned"]]
     assert theirs and all(torch.equal(reader["weights"][k], owner["weights"][k]) for k in theirs)
     assert any(not torch.equal(w, w.bfloat16().float()) for w in (owner["weights"][k] for k in theirs)), "fp32 values"
+    assert reader["largest_master"] > 0 and owner["largest_master"] == reader["largest_master"], "the same sends"
     return [reader, owner]
 
 
@@ -166,7 +167,7 @@ def test_a_save_on_rank_0_holds_every_owners_fp32_masters(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_with_nccl_a_saves_masters_go_through_the_cpu_not_the_gpu(tmp_path):
     """NCCL's default group would send each master from the GPU (and receive it there): the saves' gloo group sends
-    CPU tensors, so the save allocates less device memory than one master's fp32 copy on either rank."""
+    CPU tensors, so the gather allocates less device memory than the largest master's fp32 copy on either rank."""
     for record in assert_reader_saves_every_owners_masters(tmp_path, "--cuda"):
         assert record["save_growth"] < record["largest_master"], record["save_growth"]
 
