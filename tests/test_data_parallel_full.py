@@ -147,6 +147,31 @@ def test_two_gpus_train_what_one_gpu_trains_with_the_global_batch(tmp_path, vari
         assert_trains_like_one_process(tmp_path, 2, "--cuda", "--sgd", tolerance=1e-4)
 
 
+def assert_reader_saves_every_owners_masters(tmp_path, *extra: str) -> list[dict]:
+    """A bf16 model's save read on rank 0 holds rank 1's fp32 masters exactly (rank 1's own weights are its
+    masters), not its layers' shared bf16 copies."""
+    run_ranks(tmp_path, 2, "--bf16", "--sgd", "--save_masters", *extra)
+    reader, owner = records(tmp_path, 2)
+    theirs = [k for k in owner["weights"] if int(k.split(".")[0]) in owner["owned"]]
+    assert theirs and all(torch.equal(reader["weights"][k], owner["weights"][k]) for k in theirs)
+    assert any(not torch.equal(w, w.bfloat16().float()) for w in (owner["weights"][k] for k in theirs)), "fp32 values"
+    assert reader["largest_master"] > 0 and owner["largest_master"] == reader["largest_master"], "the same sends"
+    return [reader, owner]
+
+
+def test_a_save_on_rank_0_holds_every_owners_fp32_masters(tmp_path):
+    assert_reader_saves_every_owners_masters(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_with_nccl_a_saves_masters_go_through_the_cpu_not_the_gpu(tmp_path):
+    """NCCL's default group would send each master from the GPU (and receive it there): the saves' gloo group sends
+    CPU tensors, so the gather allocates less device memory than the largest master's fp32 copy on either rank."""
+    for record in assert_reader_saves_every_owners_masters(tmp_path, "--cuda"):
+        assert record["save_growth"] < record["largest_master"], record["save_growth"]
+
+
 def test_owners_balance_trained_params_in_layer_order_and_keep_a_module_whole():
     numels = {1: 100, 2: 100, 3: 50, 4: 50, 5: 10, 6: 10}
     groups = {1: 1, 2: 2, 3: 3, 4: 3, 5: 5, 6: 6}  # entries 3 and 4 are swap units of one module

@@ -358,6 +358,50 @@ def test_a_data_parallel_saves_copy_of_the_other_owners_masters_is_counted_in_th
         host_training.check_host_training(layout, save_copy=200 * 1024)
 
 
+class Built(Exception):
+    """Stops a build at its SharedGradients (the test has no torch.distributed job to go on with)."""
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_builder_counts_a_saves_copy_of_the_other_owners_own_masters_only(monkeypatch, dtype):
+    """engine/build.py's data-parallel share: with 2 owners, a bf16 model's reader holds rank 1's fp32 masters while a
+    save runs: a host with room for the training state only is refused, naming that copy, and every param has a
+    master of its own to send; an fp32 model's masters are the shared copies: nothing to count, nothing sent. The
+    saves' gloo group is made there, on every rank (the masters go over it on the CPU)."""
+    from utils.dgls.engine import build
+    from utils.dgls.training.data_parallel import Ownership
+
+    with LayerSwapper(full_layers(dtype), config(), device=CPU, log=None) as swapper:
+        layout = swapper.training.layout  # one process's: every share together
+    need = sum(v for k, v in layout.parts().items() if k != "speculation")
+
+    class Host:
+        total = 16 * 2**30  # reserve: 2 GiB
+        available = 2 * 2**30 + need + 1024
+
+    built, groups = [], []
+
+    def shared_gradients(ownership, params, shapes, **kwargs):
+        built.append((params, kwargs["own_masters"]))
+        assert kwargs["save_group"] is groups[-1][0], "the saves' gloo group, made before"
+        raise Built
+
+    monkeypatch.setattr(host_training.psutil, "virtual_memory", lambda: Host)
+    monkeypatch.setattr(build, "job_ownership", lambda numels, groups: Ownership.assign(numels, groups, 0, 2))
+    monkeypatch.setattr(build, "SharedGradients", shared_gradients)
+    monkeypatch.setattr(torch.distributed, "new_group", lambda **kw: groups.append((object(), kw)) or groups[-1][0])
+    if dtype == torch.bfloat16:
+        with pytest.raises(DGLSUserError, match=r"a save's copy of the other processes' masters"):
+            LayerSwapper(full_layers(dtype), config(data_parallel=True), device=CPU, log=None)
+        Host.available = 3 * 2**30 + 2 * need
+    with pytest.raises(Built):
+        LayerSwapper(full_layers(dtype), config(data_parallel=True), device=CPU, log=None)
+    params, own = built[0]
+    every = {id(p) for layer in params.values() for p in layer}
+    assert own == (every if dtype == torch.bfloat16 else set())
+    assert [kw for _, kw in groups] == [{"backend": "gloo"}], "one gloo group for the saves, made by every rank"
+
+
 def test_remove_puts_the_trained_weights_back():
     layers = full_layers()
     with LayerSwapper(layers, config(), device=CPU, log=None) as swapper:

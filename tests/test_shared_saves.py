@@ -35,11 +35,14 @@ class FakeP2P:
     def __init__(self) -> None:
         self.queue: deque = deque()
         self.rank = 0
+        self.groups: list = []  # the group of each send and receive, in order
 
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, group=None) -> None:
+        self.groups.append(group)
         self.queue.append((self.rank, dst, tensor.clone()))
 
-    def recv(self, tensor: torch.Tensor, src: int) -> None:
+    def recv(self, tensor: torch.Tensor, src: int, group=None) -> None:
+        self.groups.append(group)
         sender, dst, sent = self.queue.popleft()
         assert (sender, dst, sent.shape, sent.dtype) == (src, self.rank, tensor.shape, tensor.dtype)
         tensor.copy_(sent)
@@ -54,19 +57,24 @@ def p2p(monkeypatch) -> FakeP2P:
     return fake
 
 
-def process(rank: int, seed: int) -> tuple[TrainingFeature, dict[int, list[nn.Parameter]], dict[int, torch.Tensor]]:
+def process(
+    rank: int, seed: int, fp32: frozenset[int] = frozenset(), group: object | None = None
+) -> tuple[TrainingFeature, dict[int, list[nn.Parameter]], dict[int, torch.Tensor]]:
     """One process's training feature: every host-trained layer's params (empty placeholders, as streamed params
-    are), its own layers' fp32 masters (random, by ``id`` of the param)."""
+    are), its own layers' fp32 masters (random, by ``id`` of the param). The layers ``fp32`` compute in fp32: their
+    params' masters are the shared packed copies (none of their own)."""
     gen = torch.Generator().manual_seed(seed)
     params = {idx: [nn.Parameter(torch.empty(0)) for _ in shapes] for idx, shapes in SHAPES.items()}
     masters = {
         id(p): torch.randn(shape, generator=gen)
         for idx, shapes in SHAPES.items()
-        if OWNERS[idx] == rank
+        if OWNERS[idx] == rank and idx not in fp32
         for p, shape in zip(params[idx], shapes)
     }
-    shapes = {idx: [(torch.Size(s), torch.bfloat16) for s in SHAPES[idx]] for idx in SHAPES}
-    shared = SharedGradients(Ownership(rank, 2, OWNERS), params, shapes)
+    dtype = {idx: torch.float32 if idx in fp32 else torch.bfloat16 for idx in SHAPES}
+    shapes = {idx: [(torch.Size(s), dtype[idx]) for s in SHAPES[idx]] for idx in SHAPES}
+    own = frozenset(id(p) for idx, layer in params.items() if idx not in fp32 for p in layer)
+    shared = SharedGradients(Ownership(rank, 2, OWNERS), params, shapes, own_masters=own, save_group=group)
     training = SimpleNamespace(master_of=lambda p: masters.get(id(p)), finish=lambda: None)
     return TrainingFeature(training, "", shared=shared), params, masters
 
@@ -98,6 +106,64 @@ def test_the_reader_saves_each_owners_fp32_masters_and_only_inside_the_block(p2p
     assert all(reader.true_value(p) is None for idx in (1, 2) for p in reader_params[idx])
 
 
+def test_params_whose_master_is_the_shared_fp32_copy_are_not_sent(p2p):
+    """An fp32 layer's master is the shared packed copy, which the reader reads as it is: nothing of it is sent (nor
+    counted in the RAM check), and the reader's true value of it stays the packed copy's (None: no master); a bf16
+    layer's fp32 masters are sent."""
+    reader, reader_params, _ = process(0, seed=0, fp32=frozenset({2}))
+    owner, _, owner_masters = process(1, seed=1, fp32=frozenset({2}))
+    p2p.rank = 1
+    with SharedSaves.of(SimpleNamespace(feature=lambda kind: owner)).owners_masters():
+        pass
+    assert [entry[2].shape for entry in p2p.queue] == [torch.Size(s) for s in SHAPES[1]], "layer 1's only"
+    p2p.rank = 0
+    with SharedSaves.of(SimpleNamespace(feature=lambda kind: reader)).owners_masters():
+        assert all(reader.true_value(p) is None for p in reader_params[2]), "layer 2: the shared fp32 copy"
+        sent = [reader.true_value(p) for p in reader_params[1]]
+        assert [m.shape for m in sent] == [torch.Size(s) for s in SHAPES[1]]
+        assert all(any(torch.equal(m, theirs) for theirs in owner_masters.values()) for m in sent)
+    assert not p2p.queue
+
+    every_fp32 = frozenset(SHAPES)
+    owner, _, _ = process(1, seed=1, fp32=every_fp32)
+    p2p.rank = 1
+    with SharedSaves.of(SimpleNamespace(feature=lambda kind: owner)).owners_masters():
+        pass
+    assert not p2p.queue, "an fp32 model's save sends nothing"
+
+
+def test_with_nccl_the_masters_go_over_the_saves_gloo_group_on_the_cpu(p2p, monkeypatch):
+    """The default group is NCCL's (which sends from the GPU: two fp32 copies of a param there at a save, hours in);
+    the masters go over the gloo group made at start-up instead, as CPU tensors (no CUDA here: a GPU path fails)."""
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda *a: "nccl")
+    group = object()
+    reader, reader_params, _ = process(0, seed=0, group=group)
+    owner, _, owner_masters = process(1, seed=1, group=group)
+    p2p.rank = 1
+    with SharedSaves.of(SimpleNamespace(feature=lambda kind: owner)).owners_masters():
+        pass
+    assert all(entry[2].device.type == "cpu" for entry in p2p.queue) and len(p2p.queue) == 3
+    p2p.rank = 0
+    with SharedSaves.of(SimpleNamespace(feature=lambda kind: reader)).owners_masters():
+        got = [reader.true_value(p) for idx in (1, 2) for p in reader_params[idx]]
+        assert all(any(torch.equal(m, theirs) for theirs in owner_masters.values()) for m in got)
+    assert p2p.groups == [group] * 6, "every send and receive over the saves' group"
+
+
+def test_an_owner_writes_its_queued_updates_into_its_masters_before_it_sends_them(p2p, monkeypatch):
+    """The host training's ``finish`` (its queued updates written) runs before the first send: else the reader
+    saves masters a step old."""
+    owner, _, _ = process(1, seed=1)
+    order = []
+    owner.training.finish = lambda: order.append("finish")
+    send = p2p.send
+    monkeypatch.setattr(torch.distributed, "send", lambda *a, **k: (order.append("send"), send(*a, **k)))
+    p2p.rank = 1
+    with SharedSaves.of(SimpleNamespace(feature=lambda kind: owner)).owners_masters():
+        pass
+    assert order == ["finish", "send", "send", "send"], order
+
+
 def test_an_owner_without_a_master_for_its_param_is_a_bug_not_a_save(p2p):
     owner, params, masters = process(1, seed=1)
     masters.clear()
@@ -119,36 +185,50 @@ def test_every_process_saves_its_share_of_the_host_state_and_rank_0_writes_while
     tmp_path, monkeypatch
 ):
     """Each rank's file holds the layers it owns (a save from rank 0 only would lose rank 1's); DeepSpeed's own
-    save (rank 0 writes every layer's masters) runs inside the masters' block, on every rank."""
-    monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: None)
-    (tmp_path / "global_step2").mkdir()  # DeepSpeed's save made it
-    for stale in ("dgls_host_optimizer_stage0.pt", "dgls_host_optimizer_stage0_rank2.pt"):  # an earlier save's
-        torch.save({5: layer_state(5)}, tmp_path / "global_step2" / stale)
+    save (rank 0 writes every layer's masters, and ``latest`` last) runs inside the masters' block, on every rank,
+    after every share is written (its torch.save, then the barrier): a save that stops part way leaves no
+    ``latest`` naming a checkpoint without its shares. The tag folder is made if DeepSpeed has not made it."""
+    events: list[str] = []
+    save = torch.save
+    monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: events.append("barrier"))
+    monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: (events.append(f"save {Path(f).name}"), save(obj, f)))
     inside = []
-    for rank in (0, 1):
+    for rank in (0, 1, 0, 1):  # a save into no tag folder (DeepSpeed's save makes it after the shares), then again
+        if inside == [True, True]:  # the same tag again, with an earlier save's files in it, which rank 0 removes
+            for stale in ("dgls_host_optimizer_stage0.pt", "dgls_host_optimizer_stage0_rank2.pt"):
+                save({5: layer_state(5)}, tmp_path / "global_step2" / stale)
+            events.clear()
         owned = [idx for idx, owner in OWNERS.items() if owner == rank]
         training = SimpleNamespace(adopt=lambda params: None, state_dict=lambda o=owned: {i: layer_state(i) for i in o})
         lent = []
 
         @contextmanager
         def owners_masters(lent=lent):
+            events.append("masters")
             lent.append(True)
             yield
             lent.pop()
 
+        def deepspeed(engine, save_dir, tag, *a, lent=lent, **k):
+            events.append("deepspeed")
+            inside.append(bool(lent))
+
         shared = SimpleNamespace(ownership=Ownership(rank, 2, OWNERS), owners_masters=owners_masters)
         hooks = EngineHooks(lambda module, t=training: t, shared=lambda module, s=shared: s)
-        save = hooks._wrap_save(lambda engine, save_dir, tag, *a, lent=lent, **k: inside.append(bool(lent)))
-        save(fake_engine(rank), tmp_path, "global_step2")
-    assert inside == [True, True]
+        hooks._wrap_save(deepspeed)(fake_engine(rank), tmp_path, "global_step2")
+        share = f"save dgls_host_optimizer_stage0_rank{rank}.pt"
+        assert events == [share, "barrier", "masters", "deepspeed"], events
+        events.clear()
+    assert inside == [True] * 4
     files = host_state_files(tmp_path / "global_step2", 0, "dgls_host_optimizer_stage")
     assert [p.name for p in files] == ["dgls_host_optimizer_stage0_rank0.pt", "dgls_host_optimizer_stage0_rank1.pt"]
     held = [sorted(torch.load(p, weights_only=True)) for p in files]
     assert held == [[0, 3], [1, 2]]
 
     training = SimpleNamespace(adopt=lambda params: None, state_dict=lambda: {i: layer_state(i) for i in OWNERS})
-    one = EngineHooks(lambda module: training)._wrap_save(lambda engine, save_dir, tag, *a, **k: None)
+    one = EngineHooks(lambda module: training)._wrap_save(lambda *a, **k: events.append("deepspeed"))
     one(fake_engine(0), tmp_path, "global_step2")  # one process saves the same tag again: its file alone is read
+    assert events == ["save dgls_host_optimizer_stage0.pt", "deepspeed"], "its file before DeepSpeed's latest"
     files = host_state_files(tmp_path / "global_step2", 0, "dgls_host_optimizer_stage")
     assert [p.name for p in files] == ["dgls_host_optimizer_stage0.pt"]
     assert not list((tmp_path / "global_step2").glob("*_rank*.pt"))
@@ -244,3 +324,68 @@ def test_the_check_before_start_up_takes_the_shares_of_a_stage_as_that_stage(tmp
         DGLSUserError, match="holds DGLS host optimizer states of 2 pipeline stages, and this run has 1"
     ):
         resume(tmp_path, FULL, "--resume_from_checkpoint")
+
+
+def test_a_resume_maps_each_file_and_keeps_copies_of_its_layers_only(tmp_path, monkeypatch):
+    """N processes resuming a one-process checkpoint map the file (each reads only its layers' bytes, not the whole
+    file at once), and keep copies: a view of the mapped file would stay in the optimizer (its ``load_state_dict``
+    keeps a tensor of its dtype) and a later save of the same tag rewrites the file under it."""
+    folder = tmp_path / "global_step2"
+    folder.mkdir()
+    torch.save({i: layer_state(i) for i in OWNERS}, folder / "dgls_host_optimizer_stage0.pt")
+    loads, mapped = [], []
+    load = torch.load
+
+    def spy(*args, **kwargs):
+        loads.append(kwargs.get("mmap", False))
+        state = load(*args, **kwargs)
+        mapped.extend(v["state"][0]["exp_avg"].untyped_storage().data_ptr() for v in state.values())
+        return state
+
+    monkeypatch.setattr(torch, "load", spy)
+    training = SimpleNamespace(layers={1: None, 2: None}, adopt=lambda params: None, state_problem=lambda s, k: None)
+    path = folder / "dgls_host_optimizer_stage0.pt"
+    state = _read_host_state(training, nn.Linear(1, 1), path, tmp_path, "global_step2", False, SimpleNamespace(
+        layers=set(OWNERS)))  # fmt: skip
+    assert loads == [True], "the file is mapped, not read whole"
+    assert sorted(state) == [1, 2]
+    for idx, value in state.items():
+        kept = value["state"][0]["exp_avg"]
+        assert kept.untyped_storage().data_ptr() not in mapped, f"layer {idx}'s state is a view of the mapped file"
+        assert torch.equal(kept, layer_state(idx)["state"][0]["exp_avg"])
+
+
+def test_a_whole_step_state_is_copied_out_of_its_file_too(tmp_path):
+    torch.save({"optimizer": {"state": {0: torch.ones(3)}}}, tmp_path / "dgls_host_optimizer_stage0.pt")
+    held = []
+
+    def mapped(path):
+        held.append(torch.load(path, weights_only=True, mmap=True))
+        return held[-1]
+
+    state, problem = merged_host_state([tmp_path / "dgls_host_optimizer_stage0.pt"], mapped, {0}, {0})
+    assert problem is None and torch.equal(state["optimizer"]["state"][0], torch.ones(3))
+    assert state["optimizer"]["state"][0].data_ptr() != held[0]["optimizer"]["state"][0].data_ptr()
+
+
+def test_the_check_before_start_up_finds_a_missing_share_and_a_layer_in_two_shares(tmp_path):
+    """Before start-up, not after the model's load: share files with a rank missing between (rank 1 of 0..2), or
+    with one layer in two of them, are one line naming the file or the layer."""
+    from cli_helpers import write_checkpoint
+    from test_resume_checks import FULL, resume
+
+    folder = write_checkpoint(tmp_path / "out" / "20250101_00-00-00", adapter=False, host_stages=1)
+    (folder / "dgls_host_optimizer_stage0.pt").unlink()
+    for rank, layers in enumerate([[0], [1], [2]]):
+        torch.save({i: layer_state(i) for i in layers}, folder / f"dgls_host_optimizer_stage0_rank{rank}.pt")
+    resume(tmp_path, FULL, "--resume_from_checkpoint")
+    (folder / "dgls_host_optimizer_stage0_rank1.pt").unlink()
+    with pytest.raises(DGLSUserError, match="^[^\n]*$") as caught:
+        resume(tmp_path, FULL, "--resume_from_checkpoint")
+    assert "processes [0, 2] of pipeline stage 0 and no dgls_host_optimizer_stage0_rank1.pt" in str(caught.value)
+    torch.save({2: layer_state(2)}, folder / "dgls_host_optimizer_stage0_rank1.pt")
+    with pytest.raises(DGLSUserError, match="^[^\n]*$") as caught:
+        resume(tmp_path, FULL, "--resume_from_checkpoint")
+    assert "layer 2 twice, in dgls_host_optimizer_stage0_rank1.pt and dgls_host_optimizer_stage0_rank2.pt" in str(
+        caught.value
+    )

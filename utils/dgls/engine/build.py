@@ -270,7 +270,8 @@ def _data_parallel_share(
     of this process's share (:mod:`..training.data_parallel`). Refused with a VRAM budget, whose planner may make
     layers resident after step 1's probe (the owners are fixed at start-up); with ``plan`` (only shown, the probe's
     placement stays) it is not. The host RAM check counts every share (one machine holds them all); the start-up
-    line is this process's share's."""
+    line is this process's share's. With several processes, every one makes the saves' gloo group here
+    (:mod:`..training.shared_saves`: the masters go over it on the CPU)."""
     if c.placement.planned and not c.placement.plan:
         raise DGLSUserError(
             "data-parallel full fine-tuning fixes each streamed layer's owner at start-up, and a VRAM budget's planner "
@@ -290,7 +291,11 @@ def _data_parallel_share(
         c.training.accumulation_steps, c.training.clip_grads, c.training.speculate_clipping,
     )  # fmt: skip
     shapes = {idx: [(p.param.shape, p.param.dtype) for p in place.params] for idx, place in trained.layers.items()}
-    return (SharedGradients(ownership, params, shapes) if ownership.size > 1 else None), owned
+    own = frozenset(id(p.param.param) for place in trained.layers.values() for p in place.params if p.own_master)
+    if ownership.size == 1:
+        return None, owned
+    saves = torch.distributed.new_group(backend="gloo")  # every rank, here: the saves' masters go on the CPU
+    return SharedGradients(ownership, params, shapes, own_masters=own, save_group=saves), owned
 
 
 def start_report(parts: Parts) -> list[str]:

@@ -17,7 +17,7 @@ Two places check, with the same lines:
   format torch.save writes: an empty, truncated or garbage file fails here, reading only its end); the
   layer files' names say LoRA or full fine-tune (read with ``mmap``: no tensor data is read); the run
   folder's copy of the training TOML names the same model type; DGLS's host optimizer files are there
-  exactly when this run needs them.
+  exactly when this run needs them (a data-parallel save's shares: ranks 0 to R-1, each layer in one).
 - :class:`ResumeChecks`, inside the run, just before DeepSpeed loads: each layer file of this process's
   pipeline stage holds the names and shapes of that layer's trainable params and buffers (diffusion-pipe
   loads non-strictly, which would skip a name that does not match without a word). Every process raises
@@ -43,6 +43,7 @@ from .patches import Patches
 LATEST = "latest"
 HOST_STATE_PREFIX = "dgls_host_optimizer_stage"
 LAYER_FILE = re.compile(r"layer_(\d+)-.*model_states\.pt$")
+SHARE_FILE = re.compile(rf"^{HOST_STATE_PREFIX}(\d+)_rank(\d+)\.pt$")  # a data-parallel process's share of a stage
 # Parts of a param name that only an adapter's params have (peft's LoRA and LoKr, and modules it trains whole).
 ADAPTER_MARKS = ("lora_", "lokr_", "modules_to_save")
 
@@ -245,12 +246,41 @@ def _check_host_state(run_dir: Path, tag: str, flag: str, host_state: bool, stag
             f"{folder} holds DGLS host optimizer states of {saved_stages[-1] + 1} pipeline stages, and this run has "
             f"{stages}: resume with pipeline_stages = {saved_stages[-1] + 1}, as it was saved"
         )
+    held: dict[tuple[int, int], str] = {}  # (stage, layer) -> the share file holding it
     for path in files:
         state = read_saved(path, _what(path), run_dir, tag, flag)  # DGLS saves tensors and containers only
         if not _is_host_state(state):
             raise DGLSUserError(
                 f"{path} holds no DGLS host optimizer state (per-layer optimizer state dicts, or a whole step's): "
                 f"{remedy(run_dir, tag, flag)}"
+            )
+        if (share := SHARE_FILE.search(path.name)) is None or (folder / f"{HOST_STATE_PREFIX}{share[1]}.pt").exists():
+            continue  # a stage's one file (a resume reads it alone, not the shares beside it)
+        for layer in (k for k in state if str(k).isdigit()):
+            if (key := (int(share[1]), int(layer))) in held:
+                raise DGLSUserError(
+                    f"{folder} holds the optimizer state of layer {layer} twice, in {held[key]} and {path.name}: "
+                    f"the checkpoint was not saved completely or was damaged; {remedy(run_dir, tag, flag)}"
+                )
+            held[key] = path.name
+    _check_shares(folder, files, run_dir, tag, flag)
+
+
+def _check_shares(folder: Path, files: list[Path], run_dir: Path, tag: str, flag: str) -> None:
+    """A data-parallel save's share files of a stage (:mod:`..training.shared_saves`) are ranks 0 to R-1, none
+    missing between (a save that stopped part way, or a file removed since)."""
+    ranks: dict[int, list[int]] = {}
+    for path in files:
+        if (share := SHARE_FILE.search(path.name)) is not None:
+            ranks.setdefault(int(share[1]), []).append(int(share[2]))
+    for stage, found in sorted(ranks.items()):
+        if (folder / f"{HOST_STATE_PREFIX}{stage}.pt").exists():
+            continue
+        if missing := sorted(set(range(max(found) + 1)) - set(found)):
+            raise DGLSUserError(
+                f"{folder} holds the host optimizer state shares of data-parallel processes {sorted(found)} of "
+                f"pipeline stage {stage} and no {HOST_STATE_PREFIX}{stage}_rank{missing[0]}.pt: the checkpoint was "
+                f"not saved completely or was damaged; {remedy(run_dir, tag, flag)}"
             )
 
 

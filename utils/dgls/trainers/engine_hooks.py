@@ -31,10 +31,11 @@ checkpoint holds no host optimizer state for them):
   replaces for streamed layers: refused with a message at the first step.
 - ``save_checkpoint``: the model states hold the true weights already (state dicts read the host
   masters); the host optimizer's state is saved beside them, ``dgls_host_optimizer_stage{N}.pt`` in the
-  checkpoint's tag folder. Data parallel (``shared``, :mod:`..training.shared_saves`): DeepSpeed's save runs while
-  rank 0 holds every owner's masters, and each process saves its share, ``dgls_host_optimizer_stage{N}_rank{R}.pt``
-  (then a barrier: the checkpoint is whole when the save returns); files of the tag that this save does not write
-  (an earlier save by another number of processes) are removed.
+  checkpoint's tag folder, before DeepSpeed's save (which writes ``latest`` last: a save that stops part way leaves
+  none naming it). Data parallel (``shared``, :mod:`..training.shared_saves`): each process saves its share,
+  ``dgls_host_optimizer_stage{N}_rank{R}.pt``, then a barrier, then DeepSpeed's save runs while rank 0 holds every
+  owner's masters; files of the tag that this save does not write (an earlier save by another number of
+  processes) are removed.
 - ``load_checkpoint``: before DeepSpeed loads, this stage's file (or its processes' files, merged: each process keeps
   the layers it owns now) is read and checked against the host training
   (:meth:`~..training.host_training.HostTraining.state_problem`: the same layers, shapes and optimizer kind), every
@@ -49,7 +50,6 @@ The patches are on the class, installed in ``__enter__`` and removed in ``__exit
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -155,23 +155,27 @@ class EngineHooks:
         def save_checkpoint(engine, save_dir, tag=None, *args, **kwargs):
             training, shared = find(engine.module), find_shared(engine.module)
             tag = tag if tag is not None else f"global_step{engine.global_steps}"
-            with shared.owners_masters() if shared is not None else contextlib.nullcontext():
-                result = original(engine, save_dir, tag, *args, **kwargs)  # rank 0 writes every layer's masters
-            grid = getattr(engine, "grid", None)
-            if training is not None and shared is not None:  # every owner its share, then the checkpoint is whole
+            grid, stage = getattr(engine, "grid", None), _stage(engine)
+            # the host state first: DeepSpeed's save writes ``latest`` at its end, so a save that stops part way
+            # leaves no ``latest`` naming a checkpoint without it (the tag folder is made here if DeepSpeed has not)
+            if training is not None and shared is not None:  # every owner its share, then the barrier
                 training.adopt(engine.module.parameters())
-                path = _state_file(save_dir, tag, engine, shared.ownership.rank)
+                path = _state_file(save_dir, tag, stage, shared.ownership.rank)
+                path.parent.mkdir(parents=True, exist_ok=True)
                 if shared.ownership.rank == 0:
-                    _remove_stale(path, shared.ownership.size)
+                    _remove_stale(path.parent, stage, shared.ownership.size)
                 torch.save(training.state_dict(), path)
                 with peer_failure("a checkpoint's save"):
                     torch.distributed.barrier()
-            elif training is not None and (grid is None or grid.get_data_parallel_id() == 0):
+                with shared.owners_masters():
+                    return original(engine, save_dir, tag, *args, **kwargs)  # rank 0 writes every layer's masters
+            if training is not None and (grid is None or grid.get_data_parallel_id() == 0):
                 training.adopt(engine.module.parameters())
-                path = _state_file(save_dir, tag, engine)
-                _remove_stale(path, None)
+                path = _state_file(save_dir, tag, stage)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                _remove_stale(path.parent, stage, None)
                 torch.save(training.state_dict(), path)
-            return result
+            return original(engine, save_dir, tag, *args, **kwargs)
 
         return save_checkpoint
 
@@ -184,7 +188,7 @@ class EngineHooks:
             if kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False):
                 try:
                     run_dir, tag = resolve_tag(load_dir, tag)
-                    path = _state_file(run_dir, tag, engine)
+                    path = _state_file(run_dir, tag, _stage(engine))
                     shared = find_shared(engine.module)
                     state = _read_host_state(training, engine.module, path, run_dir, tag, keep, shared)
                 except DGLSUserError as exc:
@@ -234,7 +238,8 @@ def _read_host_state(
     def read(file: Path) -> object:
         if (problem := torch_file_problem(file)) is None:
             try:
-                return torch.load(file, map_location="cpu", weights_only=True)
+                # mapped: each process reads only the layers it keeps (merged_host_state copies them)
+                return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
             except Exception as exc:  # a damaged file fails in many ways (EOFError, UnpicklingError, KeyError ...)
                 problem = f"cannot be read ({type(exc).__name__})"
         raise DGLSUserError(damaged(file, "DGLS's host optimizer state", problem, run_dir, tag, flag))
@@ -249,19 +254,23 @@ def _read_host_state(
     raise DGLSUserError(f"{files[0] if len(files) == 1 else path.parent} {problem}")
 
 
-def _state_file(folder, tag: str, engine, rank: int | None = None) -> Path:
+def _stage(engine) -> int:
+    """The engine's pipeline stage (0 without a pipeline grid)."""
+    return engine.grid.get_pipe_parallel_rank() if getattr(engine, "grid", None) is not None else 0
+
+
+def _state_file(folder, tag: str, stage: int, rank: int | None = None) -> Path:
     """The stage's host optimizer file, or data-parallel ``rank``'s share of it."""
-    stage = engine.grid.get_pipe_parallel_rank() if getattr(engine, "grid", None) is not None else 0
     if rank is not None:
         return share_file(Path(folder) / str(tag), stage, rank, HOST_STATE_PREFIX)
     return host_state_file(Path(folder) / str(tag), stage)
 
 
-def _remove_stale(path: Path, processes: int | None) -> None:
-    """The host optimizer files of ``path``'s stage that this save (by ``processes`` data-parallel processes, None:
-    one) does not write, removed: left by an earlier save of the same tag, a resume would read them too."""
-    stage = int(path.name.removeprefix(HOST_STATE_PREFIX).split("_")[0].removesuffix(".pt"))
-    for stale in stale_host_state_files(path.parent, stage, HOST_STATE_PREFIX, processes):
+def _remove_stale(folder: Path, stage: int, processes: int | None) -> None:
+    """The host optimizer files of ``stage`` in the tag ``folder`` that this save (by ``processes`` data-parallel
+    processes, None: one) does not write, removed: left by an earlier save of the same tag, a resume would read
+    them too."""
+    for stale in stale_host_state_files(folder, stage, HOST_STATE_PREFIX, processes):
         stale.unlink(missing_ok=True)
 
 

@@ -78,9 +78,10 @@ Refused (one line each)
 
 Saves (:mod:`.shared_saves`)
     A trainer saves from data-parallel rank 0 (diffusion-pipe: ``Saver.save_full_model`` and DeepSpeed's layer
-    files), which holds fp32 masters only for its own share: for a save every owner sends it its masters, and each
-    process writes its share of the host optimizer state to a file of its own (a resume merges them, with any number
-    of processes). Tested end to end in tests/test_diffusion_pipe_data_parallel_real.py.
+    files), which holds fp32 masters only for its own share: for a save every owner sends it its own masters (on the
+    CPU, over a gloo group every rank makes at start-up: ``SharedGradients.save_group``), and each process writes its
+    share of the host optimizer state to a file of its own (a resume merges them, with any number of processes).
+    Tested end to end in tests/test_diffusion_pipe_data_parallel_real.py.
 
 Invariants
     - Every process runs the same backward (the same layers, the same params with gradients, in the same order):
@@ -252,7 +253,10 @@ class SharedGradients:
     the module doc). ``params``: entry -> its trained params (layout order), for every host-trained layer; ``shapes``:
     entry -> each param's (shape, dtype) in the layout (a streamed param is an empty placeholder while it is out;
     None: the params' own). ``in_flight``: buckets reducing beside the backward at once. ``late``: reductions run
-    when waited for (:class:`LateReduce`); None: for CPU tensors, as the CPU transport's copies."""
+    when waited for (:class:`LateReduce`); None: for CPU tensors, as the CPU transport's copies. For the saves
+    (:mod:`.shared_saves`): ``own_masters``, the ``id`` of each param whose owner holds an fp32 master of its own
+    (the layout's flag, the same on every process; None: every param), and ``save_group``, the process group they
+    send masters over (None: the default group)."""
 
     def __init__(
         self,
@@ -262,8 +266,12 @@ class SharedGradients:
         *,
         in_flight: int = IN_FLIGHT,
         late: bool | None = None,
+        own_masters: frozenset[int] | None = None,
+        save_group: object | None = None,
     ) -> None:
         self.ownership = ownership
+        self.own_masters = own_masters
+        self.save_group = save_group
         self.params = dict(params)
         self.in_flight = in_flight
         self.late = late

@@ -7,7 +7,10 @@ rank 0, through state dicts and :meth:`~..engine.swapper.LayerSwapper.true_weigh
 
 - Masters (:meth:`SharedSaves.owners_masters`, around each save): every process enters it together; each owner
   sends the fp32 masters of its layers to the *reader* (rank 0, the one that writes), param by param in layer
-  order (``torch.distributed.send``/``recv``; through the GPU with NCCL, one param at a time), and the reader's
+  order (``torch.distributed.send``/``recv`` of CPU tensors over a gloo group made at start-up for the saves, so
+  NCCL's jobs put no masters on the GPU; without one, the default group's), only the params
+  with a master of their own (an fp32 param outside a flat layer has none: its master is the shared packed copy,
+  which the reader reads as it is, published at the step's barrier), and the reader's
   :class:`~.training_feature.TrainingFeature` gives them as the true values of those params for the block (the state
   dicts and ``true_weights`` read them as a single process reads its own masters). Why a gather at save time, not
   the masters in a shared segment: the host training's allocation stays as it is, and the cost is the reader's
@@ -30,15 +33,19 @@ Invariants
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .data_parallel import Ownership, peer_failure
+
+if TYPE_CHECKING:
+    from ..engine.swapper import LayerSwapper
 
 READER = 0  # the rank that writes a data-parallel job's saves (its stage's data-parallel rank 0)
 RANK_FILE = re.compile(r"_rank(\d+)\.pt$")
@@ -49,7 +56,10 @@ class SharedSaves:
     """The saves of one data-parallel process: ``ownership`` and the trained ``params`` of every host-trained layer
     (entry -> params in layout order, the same on every process), each param's full ``shapes`` (by ``id``; a
     streamed param is an empty placeholder while it is out), ``master_of`` (this process's masters), ``flush`` (its
-    queued updates written) and ``lend`` (the reader's true values for the block: ``{}`` ends them)."""
+    queued updates written), ``lend`` (the reader's true values for the block: ``{}`` ends them),
+    ``own_masters`` (the ``id`` of each param with an fp32 master of its own: the ones a save sends) and ``group``
+    (the gloo process group of every rank that the masters go through, on the CPU; None: the default group, through
+    the GPU where it is NCCL's)."""
 
     ownership: Ownership
     params: Mapping[int, Sequence[nn.Parameter]]
@@ -57,9 +67,11 @@ class SharedSaves:
     master_of: Callable[[nn.Parameter], torch.Tensor | None]
     flush: Callable[[], None]
     lend: Callable[[dict[int, torch.Tensor]], None]
+    own_masters: Collection[int]
+    group: object | None = None
 
     @classmethod
-    def of(cls, swapper) -> SharedSaves | None:
+    def of(cls, swapper: LayerSwapper | None) -> SharedSaves | None:
         """A swapper's saves when it trains its share of a data-parallel full fine-tune, else None."""
         from .training_feature import TrainingFeature
 
@@ -72,7 +84,9 @@ class SharedSaves:
             feature.lent = values
 
         shapes = {id(p): shared.shape_of(p) for params in shared.params.values() for p in params}
-        return cls(shared.ownership, shared.params, shapes, feature.training.master_of, feature.flush, lend)
+        own = shared.own_masters if shared.own_masters is not None else frozenset(shapes)
+        master_of = feature.training.master_of
+        return cls(shared.ownership, shared.params, shapes, master_of, feature.flush, lend, own, shared.save_group)
 
     @property
     def layers(self) -> set[int]:
@@ -85,7 +99,9 @@ class SharedSaves:
         fp32 masters (see the module doc)."""
         dist = torch.distributed
         rank = self.ownership.rank
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+        group = self.group
+        nccl = group is None and dist.get_backend() == "nccl"  # no gloo group: the default one's device
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
         lent: dict[int, torch.Tensor] = {}
         self.flush()  # this owner's queued updates are in its masters
         with peer_failure("a save of the streamed layers' masters"):
@@ -94,14 +110,16 @@ class SharedSaves:
                 if owner == READER or rank not in (owner, READER):
                     continue
                 for param in self.params[idx]:
+                    if id(param) not in self.own_masters:  # the shared packed copy is its master
+                        continue
                     if rank == owner:
                         master = self.master_of(param)
                         if master is None:
                             raise AssertionError(f"the owner of layer {idx} holds no master for one of its params")
-                        dist.send(master.to(device or "cpu", torch.float32).contiguous(), dst=READER)
+                        dist.send(master.to(device or "cpu", torch.float32).contiguous(), dst=READER, group=group)
                     else:
                         received = torch.empty(self.shapes[id(param)], dtype=torch.float32, device=device or "cpu")
-                        dist.recv(received, src=owner)
+                        dist.recv(received, src=owner, group=group)
                         lent[id(param)] = received.cpu()
         self.lend(lent)
         try:
@@ -142,15 +160,19 @@ def merged_host_state(
     """The per-layer states of the layers ``keep`` from the files ``paths`` (``read`` gives what one holds; they
     are read one at a time, and only the kept layers' states are held), checked: together the files must hold
     exactly the ``expected`` layers, each in one file. Returns (state, None), or (None, why not: words that follow
-    the checkpoint folder's name). A single file that is not per-layer (a whole step's) is returned as it is (the
-    host training's check names what it holds)."""
+    the checkpoint folder's name). A single file that is not per-layer (a whole step's) is returned whole (the
+    host training's check names what it holds).
+
+    - ``read`` may map the files (``torch.load(mmap=True)``: a process reads only its layers' bytes, not every
+      file whole): the returned tensors are copies (:func:`owned`), never views of a file, which a later save of
+      the same tag rewrites under them (an optimizer's ``load_state_dict`` keeps a tensor of its dtype as it is)."""
     merged: dict = {}
     seen: dict[int, str] = {}
     for path in paths:
         state = read(path)
         if not isinstance(state, dict) or not all(_is_layer(k) for k in state):
             if len(paths) == 1:
-                return state, None
+                return owned(state), None
             return None, f"holds {path.name}, with no per-layer optimizer states"
         for key, value in state.items():
             idx = int(key)
@@ -158,7 +180,7 @@ def merged_host_state(
                 return None, f"holds the optimizer state of layer {idx} twice, in {seen[idx]} and {path.name}"
             seen[idx] = path.name
             if idx in keep:
-                merged[idx] = value
+                merged[idx] = owned(value)
         del state  # the next file is read without this one's other layers held
     if set(seen) != expected:
         missing = sorted(expected - set(seen))
@@ -174,3 +196,14 @@ def merged_host_state(
 
 def _is_layer(key: object) -> bool:
     return isinstance(key, int) or (isinstance(key, str) and key.isdigit())
+
+
+def owned(value: object) -> object:
+    """``value`` with every tensor in it (through dicts, lists and tuples) copied into memory of its own."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {key: owned(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(owned(item) for item in value)
+    return value
