@@ -159,6 +159,7 @@ def assert_reader_saves_every_owners_masters(tmp_path, *extra: str) -> list[dict
     return [reader, owner]
 
 
+@pytest.mark.slow  # starts 2 processes with torch
 def test_a_save_on_rank_0_holds_every_owners_fp32_masters(tmp_path):
     assert_reader_saves_every_owners_masters(tmp_path)
 
