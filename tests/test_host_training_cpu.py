@@ -367,7 +367,8 @@ def test_the_builder_counts_a_saves_copy_of_the_other_owners_own_masters_only(mo
     """engine/build.py's data-parallel share: with 2 owners, a bf16 model's reader holds rank 1's fp32 masters while a
     save runs: a host with room for the training state only is refused, naming that copy, and every param has a
     master of its own to send; an fp32 model's masters are the shared copies: nothing to count, nothing sent. The
-    saves' gloo group is made there, on every rank (the masters go over it on the CPU)."""
+    saves' gloo group is made there, on every rank (the masters go over it on the CPU), after every process agreed on
+    the RAM check."""
     from utils.dgls.engine import build
     from utils.dgls.training.data_parallel import Ownership
 
@@ -386,6 +387,14 @@ def test_the_builder_counts_a_saves_copy_of_the_other_owners_own_masters_only(mo
         assert kwargs["save_group"] is groups[-1][0], "the saves' gloo group, made before"
         raise Built
 
+    agreed = []  # every process agrees on one's refusal before the collectives (each reads its own free RAM)
+
+    def agree(problem):
+        agreed.append(problem)
+        if problem:
+            raise DGLSUserError(problem)
+
+    monkeypatch.setattr(build, "agree", agree)
     monkeypatch.setattr(host_training.psutil, "virtual_memory", lambda: Host)
     monkeypatch.setattr(build, "job_ownership", lambda numels, groups: Ownership.assign(numels, groups, 0, 2))
     monkeypatch.setattr(build, "SharedGradients", shared_gradients)
@@ -400,6 +409,7 @@ def test_the_builder_counts_a_saves_copy_of_the_other_owners_own_masters_only(mo
     every = {id(p) for layer in params.values() for p in layer}
     assert own == (every if dtype == torch.bfloat16 else set())
     assert [kw for _, kw in groups] == [{"backend": "gloo"}], "one gloo group for the saves, made by every rank"
+    assert [bool(problem) for problem in agreed] == ([True, False] if dtype == torch.bfloat16 else [False])
 
 
 def test_remove_puts_the_trained_weights_back():

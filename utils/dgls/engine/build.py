@@ -53,7 +53,7 @@ from ..streaming.tiers import RING_BUFFERS, Tiers, plan_tiers, resolve_ram_budge
 from ..streaming.trainable_cast import TrainableCast
 from ..streaming.units import Entry, split_layers, split_note, split_points
 from ..torch_private import check_torch
-from ..training.data_parallel import SharedGradients, job_ownership, refuse_whole_step
+from ..training.data_parallel import SharedGradients, agree, job_ownership, refuse_whole_step
 from ..training.disk_state import DiskState, plan_full_tiers, refuse_disk_state
 from ..training.host_training import HostTraining, check_host_training, training_layout, update_buffer_bytes
 from ..training.shared_saves import READER
@@ -284,11 +284,16 @@ def _data_parallel_share(
     # the machine holds every share (the processes' shares together are this layout), and while a save runs the
     # reader holds the other owners' own fp32 masters too (:mod:`..training.shared_saves`)
     lent = [p for idx, place in trained.layers.items() if ownership.owners[idx] != READER for p in place.params]
-    check_host_training(trained, save_copy=sum(4 * p.numel for p in lent if p.own_master))
+    problem = None
+    try:  # each process reads the free RAM itself: all stop on one's refusal, before the collectives below
+        check_host_training(trained, save_copy=sum(4 * p.numel for p in lent if p.own_master))
+    except DGLSUserError as exc:
+        problem = str(exc)
+    agree(problem)
     params = {idx: [p.param.param for p in place.params] for idx, place in trained.layers.items()}
     owned = training_layout(
         {idx: streamed_layouts[idx] for idx in ownership.owned}, c.training.host_optimizer,
-        c.training.accumulation_steps, c.training.clip_grads, c.training.speculate_clipping,
+        c.training.accumulation_steps, c.training.clip_grads, c.training.speculates,
     )  # fmt: skip
     shapes = {idx: [(p.param.shape, p.param.dtype) for p in place.params] for idx, place in trained.layers.items()}
     own = frozenset(id(p.param.param) for place in trained.layers.values() for p in place.params if p.own_master)

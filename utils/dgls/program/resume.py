@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ..errors import DGLSUserError
+from ..training.data_parallel import agree  # noqa: F401  (the trainers' and the checks' name for it)
 from .patches import Patches
 
 LATEST = "latest"
@@ -294,17 +295,6 @@ def _is_host_state(state: object) -> bool:
     if STATE_KEY in state:
         return isinstance(state[STATE_KEY], dict) and "state" in state[STATE_KEY]
     return all(isinstance(v, dict) and "state" in v for v in state.values())
-
-
-def agree(problem: str | None) -> None:
-    """Every process of the job raises the first problem any of them found (or none does)."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        found: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(found, problem)
-        problem = next((p for p in found if p), None)
-    if problem:
-        raise DGLSUserError(problem)
 
 
 def resolve_tag(load_dir: str | Path, tag: Any) -> tuple[Path, str]:

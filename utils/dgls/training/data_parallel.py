@@ -440,6 +440,19 @@ class SharedGradients:
         self._hooks.clear()
 
 
+def agree(problem: str | None) -> None:
+    """Every process of the job raises the first problem any of them found (or none does): a check whose answer can
+    differ between processes (free RAM, a file one of them reads) must not stop one while the others go on into a
+    collective and wait for it."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        found: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(found, problem)
+        problem = next((p for p in found if p), None)
+    if problem:
+        raise DGLSUserError(problem)
+
+
 PEER_GONE = re.compile(r"peer|connection|timed out|timeout|NCCL", re.IGNORECASE)  # a collective's partner is gone
 
 
