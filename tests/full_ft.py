@@ -99,6 +99,7 @@ def train_dgls(
     checkpoint_fn=None,
     adopt=False,
     before_clip=None,
+    stray_grads=None,
 ):
     """Train with a swapper built with ``host_optimizer=SPEC``: resident params by the trainer's optimizer.
     ``start_step``/``trainer_state``: continue a run saved after that many steps; ``on_step(step, trainer)``
@@ -106,7 +107,8 @@ def train_dgls(
     trainer hands its params to the host training and, after clipping, its resident params' gradients (as DGLS's
     engine hooks do: a whole step's instance then trains every param, and the trainer's optimizer finds none);
     ``max_norm``: one for every step or a list (:func:`norm_of_step`); ``before_clip(training)``: after a step's
-    backward passes, before its norm."""
+    backward passes, before its norm; ``stray_grads``: {step: value}, a param outside the model whose gradient is
+    ``value`` (inf, nan: an overflow) joins that step's norm, last."""
     training = swapper.training
     params = params_of(layers)
     if adopt:
@@ -126,7 +128,7 @@ def train_dgls(
         if before_clip is not None:
             before_clip(training)
         if norm_of_step(max_norm, step) is not None:
-            training.clip_grad_norm_(params, norm_of_step(max_norm, step))
+            training.clip_grad_norm_(params + _stray(stray_grads, step), norm_of_step(max_norm, step))
         if adopt:
             training.take_resident_grads()
         if trainer is not None:
@@ -156,6 +158,7 @@ def train_reference(
     update_device=None,
     whole_step=False,
     previous_norm=False,
+    stray_grads=None,
 ):
     """The same training without streaming (see the module doc). ``host_names``: ``"i.name"`` of the params
     DGLS trains on the host, with ``host_spec``'s optimizer, masters, sums and their norms on ``master_device``
@@ -164,7 +167,8 @@ def train_reference(
     updates): its master, state and gradient move there for the step (the norms stay on ``master_device``).
     ``whole_step``: one instance of ``host_spec``'s class over every param, in order (see the module doc).
     ``previous_norm``: every step after the first is clipped with the previous step's coefficient (DGLS's
-    ``clip_mode = "previous_norm"``), the first with its own."""
+    ``clip_mode = "previous_norm"``), the first with its own, and so is a step after one whose norm is not finite;
+    ``stray_grads``: as :func:`train_dgls`'s."""
     named = [(f"{i}.{n}", p) for i, layer in enumerate(layers) for n, p in layer.named_parameters()]
     host = [(n, p) for n, p in named if n in host_names]
     masters = {id(p): p.detach().to(master_device, torch.float32, copy=True) for _, p in host}
@@ -195,13 +199,15 @@ def train_reference(
                     norms.append(grad_norms([acc[id(p)]])[0].cpu())
             elif p.grad is not None:
                 norms.append(torch.linalg.vector_norm(p.grad.detach().float(), 2).cpu())
+        for p in _stray(stray_grads, step):
+            norms.append(torch.linalg.vector_norm(p.grad.float(), 2))
         coef = None
         if norm_of_step(max_norm, step) is not None:
             total = torch.stack(norms).square().sum().sqrt()
             limit = torch.tensor(float(norm_of_step(max_norm, step)), dtype=torch.float32)
             coef = torch.clamp(limit / (total + 1e-6), max=1.0)
             if previous_norm:
-                coef, previous = (previous if previous is not None else coef), coef
+                coef, previous = (previous if previous is not None else coef), (coef if total.isfinite() else None)
             for p in device_params:
                 if p.grad is not None:
                     p.grad.detach().mul_(coef.to(p.grad.device))
@@ -235,6 +241,15 @@ def train_reference(
     for n, p in host:  # the true weights are the masters
         weights[n] = masters[id(p)].cpu().clone()
     return FullRecord(losses, weights, evals)
+
+
+def _stray(stray_grads: dict[int, float] | None, step: int) -> list[torch.nn.Parameter]:
+    """A param outside the model with a gradient of ``stray_grads[step]`` everywhere, or none that step."""
+    if not stray_grads or step not in stray_grads:
+        return []
+    stray = torch.nn.Parameter(torch.zeros(3))
+    stray.grad = torch.full((3,), float(stray_grads[step]))
+    return [stray]
 
 
 def _move_for_update(optimizer, master: torch.Tensor, grad: torch.Tensor | None, device) -> torch.Tensor | None:

@@ -38,22 +38,25 @@ SGD = HostOptimizerSpec(type="sgd", lr=1e-2, momentum=0.9, weight_decay=0.01, im
 NORMS = [MAX_NORM, MAX_NORM, NEVER_CLIPS, MAX_NORM, 0.02]
 
 
-def previous_norm_run(spec, dtype=BF16, accumulate=1, norms=NORMS, exact_reference=False, lines=None, **kw):
+def previous_norm_run(
+    spec, dtype=BF16, accumulate=1, norms=NORMS, exact_reference=False, lines=None, stray_grads=None, **kw
+):
     """DGLS with clip_mode previous_norm and the reference (clipping by the previous step's coefficient, or
-    with ``exact_reference`` by each step's own)."""
+    with ``exact_reference`` by each step's own); ``stray_grads``: steps whose norm a param outside the model joins
+    (tests/full_ft.py)."""
     layers = full_layers(dtype)
     cfg = SwapConfig.of(host_optimizer=spec, accumulation_steps=accumulate, clip_mode="previous_norm", **kw)
     with LayerSwapper(layers, cfg, device=CPU, log=lines.append if lines is not None else None) as swapper:
         names = host_trained_names(layers, swapper)
         got = train_dgls(
             layers, swapper, CPU, "nonreentrant", steps=len(norms), accumulate=accumulate, dtype=dtype,
-            max_norm=norms,
+            max_norm=norms, stray_grads=stray_grads,
         )  # fmt: skip
         training = swapper.training
     reference_spec = FUSED if spec.on_device and spec.type == "adamw" else spec
     want = train_reference(
         full_layers(dtype), names, CPU, "nonreentrant", steps=len(norms), accumulate=accumulate, dtype=dtype,
-        max_norm=norms, host_spec=reference_spec, previous_norm=not exact_reference,
+        max_norm=norms, host_spec=reference_spec, previous_norm=not exact_reference, stray_grads=stray_grads,
     )  # fmt: skip
     return got, want, training
 
@@ -82,6 +85,20 @@ def test_the_mode_is_not_exact_clipping_where_steps_clip():
     """The test above can fail: the same run against exact clipping differs (steps 2 on clip by another norm)."""
     got, want, _ = previous_norm_run(FUSED, exact_reference=True)
     assert differs(got, want)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_a_step_whose_norm_is_not_finite_leaves_the_next_step_to_wait_for_its_own(value):
+    """Step 2's norm overflows (a gradient outside the model, as a trainer's stray inf or nan): its own updates ran
+    at step 1's coefficient, and step 3 does not take its coefficient (inf: 0, an update of momentum and weight decay
+    only; nan: NaN weights) but waits for its own norm, as step 1 does: bitwise the reference, which clips step 3
+    exactly; step 4 takes step 3's."""
+    norms = [MAX_NORM] * 4
+    got, want, training = previous_norm_run(FUSED, norms=norms, stray_grads={1: value})
+    assert_same(got, want)
+    assert training.previous_norm.early_updates == 2 * len(training.layers)  # steps 2 and 4; 1 and 3 wait
+    assert training.previous_norm.not_finite == 1
+    assert "1 step whose norm was not finite" in training.previous_norm.describe()
 
 
 def test_step_one_is_exact_clipping():
