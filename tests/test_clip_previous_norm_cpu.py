@@ -39,24 +39,26 @@ NORMS = [MAX_NORM, MAX_NORM, NEVER_CLIPS, MAX_NORM, 0.02]
 
 
 def previous_norm_run(
-    spec, dtype=BF16, accumulate=1, norms=NORMS, exact_reference=False, lines=None, stray_grads=None, **kw
-):
+    spec, dtype=BF16, accumulate=1, norms=NORMS, exact_reference=False, lines=None, stray_grads=None,
+    untouched_last=frozenset(), **kw
+):  # fmt: skip
     """DGLS with clip_mode previous_norm and the reference (clipping by the previous step's coefficient, or
     with ``exact_reference`` by each step's own); ``stray_grads``: steps whose norm a param outside the model joins
-    (tests/full_ft.py)."""
+    (tests/full_ft.py); ``untouched_last``: params without a gradient in a step's last micro-batch."""
     layers = full_layers(dtype)
     cfg = SwapConfig.of(host_optimizer=spec, accumulation_steps=accumulate, clip_mode="previous_norm", **kw)
     with LayerSwapper(layers, cfg, device=CPU, log=lines.append if lines is not None else None) as swapper:
         names = host_trained_names(layers, swapper)
         got = train_dgls(
             layers, swapper, CPU, "nonreentrant", steps=len(norms), accumulate=accumulate, dtype=dtype,
-            max_norm=norms, stray_grads=stray_grads,
+            max_norm=norms, stray_grads=stray_grads, untouched_last=untouched_last,
         )  # fmt: skip
         training = swapper.training
     reference_spec = FUSED if spec.on_device and spec.type == "adamw" else spec
     want = train_reference(
         full_layers(dtype), names, CPU, "nonreentrant", steps=len(norms), accumulate=accumulate, dtype=dtype,
         max_norm=norms, host_spec=reference_spec, previous_norm=not exact_reference, stray_grads=stray_grads,
+        untouched_last=untouched_last,
     )  # fmt: skip
     return got, want, training
 
@@ -99,6 +101,17 @@ def test_a_step_whose_norm_is_not_finite_leaves_the_next_step_to_wait_for_its_ow
     assert training.previous_norm.early_updates == 2 * len(training.layers)  # steps 2 and 4; 1 and 3 wait
     assert training.previous_norm.not_finite == 1
     assert "1 step whose norm was not finite" in training.previous_norm.describe()
+
+
+@pytest.mark.parametrize("spec", [SPEC, SPLIT], ids=["host", "split"])
+def test_a_sum_the_last_micro_batch_did_not_touch_keeps_its_norm(spec):
+    """A param of a streamed layer with a gradient in micro-batch 1 and none in the last (2 of 2): its sum's norm is
+    taken by the norms job queued before the layer's early update (the accumulate job of the last micro-batch takes
+    only those it adds to), and the step's norm and numbers are bitwise the reference's."""
+    untouched = {"2.txt_mlp.2.weight", "5.linear1.bias"}
+    got, want, training = previous_norm_run(spec, torch.float32, 2, norms=[MAX_NORM] * 2, untouched_last=untouched)
+    assert_same(got, want)
+    assert training.previous_norm.early_updates == len(training.layers)  # step 2's
 
 
 def test_step_one_is_exact_clipping():
