@@ -114,6 +114,18 @@ def test_a_sum_the_last_micro_batch_did_not_touch_keeps_its_norm(spec):
     assert training.previous_norm.early_updates == len(training.layers)  # step 2's
 
 
+def test_a_step_the_trainer_does_not_clip_is_refused_in_one_line():
+    """After step 1 the host layers' updates ran at the previous coefficient; a step without clip_grad_norm_ would
+    leave the resident params unscaled: the step is refused, naming the mode."""
+    layers = full_layers()
+    cfg = SwapConfig.of(host_optimizer=SGD, accumulation_steps=1, clip_mode="previous_norm")
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        train_dgls(layers, swapper, CPU, "nonreentrant", steps=1, accumulate=1)
+        with pytest.raises(DGLSUserError, match="clip_mode previous_norm .* this step was not clipped") as caught:
+            train_dgls(layers, swapper, CPU, "nonreentrant", steps=1, accumulate=1, start_step=1, max_norm=None)
+    assert "\n" not in str(caught.value)
+
+
 def test_step_one_is_exact_clipping():
     """Step 1 has no previous norm: it waits for its own, and equals exact clipping bitwise."""
     got, want, training = previous_norm_run(FUSED, norms=[MAX_NORM], exact_reference=True)

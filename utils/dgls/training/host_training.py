@@ -455,6 +455,12 @@ class HostTraining:
 
     def step(self, lr: float | None = None) -> None:
         """Queue every layer's update (layer order); ``lr`` overrides the spec's (a schedule's current lr)."""
+        if self.previous_norm is not None and self._coef is None:  # resident params unscaled, host ones scaled
+            raise DGLSUserError(
+                "clip_mode previous_norm scales every update of a step by the previous step's clip coefficient, but "
+                "this step was not clipped (the trainer stepped without clip_grad_norm_): clip every step, or use "
+                "clip_mode exact"
+            )
         first, self._first_step = self._first_step, None
         if first is not None:  # the trainer may have stepped already: the planner keeps the placement
             first(False)

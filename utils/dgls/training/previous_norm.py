@@ -25,7 +25,8 @@ Arithmetic (what the tests check against a reference that clips each step with t
     - Step 1 has no previous norm: its updates wait for its norm and use it (exact clipping). So does the first step
       after a resume (the coefficient is not in the checkpoint), and the step after one whose norm is inf or NaN
       (its coefficient, 0 or NaN, would move the next step by momentum and weight decay only, or make it NaN).
-      A step the trainer does not clip keeps the previous coefficient for the next.
+      A step the trainer does not clip is refused (:meth:`~.host_training.HostTraining.step`): its host updates
+      would be scaled, its resident params not.
     - The norm of a step is bitwise exact clipping's: the same per-param norms (device norms taken before the grads
       left, or the sums' norms the accumulate job took), summed in the trainer's param order. A layer whose update
       started early hands its norms here first (:meth:`PreviousNorm.take`), since the update scales its gradient
