@@ -126,6 +126,21 @@ def test_a_step_the_trainer_does_not_clip_is_refused_in_one_line():
     assert "\n" not in str(caught.value)
 
 
+def test_the_step_after_a_load_in_the_same_process_waits_for_its_own_norm():
+    """A resume (load_state_dict) has no previous coefficient, in a fresh process or this one: its first step's
+    updates wait for its norm, as step 1's."""
+    layers = full_layers()
+    cfg = SwapConfig.of(host_optimizer=SGD, accumulation_steps=1, clip_mode="previous_norm")
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        training = swapper.training
+        train_dgls(layers, swapper, CPU, "nonreentrant", steps=2, accumulate=1)
+        early = training.previous_norm.early_updates
+        assert early == len(training.layers)  # step 2's
+        training.load_state_dict(training.state_dict())
+        train_dgls(layers, swapper, CPU, "nonreentrant", steps=1, accumulate=1, start_step=2)
+        assert training.previous_norm.early_updates == early
+
+
 def test_step_one_is_exact_clipping():
     """Step 1 has no previous norm: it waits for its own, and equals exact clipping bitwise."""
     got, want, training = previous_norm_run(FUSED, norms=[MAX_NORM], exact_reference=True)

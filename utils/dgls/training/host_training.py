@@ -670,6 +670,8 @@ class HostTraining:
         if (problem := self.state_problem(state, keep_hyper_parameters)) is not None:
             raise DGLSUserError(f"the host optimizer state {problem}")
         self.finish()
+        if self.previous_norm is not None:  # a resume: the loaded step waits for its own norm, as step 1
+            self.previous_norm.previous = None
         if self.whole is not None:
             self.whole.load_state_dict(state, keep_hyper_parameters)
             return
