@@ -318,3 +318,55 @@ def test_a_drop_in_full_fine_tune_takes_the_mode_and_refuses_it_without_clipping
     lora = fake_config(tmp_path / "c")
     with pytest.raises(DGLSUserError, match="--clip_mode previous_norm scales the host updates"):
         prepare(["--config", str(lora), *flags], ROOT)
+
+
+class _Training:
+    """A host training's part in DeepSpeed's step, whose norm is 3.5."""
+
+    clipping = True
+
+    def __init__(self) -> None:
+        self.lr: float | None = None
+
+    def before_step(self) -> None:
+        pass
+
+    def adopt(self, params) -> None:
+        pass
+
+    def clip_grad_norm_(self, params, max_norm, reduce=None) -> torch.Tensor:
+        return torch.tensor(3.5)
+
+    def take_resident_grads(self) -> None:
+        pass
+
+    def step(self, lr=None) -> None:
+        self.lr = lr
+
+    def mirror_logged_state(self, optimizer, device) -> None:
+        pass
+
+
+def test_the_norm_clipping_took_is_the_one_deepspeed_gives_the_trainers_log():
+    """The module doc's promise: the step's norm (host-trained params included) reaches the trainer, through
+    DeepSpeed's ``get_global_grad_norm()`` (train.py logs it); DeepSpeed's own step, its clipping held off, left its
+    attribute None."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from utils.dgls.trainers.engine_hooks import EngineHooks
+
+    def deepspeed_step(engine) -> None:
+        assert engine._config.gradient_clipping == 0.0
+        engine._global_grad_norm = None
+
+    training = _Training()
+    step = EngineHooks(lambda module: training)._wrap_step(deepspeed_step)
+    engine = SimpleNamespace(
+        module=torch.nn.Linear(2, 2), zero_optimization=lambda: False, gradient_clipping=lambda: 1.0,
+        optimizer=SimpleNamespace(param_groups=[{"lr": 0.5}]), _config=SimpleNamespace(gradient_clipping=1.0),
+        device=CPU, _global_grad_norm=None,
+    )  # fmt: skip
+    step(engine)
+    assert DeepSpeedEngine.get_global_grad_norm(engine) == 3.5 and training.lr == 0.5

@@ -17,7 +17,8 @@ Why this scheme, and not ZeRO-Offload's one-step delayed update
       the first update and keeps a second copy of the gradients. Neither happens here.
     - The risk this mode takes: a spike (a step whose norm is far above the last) is scaled by the smaller step's
       coefficient, so clipping protects against it one step late. The norm of every step is still computed (and
-      returned to the trainer, which logs it), and it clips the next step.
+      returned to the trainer, which logs it: through the engine hooks, DeepSpeed's ``get_global_grad_norm()``),
+      and it clips the next step.
 
 Arithmetic (what the tests check against a reference that clips each step with the previous step's coefficient)
     - Every param of the model, streamed or resident, is scaled by the same coefficient in a step: the previous
