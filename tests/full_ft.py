@@ -13,7 +13,8 @@ the params themselves), given the params' clipped gradients and written back aft
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,8 @@ def train_dgls(
     checkpoint_fn=None,
     adopt=False,
     before_clip=None,
+    stray_grads=None,
+    untouched_last=frozenset(),
 ):
     """Train with a swapper built with ``host_optimizer=SPEC``: resident params by the trainer's optimizer.
     ``start_step``/``trainer_state``: continue a run saved after that many steps; ``on_step(step, trainer)``
@@ -106,7 +109,9 @@ def train_dgls(
     trainer hands its params to the host training and, after clipping, its resident params' gradients (as DGLS's
     engine hooks do: a whole step's instance then trains every param, and the trainer's optimizer finds none);
     ``max_norm``: one for every step or a list (:func:`norm_of_step`); ``before_clip(training)``: after a step's
-    backward passes, before its norm."""
+    backward passes, before its norm; ``stray_grads``: {step: value}, a param outside the model whose gradient is
+    ``value`` (inf, nan: an overflow) joins that step's norm, last; ``untouched_last``: ``"i.name"`` of params that get
+    no gradient in a step's last micro-batch (``requires_grad`` off for it), only in the others."""
     training = swapper.training
     params = params_of(layers)
     if adopt:
@@ -120,13 +125,14 @@ def train_dgls(
         next(batches)
     losses, evals = [], []
     for step in range(start_step, start_step + steps):
-        for _ in range(accumulate):
+        for micro in range(accumulate):
             inputs, target = next(batches)
-            losses.append(_forward_backward(layers, inputs, target, mode, checkpoint_fn))
+            with _frozen(layers, untouched_last if micro == accumulate - 1 else ()):
+                losses.append(_forward_backward(layers, inputs, target, mode, checkpoint_fn))
         if before_clip is not None:
             before_clip(training)
         if norm_of_step(max_norm, step) is not None:
-            training.clip_grad_norm_(params, norm_of_step(max_norm, step))
+            training.clip_grad_norm_(params + _stray(stray_grads, step), norm_of_step(max_norm, step))
         if adopt:
             training.take_resident_grads()
         if trainer is not None:
@@ -156,6 +162,8 @@ def train_reference(
     update_device=None,
     whole_step=False,
     previous_norm=False,
+    stray_grads=None,
+    untouched_last=frozenset(),
 ):
     """The same training without streaming (see the module doc). ``host_names``: ``"i.name"`` of the params
     DGLS trains on the host, with ``host_spec``'s optimizer, masters, sums and their norms on ``master_device``
@@ -164,7 +172,8 @@ def train_reference(
     updates): its master, state and gradient move there for the step (the norms stay on ``master_device``).
     ``whole_step``: one instance of ``host_spec``'s class over every param, in order (see the module doc).
     ``previous_norm``: every step after the first is clipped with the previous step's coefficient (DGLS's
-    ``clip_mode = "previous_norm"``), the first with its own."""
+    ``clip_mode = "previous_norm"``), the first with its own, and so is a step after one whose norm is not finite;
+    ``stray_grads``, ``untouched_last``: as :func:`train_dgls`'s."""
     named = [(f"{i}.{n}", p) for i, layer in enumerate(layers) for n, p in layer.named_parameters()]
     host = [(n, p) for n, p in named if n in host_names]
     masters = {id(p): p.detach().to(master_device, torch.float32, copy=True) for _, p in host}
@@ -179,9 +188,10 @@ def train_reference(
     losses, evals = [], []
     previous = None  # the last step's coefficient (previous_norm)
     for step in range(steps):
-        for _ in range(accumulate):
+        for micro in range(accumulate):
             inputs, target = next(batches)
-            losses.append(_forward_backward(layers, inputs, target, mode))
+            with _frozen(layers, untouched_last if micro == accumulate - 1 else ()):
+                losses.append(_forward_backward(layers, inputs, target, mode))
             for _, p in host:
                 if p.grad is None:
                     continue
@@ -195,13 +205,15 @@ def train_reference(
                     norms.append(grad_norms([acc[id(p)]])[0].cpu())
             elif p.grad is not None:
                 norms.append(torch.linalg.vector_norm(p.grad.detach().float(), 2).cpu())
+        for p in _stray(stray_grads, step):
+            norms.append(torch.linalg.vector_norm(p.grad.float(), 2))
         coef = None
         if norm_of_step(max_norm, step) is not None:
             total = torch.stack(norms).square().sum().sqrt()
             limit = torch.tensor(float(norm_of_step(max_norm, step)), dtype=torch.float32)
             coef = torch.clamp(limit / (total + 1e-6), max=1.0)
             if previous_norm:
-                coef, previous = (previous if previous is not None else coef), coef
+                coef, previous = (previous if previous is not None else coef), (coef if total.isfinite() else None)
             for p in device_params:
                 if p.grad is not None:
                     p.grad.detach().mul_(coef.to(p.grad.device))
@@ -235,6 +247,28 @@ def train_reference(
     for n, p in host:  # the true weights are the masters
         weights[n] = masters[id(p)].cpu().clone()
     return FullRecord(losses, weights, evals)
+
+
+@contextmanager
+def _frozen(layers, names) -> Iterator[None]:
+    """``requires_grad`` off for the params named ``"i.name"`` (no gradient this micro-batch), back on after."""
+    params = [p for i, layer in enumerate(layers) for n, p in layer.named_parameters() if f"{i}.{n}" in names]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
+def _stray(stray_grads: dict[int, float] | None, step: int) -> list[torch.nn.Parameter]:
+    """A param outside the model with a gradient of ``stray_grads[step]`` everywhere, or none that step."""
+    if not stray_grads or step not in stray_grads:
+        return []
+    stray = torch.nn.Parameter(torch.zeros(3))
+    stray.grad = torch.full((3,), float(stray_grads[step]))
+    return [stray]
 
 
 def _move_for_update(optimizer, master: torch.Tensor, grad: torch.Tensor | None, device) -> torch.Tensor | None:

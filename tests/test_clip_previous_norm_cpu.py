@@ -38,22 +38,27 @@ SGD = HostOptimizerSpec(type="sgd", lr=1e-2, momentum=0.9, weight_decay=0.01, im
 NORMS = [MAX_NORM, MAX_NORM, NEVER_CLIPS, MAX_NORM, 0.02]
 
 
-def previous_norm_run(spec, dtype=BF16, accumulate=1, norms=NORMS, exact_reference=False, lines=None, **kw):
+def previous_norm_run(
+    spec, dtype=BF16, accumulate=1, norms=NORMS, exact_reference=False, lines=None, stray_grads=None,
+    untouched_last=frozenset(), **kw
+):  # fmt: skip
     """DGLS with clip_mode previous_norm and the reference (clipping by the previous step's coefficient, or
-    with ``exact_reference`` by each step's own)."""
+    with ``exact_reference`` by each step's own); ``stray_grads``: steps whose norm a param outside the model joins
+    (tests/full_ft.py); ``untouched_last``: params without a gradient in a step's last micro-batch."""
     layers = full_layers(dtype)
     cfg = SwapConfig.of(host_optimizer=spec, accumulation_steps=accumulate, clip_mode="previous_norm", **kw)
     with LayerSwapper(layers, cfg, device=CPU, log=lines.append if lines is not None else None) as swapper:
         names = host_trained_names(layers, swapper)
         got = train_dgls(
             layers, swapper, CPU, "nonreentrant", steps=len(norms), accumulate=accumulate, dtype=dtype,
-            max_norm=norms,
+            max_norm=norms, stray_grads=stray_grads, untouched_last=untouched_last,
         )  # fmt: skip
         training = swapper.training
     reference_spec = FUSED if spec.on_device and spec.type == "adamw" else spec
     want = train_reference(
         full_layers(dtype), names, CPU, "nonreentrant", steps=len(norms), accumulate=accumulate, dtype=dtype,
-        max_norm=norms, host_spec=reference_spec, previous_norm=not exact_reference,
+        max_norm=norms, host_spec=reference_spec, previous_norm=not exact_reference, stray_grads=stray_grads,
+        untouched_last=untouched_last,
     )  # fmt: skip
     return got, want, training
 
@@ -82,6 +87,58 @@ def test_the_mode_is_not_exact_clipping_where_steps_clip():
     """The test above can fail: the same run against exact clipping differs (steps 2 on clip by another norm)."""
     got, want, _ = previous_norm_run(FUSED, exact_reference=True)
     assert differs(got, want)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_a_step_whose_norm_is_not_finite_leaves_the_next_step_to_wait_for_its_own(value):
+    """Step 2's norm overflows (a gradient outside the model, as a trainer's stray inf or nan): its own updates ran
+    at step 1's coefficient, and step 3 does not take its coefficient (inf: 0, an update of momentum and weight decay
+    only; nan: NaN weights) but waits for its own norm, as step 1 does: bitwise the reference, which clips step 3
+    exactly; step 4 takes step 3's."""
+    norms = [MAX_NORM] * 4
+    got, want, training = previous_norm_run(FUSED, norms=norms, stray_grads={1: value})
+    assert_same(got, want)
+    assert training.previous_norm.early_updates == 2 * len(training.layers)  # steps 2 and 4; 1 and 3 wait
+    assert training.previous_norm.not_finite == 1
+    assert "1 step whose norm was not finite" in training.previous_norm.describe()
+
+
+@pytest.mark.parametrize("spec", [SPEC, SPLIT], ids=["host", "split"])
+def test_a_sum_the_last_micro_batch_did_not_touch_keeps_its_norm(spec):
+    """A param of a streamed layer with a gradient in micro-batch 1 and none in the last (2 of 2): its sum's norm is
+    taken by the norms job queued before the layer's early update (the accumulate job of the last micro-batch takes
+    only those it adds to), and the step's norm and numbers are bitwise the reference's."""
+    untouched = {"2.txt_mlp.2.weight", "5.linear1.bias"}
+    got, want, training = previous_norm_run(spec, torch.float32, 2, norms=[MAX_NORM] * 2, untouched_last=untouched)
+    assert_same(got, want)
+    assert training.previous_norm.early_updates == len(training.layers)  # step 2's
+
+
+def test_a_step_the_trainer_does_not_clip_is_refused_in_one_line():
+    """After step 1 the host layers' updates ran at the previous coefficient; a step without clip_grad_norm_ would
+    leave the resident params unscaled: the step is refused, naming the mode."""
+    layers = full_layers()
+    cfg = SwapConfig.of(host_optimizer=SGD, accumulation_steps=1, clip_mode="previous_norm")
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        train_dgls(layers, swapper, CPU, "nonreentrant", steps=1, accumulate=1)
+        with pytest.raises(DGLSUserError, match="clip_mode previous_norm .* this step was not clipped") as caught:
+            train_dgls(layers, swapper, CPU, "nonreentrant", steps=1, accumulate=1, start_step=1, max_norm=None)
+    assert "\n" not in str(caught.value)
+
+
+def test_the_step_after_a_load_in_the_same_process_waits_for_its_own_norm():
+    """A resume (load_state_dict) has no previous coefficient, in a fresh process or this one: its first step's
+    updates wait for its norm, as step 1's."""
+    layers = full_layers()
+    cfg = SwapConfig.of(host_optimizer=SGD, accumulation_steps=1, clip_mode="previous_norm")
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        training = swapper.training
+        train_dgls(layers, swapper, CPU, "nonreentrant", steps=2, accumulate=1)
+        early = training.previous_norm.early_updates
+        assert early == len(training.layers)  # step 2's
+        training.load_state_dict(training.state_dict())
+        train_dgls(layers, swapper, CPU, "nonreentrant", steps=1, accumulate=1, start_step=2)
+        assert training.previous_norm.early_updates == early
 
 
 def test_step_one_is_exact_clipping():
@@ -261,3 +318,55 @@ def test_a_drop_in_full_fine_tune_takes_the_mode_and_refuses_it_without_clipping
     lora = fake_config(tmp_path / "c")
     with pytest.raises(DGLSUserError, match="--clip_mode previous_norm scales the host updates"):
         prepare(["--config", str(lora), *flags], ROOT)
+
+
+class _Training:
+    """A host training's part in DeepSpeed's step, whose norm is 3.5."""
+
+    clipping = True
+
+    def __init__(self) -> None:
+        self.lr: float | None = None
+
+    def before_step(self) -> None:
+        pass
+
+    def adopt(self, params) -> None:
+        pass
+
+    def clip_grad_norm_(self, params, max_norm, reduce=None) -> torch.Tensor:
+        return torch.tensor(3.5)
+
+    def take_resident_grads(self) -> None:
+        pass
+
+    def step(self, lr=None) -> None:
+        self.lr = lr
+
+    def mirror_logged_state(self, optimizer, device) -> None:
+        pass
+
+
+def test_the_norm_clipping_took_is_the_one_deepspeed_gives_the_trainers_log():
+    """The module doc's promise: the step's norm (host-trained params included) reaches the trainer, through
+    DeepSpeed's ``get_global_grad_norm()`` (train.py logs it); DeepSpeed's own step, its clipping held off, left its
+    attribute None."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from utils.dgls.trainers.engine_hooks import EngineHooks
+
+    def deepspeed_step(engine) -> None:
+        assert engine._config.gradient_clipping == 0.0
+        engine._global_grad_norm = None
+
+    training = _Training()
+    step = EngineHooks(lambda module: training)._wrap_step(deepspeed_step)
+    engine = SimpleNamespace(
+        module=torch.nn.Linear(2, 2), zero_optimization=lambda: False, gradient_clipping=lambda: 1.0,
+        optimizer=SimpleNamespace(param_groups=[{"lr": 0.5}]), _config=SimpleNamespace(gradient_clipping=1.0),
+        device=CPU, _global_grad_norm=None,
+    )  # fmt: skip
+    step(engine)
+    assert DeepSpeedEngine.get_global_grad_norm(engine) == 3.5 and training.lr == 0.5

@@ -19,7 +19,8 @@ checkpoint holds no host optimizer state for them):
      optimizer);
   1. one gradient norm over the engine's params and the host-trained ones (summed over the pipeline
      stages, as DeepSpeed's own clipping does), its coefficient applied to both;
-  2. DeepSpeed's step with its own clipping held off (the grads are clipped already), so the trainer's
+  2. DeepSpeed's step with its own clipping held off (the grads are clipped already; the norm taken in 1 is what
+     ``get_global_grad_norm()`` returns after it, for the trainer's log), so the trainer's
      optimizer updates the resident params and the scheduler advances as usual (a whole step takes the resident
      params' gradients first: its instance updates them, and the trainer's finds none);
   3. the host updates, queued with the learning rate this step used (the trainer's first param group's,
@@ -132,8 +133,9 @@ class EngineHooks:
                     f"DeepSpeed clips gradients (gradient_clipping = {max_norm}) but DGLS was set up without clipping "
                     "(clip_grads = False): set clip_grads = True"
                 )
+            norm = None
             if max_norm > 0:
-                training.clip_grad_norm_(engine.module.parameters(), max_norm, reduce=_stage_sum(engine))
+                norm = training.clip_grad_norm_(engine.module.parameters(), max_norm, reduce=_stage_sum(engine))
             training.take_resident_grads()
             groups = engine.optimizer.param_groups
             lr = groups[0]["lr"] if groups else None
@@ -143,6 +145,9 @@ class EngineHooks:
                 result = original(engine, *args, **kwargs)
             finally:
                 config.gradient_clipping = max_norm
+            if norm is not None:  # get_global_grad_norm()'s, for train.py's log (DeepSpeed's step took none, or one
+                # of its optimizer's grads alone, clipped already)
+                engine._global_grad_norm = float(norm)
             training.step(lr=lr)
             training.mirror_logged_state(engine.optimizer, engine.device)  # what train.py logs of its instance
             return result

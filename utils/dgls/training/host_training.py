@@ -182,6 +182,7 @@ class HostTraining:
         # (:mod:`..memory.pinned`)
         self._memory = PinnedMemory(pin, "stream fewer layers (blocks_to_swap), or free RAM")
         self._coef: torch.Tensor | None = None
+        self._finite = True  # this step's norm is finite (clip_mode previous_norm: else the next step waits)
         if updater is not None and self.layout.layers:
             self.device_bytes = updater.reserve(*reserve_sizes(self.layout), spec.device_kernel())
         else:
@@ -397,7 +398,7 @@ class HostTraining:
         applied = self.previous_norm.applied(coef) if self.previous_norm is not None else coef
         for grad in device_grads:
             grad.detach().mul_(applied.to(grad.device))
-        self._coef = coef
+        self._coef, self._finite = coef, bool(total.isfinite())
         return total
 
     def before_step(self) -> None:
@@ -454,11 +455,17 @@ class HostTraining:
 
     def step(self, lr: float | None = None) -> None:
         """Queue every layer's update (layer order); ``lr`` overrides the spec's (a schedule's current lr)."""
+        if self.previous_norm is not None and self._coef is None:  # resident params unscaled, host ones scaled
+            raise DGLSUserError(
+                "clip_mode previous_norm scales every update of a step by the previous step's clip coefficient, but "
+                "this step was not clipped (the trainer stepped without clip_grad_norm_): clip every step, or use "
+                "clip_mode exact"
+            )
         first, self._first_step = self._first_step, None
         if first is not None:  # the trainer may have stepped already: the planner keeps the placement
             first(False)
         coef, self._coef = self._coef, None
-        exact = coef
+        exact, finite, self._finite = coef, self._finite, True
         if self.previous_norm is not None:  # every update of the step at the previous step's coefficient
             coef = self.previous_norm.applied(coef)
         self._closed.clear()  # not started: they wait, as the norm is known
@@ -485,7 +492,7 @@ class HostTraining:
         self._hold = False
         self.speculation.step_taken(clipped=not keep)
         if self.previous_norm is not None:
-            self.previous_norm.step_taken(exact)
+            self.previous_norm.step_taken(exact, finite)
         if self._after_step is not None:
             self._after_step(self.finish)
 
@@ -663,6 +670,8 @@ class HostTraining:
         if (problem := self.state_problem(state, keep_hyper_parameters)) is not None:
             raise DGLSUserError(f"the host optimizer state {problem}")
         self.finish()
+        if self.previous_norm is not None:  # a resume: the loaded step waits for its own norm, as step 1
+            self.previous_norm.previous = None
         if self.whole is not None:
             self.whole.load_state_dict(state, keep_hyper_parameters)
             return

@@ -17,14 +17,17 @@ Why this scheme, and not ZeRO-Offload's one-step delayed update
       the first update and keeps a second copy of the gradients. Neither happens here.
     - The risk this mode takes: a spike (a step whose norm is far above the last) is scaled by the smaller step's
       coefficient, so clipping protects against it one step late. The norm of every step is still computed (and
-      returned to the trainer, which logs it), and it clips the next step.
+      returned to the trainer, which logs it: through the engine hooks, DeepSpeed's ``get_global_grad_norm()``),
+      and it clips the next step.
 
 Arithmetic (what the tests check against a reference that clips each step with the previous step's coefficient)
     - Every param of the model, streamed or resident, is scaled by the same coefficient in a step: the previous
       step's (``applied``), so the whole model takes one scaled gradient step, as plain clipping does.
     - Step 1 has no previous norm: its updates wait for its norm and use it (exact clipping). So does the first step
-      after a resume (the coefficient is not in the checkpoint). A step the trainer does not clip keeps the
-      previous coefficient for the next.
+      after a resume (the coefficient is not in the checkpoint), and the step after one whose norm is inf or NaN
+      (its coefficient, 0 or NaN, would move the next step by momentum and weight decay only, or make it NaN).
+      A step the trainer does not clip is refused (:meth:`~.host_training.HostTraining.step`): its host updates
+      would be scaled, its resident params not.
     - The norm of a step is bitwise exact clipping's: the same per-param norms (device norms taken before the grads
       left, or the sums' norms the accumulate job took), summed in the trainer's param order. A layer whose update
       started early hands its norms here first (:meth:`PreviousNorm.take`), since the update scales its gradient
@@ -82,6 +85,7 @@ class PreviousNorm:
         self._early: dict[int, _Norms] = {}
         self.early_updates = 0  # layer updates started before their step's norm, since start-up
         self.scaled_steps = 0  # steps whose applied coefficient was not their own (both known)
+        self.not_finite = 0  # steps whose norm was inf or NaN: the next step waited for its own
 
     @property
     def ready(self) -> bool:
@@ -115,18 +119,21 @@ class PreviousNorm:
         """The coefficient this step's gradients are scaled by: the previous step's, or on step 1 its own."""
         return self.previous if self.previous is not None else exact
 
-    def step_taken(self, exact: torch.Tensor | None) -> None:
-        """After the step: its own coefficient is the next step's (None: the trainer did not clip this step)."""
+    def step_taken(self, exact: torch.Tensor | None, finite: bool = True) -> None:
+        """After the step: its own coefficient is the next step's (None: the trainer did not clip this step). A norm
+        that is not ``finite`` (inf: coefficient 0; NaN) gives none: the next step waits for its own, as step 1."""
         if exact is not None:
             self.scaled_steps += self.previous is not None and not bool(self.previous == exact)
-            self.previous = exact
+            self.previous = exact if finite else None
+            self.not_finite += not finite
         self._early.clear()
 
     def describe(self) -> str:
         """What happened since start-up, in a few words (benchmarks, the end of a run)."""
         return (
             f"{self.early_updates} layer updates started before their step's norm, at the previous step's clip "
-            f"coefficient; {self.scaled_steps} steps scaled by a coefficient other than their own"
+            f"coefficient; {self.scaled_steps} steps scaled by a coefficient other than their own; {self.not_finite} "
+            f"step{'' if self.not_finite == 1 else 's'} whose norm was not finite (the next waited for its own)"
         )
 
 
