@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One device session longer than one call: device_session.sh's steps run detached from the call (setsid), in a
+# snapshot of the tree, and later calls wait on them and bring back what they wrote so far. A machine goes back
+# after a short idle time, and a call lasts at most 10 minutes: a session of several calls back to back keeps one
+# machine busy with no gap, and the tree that later calls send (edited meanwhile) does not reach the running steps.
+#   bash benchmarks/device_detached.sh start [SECONDS] -- STEP...   snapshot the tree, start the steps, then poll
+#   bash benchmarks/device_detached.sh poll [SECONDS]               wait for the end or SECONDS (default 560)
+# STEPs are device_session.sh's; `then` between them starts device_session.sh again (no reinstall), so each group
+# runs under its own `timeout` of the seconds given as `then:SECONDS` (a stuck step does not eat the session).
+# Every poll packs $BG's out/ and log into one archive in $OUT (a call brings back at most 8 files).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+BG=/tmp/dgls_bg
+mode=${1:?start or poll}
+shift
+poll() {
+  local limit=${1:-560} waited=0
+  while [ ! -f "$BG/rc" ] && [ "$waited" -lt "$limit" ]; do sleep 5; waited=$((waited + 5)); done
+  tail -40 "$BG/log"
+  if [ -f "$BG/rc" ]; then echo "== detached session ended, rc $(cat "$BG/rc")"; else echo "== still running"; fi
+  mkdir -p "$OUT" && tar czf "$OUT/detached_$(date +%H%M%S).tgz" -C "$BG" out log
+}
+case "$mode" in
+  start)
+    limit=560
+    if [ "${1:-}" != "--" ]; then limit=$1; shift; fi
+    [ "${1:-}" = "--" ] && shift
+    rm -rf "$BG" && mkdir -p "$BG/out" "$BG/tree"
+    tar cf - --exclude=./.git . | tar xf - -C "$BG/tree"
+    # groups of steps, split at `then:SECONDS`; each group is one device_session.sh under its timeout
+    script="cd $BG/tree; rc=0; export OUT=$BG/out"
+    group=() seconds=3600 first=1
+    flush() {
+      [ ${#group[@]} -eq 0 ] && return
+      local skip=""; [ $first -eq 1 ] || skip="DGLS_SKIP_INSTALL=1 "
+      script+="; echo \"== group: ${group[*]}\"; ${skip}timeout $seconds bash benchmarks/device_session.sh ${group[*]} || rc=1"
+      group=() first=0
+    }
+    for step in "$@"; do
+      case "$step" in
+        then:*) flush; seconds=${step#then:} ;;
+        *) group+=("$step") ;;
+      esac
+    done
+    flush
+    script+="; echo \$rc > $BG/rc"
+    setsid bash -c "$script" >"$BG/log" 2>&1 </dev/null &
+    poll "$limit" ;;
+  poll) poll "${1:-560}" ;;
+  *) echo "device_detached.sh: start or poll, got $mode"; exit 2 ;;
+esac
