@@ -120,6 +120,7 @@ def worker(args) -> None:
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         before = swapper.total_stats(sync=True)
+        step.reduced.clear()
         times = []
         for _ in range(args.steps):
             sync()
@@ -129,6 +130,7 @@ def worker(args) -> None:
             sync()
             times.append(time.perf_counter() - start)
         stats = swapper.total_stats(sync=True).since(before)
+        reduce_s, reduce_bytes = reduce_seconds(step.reduced)
         memory = psutil.Process().memory_full_info()
         if cuda:  # the wan recipe's cap off: the plain copies and the swapper's removal allocate beyond it
             torch.cuda.set_per_process_memory_fraction(1.0, device)
@@ -145,6 +147,8 @@ def worker(args) -> None:
             "bytes_per_step": stats.bytes_moved / max(1, len(times)),
             "copy_gbps": stats.gbps,
             "wait_ms_per_step": stats.wait_ms / max(1, len(times)),
+            "allreduce_ms": reduce_s * 1000,
+            "allreduce_mb": reduce_bytes / 1e6,
             "raw_h2d_gbps": raw,
             "pss_gib": getattr(memory, "pss", memory.rss) / GiB,
             "rss_gib": memory.rss / GiB,
@@ -178,6 +182,7 @@ def build(args, device, dtype, world: int):
     dist = torch.distributed
     log = print if dist.get_rank() == 0 else None
     full = args.model == "sdxl_full"
+    capped = False
     if full:
         bench = sdxl.build(args.tiny, device, dtype, args, lora=False)
         for layer in bench.layers:
@@ -190,14 +195,15 @@ def build(args, device, dtype, world: int):
         bench = wan.build(args.tiny, device, dtype, args)
         recipe = dict(WAN_RECIPE, blocks_to_swap=len(bench.blocks))
         config = SwapConfig.of(**dict(recipe, swap_unit_mb=0.05) if args.tiny else recipe)
-        if device.type == "cuda":  # as an 8 GiB card holds it (methods.memory_cap)
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * GiB / total, device)
+        capped = device.type == "cuda"  # as an 8 GiB card holds it, once the swapper took the blocks home
     else:
         bench = (flux.build if args.model == "flux" else wan.build)(args.tiny, device, dtype, args)
         budget = args.vram_budget or DEFAULT_BUDGET[args.model]
         config = SwapConfig.of(vram_budget=bench.tight_budget_gib() if args.tiny else budget)
     swapper = LayerSwapper(bench.layers, config, device=device, log=log)
+    if capped:  # (methods.memory_cap) after the build: the model is made on the device, whole, then streamed home
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * GiB / total, device)
     ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=False))
     params = [p for layer in bench.layers for p in layer.parameters() if p.requires_grad]
     if full:
@@ -208,6 +214,17 @@ def build(args, device, dtype, world: int):
         training, averaged = None, params
         optimizer = torch.optim.AdamW(params, lr=1e-5)
 
+    # each step's gradient all-reduce, from its flattening to its means copied back (the compute stream waits for
+    # NCCL's): (start, end, bytes), CUDA events read after the step's sync (no sync of its own), or CPU clocks
+    reduced: list[tuple[object, object, int]] = []
+
+    def reduce_clock():
+        if device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def step() -> None:
         h = bench.inputs
         for i, layer in enumerate(bench.layers):
@@ -215,11 +232,13 @@ def build(args, device, dtype, world: int):
         F.mse_loss(h.float(), bench.target.float()).backward()
         grads = [p.grad for p in averaged if p.grad is not None]
         if world > 1 and grads:  # the trainer's data-parallel mean (DeepSpeed's), in one all-reduce
+            clock = reduce_clock()
             flat = torch._utils._flatten_dense_tensors(grads)
             dist.all_reduce(flat)
             flat /= world
             for grad, mean in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 grad.copy_(mean)
+            reduced.append((clock, reduce_clock(), flat.numel() * flat.element_size()))
         if training is not None:
             training.clip_grad_norm_(params, 1.0)
         if optimizer is not None:
@@ -228,7 +247,18 @@ def build(args, device, dtype, world: int):
         if training is not None:
             training.step()
 
+    step.reduced = reduced
     return bench, swapper, step, swapper.driver
+
+
+def reduce_seconds(reduced: list) -> tuple[float, float]:
+    """The median seconds and the bytes of the gradient all-reduces timed in ``reduced`` (after a sync)."""
+    if not reduced:
+        return 0.0, 0.0
+    seconds = [
+        start.elapsed_time(end) / 1000 if hasattr(start, "elapsed_time") else end - start for start, end, _ in reduced
+    ]
+    return statistics.median(seconds), float(reduced[-1][2])
 
 
 def warm_up(args, step, planner, sync, dist) -> int:
@@ -309,6 +339,8 @@ def row_of(gpus: int, ranks: list[dict], base: dict | None) -> dict:
         "copy_gbps": [r["copy_gbps"] for r in ranks],
         "raw_h2d_gbps": [r["raw_h2d_gbps"] for r in ranks],
         "wait_ms_per_step": [r["wait_ms_per_step"] for r in ranks],
+        "allreduce_ms": [r.get("allreduce_ms", 0.0) for r in ranks],
+        "allreduce_mb": ranks[0].get("allreduce_mb", 0.0),
         "bytes_per_step": ranks[0]["bytes_per_step"],
         "host_pss_gib": sum(r["pss_gib"] for r in ranks),
         "host_rss_gib": [r["rss_gib"] for r in ranks],
@@ -337,14 +369,21 @@ def cap_of(row: dict, base: dict) -> str:
         )
     if waited > 0.05 * row["median_step_s"] * 1000:
         return f"copies: the compute waited {waited:.0f} ms more per step on them than on one GPU"
-    return "the gradient all-reduce and collectives (copies kept pace)"
+    longer = (row["median_step_s"] - base["median_step_s"]) * 1000
+    reduce_ms = statistics.mean(row.get("allreduce_ms") or [0.0])
+    if reduce_ms >= 0.5 * longer > 0:
+        return (
+            f"the gradient all-reduce: {reduce_ms:.0f} ms a step ({row.get('allreduce_mb', 0.0):.0f} MB, after the "
+            f"backward) of the {longer:.0f} ms the step grew (copies kept pace)"
+        )
+    return f"collectives and contention: the step grew {longer:.0f} ms, the all-reduce took {reduce_ms:.0f} ms"
 
 
 def description(args, record: dict) -> str:
-    budget = "the tightest budget" if args.tiny else f"{args.vram_budget or DEFAULT_BUDGET[args.model]:g} GiB"
     if args.model == "wan" and args.vram_budget is None:
         what = f"toml/wan_lora_long_video.toml's settings, device memory capped at {args.memory_cap_gib:g} GiB per GPU"
     elif args.model in LORA_MODELS:
+        budget = "the tightest budget" if args.tiny else f"{args.vram_budget or DEFAULT_BUDGET[args.model]:g} GiB"
         what = f"--vram_budget {budget} per GPU"
     else:
         what = (
@@ -363,6 +402,9 @@ NOTES = [
     "copies run on every GPU at once) are per GPU, in rank order; host GiB is the job's processes' proportional set "
     "sizes summed, in which the one shared host copy (shared GiB) counts once.",
     "cap: for rows under 95% of N x one GPU's rate, the shared resource that most likely held it back.",
+    "all-reduce ms: each step's gradient all-reduce (the mean of the gradients the processes do not update alone: "
+    "the LoRA's, a full fine-tune's resident params'), flattening and copying back included, timed on the GPU; it "
+    "runs after the backward, as DeepSpeed's does.",
 ]
 
 

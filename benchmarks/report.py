@@ -368,6 +368,7 @@ TABLES["scaling"] = Table(
         ("peak alloc GiB per GPU", _per_gpu("peak_allocated_gib", ".1f")),
         ("copy GB/s per GPU", _per_gpu("copy_gbps", ".1f")),
         ("raw H2D GB/s per GPU (all at once)", _per_gpu("raw_h2d_gbps", ".1f")),
+        ("all-reduce ms per GPU", _per_gpu("allreduce_ms", ".0f")),
         (
             "host GiB (shared GiB)",
             lambda r, _: f"{_f(r.get('host_pss_gib'), '.1f')} ({_f(r.get('host_copy_gib'), '.1f')})",
