@@ -26,6 +26,7 @@ from helpers import SMALL, run_layers
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.demo.data import SyntheticLatents
 from utils.dgls.streaming.config import TrainingPolicy
+from utils.dgls.training import host_training
 from utils.dgls.training.host_optimizer import HostOptimizerSpec
 
 CPU = torch.device("cpu")
@@ -188,7 +189,13 @@ def test_the_default_is_exact_and_takes_its_spares():
     assert not any("previous_norm" in line for line in lines)
 
 
-def test_the_start_up_line_says_what_the_mode_does():
+def test_the_start_up_line_says_what_the_mode_does(monkeypatch):
+    """Only the line shown is built: the exact mode's (speculation's) line is not made to be dropped."""
+
+    def exact_line(*args):
+        raise AssertionError("the exact mode's clipping line built under previous_norm")
+
+    monkeypatch.setattr(host_training, "clipping_line", exact_line)
     lines: list[str] = []
     previous_norm_run(FUSED, norms=[MAX_NORM], lines=lines)
     said = [line for line in lines if line.startswith("DGLS clipping: ")]
