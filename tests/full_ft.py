@@ -13,6 +13,7 @@ the params themselves), given the params' clipped gradients and written back aft
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,6 +29,11 @@ from utils.dgls.training.host_training import grad_norms
 from utils.dgls.training.update_split import UpdateSplit
 
 SPEC = HostOptimizerSpec(lr=1e-2, weight_decay=0.01, implementation="torch")
+FUSED = dataclasses.replace(SPEC, implementation="torch_fused")  # torch.optim.AdamW(fused=True) on the host
+DEVICE = dataclasses.replace(SPEC, implementation="device")  # AdamW steps on the training device (--host_adam device)
+SPLIT = dataclasses.replace(SPEC, implementation="split")  # each layer on the device or the CPU (--host_adam split)
+SGD = HostOptimizerSpec(type="sgd", lr=1e-2, momentum=0.9, weight_decay=0.01, implementation="torch")
+SGD_DEVICE = dataclasses.replace(SGD, implementation="device")
 MAX_NORM = 0.05  # small enough that clipping acts on every step
 NEVER_CLIPS = 1e6  # clipping on, and a coefficient of exactly 1 at every step
 
@@ -47,6 +53,17 @@ def full_layers(dtype=torch.float32, cfg=SMALL):
 
 def params_of(layers) -> list[torch.nn.Parameter]:
     return [p for layer in layers for p in layer.parameters()]
+
+
+def loss_of_a_layer_run_twice(layers, swapper) -> torch.Tensor:
+    """The loss of one forward of ``layers`` that calls layer 1 twice under reentrant checkpointing, which runs one
+    backward per checkpointed call: layer 1's hooks fire twice in the one backward pass the caller runs on it."""
+    data = SyntheticLatents(SMALL, samples=2, image_tokens=12, text_tokens=5)
+    inputs, target = next(data.batches(2, torch.float32, torch.device("cpu")))
+    inputs = (inputs[0].requires_grad_(), *inputs[1:])
+    twice = layers[:2] + [layers[1]] + layers[2:]
+    assert 1 in swapper.training.layers
+    return F.mse_loss(run_layers(twice, inputs, "reentrant"), target)
 
 
 @dataclass

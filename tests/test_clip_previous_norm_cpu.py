@@ -4,36 +4,33 @@ that clips every step after the first with the previous step's coefficient (test
 step 1 is exact clipping, the updates start before the backward ends, the default stays exact, and what the mode
 cannot combine with is refused in one line."""
 
-import dataclasses
-
 import pytest
 import torch
-import torch.nn.functional as F
 from cli_helpers import demo_toml, run_in_process, snapshot
 from full_ft import (
+    DEVICE,
+    FUSED,
     MAX_NORM,
     NEVER_CLIPS,
+    SGD,
     SPEC,
+    SPLIT,
     assert_same,
     differs,
     full_layers,
     host_trained_names,
+    loss_of_a_layer_run_twice,
     train_dgls,
     train_reference,
 )
-from helpers import SMALL, run_layers
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
-from utils.dgls.demo.data import SyntheticLatents
 from utils.dgls.streaming.config import TrainingPolicy
+from utils.dgls.training import host_training
 from utils.dgls.training.host_optimizer import HostOptimizerSpec
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
-FUSED = dataclasses.replace(SPEC, implementation="torch_fused")
-DEVICE = dataclasses.replace(SPEC, implementation="device")
-SPLIT = dataclasses.replace(SPEC, implementation="split")
-SGD = HostOptimizerSpec(type="sgd", lr=1e-2, momentum=0.9, weight_decay=0.01, implementation="torch")
 # steps that clip and one that does not: the coefficient applied changes from step to step
 NORMS = [MAX_NORM, MAX_NORM, NEVER_CLIPS, MAX_NORM, 0.02]
 
@@ -188,7 +185,13 @@ def test_the_default_is_exact_and_takes_its_spares():
     assert not any("previous_norm" in line for line in lines)
 
 
-def test_the_start_up_line_says_what_the_mode_does():
+def test_the_start_up_line_says_what_the_mode_does(monkeypatch):
+    """Only the line shown is built: the exact mode's (speculation's) line is not made to be dropped."""
+
+    def exact_line(*args):
+        raise AssertionError("the exact mode's clipping line built under previous_norm")
+
+    monkeypatch.setattr(host_training, "clipping_line", exact_line)
     lines: list[str] = []
     previous_norm_run(FUSED, norms=[MAX_NORM], lines=lines)
     said = [line for line in lines if line.startswith("DGLS clipping: ")]
@@ -289,12 +292,7 @@ def test_a_layer_run_twice_under_reentrant_checkpointing_is_refused_with_the_mod
     cfg = SwapConfig.of(host_optimizer=SGD, accumulation_steps=1, clip_mode="previous_norm")
     with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
         train_dgls(layers, swapper, CPU, "nonreentrant", steps=1, accumulate=1)
-        data = SyntheticLatents(SMALL, samples=2, image_tokens=12, text_tokens=5)
-        inputs, target = next(data.batches(2, torch.float32, CPU))
-        inputs = (inputs[0].requires_grad_(), *inputs[1:])
-        twice = layers[:2] + [layers[1]] + layers[2:]
-        assert 1 in swapper.training.layers
-        loss = F.mse_loss(run_layers(twice, inputs, "reentrant"), target)
+        loss = loss_of_a_layer_run_twice(layers, swapper)
         with pytest.raises(DGLSUserError, match="second gradient in one backward pass .* use clip_mode exact"):
             loss.backward()
 

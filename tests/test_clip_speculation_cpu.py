@@ -13,9 +13,14 @@ import dataclasses
 import pytest
 import torch
 from full_ft import (
+    DEVICE,
+    FUSED,
     MAX_NORM,
     NEVER_CLIPS,
+    SGD,
+    SGD_DEVICE,
     SPEC,
+    SPLIT,
     assert_same,
     differs,
     flip_sides_every_step,
@@ -34,11 +39,6 @@ from utils.dgls.training.speculation import clipping_line, undo_problem
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
 NORMS = [NEVER_CLIPS, MAX_NORM, MAX_NORM, NEVER_CLIPS, NEVER_CLIPS, MAX_NORM]
-FUSED = dataclasses.replace(SPEC, implementation="torch_fused")
-DEVICE = dataclasses.replace(SPEC, implementation="device")
-SPLIT = dataclasses.replace(SPEC, implementation="split")
-SGD = HostOptimizerSpec(type="sgd", lr=1e-2, momentum=0.9, weight_decay=0.01, implementation="torch")
-SGD_DEVICE = dataclasses.replace(SGD, implementation="device")
 
 
 def drain(training) -> None:

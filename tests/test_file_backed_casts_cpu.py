@@ -157,6 +157,20 @@ def test_a_cast_method_wrapped_by_something_else_is_still_caught(tmp_path, monke
     assert casts.scratch.bytes == cast.numel() * 2 and same_bits(cast, own(source, torch.bfloat16))
 
 
+def test_the_cast_rules_are_built_once_at_install_not_per_call(tmp_path, monkeypatch):
+    """The mode looks each call up in the function -> rule table it built at install: no per-call loop over the cast
+    methods (built once, the casts still caught)."""
+    built, original = [], file_backed_casts.cast_rules
+    monkeypatch.setattr(file_backed_casts, "cast_rules", lambda: built.append(1) or original())
+    casts = FileBackedCasts(tmp_path)
+    casts.install()
+    try:
+        casts_made = [torch.randn(64, 64).to(torch.bfloat16), torch.randn(64, 64).half(), torch.randn(8) + 1]
+    finally:
+        casts.remove()
+    assert len(built) == 1 and casts.scratch.bytes == 2 * 64 * 64 * 2 and len(casts_made) == 3
+
+
 def test_what_is_not_a_cpu_float_cast_is_untouched(tmp_path):
     """Same dtype, integers, small tensors, tracked by autograd, non-contiguous, subclasses, in-place ops and every
     other function run as without the mode."""

@@ -13,8 +13,11 @@ import threading
 import pytest
 import torch
 from full_ft import (
+    DEVICE,
+    FUSED,
     MAX_NORM,
     SPEC,
+    SPLIT,
     assert_same,
     differs,
     flip_sides_every_step,
@@ -36,9 +39,6 @@ from utils.dgls.training.updaters import DeviceSide
 
 CPU = torch.device("cpu")
 MODES = ["none", "nonreentrant", "reentrant"]
-DEVICE_SPEC = dataclasses.replace(SPEC, implementation="device")
-FUSED_SPEC = dataclasses.replace(SPEC, implementation="torch_fused")
-SPLIT_SPEC = dataclasses.replace(SPEC, implementation="split")
 
 
 def config(**kw) -> SwapConfig:
@@ -164,7 +164,7 @@ def test_a_fetch_that_does_not_wait_for_its_update_fails(references, monkeypatch
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("spec", [SPEC, FUSED_SPEC], ids=["torch", "torch_fused"])
+@pytest.mark.parametrize("spec", [SPEC, FUSED], ids=["torch", "torch_fused"])
 def test_host_updates_of_one_micro_batch_read_the_landings_and_equal_unstreamed_training(mode, spec):
     """One micro-batch a step: no fp32 gradient sum is kept on the host (4 bytes a param); each update
     converts the layer's landings into one reused fp32 buffer, with norms taken before the grads left."""
@@ -200,8 +200,8 @@ def test_a_landing_read_before_its_copy_landed_fails_with_one_micro_batch(monkey
     "spec, dtype, accumulate",
     [
         (SPEC, torch.float32, 2),
-        (DEVICE_SPEC, torch.bfloat16, 1),
-        (SPLIT_SPEC, torch.bfloat16, 1),
+        (DEVICE, torch.bfloat16, 1),
+        (SPLIT, torch.bfloat16, 1),
         (dataclasses.replace(SPEC, type="sgd", momentum=0.9, implementation="device"), torch.bfloat16, 1),
     ],
     ids=["host", "device-flat", "split-flat", "sgd-device-flat"],
@@ -269,7 +269,7 @@ def test_device_updates_after_a_resume_use_the_hyper_parameters_it_loaded(monkey
         flip_sides_every_step(monkeypatch)
     spec = dataclasses.replace(SPEC, implementation=implementation)
     before = dataclasses.replace(spec, lr=3e-2, weight_decay=0.3)
-    want = resumed(FUSED_SPEC, dataclasses.replace(before, implementation="torch_fused"))
+    want = resumed(FUSED, dataclasses.replace(before, implementation="torch_fused"))
     assert_same(resumed(spec, before), want)
     assert differs(resumed(spec, spec), want)  # the saved hyper-parameters do change the numbers
 
@@ -427,7 +427,7 @@ def test_remove_puts_the_trained_weights_back():
 
 
 def device_run(
-    mode, accumulate, dtype=torch.float32, max_norm=MAX_NORM, spec=DEVICE_SPEC, seen=None, build=full_layers, **kw
+    mode, accumulate, dtype=torch.float32, max_norm=MAX_NORM, spec=DEVICE, seen=None, build=full_layers, **kw
 ):
     """``build(dtype)``: the layers, for DGLS and (built again) for the reference."""
     layers = build(dtype)
@@ -446,7 +446,7 @@ def device_run(
         accumulate=accumulate,
         dtype=dtype,
         max_norm=max_norm,
-        host_spec=FUSED_SPEC,
+        host_spec=FUSED,
     )
     return record, reference, direct
 
@@ -473,7 +473,7 @@ def test_device_updates_in_small_chunks_with_threads_and_bf16_compute_equal_unst
 
 
 @pytest.mark.parametrize("group_bytes", [1, 20000], ids=["one-param", "several"])
-@pytest.mark.parametrize("spec", [SPEC, DEVICE_SPEC], ids=["host", "device"])
+@pytest.mark.parametrize("spec", [SPEC, DEVICE], ids=["host", "device"])
 def test_gradients_sent_home_in_groups_equal_unstreamed_training(references, monkeypatch, group_bytes, spec):
     """A layer's grads go home in groups of at least ``SEND_GROUP_BYTES`` (one param at a time, or several
     groups a layer with its last one sent when the layer closes): the sums, the direct reads and the norms
@@ -498,7 +498,7 @@ def test_gradients_sent_home_in_groups_equal_unstreamed_training(references, mon
     assert max(sizes) == 1 if group_bytes == 1 else 1 < max(sizes) < 20  # a streamed layer has 20 params
 
 
-@pytest.mark.parametrize("spec", [SPEC, DEVICE_SPEC], ids=["host", "device"])
+@pytest.mark.parametrize("spec", [SPEC, DEVICE], ids=["host", "device"])
 def test_a_param_without_a_grad_does_not_hold_its_layers_group_until_backward_ends(monkeypatch, spec):
     """Every streamed layer gets a param no forward uses, so its batch stays open to the end of the
     backward: its grads still go home once another layer's grads arrive (at most one layer holds unsent
@@ -536,7 +536,7 @@ def test_device_updates_without_clipping_equal_unstreamed_training():
     assert_same(record, reference)
 
 
-@pytest.mark.parametrize("spec", [DEVICE_SPEC, SPLIT_SPEC], ids=["device", "split"])
+@pytest.mark.parametrize("spec", [DEVICE, SPLIT], ids=["device", "split"])
 @pytest.mark.parametrize("mutation", ["land", "wait_update"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["per-param", "flat"])
 def test_device_updates_that_skip_a_wait_fail(monkeypatch, mutation, spec, dtype):
@@ -554,7 +554,7 @@ def test_device_updates_sum_on_the_host_when_a_layer_gets_a_second_batch_in_a_st
     """Told one micro-batch a step but given two: each layer's first batch, meant to be read from its
     landings, is summed on the host before the second one lands; the numbers stay the reference's."""
     layers = full_layers()
-    cfg = SwapConfig.of(host_optimizer=DEVICE_SPEC, accumulation_steps=1, prefetch=2)
+    cfg = SwapConfig.of(host_optimizer=DEVICE, accumulation_steps=1, prefetch=2)
     promoted = []
     with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
         training = swapper.training
@@ -568,7 +568,7 @@ def test_device_updates_sum_on_the_host_when_a_layer_gets_a_second_batch_in_a_st
         names = host_names(swapper, layers)
         record = train_dgls(layers, swapper, CPU, "nonreentrant", accumulate=2)
     assert len(promoted) == 3 * len(training.layers)  # every layer, every step: direct again after each update
-    assert_same(record, train_reference(full_layers(), names, CPU, "nonreentrant", accumulate=2, host_spec=FUSED_SPEC))
+    assert_same(record, train_reference(full_layers(), names, CPU, "nonreentrant", accumulate=2, host_spec=FUSED))
 
 
 # ---------------------------------------------------------------- split updates (--host_adam split)
@@ -581,7 +581,7 @@ def test_device_updates_sum_on_the_host_when_a_layer_gets_a_second_batch_in_a_st
 def test_split_updates_equal_unstreamed_training_with_torch_fused_adamw(monkeypatch, mode, accumulate):
     flip_sides_every_step(monkeypatch)
     seen = []
-    record, reference, direct = device_run(mode, accumulate, spec=SPLIT_SPEC, prefetch=2, seen=seen)
+    record, reference, direct = device_run(mode, accumulate, spec=SPLIT, prefetch=2, seen=seen)
     assert direct == (accumulate == 1)
     assert seen[0].split.calls == 4  # start-up and one per step
     assert_same(record, reference)
@@ -608,7 +608,7 @@ def test_split_updates_without_clipping_run_where_they_were_queued_though_the_st
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
     seen = []
     record, reference, _ = device_run(
-        "nonreentrant", 1, max_norm=None, spec=SPLIT_SPEC, prefetch=2, clip_grads=False, seen=seen
+        "nonreentrant", 1, max_norm=None, spec=SPLIT, prefetch=2, clip_grads=False, seen=seen
     )
     layers = seen[0].layers
     index_of = {id(layer.optimizer): idx for idx, layer in layers.items()}
@@ -634,7 +634,7 @@ def test_split_updates_with_threads_bf16_compute_and_measured_rates_equal_unstre
         1,
         torch.bfloat16,
         max_norm=max_norm,
-        spec=SPLIT_SPEC,
+        spec=SPLIT,
         prefetch=1,
         threading=True,
         seen=seen,

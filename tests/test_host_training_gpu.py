@@ -18,9 +18,13 @@ import psutil
 import pytest
 import torch
 from full_ft import (
+    DEVICE,
+    FUSED,
     MAX_NORM,
     NEVER_CLIPS,
+    SGD_DEVICE,
     SPEC,
+    SPLIT,
     assert_same,
     flip_sides_every_step,
     full_layers,
@@ -43,12 +47,8 @@ CPU = torch.device("cpu")
 WIDE = DemoModelConfig(hidden=3072, heads=24, double_blocks=1, single_blocks=1, text_dim=64, latent_channels=16)
 SMALL_GPU = DemoModelConfig(hidden=512, heads=8, double_blocks=2, single_blocks=2, text_dim=64, latent_channels=16)
 MODES = ["none", "nonreentrant", "reentrant"]
-DEVICE_SPEC = dataclasses.replace(SPEC, implementation="device")  # AdamW steps on the GPU (--host_adam device)
-FUSED_SPEC = dataclasses.replace(SPEC, implementation="torch_fused")
-SPLIT_SPEC = dataclasses.replace(SPEC, implementation="split")  # each layer on the GPU or the CPU (--host_adam split)
 # a second kernel on the device: SGD with momentum (torch.optim.SGD(fused=True)'s kernel, .optimizer_kernels)
-SGD_DEVICE_SPEC = HostOptimizerSpec(type="sgd", lr=1e-2, momentum=0.9, weight_decay=0.01, implementation="device")
-SGD_SPLIT_SPEC = dataclasses.replace(SGD_DEVICE_SPEC, implementation="split")
+SGD_SPLIT = dataclasses.replace(SGD_DEVICE, implementation="split")
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +176,7 @@ def test_host_training_page_locks_exactly_what_it_holds(template):
     page-locked at their exact size (whole pages), and the spare of its speculative updates under clipping (fp32
     masters and moments again); a checkpoint load keeps that (the flat moments are refilled)."""
     layers = copy.deepcopy(template)
-    with LayerSwapper(layers, config(DEVICE_SPEC, accumulate=1, prefetch=1), device=device(), log=None) as swapper:
+    with LayerSwapper(layers, config(DEVICE, accumulate=1, prefetch=1), device=device(), log=None) as swapper:
         training = swapper.training
         sizes = [layer.numel for layer in training.layers.values()]
         want = sum(6 * whole_pages(4 * n) + whole_pages(2 * n) for n in sizes)
@@ -191,17 +191,17 @@ def test_host_training_page_locks_exactly_what_it_holds(template):
 def test_device_updates_with_delays_everywhere_stay_bitwise_equal(template, monkeypatch, mode):
     """--host_adam device, one micro-batch a step: gradients read from their landings, norms taken on the GPU,
     AdamW on the GPU; equal to resident training whose masters and fused AdamW are on the GPU too."""
-    got, names = swapped(template, mode, monkeypatch, accumulate=1, spec=DEVICE_SPEC, prefetch=2, threading=True)
-    want = reference(template, names, mode, accumulate=1, host_spec=FUSED_SPEC, master_device=device())
+    got, names = swapped(template, mode, monkeypatch, accumulate=1, spec=DEVICE, prefetch=2, threading=True)
+    want = reference(template, names, mode, accumulate=1, host_spec=FUSED, master_device=device())
     assert_same(got, want)
 
 
 def test_device_updates_from_host_sums_without_clipping_stay_bitwise_equal(template, monkeypatch):
     """Two micro-batches a step, summed on the host; no clipping, so each update starts during backward."""
     got, names = swapped(
-        template, "nonreentrant", monkeypatch, max_norm=None, spec=DEVICE_SPEC, clip_grads=False, prefetch=1
+        template, "nonreentrant", monkeypatch, max_norm=None, spec=DEVICE, clip_grads=False, prefetch=1
     )
-    want = reference(template, names, "nonreentrant", max_norm=None, host_spec=FUSED_SPEC, master_device=device())
+    want = reference(template, names, "nonreentrant", max_norm=None, host_spec=FUSED, master_device=device())
     assert_same(got, want)
 
 
@@ -210,15 +210,15 @@ def test_sgd_device_updates_with_delays_everywhere_stay_bitwise_equal(template, 
     """A second kernel on the device (--host_adam device, [optimizer] type = 'sgd' with momentum), one micro-batch a
     step: the momentum buffers stream in and out as AdamW's moments do; equal to resident training whose masters
     and torch.optim.SGD(fused=True) are on the GPU."""
-    got, names = swapped(template, mode, monkeypatch, accumulate=1, spec=SGD_DEVICE_SPEC, prefetch=2, threading=True)
-    want = reference(template, names, mode, accumulate=1, host_spec=SGD_DEVICE_SPEC, master_device=device())
+    got, names = swapped(template, mode, monkeypatch, accumulate=1, spec=SGD_DEVICE, prefetch=2, threading=True)
+    want = reference(template, names, mode, accumulate=1, host_spec=SGD_DEVICE, master_device=device())
     assert_same(got, want)
 
 
 def test_sgd_device_updates_from_host_sums_without_momentum_or_clipping_stay_bitwise_equal(template, monkeypatch):
     """SGD without momentum (no state at all: the scratch holds master and gradient only), two micro-batches a
     step summed on the host, no clipping: each update starts during backward."""
-    spec = dataclasses.replace(SGD_DEVICE_SPEC, momentum=0.0)
+    spec = dataclasses.replace(SGD_DEVICE, momentum=0.0)
     got, names = swapped(template, "nonreentrant", monkeypatch, max_norm=None, spec=spec, clip_grads=False, prefetch=1)
     want = reference(template, names, "nonreentrant", max_norm=None, host_spec=spec, master_device=device())
     assert_same(got, want)
@@ -229,7 +229,7 @@ def test_sgd_split_updates_changing_side_every_step_with_delays_stay_bitwise_equ
     on the CPU on the same pinned momentum buffers the device streams."""
     on_device = flip_sides_every_step(monkeypatch)
     got, names = swapped(
-        template, "nonreentrant", monkeypatch, accumulate=1, spec=SGD_SPLIT_SPEC, prefetch=2, threading=True
+        template, "nonreentrant", monkeypatch, accumulate=1, spec=SGD_SPLIT, prefetch=2, threading=True
     )
     ranks = {layer: rank for rank, layer in enumerate(sorted({int(n.split(".")[0]) for n in names}))}
 
@@ -241,7 +241,7 @@ def test_sgd_split_updates_changing_side_every_step_with_delays_stay_bitwise_equ
         names,
         "nonreentrant",
         accumulate=1,
-        host_spec=SGD_SPLIT_SPEC,
+        host_spec=SGD_SPLIT,
         master_device=device(),
         update_device=update_device,
     )
@@ -255,14 +255,14 @@ def test_split_updates_changing_side_every_step_with_delays_stay_bitwise_equal(t
     previous host one. The reference runs each param's update where DGLS ran it (fused AdamW on the GPU or on
     the CPU), norms on the GPU."""
     on_device = flip_sides_every_step(monkeypatch)
-    got, names = swapped(template, mode, monkeypatch, accumulate=1, spec=SPLIT_SPEC, prefetch=2, threading=True)
+    got, names = swapped(template, mode, monkeypatch, accumulate=1, spec=SPLIT, prefetch=2, threading=True)
     ranks = {layer: rank for rank, layer in enumerate(sorted({int(n.split(".")[0]) for n in names}))}
 
     def update_device(step, name):
         return device() if on_device(step, ranks[int(name.split(".")[0])]) else torch.device("cpu")
 
     want = reference(
-        template, names, mode, accumulate=1, host_spec=FUSED_SPEC, master_device=device(), update_device=update_device
+        template, names, mode, accumulate=1, host_spec=FUSED, master_device=device(), update_device=update_device
     )
     assert_same(got, want)
 
@@ -280,7 +280,7 @@ def test_split_updates_without_clipping_measure_the_devices_rate_and_stay_bitwis
         max_norm=None,
         steps=3,
         seen=seen,
-        spec=SPLIT_SPEC,
+        spec=SPLIT,
         clip_grads=False,
         prefetch=2,
         threading=True,
@@ -297,7 +297,7 @@ def test_split_updates_without_clipping_measure_the_devices_rate_and_stay_bitwis
         steps=3,
         accumulate=1,
         max_norm=None,
-        host_spec=FUSED_SPEC,
+        host_spec=FUSED,
         master_device=device(),
         update_device=update_device,
     )
@@ -316,10 +316,10 @@ SPECULATION_NORMS = [NEVER_CLIPS, MAX_NORM, NEVER_CLIPS]
     [
         (SPEC, 1, False),
         (SPEC, 1, True),
-        (DEVICE_SPEC, 1, False),
-        (DEVICE_SPEC, 2, False),
-        (SPLIT_SPEC, 1, False),
-        (SGD_SPLIT_SPEC, 1, True),
+        (DEVICE, 1, False),
+        (DEVICE, 2, False),
+        (SPLIT, 1, False),
+        (SGD_SPLIT, 1, True),
     ],
     ids=["host", "host-drained", "device-flat", "device-sums", "split", "sgd-split-drained"],
 )
@@ -350,17 +350,15 @@ def test_speculated_updates_with_delays_equal_updates_that_wait_for_the_norm(
     if spec is SPEC:  # host AdamW reading the landings: norms taken on the GPU before the grads left
         want = reference(template, names, "nonreentrant", **kw, master_device=device(), update_device=lambda s, n: CPU)
     elif spec.split:
-        host_spec = spec if spec.type == "sgd" else FUSED_SPEC
+        host_spec = spec if spec.type == "sgd" else FUSED
         want = reference(
             template, names, "nonreentrant", **kw, host_spec=host_spec, master_device=device(),
             update_device=update_device,
         )  # fmt: skip
     elif accumulate == 1:  # flat layers read from their landings: norms on the GPU, the GPU's fused AdamW
-        want = reference(template, names, "nonreentrant", **kw, host_spec=FUSED_SPEC, master_device=device())
+        want = reference(template, names, "nonreentrant", **kw, host_spec=FUSED, master_device=device())
     else:  # from the host's sums: their norms on the CPU, the update on the GPU
-        want = reference(
-            template, names, "nonreentrant", **kw, host_spec=FUSED_SPEC, update_device=lambda s, n: device()
-        )
+        want = reference(template, names, "nonreentrant", **kw, host_spec=FUSED, update_device=lambda s, n: device())
     assert_same(got, want)
     counts = seen[0].speculation.counts
     layers = len(seen[0].layers)
@@ -382,7 +380,7 @@ def half_on_each_side(monkeypatch) -> None:
     monkeypatch.setattr(UpdateSplit, "assign", assign)
 
 
-@pytest.mark.parametrize("spec", [DEVICE_SPEC, SPLIT_SPEC, SGD_SPLIT_SPEC], ids=["device", "split", "sgd-split"])
+@pytest.mark.parametrize("spec", [DEVICE, SPLIT, SGD_SPLIT], ids=["device", "split", "sgd-split"])
 def test_a_resume_steps_with_the_saved_hyper_parameters_on_the_gpu_as_on_the_cpu(monkeypatch, spec):
     """Saved with another lr and weight decay (SGD: another momentum too) than the resuming run's spec: torch's load
     gives each host optimizer the saved param groups, and the GPU's kernel must read those too (split: half the
@@ -418,9 +416,7 @@ def test_a_resume_steps_with_the_saved_hyper_parameters_on_the_gpu_as_on_the_cpu
         assert torch.equal(part.weights[k], v), k
 
 
-@pytest.mark.parametrize(
-    "spec", [SPEC, DEVICE_SPEC, SPLIT_SPEC, SGD_SPLIT_SPEC], ids=["host", "device", "split", "sgd-split"]
-)
+@pytest.mark.parametrize("spec", [SPEC, DEVICE, SPLIT, SGD_SPLIT], ids=["host", "device", "split", "sgd-split"])
 def test_fifty_steps_do_not_grow_device_memory_or_host_ram(spec):
     gc.collect()  # what earlier tests left in reference cycles would be freed during these 50 steps
     torch.cuda.empty_cache()
@@ -447,7 +443,7 @@ def test_every_direction_delayed_at_once_stays_bitwise_equal_and_is_profiled(tem
     layers = copy.deepcopy(template)
     profile = tmp_path / "trace.json"
     cfg = config(
-        DEVICE_SPEC,
+        DEVICE,
         accumulate=1,
         prefetch=1,
         offload_activations=True,
@@ -469,7 +465,7 @@ def test_every_direction_delayed_at_once_stays_bitwise_equal_and_is_profiled(tem
             layers, swapper, device(), mode, dtype=BF16, steps=2, cfg=WIDE, accumulate=1, checkpoint_fn=ckpt
         )
         assert swapper.activations.offloaded_bytes > 0
-    want = reference(template, names, mode, accumulate=1, host_spec=FUSED_SPEC, master_device=device())
+    want = reference(template, names, mode, accumulate=1, host_spec=FUSED, master_device=device())
     assert_same(got, want)
     trace = json.loads(profile.read_text())
     directions = {e["args"]["direction"] for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "transfer"}

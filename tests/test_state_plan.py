@@ -11,7 +11,8 @@ optimizer state on disk, chosen by a replay of the step, and the time their read
   every state does, else returns every candidate: the caller then spills weights too, or refuses in one line.
 - With no trained layer the replay is the weights' disk plan's.
 - In the builder: the start-up line names the layers whose state is on disk and the predicted time; the run trains
-  bitwise as the all-in-RAM run (with and without clipping).
+  bitwise as the all-in-RAM run (with and without clipping); clip_mode previous_norm plans as without clipping (its
+  updates start as their gradients land from step 2), exact clipping's after the backward.
 """
 
 import dataclasses
@@ -286,6 +287,21 @@ def test_the_builder_tells_the_state_plan_how_many_micro_batches_a_layer_major_s
 
     one, four = state_plan_compute(1), state_plan_compute(4)
     assert one > 0 and four == pytest.approx(4 * one, rel=0.02)
+
+
+@pytest.mark.parametrize("clip_mode, after", [("exact", True), ("previous_norm", False)])
+def test_the_builder_tells_the_state_plan_the_clip_mode(tmp_path, clip_mode, after):
+    """Clipping with clip_mode previous_norm: from step 2 each update starts as its gradients land (at the previous
+    step's coefficient), so the state plan replays the step as without clipping; exact clipping's updates wait for
+    the norm, after the backward. A builder that does not pass the mode on plans previous_norm as exact."""
+    lines: list[str] = []
+    cfg = SwapConfig.of(host_optimizer=SPEC, accumulation_steps=1, prefetch=1, clip_grads=True, clip_mode=clip_mode,
+                        host_ram_budget=0.002, disk_dir=str(tmp_path))  # fmt: skip
+    with LayerSwapper(full_layers(torch.bfloat16), cfg, device=CPU, log=lines.append) as swapper:
+        assert swapper.training.disk_state is not None  # the budget spills state
+    (line,) = [line for line in lines if line.startswith("DGLS disk state plan:")]
+    assert ("the updates run after the backward (clipping" in line) == after, line
+    assert ("the updates run during the backward" in line) == (not after), line
 
 
 @pytest.mark.parametrize("clip", [False, True])

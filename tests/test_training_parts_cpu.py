@@ -6,22 +6,27 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
-from full_ft import MAX_NORM, SPEC, assert_same, flip_sides_every_step, full_layers, train_dgls, train_reference
-from helpers import SMALL, run_layers
+from full_ft import (
+    MAX_NORM,
+    SGD,
+    SPEC,
+    assert_same,
+    flip_sides_every_step,
+    full_layers,
+    loss_of_a_layer_run_twice,
+    train_dgls,
+    train_reference,
+)
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
-from utils.dgls.demo.data import SyntheticLatents
 from utils.dgls.memory.transport import Transport
 from utils.dgls.training.device_update import DeviceUpdater
 from utils.dgls.training.grad_return import GradBatch, GradState, LayerGrads
-from utils.dgls.training.host_optimizer import HostOptimizerSpec
 from utils.dgls.training.host_training import host_training_bytes
 from utils.dgls.training.jobs import Job
 from utils.dgls.training.optimizer_kernels import AdamWKernel, SGDKernel
 
 CPU = torch.device("cpu")
-SGD = HostOptimizerSpec(type="sgd", lr=1e-2, momentum=0.9, weight_decay=0.01, implementation="torch")
 
 
 # ---------------------------------------------------------------- GradState
@@ -283,12 +288,7 @@ def test_a_layer_run_twice_under_reentrant_checkpointing_without_clipping_is_ref
     layers = full_layers()
     cfg = SwapConfig.of(host_optimizer=SGD, accumulation_steps=1, clip_grads=False)
     with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
-        data = SyntheticLatents(SMALL, samples=2, image_tokens=12, text_tokens=5)
-        inputs, target = next(data.batches(2, torch.float32, CPU))
-        inputs = (inputs[0].requires_grad_(), *inputs[1:])
-        twice = layers[:2] + [layers[1]] + layers[2:]
-        assert 1 in swapper.training.layers
-        loss = F.mse_loss(run_layers(twice, inputs, "reentrant"), target)
+        loss = loss_of_a_layer_run_twice(layers, swapper)
         with pytest.raises(
             DGLSUserError, match="layer 1 got a second gradient in one backward pass .* clip_grads = True"
         ):

@@ -358,7 +358,7 @@ def _tiers(
         t = config.training
         layer_major = config.placement.layer_major_micro_batches
         states = StateChoice(
-            choose, trained, t.host_optimizer, t.clip_grads, t.accumulation_steps, layer_major_micro_batches=layer_major
+            choose, trained, t.host_optimizer, t.clip_grads, t.accumulation_steps, layer_major, clip_mode=t.clip_mode
         )
         tiers, state = plan_full_tiers(
             layouts, hosted, placement.streamed, budget, RING_BUFFERS, trained, choose, states

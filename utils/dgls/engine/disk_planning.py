@@ -17,8 +17,10 @@ two measured bandwidths, as the chooser :func:`~..streaming.tiers.plan_tiers` ca
   plan (:mod:`..planning.state_plan`), from the same probes (one of each per build), each layer's extent, and its
   host update's time from its param count at the rate of one timed step of the run's optimizer over
   ``UPDATE_PROBE_PARAMS`` params (:func:`host_update_params_per_ms`; DeepSpeed's op, built on the first update, at a
-  nominal ``HOST_UPDATE_PARAMS_PER_MS``, and the line says so); the updates run after the backward under clipping
-  (spilled layers do not speculate), else as each layer's gradients come home.
+  nominal ``HOST_UPDATE_PARAMS_PER_MS``, and the line says so); the updates run after the backward under exact
+  clipping (spilled layers do not speculate), else as each layer's gradients come home (``clip_mode``
+  ``previous_norm`` included: from step 2 its updates start at the previous step's coefficient, and the plan is of
+  the steady step, not of step 1, which waits for its own norm).
 """
 
 from __future__ import annotations
@@ -119,13 +121,16 @@ class StateChoice:
         clipping: bool,
         passes: int = 1,
         layer_major_micro_batches: int = 1,
+        clip_mode: str = "exact",
     ) -> None:
         self.disk = disk
         self.trained = trained
         self.spec = spec
         # layer -> bytes of its extent (whole pages): read and written back per update
         self.extents = {i: whole_pages(extent_pieces(trained, i)[1]) for i in trained.layers}
-        self.clipping = clipping
+        # every update waits for the norm, after the backward: exact clipping only (previous_norm's start as their
+        # gradients land, at the previous step's coefficient, from step 2)
+        self.waits_for_norm = clipping and clip_mode == "exact"
         self.passes = max(1, passes)  # micro-batches a step one after another (the updates follow the last)
         # micro-batches a step layer-major: each use (one fetch) computes all of them
         self.layer_major_micro_batches = max(1, layer_major_micro_batches)
@@ -147,9 +152,9 @@ class StateChoice:
             read_bytes_per_ms=read_per_ms,
             write_bytes_per_ms=read_per_ms,  # write-backs reach the same disk, eventually at its pace
             prefetch=d.placement.prefetch,
-            after_backward=self.clipping,
+            after_backward=self.waits_for_norm,
             updates_timed=timed,
-            speculates_in_ram=self.clipping and bool(self.trained.spares_wanted),  # before the spill turns it off
+            speculates_in_ram=self.waits_for_norm and bool(self.trained.spares_wanted),  # before the spill turns it off
         )
         return choose_state_spilled(self.costs, streamed, candidates, over)
 

@@ -6,8 +6,9 @@ step, around its update, on one disk thread (:mod:`..training.disk_state`). Whet
 when the update runs and when its result is needed: without clipping a layer's update starts as soon as its
 gradients are home, in the backward's order (the last layer first), and is needed only by the layer's fetch in the
 next forward, so the state I/O of the layers the backward reaches first hides behind the rest of the backward and the
-next forward up to them; the first layers' updates run last and are needed first. With clipping (spilled layers do
-not speculate: :meth:`~..memory.layout.TrainingLayout.spill`) every update waits for the norm, after the backward,
+next forward up to them; the first layers' updates run last and are needed first (so do ``clip_mode``
+``previous_norm``'s after step 1: they start at the previous step's coefficient). With exact clipping (spilled layers
+do not speculate: :meth:`~..memory.layout.TrainingLayout.spill`) every update waits for the norm, after the backward,
 and runs in layer order: only the next forward's compute up to each layer, and the updates before it, are left to
 hide behind. The host RAM budget fixes how many bytes must leave RAM (:func:`~..training.disk_state.plan_full_tiers`);
 this model decides which layers.
@@ -68,7 +69,7 @@ class StateCosts:
     read_bytes_per_ms: float
     write_bytes_per_ms: float
     prefetch: int
-    after_backward: bool = False  # clipping: every update waits for the norm, after the backward, in layer order
+    after_backward: bool = False  # exact clipping: every update waits for the norm, after the backward, in layer order
     measured: bool = False  # the compute times were measured, not estimated
     updates_timed: bool = False  # the update times come from a timed host step, not a nominal rate
     # clipping where the run with every state in RAM would start updates during the backward on speculation (a host

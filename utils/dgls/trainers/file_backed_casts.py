@@ -45,6 +45,7 @@ import errno
 import os
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,46 +121,77 @@ def _reserve(fd: int, nbytes: int, directory: Path) -> None:
 
 
 FIXED_CASTS = {"bfloat16": torch.bfloat16, "half": torch.float16, "float": torch.float32, "double": torch.float64}
-CAST_METHODS = ("to", "type", "type_as", *FIXED_CASTS)
 KEEPS_LAYOUT = (None, torch.preserve_format, torch.contiguous_format)  # of a contiguous source: a contiguous cast
 
-
-def cast_method(func: Any) -> str | None:
-    """The name of the tensor cast method ``func`` is, or None. A mode is handed the method as ``torch.Tensor`` has it
-    now: torch's own, or a wrapper something put in its place (it still casts through torch's). A caught cast is made
-    here, so such a wrapper's other work does not run for it (nothing train.py loads wraps these methods)."""
-    for name in CAST_METHODS:
-        if func is tensor_method(name) or func is getattr(torch.Tensor, name, None):
-            return name
-    return None
+# A cast method's rule: ``rule(args, kwargs)`` is the dtype the call casts ``args[0]`` to on the CPU, or None where the
+# call is no such cast (another device, a layout of its own, arguments not understood)
+CastRule = Callable[[tuple, dict], "torch.dtype | None"]
 
 
-def cast_target(func: Any, args: tuple, kwargs: dict) -> torch.dtype | None:
-    """The dtype ``func(*args, **kwargs)`` casts ``args[0]`` to on the CPU, or None where the call is no such cast
-    (another function, another device, a layout of its own, arguments not understood)."""
-    name = cast_method(func)
-    if name in FIXED_CASTS:
-        fixed = len(args) == 1 and kwargs.get("memory_format") in KEEPS_LAYOUT
-        return FIXED_CASTS[name] if fixed else None
-    if name == "to":
-        kwargs = {k: v for k, v in kwargs.items() if k != "copy"}  # a new tensor either way: the cast makes one
-        try:
-            device, dtype, _, memory_format = parse_to(*args[1:], **kwargs)
-        except (TypeError, RuntimeError):
-            return None
-        cpu = device is None or device.type == "cpu"
-        return dtype if cpu and memory_format in KEEPS_LAYOUT else None
-    if name == "type":
-        target = args[1] if len(args) > 1 else kwargs.get("dtype")
-        if isinstance(target, str):  # 'torch.BFloat16Tensor'; a CUDA type is not on the CPU
-            target = None if "cuda" in target else getattr(torch, target.removeprefix("torch."), None)
-        if isinstance(target, torch.dtype):
-            return target
-        dtype = getattr(target, "dtype", None)  # a legacy type class (torch.BFloat16Tensor)
-        return dtype if isinstance(dtype, torch.dtype) and getattr(target, "is_cuda", True) is False else None
-    if name == "type_as" and len(args) == 2 and isinstance(args[1], torch.Tensor):
+def _fixed_cast(dtype: torch.dtype) -> CastRule:
+    def rule(args: tuple, kwargs: dict) -> torch.dtype | None:
+        return dtype if len(args) == 1 and kwargs.get("memory_format") in KEEPS_LAYOUT else None
+
+    return rule
+
+
+def _to_target(args: tuple, kwargs: dict) -> torch.dtype | None:
+    kwargs = {k: v for k, v in kwargs.items() if k != "copy"}  # a new tensor either way: the cast makes one
+    try:
+        device, dtype, _, memory_format = parse_to(*args[1:], **kwargs)
+    except (TypeError, RuntimeError):
+        return None
+    cpu = device is None or device.type == "cpu"
+    return dtype if cpu and memory_format in KEEPS_LAYOUT else None
+
+
+def _type_target(args: tuple, kwargs: dict) -> torch.dtype | None:
+    target = args[1] if len(args) > 1 else kwargs.get("dtype")
+    if isinstance(target, str):  # 'torch.BFloat16Tensor'; a CUDA type is not on the CPU
+        target = None if "cuda" in target else getattr(torch, target.removeprefix("torch."), None)
+    if isinstance(target, torch.dtype):
+        return target
+    dtype = getattr(target, "dtype", None)  # a legacy type class (torch.BFloat16Tensor)
+    return dtype if isinstance(dtype, torch.dtype) and getattr(target, "is_cuda", True) is False else None
+
+
+def _type_as_target(args: tuple, kwargs: dict) -> torch.dtype | None:
+    if len(args) == 2 and isinstance(args[1], torch.Tensor):
         return args[1].dtype if args[1].device.type == "cpu" else None
     return None
+
+
+CAST_RULES: dict[str, CastRule] = {
+    "to": _to_target,
+    "type": _type_target,
+    "type_as": _type_as_target,
+    **{name: _fixed_cast(dtype) for name, dtype in FIXED_CASTS.items()},
+}
+CAST_METHODS = tuple(CAST_RULES)
+
+
+def cast_rules() -> dict[Any, CastRule]:
+    """Each tensor cast method's function -> its rule, as ``torch.Tensor`` has the methods now. A mode is handed the
+    method as ``torch.Tensor`` has it: torch's own, or a wrapper something put in its place (it still casts through
+    torch's); both are keys. A caught cast is made here, so such a wrapper's other work does not run for it (nothing
+    train.py loads wraps these methods). Built once per mode, when it is installed."""
+    rules: dict[Any, CastRule] = {}
+    for name, rule in CAST_RULES.items():
+        rules.setdefault(tensor_method(name), rule)
+        if (replaced := getattr(torch.Tensor, name, None)) is not None:
+            rules.setdefault(replaced, rule)
+    return rules
+
+
+def cast_target(func: Any, args: tuple, kwargs: dict, rules: dict[Any, CastRule] | None = None) -> torch.dtype | None:
+    """The dtype ``func(*args, **kwargs)`` casts ``args[0]`` to on the CPU, or None where the call is no such cast
+    (another function, another device, a layout of its own, arguments not understood). ``rules``: from
+    :func:`cast_rules` (built now where not given)."""
+    try:
+        rule = (cast_rules() if rules is None else rules).get(func)
+    except TypeError:  # an unhashable callable: no cast method
+        return None
+    return None if rule is None else rule(args, kwargs)
 
 
 def caught(source: Any, dtype: torch.dtype | None) -> bool:
@@ -191,10 +223,11 @@ class CastsIntoScratch(TorchFunctionMode):
         super().__init__()
         self.scratch = scratch
         self.pid = os.getpid()
+        self.rules = cast_rules()  # looked up per call: no loop over the cast methods
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if args and caught(args[0], dtype := cast_target(func, args, kwargs)) and os.getpid() == self.pid:
+        if args and caught(args[0], dtype := cast_target(func, args, kwargs, self.rules)) and os.getpid() == self.pid:
             cast = self.scratch.empty(args[0].shape, dtype)
             cast.copy_(args[0])
             return cast

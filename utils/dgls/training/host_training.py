@@ -190,9 +190,10 @@ class HostTraining:
         spares: dict[int, Spare] = {}
         self.layers: dict[int, TrainedLayer] = {i: self._layer(i, layers[i], spares) for i in self.layout.layers}
         # clipping: which layers' updates start before the norm is known, and what became of them (.speculation)
-        line = clipping_line(self.layout, spec, clipping, speculate)
         if self.previous_norm is not None:
             line = previous_norm.clipping_line(len(self.layout.layers))
+        else:
+            line = clipping_line(self.layout, spec, clipping, speculate)
         self.speculation = Speculation(spares, line)
         self.grads = GradReturn(
             self.layers,

@@ -6,9 +6,10 @@ saves from one process (diffusion-pipe: DeepSpeed's layer files and ``Saver.save
 rank 0, through state dicts and :meth:`~..engine.swapper.LayerSwapper.true_weights`), so:
 
 - Masters (:meth:`SharedSaves.owners_masters`, around each save): every process enters it together; each owner
-  sends the fp32 masters of its layers to the *reader* (rank 0, the one that writes), param by param in layer
-  order (``torch.distributed.send``/``recv`` of CPU tensors over a gloo group made at start-up for the saves, so
-  NCCL's jobs put no masters on the GPU; without one, the default group's), only the params
+  sends the fp32 masters of its layers to the *reader* (rank 0, the one that writes), one flat message a layer in
+  layer order (its masters one after another in layout order, split back into the params' shapes on receipt, each
+  a tensor of its own; ``torch.distributed.send``/``recv`` of CPU tensors over a gloo group made at start-up for
+  the saves, so NCCL's jobs put no masters on the GPU; without one, the default group's), only the params
   with a master of their own (an fp32 param outside a flat layer has none: its master is the shared packed copy,
   which the reader reads as it is, published at the step's barrier), and the reader's
   :class:`~.training_feature.TrainingFeature` gives them as the true values of those params for the block (the state
@@ -24,7 +25,7 @@ rank 0, through state dicts and :meth:`~..engine.swapper.LayerSwapper.true_weigh
 
 Invariants
     - Every process of the job enters :meth:`SharedSaves.owners_masters` (a save is collective: train.py calls its
-      saves on every rank); the transfers are matched by their order (layers, then params, in layout order).
+      saves on every rank); the transfers are matched by their order (layers in layout order, one message each).
     - Outside the block the reader's true values are its own masters (loads write only owned masters).
     - The reader is rank 0 of the default group: data parallel runs on one pipeline stage, whose data-parallel
       rank 0 is the job's rank 0.
@@ -109,23 +110,35 @@ class SharedSaves:
                 owner = self.ownership.owners[idx]
                 if owner == READER or rank not in (owner, READER):
                     continue
-                for param in self.params[idx]:
-                    if id(param) not in self.own_masters:  # the shared packed copy is its master
-                        continue
-                    if rank == owner:
-                        master = self.master_of(param)
-                        if master is None:
-                            raise AssertionError(f"the owner of layer {idx} holds no master for one of its params")
-                        dist.send(master.to(device or "cpu", torch.float32).contiguous(), dst=READER, group=group)
-                    else:
-                        received = torch.empty(self.shapes[id(param)], dtype=torch.float32, device=device or "cpu")
-                        dist.recv(received, src=owner, group=group)
-                        lent[id(param)] = received.cpu()
+                # only the params with a master of their own: an fp32 param's is the shared packed copy
+                params = [param for param in self.params[idx] if id(param) in self.own_masters]
+                if not params:
+                    continue
+                if rank == owner:  # one message a layer: its masters, flat, in layout order
+                    dist.send(self._flat_masters(idx, params).to(device or "cpu"), dst=READER, group=group)
+                else:
+                    shapes = [self.shapes[id(param)] for param in params]
+                    received = torch.empty(sum(s.numel() for s in shapes), dtype=torch.float32, device=device or "cpu")
+                    dist.recv(received, src=owner, group=group)
+                    pieces = received.split([s.numel() for s in shapes])
+                    for param, shape, piece in zip(params, shapes, pieces, strict=True):
+                        lent[id(param)] = piece.view(shape).to("cpu", copy=True)  # a storage of its own bytes
+                    del received, pieces
         self.lend(lent)
         try:
             yield
         finally:
             self.lend({})
+
+    def _flat_masters(self, idx: int, params: Sequence[nn.Parameter]) -> torch.Tensor:
+        """Layer ``idx``'s fp32 masters of ``params``, one after another in one flat CPU tensor."""
+        masters = []
+        for param in params:
+            master = self.master_of(param)
+            if master is None:
+                raise AssertionError(f"the owner of layer {idx} holds no master for one of its params")
+            masters.append(master.to("cpu", torch.float32).reshape(-1))
+        return torch.cat(masters)
 
 
 def host_state_files(folder: Path, stage: int, prefix: str) -> list[Path]:
