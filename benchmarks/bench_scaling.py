@@ -130,7 +130,7 @@ def worker(args) -> None:
             sync()
             times.append(time.perf_counter() - start)
         stats = swapper.total_stats(sync=True).since(before)
-        reduce_s, reduce_bytes = reduce_seconds(step.reduced)
+        before_reduce_s, reduce_s, reduce_bytes = reduce_seconds(step.reduced)
         memory = psutil.Process().memory_full_info()
         if cuda:  # the wan recipe's cap off: the plain copies and the swapper's removal allocate beyond it
             torch.cuda.set_per_process_memory_fraction(1.0, device)
@@ -147,6 +147,7 @@ def worker(args) -> None:
             "bytes_per_step": stats.bytes_moved / max(1, len(times)),
             "copy_gbps": stats.gbps,
             "wait_ms_per_step": stats.wait_ms / max(1, len(times)),
+            "before_allreduce_ms": before_reduce_s * 1000,
             "allreduce_ms": reduce_s * 1000,
             "allreduce_mb": reduce_bytes / 1e6,
             "raw_h2d_gbps": raw,
@@ -215,8 +216,9 @@ def build(args, device, dtype, world: int):
         optimizer = torch.optim.AdamW(params, lr=1e-5)
 
     # each step's gradient all-reduce, from its flattening to its means copied back (the compute stream waits for
-    # NCCL's): (start, end, bytes), CUDA events read after the step's sync (no sync of its own), or CPU clocks
-    reduced: list[tuple[object, object, int]] = []
+    # NCCL's), and the step's work before it: (step start, all-reduce start, its end, bytes), CUDA events read after
+    # the step's sync (no sync of their own), or CPU clocks
+    reduced: list[tuple[object, object, object, int]] = []
 
     def reduce_clock():
         if device.type != "cuda":
@@ -226,6 +228,7 @@ def build(args, device, dtype, world: int):
         return event
 
     def step() -> None:
+        begun = reduce_clock() if world > 1 else None
         h = bench.inputs
         for i, layer in enumerate(bench.layers):
             h = ckpt(layer, h) if i in bench.checkpointed else layer(h)
@@ -238,7 +241,7 @@ def build(args, device, dtype, world: int):
             flat /= world
             for grad, mean in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 grad.copy_(mean)
-            reduced.append((clock, reduce_clock(), flat.numel() * flat.element_size()))
+            reduced.append((begun, clock, reduce_clock(), flat.numel() * flat.element_size()))
         if training is not None:
             training.clip_grad_norm_(params, 1.0)
         if optimizer is not None:
@@ -251,14 +254,19 @@ def build(args, device, dtype, world: int):
     return bench, swapper, step, swapper.driver
 
 
-def reduce_seconds(reduced: list) -> tuple[float, float]:
-    """The median seconds and the bytes of the gradient all-reduces timed in ``reduced`` (after a sync)."""
+def reduce_seconds(reduced: list) -> tuple[float, float, float]:
+    """From the steps timed in ``reduced`` (after a sync): the median seconds of the work before the all-reduce
+    (forward and backward: the ranks' difference is what the faster one waits in it), of the all-reduce itself, and
+    its bytes."""
     if not reduced:
-        return 0.0, 0.0
-    seconds = [
-        start.elapsed_time(end) / 1000 if hasattr(start, "elapsed_time") else end - start for start, end, _ in reduced
-    ]
-    return statistics.median(seconds), float(reduced[-1][2])
+        return 0.0, 0.0, 0.0
+
+    def seconds(a, b) -> float:
+        return a.elapsed_time(b) / 1000 if hasattr(a, "elapsed_time") else b - a
+
+    before = statistics.median(seconds(begun, start) for begun, start, _, _ in reduced)
+    during = statistics.median(seconds(start, end) for _, start, end, _ in reduced)
+    return before, during, float(reduced[-1][3])
 
 
 def warm_up(args, step, planner, sync, dist) -> int:
@@ -339,6 +347,7 @@ def row_of(gpus: int, ranks: list[dict], base: dict | None) -> dict:
         "copy_gbps": [r["copy_gbps"] for r in ranks],
         "raw_h2d_gbps": [r["raw_h2d_gbps"] for r in ranks],
         "wait_ms_per_step": [r["wait_ms_per_step"] for r in ranks],
+        "before_allreduce_ms": [r.get("before_allreduce_ms", 0.0) for r in ranks],
         "allreduce_ms": [r.get("allreduce_ms", 0.0) for r in ranks],
         "allreduce_mb": ranks[0].get("allreduce_mb", 0.0),
         "bytes_per_step": ranks[0]["bytes_per_step"],
@@ -371,6 +380,14 @@ def cap_of(row: dict, base: dict) -> str:
         return f"copies: the compute waited {waited:.0f} ms more per step on them than on one GPU"
     longer = (row["median_step_s"] - base["median_step_s"]) * 1000
     reduce_ms = statistics.mean(row.get("allreduce_ms") or [0.0])
+    before = row.get("before_allreduce_ms") or [0.0]
+    skew = max(before) - min(before)
+    if skew >= 0.5 * longer > 0:
+        slowest = before.index(max(before))
+        return (
+            f"unequal ranks: rank {slowest}'s forward and backward took {skew:.0f} ms longer than the fastest's (each "
+            f"process's own placement: streamed units {row['streamed_layers']}), of the {longer:.0f} ms the step grew"
+        )
     if reduce_ms >= 0.5 * longer > 0:
         return (
             f"the gradient all-reduce: {reduce_ms:.0f} ms a step ({row.get('allreduce_mb', 0.0):.0f} MB, after the "
@@ -402,9 +419,10 @@ NOTES = [
     "copies run on every GPU at once) are per GPU, in rank order; host GiB is the job's processes' proportional set "
     "sizes summed, in which the one shared host copy (shared GiB) counts once.",
     "cap: for rows under 95% of N x one GPU's rate, the shared resource that most likely held it back.",
-    "all-reduce ms: each step's gradient all-reduce (the mean of the gradients the processes do not update alone: "
-    "the LoRA's, a full fine-tune's resident params'), flattening and copying back included, timed on the GPU; it "
-    "runs after the backward, as DeepSpeed's does.",
+    "before ms: each process's forward and backward (GPU time to its all-reduce): the faster ranks wait the "
+    "difference in the all-reduce. all-reduce ms: each step's gradient all-reduce (the mean of the gradients the "
+    "processes do not update alone: the LoRA's, a full fine-tune's resident params'), flattening and copying back "
+    "included, timed on the GPU; it runs after the backward, as DeepSpeed's does.",
 ]
 
 

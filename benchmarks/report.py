@@ -368,6 +368,7 @@ TABLES["scaling"] = Table(
         ("peak alloc GiB per GPU", _per_gpu("peak_allocated_gib", ".1f")),
         ("copy GB/s per GPU", _per_gpu("copy_gbps", ".1f")),
         ("raw H2D GB/s per GPU (all at once)", _per_gpu("raw_h2d_gbps", ".1f")),
+        ("before ms per GPU", _per_gpu("before_allreduce_ms", ".0f")),
         ("all-reduce ms per GPU", _per_gpu("allreduce_ms", ".0f")),
         (
             "host GiB (shared GiB)",
