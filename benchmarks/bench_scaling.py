@@ -27,6 +27,8 @@ overlap only across micro-batches: a step is ``--micro_batches`` micro-batches o
 the 1-GPU one (one stage) included, and its samples/s are micro-batches / step. Per row: its stages' layer ranges,
 bytes copied per step and host copies (each stage holds its own layers' copy), every step's loss (the same model
 trains in every row, so the losses agree), and the bubble's bound N x M / (M + N - 1) the cap is judged against.
+DeepSpeed 0.19 runs a stage's backward once per tensor it sends on (Flux's first stages: twice); ``--one_backward``
+runs it once, as 0.18.4 (diffusion-pipe's pin) does (scaling_pipeline.one_backward).
 
     python benchmarks/bench_scaling.py --model flux --gpus 1,2 --name scaling_flux_12   # H100: about 5 minutes
     python benchmarks/bench_scaling.py --model flux --gpus 4 --name scaling_flux_4      # about 3 minutes
@@ -110,6 +112,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--micro_batches", type=int, default=None, help="pipeline rows: micro-batches per step (default 4)")
     p.add_argument("--partition", default="parameters", help="pipeline rows: PipelineModule's partition_method")
+    p.add_argument(
+        "--one_backward",
+        action="store_true",
+        help="pipeline rows: one backward per stage and micro-batch, as DeepSpeed 0.18.4 (0.19 runs one per output)",
+    )
     p.add_argument("--worker", nargs=4, metavar=("RANK", "WORLD", "PORT", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--job_layout", choices=("data", "pipeline"), default="data", help=argparse.SUPPRESS)
     return p
@@ -514,6 +521,12 @@ def data_cap(row: dict, base: dict, otherwise: str) -> str:
     return f"{otherwise} (copies kept pace)"
 
 
+def deepspeed_version() -> str:
+    import deepspeed
+
+    return deepspeed.__version__
+
+
 def description(args, record: dict) -> str:
     budget = "the tightest budget" if args.tiny else f"{args.vram_budget or DEFAULT_BUDGET[args.model]:g} GiB"
     if args.model == "wan" and args.vram_budget is None:
@@ -529,7 +542,12 @@ def description(args, record: dict) -> str:
         "data": "batch 1 per process, data parallel over 1 to N GPUs of one machine",
         "pipeline": (
             f"one model in N pipeline stages over 1 to N GPUs of one machine (DeepSpeed's PipelineModule, partition "
-            f"'{args.partition}', a process per stage), {args.micro_batches} micro-batches of 1 per step"
+            f"'{args.partition}', a process per stage), {args.micro_batches} micro-batches of 1 per step, "
+            + (
+                "one backward per stage and micro-batch (--one_backward, as DeepSpeed 0.18.4)"
+                if args.one_backward
+                else f"DeepSpeed {deepspeed_version()}'s backward"
+            )
         ),
     }
     how = "; ".join(

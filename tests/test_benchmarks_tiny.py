@@ -418,6 +418,29 @@ def test_the_scaling_benchmark_runs_one_model_in_one_and_two_pipeline_stages(tmp
     assert report.render(json.loads((tmp_path / f"scaling_{model}.json").read_text())) == markdown
 
 
+def test_one_backward_runs_a_stages_backward_once_for_all_it_sent_on(tmp_path):
+    """--one_backward: the first of two Flux stages (it sends on the image and the text streams) copies fewer bytes
+    a step where DeepSpeed runs a backward per output (0.19), never more; the last stage's are unchanged, and every
+    step's loss is the same either way."""
+    import bench_scaling
+    import deepspeed
+    from packaging.version import Version
+
+    argv = ["--model", "flux", "--tiny", "--strict", "--layout", "pipeline", "--gpus", "2", "--max_warmup", "3"]
+    rows = []
+    for extra in ([], ["--one_backward"]):
+        result = bench_scaling.main([*argv, *extra, "--results_dir", str(tmp_path / (extra or ["plain"])[0])])
+        rows.append(result["rows"][0])
+    plain, once = rows
+    assert "--one_backward" in result["description"] and once["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    assert once["stage_bytes_per_step"][1] == plain["stage_bytes_per_step"][1]
+    first_plain, first_once = plain["stage_bytes_per_step"][0], once["stage_bytes_per_step"][0]
+    if Version(deepspeed.__version__) >= Version("0.19"):
+        assert first_once < 0.8 * first_plain
+    else:
+        assert first_once <= first_plain
+
+
 def fake_ranks(gpus: int, step_s: float, micro: int | None = None) -> list[dict]:
     """Records as a job's processes write them (pipeline ones with their micro-batches, stage and losses)."""
     ranks = []
