@@ -73,7 +73,7 @@ class StageLast(nn.Module):
 
     def forward(self, inputs):
         out = self.layer(inputs)
-        untouched = [t.sum() for t in inputs if t.is_floating_point() and t.requires_grad]
+        untouched = [t.sum().float() for t in inputs if t.is_floating_point() and t.requires_grad]
         return out + 0 * torch.stack(untouched).sum().to(out.dtype) if untouched else out
 
 

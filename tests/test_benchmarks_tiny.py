@@ -441,6 +441,28 @@ def test_one_backward_runs_a_stages_backward_once_for_all_it_sent_on(tmp_path):
         assert first_once <= first_plain
 
 
+@pytest.mark.parametrize("model", ["flux", "wan"])
+def test_a_stage_of_the_output_layer_alone_sends_a_gradient_back_for_every_floating_input(model):
+    """The pipeline wrappers in bf16 (as on a GPU: the rotary tables stay float32): the first layer's floating
+    outputs all take a gradient, and a stage holding only the output layer gives every floating input one (DeepSpeed
+    asserts a gradient for each it sends back), though the layer reads two of them."""
+    import flux
+    import scaling_pipeline
+    import wan
+
+    bench = {"flux": flux, "wan": wan}[model].build(True, torch.device("cpu"), torch.bfloat16, None, on_meta=True)
+    layers = scaling_pipeline.stage_layers(bench.layers)
+    scaling_pipeline.give_weights(layers, 0, torch.device("cpu"), torch.bfloat16)
+    sent = bench.inputs
+    for layer in layers[:-1]:
+        sent = layer(sent)
+    dtypes = {t.dtype for t in sent}
+    assert dtypes == {torch.bfloat16, torch.float32} and all(t.requires_grad for t in sent if t.is_floating_point())
+    received = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in sent)  # as the last stage gets them
+    torch.nn.functional.mse_loss(layers[-1](received).float(), bench.target.float()).backward()
+    assert all(t.grad is not None for t in received if t.is_floating_point())
+
+
 def fake_ranks(gpus: int, step_s: float, micro: int | None = None) -> list[dict]:
     """Records as a job's processes write them (pipeline ones with their micro-batches, stage and losses)."""
     ranks = []
