@@ -430,14 +430,21 @@ def run_job(args, argv: list[str], gpus: int) -> tuple[list[dict], str]:
 def row_label(args, layout: str, gpus: int) -> str:
     """'2 GPUs' (data parallel), 'pipeline, 2 GPUs' (pipeline stages)."""
     count = f"{gpus} GPU" + ("s" if gpus > 1 else "")
-    return count if layout == "data" else f"pipeline, {count}"
+    return count if layout == "data" else f"{layout_name(args, layout)}, {count}"
+
+
+def layout_name(args, layout: str) -> str:
+    """A row's layout as results name it: 'data parallel', 'pipeline', 'pipeline, one backward'."""
+    if layout == "data":
+        return "data parallel"
+    return "pipeline, one backward" if args.one_backward else "pipeline"
 
 
 def labelled(args, layout: str, row: dict) -> dict:
     """A row with its layout named where the result has pipeline rows (data-parallel-only results as before)."""
     if args.layout == "data":
         return row
-    return {"layout": "pipeline" if layout == "pipeline" else "data parallel", **row}
+    return {"layout": layout_name(args, layout), **row}
 
 
 def row_of(gpus: int, ranks: list[dict], base: dict | None, label: str | None = None) -> dict:
@@ -653,16 +660,19 @@ def merge(args, out: Path) -> dict:
     measured = [r for part in parts for r in part["rows"] if "samples_per_s" in r]
     if not measured:
         raise SystemExit("no measured rows to merge")
-    mixed = any(r.get("layout") == "pipeline" for r in measured)
+    mixed = any("micro_batches" in r for r in measured)
     groups: dict[tuple, list[dict]] = {}
     for row in measured:
         if mixed:
             row.setdefault("layout", "data parallel")
-        groups.setdefault((row.get("layout") == "pipeline", row.get("micro_batches")), []).append(row)
+        groups.setdefault((row.get("layout", ""), row.get("micro_batches") or 0), []).append(row)
+    one_stage = {micro: group[0] for (_, micro), group in groups.items() if micro and group[0]["gpus"] == 1}
     rows = []
-    for key in sorted(groups, key=lambda k: (k[0], k[1] or 0)):
+    for key in sorted(groups, key=lambda k: (k[0] != "data parallel", k)):
         group = sorted(groups[key], key=lambda r: r["gpus"])
-        base = group[0]
+        # one stage runs the same either way (--one_backward changes stages that send on): a pipeline group measured
+        # from 2 GPUs up takes the 1-stage row of its micro-batches from the other pipeline result
+        base = group[0] if group[0]["gpus"] == 1 or not key[1] else one_stage.get(key[1], group[0])
         for row in group:
             row["vs_1gpu"] = row["samples_per_s"] / base["samples_per_s"]
             row["efficiency"] = row["vs_1gpu"] / row["gpus"] * base["gpus"]

@@ -488,13 +488,25 @@ def test_the_scaling_merge_keeps_each_layouts_rows_against_its_own_first_row(tmp
     pipe.append(bench_scaling.labelled(args, "pipeline", bench_scaling.row_of(2, fake_ranks(2, 2.5, 4), pipe[0])))
     assert "layout" not in data[0] and pipe[1]["vs_1gpu"] == pytest.approx(1.6)
     assert "bubble" in pipe[1]["cap"] and "1.60x at most" in pipe[1]["cap"] and pipe[1]["host_copy_gib"] == 2.0
-    for name, rows in (("dp", data), ("pp", pipe)):
+    once = bench_scaling.parser().parse_args(["--layout", "pipeline", "--one_backward"])
+    alone = bench_scaling.labelled(once, "pipeline", bench_scaling.row_of(2, fake_ranks(2, 2.0, 4), None))
+    assert alone["vs_1gpu"] == 1.0 and alone["layout"] == "pipeline, one backward"
+    for name, rows in (("dp", data), ("pp", pipe), ("once", [alone])):
         part = dict(benchmark="scaling", model="flux", title="t", description=name, environment={}, tiny=True)
         report.write_result(dict(part, command=name, notes=[name], rows=rows), name, tmp_path)
-    merged = bench_scaling.main(["--merge", "pp,dp", "--name", "both", "--results_dir", str(tmp_path)])
+    merged = bench_scaling.main(["--merge", "pp,dp,once", "--name", "both", "--results_dir", str(tmp_path)])
     layouts = [(r["layout"], r["gpus"], round(r["vs_1gpu"], 3)) for r in merged["rows"]]
-    assert layouts == [("data parallel", 1, 1.0), ("data parallel", 2, 2.0), ("pipeline", 1, 1.0), ("pipeline", 2, 1.6)]
-    assert merged["notes"] == ["pp", "dp"] and "| layout | GPUs | micro-batches |" in (tmp_path / "both.md").read_text()
+    assert layouts == [
+        ("data parallel", 1, 1.0),
+        ("data parallel", 2, 2.0),
+        ("pipeline", 1, 1.0),
+        ("pipeline", 2, 1.6),
+        ("pipeline, one backward", 2, 2.0),  # against the 1-stage row: one stage runs the same either way
+    ]
+    assert (
+        merged["notes"] == ["pp", "dp", "once"]
+        and "| layout | GPUs | micro-batches |" in (tmp_path / "both.md").read_text()
+    )
 
 
 def test_the_scaling_benchmark_refuses_pipeline_rows_of_a_full_fine_tune():
