@@ -1,4 +1,4 @@
-"""Scaling over the GPUs of one machine: data-parallel training with DGLS on 1, 2, 4 ... GPUs.
+"""Scaling over the GPUs of one machine: data-parallel and pipeline-stage training with DGLS on 1, 2, 4 ... GPUs.
 
 One process per GPU (started here, one job per GPU count, each a fresh set of processes), every process streaming
 from the one host copy its machine shares (utils/dgls/memory/peers.py). Models (random weights, no download; built
@@ -37,9 +37,16 @@ runs it once, as 0.18.4 (diffusion-pipe's pin) does (scaling_pipeline.one_backwa
         # GPU count per command (about 3-4 minutes each), then --gpus 2, --gpus 4 and --merge as above
     python benchmarks/bench_scaling.py --model sdxl_full --gpus 1,2 --name scaling_sdxl_full_12   # about 4 minutes
     python benchmarks/bench_scaling.py --model flux --gpus 1,2 --layout pipeline --name scaling_flux_pp_12
-        # about 5 minutes; then --gpus 4 (about 3 minutes) and --merge scaling_flux_12,scaling_flux_4,... as above
-    python benchmarks/bench_scaling.py --model wan --gpus 1 --layout pipeline --micro_batches 2 --steps 2 \
-        --name scaling_wan_pp_1     # a step is 2 micro-batches of ~22 s: about 5 minutes; then --gpus 2 and 4
+        # H100: about 5 minutes (a step of 4 micro-batches is ~4-5 s on one GPU; the planners settle first)
+    python benchmarks/bench_scaling.py --model flux --gpus 4 --layout pipeline --name scaling_flux_pp_4   # ~3 minutes
+    python benchmarks/bench_scaling.py --model flux --gpus 2,4 --layout pipeline --one_backward \
+        --name scaling_flux_pp1_24                                                    # about 5 minutes
+    python benchmarks/bench_scaling.py --merge scaling_flux_12,scaling_flux_4,scaling_flux_pp_12,scaling_flux_pp_4,\
+scaling_flux_pp1_24 --name scaling_flux     # every layout's rows in one result (no GPU)
+    python benchmarks/bench_scaling.py --model wan --gpus 1 --layout pipeline --micro_batches 2 --warmup 1 \
+        --steps 2 --name scaling_wan_pp_1     # a step is 2 micro-batches of ~22 s: about 4 minutes
+    python benchmarks/bench_scaling.py --model wan --gpus 2,4 --layout pipeline --micro_batches 2 --warmup 1 \
+        --steps 2 --name scaling_wan_pp_24    # about 6 minutes; then --merge as above
     python benchmarks/bench_scaling.py --model flux --tiny              # smoke test on CPU (gloo), 1 and 2 processes
     python benchmarks/bench_scaling.py --model wan --tiny --layout pipeline   # the same, 1 and 2 stages
 
