@@ -27,7 +27,7 @@ overlap only across micro-batches: a step is ``--micro_batches`` micro-batches o
 the 1-GPU one (one stage) included, and its samples/s are micro-batches / step. Per row: its stages' layer ranges,
 bytes copied per step and host copies (each stage holds its own layers' copy), every step's loss (the same model
 trains in every row, so the losses agree), and the bubble's bound N x M / (M + N - 1) the cap is judged against.
-DeepSpeed 0.19 runs a stage's backward once per tensor it sends on (Flux's first stages: twice); ``--one_backward``
+DeepSpeed 0.19.8 runs a stage's backward once per tensor it sends on (Flux's first stages: twice); ``--one_backward``
 runs it once, as 0.18.4 (diffusion-pipe's pin) does (scaling_pipeline.one_backward).
 
     python benchmarks/bench_scaling.py --model flux --gpus 1,2 --name scaling_flux_12   # H100: about 5 minutes
@@ -122,7 +122,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--one_backward",
         action="store_true",
-        help="pipeline rows: one backward per stage and micro-batch, as DeepSpeed 0.18.4 (0.19 runs one per output)",
+        help="pipeline rows: one backward per stage and micro-batch, as DeepSpeed 0.18.4 (0.19.8: one per output)",
     )
     p.add_argument("--worker", nargs=4, metavar=("RANK", "WORLD", "PORT", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--job_layout", choices=("data", "pipeline"), default="data", help=argparse.SUPPRESS)

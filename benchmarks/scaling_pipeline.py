@@ -11,10 +11,10 @@ and streams its own stage's layers under its own GPU's budget (or memory cap), f
   schedule: stages overlap only across micro-batches), then every stage's optimizer step. DeepSpeed's config is
   diffusion-pipe's (no bf16 section, gradient clipping 1.0): the LoRA trains in the bench's dtype with AdamW, as
   the data-parallel rows' does.
-- DeepSpeed 0.19 runs a stage's backward once per floating tensor the stage sends on (``out.backward`` for each,
-  graph retained); 0.18.4 (diffusion-pipe's pin) ran one ``torch.autograd.backward`` over them all. Where two of them
-  come out of the whole stage (Flux's image and text streams), 0.19 runs the stage's backward, recomputation and
-  weight copies twice. ``--one_backward`` (:func:`one_backward`) gives this run's engine 0.18.4's single backward.
+- DeepSpeed 0.19.8 runs a stage's backward once per floating tensor the stage sends on (``out.backward`` for each,
+  graph retained); 0.18.4 (diffusion-pipe's pin) runs one ``torch.autograd.backward`` over them all. Where two of
+  them come out of the whole stage (Flux's image and text streams), 0.19.8 runs the stage's backward, recomputation
+  and weight copies twice. ``--one_backward`` (:func:`one_backward`) gives this run's engine 0.18.4's single backward.
 - The wrappers below only make the bench's layers fit between stages (every tensor passed on is contiguous and, if
   floating, has a gradient to send back); what a layer computes is the bench's.
 """
@@ -35,8 +35,8 @@ from torch import nn
 # ---------------------------------------------------------------- the layers between stages
 class StageFirst(nn.Module):
     """The embedding layer: its floating outputs that carry no gradient (rotary tables, the timestep embedding
-    of frozen weights) are made leaves that take one, as diffusion-pipe's first layers do: DeepSpeed runs a
-    backward from every floating tensor a stage sends on, and that refuses a tensor without a gradient."""
+    of frozen weights) are made leaves that take one: DeepSpeed runs a backward from every floating tensor a stage
+    sends on, and that refuses a tensor without a gradient."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
