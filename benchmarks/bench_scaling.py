@@ -36,12 +36,12 @@ runs it once, as 0.18.4 (diffusion-pipe's pin) does (scaling_pipeline.one_backwa
     python benchmarks/bench_scaling.py --model wan --gpus 1 --steps 3 --name scaling_wan_1   # a step is ~22 s: one
         # GPU count per command (about 3-4 minutes each), then --gpus 2, --gpus 4 and --merge as above
     python benchmarks/bench_scaling.py --model sdxl_full --gpus 1,2 --name scaling_sdxl_full_12   # about 4 minutes
-    python benchmarks/bench_scaling.py --model flux --gpus 1,2 --layout pipeline --name scaling_flux_pp_12
-        # H100: about 5 minutes (a step of 4 micro-batches is ~4-5 s on one GPU; the planners settle first)
-    python benchmarks/bench_scaling.py --model flux --gpus 4 --layout pipeline --name scaling_flux_pp_4   # ~3 minutes
+    python benchmarks/bench_scaling.py --model flux --gpus 1 --layout pipeline --name scaling_flux_pp_1
+        # H100: about 4-5 minutes (a step of 4 micro-batches is ~4.5 s on one GPU; the planner settles first)
+    python benchmarks/bench_scaling.py --model flux --gpus 2,4 --layout pipeline --name scaling_flux_pp_24   # ~6 min
     python benchmarks/bench_scaling.py --model flux --gpus 2,4 --layout pipeline --one_backward \
-        --name scaling_flux_pp1_24                                                    # about 5 minutes
-    python benchmarks/bench_scaling.py --merge scaling_flux_12,scaling_flux_4,scaling_flux_pp_12,scaling_flux_pp_4,\
+        --name scaling_flux_pp1_24                                                    # about 6 minutes
+    python benchmarks/bench_scaling.py --merge scaling_flux_12,scaling_flux_4,scaling_flux_pp_1,scaling_flux_pp_24,\
 scaling_flux_pp1_24 --name scaling_flux     # every layout's rows in one result (no GPU)
     python benchmarks/bench_scaling.py --model wan --gpus 1 --layout pipeline --micro_batches 2 --warmup 1 \
         --steps 2 --name scaling_wan_pp_1     # a step is 2 micro-batches of ~22 s: about 4 minutes
