@@ -1,4 +1,4 @@
-"""Scaling over the GPUs of one machine: data-parallel training with DGLS on 1, 2, 4 ... GPUs.
+"""Scaling over the GPUs of one machine: data-parallel and pipeline-stage training with DGLS on 1, 2, 4 ... GPUs.
 
 One process per GPU (started here, one job per GPU count, each a fresh set of processes), every process streaming
 from the one host copy its machine shares (utils/dgls/memory/peers.py). Models (random weights, no download; built
@@ -20,13 +20,35 @@ pinned copies of 1 GiB run on every GPU at once (the shared host memory and PCIe
 memory (the processes' proportional set sizes summed: the shared copy counts once) and the shared copy's size.
 Where the rate falls short of the GPU count, the row names the likely cap.
 
+``--layout pipeline`` (or ``data,pipeline``; LoRA models) adds rows of ONE model in N pipeline stages, a process per
+GPU, as diffusion-pipe runs ``pipeline_stages = N`` (scaling_pipeline.py: DeepSpeed's PipelineModule partitioned by
+trainable parameters, ``train_batch``, DGLS placing each stage's layers under its own GPU's budget or cap). Stages
+overlap only across micro-batches: a step is ``--micro_batches`` micro-batches of 1 (default 4) on every pipeline row,
+the 1-GPU one (one stage) included, and its samples/s are micro-batches / step. Per row: its stages' layer ranges,
+bytes copied per step and host copies (each stage holds its own layers' copy), every step's loss (the same model
+trains in every row, so the losses agree), and the bubble's bound N x M / (M + N - 1) the cap is judged against.
+DeepSpeed 0.19.8 runs a stage's backward once per tensor it sends on (Flux's first stages: twice); ``--one_backward``
+runs it once, as 0.18.4 (diffusion-pipe's pin) does (scaling_pipeline.one_backward).
+
     python benchmarks/bench_scaling.py --model flux --gpus 1,2 --name scaling_flux_12   # H100: about 5 minutes
     python benchmarks/bench_scaling.py --model flux --gpus 4 --name scaling_flux_4      # about 3 minutes
     python benchmarks/bench_scaling.py --merge scaling_flux_12,scaling_flux_4 --name scaling_flux   # no GPU
     python benchmarks/bench_scaling.py --model wan --gpus 1 --steps 3 --name scaling_wan_1   # a step is ~22 s: one
         # GPU count per command (about 3-4 minutes each), then --gpus 2, --gpus 4 and --merge as above
     python benchmarks/bench_scaling.py --model sdxl_full --gpus 1,2 --name scaling_sdxl_full_12   # about 4 minutes
+    python benchmarks/bench_scaling.py --model flux --gpus 1 --layout pipeline --name scaling_flux_pp_1
+        # H100: about 4-5 minutes (a step of 4 micro-batches is ~4.5 s on one GPU; the planner settles first)
+    python benchmarks/bench_scaling.py --model flux --gpus 2,4 --layout pipeline --name scaling_flux_pp_24   # ~6 min
+    python benchmarks/bench_scaling.py --model flux --gpus 2,4 --layout pipeline --one_backward \
+        --name scaling_flux_pp1_24                                                    # about 6 minutes
+    python benchmarks/bench_scaling.py --merge scaling_flux_12,scaling_flux_4,scaling_flux_pp_1,scaling_flux_pp_24,\
+scaling_flux_pp1_24 --name scaling_flux     # every layout's rows in one result (no GPU)
+    python benchmarks/bench_scaling.py --model wan --gpus 1 --layout pipeline --micro_batches 2 --warmup 1 \
+        --steps 2 --name scaling_wan_pp_1     # a step is 2 micro-batches of ~22 s: about 4 minutes
+    python benchmarks/bench_scaling.py --model wan --gpus 2,4 --layout pipeline --micro_batches 2 --warmup 1 \
+        --steps 2 --name scaling_wan_pp_24    # about 6 minutes; then --merge as above
     python benchmarks/bench_scaling.py --model flux --tiny              # smoke test on CPU (gloo), 1 and 2 processes
+    python benchmarks/bench_scaling.py --model wan --tiny --layout pipeline   # the same, 1 and 2 stages
 
 Writes benchmarks/results/scaling_<model>.json and .md (``--name``); ``--merge A,B,...`` writes one result of the
 rows of earlier results (of one model) instead of measuring.
@@ -67,6 +89,7 @@ WAN_RECIPE = dict(
 )
 EFFICIENT = 0.95  # a row at this share of N x one GPU's samples/s or more names no cap
 SHARED_RATE = 0.9  # plain copies on every GPU at once below this share of one GPU's alone: the host side is shared
+LAYOUTS = ("data", "pipeline", "data,pipeline")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -88,7 +111,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--results_dir", type=Path, default=None, help="default: results/ (results/tiny/ with --tiny)")
     p.add_argument("--merge", default=None, help="comma list of result names (one model) to join into --name")
     p.add_argument("--strict", action="store_true", help="a failing job fails the run (tests)")
+    p.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="data",
+        help="data: data-parallel rows; pipeline: rows of one model in N pipeline stages (LoRA models); data,pipeline",
+    )
+    p.add_argument("--micro_batches", type=int, default=None, help="pipeline rows: micro-batches per step (default 4)")
+    p.add_argument("--partition", default="parameters", help="pipeline rows: PipelineModule's partition_method")
+    p.add_argument(
+        "--one_backward",
+        action="store_true",
+        help="pipeline rows: one backward per stage and micro-batch, as DeepSpeed 0.18.4 (0.19.8: one per output)",
+    )
     p.add_argument("--worker", nargs=4, metavar=("RANK", "WORLD", "PORT", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--job_layout", choices=("data", "pipeline"), default="data", help=argparse.SUPPRESS)
     return p
 
 
@@ -99,6 +136,9 @@ def worker(args) -> None:
     import psutil
     import torch
 
+    if args.job_layout == "pipeline":
+        pipeline_worker(args)
+        return
     rank, world, port, out = int(args.worker[0]), int(args.worker[1]), args.worker[2], Path(args.worker[3])
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -269,6 +309,105 @@ def reduce_seconds(reduced: list) -> tuple[float, float, float]:
     return before, during, float(reduced[-1][3])
 
 
+# ---------------------------------------------------------------- one stage of a pipeline job
+def pipeline_worker(args) -> None:
+    """One pipeline stage (scaling_pipeline.py): build its part of the model, train, write OUT/rank<R>.json."""
+    import machine
+    import psutil
+    import scaling_pipeline
+    import torch
+
+    rank, world, port, out = int(args.worker[0]), int(args.worker[1]), args.worker[2], Path(args.worker[3])
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.enable_cudnn_sdp(False)  # as machine.session: its backward is broken on the lent H100s
+    else:
+        torch.set_num_threads(1)
+    scaling_pipeline.init_distributed(rank, world, port, cuda)
+    dist = torch.distributed
+    try:
+        started = time.perf_counter()
+        bench = model_builder(args.model)(args.tiny, device, dtype, args, on_meta=True)
+        log = print if rank == 0 else (lambda line: None)
+        engine, swapper = scaling_pipeline.build_engine(
+            args, bench, device, dtype, world, partial(stage_config, args, device), log
+        )
+        if cuda and args.model == "wan" and args.vram_budget is None:  # the wan recipe's cap, as build()'s
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * GiB / total, device)
+        build_s = time.perf_counter() - started
+        losses: list[float] = []  # every step's, untimed ones too
+        step = scaling_pipeline.stage_step(engine, bench, losses)
+        sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+        warm = warm_up(args, step, swapper.driver, sync, dist)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        before = swapper.total_stats(sync=True)
+        times = scaling_pipeline.timed_steps(step, args.steps, sync, dist)
+        stats = swapper.total_stats(sync=True).since(before)
+        memory = psutil.Process().memory_full_info()
+        if cuda:  # the wan recipe's cap off: the plain copies and the swapper's removal allocate beyond it
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+        dist.barrier()
+        raw = machine.pinned_bandwidth(device) if cuda else 0.0  # every rank at once
+        shared = sum(host.buffer.numel() for host in swapper.store.layers.values())
+        module = engine.module
+        record = {
+            "rank": rank,
+            "build_s": build_s,
+            "warmup_steps": warm,
+            "step_times_s": times,
+            "losses": losses,
+            "micro_batches": args.micro_batches,
+            "stage_layers": [int(module._local_start), int(module._local_stop)],
+            "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GiB if cuda else None,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB if cuda else None,
+            "bytes_per_step": stats.bytes_moved / max(1, len(times)),
+            "copy_gbps": stats.gbps,
+            "wait_ms_per_step": stats.wait_ms / max(1, len(times)),
+            "raw_h2d_gbps": raw,
+            "pss_gib": getattr(memory, "pss", memory.rss) / GiB,
+            "rss_gib": memory.rss / GiB,
+            "host_copy_gib": shared / GiB,
+            "sharing_processes": swapper.masters.peers.local_ranks,
+            "streamed_layers": len(swapper.placement.streamed),
+            "entries": len(swapper.entries),
+            "layers": len(bench.layers),
+            "shape": bench.shape,
+            "title": bench.title,
+        }
+        swapper.remove()
+        (out / f"rank{rank}.json").write_text(json.dumps(record))
+    finally:
+        dist.destroy_process_group()
+
+
+def model_builder(model: str):
+    import flux
+    import wan
+
+    return {"flux": flux.build, "wan": wan.build}[model]
+
+
+def stage_config(args, device, layers: list):
+    """A pipeline stage's SwapConfig for its ``layers`` (each stage its own GPU's budget or cap), as build()'s for
+    the whole model: the wan recipe streams every block of the stage (its device memory capped by the worker once
+    DGLS took them home, as build() caps it)."""
+    import scaling_pipeline
+
+    from utils.dgls import SwapConfig
+
+    if args.model == "wan" and args.vram_budget is None:
+        blocks = sum(isinstance(layer, scaling_pipeline.StageBlock) for layer in layers)
+        recipe = dict(WAN_RECIPE, blocks_to_swap=blocks)
+        return SwapConfig.of(**dict(recipe, swap_unit_mb=0.05) if args.tiny else recipe)
+    budget = args.vram_budget or DEFAULT_BUDGET[args.model]
+    return SwapConfig.of(vram_budget=scaling_pipeline.tight_budget_gib(layers) if args.tiny else budget)
+
+
 def warm_up(args, step, planner, sync, dist) -> int:
     """Untimed steps: ``--warmup``, or with a budget until every process's planner has its plan and kept it for
     two steps (every process runs the same number of steps: their gradients meet at each)."""
@@ -332,12 +471,39 @@ def run_job(args, argv: list[str], gpus: int) -> tuple[list[dict], str]:
         return [], "\n".join(tails)
 
 
-def row_of(gpus: int, ranks: list[dict], base: dict | None) -> dict:
-    """A GPU count's figures from its processes' records; ``base``: the one-GPU row (None: this is it)."""
-    step = statistics.median(ranks[0]["step_times_s"])
-    samples = gpus / step
+def row_label(args, layout: str, gpus: int) -> str:
+    """'2 GPUs' (data parallel), 'pipeline, 2 GPUs' (pipeline stages)."""
+    count = f"{gpus} GPU" + ("s" if gpus > 1 else "")
+    return count if layout == "data" else f"{layout_name(args, layout)}, {count}"
+
+
+def layout_name(args, layout: str) -> str:
+    """A row's layout as results name it: 'data parallel', 'pipeline', 'pipeline, one backward'."""
+    if layout == "data":
+        return "data parallel"
+    return "pipeline, one backward" if args.one_backward else "pipeline"
+
+
+def labelled(args, layout: str, row: dict) -> dict:
+    """A row with its layout named where the result has pipeline rows (data-parallel-only results as before)."""
+    if args.layout == "data":
+        return row
+    return {"layout": layout_name(args, layout), **row}
+
+
+def row_of(gpus: int, ranks: list[dict], base: dict | None, label: str | None = None) -> dict:
+    """A GPU count's figures from its processes' records; ``base``: the one-GPU row of its layout (None: this is
+    it). A pipeline job's records carry its micro-batches: a step then trains that many samples, and lasts as long
+    as its slowest stage's (each step's longest time over the stages)."""
+    micro = ranks[0].get("micro_batches")
+    if micro is None:
+        step = statistics.median(ranks[0]["step_times_s"])
+        samples = gpus / step
+    else:
+        step = statistics.median(max(times) for times in zip(*(r["step_times_s"] for r in ranks)))
+        samples = micro / step
     row = {
-        "method": f"{gpus} GPU" + ("s" if gpus > 1 else ""),
+        "method": label or f"{gpus} GPU" + ("s" if gpus > 1 else ""),
         "gpus": gpus,
         "median_step_s": step,
         "samples_per_s": samples,
@@ -353,21 +519,49 @@ def row_of(gpus: int, ranks: list[dict], base: dict | None) -> dict:
         "bytes_per_step": ranks[0]["bytes_per_step"],
         "host_pss_gib": sum(r["pss_gib"] for r in ranks),
         "host_rss_gib": [r["rss_gib"] for r in ranks],
-        "host_copy_gib": ranks[0]["host_copy_gib"],
+        "host_copy_gib": ranks[0]["host_copy_gib"] if micro is None else sum(r["host_copy_gib"] for r in ranks),
         "sharing_processes": ranks[0]["sharing_processes"],
         "streamed_layers": [r["streamed_layers"] for r in ranks],
     }
+    if micro is not None:
+        row["micro_batches"] = micro
+        row["stage_layers"] = [r["stage_layers"] for r in ranks]
+        row["stage_bytes_per_step"] = [r["bytes_per_step"] for r in ranks]
+        row["stage_host_copy_gib"] = [r["host_copy_gib"] for r in ranks]
+        row["losses"] = ranks[-1]["losses"]  # every step's, untimed ones too: the last stage computes them
     base = base or row
     row["vs_1gpu"] = samples / base["samples_per_s"]
     row["efficiency"] = row["vs_1gpu"] / gpus * base["gpus"]
+    if micro is not None:
+        row["bubble_bound"] = bubble_bound(gpus, micro) / bubble_bound(base["gpus"], micro)
     row["cap"] = cap_of(row, base)
     return row
+
+
+def bubble_bound(stages: int, micro: int) -> float:
+    """The most ``stages`` pipeline stages can speed a step of ``micro`` micro-batches up over one stage, with
+    every stage equally fast and nothing waited on: DeepSpeed's schedule keeps a stage busy M of its M + N - 1
+    slots."""
+    return stages * micro / (micro + stages - 1)
 
 
 def cap_of(row: dict, base: dict) -> str:
     """The shared resource that most likely caps a row short of N x one GPU's rate, or ""."""
     if row["gpus"] == base["gpus"] or row["efficiency"] >= EFFICIENT:
         return ""
+    if "bubble_bound" in row:
+        bound = row["bubble_bound"]
+        micro, stages = row["micro_batches"], row["gpus"]
+        bubble = f"the pipeline's bubble: {micro} micro-batches over {stages} stages reach {bound:.2f}x at most"
+        if row["vs_1gpu"] >= EFFICIENT * bound:
+            return bubble
+        return f"{bubble}; short of it: {data_cap(row, base, 'unequal stages, or the sends between them')}"
+    return data_cap(row, base, "the gradient all-reduce and collectives")
+
+
+def data_cap(row: dict, base: dict, otherwise: str) -> str:
+    """The shared resource (host-to-device copies) most likely behind a shortfall; ``otherwise`` if copies kept
+    pace."""
     alone = statistics.mean(base["raw_h2d_gbps"]) or 0.0
     together = statistics.mean(row["raw_h2d_gbps"]) or 0.0
     waited = statistics.mean(row["wait_ms_per_step"]) - statistics.mean(base["wait_ms_per_step"])
@@ -378,6 +572,8 @@ def cap_of(row: dict, base: dict) -> str:
         )
     if waited > 0.05 * row["median_step_s"] * 1000:
         return f"copies: the compute waited {waited:.0f} ms more per step on them than on one GPU"
+    if "allreduce_ms" not in row:  # a pipeline row (no all-reduce of its own timed)
+        return f"{otherwise} (copies kept pace)"
     longer = (row["median_step_s"] - base["median_step_s"]) * 1000
     reduce_ms = statistics.mean(row.get("allreduce_ms") or [0.0])
     before = row.get("before_allreduce_ms") or [0.0]
@@ -396,6 +592,12 @@ def cap_of(row: dict, base: dict) -> str:
     return f"collectives and contention: the step grew {longer:.0f} ms, the all-reduce took {reduce_ms:.0f} ms"
 
 
+def deepspeed_version() -> str:
+    import deepspeed
+
+    return deepspeed.__version__
+
+
 def description(args, record: dict) -> str:
     if args.model == "wan" and args.vram_budget is None:
         what = f"toml/wan_lora_long_video.toml's settings, device memory capped at {args.memory_cap_gib:g} GiB per GPU"
@@ -407,8 +609,24 @@ def description(args, record: dict) -> str:
             f"every weight trained, layers of {args.stream_mib:g} MiB or more streamed, host AdamW ({args.host_adam})"
         )
 
+    layouts = {
+        "data": "batch 1 per process, data parallel over 1 to N GPUs of one machine",
+        "pipeline": (
+            f"one model in N pipeline stages over 1 to N GPUs of one machine (DeepSpeed's PipelineModule, partition "
+            f"'{args.partition}', a process per stage), {args.micro_batches} micro-batches of 1 per step, "
+            + (
+                "one backward per stage and micro-batch (--one_backward, as DeepSpeed 0.18.4)"
+                if args.one_backward
+                else f"DeepSpeed {deepspeed_version()}'s backward"
+            )
+        ),
+    }
+    how = "; ".join(
+        (f"{layouts[layout]}" if args.layout == "data" else f"{layout} rows: {layouts[layout]}")
+        for layout in args.layout.split(",")
+    )
     return (
-        f"{record['shape']}; batch 1 per process, data parallel over 1 to N GPUs of one machine, {what}; "
+        f"{record['shape']}; {how}; {what}; "
         f"{record['streamed_layers']} of {record['entries']} swap units ({record['layers']} layers) streamed on rank 0"
     )
 
@@ -424,6 +642,12 @@ NOTES = [
     "processes do not update alone: the LoRA's, a full fine-tune's resident params'), flattening and copying back "
     "included, timed on the GPU; it runs after the backward, as DeepSpeed's does.",
 ]
+PIPELINE_NOTES = [
+    "pipeline rows: one model, a stage per GPU, each streaming its own layers from its own host copy (shared GiB: "
+    "the stages' copies summed); a step is every micro-batch through every stage, samples/s = micro-batches / median "
+    "step (each step as long as its slowest stage's), vs 1 GPU against the 1-stage row of the same micro-batches; "
+    "stages overlap only across micro-batches, so N stages reach N x M / (M + N - 1) at most (the bubble).",
+]
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -431,6 +655,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     args = parser().parse_args(argv)
     args.steps = args.steps if args.steps is not None else (2 if args.tiny else 5)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2)
+    args.micro_batches = args.micro_batches if args.micro_batches is not None else (2 if args.tiny else 4)
+    if "pipeline" in args.layout and args.model not in LORA_MODELS:
+        raise SystemExit(f"--layout {args.layout}: pipeline rows are of the LoRA models ({', '.join(LORA_MODELS)})")
     if args.worker:
         worker(args)
         return None
@@ -446,23 +673,33 @@ def main(argv: list[str] | None = None) -> dict | None:
         seen = torch.cuda.device_count()
         raise SystemExit(f"--gpus {args.gpus or '1,2,4'} needs {max(counts)} CUDA devices; {seen} seen")
     started = time.time()
-    rows, base, record = [], None, None
-    for gpus in counts:
-        label = f"{gpus} GPU" + ("s" if gpus > 1 else "")
-        if time.time() - started > args.deadline_s:
-            rows.append({"method": label, "gpus": gpus, "skipped": f"past --deadline_s {args.deadline_s:g}"})
-            continue
-        ranks, log = run_job(args, [a for a in argv if a != "--strict"], gpus)
-        if not ranks:
-            if args.strict:
-                raise RuntimeError(f"{label} failed:\n{log}")
-            rows.append({"method": label, "gpus": gpus, "error": log.strip().splitlines()[-1] if log.strip() else "?"})
-            continue
-        record = record or ranks[0]
-        row = row_of(gpus, ranks, base)
-        base = base or row
-        rows.append(row)
-        print(f"{label}: {row['samples_per_s']:.3f} samples/s ({row['vs_1gpu']:.2f}x)", flush=True)
+    rows, record = [], None
+    for layout in args.layout.split(","):
+        base = None
+        for gpus in counts:
+            label = row_label(args, layout, gpus)
+            if time.time() - started > args.deadline_s:
+                rows.append(
+                    labelled(
+                        args,
+                        layout,
+                        {"method": label, "gpus": gpus, "skipped": f"past --deadline_s {args.deadline_s:g}"},
+                    )
+                )
+                continue
+            job_argv = [a for a in argv if a != "--strict"] + ["--job_layout", layout]
+            ranks, log = run_job(args, job_argv, gpus)
+            if not ranks:
+                if args.strict:
+                    raise RuntimeError(f"{label} failed:\n{log}")
+                error = log.strip().splitlines()[-1] if log.strip() else "?"
+                rows.append(labelled(args, layout, {"method": label, "gpus": gpus, "error": error}))
+                continue
+            record = record or ranks[0]
+            row = labelled(args, layout, row_of(gpus, ranks, base, label))
+            base = base or row
+            rows.append(row)
+            print(f"{label}: {row['samples_per_s']:.3f} samples/s ({row['vs_1gpu']:.2f}x)", flush=True)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     result = {
         "benchmark": "scaling",
@@ -472,7 +709,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         "environment": machine.environment(device),
         "tiny": args.tiny,
         "command": command_line(__file__, argv),
-        "notes": NOTES,
+        "notes": NOTES + (PIPELINE_NOTES if "pipeline" in args.layout else []),
         "rows": rows,
     }
     write_result(result, name, out, echo=True)
@@ -480,21 +717,47 @@ def main(argv: list[str] | None = None) -> dict | None:
 
 
 def merge(args, out: Path) -> dict:
-    """One result of the rows of earlier ones (one GPU count per device command): ratios to the 1-GPU row again."""
+    """One result of the rows of earlier ones (one GPU count per device command): ratios to the 1-GPU row again,
+    each layout's (and each micro-batch count's) rows to their own first row. Data-parallel rows keep their form
+    unless pipeline rows join them (then every row names its layout, as a run of both layouts writes them)."""
     parts = [json.loads((out / f"{n}.json").read_text()) for n in args.merge.split(",")]
     models = {part["model"] for part in parts}
     if len(models) != 1:
         raise SystemExit(f"--merge joins the results of one model; these are of {', '.join(sorted(models))}")
     name = args.name or f"scaling_{models.pop()}"
-    rows = sorted((r for part in parts for r in part["rows"] if "samples_per_s" in r), key=lambda r: r["gpus"])
-    if not rows:
+    measured = [r for part in parts for r in part["rows"] if "samples_per_s" in r]
+    if not measured:
         raise SystemExit("no measured rows to merge")
-    base = rows[0]
-    for row in rows:
-        row["vs_1gpu"] = row["samples_per_s"] / base["samples_per_s"]
-        row["efficiency"] = row["vs_1gpu"] / row["gpus"] * base["gpus"]
-        row["cap"] = cap_of(row, base)
-    result = dict(parts[0], rows=rows, command=" && ".join(p["command"] for p in parts))
+    mixed = any("micro_batches" in r for r in measured)
+    groups: dict[tuple, list[dict]] = {}
+    for row in measured:
+        if mixed:
+            row.setdefault("layout", "data parallel")
+        groups.setdefault((row.get("layout", ""), row.get("micro_batches") or 0), []).append(row)
+    one_stage = {micro: group[0] for (_, micro), group in groups.items() if micro and group[0]["gpus"] == 1}
+    rows = []
+    for key in sorted(groups, key=lambda k: (k[0] != "data parallel", k)):
+        group = sorted(groups[key], key=lambda r: r["gpus"])
+        # one stage runs the same either way (--one_backward changes stages that send on): a pipeline group measured
+        # from 2 GPUs up takes the 1-stage row of its micro-batches from the other pipeline result
+        base = group[0] if group[0]["gpus"] == 1 or not key[1] else one_stage.get(key[1], group[0])
+        for row in group:
+            row["vs_1gpu"] = row["samples_per_s"] / base["samples_per_s"]
+            row["efficiency"] = row["vs_1gpu"] / row["gpus"] * base["gpus"]
+            if "micro_batches" in row:
+                micro = row["micro_batches"]
+                row["bubble_bound"] = bubble_bound(row["gpus"], micro) / bubble_bound(base["gpus"], micro)
+            row["cap"] = cap_of(row, base)
+        rows += group
+    notes = list(dict.fromkeys(note for part in parts for note in part["notes"]))
+    descriptions = list(dict.fromkeys(part["description"] for part in parts))
+    result = dict(
+        parts[0],
+        rows=rows,
+        notes=notes,
+        description=" | ".join(descriptions) if mixed else parts[0]["description"],
+        command=" && ".join(p["command"] for p in parts),
+    )
     write_result(result, name, out, echo=True)
     return result
 

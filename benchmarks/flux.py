@@ -119,10 +119,12 @@ def build(
     side: int | None = None,
     lora: bool = True,
     depth: tuple[int, int] | None = None,
+    on_meta: bool = False,
 ) -> Bench:
     """``side``: latent side (64: 1024x1024, the default; 32: 512x512). ``lora=False``: every weight frozen,
     for a full fine-tune to make trainable. ``depth``: (double, single) blocks instead of Flux-dev's 19 and 38,
-    at the same widths."""
+    at the same widths. ``on_meta``: weights (and LoRA) left on the meta device, for a pipeline stage to give only
+    its own layers weights (scaling_pipeline.py); inputs and target are on ``device`` either way."""
     from diffusers import FluxTransformer2DModel
 
     cfg, default_side, text_tokens = (TINY, 8, 8) if tiny else (FLUX_DEV, 64, 512)
@@ -138,7 +140,8 @@ def build(
         Final(model),
     ]
     blocks = list(range(1, len(layers) - 1))
-    materialize(layers, device, dtype)
+    if not on_meta:
+        materialize(layers, device, dtype)
     if lora:
         add_lora(layers, blocks, dtype)
     inputs, target = make_inputs(cfg, side, text_tokens, device, dtype)

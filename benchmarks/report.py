@@ -361,7 +361,9 @@ def _per_gpu(key: str, fmt: str) -> Cell:
 
 TABLES["scaling"] = Table(
     columns=(
+        ("layout", _text("layout")),  # results with pipeline rows (bench_scaling.py --layout)
         ("GPUs", _text("gpus")),
+        ("micro-batches", _text("micro_batches")),
         ("samples/s", _key("samples_per_s", ".3f")),
         ("vs 1 GPU", _key("vs_1gpu", ".2f", "x")),
         ("step (s)", _key("median_step_s", ".3f")),
@@ -375,7 +377,8 @@ TABLES["scaling"] = Table(
             lambda r, _: f"{_f(r.get('host_pss_gib'), '.1f')} ({_f(r.get('host_copy_gib'), '.1f')})",
         ),  # noqa: E501
         ("cap", lambda r, _: r.get("cap") or "-"),
-    )
+    ),
+    optional=("layout", "micro-batches"),
 )
 
 

@@ -84,7 +84,9 @@ class WanOut(nn.Module):
         return h.flatten(6, 7).flatten(4, 5).flatten(2, 3)
 
 
-def build(tiny: bool, device, dtype, args=None) -> Bench:
+def build(tiny: bool, device, dtype, args=None, on_meta: bool = False) -> Bench:
+    """``on_meta``: weights (and LoRA) left on the meta device, for a pipeline stage to give only its own layers
+    weights (scaling_pipeline.py); inputs and target are on ``device`` either way."""
     from diffusers import WanTransformer3DModel
 
     cfg = WAN_TINY if tiny else WAN_14B
@@ -95,7 +97,8 @@ def build(tiny: bool, device, dtype, args=None) -> Bench:
     pt, ph, pw = cfg["patch_size"]
     grid = (frames // pt, height // ph, width // pw)
     layers = [WanEmbed(model), *(WanBlock(b) for b in model.blocks), WanOut(model, grid)]
-    materialize(layers, device, dtype)
+    if not on_meta:
+        materialize(layers, device, dtype)
     blocks = list(range(1, len(layers) - 1))
     add_lora(layers, blocks, dtype)
     g = torch.Generator().manual_seed(1)

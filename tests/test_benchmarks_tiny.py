@@ -389,6 +389,136 @@ def test_the_scaling_benchmark_runs_one_and_two_processes_sharing_one_host_copy(
     assert merged["rows"][1]["vs_1gpu"] == pytest.approx(two["vs_1gpu"]) and (tmp_path / "merged.md").exists()
 
 
+@pytest.mark.parametrize("model", ["flux", "wan"])
+def test_the_scaling_benchmark_runs_one_model_in_one_and_two_pipeline_stages(tmp_path, model):
+    """bench_scaling.py --tiny --layout pipeline: the model as one stage, then as two (gloo, a process each, through
+    DeepSpeed's PipelineModule and train_batch): the stages hold the layer list between them, in order, each
+    streaming some of its part from its own host copy; both jobs train the same model (every step's loss equal);
+    a step trains its micro-batches, and the 2-stage row's ratio is to the 1-stage row of the same micro-batches."""
+    import bench_scaling
+
+    argv = ["--model", model, "--tiny", "--strict", "--layout", "pipeline", "--results_dir", str(tmp_path)]
+    result = bench_scaling.main(argv + ["--max_warmup", "3"])
+    one, two = result["rows"]
+    assert [(r["layout"], r["gpus"], r["micro_batches"]) for r in (one, two)] == [
+        ("pipeline", 1, 2),
+        ("pipeline", 2, 2),
+    ]
+    ((start, count),) = one["stage_layers"]
+    (first, middle), (second, end) = two["stage_layers"]
+    assert start == first == 0 and end == count and 0 < middle == second < count
+    assert all(n > 0 for n in two["streamed_layers"]) and all(b > 0 for b in two["stage_bytes_per_step"])
+    assert two["host_copy_gib"] == pytest.approx(sum(two["stage_host_copy_gib"])) and two["sharing_processes"] == 1
+    for row in (one, two):
+        assert row["samples_per_s"] == pytest.approx(2 / row["median_step_s"])
+    assert two["vs_1gpu"] == pytest.approx(two["samples_per_s"] / one["samples_per_s"])
+    assert two["bubble_bound"] == pytest.approx(4 / 3) and one["vs_1gpu"] == 1.0
+    steps = min(len(one["losses"]), len(two["losses"]))
+    assert steps >= 3 and two["losses"][:steps] == pytest.approx(one["losses"][:steps], rel=1e-4)
+    assert len(set(one["losses"])) > 1, "the LoRA trains: the loss moves"
+    markdown = (tmp_path / f"scaling_{model}.md").read_text()
+    assert "| layout | GPUs | micro-batches | samples/s |" in markdown and "2 micro-batches of 1 per step" in markdown
+    assert report.render(json.loads((tmp_path / f"scaling_{model}.json").read_text())) == markdown
+
+
+def test_one_backward_runs_a_stages_backward_once_for_all_it_sent_on(tmp_path):
+    """--one_backward: the first of two Flux stages (it sends on the image and the text streams) copies fewer bytes
+    a step where DeepSpeed runs a backward per output (0.19), never more; the last stage's are unchanged, and every
+    step's loss is the same either way."""
+    import bench_scaling
+    import deepspeed
+    from packaging.version import Version
+
+    argv = ["--model", "flux", "--tiny", "--strict", "--layout", "pipeline", "--gpus", "2", "--max_warmup", "3"]
+    rows = []
+    for extra in ([], ["--one_backward"]):
+        result = bench_scaling.main([*argv, *extra, "--results_dir", str(tmp_path / (extra or ["plain"])[0])])
+        rows.append(result["rows"][0])
+    plain, once = rows
+    assert "--one_backward" in result["description"] and once["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    assert once["stage_bytes_per_step"][1] == plain["stage_bytes_per_step"][1]
+    first_plain, first_once = plain["stage_bytes_per_step"][0], once["stage_bytes_per_step"][0]
+    if Version(deepspeed.__version__) >= Version("0.19"):
+        assert first_once < 0.8 * first_plain
+    else:
+        assert first_once <= first_plain
+
+
+@pytest.mark.parametrize("model", ["flux", "wan"])
+def test_a_stage_of_the_output_layer_alone_sends_a_gradient_back_for_every_floating_input(model):
+    """The pipeline wrappers in bf16 (as on a GPU: the rotary tables stay float32): the first layer's floating
+    outputs all take a gradient, and a stage holding only the output layer gives every floating input one (DeepSpeed
+    asserts a gradient for each it sends back), though the layer reads two of them."""
+    import flux
+    import scaling_pipeline
+    import wan
+
+    bench = {"flux": flux, "wan": wan}[model].build(True, torch.device("cpu"), torch.bfloat16, None, on_meta=True)
+    layers = scaling_pipeline.stage_layers(bench.layers)
+    scaling_pipeline.give_weights(layers, 0, torch.device("cpu"), torch.bfloat16)
+    sent = bench.inputs
+    for layer in layers[:-1]:
+        sent = layer(sent)
+    dtypes = {t.dtype for t in sent}
+    assert dtypes == {torch.bfloat16, torch.float32} and all(t.requires_grad for t in sent if t.is_floating_point())
+    received = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in sent)  # as the last stage gets them
+    torch.nn.functional.mse_loss(layers[-1](received).float(), bench.target.float()).backward()
+    assert all(t.grad is not None for t in received if t.is_floating_point())
+
+
+def fake_ranks(gpus: int, step_s: float, micro: int | None = None) -> list[dict]:
+    """Records as a job's processes write them (pipeline ones with their micro-batches, stage and losses)."""
+    ranks = []
+    for rank in range(gpus):
+        record = dict(step_times_s=[step_s] * 3, warmup_steps=1, peak_allocated_gib=1.0, peak_reserved_gib=1.0)
+        record.update(copy_gbps=10.0, raw_h2d_gbps=20.0, wait_ms_per_step=0.0, bytes_per_step=2.0**30, pss_gib=2.0)
+        record.update(rss_gib=2.0, host_copy_gib=1.0, sharing_processes=1 if micro else gpus, streamed_layers=3)
+        if micro:
+            record.update(micro_batches=micro, stage_layers=[rank * 4, rank * 4 + 4], losses=[1.0])
+        ranks.append(record)
+    return ranks
+
+
+def test_the_scaling_merge_keeps_each_layouts_rows_against_its_own_first_row(tmp_path):
+    """--merge of a data-parallel result and a pipeline one: every row names its layout; each layout's ratios are to
+    its own 1-GPU row; a pipeline row short of N x names the bubble's bound (M micro-batches over N stages)."""
+    import bench_scaling
+
+    args = bench_scaling.parser().parse_args(["--layout", "data,pipeline"])
+    data = [bench_scaling.row_of(1, fake_ranks(1, 1.0), None)]
+    data.append(bench_scaling.row_of(2, fake_ranks(2, 1.0), data[0]))
+    pipe = [bench_scaling.labelled(args, "pipeline", bench_scaling.row_of(1, fake_ranks(1, 4.0, 4), None))]
+    pipe.append(bench_scaling.labelled(args, "pipeline", bench_scaling.row_of(2, fake_ranks(2, 2.5, 4), pipe[0])))
+    assert "layout" not in data[0] and pipe[1]["vs_1gpu"] == pytest.approx(1.6)
+    assert "bubble" in pipe[1]["cap"] and "1.60x at most" in pipe[1]["cap"] and pipe[1]["host_copy_gib"] == 2.0
+    once = bench_scaling.parser().parse_args(["--layout", "pipeline", "--one_backward"])
+    alone = bench_scaling.labelled(once, "pipeline", bench_scaling.row_of(2, fake_ranks(2, 2.0, 4), None))
+    assert alone["vs_1gpu"] == 1.0 and alone["layout"] == "pipeline, one backward"
+    for name, rows in (("dp", data), ("pp", pipe), ("once", [alone])):
+        part = dict(benchmark="scaling", model="flux", title="t", description=name, environment={}, tiny=True)
+        report.write_result(dict(part, command=name, notes=[name], rows=rows), name, tmp_path)
+    merged = bench_scaling.main(["--merge", "pp,dp,once", "--name", "both", "--results_dir", str(tmp_path)])
+    layouts = [(r["layout"], r["gpus"], round(r["vs_1gpu"], 3)) for r in merged["rows"]]
+    assert layouts == [
+        ("data parallel", 1, 1.0),
+        ("data parallel", 2, 2.0),
+        ("pipeline", 1, 1.0),
+        ("pipeline", 2, 1.6),
+        ("pipeline, one backward", 2, 2.0),  # against the 1-stage row: one stage runs the same either way
+    ]
+    assert (
+        merged["notes"] == ["pp", "dp", "once"]
+        and "| layout | GPUs | micro-batches |" in (tmp_path / "both.md").read_text()
+    )
+
+
+def test_the_scaling_benchmark_refuses_pipeline_rows_of_a_full_fine_tune():
+    import bench_scaling
+
+    with pytest.raises(SystemExit, match="pipeline rows are of the LoRA models"):
+        bench_scaling.main(["--model", "sdxl_full", "--tiny", "--layout", "pipeline"])
+
+
 def test_the_accumulation_rows_copy_each_streamed_layer_once_a_direction_whatever_the_micro_batches(tmp_path):
     result = bench_models.main(
         ["--model", "flux", *TINY, "--methods", "accum", "--gib", "0.001", "--prefetch", "1", "--accumulation", "1,2"]
