@@ -767,3 +767,17 @@ def test_accumulation_units_both_gives_a_budget_row_per_unit_size_choice(tmp_pat
     # the builder was told: its start-up line for 2 layer-major micro-batches (the row records only the argument)
     told = [any("a step runs 2 micro-batches layer-major" in line for line in r["plan_log"]) for r in rows]
     assert told == [False, True], [r["plan_log"] for r in rows]
+
+
+def test_the_wan_recipe_jobs_run_with_the_allocator_setting_its_config_sets(monkeypatch):
+    """toml/wan_lora_long_video.toml's command line sets expandable segments; without them its 8 GiB cap ran out on
+    the allocator's unused reserved blocks (2x H200). Other jobs, a budget, or the user's own setting: untouched."""
+    import bench_scaling
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    args = bench_scaling.parser().parse_args(["--model", "wan"])
+    assert bench_scaling.job_environment(args)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    for other in (["--model", "flux"], ["--model", "wan", "--vram_budget", "8"], ["--model", "wan", "--tiny"]):
+        assert "PYTORCH_CUDA_ALLOC_CONF" not in bench_scaling.job_environment(bench_scaling.parser().parse_args(other))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:native")
+    assert bench_scaling.job_environment(args)["PYTORCH_CUDA_ALLOC_CONF"] == "backend:native"
