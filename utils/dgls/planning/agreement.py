@@ -35,6 +35,10 @@ Invariants
     - The replicas step their drivers at the same pass boundaries (data parallel runs the same schedule of forwards
       and backwards on every process), so each collective here is met by every member: the driver agrees only where
       it acts (its ``step`` and ``fix_plan``), never in autograd's callbacks or inside a backward.
+    - A forward that only some members run after a backward (a sample on rank 0 alone, between training steps) would
+      step their drivers alone, and once settled on CUDA each step's watch is a collective: with a VRAM budget, run
+      such forwards on every member, or after the swapper's removal. Training loops (DeepSpeed's, the demo's, the
+      benchmarks') run the same passes on every replica.
     - A probe whose sequence of uses (layer and phase, in order) differs between the processes cannot give one plan:
       every member raises the same line.
     - Every field of :class:`~.planner.StepProfile` has a rule here (``RULES``; a test checks the set), so a field
