@@ -6,7 +6,8 @@ memory) and one of its layers sleeps in every call (a slower GPU, or another loa
 plan for the smaller budget from the agreed probe (each use's longest compute time), which is what one planner given
 that profile chooses, and, measuring plans, settle on the same placement from the same (slowest) step times. Without
 the agreement, rank 0 would plan from its own probe: the profile checks fail. The scripted in-process version, with
-the control that the ranks disagree alone: tests/test_plan_agreement.py.
+the control that the ranks disagree alone: tests/test_plan_agreement.py. Also: the demo's data-parallel processes
+under deepspeed, and the replicas of one pipeline stage agreeing among themselves only.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from helpers import SMALL, make_layers, train
 from utils.dgls import LayerSwapper, SwapConfig
 from utils.dgls.demo.model import DemoModelConfig
 from utils.dgls.memory.layout import measure
+from utils.dgls.planning.agreement import PlanAgreement
 from utils.dgls.planning.autoplan import PlacementDriver
 from utils.dgls.planning.planner import GiB, minimum_bytes, plan_for_budget
 
@@ -155,3 +157,27 @@ def test_the_demo_s_data_parallel_processes_plan_one_placement(tmp_path):
     assert proc.returncode == 0, (out + proc.stderr)[-3000:]
     assert out.count("VRAM budget (one placement for the 2 data-parallel processes holding these layers)") == 1, out
     assert out.count("DGLS probe agreed by the 2 data-parallel processes") == 1
+
+
+def _groups(rank: int, port: int, folder: Path) -> None:
+    """Three processes: ranks 0 and 1 replicas of pipeline stage 0, rank 2 alone on stage 1 (other layers)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=3)
+    try:
+        layers, _ = make_layers()
+        stage = 0 if rank < 2 else 1
+        held = layers[:5] if stage == 0 else layers[5:]
+        agreement = PlanAgreement.among(held, f"stage {stage}", 0 if stage == 0 else 5)
+        said = None if agreement is None else (agreement.size, agreement.largest(rank, -rank))
+        torch.save(said, folder / f"rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow  # three processes with torch and gloo
+def test_the_replicas_of_a_stage_agree_among_themselves_only(tmp_path):
+    from utils.dgls.program.distributed import free_port
+
+    torch.multiprocessing.spawn(_groups, args=(free_port(), tmp_path), nprocs=3)
+    said = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(3)]
+    assert said == [(2, [1.0, 0.0]), (2, [1.0, 0.0]), None]
