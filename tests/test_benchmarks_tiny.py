@@ -377,6 +377,7 @@ def test_the_scaling_benchmark_runs_one_and_two_processes_sharing_one_host_copy(
     assert two["vs_1gpu"] == pytest.approx(two["samples_per_s"] / one["samples_per_s"])
     assert len(two["copy_gbps"]) == len(two["streamed_layers"]) == 2 and two["sharing_processes"] == 2
     assert one["sharing_processes"] == 1 and two["host_copy_gib"] > 0  # (the placement is each run's planner's)
+    assert two["streamed_layers"][0] == two["streamed_layers"][1], "one placement for both (planning/agreement.py)"
     # the gradient all-reduce timed on both processes (the LoRA's; the full fine-tune's resident params'), none alone
     assert one["allreduce_ms"] == [0.0] and len(two["allreduce_ms"]) == 2 and min(two["allreduce_ms"]) > 0
     assert two["allreduce_mb"] > 0 and "sdxl_full" not in result["description"]

@@ -42,6 +42,7 @@ from ..memory.disk_tier import DiskTier
 from ..memory.layout import MB, LayerLayout, LayerSizes, TrainingLayout, human_bytes, measure
 from ..memory.precision import CastRules, check_device_support, name_of
 from ..memory.transport import CudaTransport, Direction, Transport, make_transport
+from ..planning.agreement import PlanAgreement
 from ..planning.autoplan import PlacementDriver, resolve_budget
 from ..planning.unit_choice import choose_unit_bytes
 from ..streaming.config import SwapConfig
@@ -112,6 +113,10 @@ def build(
     check_device_support(device, cast_rules)
     host_trained = c.training.host_optimizer is not None
     budget = _budget(c, device, log)
+    # data parallel: the processes holding these layers plan one placement, for the smallest of their budgets
+    agreement = PlanAgreement.among(layers, share_group, c.placement.first_layer) if budget is not None else None
+    budgets = agreement.budget(budget) if agreement is not None else (budget, budget)
+    budget = budgets[0]
     unit_bytes = _unit_bytes(layers, c, cast_rules, host_trained, budget, log)
     entries = split_layers(layers, unit_bytes, trainable_streams=host_trained)
     values = [entry.value for entry in entries]
@@ -142,7 +147,7 @@ def build(
         update = update_buffer_bytes(trained, c.training.host_optimizer)  # what HostTraining reserves
         buckets = shared.pool_bytes if shared is not None else 0  # data parallel's, during the backward
         placement = dataclasses.replace(placement, update_bytes=update, reduce_bytes=buckets)
-    driver = _start_driver(c, budget, unit_bytes, device, log)
+    driver = _start_driver(c, budget, unit_bytes, device, log, agreement, budgets[1])
     if driver is not None:
         driver.check_static_minimum(sizes, placement.update_bytes)
     # which layers spill (disk_planning.py); a layer-major step's fetches each compute its micro-batches
@@ -402,22 +407,31 @@ def _budget(config: SwapConfig, device: torch.device, log: Callable[[str], None]
 
 
 def _start_driver(
-    config: SwapConfig, budget: int | None, unit_bytes: int | None, device: torch.device, log: Callable[[str], None]
+    config: SwapConfig,
+    budget: int | None,
+    unit_bytes: int | None,
+    device: torch.device,
+    log: Callable[[str], None],
+    agreement: PlanAgreement | None = None,
+    largest_budget: int | None = None,
 ) -> PlacementDriver | None:
     """The planner for ``budget``: measuring plans on the first steps, or for a full fine-tune one plan fixed
-    before its first update (:mod:`..planning.autoplan`)."""
+    before its first update (:mod:`..planning.autoplan`). ``agreement``: data parallel, the processes holding these
+    layers, whose smallest budget ``budget`` is (the largest: ``largest_budget``; :mod:`..planning.agreement`)."""
     if budget is None:
         return None
+    shared = f" ({agreement.budget_note(budget, largest_budget or budget)})" if agreement is not None else ""
     fixed = config.training.host_optimizer is not None
     if fixed:
         log(
-            f"DGLS: planning a full fine-tune for a {human_bytes(budget)} VRAM budget: step 1 runs with every layer "
-            "streamed (the probe); before its optimizer step the fastest predicted plan that fits is fixed for the "
-            "run (layers it keeps resident train with the trainer's optimizer from step 1 on, so no step moves them)"
+            f"DGLS: planning a full fine-tune for a {human_bytes(budget)} VRAM budget{shared}: step 1 runs with every "
+            "layer streamed (the probe); before its optimizer step the fastest predicted plan that fits is fixed for "
+            "the run (layers it keeps resident train with the trainer's optimizer from step 1 on, so no step moves "
+            "them)"
         )
     else:
         log(
-            f"DGLS: planning for a {human_bytes(budget)} VRAM budget: steps 1-2 run with every layer streamed "
+            f"DGLS: planning for a {human_bytes(budget)} VRAM budget{shared}: steps 1-2 run with every layer streamed "
             "(warm-up, then the probe); then the best predicted plans are measured on the next steps (about 35), "
             "and the fastest that fits is kept"
         )
@@ -430,6 +444,7 @@ def _start_driver(
         fixed=fixed,
         first_layer=config.placement.first_layer,
         unit_bytes=unit_bytes,
+        agreement=agreement,
     )
 
 

@@ -5,6 +5,8 @@ Modules
     - ``autoplan.py``: ``--vram_budget``: probe, shortlist, measure, refine, settle (a full fine-tune: one plan,
       fixed before step 1's update); a typed driver stepped between passes (a feature of the engine), its phases
       an enum.
+    - ``agreement.py``: data parallel: the processes holding the same layers plan one placement together (the
+      smallest budget; the probe's profile and every measured step time and peak agreed, the largest over them).
     - ``row_copies.py``: layer-major swap units: which of a layer's units stay in the slots over its micro-batches
       (the rule the engine applies) and the planner's replay of what the others cost a step.
     - ``unit_choice.py``: the swap-unit size for a VRAM budget, knowing the step's layer-major micro-batches (units

@@ -27,6 +27,14 @@ Disk tier (a host RAM budget, LoRA)
       and the settled plan's disk floor is said.
       A full fine-tune whose training state would go to disk is refused with a VRAM budget (the builder's line).
 
+Data parallel (:mod:`.agreement`)
+    - Processes of one job that hold the same layers (data-parallel replicas: the builder finds them) decide one
+      placement together: the budget is the smallest of theirs, and every measurement the driver decides from (the
+      probe's profile, each window's step time and peak, each watched pass's peak) is agreed, the largest over them,
+      at the same step boundary on each (:meth:`PlacementDriver._agree`), so every driver makes the same decisions.
+      Each step of data parallel runs at its slowest process's pace, and waits for it at the gradients' all-reduce:
+      placements chosen apart would differ, and the slowest would set the pace. Alone, nothing is agreed.
+
 Why measure at all
     - The model ranks plans that differ by a few percent less reliably than timed steps do, so the last word
       goes to the measurement; the model's job is to cut thousands of placements to a handful.
@@ -69,6 +77,7 @@ from ..streaming.feature import Engine, Feature
 from ..streaming.schedule import Phase
 from ..watching.listener import Listener
 from ..watching.stats import elapsed_ms, timestamp
+from .agreement import PlanAgreement
 from .disk_plan import forecast, profile_costs
 from .planner import GiB, Plan, StepProfile, UseTiming, minimum_bytes, plan_for_budget, shortlist, simulate
 
@@ -388,8 +397,12 @@ class PlacementDriver(Listener, Feature):
     # the disk tier is open; the plans then count their reads (:mod:`.disk_plan`)
     disk_reads: dict[int, int] = field(default_factory=dict)
     read_bytes_per_ms: float = 0.0
+    # data parallel: the processes holding these layers, which decide one placement together (:mod:`.agreement`;
+    # None: this process alone, and nothing is agreed)
+    agreement: PlanAgreement | None = None
     plan: Plan | None = None  # the plan in force
-    profile: StepProfile | None = None  # the probe's
+    profile: StepProfile | None = None  # the probe's (data parallel: as agreed)
+    own_profile: StepProfile | None = None  # this process's probe, before any agreement
     trials: list[Trial] = field(default_factory=list)  # every measured plan, refinement round included
     replanned: bool = False
     refined: bool = False
@@ -493,6 +506,7 @@ class PlacementDriver(Listener, Feature):
         if state.phase is DriverPhase.TRIAL and state.timed < TRIAL_STEPS:
             return
         self._stop_timing(target, steps=state.timed)
+        self._agree(target)
         if state.phase is DriverPhase.PROBE:
             self._after_probe(target)
         elif state.phase is DriverPhase.TRIAL:
@@ -515,6 +529,7 @@ class PlacementDriver(Listener, Feature):
         passes, self._ended = max(1, self._ended), 0  # step 1's micro-batches
         self.state.count_pass(passes)
         self._stop_timing(target, steps=passes)
+        self._agree(target)
         profile, sizes = self.profile, target.placement.sizes
         current = simulate(sizes, profile, target.placement.streamed, target.placement.prefetch)
         self._offset_ms = max(0.0, self._wall_ms - current)
@@ -562,6 +577,7 @@ class PlacementDriver(Listener, Feature):
             self._apply(target, plans[0])
             if self.plan_only:
                 self.state.settle()
+                self._say_shared()
             else:
                 self.state.placed(DriverPhase.CHECK)
             return
@@ -650,6 +666,7 @@ class PlacementDriver(Listener, Feature):
     def _settle(self) -> None:
         """The plan is chosen: from here the peak of later passes is watched (see ``_watch``)."""
         self.state.settle()
+        self._say_shared()
         if self.device.type == "cuda":
             self._reset_peak()  # the trials' peaks are not the plan's
         target = self._target
@@ -672,6 +689,8 @@ class PlacementDriver(Listener, Feature):
         if self.device.type != "cuda" or self.plan_only or self._fallen_back or self.plan is None:
             return
         peak = self._peak_since_reset()
+        if self.agreement is not None:  # over on any process is over on all: they re-plan together
+            peak = self.agreement.peak(peak)
         if peak <= self.budget:
             return
         if self.fixed:
@@ -815,6 +834,34 @@ class PlacementDriver(Listener, Feature):
                 f"DGLS probe: activations {activation / GiB:.2f} GiB{offloaded}, allocator slack "
                 f"{overhead / GiB:.2f} GiB, other allocations {other / GiB:.2f} GiB (device memory DGLS does not "
                 f"manage: it counts against the budget), copies {bytes_per_ms / 1e6:.1f} GB/s"
+            )
+
+    def _agree(self, target: Placeable) -> None:
+        """After a window's measurements: data parallel, its step time and peak, and the probe's profile, become what
+        the processes holding these layers agree (:mod:`.agreement`: the largest, the slowest copies), so every
+        driver decides alike; alone, nothing changes. Every member calls it at the same step boundary."""
+        probe = self.state.phase is DriverPhase.PROBE
+        if probe:
+            self.own_profile = self.profile
+        agreement = self.agreement
+        if agreement is None:
+            return
+        self._wall_ms, self._peak_reserved = agreement.measured(self._wall_ms, self._peak_reserved)
+        if probe:
+            profile = self.profile = agreement.profile(self.profile, len(target.placement.sizes))
+            self.log(
+                f"DGLS probe agreed by the {agreement.size} data-parallel processes: the longest of each layer "
+                f"use's compute ({profile.compute_ms:.0f} ms a step), the largest activations "
+                f"{profile.activation_bytes / GiB:.2f} GiB and slack {profile.reserved_overhead / GiB:.2f} GiB, the "
+                f"slowest copies {profile.bytes_per_ms / 1e6:.1f} GB/s; the slowest step {self._wall_ms:.0f} ms"
+            )
+
+    def _say_shared(self) -> None:
+        """Data parallel, once the plan is settled: one line that every process holding these layers runs it."""
+        if self.agreement is not None:
+            self.log(
+                f"DGLS: the placement is shared by the {self.agreement.size} data-parallel processes holding these "
+                "layers (planned and measured together: each step time the slowest, each peak the largest)"
             )
 
     def _apply(self, target: Placeable, plan: Plan, quiet: bool = False) -> None:
