@@ -457,11 +457,21 @@ def job_environment(args) -> dict[str, str]:
     return env
 
 
-def run_job(args, argv: list[str], gpus: int) -> tuple[list[dict], str]:
+def log_paths(folder: str, name: str, layout: str, gpus: int) -> list[Path]:
+    """Each rank's log of a job: in ``$DGLS_BENCH_LOGS`` where set (device_session.sh sets it under its output, so
+    the logs come back, a job's stopped by a timeout too: its planner's lines, say), else in the job's folder."""
+    kept = os.environ.get("DGLS_BENCH_LOGS")
+    if not kept:
+        return [Path(folder) / f"log{r}" for r in range(gpus)]
+    Path(kept).mkdir(parents=True, exist_ok=True)
+    return [Path(kept) / f"{name}_{layout}_{gpus}gpu_rank{r}.log" for r in range(gpus)]
+
+
+def run_job(args, argv: list[str], gpus: int, name: str = "scaling", layout: str = "data") -> tuple[list[dict], str]:
     """Start ``gpus`` processes of this script as workers; their records (rank order) and rank 0's log, or [] and the
     tails of the logs of the ranks that failed."""
     with tempfile.TemporaryDirectory(prefix="dgls-scaling-") as folder:
-        port, logs = free_port(), [Path(folder) / f"log{r}" for r in range(gpus)]
+        port, logs = free_port(), log_paths(folder, name, layout, gpus)
         procs = []
         for r in range(gpus):
             with open(logs[r], "w") as f:
@@ -706,7 +716,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 )
                 continue
             job_argv = [a for a in argv if a != "--strict"] + ["--job_layout", layout]
-            ranks, log = run_job(args, job_argv, gpus)
+            ranks, log = run_job(args, job_argv, gpus, name, layout)
             if not ranks:
                 if args.strict:
                     raise RuntimeError(f"{label} failed:\n{log}")

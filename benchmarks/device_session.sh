@@ -21,6 +21,7 @@ if [ -z "${DGLS_SKIP_INSTALL:-}" ]; then
     >"$OUT/pip.log" 2>&1 || { tail -5 "$OUT/pip.log"; exit 1; }
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH  # the wheels' scripts (deepspeed)
+export DGLS_BENCH_LOGS=$OUT/logs  # benchmarks that start processes keep each one's log there (bench_scaling.py)
 [ -d .bnb/bitsandbytes ] && export PYTHONPATH=$PYTHONPATH:$PWD/.bnb
 if [ -z "${DGLS_DIFFUSION_PIPE:-}" ] && [ -f .dp/utils/offloading.py ]; then
   export DGLS_DIFFUSION_PIPE=$PWD/.dp

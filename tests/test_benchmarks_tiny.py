@@ -365,10 +365,12 @@ def test_the_full_fine_tuning_benchmark_refuses_a_type_dgls_does_not_train():
 
 
 @pytest.mark.parametrize("model", ["flux", "sdxl_full"])
-def test_the_scaling_benchmark_runs_one_and_two_processes_sharing_one_host_copy(tmp_path, model):
+def test_the_scaling_benchmark_runs_one_and_two_processes_sharing_one_host_copy(tmp_path, model, monkeypatch):
     """bench_scaling.py --tiny: a job of one process, then one of two (gloo), each its own processes; a row each,
     the second's ratio to the first's rate, both processes' figures, and the one host copy shared by both."""
     import bench_scaling
+
+    monkeypatch.setenv("DGLS_BENCH_LOGS", str(tmp_path / "logs"))  # as device_session.sh sets it
 
     result = bench_scaling.main(["--model", model, "--tiny", "--strict", "--results_dir", str(tmp_path)])
     assert result["benchmark"] == "scaling" and result["model"] == model
@@ -376,6 +378,8 @@ def test_the_scaling_benchmark_runs_one_and_two_processes_sharing_one_host_copy(
     assert one["gpus"] == 1 and two["gpus"] == 2 and one["vs_1gpu"] == 1.0
     assert two["vs_1gpu"] == pytest.approx(two["samples_per_s"] / one["samples_per_s"])
     assert len(two["copy_gbps"]) == len(two["streamed_layers"]) == 2 and two["sharing_processes"] == 2
+    kept = sorted(path.name for path in (tmp_path / "logs").iterdir())  # every rank's log of both jobs, kept
+    assert kept == [f"scaling_{model}_data_{n}gpu_rank{r}.log" for n, r in ((1, 0), (2, 0), (2, 1))]
     assert one["sharing_processes"] == 1 and two["host_copy_gib"] > 0  # (the placement is each run's planner's)
     assert two["streamed_layers"][0] == two["streamed_layers"][1], "one placement for both (planning/agreement.py)"
     # the gradient all-reduce timed on both processes (the LoRA's; the full fine-tune's resident params'), none alone
