@@ -19,8 +19,8 @@ What is agreed (each a MAX all-reduce of a few CPU float64 values over a gloo gr
       the *smallest*. Every process's plan then fits its own memory (the agreed peak is the largest) and every
       driver builds the identical shortlist.
     - Every timed window's step time and peak reserved: the largest (trials, the check, the refinement's round,
-      a re-plan's check alike: a peak over the budget on any process is over on all); after settling, each watched
-      pass's peak.
+      a re-plan's check alike: a peak over the budget on any process is over on all). Not after settling: each
+      pass's watch is the process's own (below: a collective per pass would make every micro-batch a rendezvous).
 
 Who agrees (:meth:`PlanAgreement.among`)
     - The processes of the ``torch.distributed`` job that host the same layers: the same ``share_group`` (the
@@ -35,10 +35,13 @@ Invariants
     - The replicas step their drivers at the same pass boundaries (data parallel runs the same schedule of forwards
       and backwards on every process), so each collective here is met by every member: the driver agrees only where
       it acts (its ``step`` and ``fix_plan``), never in autograd's callbacks or inside a backward.
-    - A forward that only some members run after a backward (a sample on rank 0 alone, between training steps) would
-      step their drivers alone, and once settled on CUDA each step's watch is a collective: with a VRAM budget, run
-      such forwards on every member, or after the swapper's removal. Training loops (DeepSpeed's, the demo's, the
-      benchmarks') run the same passes on every replica.
+    - The agreement lasts until the plan settles (the probe, the trials, the check, a refinement: about the first 35
+      steps) and ends there: from then on each driver watches its own peaks, and a process whose steps later go over
+      its budget re-plans alone (its placement may then differ from the others'; each step runs at the slowest's
+      pace, but nothing waits for a collective the others do not enter). So after settling, a forward on some
+      members only (a sample on rank 0 between steps) is safe; before, it would step their drivers alone into a
+      collective the others never reach: the members wait (gloo's timeout), then each stops with one line that says
+      this. Training loops (DeepSpeed's, the demo's, the benchmarks') run the same passes on every replica.
     - A probe whose sequence of uses (layer and phase, in order) differs between the processes cannot give one plan:
       every member raises the same line.
     - Every field of :class:`~.planner.StepProfile` has a rule here (``RULES``; a test checks the set), so a field
@@ -90,12 +93,23 @@ def layer_signature(layers: Sequence) -> str:
     return digest.hexdigest()
 
 
-def gloo_max(group) -> MaxOf:
-    """The elementwise MAX over ``group`` (a gloo group) of CPU float64 values."""
+def gloo_max(group, size: int) -> MaxOf:
+    """The elementwise MAX over ``group`` (a gloo group of ``size`` processes) of CPU float64 values. A collective
+    that fails (a member stopped, or never came: see the module doc's invariants) is one line."""
 
     def max_of(values: Sequence[float]) -> list[float]:
         tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group)
+        try:
+            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group)
+        except RuntimeError as exc:  # gloo's: a closed connection, a timeout
+            cause = str(exc).strip().split("\n")[0][:200]
+            raise DGLSUserError(
+                f"the VRAM planner's agreement between the {size} data-parallel processes holding these layers "
+                f"failed ({cause}): one of them stopped (see its own error), or ran a forward the others did not "
+                "before the plan settled; until it settles (about the first 35 steps), run every forward and "
+                "backward on every process, or give the placement with --gpu_layers / --blocks_to_swap instead of "
+                "--vram_budget"
+            ) from None
         return tensor.tolist()
 
     return max_of
@@ -126,7 +140,7 @@ class PlanAgreement:
         for ranks in sorted(ranks for ranks in sets.values() if len(ranks) > 1):  # one order on every rank
             group = dist.new_group(ranks, backend="gloo")
             if dist.get_rank() in ranks:
-                mine = cls(len(ranks), gloo_max(group))
+                mine = cls(len(ranks), gloo_max(group, len(ranks)))
         return mine
 
     # ---------------------------------------------------------------- agreements
@@ -142,7 +156,7 @@ class PlanAgreement:
     def budget_note(self, budget: int, largest: int) -> str:
         """What the start-up line says of the agreed ``budget`` (the smallest of budgets up to ``largest``)."""
         shared = f"one placement for the {self.size} data-parallel processes holding these layers"
-        if largest == budget:
+        if human_bytes(largest) == human_bytes(budget):  # ``auto`` on like GPUs differs by a few MiB: not worth a word
             return shared
         return f"{shared}; their budgets differ, up to {human_bytes(largest)}: planned for the smallest, which fits all"
 
@@ -150,10 +164,6 @@ class PlanAgreement:
         """A timed window's step time and peak reserved: the largest over the members."""
         wall, peak = self.max_of([wall_ms, peak_reserved])
         return wall, int(peak)
-
-    def peak(self, peak_reserved: int) -> int:
-        """A watched pass's peak reserved: the largest over the members."""
-        return int(self.max_of([peak_reserved])[0])
 
     def profile(self, profile: StepProfile, entries: int) -> StepProfile:
         """The probe's profile agreed (module doc): ``entries`` is the number of placed entries (the layer indices

@@ -29,11 +29,12 @@ Disk tier (a host RAM budget, LoRA)
 
 Data parallel (:mod:`.agreement`)
     - Processes of one job that hold the same layers (data-parallel replicas: the builder finds them) decide one
-      placement together: the budget is the smallest of theirs, and every measurement the driver decides from (the
-      probe's profile, each window's step time and peak, each watched pass's peak) is agreed, the largest over them,
-      at the same step boundary on each (:meth:`PlacementDriver._agree`), so every driver makes the same decisions.
+      placement together: the budget is the smallest of theirs, and every measurement the driver decides from until
+      the plan settles (the probe's profile, each window's step time and peak) is agreed, the largest over them, at
+      the same step boundary on each (:meth:`PlacementDriver._agree`), so every driver makes the same decisions.
       Each step of data parallel runs at its slowest process's pace, and waits for it at the gradients' all-reduce:
-      placements chosen apart would differ, and the slowest would set the pace. Alone, nothing is agreed.
+      placements chosen apart would differ, and the slowest would set the pace. Alone, nothing is agreed. Once
+      settled, each process watches its own peaks (no collective per pass; a later re-plan is its own).
 
 Why measure at all
     - The model ranks plans that differ by a few percent less reliably than timed steps do, so the last word
@@ -664,9 +665,12 @@ class PlacementDriver(Listener, Feature):
         return plan
 
     def _settle(self) -> None:
-        """The plan is chosen: from here the peak of later passes is watched (see ``_watch``)."""
+        """The plan is chosen: from here the peak of later passes is watched (see ``_watch``), each process's own:
+        data parallel, the agreement ends here (:mod:`.agreement`: no collective after settling), and a later
+        re-plan or fall-back is this process's alone."""
         self.state.settle()
         self._say_shared()
+        self.agreement = None
         if self.device.type == "cuda":
             self._reset_peak()  # the trials' peaks are not the plan's
         target = self._target
@@ -688,9 +692,7 @@ class PlacementDriver(Listener, Feature):
         the probe's placement. Reads one counter per pass."""
         if self.device.type != "cuda" or self.plan_only or self._fallen_back or self.plan is None:
             return
-        peak = self._peak_since_reset()
-        if self.agreement is not None:  # over on any process is over on all: they re-plan together
-            peak = self.agreement.peak(peak)
+        peak = self._peak_since_reset()  # this process's own: the agreement ended when the plan settled
         if peak <= self.budget:
             return
         if self.fixed:
