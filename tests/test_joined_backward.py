@@ -204,3 +204,21 @@ def test_the_demos_first_stage_runs_one_backward_for_what_it_sends_on(tmp_path):
 def parse_size(text: str) -> float:
     number, unit = text.split()
     return float(number) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+
+
+@pytest.mark.slow  # two launches
+@per_tensor
+def test_a_drop_in_run_in_two_stages_runs_the_first_stages_backward_once(tmp_path):
+    """diffusion-pipe's own train.py (the stand-in checkout) in two stages: each train_batch runs under the joined
+    backward (PipelineInterception._layer_major), the first stage says so once, and it trains what one process
+    trains, bitwise."""
+    from conftest import ROOT
+    from test_multi_process import assert_same_training, fake_losses, fake_run
+
+    one, one_out = fake_run(tmp_path / "one", python_cmd(), "micro_batch_size_per_gpu = 4")
+    launch = deepspeed_cmd("--num_gpus=2", str(ROOT / "dgls_train.py"), "--deepspeed")
+    stages, out = fake_run(tmp_path / "pp", launch, "micro_batch_size_per_gpu = 4\npipeline_stages = 2")
+    (line,) = [x for x in out.splitlines() if "DGLS: this stage's backward runs once for the" in x]
+    assert line.startswith("stage 1 of 2 (layers 0-"), line
+    assert_same_training(stages, one, fake_losses(out), fake_losses(one_out))
+    assert all(torch.equal(stages[k], one[k]) for k in one), "bitwise, as the demo's"
