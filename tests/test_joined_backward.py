@@ -145,6 +145,25 @@ def test_where_it_does_not_apply_the_engine_keeps_deepspeeds_pass():
 
 
 @per_tensor
+def test_the_drop_ins_train_batch_joins_the_backward_of_a_first_stage_of_two():
+    """PipelineInterception's train_batch wrapper: with several stages (layer-major does not apply), the step runs
+    under joined_backward (the engine's own instruction map, removed after)."""
+    from utils.dgls.program.options import OPTIONS
+    from utils.dgls.trainers.diffusion_pipe import PipelineInterception
+
+    lines.clear()
+    interception = PipelineInterception({o.name: o.default for o in OPTIONS}, log=lines.append)
+    stage = Stage()
+    stage.micro_batches = 4
+    with interception._layer_major(stage):
+        assert schedule.BackwardPass in vars(stage)["_INSTRUCTION_MAP"]
+        outputs = stage.forward(inputs())
+        stage.grad_layer = received(outputs)
+        stage._INSTRUCTION_MAP[schedule.BackwardPass](stage, 0)
+    assert "_INSTRUCTION_MAP" not in vars(stage) and stage.recomputes() == 2 and len(lines) == 1
+
+
+@per_tensor
 def test_a_single_output_or_outputs_without_gradients_go_to_deepspeeds_pass_as_they_came():
     """A tensor alone runs DeepSpeed's single-tensor branch with its own gradient; a float output that takes no
     gradient is left out of the joined sum (the other two still run one backward)."""

@@ -234,7 +234,7 @@ class PipelineInterception:
         if layer_major_applies(self.values, engine.num_stages, engine.micro_batches):
             return layer_major_batches(engine, self.swapper)
         if engine.num_stages > 1:
-            return joined_backward(engine, self.swapper.log)
+            return joined_backward(engine, self.swapper.log if self.swapper is not None else self.log)
         return contextlib.nullcontext()
 
     def _wrap_writer_init(self, original):
