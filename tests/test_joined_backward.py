@@ -8,6 +8,7 @@ pipeline stages under the deepspeed launcher (gloo), against DeepSpeed's own pas
 
 from __future__ import annotations
 
+import types
 from functools import partial
 from pathlib import Path
 
@@ -163,6 +164,28 @@ def test_the_drop_ins_train_batch_joins_the_backward_of_a_first_stage_of_two():
     assert "_INSTRUCTION_MAP" not in vars(stage) and stage.recomputes() == 2 and len(lines) == 1
 
 
+class Bf16Optimizer:
+    """What DeepSpeed's pass calls of its bf16 optimizer on a stage that is not the last."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def clear_lp_grads(self) -> None:
+        self.calls.append("clear")
+
+    def update_hp_grads(self, clear_lp_grads: bool) -> None:
+        self.calls.append("update")
+
+
+@per_tensor
+def test_the_bf16_optimizers_calls_around_the_backward_stay_deepspeeds_once_per_micro_batch():
+    stage = Stage()
+    stage.using_bf16_optimizer, stage.optimizer = True, Bf16Optimizer()
+    stage._config = types.SimpleNamespace(bfloat16_config=types.SimpleNamespace(immediate_grad_update=False))
+    _, runs = backward_of(stage, "joined")
+    assert runs == 2 and stage.optimizer.calls == ["clear", "update"]
+
+
 @per_tensor
 def test_a_single_output_or_outputs_without_gradients_go_to_deepspeeds_pass_as_they_came():
     """A tensor alone runs DeepSpeed's single-tensor branch with its own gradient; a float output that takes no
@@ -241,3 +264,27 @@ def test_a_drop_in_run_in_two_stages_runs_the_first_stages_backward_once(tmp_pat
     assert line.startswith("stage 1 of 2 (layers 0-"), line
     assert_same_training(stages, one, fake_losses(out), fake_losses(one_out))
     assert all(torch.equal(stages[k], one[k]) for k in one), "bitwise, as the demo's"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_the_demo_in_two_stages_on_two_gpus_streams_less_with_the_joined_backward(tmp_path):
+    """On two GPUs (NCCL): the joined backward against DeepSpeed's own pass and one GPU, in bf16: fewer bytes
+    streamed, the same training up to the GPUs' reduction order."""
+    from test_multi_process import assert_close_training, demo_lora
+
+    from utils.dgls.program.distributed import free_port
+
+    bf16 = dict(device="cuda", model={"dtype": "bfloat16"})
+    flags = ("--deepspeed", "--prefetch", "1")
+    driver = str(Path(__file__).parent / "deepspeeds_backward.py")  # the demo with DeepSpeed's own pass
+    runs = {}
+    for name, script in (("joined", "dgls_train.py"), ("own", driver)):
+        launch = deepspeed_cmd("--num_gpus=2", f"--master_port={free_port()}", script, *flags)
+        runs[name] = demo_lora(tmp_path / name, launch, pipeline_stages=2, **bf16)
+    (joined, joined_out), (own, own_out) = runs["joined"], runs["own"]
+    one, one_out = demo_lora(tmp_path / "one", python_cmd("--prefetch", "1"), **bf16)
+    assert "DGLS: this stage's backward runs once for the 3 tensors" in joined_out
+    assert_close_training(joined, own, joined_out, own_out, 5e-3)
+    assert_close_training(joined, one, joined_out, one_out, 5e-3)
+    assert parse_size(streamed(joined_out)) < 0.7 * parse_size(streamed(own_out))
