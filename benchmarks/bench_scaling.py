@@ -28,7 +28,8 @@ the 1-GPU one (one stage) included, and its samples/s are micro-batches / step. 
 bytes copied per step and host copies (each stage holds its own layers' copy), every step's loss (the same model
 trains in every row, so the losses agree), and the bubble's bound N x M / (M + N - 1) the cap is judged against.
 DeepSpeed 0.19.8 runs a stage's backward once per tensor it sends on (Flux's first stages: twice); ``--one_backward``
-runs it once, as 0.18.4 (diffusion-pipe's pin) does (scaling_pipeline.one_backward).
+runs it once, as 0.18.4 (diffusion-pipe's pin) does and as DGLS's demo and diffusion-pipe runs with several stages do
+(utils/dgls/trainers/joined_backward.py); without it a row measures the installed DeepSpeed's own pass.
 
     python benchmarks/bench_scaling.py --model flux --gpus 1,2 --name scaling_flux_12   # H100: about 5 minutes
     python benchmarks/bench_scaling.py --model flux --gpus 4 --name scaling_flux_4      # about 3 minutes
@@ -122,7 +123,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--one_backward",
         action="store_true",
-        help="pipeline rows: one backward per stage and micro-batch, as DeepSpeed 0.18.4 (0.19.8: one per output)",
+        help="pipeline rows: DGLS's joined backward (one per stage and micro-batch, as DeepSpeed 0.18.4 and DGLS's "
+        "runs with several stages); without it DeepSpeed's own pass (0.19.8: one backward per tensor sent on)",
     )
     p.add_argument("--worker", nargs=4, metavar=("RANK", "WORLD", "PORT", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--job_layout", choices=("data", "pipeline"), default="data", help=argparse.SUPPRESS)
@@ -340,7 +342,7 @@ def pipeline_worker(args) -> None:
             torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * GiB / total, device)
         build_s = time.perf_counter() - started
         losses: list[float] = []  # every step's, untimed ones too
-        step = scaling_pipeline.stage_step(engine, bench, losses)
+        step = scaling_pipeline.stage_step(engine, bench, losses, args.one_backward, swapper.log)
         sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
         warm = warm_up(args, step, swapper.driver, sync, dist)
         if cuda:
@@ -643,7 +645,7 @@ def description(args, record: dict) -> str:
             f"one model in N pipeline stages over 1 to N GPUs of one machine (DeepSpeed's PipelineModule, partition "
             f"'{args.partition}', a process per stage), {args.micro_batches} micro-batches of 1 per step, "
             + (
-                "one backward per stage and micro-batch (--one_backward, as DeepSpeed 0.18.4)"
+                "one backward per stage and micro-batch (--one_backward: DGLS's joined backward, as DeepSpeed 0.18.4)"
                 if args.one_backward
                 else f"DeepSpeed {deepspeed_version()}'s backward"
             )

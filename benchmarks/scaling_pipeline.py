@@ -14,13 +14,16 @@ and streams its own stage's layers under its own GPU's budget (or memory cap), f
 - DeepSpeed 0.19.8 runs a stage's backward once per floating tensor the stage sends on (``out.backward`` for each,
   graph retained); 0.18.4 (diffusion-pipe's pin) runs one ``torch.autograd.backward`` over them all. Where two of
   them come out of the whole stage (Flux's image and text streams), 0.19.8 runs the stage's backward, recomputation
-  and weight copies twice. ``--one_backward`` (:func:`one_backward`) gives this run's engine 0.18.4's single backward.
+  and weight copies twice. ``--one_backward`` runs each step under the product's joined backward
+  (utils/dgls/trainers/joined_backward.py, as the demo and diffusion-pipe runs with several stages do): one backward
+  per stage and micro-batch, as 0.18.4's; without it the bench measures the installed DeepSpeed's own pass.
 - The wrappers below only make the bench's layers fit between stages (every tensor passed on is contiguous and, if
   floating, has a gradient to send back); what a layer computes is the bench's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -170,18 +173,21 @@ def build_engine(
     trained = [p for p in pipeline.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-5)
     engine, _, _, _ = deepspeed.initialize(model=pipeline, optimizer=optimizer, config=ds_config)
-    if args.one_backward:
-        one_backward(engine)
     return engine, placed["swapper"]
 
 
-def stage_step(engine, bench, losses: list[float]) -> Callable[[], float]:
+def stage_step(engine, bench, losses: list[float], joined: bool = False, log=None) -> Callable[[], float]:
     """One training step (``train_batch``), returning its loss (the micro-batches' mean, on every stage) and
-    adding it to ``losses`` (every step's, untimed ones too)."""
+    adding it to ``losses`` (every step's, untimed ones too). ``joined`` (``--one_backward``): each step under the
+    product's :func:`~utils.dgls.trainers.joined_backward.joined_backward`, as the demo and diffusion-pipe's
+    ``train_batch`` run it with several stages (``log``: the stage's, told once)."""
+    from utils.dgls.trainers.joined_backward import joined_backward
+
     data = batches(bench)
 
     def step() -> float:
-        losses.append(engine.train_batch(data_iter=data).item())
+        with joined_backward(engine, log) if joined else contextlib.nullcontext():
+            losses.append(engine.train_batch(data_iter=data).item())
         return losses[-1]
 
     return step
@@ -207,34 +213,3 @@ def tight_budget_gib(layers: list) -> float:
     sizes = [layout.sizes for layout in measure(layers)]
     fixed = sum(s.fixed_bytes for s in sizes)
     return (fixed + 2.5 * max(s.streamable_bytes for s in sizes)) / 2**30
-
-
-def one_backward(engine) -> None:
-    """This engine's backward of a stage that is not the last runs once for all the tensors it sent on, as DeepSpeed
-    0.18.4's ``torch.autograd.backward(out_tensors, grad_tensors)`` did, whatever the installed DeepSpeed does.
-
-    The received gradients ``g_i`` of outputs ``o_i`` give the same parameter gradients as the backward of the one
-    scalar ``sum_i <o_i, g_i>``, which DeepSpeed's own backward pass then runs (its single-tensor branch, with a
-    gradient of 1): its bookkeeping (buffers freed, hooks) is DeepSpeed's. Only this engine changes (its own
-    instruction table shadows the class's); partitioned pipelines keep DeepSpeed's pass."""
-    from deepspeed.runtime.pipe import schedule
-
-    table = type(engine)._INSTRUCTION_MAP
-    original = table[schedule.BackwardPass]
-
-    def backward_once(self, buffer_id):
-        outputs = self.pipe_buffers["outputs"][buffer_id]
-        if self.is_last_stage() or self.is_pipe_partitioned or not isinstance(outputs, tuple):
-            return original(self, buffer_id)
-        received = self.grad_layer
-        floats = [t for t in outputs if t.is_floating_point()]
-        pairs = [(o, g) for o, g in zip(floats, received, strict=True) if o.requires_grad]
-        joined = torch.stack([(o.float() * g.float()).sum() for o, g in pairs]).sum()
-        self.pipe_buffers["outputs"][buffer_id] = joined
-        self.grad_layer = torch.ones_like(joined)
-        try:
-            return original(self, buffer_id)
-        finally:
-            self.grad_layer = received  # DeepSpeed receives the next gradients into these buffers
-
-    engine._INSTRUCTION_MAP = {**table, schedule.BackwardPass: backward_once}

@@ -195,8 +195,10 @@ def test_the_drop_ins_train_batch_runs_layer_major_where_it_applies():
     assert "_exec_schedule" not in vars(engine)
     staged = FakeEngine(stages=2)
     staged.micro_batches = 4
+    staged.is_last_stage = lambda: True  # the last of 2 keeps DeepSpeed's backward too (test_joined_backward.py)
+    staged.is_pipe_partitioned = staged.is_grad_partitioned = False
     with interception._layer_major(staged):
-        assert "_exec_schedule" not in vars(staged)
+        assert "_exec_schedule" not in vars(staged) and "_INSTRUCTION_MAP" not in vars(staged)
     off = PipelineInterception({**values, "layer_major": False}, log=lines.append)
     with off._layer_major(engine):
         assert "_exec_schedule" not in vars(engine)

@@ -37,6 +37,7 @@ from ..program.rendezvous import peers_arrived
 from ..program.stop_signals import stop_signal_received
 from ..program.validate import DemoRun, accumulation_note
 from ..trainers.engine_hooks import EngineHooks
+from ..trainers.joined_backward import joined_backward
 from ..trainers.layer_major_batches import layer_major_batches
 from ..trainers.pipeline_hook import Stage, StageHook
 from ..trainers.shm_op import without_shm_op
@@ -160,8 +161,7 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
         if s.micro_batches(lazy) > 1:
             log(accumulation_line(s, run.values))
         hooks = EngineHooks(lambda module: training) if training is not None else contextlib.nullcontext()
-        by_layer = layer_major_batches(engine, swapper) if s.runs_layer_major(run.values) else contextlib.nullcontext()
-        with hooks, by_layer:
+        with hooks, _step_order(run, engine, swapper, log):
             _train(run, engine, swapper, result, log, progress)
         planned_only = swapper is not None and run.values["plan"]  # --plan: measured and planned, nothing to save
         if not planned_only:
@@ -193,6 +193,16 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
         saved = f"the {what} was saved to {path}" if path is not None and path.is_file() else "nothing was saved"
         raise RunInterrupted(f"stopped after all {s.steps} steps, while saving; {saved}") from None
     return result
+
+
+def _step_order(run: DemoRun, engine, swapper: LayerSwapper | None, log: Callable[[str], None]):
+    """How a step's passes run: layer-major where it applies (one stage); with several stages, each stage's backward
+    once for all the tensors it sends on (:mod:`..trainers.joined_backward`; the stage's own log says so)."""
+    if run.settings.runs_layer_major(run.values):
+        return layer_major_batches(engine, swapper)
+    if engine.num_stages > 1:
+        return joined_backward(engine, swapper.log if swapper is not None else log)
+    return contextlib.nullcontext()
 
 
 def accumulation_line(s: DemoSettings, values: dict) -> str:

@@ -50,6 +50,7 @@ from ..training.shared_saves import SharedSaves
 from ..watching.stats import StepReader, StepStats, StepWindow
 from .engine_hooks import EngineHooks
 from .file_backed_casts import FileBackedCasts
+from .joined_backward import joined_backward
 from .layer_major_batches import layer_major_batches
 from .pipeline_hook import Stage, StageHook
 from .shm_op import without_shm_op
@@ -227,9 +228,14 @@ class PipelineInterception:
 
     def _layer_major(self, engine):
         """The step's micro-batches layer-major where :func:`..program.validate.layer_major_applies` (start-up said
-        how they run: :func:`..program.validate.accumulation_note`); otherwise DeepSpeed's own schedule."""
-        applies = layer_major_applies(self.values, engine.num_stages, engine.micro_batches)
-        return layer_major_batches(engine, self.swapper) if applies else contextlib.nullcontext()
+        how they run: :func:`..program.validate.accumulation_note`); otherwise DeepSpeed's own schedule, with several
+        stages each stage's backward once for all the tensors it sends on (:mod:`.joined_backward`: the stage's log
+        says so at its first step)."""
+        if layer_major_applies(self.values, engine.num_stages, engine.micro_batches):
+            return layer_major_batches(engine, self.swapper)
+        if engine.num_stages > 1:
+            return joined_backward(engine, self.swapper.log if self.swapper is not None else self.log)
+        return contextlib.nullcontext()
 
     def _wrap_writer_init(self, original):
         def init_and_remember(writer, *args, **kwargs):
