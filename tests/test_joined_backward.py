@@ -127,12 +127,29 @@ def test_a_stage_sending_three_tensors_recomputes_each_layer_once_with_the_gradi
 
 
 @per_tensor
-def test_the_stage_says_it_once_per_engine_not_once_a_step():
+def test_the_stage_says_it_once_per_block_and_the_drop_in_once_a_run_not_once_a_step():
+    """The block says its line at its first joined backward (the demo enters it once a run); diffusion-pipe's
+    wrapper enters it every step and passes the log only until it was told."""
+    from utils.dgls.program.options import OPTIONS
+    from utils.dgls.trainers.diffusion_pipe import PipelineInterception
+
     lines.clear()
     stage = Stage()
-    for _ in range(2):
-        backward_of(stage, "joined")
+    with jb.joined_backward(stage, log=lines.append):
+        for _ in range(2):
+            outputs = stage.forward(inputs())
+            stage.grad_layer = received(outputs)
+            stage._INSTRUCTION_MAP[schedule.BackwardPass](stage, 0)
     assert len(lines) == 1
+    lines.clear()
+    interception = PipelineInterception({o.name: o.default for o in OPTIONS}, log=lines.append)
+    stage.micro_batches = 4
+    for _ in range(3):  # three steps
+        with interception._layer_major(stage):
+            outputs = stage.forward(inputs())
+            stage.grad_layer = received(outputs)
+            stage._INSTRUCTION_MAP[schedule.BackwardPass](stage, 0)
+    assert len(lines) == 1 and "backward runs once for the 3 tensors" in lines[0]
 
 
 def test_where_it_does_not_apply_the_engine_keeps_deepspeeds_pass():

@@ -100,6 +100,7 @@ class PipelineInterception:
         self.swap = swap  # None: built from values when the layers arrive
         self.log = log
         self.steps = 0
+        self.joined_told = False  # the joined backward said its line (:meth:`_tell_joined`)
         self.swapper: LayerSwapper | None = None
         self.monitor: MemoryMonitor | None = None
         self.reader: StepReader | None = None
@@ -234,8 +235,13 @@ class PipelineInterception:
         if layer_major_applies(self.values, engine.num_stages, engine.micro_batches):
             return layer_major_batches(engine, self.swapper)
         if engine.num_stages > 1:
-            return joined_backward(engine, self.swapper.log if self.swapper is not None else self.log)
+            return joined_backward(engine, None if self.joined_told else self._tell_joined)
         return contextlib.nullcontext()
+
+    def _tell_joined(self, line: str) -> None:
+        """The joined backward's line, once a run (the block is entered every step): on the stage's log."""
+        self.joined_told = True
+        (self.swapper.log if self.swapper is not None else self.log)(line)
 
     def _wrap_writer_init(self, original):
         def init_and_remember(writer, *args, **kwargs):

@@ -58,7 +58,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -66,8 +65,6 @@ import torch
 
 if TYPE_CHECKING:  # deepspeed is imported when a run uses it
     from deepspeed.runtime.pipe.engine import PipelineEngine
-
-_told: weakref.WeakSet = weakref.WeakSet()  # engines whose stage has said its line (once a run, not once a step)
 
 
 @functools.cache
@@ -105,7 +102,8 @@ def _deepspeed_version() -> str:
 def joined_backward(engine: PipelineEngine, log: Callable[[str], None] | None = None) -> Iterator[None]:
     """Inside the block, this engine's stage runs one backward per micro-batch for all the tensors it sent on (see
     the module doc); nothing changes where that does not apply (:func:`applies`). ``log``: the stage's log, told
-    once per engine, at its first joined backward, how many tensors the one backward stands for."""
+    once per block, at its first joined backward, how many tensors the one backward stands for (a trainer that
+    enters the block every step passes it only until it was told: :mod:`.diffusion_pipe`)."""
     if not applies(engine):
         yield
         return
@@ -113,8 +111,10 @@ def joined_backward(engine: PipelineEngine, log: Callable[[str], None] | None = 
 
     table = type(engine)._INSTRUCTION_MAP
     deepspeeds = table[schedule.BackwardPass]
+    told = False
 
     def backward_once(self, buffer_id):
+        nonlocal told
         outputs = self.pipe_buffers["outputs"][buffer_id]
         if not isinstance(outputs, tuple):
             return deepspeeds(self, buffer_id)
@@ -125,8 +125,8 @@ def joined_backward(engine: PipelineEngine, log: Callable[[str], None] | None = 
         pairs = [(o, g) for o, g in zip(floats, received, strict=True) if o.requires_grad]
         if not pairs:
             return deepspeeds(self, buffer_id)
-        if log is not None and self not in _told:
-            _told.add(self)
+        if log is not None and not told:
+            told = True
             log(
                 f"DGLS: this stage's backward runs once for the {len(floats)} tensors it sends on (DeepSpeed "
                 f"{_deepspeed_version()}'s pass would run one backward per tensor, each recomputing the stage and "
