@@ -132,16 +132,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------- one process of a job
-def worker(args) -> None:
-    """One rank: build the model, train data parallel, write OUT/rank<R>.json."""
-    import machine
-    import psutil
+def worker_device(args, rank: int):
+    """A worker's (cuda, device, dtype): its own GPU in bf16, or the CPU in fp32 (one thread: several share it)."""
     import torch
 
-    if args.job_layout == "pipeline":
-        pipeline_worker(args)
-        return
-    rank, world, port, out = int(args.worker[0]), int(args.worker[1]), args.worker[2], Path(args.worker[3])
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -150,6 +144,19 @@ def worker(args) -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)  # as machine.session: its backward is broken on the lent H100s
     else:
         torch.set_num_threads(1)
+    return cuda, device, dtype
+
+
+def worker(args) -> None:
+    """One rank: build the model, train data parallel, write OUT/rank<R>.json."""
+    import scaling_pipeline
+    import torch
+
+    if args.job_layout == "pipeline":
+        pipeline_worker(args)
+        return
+    rank, world, port, out = int(args.worker[0]), int(args.worker[1]), args.worker[2], Path(args.worker[3])
+    cuda, device, dtype = worker_device(args, rank)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist = torch.distributed
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
@@ -163,50 +170,56 @@ def worker(args) -> None:
             torch.cuda.reset_peak_memory_stats(device)
         before = swapper.total_stats(sync=True)
         step.reduced.clear()
-        times = []
-        for _ in range(args.steps):
-            sync()
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            sync()
-            times.append(time.perf_counter() - start)
+        times = scaling_pipeline.timed_steps(step, args.steps, sync, dist)
         stats = swapper.total_stats(sync=True).since(before)
         before_reduce_s, reduce_s, reduce_bytes = reduce_seconds(step.reduced)
-        memory = psutil.Process().memory_full_info()
-        if cuda:  # the wan recipe's cap off: the plain copies and the swapper's removal allocate beyond it
-            torch.cuda.set_per_process_memory_fraction(1.0, device)
-        dist.barrier()
-        raw = machine.pinned_bandwidth(device) if cuda else 0.0  # every rank at once
-        shared = sum(host.buffer.numel() for host in swapper.store.layers.values())
         record = {
             "rank": rank,
             "build_s": build_s,
             "warmup_steps": warm,
             "step_times_s": times,
-            "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GiB if cuda else None,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB if cuda else None,
-            "bytes_per_step": stats.bytes_moved / max(1, len(times)),
-            "copy_gbps": stats.gbps,
-            "wait_ms_per_step": stats.wait_ms / max(1, len(times)),
+            **job_figures(cuda, device, swapper, bench, stats, len(times)),
             "before_allreduce_ms": before_reduce_s * 1000,
             "allreduce_ms": reduce_s * 1000,
             "allreduce_mb": reduce_bytes / 1e6,
-            "raw_h2d_gbps": raw,
-            "pss_gib": getattr(memory, "pss", memory.rss) / GiB,
-            "rss_gib": memory.rss / GiB,
-            "host_copy_gib": shared / GiB,
-            "sharing_processes": swapper.masters.peers.local_ranks,
-            "streamed_layers": len(swapper.placement.streamed),
-            "entries": len(swapper.entries),
-            "layers": len(bench.layers),
-            "shape": bench.shape,
             "title": bench.title.replace("LoRA training", "full fine-tuning") if swapper.training else bench.title,
         }
         swapper.remove()
         (out / f"rank{rank}.json").write_text(json.dumps(record))
     finally:
         dist.destroy_process_group()
+
+
+def job_figures(cuda: bool, device, swapper, bench, stats, steps: int) -> dict:
+    """A rank's figures after its timed ``steps`` (``stats``: the swapper's since they began), either layout: device
+    memory, copies, the plain pinned rate with every rank copying at once (a collective: every rank calls it), host
+    memory and the shared host copy, the placement. Lifts the wan recipe's device-memory cap first (the plain copies
+    and the swapper's removal allocate beyond it)."""
+    import machine
+    import psutil
+    import torch
+
+    memory = psutil.Process().memory_full_info()
+    if cuda:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    torch.distributed.barrier()
+    shared = sum(host.buffer.numel() for host in swapper.store.layers.values())
+    return {
+        "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GiB if cuda else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB if cuda else None,
+        "bytes_per_step": stats.bytes_moved / max(1, steps),
+        "copy_gbps": stats.gbps,
+        "wait_ms_per_step": stats.wait_ms / max(1, steps),
+        "raw_h2d_gbps": machine.pinned_bandwidth(device) if cuda else 0.0,
+        "pss_gib": getattr(memory, "pss", memory.rss) / GiB,
+        "rss_gib": memory.rss / GiB,
+        "host_copy_gib": shared / GiB,
+        "sharing_processes": swapper.masters.peers.local_ranks,
+        "streamed_layers": len(swapper.placement.streamed),
+        "entries": len(swapper.entries),
+        "layers": len(bench.layers),
+        "shape": bench.shape,
+    }
 
 
 def build(args, device, dtype, world: int):
@@ -314,20 +327,11 @@ def reduce_seconds(reduced: list) -> tuple[float, float, float]:
 # ---------------------------------------------------------------- one stage of a pipeline job
 def pipeline_worker(args) -> None:
     """One pipeline stage (scaling_pipeline.py): build its part of the model, train, write OUT/rank<R>.json."""
-    import machine
-    import psutil
     import scaling_pipeline
     import torch
 
     rank, world, port, out = int(args.worker[0]), int(args.worker[1]), args.worker[2], Path(args.worker[3])
-    cuda = torch.cuda.is_available() and not args.tiny
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    if cuda:
-        torch.cuda.set_device(device)
-        torch.backends.cuda.enable_cudnn_sdp(False)  # as machine.session: its backward is broken on the lent H100s
-    else:
-        torch.set_num_threads(1)
+    cuda, device, dtype = worker_device(args, rank)
     scaling_pipeline.init_distributed(rank, world, port, cuda)
     dist = torch.distributed
     try:
@@ -350,12 +354,6 @@ def pipeline_worker(args) -> None:
         before = swapper.total_stats(sync=True)
         times = scaling_pipeline.timed_steps(step, args.steps, sync, dist)
         stats = swapper.total_stats(sync=True).since(before)
-        memory = psutil.Process().memory_full_info()
-        if cuda:  # the wan recipe's cap off: the plain copies and the swapper's removal allocate beyond it
-            torch.cuda.set_per_process_memory_fraction(1.0, device)
-        dist.barrier()
-        raw = machine.pinned_bandwidth(device) if cuda else 0.0  # every rank at once
-        shared = sum(host.buffer.numel() for host in swapper.store.layers.values())
         module = engine.module
         record = {
             "rank": rank,
@@ -365,20 +363,7 @@ def pipeline_worker(args) -> None:
             "losses": losses,
             "micro_batches": args.micro_batches,
             "stage_layers": [int(module._local_start), int(module._local_stop)],
-            "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GiB if cuda else None,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB if cuda else None,
-            "bytes_per_step": stats.bytes_moved / max(1, len(times)),
-            "copy_gbps": stats.gbps,
-            "wait_ms_per_step": stats.wait_ms / max(1, len(times)),
-            "raw_h2d_gbps": raw,
-            "pss_gib": getattr(memory, "pss", memory.rss) / GiB,
-            "rss_gib": memory.rss / GiB,
-            "host_copy_gib": shared / GiB,
-            "sharing_processes": swapper.masters.peers.local_ranks,
-            "streamed_layers": len(swapper.placement.streamed),
-            "entries": len(swapper.entries),
-            "layers": len(bench.layers),
-            "shape": bench.shape,
+            **job_figures(cuda, device, swapper, bench, stats, len(times)),
             "title": bench.title,
         }
         swapper.remove()
