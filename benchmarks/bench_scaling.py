@@ -258,8 +258,7 @@ def build(args, device, dtype, world: int):
         config = SwapConfig.of(vram_budget=bench.tight_budget_gib() if args.tiny else budget)
     swapper = LayerSwapper(bench.layers, config, device=device, log=log)
     if capped:  # (methods.memory_cap) after the build: the model is made on the device, whole, then streamed home
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * GiB / total, device)
+        cap_device_memory(device, args.memory_cap_gib)
     ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=False))
     params = [p for layer in bench.layers for p in layer.parameters() if p.requires_grad]
     if full:
@@ -342,8 +341,7 @@ def pipeline_worker(args) -> None:
             args, bench, device, dtype, world, partial(stage_config, args, device), log
         )
         if cuda and wan_recipe(args):  # the wan recipe's cap, as build()'s
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * GiB / total, device)
+            cap_device_memory(device, args.memory_cap_gib)
         build_s = time.perf_counter() - started
         losses: list[float] = []  # every step's, untimed ones too
         step = scaling_pipeline.stage_step(engine, bench, losses, args.one_backward, swapper.log)
@@ -427,6 +425,17 @@ def free_port() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return str(s.getsockname()[1])
+
+
+def cap_device_memory(device, gib: float) -> None:
+    """This process may hold at most ``gib`` of ``device``'s memory from here, as a card of that size would
+    (methods.memory_cap): the allocator's cache is emptied first, or the segments that held the model before DGLS
+    took its layers home would stay reserved past the cap (it binds only at new requests)."""
+    import torch
+
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(gib * GiB / total, device)
 
 
 def wan_recipe(args) -> bool:
@@ -525,9 +534,6 @@ def row_of(gpus: int, ranks: list[dict], base: dict | None, label: str | None = 
         "copy_gbps": [r["copy_gbps"] for r in ranks],
         "raw_h2d_gbps": [r["raw_h2d_gbps"] for r in ranks],
         "wait_ms_per_step": [r["wait_ms_per_step"] for r in ranks],
-        "before_allreduce_ms": [r.get("before_allreduce_ms", 0.0) for r in ranks],
-        "allreduce_ms": [r.get("allreduce_ms", 0.0) for r in ranks],
-        "allreduce_mb": ranks[0].get("allreduce_mb", 0.0),
         "bytes_per_step": ranks[0]["bytes_per_step"],
         "host_pss_gib": sum(r["pss_gib"] for r in ranks),
         "host_rss_gib": [r["rss_gib"] for r in ranks],
@@ -541,6 +547,10 @@ def row_of(gpus: int, ranks: list[dict], base: dict | None, label: str | None = 
         row["stage_bytes_per_step"] = [r["bytes_per_step"] for r in ranks]
         row["stage_host_copy_gib"] = [r["host_copy_gib"] for r in ranks]
         row["losses"] = ranks[-1]["losses"]  # every step's, untimed ones too: the last stage computes them
+    if "allreduce_ms" in ranks[0]:  # data parallel's (a pipeline has no all-reduce of its own timed)
+        row["before_allreduce_ms"] = [r["before_allreduce_ms"] for r in ranks]
+        row["allreduce_ms"] = [r["allreduce_ms"] for r in ranks]
+        row["allreduce_mb"] = ranks[0]["allreduce_mb"]
     base = base or row
     row["vs_1gpu"] = samples / base["samples_per_s"]
     row["efficiency"] = row["vs_1gpu"] / gpus * base["gpus"]
@@ -584,7 +594,7 @@ def data_cap(row: dict, base: dict, otherwise: str) -> str:
         )
     if waited > 0.05 * row["median_step_s"] * 1000:
         return f"copies: the compute waited {waited:.0f} ms more per step on them than on one GPU"
-    if "allreduce_ms" not in row:  # a pipeline row (no all-reduce of its own timed)
+    if "allreduce_ms" not in row:  # a pipeline row (no all-reduce of its own timed), or an older result's
         return f"{otherwise} (copies kept pace)"
     longer = (row["median_step_s"] - base["median_step_s"]) * 1000
     reduce_ms = statistics.mean(row.get("allreduce_ms") or [0.0])
@@ -614,7 +624,8 @@ def description(args, record: dict) -> str:
     if wan_recipe(args):
         what = (
             f"toml/wan_lora_long_video.toml's settings, device memory capped at {args.memory_cap_gib:g} GiB per GPU, "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True as its command line sets"
+            f"PYTORCH_CUDA_ALLOC_CONF={job_environment(args).get('PYTORCH_CUDA_ALLOC_CONF')} (its command line sets "
+            "expandable_segments:True)"
         )
     elif args.model in LORA_MODELS:
         budget = "the tightest budget" if args.tiny else f"{args.vram_budget or DEFAULT_BUDGET[args.model]:g} GiB"

@@ -11,8 +11,8 @@ and streams its own stage's layers under its own GPU's budget (or memory cap), f
   schedule: stages overlap only across micro-batches), then every stage's optimizer step. DeepSpeed's config is
   diffusion-pipe's (no bf16 section, gradient clipping 1.0): the LoRA trains in the bench's dtype with AdamW, as
   the data-parallel rows' does.
-- DeepSpeed 0.19.8 runs a stage's backward once per floating tensor the stage sends on (``out.backward`` for each,
-  graph retained); 0.18.4 (diffusion-pipe's pin) runs one ``torch.autograd.backward`` over them all. Where two of
+- DeepSpeed 0.18.5 to 0.19.8 run a stage's backward once per floating tensor the stage sends on (``out.backward`` for
+  each, graph retained); 0.18.4 (diffusion-pipe's pin) runs one ``torch.autograd.backward`` over them all. Where two of
   them come out of the whole stage (Flux's image and text streams), 0.19.8 runs the stage's backward, recomputation
   and weight copies twice. ``--one_backward`` runs each step under the product's joined backward
   (utils/dgls/trainers/joined_backward.py, as the demo and diffusion-pipe runs with several stages do): one backward
@@ -184,9 +184,15 @@ def stage_step(engine, bench, losses: list[float], joined: bool = False, log=Non
     from utils.dgls.trainers.joined_backward import joined_backward
 
     data = batches(bench)
+    told: list[str] = []  # the joined backward's line, said once a run (the block is entered every step)
+
+    def tell(line: str) -> None:
+        told.append(line)
+        if log is not None:
+            log(line)
 
     def step() -> float:
-        with joined_backward(engine, log) if joined else contextlib.nullcontext():
+        with joined_backward(engine, None if told else tell) if joined else contextlib.nullcontext():
             losses.append(engine.train_batch(data_iter=data).item())
         return losses[-1]
 

@@ -786,3 +786,38 @@ def test_the_wan_recipe_jobs_run_with_the_allocator_setting_its_config_sets(monk
         assert "PYTORCH_CUDA_ALLOC_CONF" not in bench_scaling.job_environment(bench_scaling.parser().parse_args(other))
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:native")
     assert bench_scaling.job_environment(args)["PYTORCH_CUDA_ALLOC_CONF"] == "backend:native"
+
+
+def test_a_pipeline_row_short_of_its_bubble_bound_names_the_stages_not_an_all_reduce():
+    """Pipeline rows have no all-reduce of their own timed: their cause is the bubble, or the stages and the sends
+    between them (copies kept pace), never the data-parallel rows' all-reduce words."""
+    import bench_scaling
+
+    def row(gpus: int, step: float) -> dict:
+        ranks = [
+            {
+                "micro_batches": 4,
+                "warmup_steps": 1,
+                "step_times_s": [step],
+                "peak_allocated_gib": 1.0,
+                "peak_reserved_gib": 1.0,
+                "copy_gbps": 50.0,
+                "raw_h2d_gbps": 50.0,
+                "wait_ms_per_step": 0.0,
+                "bytes_per_step": 1.0,
+                "pss_gib": 1.0,
+                "rss_gib": 1.0,
+                "host_copy_gib": 1.0,
+                "sharing_processes": 1,
+                "streamed_layers": 3,
+                "stage_layers": [0, 1],
+                "losses": [1.0],
+            }
+            for _ in range(gpus)
+        ]
+        return ranks
+
+    one = bench_scaling.row_of(1, row(1, 4.0), None)
+    two = bench_scaling.row_of(2, row(2, 4.0), one)  # no faster at all: far short of the bubble's 1.6x
+    assert "allreduce_ms" not in two and "all-reduce" not in two["cap"]
+    assert "bubble" in two["cap"] and "unequal stages, or the sends between them" in two["cap"]

@@ -24,7 +24,7 @@ pipe_engine = pytest.importorskip("deepspeed.runtime.pipe.engine")
 schedule = pytest.importorskip("deepspeed.runtime.pipe.schedule")
 
 per_tensor = pytest.mark.skipif(
-    not jb.backward_per_tensor(), reason="the installed DeepSpeed's pass runs one backward already (0.18)"
+    not jb.backward_per_tensor(), reason="the installed DeepSpeed's pass runs one backward already (up to 0.18.4)"
 )
 
 
@@ -305,3 +305,29 @@ def test_the_demo_in_two_stages_on_two_gpus_streams_less_with_the_joined_backwar
     assert_close_training(joined, own, joined_out, own_out, 5e-3)
     assert_close_training(joined, one, joined_out, one_out, 5e-3)
     assert parse_size(streamed(joined_out)) < 0.7 * parse_size(streamed(own_out))
+
+
+def test_the_joined_scalar_hands_each_output_its_received_gradient_itself_in_bf16():
+    """JoinedOutputs: each output's gradient is the received buffer (same storage: no copy, no cast), and the
+    parameter gradients are one torch.autograd.backward's, bitwise, in bf16."""
+    torch.manual_seed(0)
+    weight = torch.randn(8, 8, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+
+    def outputs():
+        h = x @ weight
+        return h * 2, h.tanh()
+
+    a, b = outputs()
+    grads = (torch.randn_like(a), torch.randn_like(b))
+    torch.autograd.backward((a, b), grads)
+    expected, weight.grad = weight.grad.clone(), None
+    a, b = outputs()
+    seen = []
+    a.register_hook(lambda g: seen.append(g.data_ptr()))
+    b.register_hook(lambda g: seen.append(g.data_ptr()))
+    joined = jb.JoinedOutputs.apply(grads, a, b)
+    assert joined.dtype == torch.float32 and joined.item() == 0.0
+    joined.backward(torch.ones_like(joined))
+    assert torch.equal(weight.grad, expected)
+    assert sorted(seen) == sorted(g.data_ptr() for g in grads), "the received buffers themselves"

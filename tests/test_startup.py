@@ -256,7 +256,11 @@ def test_the_demo_checks_shm_before_its_processes_meet(tmp_path, user_env, monke
 
     monkeypatch.setattr(demo_train, "check_before_start", check)
     monkeypatch.setattr(demo_train, "peers_arrived", meet)
-    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_SIZE": "2"}.items():
+    from utils.dgls.program.distributed import free_port
+
+    # a free MASTER_PORT: the launcher's default (29500) may be another run's on this machine (its check comes first)
+    launcher = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_SIZE": "2", "MASTER_PORT": str(free_port())}
+    for key, value in launcher.items():
         monkeypatch.setenv(key, value)
     code, _out, err = run_in_process(["--config", str(demo_toml(tmp_path))], capsys)
     assert (code, err) == (2, "dgls: error: /dev/shm is read-only\n")

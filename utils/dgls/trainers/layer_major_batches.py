@@ -175,6 +175,8 @@ def layer_major_batches(engine: PipelineEngine, swapper: LayerSwapper | None) ->
     def exec_pass(self, micro_batches: int) -> None:
         _exec_layer_major(self, micro_batches, swapper)
 
+    if "_INSTRUCTION_MAP" in vars(engine):  # joined_backward, or a block already open: one replacement at a time
+        raise AssertionError("the engine's instruction map is replaced already: one replacement at a time")
     engine._exec_schedule = layer_major_schedule
     engine._INSTRUCTION_MAP = {**type(engine)._INSTRUCTION_MAP, LayerMajorPass: exec_pass}
     try:
