@@ -338,7 +338,7 @@ def pipeline_worker(args) -> None:
         bench = model_builder(args.model)(args.tiny, device, dtype, args, on_meta=True)
         log = print if rank == 0 else (lambda line: None)
         engine, swapper = scaling_pipeline.build_engine(
-            args, bench, device, dtype, world, partial(stage_config, args, device), log
+            args, bench, device, dtype, world, partial(stage_config, args), log
         )
         if cuda and wan_recipe(args):  # the wan recipe's cap, as build()'s
             cap_device_memory(device, args.memory_cap_gib)
@@ -377,7 +377,7 @@ def model_builder(model: str):
     return {"flux": flux.build, "wan": wan.build}[model]
 
 
-def stage_config(args, device, layers: list):
+def stage_config(args, layers: list):
     """A pipeline stage's SwapConfig for its ``layers`` (each stage its own GPU's budget or cap), as build()'s for
     the whole model: the wan recipe streams every block of the stage (its device memory capped by the worker once
     DGLS took them home, as build() caps it)."""

@@ -168,7 +168,7 @@ def _groups(rank: int, port: int, folder: Path) -> None:
         stage = 0 if rank < 2 else 1
         held = layers[:5] if stage == 0 else layers[5:]
         agreement = PlanAgreement.among(held, f"stage {stage}", 0 if stage == 0 else 5)
-        said = None if agreement is None else (agreement.size, agreement.largest(rank, -rank))
+        said = None if agreement is None else (agreement.size, agreement.max_of([rank, -rank]))
         torch.save(said, folder / f"rank{rank}.pt")
     finally:
         torch.distributed.destroy_process_group()

@@ -22,8 +22,9 @@ from torch import nn
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.program.dp_config import check_resume
-from utils.dgls.program.resume import ResumeChecks, agree, layer_fit_problem, torch_file_problem
+from utils.dgls.program.resume import ResumeChecks, layer_fit_problem, torch_file_problem
 from utils.dgls.trainers.engine_hooks import EngineHooks
+from utils.dgls.training.data_parallel import agree
 from utils.dgls.training.host_optimizer import HostOptimizerSpec
 
 CPU = torch.device("cpu")

@@ -144,10 +144,6 @@ class PlanAgreement:
         return mine
 
     # ---------------------------------------------------------------- agreements
-    def largest(self, *values: float) -> list[float]:
-        """Each value's largest over the members."""
-        return self.max_of(values)
-
     def budget(self, budget: int) -> tuple[int, int]:
         """The smallest and the largest of the members' budgets (bytes)."""
         high, low = self.max_of([budget, -budget])

@@ -403,7 +403,7 @@ class PlacementDriver(Listener, Feature):
     agreement: PlanAgreement | None = None
     plan: Plan | None = None  # the plan in force
     profile: StepProfile | None = None  # the probe's (data parallel: as agreed)
-    own_profile: StepProfile | None = None  # this process's probe, before any agreement
+    own_profile: StepProfile | None = None  # this process's probe, before any agreement (to tell them apart)
     trials: list[Trial] = field(default_factory=list)  # every measured plan, refinement round included
     replanned: bool = False
     refined: bool = False

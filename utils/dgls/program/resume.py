@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..errors import DGLSUserError
-from ..training.data_parallel import agree  # noqa: F401  (the trainers' and the checks' name for it)
+from ..training.data_parallel import agree
 from .patches import Patches
 
 LATEST = "latest"

@@ -59,8 +59,8 @@ from torch import nn
 
 from ..errors import DGLSUserError
 from ..program.patches import Patches
-from ..program.resume import HOST_STATE_PREFIX, agree, damaged, host_state_file, resolve_tag, torch_file_problem
-from ..training.data_parallel import peer_failure
+from ..program.resume import HOST_STATE_PREFIX, damaged, host_state_file, resolve_tag, torch_file_problem
+from ..training.data_parallel import agree, peer_failure
 from ..training.host_training import HostTraining
 from ..training.shared_saves import (
     SharedSaves,

@@ -167,7 +167,6 @@ CAST_RULES: dict[str, CastRule] = {
     "type_as": _type_as_target,
     **{name: _fixed_cast(dtype) for name, dtype in FIXED_CASTS.items()},
 }
-CAST_METHODS = tuple(CAST_RULES)
 
 
 def cast_rules() -> dict[Any, CastRule]:

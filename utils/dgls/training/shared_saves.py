@@ -132,13 +132,15 @@ class SharedSaves:
 
     def _flat_masters(self, idx: int, params: Sequence[nn.Parameter]) -> torch.Tensor:
         """Layer ``idx``'s fp32 masters of ``params``, one after another in one flat CPU tensor."""
-        masters = []
+        flat = torch.empty(sum(self.shapes[id(param)].numel() for param in params), dtype=torch.float32)
+        start = 0
         for param in params:
             master = self.master_of(param)
             if master is None:
                 raise AssertionError(f"the owner of layer {idx} holds no master for one of its params")
-            masters.append(master.to("cpu", torch.float32).reshape(-1))
-        return torch.cat(masters)
+            flat[start : start + master.numel()].copy_(master.reshape(-1))  # one copy, cast on the way
+            start += master.numel()
+        return flat
 
 
 def host_state_files(folder: Path, stage: int, prefix: str) -> list[Path]:
