@@ -286,21 +286,23 @@ def test_a_drop_in_run_in_two_stages_runs_the_first_stages_backward_once(tmp_pat
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_the_demo_in_two_stages_on_two_gpus_streams_less_with_the_joined_backward(tmp_path):
-    """On two GPUs (NCCL): the joined backward against DeepSpeed's own pass and one GPU, in bf16: fewer bytes
-    streamed, the same training up to the GPUs' reduction order."""
+    """On two GPUs (NCCL): the joined backward against DeepSpeed's own pass and one GPU: fewer bytes streamed, the
+    same training up to the GPUs' reduction order. In fp32: in bf16 the two runs' LoRAs ended 2.6% of their scale
+    apart (H200), which the passes' different rounding of the summed gradients (one autograd sum against two
+    accumulations), grown by AdamW to lr x steps, allows; the bf16 scalar is bitwise one backward's (the CPU test
+    below)."""
     from test_multi_process import assert_close_training, demo_lora
 
     from utils.dgls.program.distributed import free_port
 
-    bf16 = dict(device="cuda", model={"dtype": "bfloat16"})
     flags = ("--deepspeed", "--prefetch", "1")
     driver = str(Path(__file__).parent / "deepspeeds_backward.py")  # the demo with DeepSpeed's own pass
     runs = {}
     for name, script in (("joined", "dgls_train.py"), ("own", driver)):
         launch = deepspeed_cmd("--num_gpus=2", f"--master_port={free_port()}", script, *flags)
-        runs[name] = demo_lora(tmp_path / name, launch, pipeline_stages=2, **bf16)
+        runs[name] = demo_lora(tmp_path / name, launch, pipeline_stages=2, device="cuda")
     (joined, joined_out), (own, own_out) = runs["joined"], runs["own"]
-    one, one_out = demo_lora(tmp_path / "one", python_cmd("--prefetch", "1"), **bf16)
+    one, one_out = demo_lora(tmp_path / "one", python_cmd("--prefetch", "1"), device="cuda")
     assert "DGLS: this stage's backward runs once for the 3 tensors" in joined_out
     assert_close_training(joined, own, joined_out, own_out, 5e-3)
     assert_close_training(joined, one, joined_out, one_out, 5e-3)
