@@ -611,7 +611,18 @@ def data_cap(row: dict, base: dict, otherwise: str) -> str:
             f"the gradient all-reduce: {reduce_ms:.0f} ms a step ({row.get('allreduce_mb', 0.0):.0f} MB, after the "
             f"backward) of the {longer:.0f} ms the step grew (copies kept pace)"
         )
-    return f"collectives and contention: the step grew {longer:.0f} ms, the all-reduce took {reduce_ms:.0f} ms"
+    after = row["median_step_s"] * 1000 - max(before) - reduce_ms
+    if after >= 0.5 * longer > 0:
+        return (
+            f"after the all-reduce: {after:.0f} ms a step (a full fine-tune's: the owners' host updates and the "
+            f"barrier that publishes them) of the {longer:.0f} ms the step grew"
+        )
+    rate = statistics.mean(row["copy_gbps"]) / (statistics.mean(base["copy_gbps"]) or 1.0)
+    return (
+        f"contention in the forward and backward: the slowest rank's took {max(before):.0f} ms against one GPU's "
+        f"whole step of {base['median_step_s'] * 1000:.0f} ms (its copies at {rate:.0%} of one GPU's rate), the "
+        f"all-reduce {reduce_ms:.0f} ms, {after:.0f} ms after it"
+    )
 
 
 def deepspeed_version() -> str:

@@ -821,3 +821,20 @@ def test_a_pipeline_row_short_of_its_bubble_bound_names_the_stages_not_an_all_re
     two = bench_scaling.row_of(2, row(2, 4.0), one)  # no faster at all: far short of the bubble's 1.6x
     assert "allreduce_ms" not in two and "all-reduce" not in two["cap"]
     assert "bubble" in two["cap"] and "unequal stages, or the sends between them" in two["cap"]
+
+
+def test_the_scaling_cap_names_where_a_data_parallel_step_grew():
+    """A 2-GPU row short of 2x: time after the all-reduce (a full fine-tune's updates and barrier) or the forward and
+    backward (contention), from its before / all-reduce / step times (the 2x H200 rows of SDXL and Flux)."""
+    import bench_scaling
+
+    base = dict(gpus=1, median_step_s=1.276, raw_h2d_gbps=[55.1], wait_ms_per_step=[0.2], copy_gbps=[54.5])
+    sdxl = dict(base, gpus=2, median_step_s=1.683, raw_h2d_gbps=[50.5] * 2, wait_ms_per_step=[0.2] * 2)
+    sdxl.update(efficiency=0.76, allreduce_ms=[7.0, 28.0], before_allreduce_ms=[923.0, 982.0], copy_gbps=[53.0] * 2)
+    assert bench_scaling.cap_of(sdxl, base).startswith("after the all-reduce: 684 ms a step")
+    flux_base = dict(base, median_step_s=1.072, copy_gbps=[54.1])
+    flux = dict(sdxl, median_step_s=1.230, before_allreduce_ms=[1175.0, 1165.0], allreduce_ms=[16.0, 31.0])
+    flux["copy_gbps"] = [52.5, 53.0]
+    cap = bench_scaling.cap_of(flux, flux_base)
+    assert cap.startswith("contention in the forward and backward: the slowest rank's took 1175 ms"), cap
+    assert "one GPU's whole step of 1072 ms (its copies at 98%" in cap, cap

@@ -110,6 +110,34 @@ def test_host_updates_on_the_worker_use_three_quarters_of_the_threads_and_leave_
     assert_same(record, references("nonreentrant", names))
 
 
+def test_the_processes_of_a_machine_share_its_cores_for_their_host_updates(references, monkeypatch):
+    """With the launcher saying 2 processes run here (deepspeed: LOCAL_SIZE), each one's worker updates with 3
+    quarters of its half of the threads: 4 threads give 1, not 3 (two processes at 3 each oversubscribe 4 cores);
+    the numbers stay (the trainer's thread keeps 4, as the reference's run: its matmuls' sums stay the same)."""
+    from utils.dgls.training.updaters import update_threads
+
+    assert update_threads(32) == 24 and update_threads(32, 2) == 12 and update_threads(2, 4) == 1
+    assert update_threads(8, 2, environ={"OMP_NUM_THREADS": "8"}) == 6, "OMP_NUM_THREADS: one process's count"
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    monkeypatch.setenv("LOCAL_SIZE", "2")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    seen = []
+    original = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    try:
+        record, names = dgls_run("nonreentrant", prefetch=2, threading=True)
+    finally:
+        torch.set_num_threads(before)
+    assert set(seen) == {("dgls-jobs", 1), ("MainThread", 4)}
+    assert_same(record, references("nonreentrant", names))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_bf16_compute_with_fp32_masters_equals_unstreamed_training(mode):
     """The slots and resident params hold bf16; streamed layers' masters and gradient sums are fp32."""

@@ -146,6 +146,7 @@ class HostTraining:
         after_step: Callable[[Callable[[], None]], None] | None = None,
         disk_state: DiskState | None = None,
         clip_mode: str = "exact",
+        processes_here: int = 1,
     ) -> None:
         """``first_step``: the VRAM planner's, called once before the first step's clipping or updates (True), or at
         its updates when nothing came first (False); until the first step's updates are queued, none starts
@@ -154,8 +155,10 @@ class HostTraining:
         ``after_step(finish)`` runs once a step's updates are queued (the share's publication). ``disk_state``: the
         masters and optimizer state of the layers it spilled live on disk (:mod:`.disk_state`; host updates).
         ``clip_mode`` ``previous_norm``: updates start early at the previous step's coefficient (:mod:`.previous_norm`;
-        the training policy refuses what it cannot combine with)."""
+        the training policy refuses what it cannot combine with). ``processes_here``: the job's processes on this
+        machine, whose host updates share its cores (:func:`.updaters.update_threads`)."""
         self.disk_state = disk_state
+        self.processes_here = processes_here
         self._host_norm_sum = host_norm_sum
         self._after_step = after_step
         self.spec, self.implementation = spec, spec.kernel
@@ -217,13 +220,15 @@ class HostTraining:
         if spec.whole_step:
             return WholeStep(self.jobs, spec, self.layers)
         if self.updater is None:
-            return HostUpdater(self.jobs, self.transport, largest, disk=self.disk_state)
+            return HostUpdater(
+                self.jobs, self.transport, largest, disk=self.disk_state, processes_here=self.processes_here
+            )
         if not spec.split:
             return DeviceSide(self.jobs, self.updater)
         sizes = {idx: layer.numel for idx, layer in self.layers.items()}
         # else updates trickle in during backward
         all_at_once = self.clipping and not self.speculation.spares and self.previous_norm is None
-        split = SplitUpdater(self.jobs, self.transport, self.updater, sizes, all_at_once)
+        split = SplitUpdater(self.jobs, self.transport, self.updater, sizes, all_at_once, self.processes_here)
         for layer in self.layers.values():
             if layer.flat is None:  # flat layers have theirs
                 self.updater.prepare(layer.optimizer)  # pinned state, found by either side

@@ -16,12 +16,14 @@ What it adds to the engine
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
 from ..errors import DGLSUserError
 from ..memory.layout import TrainingLayout, human_bytes
+from ..memory.shm_space import local_processes
 from ..memory.transport import Transport
 from ..streaming.feature import Engine, Feature
 from ..streaming.masters import Masters
@@ -32,6 +34,12 @@ from .device_update import DeviceUpdater
 from .disk_state import DiskState
 from .host_optimizer import HostOptimizerSpec
 from .host_training import HostTraining
+
+
+def processes_here(sharing: int, environ: Mapping[str, str] = os.environ) -> int:
+    """The job's processes on this machine, whose host updates run at once: the launcher's count (pipeline stages
+    too), or the processes ``sharing`` this one's host copy (:class:`~..memory.peers.Peers`), whichever is more."""
+    return max(local_processes(environ) or 1, sharing)
 
 
 class TrainingFeature(Feature):
@@ -97,6 +105,7 @@ class TrainingFeature(Feature):
             after_step=shared.publish if shared is not None else None,
             disk_state=disk_state,
             clip_mode=clip_mode,
+            processes_here=processes_here(masters.peers.local_ranks),
         )
         return cls(training, note, replaceable=plan_fix is not None, shared=shared)
 

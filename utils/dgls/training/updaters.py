@@ -39,17 +39,21 @@ Hazards handled
       update before it (the next update of the layer still lands it).
 
 Cores (:func:`update_threads`): on the worker thread, a host update's torch kernels run with three quarters
-of torch's intra-op threads, set for that thread around the update and restored after it: the training
-thread launches the forward's and backward's kernels meanwhile, and with every core busy on the update it
-was descheduled (benchmarks/results/noclip_omp16.md). The update is elementwise, so its numbers do not
-depend on the thread count.
+of this process's share of torch's intra-op threads, set for that thread around the update and restored after
+it: the training thread launches the forward's and backward's kernels meanwhile, and with every core busy on
+the update it was descheduled (benchmarks/results/noclip_omp16.md). The share: torch's threads (the cores)
+divided by the job's processes on this machine (``processes_here``: data-parallel processes and pipeline stages
+update at once, and each would otherwise take three quarters of every core), unless ``OMP_NUM_THREADS`` is set,
+which already is one process's count (torchrun sets it to 1 for several processes). The update is elementwise,
+so its numbers do not depend on the thread count.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -69,10 +73,12 @@ from .update_split import UpdateSplit
 Side = Literal["host", "device"]  # where an update ran
 
 
-def update_threads(default: int) -> int:
-    """The intra-op threads of a host update on the worker thread: three quarters of ``default`` (torch's
-    for that thread: the cores, or ``OMP_NUM_THREADS``), at least one (see the module doc)."""
-    return max(1, default * 3 // 4)
+def update_threads(default: int, processes_here: int = 1, environ: Mapping[str, str] = os.environ) -> int:
+    """The intra-op threads of a host update on the worker thread: three quarters of this process's share of
+    ``default`` (torch's for that thread: the cores, or ``OMP_NUM_THREADS``), the share ``default`` divided by
+    ``processes_here`` unless ``OMP_NUM_THREADS`` set it, at least one (see the module doc)."""
+    share = default if "OMP_NUM_THREADS" in environ else default // max(1, processes_here)
+    return max(1, share * 3 // 4)
 
 
 @contextmanager
@@ -159,10 +165,17 @@ class HostUpdater(Updater):
     """Steps on the host, as jobs (see the module doc)."""
 
     def __init__(
-        self, jobs: Jobs, transport: Transport, largest_layer: int, record=None, disk: DiskState | None = None
+        self,
+        jobs: Jobs,
+        transport: Transport,
+        largest_layer: int,
+        record=None,
+        disk: DiskState | None = None,
+        processes_here: int = 1,
     ) -> None:
         super().__init__(jobs, record)
         self.transport = transport
+        self.processes_here = processes_here  # the job's processes on this machine: their updates share its cores
         self.disk = disk  # masters and state of the layers it spilled: read before their update, written after
         self._largest = largest_layer
         self._grad_buffer: torch.Tensor | None = None  # one micro-batch a step: fp32 grads an update reads
@@ -199,8 +212,8 @@ class HostUpdater(Updater):
         home = _resolved(previous)
         if home is not None:  # the previous update ran on the device: its state must be home
             self.transport.land(home)
-        on_worker = self.jobs.worker.on_thread()
-        with torch.no_grad(), _threads(update_threads(torch.get_num_threads()) if on_worker else None):
+        threads = update_threads(torch.get_num_threads(), self.processes_here) if self.jobs.worker.on_thread() else None
+        with torch.no_grad(), _threads(threads):
             slot = self.disk.bring_in(layer) if self.disk is not None and layer.index in self.disk.spilled else None
             if undo is not None:
                 speculation.undo(undo)
@@ -332,9 +345,11 @@ class SplitUpdater(Updater):
         updater: DeviceUpdater,
         sizes: dict[int, int],
         all_at_once: bool,
+        processes_here: int = 1,
     ) -> None:
         super().__init__(jobs, self._note)
-        self.host = HostUpdater(jobs, transport, max(sizes.values(), default=0), self._note)
+        largest = max(sizes.values(), default=0)
+        self.host = HostUpdater(jobs, transport, largest, self._note, processes_here=processes_here)
         self.device = DeviceSide(jobs, updater, self._note)
         self.split = UpdateSplit(sizes)
         self.all_at_once = all_at_once  # every update of a step queued by the step (clipping, no speculation)
