@@ -18,6 +18,7 @@ from full_ft import (
     MAX_NORM,
     SPEC,
     SPLIT,
+    FullRecord,
     assert_same,
     differs,
     flip_sides_every_step,
@@ -86,18 +87,20 @@ def test_full_fine_tuning_with_worker_threads_equals_unstreamed_training(referen
     assert_same(record, references(mode, names))
 
 
-def test_host_updates_on_the_worker_use_three_quarters_of_the_threads_and_leave_the_training_threads_alone(
-    references, monkeypatch
-):
-    """The worker's AdamW runs with 3 of 4 intra-op threads (the training thread launches kernels meanwhile);
-    the count is restored after each update, the training thread's never changes, and the numbers stay."""
+def threads_of_each_adamw_step(monkeypatch, local_size: str | None) -> tuple[set, FullRecord, list]:
+    """A threaded run with 4 intra-op threads and the launcher's LOCAL_SIZE (None: unset; no OMP_NUM_THREADS):
+    the (thread, intra-op threads) of every AdamW step, the record and the names; the count restored after it."""
+    for key in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(key, raising=False)
+    if local_size is not None:
+        monkeypatch.setenv("LOCAL_SIZE", local_size)
     before = torch.get_num_threads()
     torch.set_num_threads(4)  # the worker thread starts from this count
-    seen = []
+    seen = set()
     original = torch.optim.AdamW.step
 
     def step(self, *args, **kwargs):
-        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        seen.add((threading.current_thread().name, torch.get_num_threads()))
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
@@ -106,7 +109,16 @@ def test_host_updates_on_the_worker_use_three_quarters_of_the_threads_and_leave_
         assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(before)
-    assert set(seen) == {("dgls-jobs", 3), ("MainThread", 4)}  # the host's, and the trainer's own AdamW
+    return seen, record, names
+
+
+def test_host_updates_on_the_worker_use_three_quarters_of_the_threads_and_leave_the_training_threads_alone(
+    references, monkeypatch
+):
+    """The worker's AdamW runs with 3 of 4 intra-op threads (the training thread launches kernels meanwhile);
+    the count is restored after each update, the training thread's never changes, and the numbers stay."""
+    seen, record, names = threads_of_each_adamw_step(monkeypatch, None)
+    assert seen == {("dgls-jobs", 3), ("MainThread", 4)}  # the host's, and the trainer's own AdamW
     assert_same(record, references("nonreentrant", names))
 
 
@@ -118,23 +130,8 @@ def test_the_processes_of_a_machine_share_its_cores_for_their_host_updates(refer
 
     assert update_threads(32) == 24 and update_threads(32, 2) == 12 and update_threads(2, 4) == 1
     assert update_threads(8, 2, environ={"OMP_NUM_THREADS": "8"}) == 6, "OMP_NUM_THREADS: one process's count"
-    before = torch.get_num_threads()
-    torch.set_num_threads(4)
-    monkeypatch.setenv("LOCAL_SIZE", "2")
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    seen = []
-    original = torch.optim.AdamW.step
-
-    def step(self, *args, **kwargs):
-        seen.append((threading.current_thread().name, torch.get_num_threads()))
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.optim.AdamW, "step", step)
-    try:
-        record, names = dgls_run("nonreentrant", prefetch=2, threading=True)
-    finally:
-        torch.set_num_threads(before)
-    assert set(seen) == {("dgls-jobs", 1), ("MainThread", 4)}
+    seen, record, names = threads_of_each_adamw_step(monkeypatch, "2")
+    assert seen == {("dgls-jobs", 1), ("MainThread", 4)}
     assert_same(record, references("nonreentrant", names))
 
 
