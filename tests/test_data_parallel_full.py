@@ -5,8 +5,8 @@ every weight trained, its streamed layers by the host optimizer, each rank updat
 same global batch, 2 and 3 processes train what one process trains, up to the order of summation (each process's
 mean over its rows, then the mean over processes; the norm summed in another order): the losses of every
 micro-batch, and every weight on every rank (an owner's update must be in the shared copy before any rank reads
-it: without the step's barrier, or with an owner's updates not written before it, ranks read weights a step old,
-about 1e-2 off; without the reduction, weights move about 6e-2 off).
+it: without the wait for a layer's version, or with a version published before its update is written, ranks read
+weights a step old, about 1e-2 off; without the reduction, weights move about 6e-2 off).
 """
 
 from __future__ import annotations
@@ -117,6 +117,15 @@ def test_three_processes_train_what_one_trains_with_the_global_batch(tmp_path):
     assert_trains_like_one_process(tmp_path, 3)
 
 
+@pytest.mark.slow  # starts 3 processes with torch
+def test_with_the_job_thread_each_layer_is_fetched_only_once_its_owner_published_its_update(tmp_path):
+    """The host updates and each layer's publication run on the job thread (as on CUDA), every update 50 ms late: a
+    rank's next forward reaches the other owner's layers before their updates are written, and waits for each
+    layer's version (a version stored before its update's writes, or a fetch that does not wait, reads the weights
+    a step old)."""
+    assert_trains_like_one_process(tmp_path, 2, "--threading", "--delay_updates")
+
+
 @pytest.mark.slow  # starts 2 processes with torch
 def test_a_process_killed_mid_step_leaves_no_segment_and_the_other_stops_with_one_line(tmp_path):
     outs = run_ranks(tmp_path, 2, "--die_at_step", "2", expect=1)
@@ -181,6 +190,30 @@ def test_owners_balance_trained_params_in_layer_order_and_keep_a_module_whole():
     assert ours.owners == theirs.owners == {1: 0, 2: 1, 3: 0, 4: 0, 5: 1, 6: 1}
     assert ours.owned == [1, 3, 4] and theirs.owned == [2, 5, 6] and ours.foreign == theirs.owned
     assert "each of the 2 processes updates its share of the 6 host-trained layers (3/3)" in ours.line()
+
+
+def test_a_wait_for_a_layer_whose_owner_is_gone_is_one_line_and_a_published_layer_is_not_waited_for():
+    """wait_published: a foreign layer at the version of this process's step passes at once; one a step behind whose
+    owner's process is gone stops within a second or two with the line of a partner gone."""
+    from utils.dgls.training.data_parallel import SharedGradients
+
+    ownership = Ownership.assign({1: 10, 2: 10}, {}, rank=0, size=2)  # layer 2 is rank 1's
+    shared = SharedGradients(ownership, {1: [], 2: []})
+    versions = torch.zeros(3, dtype=torch.int64)
+    alive = {1: True}
+    shared.attach_versions(versions, lambda rank: alive[rank])
+    shared.publish(lambda written: written(1))  # this process's step 1: its own layer written
+    assert shared.step == 1 and versions.tolist() == [0, 1, 0]
+    versions[2] = 1
+    shared.wait_published(2)  # published: no wait
+    shared.publish(lambda written: written(1))
+    alive[1] = False
+    with pytest.raises(DGLSUserError) as caught:
+        shared.wait_published(2)
+    assert str(caught.value).startswith(
+        "another process of this data-parallel job stopped during the update of layer 2, which it owns (its process "
+        "is gone): the processes train each step together"
+    ), caught.value
 
 
 def test_processes_that_do_not_share_one_host_copy_are_refused():

@@ -66,6 +66,7 @@ class Peers:
     local_ranks: int = 1  # processes of this job on this machine (1: nothing to share)
     leader: bool = True  # this process packs the masters
     token: str = ""  # names this job's files: "<leader pid>-<random>"
+    pids: dict[int, int] = field(default_factory=dict)  # rank -> process id, of the processes sharing with this one
     _segments: list[mmap.mmap] = field(default_factory=list)
     _created: list[Path] = field(default_factory=list)
 
@@ -99,17 +100,22 @@ class Peers:
             raise DGLSUserError(problems[0])
         here = sorted((e for e in everyone if e[:3] == mine[:3]), key=lambda e: e[3])
         leader = here[0]
-        return cls(local_ranks=len(here), leader=leader[3] == mine[3], token=f"{leader[4]}-{leader[5]}")
+        pids = {e[3]: e[4] for e in here}
+        return cls(local_ranks=len(here), leader=leader[3] == mine[3], token=f"{leader[4]}-{leader[5]}", pids=pids)
 
     def barrier(self) -> None:
         if self.shared:
             torch.distributed.barrier()
 
+    def running(self, rank: int) -> bool:
+        """Whether the process of ``rank`` (one sharing with this one) still runs."""
+        return _running(self.pids[rank])
+
     # ---------------------------------------------------------------- segments
-    def path(self, key: int) -> Path:
+    def path(self, key: int | str) -> Path:
         return SHM / f"{PREFIX}{self.token}-{key}"
 
-    def create(self, key: int, nbytes: int) -> torch.Tensor:
+    def create(self, key: int | str, nbytes: int) -> torch.Tensor:
         """The leader: a new shared segment of ``nbytes`` (page-aligned, zero-filled) as uint8."""
         path = self.path(key)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -120,7 +126,7 @@ class Peers:
         finally:
             os.close(fd)
 
-    def attach(self, key: int, nbytes: int) -> torch.Tensor:
+    def attach(self, key: int | str, nbytes: int) -> torch.Tensor:
         """Another local rank: the leader's segment for ``key``."""
         fd = os.open(self.path(key), os.O_RDWR)
         try:

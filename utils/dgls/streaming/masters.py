@@ -37,6 +37,8 @@ from ..memory.pinned import whole_pages
 from ..memory.precision import CastRules
 
 GiB = 1024**3
+VERSIONS = "versions"  # the shared segment of the layers' versions (:attr:`Masters.versions`)
+VERSION_BYTES = 8  # one int64 a layer
 
 
 def has_fp8(layout: LayerLayout) -> bool:
@@ -65,7 +67,9 @@ class Masters:
 
     ``share_group``: processes of one job that host the same layers (``""`` for every process of a
     data-parallel job; the pipeline stage when the layers are split): their masters are one copy per
-    machine (:mod:`..memory.peers`)."""
+    machine (:mod:`..memory.peers`), with :attr:`versions` beside them: per layer index, the step whose update
+    the shared copy holds (int64 in shared memory, zero at start; written by data-parallel full fine-tuning's
+    owners, :mod:`..training.data_parallel`), None when nothing is shared."""
 
     def __init__(
         self,
@@ -91,6 +95,7 @@ class Masters:
         signature = ";".join(f"{lay.index}:{lay.sizes.class_name}:{lay.host_bytes}" for lay in hosted)
         self.peers = Peers.discover(share_group, signature, sum(whole_pages(lay.host_bytes) for lay in hosted))
         self.store = HostStore(device, budget, int(packing_threshold_mb * MB), self.peers)
+        self.versions: torch.Tensor | None = None  # shared: per layer, the step whose update the copy holds
         if disk is not None:
             if self.peers.shared:
                 raise DGLSUserError(
@@ -113,14 +118,17 @@ class Masters:
             for layout in hosted:
                 self.store.add_layer(layout)
             return
+        versions = VERSION_BYTES * (max((layout.index for layout in self.layouts), default=0) + 1)
         if peers.leader:
             remove_orphans()
             for layout in hosted:
                 self.store.add_layer(layout, memory="create")
+            self.versions = peers.create(VERSIONS, versions).view(torch.int64)
         peers.barrier()
         if not peers.leader:
             for layout in hosted:
                 self.store.add_layer(layout, memory="attach")
+            self.versions = peers.attach(VERSIONS, versions).view(torch.int64)
         peers.barrier()
         if peers.leader:
             peers.unlink_created()

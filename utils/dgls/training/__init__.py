@@ -24,8 +24,8 @@ Modules
     - ``previous_norm.py``: ``clip_mode previous_norm`` (opt-in, inexact): steps that start as their gradients land,
       scaled by the previous step's clip coefficient.
     - ``data_parallel.py``: data-parallel full fine-tuning over the processes' shared host copy: an owner per
-      layer, each layer's gradients reduced to it in one bucket beside the backward, updates published at a barrier
-      after each step.
+      layer, each layer's gradients reduced to it in one bucket beside the backward, each layer's update published
+      to the others (its version in shared memory) once written.
     - ``shared_saves.py``: what a data-parallel full fine-tune saves: every owner's masters sent to the process that
       writes, each process's share of the host optimizer state in a file of its own, merged on resume.
     - ``disk_state.py``: with a host RAM budget, the fp32 masters and optimizer state of the layers that do not fit

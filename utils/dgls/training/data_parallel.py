@@ -24,11 +24,18 @@ Data-parallel processes on one machine already stream from one host copy of the 
   micro-batch; the owner's host training gets the reduced sum as the step's one gradient.
 - Clipping: the host part of the squared gradient norm is summed over the processes (each owner counts its own
   layers once); the resident params' gradients are already the same everywhere and count once.
-- Publication: after the step's updates are queued, every process waits for its own updates to be written
-  (:meth:`~.host_training.HostTraining.finish`: the shared packed copies hold the new weights) and then meets the
-  others at ``torch.distributed.barrier()`` (the default group). A process passes the barrier only after every
-  owner's writes, so the next forward's fetches read the updated weights; every streamed trained layer is
-  evicted when a backward ends, so no slot keeps an old copy.
+- Publication, per layer (:meth:`SharedGradients.publish`, :meth:`SharedGradients.wait_published`): the shared
+  host copy has a *version* per layer (:attr:`~..streaming.masters.Masters.versions`, int64 in shared memory: the
+  number of the step whose update it holds). After the step's updates are queued, each process counts the step
+  (``step``) and has its host training write each owned layer's version once that layer's update is written
+  (:meth:`~.host_training.HostTraining.when_written`: a job after the layer's update, redo included, on the one job
+  queue). Before a foreign layer's packed copy is fetched, a process waits until its version reaches its own step
+  count; a read of the true weights (a save, ``true_weights``, removal: the feature's flush) waits for every foreign
+  layer's. So the next forward's fetches read updated weights, and a process goes on to the next step's forward
+  while the owners still write the updates of layers it uses later. (With a barrier after each step every process
+  waited for every update: an SDXL step on 2x H200 spent 684 ms after its gradient all-reduce, against 1.28 s for
+  the whole step on one GPU, benchmarks/results/scaling_sdxl_full_12.md.) Every streamed trained layer is evicted
+  when a backward ends, so no slot keeps an old copy.
 
 Buckets (layout)
     - A layer's bucket is flat, one segment per dtype (a layer computes in one, so one segment and one collective),
@@ -62,6 +69,14 @@ Streams (NCCL)
       ordered after the compute stream) reads the sum, and the next copy into the buffer comes after the send.
 
 Hazards handled
+    - A foreign layer is fetched only once its owner wrote this step's update into the shared copy (its version;
+      else: the weights a step old, about 1e-2 off in tests/test_data_parallel_full.py). An owner's next update
+      of a layer needs the layer's next reduction, so every process has finished with the layer's current weights
+      (its forward and its backward's recompute) before they are rewritten. The version is stored after the
+      update's writes on the job thread (a device update's copy home landed first); on x86-64 a reader that sees
+      the version sees those writes (stores are not reordered with stores, nor loads with loads).
+    - A process that waits for a version whose owner is gone (killed, crashed) stops with one line, as a collective
+      whose partner is gone does (:func:`peer_failure`); an owner still running is waited for however long.
     - An owner reads a bucket only after waiting for its reduction (else: its own gradient, unreduced).
     - A bucket's buffer is rewritten only after its reduction was waited for (else another layer's bytes are sent).
     - The owner's means are tensors of their own, not views of the bucket: the buffer is reused while the host
@@ -98,6 +113,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -149,8 +165,8 @@ class Ownership:
         return (
             f"DGLS data parallel: each of the {self.size} processes updates its share of the {len(self.owners)} "
             f"host-trained layers ({'/'.join(map(str, counts))}), with one copy of their masters and optimizer state "
-            "on this machine; gradients are reduced to each layer's owner during the backward, and the updates are "
-            "published at a barrier after each step"
+            "on this machine; gradients are reduced to each layer's owner during the backward, and each layer's "
+            "update is published to the others as soon as it is written"
         )
 
 
@@ -297,6 +313,11 @@ class SharedGradients:
         # The layer-major schedule's (the host training's same object): a layer's gradients summed on the device over
         # the step's micro-batches, reduced once at its last (:mod:`.device_sums`)
         self.device_sums: DeviceSums | None = None
+        # the publication: the shared copy's versions and the sharing processes' liveness (attach_versions), and
+        # the steps this process has published (a foreign layer is fetched once its version reaches it)
+        self.versions: torch.Tensor | None = None
+        self._running: Callable[[int], bool] = lambda rank: True
+        self.step = 0
 
     def install(
         self, grad_arriving: Callable[[int], None], deliver: Callable[[nn.Parameter, torch.Tensor], None]
@@ -423,16 +444,41 @@ class SharedGradients:
             dist.all_reduce(value)
         return value.cpu()
 
-    def publish(self, finish: Callable[[], None]) -> None:
-        """After the step's updates were queued: this process's updates written (``finish``), then the barrier that
-        lets no process fetch a layer before its owner wrote it. A foreign layer's params lose any gradient a
-        trainer zero-filled (DeepSpeed's reduction does), as the host training's own do."""
+    def attach_versions(self, versions: torch.Tensor, running: Callable[[int], bool]) -> None:
+        """The shared copy's versions (:attr:`~..streaming.masters.Masters.versions`), and whether the process of a
+        rank still runs (:meth:`~..memory.peers.Peers.running`)."""
+        self.versions = versions
+        self._running = running
+
+    def publish(self, when_written: Callable[[Callable[[int], None]], None]) -> None:
+        """After the step's updates were queued: the step counted, and each owned layer's version set to it once its
+        update is written (``when_written(written)``: the host training calls ``written(idx)`` then,
+        :meth:`~.host_training.HostTraining.when_written`). A foreign layer's params lose any gradient a trainer
+        zero-filled (DeepSpeed's reduction does), as the host training's own do."""
+        if self.versions is None:
+            raise AssertionError("data-parallel full fine-tuning publishes through the shared copy's versions")
         for idx in self.ownership.foreign:
             for param in self.params[idx]:
                 param.grad = None
-        finish()
-        with peer_failure("the end of the step"):
-            torch.distributed.barrier()
+        self.step += 1
+        when_written(partial(_store, self.versions, self.step))
+
+    def wait_published(self, idx: int) -> None:
+        """Before a foreign layer's packed copy is fetched: until its owner published this process's last step's
+        update (its version reaches :attr:`step`). Polls the shared version (the owners' job threads write it, and a
+        process has no event another can set); a gone owner is one line (see Hazards)."""
+        versions = self.versions
+        if versions is None or idx not in self.ownership.owners or int(versions[idx]) >= self.step:
+            return
+        owner = self.ownership.owners[idx]
+        pause, checked = 1e-5, time.monotonic()
+        while int(versions[idx]) < self.step:
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+            if time.monotonic() - checked >= 1.0:
+                checked = time.monotonic()
+                if not self._running(owner) and int(versions[idx]) < self.step:
+                    raise DGLSUserError(peer_gone(f"the update of layer {idx}, which it owns", "its process is gone"))
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
@@ -465,10 +511,20 @@ def peer_failure(what: str) -> Iterator[None]:
     except RuntimeError as exc:  # gloo's (plain RuntimeErrors) and NCCL's (DistBackendError is one)
         if not (isinstance(exc, torch.distributed.DistError) or PEER_GONE.search(str(exc))):
             raise
-        raise DGLSUserError(
-            f"another process of this data-parallel job stopped during {what} ({_first_sentence(exc)}): the processes "
-            "train each step together, so this one stops too; see that process's own error for why"
-        ) from None
+        raise DGLSUserError(peer_gone(what, _first_sentence(exc))) from None
+
+
+def peer_gone(what: str, how: str) -> str:
+    """The line of a process whose partner process stopped during ``what``."""
+    return (
+        f"another process of this data-parallel job stopped during {what} ({how}): the processes train each step "
+        "together, so this one stops too; see that process's own error for why"
+    )
+
+
+def _store(versions: torch.Tensor, step: int, idx: int) -> None:
+    """Layer ``idx``'s update of ``step`` is in the shared copy (on the thread that wrote it, after its writes)."""
+    versions[idx] = step
 
 
 def _first_sentence(exc: Exception) -> str:

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 
 import psutil
 import torch
@@ -69,7 +70,7 @@ from .device_update import DeviceUpdater, FlatLayer, FlatParam
 from .disk_state import DiskState
 from .grad_return import SEND_GROUP_BYTES, GradReturn, GradState, TrainedLayer, TrainedParam
 from .host_optimizer import HostOptimizerSpec
-from .jobs import Jobs
+from .jobs import Job, Jobs
 from .optimizer_kernels import grad_norms
 from .previous_norm import PreviousNorm
 from .speculation import Spare, Speculation, clipping_line, refresh_copies, spares_for
@@ -143,7 +144,7 @@ class HostTraining:
         first_step: Callable[[bool], None] | None = None,
         speculate: bool = True,
         host_norm_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        after_step: Callable[[Callable[[], None]], None] | None = None,
+        after_step: Callable[[Callable[[Callable[[int], None]], None]], None] | None = None,
         disk_state: DiskState | None = None,
         clip_mode: str = "exact",
         processes_here: int = 1,
@@ -152,8 +153,9 @@ class HostTraining:
         its updates when nothing came first (False); until the first step's updates are queued, none starts
         during backward (see the module doc). Data parallel (:mod:`.data_parallel`): ``host_norm_sum`` sums the
         host-trained part of the squared gradient norm over the processes that each train a share of the layers;
-        ``after_step(finish)`` runs once a step's updates are queued (the share's publication). ``disk_state``: the
-        masters and optimizer state of the layers it spilled live on disk (:mod:`.disk_state`; host updates).
+        ``after_step(when_written)`` runs once a step's updates are queued (the share's publication,
+        :meth:`when_written`). ``disk_state``: the masters and optimizer state of the layers it spilled live on disk
+        (:mod:`.disk_state`; host updates).
         ``clip_mode`` ``previous_norm``: updates start early at the previous step's coefficient (:mod:`.previous_norm`;
         the training policy refuses what it cannot combine with). ``processes_here``: the job's processes on this
         machine, whose host updates share its cores (:func:`.updaters.update_threads`)."""
@@ -339,6 +341,30 @@ class HostTraining:
         if self.disk_state is not None:
             self.disk_state.settle()
 
+    def when_written(self, written: Callable[[int], None]) -> None:
+        """``written(idx)`` for every layer once its latest update is in its packed copy (data parallel's
+        publication, :mod:`.data_parallel`): a job queued after the layer's update (one queue: after it, and after
+        an undo and redo), which lands a device update's copy home first, so ``written`` runs on the job thread after
+        the writes. Without a job thread (jobs run when waited for, and another process waits for these), every
+        update is written first (:meth:`finish`), then ``written`` runs for each layer here."""
+        if not self.worker.threaded:
+            self.finish()
+            for idx in self.layers:
+                written(idx)
+            return
+        for layer in self.layers.values():
+            if layer.grads.state is GradState.SPECULATED:  # as finish: its step has not come
+                self.cancel(layer)
+            previous = layer.update if layer.update is not None else layer.home
+            self.jobs.submit(layer.index, "publish", partial(self._written, layer.index, previous, written))
+
+    def _written(self, idx: int, previous: Job | Copy | None, written: Callable[[int], None]) -> None:
+        """The publication job of layer ``idx`` (:meth:`when_written`), on the job thread after its update."""
+        home = previous.result.home if isinstance(previous, Job) else previous
+        if home is not None:
+            self.transport.land(home)
+        written(idx)
+
     def wait_update(self, idx: int) -> Copy | None:
         """Before layer ``idx``'s packed copy is streamed: its latest update must be written. Host updates
         are waited for here; for a device update on CUDA the copy its fetch must wait for is returned."""
@@ -500,7 +526,7 @@ class HostTraining:
         if self.previous_norm is not None:
             self.previous_norm.step_taken(exact, finite)
         if self._after_step is not None:
-            self._after_step(self.finish)
+            self._after_step(self.when_written)
 
     def mirror_logged_state(self, trainer: torch.optim.Optimizer, device: torch.device) -> None:
         """Per-layer classes whose values train.py logs from its own instance (``logged_state``: Automagic's

@@ -25,12 +25,13 @@ from typing import Literal
 
 from ..memory.transport import Worker
 
-JobKind = Literal["accumulate", "update"]
+JobKind = Literal["accumulate", "update", "publish"]
 
 
 @dataclass(eq=False)
 class Job:
-    """One host job (an accumulation or an update) on the transport's job worker."""
+    """One host job (an accumulation, an update, or data parallel's publication of one) on the transport's job
+    worker."""
 
     layer: int
     kind: JobKind
@@ -44,7 +45,8 @@ class Jobs:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.waited_s = 0.0  # seconds the training thread spent blocked on jobs
-        self.job_s: dict[JobKind, float] = {"accumulate": 0.0, "update": 0.0}  # seconds the host spent on each kind
+        # seconds the host spent on each kind
+        self.job_s: dict[JobKind, float] = {"accumulate": 0.0, "update": 0.0, "publish": 0.0}
 
     def submit(self, layer: int, kind: JobKind, run: Callable[[], object]) -> Job:
         job = Job(layer, kind)

@@ -11,7 +11,8 @@ rank 0, through state dicts and :meth:`~..engine.swapper.LayerSwapper.true_weigh
   a tensor of its own; ``torch.distributed.send``/``recv`` of CPU tensors over a gloo group made at start-up for
   the saves, so NCCL's jobs put no masters on the GPU; without one, the default group's), only the params
   with a master of their own (an fp32 param outside a flat layer has none: its master is the shared packed copy,
-  which the reader reads as it is, published at the step's barrier), and the reader's
+  which the reader reads as it is once its owner published it: the reader's flush waits for every other owner's
+  layer, :meth:`~.data_parallel.SharedGradients.wait_published`), and the reader's
   :class:`~.training_feature.TrainingFeature` gives them as the true values of those params for the block (the state
   dicts and ``true_weights`` read them as a single process reads its own masters). Why a gather at save time, not
   the masters in a shared segment: the host training's allocation stays as it is, and the cost is the reader's

@@ -2,7 +2,8 @@
 
 What it adds to the engine
     - Fetch gates: a streamed layer's packed copy holds its latest update before it is copied into a slot
-      (host updates are waited for; a device update's copy is a gate the weight copy waits behind).
+      (host updates are waited for; a device update's copy is a gate the weight copy waits behind; data
+      parallel: another owner's layer waits for its owner's publication, :mod:`.data_parallel`).
     - A gradient arriving is a use of its layer (autograd writes ``.grad`` with the param's shape, and a
       streamed param's shape is empty while it is out).
     - After each backward: the open gradient batches are closed and every host-trained layer is evicted,
@@ -81,6 +82,9 @@ class TrainingFeature(Feature):
         ``shared``: data parallel, ``layout`` holding this process's share of the layers (:mod:`.data_parallel`)."""
         if shared is not None:
             check_shared(shared.ownership, masters.peers.local_ranks)
+            if masters.versions is None:
+                raise AssertionError("the processes share a host copy (check_shared), so it has versions")
+            shared.attach_versions(masters.versions, masters.peers.running)
         elif masters.peers.shared:
             raise DGLSUserError(
                 "full fine-tuning of streamed layers by data-parallel processes shares their training "
@@ -117,6 +121,8 @@ class TrainingFeature(Feature):
         self.training.install(use)
 
     def fetch_gates(self, idx: int) -> list:
+        if self.shared is not None:  # a foreign layer: its owner's update in the shared copy first
+            self.shared.wait_published(idx)
         gate = self.training.wait_update(idx)
         return [] if gate is None else [gate]
 
@@ -149,6 +155,9 @@ class TrainingFeature(Feature):
 
     def flush(self) -> None:
         self.training.finish()
+        if self.shared is not None:  # the true values of other owners' layers: in the shared copy once published
+            for idx in self.shared.ownership.foreign:
+                self.shared.wait_published(idx)
 
     def pinned_bytes(self) -> int:
         return self.training.pinned_bytes()
