@@ -34,7 +34,7 @@ Invariants
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .data_parallel import Ownership, peer_failure
+from .data_parallel import Ownership, SharedGradients, peer_failure
 
 if TYPE_CHECKING:
     from ..engine.swapper import LayerSwapper
@@ -52,24 +52,21 @@ READER = 0  # the rank that writes a data-parallel job's saves (its stage's data
 RANK_FILE = re.compile(r"_rank(\d+)\.pt$")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SharedSaves:
-    """The saves of one data-parallel process: ``ownership`` and the trained ``params`` of every host-trained layer
-    (entry -> params in layout order, the same on every process), each param's full ``shapes`` (by ``id``; a
-    streamed param is an empty placeholder while it is out), ``master_of`` (this process's masters), ``flush`` (its
-    queued updates written), ``lend`` (the reader's true values for the block: ``{}`` ends them),
-    ``own_masters`` (the ``id`` of each param with an fp32 master of its own: the ones a save sends) and ``group``
-    (the gloo process group of every rank that the masters go through, on the CPU; None: the default group, through
-    the GPU where it is NCCL's)."""
+    """The saves of one data-parallel process: ``gradients``, its :class:`~.data_parallel.SharedGradients` (held,
+    not copied: set at start-up, they do not change), whose ``ownership``, trained ``params`` of every host-trained
+    layer (entry -> params in layout order, the same on every process), full shapes (``shape_of``: a streamed param
+    is an empty placeholder while it is out), ``own_masters`` (the ``id`` of each param with an fp32 master of its
+    own: the ones a save sends; None: every param) and ``save_group`` (the gloo process group of every rank that the
+    masters go through, on the CPU; None: the default group, through the GPU where it is NCCL's) a save reads;
+    ``master_of`` (this process's masters), ``flush`` (its queued updates written) and ``lend`` (the reader's true
+    values for the block: ``{}`` ends them)."""
 
-    ownership: Ownership
-    params: Mapping[int, Sequence[nn.Parameter]]
-    shapes: Mapping[int, torch.Size]
+    gradients: SharedGradients
     master_of: Callable[[nn.Parameter], torch.Tensor | None]
     flush: Callable[[], None]
     lend: Callable[[dict[int, torch.Tensor]], None]
-    own_masters: Collection[int]
-    group: object | None = None
 
     @classmethod
     def of(cls, swapper: LayerSwapper | None) -> SharedSaves | None:
@@ -79,20 +76,26 @@ class SharedSaves:
         feature = swapper.feature(TrainingFeature) if swapper is not None else None
         if feature is None or feature.shared is None:
             return None
-        shared = feature.shared
 
         def lend(values: dict[int, torch.Tensor]) -> None:
             feature.lent = values
 
-        shapes = {id(p): shared.shape_of(p) for params in shared.params.values() for p in params}
-        own = shared.own_masters if shared.own_masters is not None else frozenset(shapes)
-        master_of = feature.training.master_of
-        return cls(shared.ownership, shared.params, shapes, master_of, feature.flush, lend, own, shared.save_group)
+        return cls(feature.shared, feature.training.master_of, feature.flush, lend)
+
+    @property
+    def ownership(self) -> Ownership:
+        return self.gradients.ownership
 
     @property
     def layers(self) -> set[int]:
         """Every host-trained layer of the stage (each process's share together)."""
         return set(self.ownership.owners)
+
+    def sent(self, idx: int) -> list[nn.Parameter]:
+        """Layer ``idx``'s params whose masters a save sends: those with an fp32 master of their own (an fp32
+        param's is the shared packed copy, which the reader reads as it is)."""
+        own = self.gradients.own_masters
+        return [param for param in self.gradients.params[idx] if own is None or id(param) in own]
 
     @contextmanager
     def owners_masters(self) -> Iterator[None]:
@@ -100,7 +103,7 @@ class SharedSaves:
         fp32 masters (see the module doc)."""
         dist = torch.distributed
         rank = self.ownership.rank
-        group = self.group
+        group = self.gradients.save_group
         nccl = group is None and dist.get_backend() == "nccl"  # no gloo group: the default one's device
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
         lent: dict[int, torch.Tensor] = {}
@@ -110,14 +113,13 @@ class SharedSaves:
                 owner = self.ownership.owners[idx]
                 if owner == READER or rank not in (owner, READER):
                     continue
-                # only the params with a master of their own: an fp32 param's is the shared packed copy
-                params = [param for param in self.params[idx] if id(param) in self.own_masters]
+                params = self.sent(idx)
                 if not params:
                     continue
                 if rank == owner:  # one message a layer: its masters, flat, in layout order
                     dist.send(self._flat_masters(idx, params).to(device or "cpu"), dst=READER, group=group)
                 else:
-                    shapes = [self.shapes[id(param)] for param in params]
+                    shapes = [self.gradients.shape_of(param) for param in params]
                     received = torch.empty(sum(s.numel() for s in shapes), dtype=torch.float32, device=device or "cpu")
                     dist.recv(received, src=owner, group=group)
                     pieces = received.split([s.numel() for s in shapes])
@@ -132,7 +134,7 @@ class SharedSaves:
 
     def _flat_masters(self, idx: int, params: Sequence[nn.Parameter]) -> torch.Tensor:
         """Layer ``idx``'s fp32 masters of ``params``, one after another in one flat CPU tensor."""
-        flat = torch.empty(sum(self.shapes[id(param)].numel() for param in params), dtype=torch.float32)
+        flat = torch.empty(sum(self.gradients.shape_of(param).numel() for param in params), dtype=torch.float32)
         start = 0
         for param in params:
             master = self.master_of(param)
