@@ -16,7 +16,8 @@ rank 0, through state dicts and :meth:`~..engine.swapper.LayerSwapper.true_weigh
   dicts and ``true_weights`` read them as a single process reads its own masters). Why a gather at save time, not
   the masters in a shared segment: the host training's allocation stays as it is, and the cost is the reader's
   RAM for the other owners' masters while a save runs (what the saver's own copies already cost, in fp32).
-- Optimizer state (:func:`host_state_files`, :func:`merged_host_state`): each process writes its share's file,
+- Optimizer state (:func:`host_state_files`, :func:`merged_host_state`; the files' names, made and parsed here
+  only: :class:`HostStateName`): each process writes its share's file,
   ``dgls_host_optimizer_stage<S>_rank<R>.pt`` (its layers' optimizer state dicts, no gather: each owner writes its
   own bytes, in parallel); one process per stage writes ``dgls_host_optimizer_stage<S>.pt``. A resume reads every
   file of its stage, one at a time, keeping only the layers this process updates: the files together must hold
@@ -49,7 +50,31 @@ if TYPE_CHECKING:
     from ..engine.swapper import LayerSwapper
 
 READER = 0  # the rank that writes a data-parallel job's saves (its stage's data-parallel rank 0)
-RANK_FILE = re.compile(r"_rank(\d+)\.pt$")
+HOST_STATE_PREFIX = "dgls_host_optimizer_stage"  # every host optimizer file's name starts with it
+_HOST_STATE_NAME = re.compile(rf"{HOST_STATE_PREFIX}(\d+)(?:_rank(\d+))?\.pt")
+
+
+@dataclass(frozen=True)
+class HostStateName:
+    """The name of a host optimizer file in a checkpoint's tag folder: pipeline ``stage``'s one file,
+    ``dgls_host_optimizer_stage<S>.pt`` (``rank`` None: one process trains the stage's host layers), or data-parallel
+    ``rank``'s share of it, ``dgls_host_optimizer_stage<S>_rank<R>.pt``. The one place these names are made and read
+    (the saves, the resume and the check before start-up, :mod:`..program.resume`)."""
+
+    stage: int
+    rank: int | None = None
+
+    @property
+    def name(self) -> str:
+        share = f"_rank{self.rank}" if self.rank is not None else ""
+        return f"{HOST_STATE_PREFIX}{self.stage}{share}.pt"
+
+    @classmethod
+    def parse(cls, name: str) -> HostStateName | None:
+        """The stage and rank a file ``name`` says, or None for a name that is not a host optimizer file's."""
+        if (match := _HOST_STATE_NAME.fullmatch(name)) is None:
+            return None
+        return cls(int(match[1]), int(match[2]) if match[2] is not None else None)
 
 
 @dataclass(frozen=True)
@@ -145,30 +170,30 @@ class SharedSaves:
         return flat
 
 
-def host_state_files(folder: Path, stage: int, prefix: str) -> list[Path]:
+def host_state_files(folder: Path, stage: int) -> list[Path]:
     """The host optimizer files of ``stage`` in a checkpoint's tag ``folder``: the one file of a stage with one
     process, else the data-parallel processes' (by rank)."""
-    whole = folder / f"{prefix}{stage}.pt"
+    whole = folder / HostStateName(stage).name
     if whole.exists():
         return [whole]
-    shares = [(int(m.group(1)), p) for p in folder.glob(f"{prefix}{stage}_rank*.pt") if (m := RANK_FILE.search(p.name))]
-    return [p for _, p in sorted(shares)]
+    return [path for _, path in _shares(folder, stage)]
 
 
-def stale_host_state_files(folder: Path, stage: int, prefix: str, processes: int | None) -> list[Path]:
+def stale_host_state_files(folder: Path, stage: int, processes: int | None) -> list[Path]:
     """Files of ``stage`` in ``folder`` that a save by ``processes`` data-parallel processes (None: one process,
     which writes the stage's one file) does not write: an earlier save of the same tag by another number of
     processes left them, and a resume would read them with the new ones."""
-    shares = [(int(m.group(1)), p) for p in folder.glob(f"{prefix}{stage}_rank*.pt") if (m := RANK_FILE.search(p.name))]
+    shares = _shares(folder, stage)
     if processes is None:
-        return [p for _, p in sorted(shares)]
-    whole = folder / f"{prefix}{stage}.pt"
-    return ([whole] if whole.exists() else []) + [p for rank, p in sorted(shares) if rank >= processes]
+        return [path for _, path in shares]
+    whole = folder / HostStateName(stage).name
+    return ([whole] if whole.exists() else []) + [path for rank, path in shares if rank >= processes]
 
 
-def share_file(folder: Path, stage: int, rank: int, prefix: str) -> Path:
-    """The file of data-parallel ``rank``'s share of ``stage``'s host optimizer state."""
-    return folder / f"{prefix}{stage}_rank{rank}.pt"
+def _shares(folder: Path, stage: int) -> list[tuple[int, Path]]:
+    """(rank, file) of each data-parallel process's share of ``stage`` in ``folder``, by rank."""
+    named = ((HostStateName.parse(path.name), path) for path in folder.glob(f"{HOST_STATE_PREFIX}*.pt"))
+    return sorted((n.rank, path) for n, path in named if n is not None and n.stage == stage and n.rank is not None)
 
 
 def merged_host_state(
