@@ -251,6 +251,19 @@ def test_every_process_saves_its_share_of_the_host_state_and_rank_0_writes_while
     assert not list((tmp_path / "global_step2").glob("*_rank*.pt"))
 
 
+def test_a_save_without_host_training_or_off_data_parallel_rank_0_writes_no_host_state(tmp_path):
+    """Without host training (or, one process per stage, on a data-parallel rank other than 0) DeepSpeed's save runs
+    alone, with the tag resolved as for a save that writes (``global_step<N>``)."""
+    calls = []
+    training = SimpleNamespace(adopt=lambda params: None, state_dict=lambda: {0: layer_state(0)})
+    for find, rank in ((lambda module: None, 0), (lambda module: training, 1)):
+        EngineHooks(find)._wrap_save(lambda engine, save_dir, tag, *a, **k: calls.append(tag))(
+            fake_engine(rank), tmp_path
+        )
+    assert calls == ["global_step2", "global_step2"]
+    assert not list(tmp_path.rglob("*.pt"))
+
+
 def test_a_host_state_files_name_is_made_and_parsed_in_one_place(tmp_path):
     """The names DGLS writes (the stage's one file, a data-parallel process's share) parse back to what made them,
     names saved before (these are the files of older checkpoints) parse as they did, other files are not host state;

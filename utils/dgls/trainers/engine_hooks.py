@@ -35,8 +35,8 @@ checkpoint holds no host optimizer state for them):
   checkpoint's tag folder (the names: :class:`~..training.shared_saves.HostStateName`), before DeepSpeed's save
   (which writes ``latest`` last: a save that stops part way leaves none naming it). Data parallel (``shared``,
   :mod:`..training.shared_saves`): each process saves its share, ``dgls_host_optimizer_stage{N}_rank{R}.pt``, then a
-  barrier, then DeepSpeed's save runs while rank 0 holds every owner's masters; files of the tag that this save does
-  not write (an earlier save by another number of processes) are removed.
+  barrier, then DeepSpeed's save runs while rank 0 holds every owner's masters. Files of the tag that this save does
+  not write (an earlier save by another number of processes) are removed (by rank 0, or the one process).
 - ``load_checkpoint``: before DeepSpeed loads, this stage's file (or its processes' files, merged: each process keeps
   the layers it owns now) is read and checked against the host training
   (:meth:`~..training.host_training.HostTraining.state_problem`: the same layers, shapes and optimizer kind), every
@@ -52,6 +52,7 @@ The patches are on the class, installed in ``__enter__`` and removed in ``__exit
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -163,27 +164,25 @@ class EngineHooks:
         def save_checkpoint(engine, save_dir, tag=None, *args, **kwargs):
             training, shared = find(engine.module), find_shared(engine.module)
             tag = tag if tag is not None else f"global_step{engine.global_steps}"
+            if training is None:
+                return original(engine, save_dir, tag, *args, **kwargs)
             grid, stage = getattr(engine, "grid", None), _stage(engine)
+            rank = shared.ownership.rank if shared is not None else None  # data parallel: this process's share
             # the host state first: DeepSpeed's save writes ``latest`` at its end, so a save that stops part way
-            # leaves no ``latest`` naming a checkpoint without it (the tag folder is made here if DeepSpeed has not)
-            if training is not None and shared is not None:  # every owner its share, then the barrier
+            # leaves no ``latest`` naming a checkpoint without it (the tag folder is made here if DeepSpeed has not).
+            # Data parallel: every owner writes its share; else one process per stage writes the stage's file.
+            if shared is not None or grid is None or grid.get_data_parallel_id() == 0:
                 training.adopt(engine.module.parameters())
-                path = _state_file(save_dir, tag, stage, shared.ownership.rank)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                if shared.ownership.rank == 0:
-                    _remove_stale(path.parent, stage, shared.ownership.size)
-                torch.save(training.state_dict(), path)
+                folder = Path(save_dir) / str(tag)
+                folder.mkdir(parents=True, exist_ok=True)
+                if rank is None or rank == 0:
+                    _remove_stale(folder, stage, shared.ownership.size if shared is not None else None)
+                torch.save(training.state_dict(), folder / HostStateName(stage, rank).name)
+            if shared is not None:  # every share written before rank 0 writes the masters (and ``latest``)
                 with peer_failure("a checkpoint's save"):
                     torch.distributed.barrier()
-                with shared.owners_masters():
-                    return original(engine, save_dir, tag, *args, **kwargs)  # rank 0 writes every layer's masters
-            if training is not None and (grid is None or grid.get_data_parallel_id() == 0):
-                training.adopt(engine.module.parameters())
-                path = _state_file(save_dir, tag, stage)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                _remove_stale(path.parent, stage, None)
-                torch.save(training.state_dict(), path)
-            return original(engine, save_dir, tag, *args, **kwargs)
+            with shared.owners_masters() if shared is not None else contextlib.nullcontext():
+                return original(engine, save_dir, tag, *args, **kwargs)  # rank 0 writes every layer's masters
 
         return save_checkpoint
 
@@ -257,11 +256,6 @@ def _read_host_state(
 def _stage(engine) -> int:
     """The engine's pipeline stage (0 without a pipeline grid)."""
     return engine.grid.get_pipe_parallel_rank() if getattr(engine, "grid", None) is not None else 0
-
-
-def _state_file(folder, tag: str, stage: int, rank: int | None = None) -> Path:
-    """The stage's host optimizer file, or data-parallel ``rank``'s share of it."""
-    return Path(folder) / str(tag) / HostStateName(stage, rank).name
 
 
 def _remove_stale(folder: Path, stage: int, processes: int | None) -> None:
