@@ -21,7 +21,13 @@ from torch import nn
 from utils.dgls import DGLSUserError
 from utils.dgls.trainers.engine_hooks import EngineHooks, _read_host_state
 from utils.dgls.training.data_parallel import Ownership, SharedGradients
-from utils.dgls.training.shared_saves import SharedSaves, host_state_files, merged_host_state
+from utils.dgls.training.shared_saves import (
+    HostStateName,
+    SharedSaves,
+    host_state_files,
+    merged_host_state,
+    stale_host_state_files,
+)
 from utils.dgls.training.training_feature import TrainingFeature
 
 OWNERS = {0: 0, 1: 1, 2: 1, 3: 0}  # layer -> rank
@@ -231,7 +237,7 @@ def test_every_process_saves_its_share_of_the_host_state_and_rank_0_writes_while
         assert events == [share, "barrier", "masters", "deepspeed"], events
         events.clear()
     assert inside == [True] * 4
-    files = host_state_files(tmp_path / "global_step2", 0, "dgls_host_optimizer_stage")
+    files = host_state_files(tmp_path / "global_step2", 0)
     assert [p.name for p in files] == ["dgls_host_optimizer_stage0_rank0.pt", "dgls_host_optimizer_stage0_rank1.pt"]
     held = [sorted(torch.load(p, weights_only=True)) for p in files]
     assert held == [[0, 3], [1, 2]]
@@ -240,9 +246,52 @@ def test_every_process_saves_its_share_of_the_host_state_and_rank_0_writes_while
     one = EngineHooks(lambda module: training)._wrap_save(lambda *a, **k: events.append("deepspeed"))
     one(fake_engine(0), tmp_path, "global_step2")  # one process saves the same tag again: its file alone is read
     assert events == ["save dgls_host_optimizer_stage0.pt", "deepspeed"], "its file before DeepSpeed's latest"
-    files = host_state_files(tmp_path / "global_step2", 0, "dgls_host_optimizer_stage")
+    files = host_state_files(tmp_path / "global_step2", 0)
     assert [p.name for p in files] == ["dgls_host_optimizer_stage0.pt"]
     assert not list((tmp_path / "global_step2").glob("*_rank*.pt"))
+
+
+def test_a_save_without_host_training_or_off_data_parallel_rank_0_writes_no_host_state(tmp_path):
+    """Without host training (or, one process per stage, on a data-parallel rank other than 0) DeepSpeed's save runs
+    alone, with the tag resolved as for a save that writes (``global_step<N>``)."""
+    calls = []
+    training = SimpleNamespace(adopt=lambda params: None, state_dict=lambda: {0: layer_state(0)})
+    for find, rank in ((lambda module: None, 0), (lambda module: training, 1)):
+        EngineHooks(find)._wrap_save(lambda engine, save_dir, tag, *a, **k: calls.append(tag))(
+            fake_engine(rank), tmp_path
+        )
+    assert calls == ["global_step2", "global_step2"]
+    assert not list(tmp_path.rglob("*.pt"))
+
+
+def test_a_host_state_files_name_is_made_and_parsed_in_one_place(tmp_path):
+    """The names DGLS writes (the stage's one file, a data-parallel process's share) parse back to what made them,
+    names saved before (these are the files of older checkpoints) parse as they did, other files are not host state;
+    the listing of a stage's files takes its own stage's shares only, by rank, or its one file alone."""
+    for made in (HostStateName(0), HostStateName(3), HostStateName(0, 0), HostStateName(2, 11)):
+        assert HostStateName.parse(made.name) == made
+    assert HostStateName(1).name == "dgls_host_optimizer_stage1.pt"
+    assert HostStateName(1, 2).name == "dgls_host_optimizer_stage1_rank2.pt"
+    assert HostStateName.parse("dgls_host_optimizer_stage0.pt") == HostStateName(0, None)
+    assert HostStateName.parse("dgls_host_optimizer_stage12_rank3.pt") == HostStateName(12, 3)
+    others = ["layer_00-model_states.pt", "mp_rank_00_model_states.pt", "dgls_host_optimizer_stage.pt"]
+    others += [
+        "dgls_host_optimizer_stage0_rank.pt",
+        "dgls_host_optimizer_stage0.pt.tmp",
+        "x_dgls_host_optimizer_stage0.pt",
+    ]
+    for other in others:
+        assert HostStateName.parse(other) is None, other
+    shares = [f"dgls_host_optimizer_stage0_rank{rank}.pt" for rank in (0, 2, 10)]  # by rank, not by name
+    for name in [*shares, "dgls_host_optimizer_stage1_rank0.pt", "notes.pt"]:
+        (tmp_path / name).write_bytes(b"")
+    assert [p.name for p in host_state_files(tmp_path, 0)] == shares
+    assert [p.name for p in stale_host_state_files(tmp_path, 0, 2)] == shares[1:]
+    (tmp_path / "dgls_host_optimizer_stage0.pt").write_bytes(b"")
+    assert [p.name for p in host_state_files(tmp_path, 0)] == ["dgls_host_optimizer_stage0.pt"]
+    assert [p.name for p in stale_host_state_files(tmp_path, 0, None)] == shares
+    assert [p.name for p in stale_host_state_files(tmp_path, 0, 2)] == ["dgls_host_optimizer_stage0.pt", *shares[1:]]
+    assert [p.name for p in host_state_files(tmp_path, 1)] == ["dgls_host_optimizer_stage1_rank0.pt"]
 
 
 def read(path: Path) -> object:
@@ -297,8 +346,7 @@ def test_a_data_parallel_process_reads_only_its_layers_from_a_one_process_checkp
         state_problem=lambda state, keep: None if sorted(state) == [1, 2] else f"holds {sorted(state)}",
     )
     shared = SimpleNamespace(layers=set(OWNERS))
-    path = folder / "dgls_host_optimizer_stage0.pt"
-    state = _read_host_state(training, nn.Linear(1, 1), path, tmp_path, "global_step2", False, shared)
+    state = _read_host_state(training, nn.Linear(1, 1), tmp_path, "global_step2", 0, False, shared)
     assert sorted(state) == [1, 2]
 
 
@@ -355,9 +403,8 @@ def test_a_resume_maps_each_file_and_keeps_copies_of_its_layers_only(tmp_path, m
 
     monkeypatch.setattr(torch, "load", spy)
     training = SimpleNamespace(layers={1: None, 2: None}, adopt=lambda params: None, state_problem=lambda s, k: None)
-    path = folder / "dgls_host_optimizer_stage0.pt"
-    state = _read_host_state(training, nn.Linear(1, 1), path, tmp_path, "global_step2", False, SimpleNamespace(
-        layers=set(OWNERS)))  # fmt: skip
+    shared = SimpleNamespace(layers=set(OWNERS))
+    state = _read_host_state(training, nn.Linear(1, 1), tmp_path, "global_step2", 0, False, shared)
     assert loads == [True], "the file is mapped, not read whole"
     assert sorted(state) == [1, 2]
     for idx, value in state.items():

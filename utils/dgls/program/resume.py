@@ -8,7 +8,8 @@ then reads the tag in ``run_dir/latest`` and loads ``run_dir/<tag>/``: ``layer_N
 (only the trainable params: saved with ``exclude_frozen_parameters``, so a LoRA's hold only its adapter
 weights), ``mp_rank_NN_model_states.pt`` (the trainer's optimizer, scheduler and train.py's client state)
 and, for DGLS's full fine-tune of streamed layers, ``dgls_host_optimizer_stage<S>.pt`` (:mod:`..trainers.engine_hooks`;
-``dgls_host_optimizer_stage<S>_rank<R>.pt``, one per process, for a data-parallel one: :mod:`..training.shared_saves`).
+``dgls_host_optimizer_stage<S>_rank<R>.pt``, one per process, for a data-parallel one: :mod:`..training.shared_saves`,
+whose :class:`~..training.shared_saves.HostStateName` makes and parses these names).
 
 Two places check, with the same lines:
 
@@ -39,19 +40,13 @@ from torch import nn
 
 from ..errors import DGLSUserError
 from ..training.data_parallel import agree
+from ..training.shared_saves import HOST_STATE_PREFIX, HostStateName
 from .patches import Patches
 
 LATEST = "latest"
-HOST_STATE_PREFIX = "dgls_host_optimizer_stage"
 LAYER_FILE = re.compile(r"layer_(\d+)-.*model_states\.pt$")
-SHARE_FILE = re.compile(rf"^{HOST_STATE_PREFIX}(\d+)_rank(\d+)\.pt$")  # a data-parallel process's share of a stage
 # Parts of a param name that only an adapter's params have (peft's LoRA and LoKr, and modules it trains whole).
 ADAPTER_MARKS = ("lora_", "lokr_", "modules_to_save")
-
-
-def host_state_file(folder: Path, stage: int) -> Path:
-    """DGLS's host optimizer state of pipeline stage ``stage`` in a checkpoint's tag folder."""
-    return folder / f"{HOST_STATE_PREFIX}{stage}.pt"
 
 
 def torch_file_problem(path: Path) -> str | None:
@@ -143,6 +138,22 @@ def read_saved(path: Path, what: str, run_dir: Path, tag: str, flag: str) -> Any
         except Exception as exc:  # a damaged file fails in many ways (EOFError, KeyError, RuntimeError ...)
             problem = f"cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'damaged'})"
     raise DGLSUserError(damaged(path, what, problem, run_dir, tag, flag))
+
+
+def read_host_state(path: Path, run_dir: Path, tag: str, flag: str) -> Any:
+    """A host optimizer file of a checkpoint, read by :func:`read_saved` (tensors mapped, not read; any failure one
+    line): DGLS saves tensors and containers only, so a file that holds other objects is one line too."""
+    state = read_saved(path, _what(path), run_dir, tag, flag)
+    if state is None:
+        raise DGLSUserError(_not_host_state(path, run_dir, tag, flag))
+    return state
+
+
+def _not_host_state(path: Path, run_dir: Path, tag: str, flag: str) -> str:
+    return (
+        f"{path} holds no DGLS host optimizer state (per-layer optimizer state dicts, or a whole step's): "
+        f"{remedy(run_dir, tag, flag)}"
+    )
 
 
 def _what(path: Path) -> str:
@@ -237,11 +248,11 @@ def _check_host_state(run_dir: Path, tag: str, flag: str, host_state: bool, stag
         return
     if not files:
         raise DGLSUserError(
-            f"{folder} has no DGLS host optimizer state ({HOST_STATE_PREFIX}0.pt): it was saved by train.py without "
+            f"{folder} has no DGLS host optimizer state ({HostStateName(0).name}): it was saved by train.py without "
             "DGLS's full fine-tune of streamed layers, so their optimizer state is in no file DGLS reads: resume it as "
             "it was trained (--no-dynamic_swapping), or pass --reset_optimizer to start the optimizer afresh"
         )
-    saved_stages = sorted(int(m.group(1)) for p in files if (m := re.search(r"stage(\d+)(?:_rank\d+)?\.pt$", p.name)))
+    saved_stages = sorted(named.stage for p in files if (named := HostStateName.parse(p.name)) is not None)
     if saved_stages and saved_stages[-1] >= stages:
         raise DGLSUserError(
             f"{folder} holds DGLS host optimizer states of {saved_stages[-1] + 1} pipeline stages, and this run has "
@@ -249,16 +260,14 @@ def _check_host_state(run_dir: Path, tag: str, flag: str, host_state: bool, stag
         )
     held: dict[tuple[int, int], str] = {}  # (stage, layer) -> the share file holding it
     for path in files:
-        state = read_saved(path, _what(path), run_dir, tag, flag)  # DGLS saves tensors and containers only
+        state = read_host_state(path, run_dir, tag, flag)
         if not _is_host_state(state):
-            raise DGLSUserError(
-                f"{path} holds no DGLS host optimizer state (per-layer optimizer state dicts, or a whole step's): "
-                f"{remedy(run_dir, tag, flag)}"
-            )
-        if (share := SHARE_FILE.search(path.name)) is None or (folder / f"{HOST_STATE_PREFIX}{share[1]}.pt").exists():
+            raise DGLSUserError(_not_host_state(path, run_dir, tag, flag))
+        share = HostStateName.parse(path.name)
+        if share is None or share.rank is None or (folder / HostStateName(share.stage).name).exists():
             continue  # a stage's one file (a resume reads it alone, not the shares beside it)
         for layer in (k for k in state if str(k).isdigit()):
-            if (key := (int(share[1]), int(layer))) in held:
+            if (key := (share.stage, int(layer))) in held:
                 raise DGLSUserError(
                     f"{folder} holds the optimizer state of layer {layer} twice, in {held[key]} and {path.name}: "
                     f"the checkpoint was not saved completely or was damaged; {remedy(run_dir, tag, flag)}"
@@ -272,15 +281,15 @@ def _check_shares(folder: Path, files: list[Path], run_dir: Path, tag: str, flag
     missing between (a save that stopped part way, or a file removed since)."""
     ranks: dict[int, list[int]] = {}
     for path in files:
-        if (share := SHARE_FILE.search(path.name)) is not None:
-            ranks.setdefault(int(share[1]), []).append(int(share[2]))
+        if (share := HostStateName.parse(path.name)) is not None and share.rank is not None:
+            ranks.setdefault(share.stage, []).append(share.rank)
     for stage, found in sorted(ranks.items()):
-        if (folder / f"{HOST_STATE_PREFIX}{stage}.pt").exists():
+        if (folder / HostStateName(stage).name).exists():
             continue
         if missing := sorted(set(range(max(found) + 1)) - set(found)):
             raise DGLSUserError(
                 f"{folder} holds the host optimizer state shares of data-parallel processes {sorted(found)} of "
-                f"pipeline stage {stage} and no {HOST_STATE_PREFIX}{stage}_rank{missing[0]}.pt: the checkpoint was "
+                f"pipeline stage {stage} and no {HostStateName(stage, missing[0]).name}: the checkpoint was "
                 f"not saved completely or was damaged; {remedy(run_dir, tag, flag)}"
             )
 

@@ -32,16 +32,17 @@ checkpoint holds no host optimizer state for them):
   replaces for streamed layers: refused with a message at the first step.
 - ``save_checkpoint``: the model states hold the true weights already (state dicts read the host
   masters); the host optimizer's state is saved beside them, ``dgls_host_optimizer_stage{N}.pt`` in the
-  checkpoint's tag folder, before DeepSpeed's save (which writes ``latest`` last: a save that stops part way leaves
-  none naming it). Data parallel (``shared``, :mod:`..training.shared_saves`): each process saves its share,
-  ``dgls_host_optimizer_stage{N}_rank{R}.pt``, then a barrier, then DeepSpeed's save runs while rank 0 holds every
-  owner's masters; files of the tag that this save does not write (an earlier save by another number of
-  processes) are removed.
+  checkpoint's tag folder (the names: :class:`~..training.shared_saves.HostStateName`), before DeepSpeed's save
+  (which writes ``latest`` last: a save that stops part way leaves none naming it). Data parallel (``shared``,
+  :mod:`..training.shared_saves`): each process saves its share, ``dgls_host_optimizer_stage{N}_rank{R}.pt``, then a
+  barrier, then DeepSpeed's save runs while rank 0 holds every owner's masters. Files of the tag that this save does
+  not write (an earlier save by another number of processes) are removed (by rank 0, or the one process).
 - ``load_checkpoint``: before DeepSpeed loads, this stage's file (or its processes' files, merged: each process keeps
   the layers it owns now) is read and checked against the host training
   (:meth:`~..training.host_training.HostTraining.state_problem`: the same layers, shapes and optimizer kind), every
-  process together (:func:`~..program.resume.agree`); a checkpoint without it, or a file cut short or damaged,
-  is one line (written without host training, resuming would restart the moments silently). After DeepSpeed
+  process together (:func:`~..training.data_parallel.agree`); a checkpoint without it, or a file cut short or
+  damaged, is one line (each file read by :func:`~..program.resume.read_host_state`, as the check before start-up
+  reads it; written without host training, resuming would restart the moments silently). After DeepSpeed
   loaded (masters included, through the state-dict hooks) the host optimizers take the state. With
   ``load_optimizer_states=False`` (train.py's ``--reset_optimizer``) neither is read.
 
@@ -51,6 +52,7 @@ The patches are on the class, installed in ``__enter__`` and removed in ``__exit
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,16 +61,18 @@ from torch import nn
 
 from ..errors import DGLSUserError
 from ..program.patches import Patches
-from ..program.resume import HOST_STATE_PREFIX, damaged, host_state_file, resolve_tag, torch_file_problem
+from ..program.resume import read_host_state, resolve_tag
 from ..training.data_parallel import agree, peer_failure
 from ..training.host_training import HostTraining
 from ..training.shared_saves import (
+    HostStateName,
     SharedSaves,
     host_state_files,
     merged_host_state,
-    share_file,
     stale_host_state_files,
 )
+
+FLAG = "--resume_from_checkpoint"  # train.py's flag, named in a resume's lines
 
 
 class EngineHooks:
@@ -160,27 +164,25 @@ class EngineHooks:
         def save_checkpoint(engine, save_dir, tag=None, *args, **kwargs):
             training, shared = find(engine.module), find_shared(engine.module)
             tag = tag if tag is not None else f"global_step{engine.global_steps}"
+            if training is None:
+                return original(engine, save_dir, tag, *args, **kwargs)
             grid, stage = getattr(engine, "grid", None), _stage(engine)
+            rank = shared.ownership.rank if shared is not None else None  # data parallel: this process's share
             # the host state first: DeepSpeed's save writes ``latest`` at its end, so a save that stops part way
-            # leaves no ``latest`` naming a checkpoint without it (the tag folder is made here if DeepSpeed has not)
-            if training is not None and shared is not None:  # every owner its share, then the barrier
+            # leaves no ``latest`` naming a checkpoint without it (the tag folder is made here if DeepSpeed has not).
+            # Data parallel: every owner writes its share; else one process per stage writes the stage's file.
+            if shared is not None or grid is None or grid.get_data_parallel_id() == 0:
                 training.adopt(engine.module.parameters())
-                path = _state_file(save_dir, tag, stage, shared.ownership.rank)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                if shared.ownership.rank == 0:
-                    _remove_stale(path.parent, stage, shared.ownership.size)
-                torch.save(training.state_dict(), path)
+                folder = Path(save_dir) / str(tag)
+                folder.mkdir(parents=True, exist_ok=True)
+                if rank is None or rank == 0:
+                    _remove_stale(folder, stage, shared.ownership.size if shared is not None else None)
+                torch.save(training.state_dict(), folder / HostStateName(stage, rank).name)
+            if shared is not None:  # every share written before rank 0 writes the masters (and ``latest``)
                 with peer_failure("a checkpoint's save"):
                     torch.distributed.barrier()
-                with shared.owners_masters():
-                    return original(engine, save_dir, tag, *args, **kwargs)  # rank 0 writes every layer's masters
-            if training is not None and (grid is None or grid.get_data_parallel_id() == 0):
-                training.adopt(engine.module.parameters())
-                path = _state_file(save_dir, tag, stage)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                _remove_stale(path.parent, stage, None)
-                torch.save(training.state_dict(), path)
-            return original(engine, save_dir, tag, *args, **kwargs)
+            with shared.owners_masters() if shared is not None else contextlib.nullcontext():
+                return original(engine, save_dir, tag, *args, **kwargs)  # rank 0 writes every layer's masters
 
         return save_checkpoint
 
@@ -193,9 +195,8 @@ class EngineHooks:
             if kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False):
                 try:
                     run_dir, tag = resolve_tag(load_dir, tag)
-                    path = _state_file(run_dir, tag, _stage(engine))
                     shared = find_shared(engine.module)
-                    state = _read_host_state(training, engine.module, path, run_dir, tag, keep, shared)
+                    state = _read_host_state(training, engine.module, run_dir, tag, _stage(engine), keep, shared)
                 except DGLSUserError as exc:
                     problem = str(exc)
             agree(problem)  # before DeepSpeed loads anything, every process together
@@ -210,21 +211,20 @@ class EngineHooks:
 def _read_host_state(
     training: HostTraining | None,
     module: nn.Module,
-    path: Path,
     run_dir: Path,
     tag: str,
+    stage: int,
     keep_hyper_parameters: bool,
     shared: SharedSaves | None = None,
 ) -> dict | None:
-    """This stage's host optimizer state from its checkpoint file(s), checked against ``training`` (None: this
-    stage trains nothing on the host, and the checkpoint must hold nothing for it either) as it will be loaded
-    (``keep_hyper_parameters``: the run's settings, not the saved ones); ``module``: the engine's, whose params the
-    host training is handed first (a whole step's instance is built over them). ``path``: the stage's one file; a
-    data-parallel save has a file per process beside it instead (:mod:`..training.shared_saves`), read together;
-    with ``shared`` this process keeps only the layers it owns (any number of processes may have saved them)."""
-    flag = "--resume_from_checkpoint"
-    stage = int(path.stem.removeprefix(HOST_STATE_PREFIX))
-    files = host_state_files(path.parent, stage, HOST_STATE_PREFIX)
+    """Pipeline ``stage``'s host optimizer state from its file(s) in the checkpoint ``run_dir/tag``, checked against
+    ``training`` (None: this stage trains nothing on the host, and the checkpoint must hold nothing for it either) as
+    it will be loaded (``keep_hyper_parameters``: the run's settings, not the saved ones); ``module``: the engine's,
+    whose params the host training is handed first (a whole step's instance is built over them). The stage's one
+    file, or a data-parallel save's file per process instead (:mod:`..training.shared_saves`), read together; with
+    ``shared`` this process keeps only the layers it owns (any number of processes may have saved them)."""
+    folder = run_dir / tag
+    files = host_state_files(folder, stage)
     if training is None:
         if files:
             raise DGLSUserError(
@@ -235,28 +235,22 @@ def _read_host_state(
         return None
     if not files:
         raise DGLSUserError(
-            f"the checkpoint in {path.parent} has no DGLS host optimizer state ({path.name}): it was saved without "
-            "full fine-tuning of streamed layers on this pipeline stage; resume it the way it was trained, or pass "
-            "--reset_optimizer to start the optimizer afresh"
+            f"the checkpoint in {folder} has no DGLS host optimizer state ({HostStateName(stage).name}): it was saved "
+            "without full fine-tuning of streamed layers on this pipeline stage; resume it the way it was trained, or "
+            "pass --reset_optimizer to start the optimizer afresh"
         )
 
-    def read(file: Path) -> object:
-        if (problem := torch_file_problem(file)) is None:
-            try:
-                # mapped: each process reads only the layers it keeps (merged_host_state copies them)
-                return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as exc:  # a damaged file fails in many ways (EOFError, UnpicklingError, KeyError ...)
-                problem = f"cannot be read ({type(exc).__name__})"
-        raise DGLSUserError(damaged(file, "DGLS's host optimizer state", problem, run_dir, tag, flag))
+    def read(file: Path) -> object:  # mapped: each process reads only the layers it keeps (merged_host_state copies)
+        return read_host_state(file, run_dir, tag, FLAG)
 
     training.adopt(module.parameters())
     every = shared.layers if shared is not None else set(training.layers)
     state, problem = merged_host_state(files, read, set(training.layers), every)
     if problem is not None:
-        raise DGLSUserError(f"the checkpoint in {path.parent} {problem}")
+        raise DGLSUserError(f"the checkpoint in {folder} {problem}")
     if (problem := training.state_problem(state, keep_hyper_parameters)) is None:
         return state
-    raise DGLSUserError(f"{files[0] if len(files) == 1 else path.parent} {problem}")
+    raise DGLSUserError(f"{files[0] if len(files) == 1 else folder} {problem}")
 
 
 def _stage(engine) -> int:
@@ -264,18 +258,11 @@ def _stage(engine) -> int:
     return engine.grid.get_pipe_parallel_rank() if getattr(engine, "grid", None) is not None else 0
 
 
-def _state_file(folder, tag: str, stage: int, rank: int | None = None) -> Path:
-    """The stage's host optimizer file, or data-parallel ``rank``'s share of it."""
-    if rank is not None:
-        return share_file(Path(folder) / str(tag), stage, rank, HOST_STATE_PREFIX)
-    return host_state_file(Path(folder) / str(tag), stage)
-
-
 def _remove_stale(folder: Path, stage: int, processes: int | None) -> None:
     """The host optimizer files of ``stage`` in the tag ``folder`` that this save (by ``processes`` data-parallel
     processes, None: one) does not write, removed: left by an earlier save of the same tag, a resume would read
     them too."""
-    for stale in stale_host_state_files(folder, stage, HOST_STATE_PREFIX, processes):
+    for stale in stale_host_state_files(folder, stage, processes):
         stale.unlink(missing_ok=True)
 
 

@@ -17,7 +17,8 @@ rank 0, through state dicts and :meth:`~..engine.swapper.LayerSwapper.true_weigh
   dicts and ``true_weights`` read them as a single process reads its own masters). Why a gather at save time, not
   the masters in a shared segment: the host training's allocation stays as it is, and the cost is the reader's
   RAM for the other owners' masters while a save runs (what the saver's own copies already cost, in fp32).
-- Optimizer state (:func:`host_state_files`, :func:`merged_host_state`): each process writes its share's file,
+- Optimizer state (:func:`host_state_files`, :func:`merged_host_state`; the files' names, made and parsed here
+  only: :class:`HostStateName`): each process writes its share's file,
   ``dgls_host_optimizer_stage<S>_rank<R>.pt`` (its layers' optimizer state dicts, no gather: each owner writes its
   own bytes, in parallel); one process per stage writes ``dgls_host_optimizer_stage<S>.pt``. A resume reads every
   file of its stage, one at a time, keeping only the layers this process updates: the files together must hold
@@ -35,7 +36,7 @@ Invariants
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,33 +45,54 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .data_parallel import Ownership, peer_failure
+from .data_parallel import Ownership, SharedGradients, peer_failure
 
 if TYPE_CHECKING:
     from ..engine.swapper import LayerSwapper
 
 READER = 0  # the rank that writes a data-parallel job's saves (its stage's data-parallel rank 0)
-RANK_FILE = re.compile(r"_rank(\d+)\.pt$")
+HOST_STATE_PREFIX = "dgls_host_optimizer_stage"  # every host optimizer file's name starts with it
+_HOST_STATE_NAME = re.compile(rf"{HOST_STATE_PREFIX}(\d+)(?:_rank(\d+))?\.pt")
 
 
-@dataclass
+@dataclass(frozen=True)
+class HostStateName:
+    """The name of a host optimizer file in a checkpoint's tag folder: pipeline ``stage``'s one file,
+    ``dgls_host_optimizer_stage<S>.pt`` (``rank`` None: one process trains the stage's host layers), or data-parallel
+    ``rank``'s share of it, ``dgls_host_optimizer_stage<S>_rank<R>.pt``. The one place these names are made and read
+    (the saves, the resume and the check before start-up, :mod:`..program.resume`)."""
+
+    stage: int
+    rank: int | None = None
+
+    @property
+    def name(self) -> str:
+        share = f"_rank{self.rank}" if self.rank is not None else ""
+        return f"{HOST_STATE_PREFIX}{self.stage}{share}.pt"
+
+    @classmethod
+    def parse(cls, name: str) -> HostStateName | None:
+        """The stage and rank a file ``name`` says, or None for a name that is not a host optimizer file's."""
+        if (match := _HOST_STATE_NAME.fullmatch(name)) is None:
+            return None
+        return cls(int(match[1]), int(match[2]) if match[2] is not None else None)
+
+
+@dataclass(frozen=True)
 class SharedSaves:
-    """The saves of one data-parallel process: ``ownership`` and the trained ``params`` of every host-trained layer
-    (entry -> params in layout order, the same on every process), each param's full ``shapes`` (by ``id``; a
-    streamed param is an empty placeholder while it is out), ``master_of`` (this process's masters), ``flush`` (its
-    queued updates written), ``lend`` (the reader's true values for the block: ``{}`` ends them),
-    ``own_masters`` (the ``id`` of each param with an fp32 master of its own: the ones a save sends) and ``group``
-    (the gloo process group of every rank that the masters go through, on the CPU; None: the default group, through
-    the GPU where it is NCCL's)."""
+    """The saves of one data-parallel process: ``gradients``, its :class:`~.data_parallel.SharedGradients` (held,
+    not copied: set at start-up, they do not change), whose ``ownership``, trained ``params`` of every host-trained
+    layer (entry -> params in layout order, the same on every process), full shapes (``shape_of``: a streamed param
+    is an empty placeholder while it is out), ``own_masters`` (the ``id`` of each param with an fp32 master of its
+    own: the ones a save sends; None: every param) and ``save_group`` (the gloo process group of every rank that the
+    masters go through, on the CPU; None: the default group, through the GPU where it is NCCL's) a save reads;
+    ``master_of`` (this process's masters), ``flush`` (its queued updates written) and ``lend`` (the reader's true
+    values for the block: ``{}`` ends them)."""
 
-    ownership: Ownership
-    params: Mapping[int, Sequence[nn.Parameter]]
-    shapes: Mapping[int, torch.Size]
+    gradients: SharedGradients
     master_of: Callable[[nn.Parameter], torch.Tensor | None]
     flush: Callable[[], None]
     lend: Callable[[dict[int, torch.Tensor]], None]
-    own_masters: Collection[int]
-    group: object | None = None
 
     @classmethod
     def of(cls, swapper: LayerSwapper | None) -> SharedSaves | None:
@@ -80,20 +102,26 @@ class SharedSaves:
         feature = swapper.feature(TrainingFeature) if swapper is not None else None
         if feature is None or feature.shared is None:
             return None
-        shared = feature.shared
 
         def lend(values: dict[int, torch.Tensor]) -> None:
             feature.lent = values
 
-        shapes = {id(p): shared.shape_of(p) for params in shared.params.values() for p in params}
-        own = shared.own_masters if shared.own_masters is not None else frozenset(shapes)
-        master_of = feature.training.master_of
-        return cls(shared.ownership, shared.params, shapes, master_of, feature.flush, lend, own, shared.save_group)
+        return cls(feature.shared, feature.training.master_of, feature.flush, lend)
+
+    @property
+    def ownership(self) -> Ownership:
+        return self.gradients.ownership
 
     @property
     def layers(self) -> set[int]:
         """Every host-trained layer of the stage (each process's share together)."""
         return set(self.ownership.owners)
+
+    def sent(self, idx: int) -> list[nn.Parameter]:
+        """Layer ``idx``'s params whose masters a save sends: those with an fp32 master of their own (an fp32
+        param's is the shared packed copy, which the reader reads as it is)."""
+        own = self.gradients.own_masters
+        return [param for param in self.gradients.params[idx] if own is None or id(param) in own]
 
     @contextmanager
     def owners_masters(self) -> Iterator[None]:
@@ -101,7 +129,7 @@ class SharedSaves:
         fp32 masters (see the module doc)."""
         dist = torch.distributed
         rank = self.ownership.rank
-        group = self.group
+        group = self.gradients.save_group
         nccl = group is None and dist.get_backend() == "nccl"  # no gloo group: the default one's device
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
         lent: dict[int, torch.Tensor] = {}
@@ -111,14 +139,13 @@ class SharedSaves:
                 owner = self.ownership.owners[idx]
                 if owner == READER or rank not in (owner, READER):
                     continue
-                # only the params with a master of their own: an fp32 param's is the shared packed copy
-                params = [param for param in self.params[idx] if id(param) in self.own_masters]
+                params = self.sent(idx)
                 if not params:
                     continue
                 if rank == owner:  # one message a layer: its masters, flat, in layout order
                     dist.send(self._flat_masters(idx, params).to(device or "cpu"), dst=READER, group=group)
                 else:
-                    shapes = [self.shapes[id(param)] for param in params]
+                    shapes = [self.gradients.shape_of(param) for param in params]
                     received = torch.empty(sum(s.numel() for s in shapes), dtype=torch.float32, device=device or "cpu")
                     dist.recv(received, src=owner, group=group)
                     pieces = received.split([s.numel() for s in shapes])
@@ -133,7 +160,7 @@ class SharedSaves:
 
     def _flat_masters(self, idx: int, params: Sequence[nn.Parameter]) -> torch.Tensor:
         """Layer ``idx``'s fp32 masters of ``params``, one after another in one flat CPU tensor."""
-        flat = torch.empty(sum(self.shapes[id(param)].numel() for param in params), dtype=torch.float32)
+        flat = torch.empty(sum(self.gradients.shape_of(param).numel() for param in params), dtype=torch.float32)
         start = 0
         for param in params:
             master = self.master_of(param)
@@ -144,30 +171,30 @@ class SharedSaves:
         return flat
 
 
-def host_state_files(folder: Path, stage: int, prefix: str) -> list[Path]:
+def host_state_files(folder: Path, stage: int) -> list[Path]:
     """The host optimizer files of ``stage`` in a checkpoint's tag ``folder``: the one file of a stage with one
     process, else the data-parallel processes' (by rank)."""
-    whole = folder / f"{prefix}{stage}.pt"
+    whole = folder / HostStateName(stage).name
     if whole.exists():
         return [whole]
-    shares = [(int(m.group(1)), p) for p in folder.glob(f"{prefix}{stage}_rank*.pt") if (m := RANK_FILE.search(p.name))]
-    return [p for _, p in sorted(shares)]
+    return [path for _, path in _shares(folder, stage)]
 
 
-def stale_host_state_files(folder: Path, stage: int, prefix: str, processes: int | None) -> list[Path]:
+def stale_host_state_files(folder: Path, stage: int, processes: int | None) -> list[Path]:
     """Files of ``stage`` in ``folder`` that a save by ``processes`` data-parallel processes (None: one process,
     which writes the stage's one file) does not write: an earlier save of the same tag by another number of
     processes left them, and a resume would read them with the new ones."""
-    shares = [(int(m.group(1)), p) for p in folder.glob(f"{prefix}{stage}_rank*.pt") if (m := RANK_FILE.search(p.name))]
+    shares = _shares(folder, stage)
     if processes is None:
-        return [p for _, p in sorted(shares)]
-    whole = folder / f"{prefix}{stage}.pt"
-    return ([whole] if whole.exists() else []) + [p for rank, p in sorted(shares) if rank >= processes]
+        return [path for _, path in shares]
+    whole = folder / HostStateName(stage).name
+    return ([whole] if whole.exists() else []) + [path for rank, path in shares if rank >= processes]
 
 
-def share_file(folder: Path, stage: int, rank: int, prefix: str) -> Path:
-    """The file of data-parallel ``rank``'s share of ``stage``'s host optimizer state."""
-    return folder / f"{prefix}{stage}_rank{rank}.pt"
+def _shares(folder: Path, stage: int) -> list[tuple[int, Path]]:
+    """(rank, file) of each data-parallel process's share of ``stage`` in ``folder``, by rank."""
+    named = ((HostStateName.parse(path.name), path) for path in folder.glob(f"{HOST_STATE_PREFIX}*.pt"))
+    return sorted((n.rank, path) for n, path in named if n is not None and n.stage == stage and n.rank is not None)
 
 
 def merged_host_state(
