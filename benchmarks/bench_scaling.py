@@ -170,7 +170,8 @@ def worker(args) -> None:
             torch.cuda.reset_peak_memory_stats(device)
         before = swapper.total_stats(sync=True)
         step.reduced.clear()
-        times = scaling_pipeline.timed_steps(step, args.steps, sync, dist)
+        thread_cpu: list[float] = []
+        times = scaling_pipeline.timed_steps(step, args.steps, sync, dist, thread_cpu)
         stats = swapper.total_stats(sync=True).since(before)
         before_reduce_s, reduce_s, reduce_bytes = reduce_seconds(step.reduced)
         record = {
@@ -178,6 +179,7 @@ def worker(args) -> None:
             "build_s": build_s,
             "warmup_steps": warm,
             "step_times_s": times,
+            "thread_cpu_ms": statistics.median(thread_cpu) * 1000,
             **job_figures(cuda, device, swapper, bench, stats, len(times)),
             "before_allreduce_ms": before_reduce_s * 1000,
             "allreduce_ms": reduce_s * 1000,
@@ -350,7 +352,8 @@ def pipeline_worker(args) -> None:
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         before = swapper.total_stats(sync=True)
-        times = scaling_pipeline.timed_steps(step, args.steps, sync, dist)
+        thread_cpu: list[float] = []
+        times = scaling_pipeline.timed_steps(step, args.steps, sync, dist, thread_cpu)
         stats = swapper.total_stats(sync=True).since(before)
         module = engine.module
         record = {
@@ -358,6 +361,7 @@ def pipeline_worker(args) -> None:
             "build_s": build_s,
             "warmup_steps": warm,
             "step_times_s": times,
+            "thread_cpu_ms": statistics.median(thread_cpu) * 1000,
             "losses": losses,
             "micro_batches": args.micro_batches,
             "stage_layers": [int(module._local_start), int(module._local_stop)],
@@ -541,6 +545,8 @@ def row_of(gpus: int, ranks: list[dict], base: dict | None, label: str | None = 
         "sharing_processes": ranks[0]["sharing_processes"],
         "streamed_layers": [r["streamed_layers"] for r in ranks],
     }
+    if "thread_cpu_ms" in ranks[0]:
+        row["thread_cpu_ms"] = [r["thread_cpu_ms"] for r in ranks]
     if micro is not None:
         row["micro_batches"] = micro
         row["stage_layers"] = [r["stage_layers"] for r in ranks]
@@ -618,10 +624,16 @@ def data_cap(row: dict, base: dict, otherwise: str) -> str:
             f"barrier that publishes them) of the {longer:.0f} ms the step grew"
         )
     rate = statistics.mean(row["copy_gbps"]) / (statistics.mean(base["copy_gbps"]) or 1.0)
+    cpu = ""
+    if row.get("thread_cpu_ms") and base.get("thread_cpu_ms"):
+        cpu = (
+            f", the training thread's CPU time a step {max(row['thread_cpu_ms']):.0f} ms against "
+            f"{base['thread_cpu_ms'][0]:.0f} ms"
+        )
     return (
         f"contention in the forward and backward: the slowest rank's took {max(before):.0f} ms against one GPU's "
-        f"whole step of {base['median_step_s'] * 1000:.0f} ms (its copies at {rate:.0%} of one GPU's rate), the "
-        f"all-reduce {reduce_ms:.0f} ms, {after:.0f} ms after it"
+        f"whole step of {base['median_step_s'] * 1000:.0f} ms (its copies at {rate:.0%} of one GPU's rate{cpu}), "
+        f"the all-reduce {reduce_ms:.0f} ms, {after:.0f} ms after it"
     )
 
 
@@ -678,6 +690,9 @@ NOTES = [
     "difference in the all-reduce. all-reduce ms: each step's gradient all-reduce (the mean of the gradients the "
     "processes do not update alone: the LoRA's, a full fine-tune's resident params'), flattening and copying back "
     "included, timed on the GPU; it runs after the backward, as DeepSpeed's does.",
+    "thread CPU ms: the training thread's CPU time in a step (median; time.thread_time, its waits for the device "
+    "included where they spin): more of it on several GPUs than on one, for the same work, points at a CPU shared "
+    "by the processes (cores, clocks, memory bandwidth) rather than at the copies.",
 ]
 PIPELINE_NOTES = [
     "pipeline rows: one model, a stage per GPU, each streaming its own layers from its own host copy (shared GiB: "

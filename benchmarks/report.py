@@ -372,13 +372,14 @@ TABLES["scaling"] = Table(
         ("raw H2D GB/s per GPU (all at once)", _per_gpu("raw_h2d_gbps", ".1f")),
         ("before ms per GPU", _per_gpu("before_allreduce_ms", ".0f")),
         ("all-reduce ms per GPU", _per_gpu("allreduce_ms", ".0f")),
+        ("thread CPU ms per GPU", _per_gpu("thread_cpu_ms", ".0f")),  # bench_scaling.py since 2026-11-27
         (
             "host GiB (shared GiB)",
             lambda r, _: f"{_f(r.get('host_pss_gib'), '.1f')} ({_f(r.get('host_copy_gib'), '.1f')})",
         ),  # noqa: E501
         ("cap", lambda r, _: r.get("cap") or "-"),
     ),
-    optional=("layout", "micro-batches"),
+    optional=("layout", "micro-batches", "thread CPU ms per GPU"),
 )
 
 

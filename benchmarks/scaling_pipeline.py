@@ -199,16 +199,21 @@ def stage_step(engine, bench, losses: list[float], joined: bool = False, log=Non
     return step
 
 
-def timed_steps(step: Callable[[], float], steps: int, sync, dist) -> list[float]:
-    """``steps`` steps, each started together by every stage (a barrier) and timed to its device's end."""
+def timed_steps(
+    step: Callable[[], float], steps: int, sync, dist, thread_cpu: list[float] | None = None
+) -> list[float]:
+    """``steps`` steps, each started together by every stage (a barrier) and timed to its device's end;
+    ``thread_cpu``: each step's CPU seconds of this (the training) thread appended (its sync's spin included)."""
     times = []
     for _ in range(steps):
         sync()
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         step()
         sync()
         times.append(time.perf_counter() - start)
+        if thread_cpu is not None:
+            thread_cpu.append(time.thread_time() - cpu)
     return times
 
 

@@ -385,8 +385,9 @@ def test_the_scaling_benchmark_runs_one_and_two_processes_sharing_one_host_copy(
     # the gradient all-reduce timed on both processes (the LoRA's; the full fine-tune's resident params'), none alone
     assert one["allreduce_ms"] == [0.0] and len(two["allreduce_ms"]) == 2 and min(two["allreduce_ms"]) > 0
     assert two["allreduce_mb"] > 0 and "sdxl_full" not in result["description"]
+    assert len(two["thread_cpu_ms"]) == 2 and min(one["thread_cpu_ms"] + two["thread_cpu_ms"]) > 0
     markdown = (tmp_path / f"scaling_{model}.md").read_text()
-    assert "| GPUs | samples/s | vs 1 GPU |" in markdown
+    assert "| GPUs | samples/s | vs 1 GPU |" in markdown and "thread CPU ms per GPU" in markdown
     assert report.render(json.loads((tmp_path / f"scaling_{model}.json").read_text())) == markdown
     # one GPU count per device command, joined afterwards: the same rows, ratios to the 1-GPU row again
     merged = bench_scaling.main(["--merge", f"scaling_{model}", "--name", "merged", "--results_dir", str(tmp_path)])
