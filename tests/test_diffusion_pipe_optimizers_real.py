@@ -260,7 +260,7 @@ def test_each_optimizer_type_trains_as_in_plain_train_py(runs, name):
         # train.py's class fails with this library on the CPU: DGLS says so in one line before train.py starts
         assert case.fails_on_cpu in result.failed["plain"], result.failed["plain"][-2000:]
         error = result.failed.get("dgls", "")
-        assert "DGLSUserError: " + f"[optimizer] type = {name!r}" in error and "fails a step on the CPU" in error
+        assert f"dgls: error: [optimizer] type = {name!r}" in error and "fails a step on the CPU" in error
         assert "use " in error and "steps:" not in error, error[-2000:]
         return
     assert not result.failed, "\n".join(f"{side}: {text[-3000:]}" for side, text in result.failed.items())

@@ -274,8 +274,10 @@ def test_a_drop_in_run_in_two_stages_runs_the_first_stages_backward_once(tmp_pat
     from conftest import ROOT
     from test_multi_process import assert_same_training, fake_losses, fake_run
 
+    from utils.dgls.program.distributed import free_port
+
     one, one_out = fake_run(tmp_path / "one", python_cmd(), "micro_batch_size_per_gpu = 4")
-    launch = deepspeed_cmd("--num_gpus=2", str(ROOT / "dgls_train.py"), "--deepspeed")
+    launch = deepspeed_cmd("--num_gpus=2", f"--master_port={free_port()}", str(ROOT / "dgls_train.py"), "--deepspeed")
     stages, out = fake_run(tmp_path / "pp", launch, "micro_batch_size_per_gpu = 4\npipeline_stages = 2")
     (line,) = [x for x in out.splitlines() if "DGLS: this stage's backward runs once for the" in x]
     assert line.startswith("stage 1 of 2 (layers 0-"), line

@@ -27,6 +27,11 @@ from utils.dgls.program.distributed import free_port
 pytestmark = pytest.mark.slow  # each launch starts 1-2 Python processes with torch and deepspeed: 20-60 s
 
 
+def two_processes(*args: str) -> list[str]:
+    """The deepspeed launcher's command for 2 processes on a free port (29500 may be another run's)."""
+    return deepspeed_cmd("--num_gpus=2", f"--master_port={free_port()}", *args)
+
+
 def demo_lora(folder: Path, launch: list[str], **demo) -> tuple[dict, str]:
     config = demo_toml(folder, steps=3, **demo)
     proc = run_user_command([*launch, "--config", str(config)], ROOT)
@@ -50,7 +55,11 @@ def assert_same_training(a: dict, b: dict, a_out: str, b_out: str) -> None:
 
 def test_demo_data_parallel_trains_what_one_process_trains_with_the_global_batch(tmp_path):
     one, one_out = demo_lora(tmp_path / "one", python_cmd(), batch_size=8)
-    two, out = demo_lora(tmp_path / "two", deepspeed_cmd("--num_gpus=2", "dgls_train.py", "--deepspeed"), batch_size=4)
+    two, out = demo_lora(
+        tmp_path / "two",
+        two_processes("dgls_train.py", "--deepspeed"),
+        batch_size=4,
+    )
     assert_same_training(two, one, out, one_out)
     assert out.count("step 3: loss") == 1, "rank 0 alone prints the steps"
     assert "one copy shared by the 2 processes on this machine" in out
@@ -59,7 +68,9 @@ def test_demo_data_parallel_trains_what_one_process_trains_with_the_global_batch
 def test_demo_pipeline_stages_stream_their_own_layers_and_train_exactly(tmp_path):
     one, one_out = demo_lora(tmp_path / "one", python_cmd())
     two, out = demo_lora(
-        tmp_path / "two", deepspeed_cmd("--num_gpus=2", "dgls_train.py", "--deepspeed"), pipeline_stages=2
+        tmp_path / "two",
+        two_processes("dgls_train.py", "--deepspeed"),
+        pipeline_stages=2,
     )
     assert_same_training(two, one, out, one_out)
     assert "stage 1 of 2 (layers 0-4):" in out and "stage 2 of 2 (layers 5-9):" in out
@@ -75,7 +86,7 @@ def test_demo_full_fine_tune_in_pipeline_stages_trains_what_one_process_trains(t
     one, one_out = demo_lora(tmp_path / "one", python_cmd(), base="demo_full.toml")
     two, out = demo_lora(
         tmp_path / "two",
-        deepspeed_cmd("--num_gpus=2", "dgls_train.py", "--deepspeed"),
+        two_processes("dgls_train.py", "--deepspeed"),
         base="demo_full.toml",
         pipeline_stages=2,
     )
@@ -90,7 +101,7 @@ def test_demo_full_fine_tune_data_parallel_trains_what_one_process_trains_with_t
     one, one_out = demo_lora(tmp_path / "one", python_cmd(), base="demo_full.toml", batch_size=8)
     two, out = demo_lora(
         tmp_path / "two",
-        deepspeed_cmd("--num_gpus=2", "dgls_train.py", "--deepspeed"),
+        two_processes("dgls_train.py", "--deepspeed"),
         base="demo_full.toml",
         batch_size=4,
     )
@@ -121,7 +132,7 @@ def test_demo_data_parallel_on_two_gpus_trains_what_one_gpu_trains_with_the_glob
     one, one_out = demo_lora(tmp_path / "one", python_cmd(), base=base, batch_size=8, device="cuda")
     two, out = demo_lora(
         tmp_path / "two",
-        deepspeed_cmd("--num_gpus=2", f"--master_port={free_port()}", "dgls_train.py", "--deepspeed"),
+        two_processes("dgls_train.py", "--deepspeed"),
         base=base,
         batch_size=4,
         device="cuda",
@@ -135,7 +146,9 @@ def test_demo_pipeline_stages_offloading_activations_train_what_one_process_trai
     function of its own swapper; the losses and LoRA are one process's, and the step lines count both
     stages' activations."""
     one, one_out = demo_lora(tmp_path / "one", python_cmd())
-    launch = deepspeed_cmd("--num_gpus=2", "dgls_train.py", "--deepspeed", "--offload_activations")
+    launch = deepspeed_cmd(
+        "--num_gpus=2", f"--master_port={free_port()}", "dgls_train.py", "--deepspeed", "--offload_activations"
+    )
     two, out = demo_lora(tmp_path / "two", launch, pipeline_stages=2)
     assert_same_training(two, one, out, one_out)
     assert "activations home" in out
@@ -161,13 +174,15 @@ def test_drop_in_data_parallel_and_pipeline_stages_on_the_stand_in_checkout(tmp_
     dgls = str(ROOT / "dgls_train.py")
     one, one_out = fake_run(tmp_path / "one", python_cmd(), "micro_batch_size_per_gpu = 4")
     dp, out = fake_run(
-        tmp_path / "dp", deepspeed_cmd("--num_gpus=2", dgls, "--deepspeed"), "micro_batch_size_per_gpu = 2"
+        tmp_path / "dp",
+        two_processes(dgls, "--deepspeed"),
+        "micro_batch_size_per_gpu = 2",
     )
     assert_same_training(dp, one, fake_losses(out), fake_losses(one_out))
     assert out.count("dgls step 3:") == 1, "rank 0 alone prints the stats (of both processes)"
     stages, out = fake_run(
         tmp_path / "pp",
-        deepspeed_cmd("--num_gpus=2", dgls, "--deepspeed"),
+        two_processes(dgls, "--deepspeed"),
         "micro_batch_size_per_gpu = 4\npipeline_stages = 2",
     )
     assert_same_training(stages, one, fake_losses(out), fake_losses(one_out))

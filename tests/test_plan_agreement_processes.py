@@ -146,13 +146,12 @@ def assert_one_placement(tmp_path: Path, cuda: bool) -> None:
 def test_the_demo_s_data_parallel_processes_plan_one_placement(tmp_path):
     """dgls_train.py under deepspeed: the LoRA's two data-parallel processes (one pipeline stage) find each other at
     start-up and agree the probe; rank 0 alone says so."""
-    from cli_helpers import deepspeed_cmd, demo_toml, run_user_command
+    from cli_helpers import demo_toml, run_user_command
     from conftest import ROOT
+    from test_multi_process import two_processes
 
     config = demo_toml(tmp_path, steps=4, dgls={"vram_budget": 0.002})
-    proc = run_user_command(
-        [*deepspeed_cmd("--num_gpus=2", "dgls_train.py", "--deepspeed"), "--config", str(config)], ROOT
-    )
+    proc = run_user_command([*two_processes("dgls_train.py", "--deepspeed"), "--config", str(config)], ROOT)
     out = proc.stdout
     assert proc.returncode == 0, (out + proc.stderr)[-3000:]
     assert out.count("VRAM budget (one placement for the 2 data-parallel processes holding these layers)") == 1, out
