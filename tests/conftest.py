@@ -5,6 +5,7 @@ runs them, as .ci/run does) marks end-to-end runs of 20 s or more on 2 cores; th
 """
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -22,6 +23,11 @@ def pytest_configure(config):
     # The CPU tests run tiny tensors: intra-op threads only add hand-off latency, and on a loaded 2-core
     # machine (CI) they made a 40 ms training run take 2-20 s.
     torch.set_num_threads(1)
+    # The Ctrl-C tests send SIGINT as a user's terminal does. A shell without job control starts background
+    # commands (`pytest ... &`, `nohup .ci/run &` in a subshell) with SIGINT ignored, and Python then installs no
+    # KeyboardInterrupt handler: give these runs the handler an interactive run has.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
