@@ -126,10 +126,12 @@ def test_the_processes_of_a_machine_share_its_cores_for_their_host_updates(refer
     """With the launcher saying 2 processes run here (deepspeed: LOCAL_SIZE), each one's worker updates with 3
     quarters of its half of the threads: 4 threads give 1, not 3 (two processes at 3 each oversubscribe 4 cores);
     the numbers stay (the trainer's thread keeps 4, as the reference's run: its matmuls' sums stay the same)."""
+    from utils.dgls.training.training_feature import processes_here
     from utils.dgls.training.updaters import update_threads
 
     assert update_threads(32) == 24 and update_threads(32, 2) == 12 and update_threads(2, 4) == 1
-    assert update_threads(8, 2, environ={"OMP_NUM_THREADS": "8"}) == 6, "OMP_NUM_THREADS: one process's count"
+    assert processes_here(2, {}) == 2 and processes_here(1, {"LOCAL_SIZE": "3"}) == 3
+    assert processes_here(2, {"OMP_NUM_THREADS": "8", "LOCAL_SIZE": "2"}) == 1, "OMP_NUM_THREADS: one process's count"
     seen, record, names = threads_of_each_adamw_step(monkeypatch, "2")
     assert seen == {("dgls-jobs", 1), ("MainThread", 4)}
     assert_same(record, references("nonreentrant", names))

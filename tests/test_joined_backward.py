@@ -9,12 +9,11 @@ pipeline stages under the deepspeed launcher (gloo), against DeepSpeed's own pas
 from __future__ import annotations
 
 import types
-from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import deepspeed_cmd, python_cmd
+from cli_helpers import python_cmd
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -244,9 +243,9 @@ def test_the_demos_first_stage_runs_one_backward_for_what_it_sends_on(tmp_path):
     and copies its layers once per tensor it sends on: three); the losses as printed are the same, and the LoRA is
     one process's bitwise (DeepSpeed's own pass: equal up to summation order, about 1e-5 of the LoRA's scale)."""
     from test_multi_process import assert_same_training, demo_lora
+    from test_multi_process import two_processes as launch
 
     flags = ("--deepspeed", "--prefetch", "1")
-    launch = partial(deepspeed_cmd, "--num_gpus=2")
     joined, joined_out = demo_lora(tmp_path / "joined", launch("dgls_train.py", *flags), pipeline_stages=2)
     driver = str(Path(__file__).parent / "deepspeeds_backward.py")  # the demo with DeepSpeed's own pass
     own, own_out = demo_lora(tmp_path / "own", launch(driver, *flags), pipeline_stages=2)
@@ -272,12 +271,10 @@ def test_a_drop_in_run_in_two_stages_runs_the_first_stages_backward_once(tmp_pat
     backward (PipelineInterception._layer_major), the first stage says so once, and it trains what one process
     trains, bitwise."""
     from conftest import ROOT
-    from test_multi_process import assert_same_training, fake_losses, fake_run
-
-    from utils.dgls.program.distributed import free_port
+    from test_multi_process import assert_same_training, fake_losses, fake_run, two_processes
 
     one, one_out = fake_run(tmp_path / "one", python_cmd(), "micro_batch_size_per_gpu = 4")
-    launch = deepspeed_cmd("--num_gpus=2", f"--master_port={free_port()}", str(ROOT / "dgls_train.py"), "--deepspeed")
+    launch = two_processes(str(ROOT / "dgls_train.py"), "--deepspeed")
     stages, out = fake_run(tmp_path / "pp", launch, "micro_batch_size_per_gpu = 4\npipeline_stages = 2")
     (line,) = [x for x in out.splitlines() if "DGLS: this stage's backward runs once for the" in x]
     assert line.startswith("stage 1 of 2 (layers 0-"), line
@@ -293,15 +290,13 @@ def test_the_demo_in_two_stages_on_two_gpus_streams_less_with_the_joined_backwar
     apart (H200), which the passes' different rounding of the summed gradients (one autograd sum against two
     accumulations), grown by AdamW to lr x steps, allows; the bf16 scalar is bitwise one backward's (the CPU test
     below)."""
-    from test_multi_process import assert_close_training, demo_lora
-
-    from utils.dgls.program.distributed import free_port
+    from test_multi_process import assert_close_training, demo_lora, two_processes
 
     flags = ("--deepspeed", "--prefetch", "1")
     driver = str(Path(__file__).parent / "deepspeeds_backward.py")  # the demo with DeepSpeed's own pass
     runs = {}
     for name, script in (("joined", "dgls_train.py"), ("own", driver)):
-        launch = deepspeed_cmd("--num_gpus=2", f"--master_port={free_port()}", script, *flags)
+        launch = two_processes(script, *flags)
         runs[name] = demo_lora(tmp_path / name, launch, pipeline_stages=2, device="cuda")
     (joined, joined_out), (own, own_out) = runs["joined"], runs["own"]
     one, one_out = demo_lora(tmp_path / "one", python_cmd("--prefetch", "1"), device="cuda")

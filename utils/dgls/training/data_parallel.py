@@ -120,6 +120,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -316,6 +317,7 @@ class SharedGradients:
         # the publication: the shared copy's versions and the sharing processes' liveness (attach_versions), and
         # the steps this process has published (a foreign layer is fetched once its version reaches it)
         self.versions: torch.Tensor | None = None
+        self._versions: np.ndarray | None = None
         self._running: Callable[[int], bool] = lambda rank: True
         self.step = 0
 
@@ -448,6 +450,7 @@ class SharedGradients:
         """The shared copy's versions (:attr:`~..streaming.masters.Masters.versions`), and whether the process of a
         rank still runs (:meth:`~..memory.peers.Peers.running`)."""
         self.versions = versions
+        self._versions = versions.numpy()  # the same memory: an element read is a lookup on the fetch path
         self._running = running
 
     def publish(self, when_written: Callable[[Callable[[int], None]], None]) -> None:
@@ -467,17 +470,17 @@ class SharedGradients:
         """Before a foreign layer's packed copy is fetched: until its owner published this process's last step's
         update (its version reaches :attr:`step`). Polls the shared version (the owners' job threads write it, and a
         process has no event another can set); a gone owner is one line (see Hazards)."""
-        versions = self.versions
-        if versions is None or idx not in self.ownership.owners or int(versions[idx]) >= self.step:
+        versions = self._versions
+        if versions is None or idx not in self.ownership.owners or versions[idx] >= self.step:
             return
         owner = self.ownership.owners[idx]
         pause, checked = 1e-5, time.monotonic()
-        while int(versions[idx]) < self.step:
+        while versions[idx] < self.step:
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)
             if time.monotonic() - checked >= 1.0:
                 checked = time.monotonic()
-                if not self._running(owner) and int(versions[idx]) < self.step:
+                if not self._running(owner) and versions[idx] < self.step:
                     raise DGLSUserError(peer_gone(f"the update of layer {idx}, which it owns", "its process is gone"))
 
     def remove_hooks(self) -> None:

@@ -38,8 +38,12 @@ from .host_training import HostTraining
 
 
 def processes_here(sharing: int, environ: Mapping[str, str] = os.environ) -> int:
-    """The job's processes on this machine, whose host updates run at once: the launcher's count (pipeline stages
-    too), or the processes ``sharing`` this one's host copy (:class:`~..memory.peers.Peers`), whichever is more."""
+    """The processes whose host updates share this machine's cores (:func:`.updaters.update_threads`): the job's
+    processes here, by the launcher's count (pipeline stages too) or the processes ``sharing`` this one's host copy
+    (:class:`~..memory.peers.Peers`), whichever is more; 1 where ``OMP_NUM_THREADS`` is set, since that is already
+    one process's count (torchrun sets it to 1 for several processes)."""
+    if "OMP_NUM_THREADS" in environ:
+        return 1
     return max(local_processes(environ) or 1, sharing)
 
 

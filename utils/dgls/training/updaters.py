@@ -42,18 +42,17 @@ Cores (:func:`update_threads`): on the worker thread, a host update's torch kern
 of this process's share of torch's intra-op threads, set for that thread around the update and restored after
 it: the training thread launches the forward's and backward's kernels meanwhile, and with every core busy on
 the update it was descheduled (benchmarks/results/noclip_omp16.md). The share: torch's threads (the cores)
-divided by the job's processes on this machine (``processes_here``: data-parallel processes and pipeline stages
-update at once, and each would otherwise take three quarters of every core), unless ``OMP_NUM_THREADS`` is set,
-which already is one process's count (torchrun sets it to 1 for several processes). The update is elementwise,
-so its numbers do not depend on the thread count.
+divided by ``processes_here``, the processes whose host updates share this machine's cores
+(:func:`~.training_feature.processes_here`: data-parallel processes and pipeline stages update at once, and each
+would otherwise take three quarters of every core). The update is elementwise, so its numbers do not depend on
+the thread count.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -73,12 +72,11 @@ from .update_split import UpdateSplit
 Side = Literal["host", "device"]  # where an update ran
 
 
-def update_threads(default: int, processes_here: int = 1, environ: Mapping[str, str] = os.environ) -> int:
+def update_threads(default: int, processes_here: int = 1) -> int:
     """The intra-op threads of a host update on the worker thread: three quarters of this process's share of
-    ``default`` (torch's for that thread: the cores, or ``OMP_NUM_THREADS``), the share ``default`` divided by
-    ``processes_here`` unless ``OMP_NUM_THREADS`` set it, at least one (see the module doc)."""
-    share = default if "OMP_NUM_THREADS" in environ else default // max(1, processes_here)
-    return max(1, share * 3 // 4)
+    ``default`` (torch's for that thread: the cores, or ``OMP_NUM_THREADS``), ``default`` divided by
+    ``processes_here``, at least one (see the module doc)."""
+    return max(1, default // max(1, processes_here) * 3 // 4)
 
 
 @contextmanager
