@@ -31,12 +31,14 @@ DeepSpeed 0.19.8 runs a stage's backward once per tensor it sends on (Flux's fir
 runs it once, as 0.18.4 (diffusion-pipe's pin) does and as DGLS's demo and diffusion-pipe runs with several stages do
 (utils/dgls/trainers/joined_backward.py); without it a row measures the installed DeepSpeed's own pass.
 
+    python benchmarks/bench_scaling.py --model flux --gpus 1,2,4 --name scaling_flux_124   # 4x H200: 5.5 minutes
     python benchmarks/bench_scaling.py --model flux --gpus 1,2 --name scaling_flux_12   # H100: about 5 minutes
     python benchmarks/bench_scaling.py --model flux --gpus 4 --name scaling_flux_4      # about 3 minutes
     python benchmarks/bench_scaling.py --merge scaling_flux_12,scaling_flux_4 --name scaling_flux   # no GPU
-    python benchmarks/bench_scaling.py --model wan --gpus 1 --steps 3 --name scaling_wan_1   # a step is ~22 s: one
-        # GPU count per command (about 3-4 minutes each), then --gpus 2, --gpus 4 and --merge as above
-    python benchmarks/bench_scaling.py --model sdxl_full --gpus 1,2 --name scaling_sdxl_full_12   # about 4 minutes
+    python benchmarks/bench_scaling.py --model wan --gpus 1 --steps 3 --name scaling_wan_1b   # a step is ~22 s: one
+        # GPU count per command (3-4.5 minutes each), then --gpus 2 (scaling_wan_2b), --gpus 4 (scaling_wan_4) and
+        # --merge scaling_wan_1b,scaling_wan_2b,scaling_wan_4 --name scaling_wan_124
+    python benchmarks/bench_scaling.py --model sdxl_full --gpus 1,2,4 --name scaling_sdxl_full_124   # 3.5 minutes
     python benchmarks/bench_scaling.py --model flux --gpus 1 --layout pipeline --name scaling_flux_pp_1
         # H100: about 4-5 minutes (a step of 4 micro-batches is ~4.5 s on one GPU; the planner settles first)
     python benchmarks/bench_scaling.py --model flux --gpus 2,4 --layout pipeline --name scaling_flux_pp_24   # ~6 min
@@ -593,12 +595,13 @@ def data_cap(row: dict, base: dict, otherwise: str) -> str:
     alone = statistics.mean(base["raw_h2d_gbps"]) or 0.0
     together = statistics.mean(row["raw_h2d_gbps"]) or 0.0
     waited = statistics.mean(row["wait_ms_per_step"]) - statistics.mean(base["wait_ms_per_step"])
-    if alone and together < SHARED_RATE * alone:
-        return (
-            f"host-to-device bandwidth: plain copies on all {row['gpus']} GPUs at once ran at {together / alone:.0%} "
-            f"of one GPU's alone, and the compute waited {waited:.0f} ms more per step on copies"
-        )
-    if waited > 0.05 * row["median_step_s"] * 1000:
+    if waited > 0.05 * row["median_step_s"] * 1000:  # copies held the compute back: shared or not?
+        if alone and together < SHARED_RATE * alone:
+            return (
+                f"host-to-device bandwidth: plain copies on all {row['gpus']} GPUs at once ran at "
+                f"{together / alone:.0%} of one GPU's alone, and the compute waited {waited:.0f} ms more per step on "
+                "copies"
+            )
         return f"copies: the compute waited {waited:.0f} ms more per step on them than on one GPU"
     if "allreduce_ms" not in row:  # a pipeline row (no all-reduce of its own timed), or an older result's
         return f"{otherwise} (copies kept pace)"
@@ -617,11 +620,11 @@ def data_cap(row: dict, base: dict, otherwise: str) -> str:
             f"the gradient all-reduce: {reduce_ms:.0f} ms a step ({row.get('allreduce_mb', 0.0):.0f} MB, after the "
             f"backward) of the {longer:.0f} ms the step grew (copies kept pace)"
         )
-    after = row["median_step_s"] * 1000 - max(before) - reduce_ms
+    after = max(0.0, row["median_step_s"] * 1000 - max(before) - reduce_ms)  # the ranks' medians: may not add up
     if after >= 0.5 * longer > 0:
         return (
-            f"after the all-reduce: {after:.0f} ms a step (a full fine-tune's: the owners' host updates and the "
-            f"barrier that publishes them) of the {longer:.0f} ms the step grew"
+            f"after the all-reduce: {after:.0f} ms a step (a full fine-tune's: the host updates of its own share "
+            f"of the layers that the step waits for) of the {longer:.0f} ms the step grew"
         )
     rate = statistics.mean(row["copy_gbps"]) / (statistics.mean(base["copy_gbps"]) or 1.0)
     cpu = ""

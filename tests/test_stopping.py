@@ -69,6 +69,68 @@ def test_a_forked_child_ends_on_sigterm_as_python_would():
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
 
 
+def test_stopping_found_the_launcher_gone_and_the_watchs_sigterm_after_it_raises_nothing():
+    """A rank whose collective failed because a partner saw the deepspeed command gone first asks ``stopping()``;
+    it looks at the launcher at once (the watch looks once a second) and counts the stop as the watch's SIGTERM,
+    which, landing next, must not raise a second exception into the failure's handling."""
+    with StopSignals() as stop:
+        stop._launcher = lambda: False  # the command is still there: a failure is a bug
+        assert not stop.stopping() and stop.received is None
+        stop._launcher = lambda: True  # gone now, before the watch's next look
+        assert stop.stopping()
+        assert (stop.how, stop.exit_code) == ("terminated (the deepspeed command that started this job is gone)", 143)
+        os.kill(os.getpid(), signal.SIGTERM)  # the watch's, sent before it saw the stop decided
+        signal.sigtimedwait([], 0.1)
+        with pytest.raises(KeyboardInterrupt):  # a Ctrl-C still interrupts the clean-up
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.sigtimedwait([], 0.1)
+
+
+def test_stopping_after_the_watch_sent_its_sigterm_counts_it_and_it_then_raises_nothing():
+    """The other order: the watch saw the command gone and sent SIGTERM, which has not landed when the failure is
+    handled (the run asks ``stopping()`` first): True, and the SIGTERM landing after it only records itself."""
+    with StopSignals() as stop:
+        stop.launcher_gone = True  # what the watch sets, under the lock, before its os.kill
+        assert stop.stopping() and stop.received is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.sigtimedwait([], 0.1)
+        assert (stop.received, stop.exit_code) == (signal.SIGTERM, 143)
+
+
+def test_a_collective_failing_after_the_launcher_went_is_the_demos_stop_line(tmp_path, user_env, monkeypatch, capsys):
+    """Two ranks whose deepspeed command is gone: the first to see it stops and leaves, and the other's next
+    collective fails ('Connection closed by peer') before its own watch looks (CI saw a traceback there). Its
+    launcher is gone too, so the failure is the stop: the demo's stop line and 143; with the launcher still there
+    the same failure is a bug and keeps its traceback. The launcher is a stand-in looked at by ``stopping()``
+    (``_watch_launcher`` replaced for the test: no thread, no launch.py)."""
+    launcher = {"gone": True}
+
+    def no_watch(stop: StopSignals) -> None:
+        stop._launcher = lambda: launcher["gone"]
+
+    monkeypatch.setattr(StopSignals, "_watch_launcher", no_watch)
+    read = demo_train.MemoryMonitor.read
+    seen = []
+
+    def partner_left_at_step_3(monitor):
+        seen.append(1)
+        if len(seen) == 3:
+            raise RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500")
+        return read(monitor)
+
+    monkeypatch.setattr(demo_train.MemoryMonitor, "read", partner_left_at_step_3)
+    code, _out, err = run_in_process(["--config", str(demo_toml(tmp_path, steps=30))], capsys)
+    assert code == 143, err
+    assert err == (
+        "dgls: terminated (the deepspeed command that started this job is gone): stopped at step 2 of 30; nothing "
+        "was saved (the demo saves its LoRA at the end, and has no checkpoint to resume from)\n"
+    )
+    launcher["gone"] = False
+    seen.clear()
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        run_in_process(["--config", str(demo_toml(tmp_path, steps=30))], capsys)
+
+
 def signal_at_step(monkeypatch, signum: int, step: int) -> None:
     """Send ``signum`` to this process when the demo reads memory after step ``step`` (once per step; the step
     then counts as not done)."""

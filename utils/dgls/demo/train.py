@@ -34,7 +34,7 @@ from ..memory.shm_space import check_before_start
 from ..program.distributed import destroy_process_group
 from ..program.paths import new_run_dir
 from ..program.rendezvous import peers_arrived
-from ..program.stop_signals import stop_signal_received
+from ..program.stop_signals import run_is_stopping, stop_signal_received
 from ..program.validate import DemoRun, accumulation_note
 from ..trainers.engine_hooks import EngineHooks
 from ..trainers.joined_backward import joined_backward
@@ -168,6 +168,14 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
             result.lora = _gather_trained(layers, engine, s.full, SharedSaves.of(swapper))
         finished = True
     except KeyboardInterrupt:
+        raise _interrupted(len(result.losses), s.steps) from None
+    except Exception:
+        try:
+            stopping = run_is_stopping()  # a collective whose partner stopped first (its launcher gone): this stop
+        except KeyboardInterrupt:  # the launcher watch's SIGTERM, landing here
+            stopping = True
+        if not stopping:
+            raise
         raise _interrupted(len(result.losses), s.steps) from None
     finally:
         if placed.get("swapper") is not None:

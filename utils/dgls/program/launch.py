@@ -137,7 +137,8 @@ def entry(main: Callable[[], int]) -> int:
     (what was saved, how to resume) and 130 or 143 (:mod:`.stop_signals`); the runs' own clean-up has
     happened by then. Anything else is a bug and keeps its traceback, unless it followed a stop signal: a
     child process stopped by the same Ctrl-C (a compiler: "ninja: build stopped: interrupted by user") can
-    make the code waiting on it raise something other than ``KeyboardInterrupt``."""
+    make the code waiting on it raise something other than ``KeyboardInterrupt``, and a process whose deepspeed
+    command is gone may fail in a collective with a process that saw it first."""
     with StopSignals() as stop:
         try:
             return main()
@@ -151,7 +152,11 @@ def entry(main: Callable[[], int]) -> int:
             print_line(f"dgls: {stop.how} before training started; nothing was saved")
             return stop.exit_code
         except Exception as exc:
-            if stop.received is None:
+            try:
+                stopping = stop.stopping()  # a collective whose partner stopped first: the same stop (stop_signals)
+            except KeyboardInterrupt:  # the launcher watch's SIGTERM, landing here
+                stopping = True
+            if not stopping:
                 raise
             what = (str(exc).strip().splitlines() or [""])[-1][:200]
             signal_name = "Ctrl-C" if stop.received == signal.SIGINT else "SIGTERM"

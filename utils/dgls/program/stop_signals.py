@@ -12,6 +12,12 @@ What it cannot change is deepspeed's own launcher: Ctrl-C prints the ``deepspeed
 that command alone ends only it (on one machine it passes nothing on), leaving launch.py and every process
 of the job running. For that case, each process watches its launcher and stops as on SIGTERM once the
 ``deepspeed`` command is gone; launch.py then sees a process fail and ends the others and itself.
+
+Hazard: the processes' watches look once a second each, so the first to see the command gone stops, and another
+one may then fail in a collective whose partner just left (gloo: "Connection closed by peer") before its own watch
+looks. That failure is the same stop, not a bug: :func:`run_is_stopping` looks at the launcher at once, and a trainer
+or the entry point that catches a failure asks it before printing a traceback. The watch's own SIGTERM may land while
+that failure is handled; once :meth:`StopSignals.stopping` has said the run stops, it raises nothing more.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -38,8 +45,14 @@ class StopSignals:
     * a process forked from this one (a multiprocessing pool's worker, which the pool ends with SIGTERM)
       gets Python's default behaviour back, not a KeyboardInterrupt and its traceback;
     * under deepspeed's launch.py, a daemon thread sends this process SIGTERM once the ``deepspeed`` command
-      that started launch.py is gone (launch.py has a new parent, or is gone itself);
+      that started launch.py is gone (launch.py has a new parent, or is gone itself); :meth:`stopping` looks at
+      once, for a failure that may be the stop's;
+    * once :meth:`stopping` said True, a first stop signal still landing (the watch's) raises nothing: the run is
+      already on its way out (one exception, one line);
     * on exit the handlers from before are back and the watch thread stops.
+
+    Invariant: the watch sends its SIGTERM only while neither a stop signal arrived nor :meth:`stopping` found the
+    launcher gone (decided under ``_lock``), so one stop never raises twice.
     """
 
     def __init__(self) -> None:
@@ -48,6 +61,9 @@ class StopSignals:
         self._pid = os.getpid()
         self._previous: dict[int, object] = {}
         self._done = threading.Event()
+        self._lock = threading.Lock()  # the watch's SIGTERM against stopping()'s look: one of them decides
+        self._decided = False  # stopping() said True: a stop signal landing later raises nothing
+        self._launcher: Callable[[], bool] | None = None  # whether the deepspeed command is gone, looked at now
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
@@ -70,6 +86,8 @@ class StopSignals:
             return
         if self.received is None:
             self.received = signum
+            if self._decided:  # the watch's SIGTERM, after stopping() found the launcher gone: already stopping
+                return
             raise KeyboardInterrupt
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
@@ -79,6 +97,21 @@ class StopSignals:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
+
+    def stopping(self) -> bool:
+        """Whether this run is stopping: a stop signal arrived, or its deepspeed command is gone (looked at now, not
+        at the watch's next look). Once True, a stop signal still on its way (the watch's SIGTERM) raises nothing.
+        Called from the main thread, where a failure is handled: the watch's SIGTERM may land during this call, as a
+        ``KeyboardInterrupt`` its caller counts as True."""
+        if self.received is not None:
+            return True
+        with self._lock:
+            if not self.launcher_gone and self._launcher is not None and self._launcher():
+                self.launcher_gone = True
+                self.received = signal.SIGTERM  # as the watch's SIGTERM would have: the same line and exit code
+            if self.launcher_gone:  # found now, or the watch's SIGTERM is on its way
+                self._decided = True
+        return self.received is not None or self.launcher_gone
 
     @property
     def how(self) -> str:
@@ -90,7 +123,7 @@ class StopSignals:
     @property
     def exit_code(self) -> int:
         """What a shell reports for a process ended by the signal: 128 + its number (130 for Ctrl-C)."""
-        return 128 + (self.received or signal.SIGINT)
+        return 128 + (self.received or (signal.SIGTERM if self.launcher_gone else signal.SIGINT))
 
     def _watch_launcher(self) -> None:
         import psutil
@@ -103,18 +136,22 @@ class StopSignals:
         except psutil.Error:
             return
 
+        def gone() -> bool:
+            try:
+                return launch.ppid() != command
+            except psutil.Error:
+                return True
+
         def watch() -> None:
             while not self._done.wait(WATCH_S):
-                try:
-                    gone = launch.ppid() != command
-                except psutil.Error:
-                    gone = True
-                if gone:
-                    if self.received is None:
-                        self.launcher_gone = True
-                        os.kill(os.getpid(), signal.SIGTERM)
+                if gone():
+                    with self._lock:
+                        if self.received is None and not self.launcher_gone:
+                            self.launcher_gone = True
+                            os.kill(os.getpid(), signal.SIGTERM)
                     return
 
+        self._launcher = gone
         threading.Thread(target=watch, name="dgls-launcher-watch", daemon=True).start()
 
 
@@ -127,8 +164,24 @@ def stop_signal_received() -> bool:
     and the entry point's object is not passed down that far. The installed handler is the process's own
     record of which object handles its signals, so no module-level state is kept for this.
     """
+    stop = _installed()
+    return stop is not None and stop.received is not None
+
+
+def run_is_stopping() -> bool:
+    """Whether this process is stopping (:meth:`StopSignals.stopping`: a stop signal arrived, or the deepspeed
+    command is gone, looked at now); False where no :class:`StopSignals` is installed. For a trainer that caught a
+    failure: a collective whose partner stopped first is the same stop, not a bug. Call it as
+    ``try: stopping = run_is_stopping() except KeyboardInterrupt: stopping = True``: the watch's SIGTERM may land
+    at the call."""
+    stop = _installed()
+    return stop is not None and stop.stopping()
+
+
+def _installed() -> StopSignals | None:
+    """The :class:`StopSignals` whose handler is installed now (the process's own record of it), or None."""
     for signum in STOP_SIGNALS:
         owner = getattr(signal.getsignal(signum), "__self__", None)
         if isinstance(owner, StopSignals):
-            return owner.received is not None
-    return False
+            return owner
+    return None

@@ -44,6 +44,7 @@ from ..program.options import swap_config
 from ..program.patches import Patches
 from ..program.rendezvous import peers_arrived
 from ..program.resume import ResumeChecks
+from ..program.stop_signals import run_is_stopping
 from ..program.validate import DropInRun, layer_major_applies
 from ..streaming.config import SwapConfig
 from ..training.shared_saves import SharedSaves
@@ -402,6 +403,14 @@ def run_drop_in(run: DropInRun) -> None:
             raise RunInterrupted(_what_was_saved(output_dir, started)) from None
         except ModuleNotFoundError as exc:  # train.py's own dependencies (wandb, diffusers ...), or a submodule's
             raise missing_module_error(exc, run.checkout) from None
+        except Exception:
+            try:
+                stopping = run_is_stopping()  # a collective whose partner stopped first (its launcher gone)
+            except KeyboardInterrupt:  # the launcher watch's SIGTERM, landing here
+                stopping = True
+            if not stopping:
+                raise
+            raise RunInterrupted(_what_was_saved(output_dir, started)) from None
         finally:
             if values["plan"]:
                 _discard_plan_run_dir(output_dir, started)
