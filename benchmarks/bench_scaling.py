@@ -597,10 +597,11 @@ def data_cap(row: dict, base: dict, otherwise: str) -> str:
     waited = statistics.mean(row["wait_ms_per_step"]) - statistics.mean(base["wait_ms_per_step"])
     if waited > 0.05 * row["median_step_s"] * 1000:  # copies held the compute back: shared or not?
         if alone and together < SHARED_RATE * alone:
+            busy = row["bytes_per_step"] / (statistics.mean(row["copy_gbps"]) or 1.0) / 1e6  # ms a step
             return (
                 f"host-to-device bandwidth: plain copies on all {row['gpus']} GPUs at once ran at "
                 f"{together / alone:.0%} of one GPU's alone, and the compute waited {waited:.0f} ms more per step on "
-                "copies"
+                f"copies (each copy stream busy {busy:.0f} ms of the {row['median_step_s'] * 1000:.0f} ms step)"
             )
         return f"copies: the compute waited {waited:.0f} ms more per step on them than on one GPU"
     if "allreduce_ms" not in row:  # a pipeline row (no all-reduce of its own timed), or an older result's
@@ -720,7 +721,6 @@ def main(argv: list[str] | None = None) -> dict | None:
     out = args.results_dir or results_dir(args.tiny)
     if args.merge:
         return merge(args, out)
-    import machine
     import torch
 
     counts = [int(n) for n in (args.gpus or ("1,2" if args.tiny else "1,2,4")).split(",")]
@@ -755,8 +755,20 @@ def main(argv: list[str] | None = None) -> dict | None:
             base = base or row
             rows.append(row)
             print(f"{label}: {row['samples_per_s']:.3f} samples/s ({row['vs_1gpu']:.2f}x)", flush=True)
+            # the rows so far, written at once: a device call's limit that stops a later job keeps these
+            write_result(scaling_result(args, argv, record, rows), name, out)
+    result = scaling_result(args, argv, record, rows)
+    write_result(result, name, out, echo=True)
+    return result
+
+
+def scaling_result(args, argv: list[str], record: dict | None, rows: list[dict]) -> dict:
+    """The result of the rows measured so far (``record``: the first job's rank 0, for the title)."""
+    import machine
+    import torch
+
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    result = {
+    return {
         "benchmark": "scaling",
         "model": args.model,
         "title": f"Scaling over GPUs: {record['title'] if record else args.model}",
@@ -767,8 +779,6 @@ def main(argv: list[str] | None = None) -> dict | None:
         "notes": NOTES + (PIPELINE_NOTES if "pipeline" in args.layout else []),
         "rows": rows,
     }
-    write_result(result, name, out, echo=True)
-    return result
 
 
 def merge(args, out: Path) -> dict:

@@ -395,6 +395,31 @@ def test_the_scaling_benchmark_runs_one_and_two_processes_sharing_one_host_copy(
     assert merged["rows"][1]["vs_1gpu"] == pytest.approx(two["vs_1gpu"]) and (tmp_path / "merged.md").exists()
 
 
+def test_the_scaling_benchmark_writes_each_row_at_once(tmp_path, monkeypatch):
+    """A device call's time limit stops the benchmark between GPU counts (last session's 2-stage job): the rows
+    measured before it are in the result file already. The jobs are stand-ins (one record per rank)."""
+    import bench_scaling
+
+    def record(rank: int) -> dict:
+        return dict(
+            rank=rank, title="Tiny", step_times_s=[1.0], warmup_steps=1, peak_allocated_gib=1.0,
+            peak_reserved_gib=1.0, copy_gbps=1.0, raw_h2d_gbps=1.0, wait_ms_per_step=0.0, bytes_per_step=1.0,
+            pss_gib=1.0, rss_gib=1.0, host_copy_gib=1.0, sharing_processes=1, streamed_layers=1, shape="tiny",
+            entries=2, layers=2,
+        )  # fmt: skip
+
+    def job(args, argv, gpus, name, layout):
+        if gpus == 2:
+            raise KeyboardInterrupt  # as the call's timeout ends it
+        return [record(0)], ""
+
+    monkeypatch.setattr(bench_scaling, "run_job", job)
+    with pytest.raises(KeyboardInterrupt):
+        bench_scaling.main(["--model", "flux", "--tiny", "--gpus", "1,2", "--results_dir", str(tmp_path)])
+    written = json.loads((tmp_path / "scaling_flux.json").read_text())
+    assert [row["gpus"] for row in written["rows"]] == [1] and written["rows"][0]["samples_per_s"] == 1.0
+
+
 @pytest.mark.parametrize("model", ["flux", "wan"])
 def test_the_scaling_benchmark_runs_one_model_in_one_and_two_pipeline_stages(tmp_path, model):
     """bench_scaling.py --tiny --layout pipeline: the model as one stage, then as two (gloo, a process each, through
