@@ -34,7 +34,7 @@ from ..memory.shm_space import check_before_start
 from ..program.distributed import destroy_process_group
 from ..program.paths import new_run_dir
 from ..program.rendezvous import peers_arrived
-from ..program.stop_signals import run_is_stopping, stop_signal_received
+from ..program.stop_signals import stop_signal_received, stops_as
 from ..program.validate import DemoRun, accumulation_note
 from ..trainers.engine_hooks import EngineHooks
 from ..trainers.joined_backward import joined_backward
@@ -142,41 +142,32 @@ def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | 
 
     result, finished, planned_only = DemoResult(), False, False
     try:
-        torch.manual_seed(s.seed)
-        layers = build_layers(s.model, seed=s.seed, dtype=s.dtype)
-        if s.full:
-            for layer in layers:
-                layer.requires_grad_(True)
-        else:
-            add_lora(layers, rank=s.lora_rank, seed=s.seed)
-        hook = StageHook(install) if run.values["dynamic_swapping"] else contextlib.nullcontext()
-        if not run.values["dynamic_swapping"]:
-            log("DGLS: dynamic swapping off; every layer is resident")
-        with quiet_deepspeed(), hook:
-            engine = _engine(run, layers)
-        held.release()  # the placement table, printed once DeepSpeed's start-up is past
-        swapper = placed.get("swapper")
-        training = swapper.training if swapper is not None else None
-        lazy = run.values["lazy_lora_steps"]
-        if s.micro_batches(lazy) > 1:
-            log(accumulation_line(s, run.values))
-        hooks = EngineHooks(lambda module: training) if training is not None else contextlib.nullcontext()
-        with hooks, _step_order(run, engine, swapper, log):
-            _train(run, engine, swapper, result, log, progress)
-        planned_only = swapper is not None and run.values["plan"]  # --plan: measured and planned, nothing to save
-        if not planned_only:
-            result.lora = _gather_trained(layers, engine, s.full, SharedSaves.of(swapper))
-        finished = True
-    except KeyboardInterrupt:
-        raise _interrupted(len(result.losses), s.steps) from None
-    except Exception:
-        try:
-            stopping = run_is_stopping()  # a collective whose partner stopped first (its launcher gone): this stop
-        except KeyboardInterrupt:  # the launcher watch's SIGTERM, landing here
-            stopping = True
-        if not stopping:
-            raise
-        raise _interrupted(len(result.losses), s.steps) from None
+        with stops_as(lambda: _interrupted(len(result.losses), s.steps)):
+            torch.manual_seed(s.seed)
+            layers = build_layers(s.model, seed=s.seed, dtype=s.dtype)
+            if s.full:
+                for layer in layers:
+                    layer.requires_grad_(True)
+            else:
+                add_lora(layers, rank=s.lora_rank, seed=s.seed)
+            hook = StageHook(install) if run.values["dynamic_swapping"] else contextlib.nullcontext()
+            if not run.values["dynamic_swapping"]:
+                log("DGLS: dynamic swapping off; every layer is resident")
+            with quiet_deepspeed(), hook:
+                engine = _engine(run, layers)
+            held.release()  # the placement table, printed once DeepSpeed's start-up is past
+            swapper = placed.get("swapper")
+            training = swapper.training if swapper is not None else None
+            lazy = run.values["lazy_lora_steps"]
+            if s.micro_batches(lazy) > 1:
+                log(accumulation_line(s, run.values))
+            hooks = EngineHooks(lambda module: training) if training is not None else contextlib.nullcontext()
+            with hooks, _step_order(run, engine, swapper, log):
+                _train(run, engine, swapper, result, log, progress)
+            planned_only = swapper is not None and run.values["plan"]  # --plan: measured and planned, nothing to save
+            if not planned_only:
+                result.lora = _gather_trained(layers, engine, s.full, SharedSaves.of(swapper))
+            finished = True
     finally:
         if placed.get("swapper") is not None:
             placed["swapper"].remove()

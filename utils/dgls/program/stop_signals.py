@@ -15,9 +15,10 @@ of the job running. For that case, each process watches its launcher and stops a
 
 Hazard: the processes' watches look once a second each, so the first to see the command gone stops, and another
 one may then fail in a collective whose partner just left (gloo: "Connection closed by peer") before its own watch
-looks. That failure is the same stop, not a bug: :func:`run_is_stopping` looks at the launcher at once, and a trainer
-or the entry point that catches a failure asks it before printing a traceback. The watch's own SIGTERM may land while
-that failure is handled; once :meth:`StopSignals.stopping` has said the run stops, it raises nothing more.
+looks. That failure is the same stop, not a bug: :meth:`StopSignals.stopping` looks at the launcher at once, and the
+entry point and a trainer (:func:`stops_as`) that catch a failure ask it before printing a traceback. The watch's
+own SIGTERM may land while that failure is handled; once :meth:`StopSignals.stopping` has said the run stops, it
+raises nothing more.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import FrameType
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -168,14 +170,27 @@ def stop_signal_received() -> bool:
     return stop is not None and stop.received is not None
 
 
-def run_is_stopping() -> bool:
-    """Whether this process is stopping (:meth:`StopSignals.stopping`: a stop signal arrived, or the deepspeed
-    command is gone, looked at now); False where no :class:`StopSignals` is installed. For a trainer that caught a
-    failure: a collective whose partner stopped first is the same stop, not a bug. Call it as
-    ``try: stopping = run_is_stopping() except KeyboardInterrupt: stopping = True``: the watch's SIGTERM may land
-    at the call."""
-    stop = _installed()
-    return stop is not None and stop.stopping()
+@contextmanager
+def stops_as(interrupted: Callable[[], Exception]) -> Iterator[None]:
+    """A trainer's run: a stop becomes ``interrupted()`` (its :class:`~..errors.RunInterrupted`, which says what was
+    saved): Ctrl-C or SIGTERM (``KeyboardInterrupt``), and a failure while this process is stopping
+    (:meth:`StopSignals.stopping`: a collective whose partner saw the deepspeed command gone first). Any other
+    failure goes on as it is (a bug keeps its traceback); so does everything where no :class:`StopSignals` is
+    installed. The watch's SIGTERM may land while the failure is handled, at ``stopping()``'s call: it is the same
+    stop."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise interrupted() from None
+    except Exception:
+        stop = _installed()
+        try:
+            stopping = stop is not None and stop.stopping()
+        except KeyboardInterrupt:  # the launcher watch's SIGTERM, landing here
+            stopping = True
+        if not stopping:
+            raise
+        raise interrupted() from None
 
 
 def _installed() -> StopSignals | None:

@@ -44,7 +44,7 @@ from ..program.options import swap_config
 from ..program.patches import Patches
 from ..program.rendezvous import peers_arrived
 from ..program.resume import ResumeChecks
-from ..program.stop_signals import run_is_stopping
+from ..program.stop_signals import stops_as
 from ..program.validate import DropInRun, layer_major_applies
 from ..streaming.config import SwapConfig
 from ..training.shared_saves import SharedSaves
@@ -391,26 +391,17 @@ def run_drop_in(run: DropInRun) -> None:
         os.chdir(run.checkout)
         sys.argv = [str(run.checkout / "train.py"), "--config", config_path, *run.train_args]
         try:
-            if not values["dynamic_swapping"]:
-                runpy.run_path(str(run.checkout / "train.py"), run_name="__main__")
-            else:
-                reset_params = "--reset_optimizer_params" in run.train_args
-                with PipelineInterception(values, swap=swap, reset_optimizer_params=reset_params) as interception:
+            with stops_as(lambda: RunInterrupted(_what_was_saved(output_dir, started))):
+                if not values["dynamic_swapping"]:
                     runpy.run_path(str(run.checkout / "train.py"), run_name="__main__")
-                    interception.finish()
-            destroy_process_group()
-        except KeyboardInterrupt:
-            raise RunInterrupted(_what_was_saved(output_dir, started)) from None
+                else:
+                    reset_params = "--reset_optimizer_params" in run.train_args
+                    with PipelineInterception(values, swap=swap, reset_optimizer_params=reset_params) as interception:
+                        runpy.run_path(str(run.checkout / "train.py"), run_name="__main__")
+                        interception.finish()
+                destroy_process_group()
         except ModuleNotFoundError as exc:  # train.py's own dependencies (wandb, diffusers ...), or a submodule's
             raise missing_module_error(exc, run.checkout) from None
-        except Exception:
-            try:
-                stopping = run_is_stopping()  # a collective whose partner stopped first (its launcher gone)
-            except KeyboardInterrupt:  # the launcher watch's SIGTERM, landing here
-                stopping = True
-            if not stopping:
-                raise
-            raise RunInterrupted(_what_was_saved(output_dir, started)) from None
         finally:
             if values["plan"]:
                 _discard_plan_run_dir(output_dir, started)

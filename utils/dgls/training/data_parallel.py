@@ -317,8 +317,7 @@ class SharedGradients:
         self.device_sums: DeviceSums | None = None
         # the publication: the shared copy's versions and the sharing processes' liveness (attach_versions), and
         # the steps this process has published (a foreign layer is fetched once its version reaches it)
-        self.versions: torch.Tensor | None = None
-        self._versions: np.ndarray | None = None
+        self.versions: np.ndarray | None = None  # a view of the shared int64s: a read or store is one element's
         self._running: Callable[[int], bool] = lambda rank: True
         self.step = 0
 
@@ -450,8 +449,7 @@ class SharedGradients:
     def attach_versions(self, versions: torch.Tensor, running: Callable[[int], bool]) -> None:
         """The shared copy's versions (:attr:`~..streaming.masters.Masters.versions`), and whether the process of a
         rank still runs (:meth:`~..memory.peers.Peers.running`)."""
-        self.versions = versions
-        self._versions = versions.numpy()  # the same memory: an element read is a lookup on the fetch path
+        self.versions = versions.numpy()  # the same memory: an element read is a lookup on the fetch path
         self._running = running
 
     def publish(self, when_written: Callable[[Callable[[int], None]], None]) -> None:
@@ -471,7 +469,7 @@ class SharedGradients:
         """Before a foreign layer's packed copy is fetched: until its owner published this process's last step's
         update (its version reaches :attr:`step`). Polls the shared version (the owners' job threads write it, and a
         process has no event another can set); a gone owner is one line (see Hazards)."""
-        versions = self._versions
+        versions = self.versions
         if versions is None or idx not in self.ownership.owners or versions[idx] >= self.step:
             return
         owner = self.ownership.owners[idx]
@@ -526,7 +524,7 @@ def peer_gone(what: str, how: str) -> str:
     )
 
 
-def _store(versions: torch.Tensor, step: int, idx: int) -> None:
+def _store(versions: np.ndarray, step: int, idx: int) -> None:
     """Layer ``idx``'s update of ``step`` is in the shared copy (on the thread that wrote it, after its writes)."""
     versions[idx] = step
 
