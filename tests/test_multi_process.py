@@ -55,11 +55,7 @@ def assert_same_training(a: dict, b: dict, a_out: str, b_out: str) -> None:
 
 def test_demo_data_parallel_trains_what_one_process_trains_with_the_global_batch(tmp_path):
     one, one_out = demo_lora(tmp_path / "one", python_cmd(), batch_size=8)
-    two, out = demo_lora(
-        tmp_path / "two",
-        two_processes("dgls_train.py", "--deepspeed"),
-        batch_size=4,
-    )
+    two, out = demo_lora(tmp_path / "two", two_processes("dgls_train.py", "--deepspeed"), batch_size=4)
     assert_same_training(two, one, out, one_out)
     assert out.count("step 3: loss") == 1, "rank 0 alone prints the steps"
     assert "one copy shared by the 2 processes on this machine" in out
@@ -67,11 +63,7 @@ def test_demo_data_parallel_trains_what_one_process_trains_with_the_global_batch
 
 def test_demo_pipeline_stages_stream_their_own_layers_and_train_exactly(tmp_path):
     one, one_out = demo_lora(tmp_path / "one", python_cmd())
-    two, out = demo_lora(
-        tmp_path / "two",
-        two_processes("dgls_train.py", "--deepspeed"),
-        pipeline_stages=2,
-    )
+    two, out = demo_lora(tmp_path / "two", two_processes("dgls_train.py", "--deepspeed"), pipeline_stages=2)
     assert_same_training(two, one, out, one_out)
     assert "stage 1 of 2 (layers 0-4):" in out and "stage 2 of 2 (layers 5-9):" in out
     # DeepSpeed's CPU allreduce buffers (66 MB each, never unlinked by DeepSpeed) never appear
@@ -146,9 +138,7 @@ def test_demo_pipeline_stages_offloading_activations_train_what_one_process_trai
     function of its own swapper; the losses and LoRA are one process's, and the step lines count both
     stages' activations."""
     one, one_out = demo_lora(tmp_path / "one", python_cmd())
-    launch = deepspeed_cmd(
-        "--num_gpus=2", f"--master_port={free_port()}", "dgls_train.py", "--deepspeed", "--offload_activations"
-    )
+    launch = two_processes("dgls_train.py", "--deepspeed", "--offload_activations")
     two, out = demo_lora(tmp_path / "two", launch, pipeline_stages=2)
     assert_same_training(two, one, out, one_out)
     assert "activations home" in out
@@ -173,11 +163,7 @@ def fake_losses(out: str) -> str:
 def test_drop_in_data_parallel_and_pipeline_stages_on_the_stand_in_checkout(tmp_path):
     dgls = str(ROOT / "dgls_train.py")
     one, one_out = fake_run(tmp_path / "one", python_cmd(), "micro_batch_size_per_gpu = 4")
-    dp, out = fake_run(
-        tmp_path / "dp",
-        two_processes(dgls, "--deepspeed"),
-        "micro_batch_size_per_gpu = 2",
-    )
+    dp, out = fake_run(tmp_path / "dp", two_processes(dgls, "--deepspeed"), "micro_batch_size_per_gpu = 2")
     assert_same_training(dp, one, fake_losses(out), fake_losses(one_out))
     assert out.count("dgls step 3:") == 1, "rank 0 alone prints the stats (of both processes)"
     stages, out = fake_run(
