@@ -61,9 +61,18 @@ def test_the_layers_whose_reads_hide_behind_the_longest_compute_spill_first():
     assert choose_spilled(costs, streamed, over_by(costs, 20 * MB)) == [3, 6]
     two = forecast(costs, streamed, [3, 6])
     assert two.hides and "the reads hide behind compute" in two.line()
-    # a third read has 1 ms of compute to hide behind: it adds to the step, and the line says by how much
+    # a third read has 1 ms of compute between its fetch and its use, but it is read ahead, as soon as the reader
+    # and a ring buffer are free: it hides too
     three = forecast(costs, streamed, choose_spilled(costs, streamed, over_by(costs, 30 * MB)))
-    assert not three.hides and three.added_ms > 5 and "the reads add" in three.line()
+    assert three.hides
+    # more to read than the step computes (5 x 20 ms against 86 ms): the reads add to the step, and the line says
+    slow = forward_costs(LONG, read_mb=20)
+    five = forecast(slow, streamed, choose_spilled(slow, streamed, over_by(slow, 100 * MB)))
+    assert not five.hides and five.added_ms >= 14 - 1e-6 and "the reads add" in five.line()
+    assert "--prefetch" not in five.line()  # the reads run ahead on their own: a deeper prefetch would not help
+    # full fine-tuning's fetches read (no read-ahead): later, so the same reads add more, and --prefetch helps there
+    fetched = forecast(dataclasses.replace(slow, read_ahead=False), streamed, five.spilled)
+    assert fetched.added_ms > five.added_ms and "a deeper --prefetch starts each read earlier" in fetched.line()
 
 
 def test_a_budget_that_holds_everything_spills_nothing():

@@ -238,3 +238,18 @@ def test_the_profile_draws_disk_reads_and_write_backs_on_the_cpu(tmp_path):
     run(tmp_path, BF16, STATES[(BF16, 2)], profile=str(trace), profile_warmup_steps=0, profile_steps=3)
     lanes = {e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "transfer"}
     assert {"disk reads", "disk writes"} <= lanes
+
+
+def test_weights_on_disk_are_not_read_ahead_of_their_update(tmp_path, reference):
+    """A full fine-tune rewrites a layer's packed weights on disk with its update, which its fetch waits for (the
+    fetch gates): a read ahead could come before it, so the engine reads no layer ahead there; its fetches read.
+    (The CPU transport performs a read when it is waited for, so a read ahead too early would still see the update
+    here: this checks the rule, not its consequence.)"""
+    layers = full_layers(BF16)
+    cfg = SwapConfig.of(host_optimizer=SPEC, accumulation_steps=2, prefetch=1, host_ram_budget=EVERYTHING,
+                        disk_dir=str(tmp_path))  # fmt: skip
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        got = train_dgls(layers, swapper, CPU, "nonreentrant", steps=3, accumulate=2, dtype=BF16, max_norm=0.05)
+        disk = swapper.store.disk
+        assert swapper.store.disk_layers and disk.taken == 0 and disk.staged == {}
+    assert_same(reference(), got)

@@ -10,6 +10,7 @@
   too small even with everything on disk, is one clear line before anything is packed.
 """
 
+import contextlib
 import errno
 import gc
 import os
@@ -183,8 +184,10 @@ def test_a_disk_layer_made_resident_streams_from_its_own_extent_again(tmp_path, 
 
 
 # ---------------------------------------------------------------- the ring on its own
+@contextlib.contextmanager
 def ring_copier(tmp_path, gated: bool):
-    """Two disk layers, one ring buffer: the second read reuses the buffer the first copy reads."""
+    """Two disk layers, one ring buffer: the second read reuses the buffer the first copy reads. Yields the copier,
+    the two host layers, the pool, the store and the transport; closes the transport and releases the store."""
     layers, _ = make_layers()
     layouts = measure(layers)
     store = HostStore(CPU, None, 0)
@@ -195,7 +198,19 @@ def ring_copier(tmp_path, gated: bool):
     if not gated:
         store.disk.ring.readers = _Forgetful()
     pool = DevicePool(CPU, 2, layouts[1].slot_bytes)
-    return DeferredCopier(store, use_thread=False, transport=transport), hosts, pool, store, transport
+    try:
+        yield DeferredCopier(store, use_thread=False, transport=transport), hosts, pool, store, transport
+    finally:
+        transport.close()
+        store.release()
+
+
+def slots_hold(pool, *hosts) -> list[bool]:
+    """Per host layer: whether slot k holds host k's first param."""
+    return [
+        torch.equal(slot.buffer[: host.layout.params[0].nbytes].view(torch.float32), host.master_view(0).flatten())
+        for slot, host in zip(pool.slots, hosts)
+    ]
 
 
 class _Forgetful(list):
@@ -210,34 +225,23 @@ class _Forgetful(list):
 
 @pytest.mark.parametrize("gated", [True, False])
 def test_a_ring_buffer_is_read_into_only_after_its_previous_copy(tmp_path, gated):
-    copier, (first, second), pool, store, transport = ring_copier(tmp_path, gated)
-    try:
+    with ring_copier(tmp_path, gated) as (copier, (first, second), pool, store, transport):
         (token_a,) = copier.submit([(pool.slots[0], first, False)])
         (token_b,) = copier.submit([(pool.slots[1], second, False)])
         copier.acquire(token_a)
         copier.acquire(token_b)
-        view_a = pool.slots[0].buffer[: first.layout.params[0].nbytes].view(torch.float32)
-        assert torch.equal(view_a, first.master_view(0).flatten()) == gated
-    finally:
-        transport.close()
-        store.release()
+        assert slots_hold(pool, first)[0] == gated
 
 
 def test_a_ring_buffer_reused_within_one_submit_is_read_into_after_its_copy(tmp_path):
     """Two disk layers in one submit with one ring buffer (prefetch deeper than the ring): the second read's gate is
     the first copy, not yet issued when the read is submitted. The read must still wait for it (on the CPU: the
     gate lands when the read is performed, not when it is submitted, where it was a no-op)."""
-    copier, (first, second), pool, store, transport = ring_copier(tmp_path, True)
-    try:
+    with ring_copier(tmp_path, True) as (copier, (first, second), pool, store, transport):
         token_a, token_b = copier.submit([(pool.slots[0], first, False), (pool.slots[1], second, False)])
         copier.acquire(token_a)
         copier.acquire(token_b)
-        for slot, host in ((pool.slots[0], first), (pool.slots[1], second)):
-            view = slot.buffer[: host.layout.params[0].nbytes].view(torch.float32)
-            assert torch.equal(view, host.master_view(0).flatten())
-    finally:
-        transport.close()
-        store.release()
+        assert slots_hold(pool, first, second) == [True, True]
 
 
 def test_the_issued_event_a_disk_read_waits_on_is_set_when_its_copy_is_issued(tmp_path):
@@ -245,23 +249,98 @@ def test_the_issued_event_a_disk_read_waits_on_is_set_when_its_copy_is_issued(tm
     token as the gate of the next read into its buffer, and the CUDA backend's reader thread waits on the token's
     ``issued`` event it read, maybe before the token was issued: that event must be the token's own and get set
     (a shared PENDING is never set: the reader, and the copy waiting for its read, would hang)."""
-    copier, (first, second), pool, store, transport = ring_copier(tmp_path, True)
-    seen = []
-    consumed = store.disk.consumed
+    with ring_copier(tmp_path, True) as (copier, (first, second), pool, store, transport):
+        seen = []
+        consumed = store.disk.consumed
 
-    def consumed_seen(k, copy):
-        seen.append(copy.issued)  # what a reader thread running now would wait on
-        consumed(k, copy)
+        def consumed_seen(k, copy):
+            seen.append(copy.issued)  # what a reader thread running now would wait on
+            consumed(k, copy)
 
-    store.disk.consumed = consumed_seen
-    try:
+        store.disk.consumed = consumed_seen
         tokens = copier.submit([(pool.slots[0], first, False), (pool.slots[1], second, False)])
         assert len(seen) == 2 and all(event.is_set() for event in seen)
         for token in tokens:
             copier.acquire(token)
-    finally:
-        transport.close()
-        store.release()
+
+
+def test_the_disk_reads_ahead_of_each_fetch_in_the_order_the_step_uses_its_layers(tmp_path, references):
+    """Once the predictor knows the order, the engine reads each spilled layer ahead, into a free ring buffer,
+    before its fetch: every fetch of a spilled layer takes its read ahead, and none is dropped. Where the order
+    changes (an eval pass between steps) a read ahead may be dropped and read again. The run equals all-in-RAM."""
+    fetched = []
+
+    class Fetches(Listener):
+        def fetched(self, token):
+            fetched.append(token.host.on_disk)
+
+    layers, trainable = make_layers()
+    with LayerSwapper(layers, disk_config(tmp_path), device=CPU, log=None) as swapper:
+        got = train(layers, trainable, CPU, "nonreentrant")
+        disk = swapper.store.disk
+        assert disk.taken > 0
+        swapper.add_listener(Fetches())
+
+        def counted_from_the_second(step):
+            if step == 1:  # after the first step, which follows an eval pass (the order changed)
+                disk.taken = disk.dropped = 0
+                fetched.clear()
+
+        train(
+            layers,
+            trainable,
+            CPU,
+            "nonreentrant",
+            steps=3,
+            accumulate=1,
+            eval_between=False,
+            on_step=counted_from_the_second,
+        )
+        # 4 a step: each spilled layer's forward, and the backward of the one the turnaround evicted
+        assert disk.taken == sum(fetched) == 2 * 4 and disk.dropped == 0
+    assert_bitwise_equal(references("nonreentrant"), got)
+
+
+def test_without_the_read_ahead_every_read_waits_for_its_fetch(tmp_path, references, monkeypatch):
+    """The control: with the read-ahead off, no fetch finds a read ahead (and the numbers are the same)."""
+    monkeypatch.setattr(LayerSwapper, "read_ahead", lambda self: None)
+    layers, trainable = make_layers()
+    with LayerSwapper(layers, disk_config(tmp_path), device=CPU, log=None) as swapper:
+        got = train(layers, trainable, CPU, "nonreentrant")
+        assert swapper.store.disk.taken == 0
+    assert_bitwise_equal(references("nonreentrant"), got)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_a_read_ahead_lands_in_its_buffer_only_after_the_copy_before_it(tmp_path, gated):
+    """One ring buffer: layer 1's copy from it is submitted (not performed: the CPU copier performs it when the slot
+    is acquired), then layer 2 is read ahead into the same buffer. The read must wait for that copy, or layer 1's
+    slot gets layer 2's bytes (the mutation: the ring forgets who reads its buffers)."""
+    with ring_copier(tmp_path, gated) as (copier, (first, second), pool, store, transport):
+        (token_a,) = copier.submit([(pool.slots[0], first, False)])
+        assert store.disk.stage(transport, second.index, second.nbytes)
+        (token_b,) = copier.submit([(pool.slots[1], second, False)])  # takes the read ahead
+        assert store.disk.taken == 1
+        copier.acquire(token_b)
+        copier.acquire(token_a)
+        assert slots_hold(pool, first, second) == [gated, True]
+
+
+def test_a_full_ring_reads_nothing_more_ahead_and_a_fetch_of_another_layer_drops_a_read_ahead(tmp_path):
+    """A read ahead goes only into a buffer whose read was taken: with one buffer holding layer 2's read ahead, no
+    other read ahead is issued (it would wait for a fetch that may never come). A fetch of layer 1 instead takes the
+    buffer (dropping layer 2's read), and layer 2's own fetch later reads it again: both slots get their bytes."""
+    with ring_copier(tmp_path, True) as (copier, (first, second), pool, store, transport):
+        disk = store.disk
+        assert disk.stage(transport, second.index, second.nbytes)
+        assert disk.stage(transport, second.index, second.nbytes)  # already read ahead
+        assert not disk.stage(transport, first.index, first.nbytes)  # the ring is full
+        (token_a,) = copier.submit([(pool.slots[0], first, False)])
+        assert disk.dropped == 1 and disk.taken == 0 and disk.staged == {}
+        (token_b,) = copier.submit([(pool.slots[1], second, False)])
+        copier.acquire(token_a)
+        copier.acquire(token_b)
+        assert slots_hold(pool, first, second) == [True, True]
 
 
 # ---------------------------------------------------------------- files

@@ -245,6 +245,36 @@ def test_canary_weight_copies_that_do_not_wait_for_their_reads_differ(template, 
         assert_bitwise_equal(references("nonreentrant"), got)
 
 
+def test_delayed_reads_ahead_are_taken_and_stay_bitwise_equal(template, references, tmp_path):
+    """The engine reads the spilled blocks ahead of their fetches (LayerSwapper.read_ahead), on the reader's thread,
+    with every read and copy delayed: the fetches take those reads, and the run is bitwise the all-in-RAM one."""
+    layers, trainable = fresh(template)
+    with LayerSwapper(layers, disk_config(template, tmp_path), device=device(), log=None) as swapper:
+        delay_every_copy(swapper, 20.0)
+        swapper.add_listener(ComputeDelay(5.0))
+        got = train(layers, trainable, device(), "nonreentrant", dtype=BF16, cfg=FLUX_WIDTH)
+        assert swapper.store.disk.taken > 0
+    assert_bitwise_equal(references("nonreentrant"), got)
+
+
+def test_canary_reads_ahead_that_do_not_wait_for_the_buffers_last_copy_differ(
+    template, references, tmp_path, monkeypatch
+):
+    """The mutation: a read ahead forgets the copy that still reads its ring buffer, and lands while that copy (held
+    back 50 ms on the host) has not read it yet."""
+    original = DiskTier.stage
+
+    def ungated(self, transport, index, nbytes):
+        if self.ring.next_is_free:
+            self.ring.readers[self.ring._next] = None
+        return original(self, transport, index, nbytes)
+
+    monkeypatch.setattr(DiskTier, "stage", ungated)
+    got = disk_run(template, tmp_path, "nonreentrant", disk_config(template, tmp_path), copy_ms=50.0, compute_ms=0)
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(references("nonreentrant"), got)
+
+
 def test_the_disk_tier_reads_with_direct_io_and_says_which_reader(template, tmp_path):
     lines = []
     layers, _ = fresh(template)

@@ -60,8 +60,10 @@ class DiskChoice:
         device: torch.device,
         directory,
         layer_major_micro_batches: int = 1,
+        read_ahead: bool = True,
     ) -> None:
         self.layouts = layouts
+        self.read_ahead = read_ahead  # the engine reads spilled layers ahead (not with full fine-tuning)
         self.placement = placement
         self.device = device
         self.directory: str | Path | None = directory
@@ -84,6 +86,7 @@ class DiskChoice:
             read_bytes_per_ms=read_per_ms,
             prefetch=self.placement.prefetch,
             ring=RING_BUFFERS,
+            read_ahead=self.read_ahead,
         )
         return choose_spilled(self.costs, [i for i in streamed if i in set(candidates)], over)
 

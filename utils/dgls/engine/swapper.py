@@ -97,6 +97,8 @@ class LayerSwapper:
         self.features = p.features
         # the hot path and each use ask only the features that do something there
         self._gate_fetches = [f for f in p.features if overrides(f, "fetch_gates")]
+        # the disk tier the engine reads ahead from (:meth:`read_ahead`): none with fetch gates
+        self._read_ahead_from = p.masters.store.disk if not self._gate_fetches else None
         self._act_between_passes = [f for f in p.features if overrides(f, "between_passes")]
         self._act_after_backward = [f for f in p.features if overrides(f, "after_backward")]
         self._pass_ended = False  # a backward ended and no use outside a backward began since
@@ -118,6 +120,7 @@ class LayerSwapper:
         self._current: int | None = None
         self._last_use: tuple[int, Phase] | None = None
         self._plans: dict[tuple, tuple[int, ...]] = {}  # prefetch targets per (previous, current) use
+        self._reads_ahead: dict[tuple, tuple[int, ...]] = {}  # the disk tier's read-ahead targets, likewise
         self._plans_version = -1
         self._clock = 0
         self._lock = threading.RLock()
@@ -178,6 +181,7 @@ class LayerSwapper:
             if layer is not None:
                 self._make_resident(layer)
             self._prefetch()
+            self.read_ahead()
 
     def pass_end(self) -> None:
         """A backward pass finished: the features' ``after_backward`` (full fine-tuning evicts its layers
@@ -272,24 +276,50 @@ class LayerSwapper:
     def _wanted(self, depth: int) -> tuple[int, ...]:
         """The next ``depth`` streamed layers the predictor expects after the current use, cached per
         (previous, current) use until the predictor learns something new (a table lookup per use)."""
+        return self._upcoming(self._plans, depth, self._streamed, {self._current})
+
+    def _upcoming(self, cache: dict, depth: int, among, skipped: set) -> tuple[int, ...]:
+        """The next ``depth`` layers of ``among`` but ``skipped`` the predictor expects after the current use, each
+        at its next use (``cache``: per (previous, current) use, cleared when the predictor learns something new)."""
         predictor = self.predictor
         if self._plans_version != predictor.version:
             self._plans.clear()
+            self._reads_ahead.clear()
             self._plans_version = predictor.version
         key = (predictor.previous, predictor.current)
-        wanted = self._plans.get(key)
+        wanted = cache.get(key)
         if wanted is None:
             found: list[int] = []
-            seen = {self._current}
+            seen = set(skipped)
             for idx, _ in predictor.upcoming(limit=2 * len(self.layers) + 2):
                 if idx not in seen:
                     seen.add(idx)
-                    if idx in self._streamed:
+                    if idx in among:
                         found.append(idx)
                         if len(found) == depth:
                             break
-            wanted = self._plans[key] = tuple(found)
+            wanted = cache[key] = tuple(found)
         return wanted
+
+    def read_ahead(self) -> None:
+        """The disk tier's reads ahead (:meth:`~..memory.disk_tier.DiskTier.stage`) for the spilled layers the step
+        uses next, in order, while a ring buffer is free: the disk keeps reading during the compute and copies
+        before them, not only from each layer's fetch (``prefetch`` layers ahead), which hid little of a read that
+        takes longer than a layer's compute. Not with fetch gates (full fine-tuning: a layer's packed bytes may
+        still change with its update before its fetch, and the read must come after it: the fetch reads)."""
+        disk = self._read_ahead_from
+        if disk is None:
+            return
+        # as many as the ring holds, past those the slots may hold already
+        depth = len(disk.ring.buffers) + self.placement.slot_count
+        for idx in self._upcoming(self._reads_ahead, depth, disk.spilled, set()):
+            layer = self._streamed.get(idx)
+            if idx == self._current:
+                break  # its next use (a later pass's) may find it evicted: a read past it could take its buffer
+            if layer is None or layer.state is not Residency.HOST:
+                continue  # resident now (re-placed), or fetched for its next use already
+            if not disk.stage(self.copier.transport, idx, layer.host.nbytes):
+                break  # the ring holds reads ahead no copy took yet
 
     def _claim_slot(self, idx: int, protected: set[int]) -> Slot | None:
         """A free slot, or the victim among slots whose layer is neither protected nor in use (evicted
@@ -421,6 +451,7 @@ class LayerSwapper:
             self.placement = Placement(sizes, tuple(sorted(self._streamed)), prefetch, self._copy_streams, update)
             self.config = self.config.replace(prefetch=prefetch)
             self._plans.clear()
+            self._reads_ahead.clear()
             self.pool.release()
             self.pool = DevicePool(self.device, self.placement.slot_count, self.placement.slot_bytes)
             self.copier.forget_slots()

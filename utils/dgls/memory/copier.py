@@ -42,11 +42,12 @@ Hazards handled:
   layouts; stream order keeps the next copy from overwriting a landing buffer still being upcast.
 - Pageable masters are staged through pinned bounce buffers; the host waits for a bounce
   buffer's previous copy before refilling it (the only host wait on the pageable path).
-- Disk layers (:mod:`.disk_tier`): at submit, the layer's read from the disk tier's file into the next
-  staging ring buffer is submitted first, gated on the previous write that read that buffer; the write
-  is gated on the read and copies from the ring buffer (``Token.source``). The read starts as soon as it
-  is submitted (``prefetch`` layers ahead of its use) and its ring buffer is free; the write's issuing
-  waits for it on the host (on the copy worker with ``--threading``, which a disk tier on CUDA turns on).
+- Disk layers (:mod:`.disk_tier`): at submit, the layer's read from the disk tier's file into a staging ring
+  buffer is taken: the read the engine issued ahead (:meth:`.disk_tier.DiskTier.stage`), or one submitted now
+  into the next buffer, gated on the previous write that read that buffer; the write is gated on the read and
+  copies from the ring buffer (``Token.source``). A read starts once its ring buffer is free (a read ahead:
+  as soon as a buffer is; one submitted here: ``prefetch`` layers ahead of its use); the write's issuing waits
+  for it on the host (on the copy worker with ``--threading``, which a disk tier on CUDA turns on).
 """
 
 from __future__ import annotations

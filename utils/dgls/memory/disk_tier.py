@@ -15,13 +15,20 @@ Parts
       direct I/O for the copies.
     - :class:`StagingRing`: ``count`` page-aligned buffers (page-locked on CUDA) the reads land in.
     - :class:`DiskTier`: the file, the ring and :meth:`DiskTier.read`, what the weight copier calls before the
-      host->device copy of a spilled layer; :meth:`DiskTier.measure` reads up to 512 MiB of the packed layers for the
-      disk's bandwidth where the builder has no figure from :func:`probe_read_gbps` (said in the start-up line).
+      host->device copy of a spilled layer. :meth:`DiskTier.stage`: the read ahead the engine issues for the
+      spilled layers the step uses next (:meth:`..engine.swapper.LayerSwapper.read_ahead`) as soon as a ring
+      buffer is free, so the disk keeps reading while the copies and compute before them run, not only from a
+      layer's fetch (``prefetch`` layers ahead); a fetch takes its layer's read ahead, or reads now.
+      :meth:`DiskTier.measure` reads up to 512 MiB of the packed layers for the disk's bandwidth where the builder
+      has no figure from :func:`probe_read_gbps` (said in the start-up line).
     - :func:`probe_read_gbps`: the disk's read bandwidth before any layer is packed (a small unnamed file written and
       read back through the same reader), which the disk plan (:mod:`..planning.disk_plan`) chooses the spilled
       layers with.
 
 Invariants
+    - A read ahead goes only into a buffer whose last copy was submitted, never one that holds a read ahead not
+      taken yet: so no read waits for a fetch that may not come (a step that turns another way). A fetch of a layer
+      without a read ahead takes the next buffer, dropping the read ahead it held (after that read).
     - A read into ring buffer ``k`` waits for the weight copy that read buffer ``k`` before (a gate), and a
       weight copy from buffer ``k`` waits for its read (the copier's gate): so the CPU transport, which poisons
       a read's destination until the read is waited for, fails a test when either wait is missing.
@@ -252,7 +259,8 @@ def probe_read_gbps(directory: str | Path | None, nbytes: int, pin: bool, thread
 
 class StagingRing:
     """``count`` page-aligned buffers of ``nbytes`` (page-locked when ``pin``), handed out in turn; each remembers
-    the last copy that reads it, so the next read into it waits for that copy."""
+    the last copy that reads it, so the next read into it waits for that copy, and the layer whose read ahead it
+    holds until a copy takes it (``holding``)."""
 
     def __init__(self, count: int, nbytes: int, pin: bool) -> None:
         self.nbytes = whole_pages(max(nbytes, 1))
@@ -263,6 +271,7 @@ class StagingRing:
                 self._registrations.add(k, buf, chunk=REGISTER_CHUNK)  # copies split at the same 1 GiB bounds
         self.pinned_bytes = count * self.nbytes if pin else 0
         self.readers: list[Copy | None] = [None] * count
+        self.holding: list[int | None] = [None] * count
         self._next = 0
 
     def take(self) -> int:
@@ -270,10 +279,25 @@ class StagingRing:
         self._next = (k + 1) % len(self.buffers)
         return k
 
+    @property
+    def next_is_free(self) -> bool:
+        """Whether the buffer :meth:`take` hands out next holds no read ahead that a copy has not taken yet."""
+        return self.holding[self._next] is None
+
     def release(self) -> None:
         self._registrations.drop_all()
         self.pinned_bytes = 0
         self.readers = [None] * len(self.buffers)
+        self.holding = [None] * len(self.buffers)
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A read issued ahead of its layer's fetch: the ring buffer it lands in, and the read."""
+
+    buffer: int
+    view: torch.Tensor
+    read: Copy
 
 
 @dataclass
@@ -286,6 +310,9 @@ class DiskTier:
     spilled: frozenset[int]  # the layer indices whose masters live on disk
     notes: list[str] = field(default_factory=list)
     read_gbps: float = 0.0  # measured at start-up (:func:`probe_read_gbps`, or :meth:`measure`)
+    staged: dict[int, Staged] = field(default_factory=dict)  # layer -> its read ahead, until its fetch takes it
+    taken: int = 0  # fetches that found their layer's read ahead
+    dropped: int = 0  # reads ahead that a fetch of another layer took the buffer of (the step's order changed)
 
     @classmethod
     def open(
@@ -313,18 +340,50 @@ class DiskTier:
             raise
         return cls(file, ring, reader, frozenset(spilled), notes)
 
-    def read(self, transport: Transport, index: int, nbytes: int) -> tuple[int, torch.Tensor, Copy]:
-        """Read layer ``index``'s extent into the next ring buffer, after the copy that read that buffer before;
-        returns the buffer's number (for :meth:`consumed`), the buffer, and the read's token."""
+    def stage(self, transport: Transport, index: int, nbytes: int) -> bool:
+        """Read layer ``index``'s extent ahead of its fetch, into the next ring buffer, if that buffer holds no read
+        ahead a copy has not taken yet (else ``False``: the ring is full of reads ahead). The read waits for the copy
+        that read the buffer before, which was submitted (a read ahead never waits for a fetch to come: a step that
+        turns another way leaves no read waiting on a copy never submitted)."""
+        if index in self.staged:
+            return True
+        if not self.ring.next_is_free:
+            return False
         k = self.ring.take()
+        self.ring.holding[k] = index
+        self.staged[index] = Staged(k, *self._read_into(transport, k, index, nbytes))
+        return True
+
+    def read(self, transport: Transport, index: int, nbytes: int) -> tuple[int, torch.Tensor, Copy]:
+        """Layer ``index``'s extent in a ring buffer, for its copy to the device: its read ahead (:meth:`stage`) if
+        there is one, else a read now into the next ring buffer, after the copy that read that buffer before (and
+        after the read ahead it held, which is dropped: its layer is read again when it is fetched). Returns the
+        buffer's number (for :meth:`consumed`), the buffer, and the read's token."""
+        staged = self.staged.pop(index, None)
+        if staged is not None:
+            self.taken += 1
+            return staged.buffer, staged.view, staged.read
+        k = self.ring.take()
+        if (held := self.ring.holding[k]) is not None:
+            before = self.staged.pop(held).read
+            self.ring.holding[k] = None
+            self.dropped += 1
+        else:
+            before = None
+        return (k, *self._read_into(transport, k, index, nbytes, before))
+
+    def _read_into(
+        self, transport: Transport, k: int, index: int, nbytes: int, before: Copy | None = None
+    ) -> tuple[torch.Tensor, Copy]:
         buffer = self.ring.buffers[k][: whole_pages(nbytes)]
-        gate = self.ring.readers[k]
-        read = transport.read(buffer, self.file.offset(index), [gate] if gate is not None else [])
-        return k, buffer, read
+        gates = [g for g in (self.ring.readers[k], before) if g is not None]
+        return buffer, transport.read(buffer, self.file.offset(index), gates)
 
     def consumed(self, k: int, copy: Copy) -> None:
-        """``copy`` reads ring buffer ``k``: the next read into it waits for it."""
+        """``copy`` reads ring buffer ``k`` (taking its read ahead, if it held one): the next read into it waits for
+        it."""
         self.ring.readers[k] = copy
+        self.ring.holding[k] = None
 
     @property
     def pinned_bytes(self) -> int:
@@ -361,6 +420,7 @@ class DiskTier:
 
     def close(self) -> None:
         """Stop reading, unpin the ring, close the file (idempotent: the transport closes the reader too)."""
+        self.staged.clear()
         self.reader.close()
         self.ring.release()
         self.file.close()

@@ -11,10 +11,12 @@ planner's probe, :func:`profile_costs`, or estimated from param counts by the bu
 the uses in order; a streamed layer's copy starts once its slot is free and the copy stream is), plus the disk
 reader (:mod:`..memory.copier`, :mod:`..memory.disk_tier`):
 
-- a spilled layer's read is submitted with its fetch (``prefetch`` streamed uses ahead of its use) and its copy
-  starts only once the read completed;
+- a spilled layer's read is issued ahead (:meth:`..engine.swapper.LayerSwapper.read_ahead`): as soon as the reader is
+  free and its staging buffer is, not only with its fetch (``prefetch`` streamed uses ahead of its use; with full
+  fine-tuning, ``read_ahead`` off, the fetch reads); its copy starts only once the read completed;
 - the reads of a step run one at a time, in order, on the reader thread;
-- a read lands in one of ``ring`` staging buffers, after the copy that read that buffer before.
+- a read lands in one of ``ring`` staging buffers, after the copy that read that buffer before (the ring's depth is
+  how far ahead the reads run).
 
 Choice (:func:`choose_spilled`), greedy until what the caller keeps in RAM fits its budget:
 
@@ -67,6 +69,7 @@ class DiskCosts:
     prefetch: int
     ring: int = RING
     measured: bool = False  # the compute times were measured (the VRAM planner's probe), not estimated
+    read_ahead: bool = True  # reads run ahead of their fetches (not with full fine-tuning: the fetch reads)
 
     @property
     def compute_ms(self) -> float:
@@ -106,7 +109,9 @@ def simulate_reads(costs: DiskCosts, streamed: Iterable[int], spilled: Iterable[
             if layer in spilled:
                 b = read_count % ring
                 read_count += 1
-                read_start = max(issue, reader_free, ring_free[b])
+                read_start = max(reader_free, ring_free[b])  # read ahead: not bound to the fetch
+                if not costs.read_ahead:
+                    read_start = max(read_start, issue)
                 read_ms = costs.read_bytes.get(layer, 0) / costs.read_bytes_per_ms
                 reader_free = read_start + read_ms
                 start = max(start, reader_free)
@@ -300,10 +305,9 @@ class DiskForecast:
         )
         if self.hides:
             return said + ": the reads hide behind compute"
-        return (
-            said + f": the reads add {_ms(self.added_ms)} (raise --host_ram_budget, or a deeper --prefetch starts "
-            "each read earlier)"
-        )
+        # the reads run ahead on their own (the ring's depth, not --prefetch); without it a fetch starts each read
+        earlier = "" if c.read_ahead else ", or a deeper --prefetch starts each read earlier"
+        return said + f": the reads add {_ms(self.added_ms)} (raise --host_ram_budget{earlier})"
 
 
 def _ms(value: float) -> str:

@@ -15,10 +15,13 @@ Policy (:func:`plan_tiers`)
     - The layers read least often per step spill first (``reads``: uses per step; every streamed layer is read
       alike by default, a LoRA step's forward and backward); among those read alike, as few as fit, spread evenly
       over the order the layers run in: each disk read then overlaps the compute and copies of the RAM layers
-      before it (the reads of a contiguous run of disk layers could start only ``prefetch`` layers ahead).
-    - The staging ring (``RING_BUFFERS`` buffers of the largest spilled layer) counts against the budget. Two: one
-      being read into while the other is copied to the device; a third would buy little (a copy takes a small
-      part of a read's time: PCIe is many times faster than a disk) and costs a layer of RAM.
+      before it (the reads of a contiguous run of disk layers could run only as far ahead as the staging ring).
+    - The staging ring (``RING_BUFFERS`` buffers of the largest spilled layer) counts against the budget. Two: the
+      engine reads the next spilled layer ahead into one while the other's is copied to the device
+      (:meth:`~..engine.swapper.LayerSwapper.read_ahead`), so the disk reads on between fetches; a third would let
+      the reads run further ahead over a run of spilled layers, at a layer's RAM (a copy takes a small part of a
+      read's time: PCIe is many times faster than a disk). Spreading the spilled layers over the order keeps such
+      runs short.
     - A budget that cannot be met with every streamed layer spilled is one clear line, before anything is packed.
     - Full fine-tuning: the layers' fp32 masters and optimizer state spill first (read once a step, by the update;
       which layers': the state plan, :mod:`..planning.state_plan`), the weights only once every state is on disk
