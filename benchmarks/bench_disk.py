@@ -6,14 +6,23 @@ Two parts, side by side in one run:
   ``--request_mib`` requests by the disk tier's readers (:mod:`utils.dgls.memory.disk_io`): ``os.preadv``
   with direct I/O from 1 and from 8 threads, and DeepSpeed's async I/O where it builds.
 - The LoRA training step with the "spread" placement streaming ~``--gib`` (or, with ``--vram_budget``, the VRAM
-  planner's placement, timed once it settled), at each host RAM budget of ``--budgets`` (``all``: no budget, every
-  master in RAM: the baseline). Per budget: the layers and GiB on disk, the GiB read from disk per step (counted
-  from the transport's reads), the median step, the disk floor (bytes read per step / the 8-thread read
-  bandwidth), the peak host RSS during the arm, measured (a sampler thread), and the disk plan's prediction
-  (its start-up line, and with a VRAM budget the settled plan's, from measured compute).
+  planner's placement, timed once it settled; Wan without ``--vram_budget``: toml/wan_lora_long_video.toml's
+  settings, every block streamed, under a ``--memory_cap_gib`` device memory cap as bench_scaling.py runs it), at
+  each host RAM budget of ``--budgets`` (``all``: no budget, every master in RAM: the baseline). Per budget: the
+  layers and GiB on disk, the GiB read from disk per step (counted from the transport's reads), the median step,
+  the disk floor (bytes read per step / the 8-thread read bandwidth), the two-stream floor (the all-resident step,
+  or the bytes copied to the device per step at the pinned bandwidth, whichever is longer), the peak host RSS
+  during the arm, measured (a sampler thread), and the disk plan's prediction (its start-up line, and with a VRAM
+  budget the settled plan's, from measured compute). The budget covers the streamed layers' weights; activation
+  offload's pinned buffers are beside it.
+- The all-resident step (every layer on the device, no DGLS; ``--no_resident`` skips it): the two-stream floor's
+  start.
 
     python3 benchmarks/bench_disk.py [--model flux|wan] [--budgets all,16,8] [--gib 20] [--vram_budget GIB]
-        [--disk_dir DIR] [--tiny]
+        [--disk_dir DIR] [--no_resident] [--tiny]
+    python3 benchmarks/bench_disk.py --model flux --gib 19 --steps 3 --warmup 1 --name disk_flux   # ~19 GiB
+        streamed: what --vram_budget 8 streams (flux_accum_budget8), without its ~35 planning steps
+    python3 benchmarks/bench_disk.py --model wan --steps 2 --warmup 1 --name disk_wan   # 81 frames, 8 GiB cap
 
 Writes benchmarks/results/<name>.json and .md (default name disk_<model>; results/tiny/ with --tiny).
 """
@@ -26,9 +35,12 @@ import statistics
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import psutil
+import torch
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -65,7 +77,7 @@ class PeakRSS:
             self._stop.wait(self.interval)
 
     def __enter__(self) -> PeakRSS:
-        self.peak = self._process.memory_info().rss
+        self.peak = self.start = self._process.memory_info().rss
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
@@ -77,14 +89,17 @@ class PeakRSS:
 
 
 class DiskReads(Listener):
-    """Bytes the transport reads from disk (one ``copied`` event per read)."""
+    """Bytes the transport reads from disk (one ``copied`` event per read), and the weights it copies to the device
+    (the two-stream floor's bytes)."""
 
     def __init__(self) -> None:
-        self.nbytes = 0
+        self.nbytes = self.weights_in = 0
 
     def copied(self, copy) -> None:
         if copy.direction is Direction.DISK_IN:
             self.nbytes += copy.nbytes
+        elif copy.direction is Direction.WEIGHTS_IN:
+            self.weights_in += copy.nbytes
 
 
 def read_bandwidth(directory: str | None, nbytes: int, request: int, threads: tuple[int, ...]) -> list[dict]:
@@ -121,8 +136,11 @@ def read_bandwidth(directory: str | None, nbytes: int, request: int, threads: tu
 def run_arm(bench: Bench, device, budget: float | None, streamed, prefetch, args) -> dict:
     place(bench.layers, device)
     resident = [s.index for s in bench.sizes if s.streamable_bytes and s.index not in streamed]
+    capped = wan_recipe(args) and device.type == "cuda"
     if args.vram_budget is not None:  # the planner places the layers (its probe, trials, then the plan it keeps)
         settings = dict(vram_budget=args.vram_budget)
+    elif wan_recipe(args):  # toml/wan_lora_long_video.toml's settings, every block streamed
+        settings = wan.recipe(bench, args.tiny)
     else:
         settings = dict(gpu_layers=resident, prefetch=prefetch)
     if budget is not None:
@@ -133,28 +151,93 @@ def run_arm(bench: Bench, device, budget: float | None, streamed, prefetch, args
     with PeakRSS() as rss:
         with LayerSwapper(bench.layers, SwapConfig.of(**settings), device=device, log=lines.append) as swapper:
             swapper.add_listener(reads)
-            time_steps(bench.training_step(), device, args.warmup, 0)
+            # the features' checkpoint (activation offload: the wan recipe), as a trainer passes it
+            ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=False))
+            step = bench.training_step(checkpoint_fn=ckpt)
+            if capped:  # as an 8 GiB card holds it, once the swapper took the blocks home (bench_scaling's way)
+                wan.cap_device_memory(device, args.memory_cap_gib)  # (empties the allocator's cache first)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            time_steps(step, device, args.warmup, 0)
             for _ in range(PLANNER_STEPS):  # until the planner settled (its last line is the plan's disk floor)
                 if swapper.driver is None or swapper.driver.done:
                     break
-                time_steps(bench.training_step(), device, 1, 0)
-            reads.nbytes = 0
-            times = time_steps(bench.training_step(), device, 0, args.steps)[0]
+                time_steps(step, device, 1, 0)
+            reads.nbytes = reads.weights_in = 0
+            disk = swapper.store.disk
+            taken, dropped = (disk.taken, disk.dropped) if disk is not None else (0, 0)
+            with PeakRSS() as training_rss:
+                times = time_steps(step, device, 0, args.steps)[0]
             store = swapper.store
             on_disk = store.disk_layers
             disk_gib = sum(store.layers[i].nbytes for i in on_disk) / GiB
+            peak = torch.cuda.max_memory_reserved(device) / GiB if device.type == "cuda" else None
+            if capped:
+                wan.cap_device_memory(device, None)
     return {
         "budget": shown(budget),
         "layers_on_disk": len(on_disk),
         "disk_gib": disk_gib,
         "read_gib_per_step": reads.nbytes / args.steps / GiB,
+        "weights_in_gib_per_step": reads.weights_in / args.steps / GiB,
         "median_step_s": statistics.median(times),
         "step_times_s": times,
         "peak_rss_gib": rss.peak / GiB,
+        "rss_at_start_gib": rss.start / GiB,  # what the arms before left (the process, torch's host caches)
+        "training_peak_rss_gib": training_rss.peak / GiB,  # during the timed steps: what training holds
+        # fetches of a spilled layer that found its read ahead, and reads ahead dropped, per timed step
+        "reads_ahead_taken_per_step": ((disk.taken - taken) / args.steps) if disk is not None else 0.0,
+        "reads_ahead_dropped_per_step": ((disk.dropped - dropped) / args.steps) if disk is not None else 0.0,
+        "peak_reserved_gib": peak,
         # the disk plan's predictions (the start-up line; with --vram_budget the settled plan's, measured compute)
         "disk_plan": [line for line in lines if line.startswith("DGLS disk plan")],
         "plan": [line for line in lines if line.startswith("DGLS plan (")][-1:],
     }
+
+
+def wan_recipe(args) -> bool:
+    """Wan without --vram_budget: toml/wan_lora_long_video.toml's settings, capped at --memory_cap_gib."""
+    return args.model == "wan" and args.vram_budget is None
+
+
+def run_resident(bench: Bench, device, args) -> dict:
+    """Every layer on the device, no DGLS: the step the two-stream floor starts from."""
+    place(bench.layers, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = time_steps(bench.training_step(), device, args.warmup, args.steps)[0]
+    peak = torch.cuda.max_memory_reserved(device) / GiB if device.type == "cuda" else None
+    return {"median_step_s": statistics.median(times), "step_times_s": times, "peak_reserved_gib": peak}
+
+
+def floors(rows: list[dict], resident: float | None, pinned: float, disk_gbps: float, first_is_all: bool) -> None:
+    """Each row's ratios: to the all-in-RAM row, to all-resident, and to its floors (all measured in this run)."""
+    base = rows[0]["median_step_s"] if first_is_all else None
+    for row in rows:
+        step = row["median_step_s"]
+        row["vs_all_in_ram"] = step / base if base else None
+        row["vs_resident"] = step / resident if resident else None
+        row["disk_floor_s"] = row["read_gib_per_step"] * GiB / (disk_gbps * 1e9) if disk_gbps else None
+        copies = row["weights_in_gib_per_step"] * GiB / (pinned * 1e9) if pinned else 0.0
+        # without the all-resident step (--no_resident) there is no two-stream floor: the copies alone are not one
+        two_stream = max(resident, copies) if resident else None
+        row["two_stream_floor_s"] = two_stream
+        floor = max((x for x in (two_stream, row["disk_floor_s"]) if x), default=None)
+        row["floor_s"], row["vs_floor"] = floor, (step / floor if floor else None)
+
+
+def placement(bench: Bench, streamed, args) -> str:
+    if args.vram_budget is not None:
+        return f"the planner's placement for --vram_budget {args.vram_budget:g}"
+    if wan_recipe(args):
+        return (
+            f"toml/wan_lora_long_video.toml's settings ({wan.recipe(bench, args.tiny)}), device memory capped at "
+            f"{args.memory_cap_gib:g} GiB"
+        )
+    return (
+        f"spread placement, {len(streamed)} layers (~{bench.streamed_bytes(streamed) / GiB:.1f} GiB) streamed, "
+        f"prefetch {args.prefetch}"
+    )
 
 
 def shown(budget: float | None) -> str:
@@ -180,15 +263,23 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--side", type=int, default=64, help="Flux: latent side (64: 1024x1024)")
     parser.add_argument("--latent_frames", type=int, default=21, help="Wan: latent frames (21: 81 video frames)")
+    parser.add_argument(
+        "--memory_cap_gib", type=float, default=8.0, help="wan: device memory cap of its recipe (streaming arms)"
+    )
     parser.add_argument("--disk_dir", default=None, help=f"default: the system temp ({default_directory()})")
     parser.add_argument("--file_gib", type=float, default=4.0, help="the read-bandwidth file's size")
     parser.add_argument("--request_mib", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--no_resident", action="store_true", help="skip the all-resident step (every layer on the device, no DGLS)"
+    )
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--name", default=None, help="results file stem (default disk_<model>)")
     parser.add_argument("--results_dir", type=Path, default=None, help="default: results/ (results/tiny/ with --tiny)")
     args = parser.parse_args(argv)
+    if wan_recipe(args) and not args.tiny:  # before CUDA starts: the allocator reads it once
+        os.environ.setdefault(*wan.RECIPE_ALLOCATOR)
     file_bytes = 8 * MiB if args.tiny else int(args.file_gib * GiB)
     request = (1 if args.tiny else args.request_mib) * MiB
     bandwidth = read_bandwidth(args.disk_dir, file_bytes, request, (1, 8))
@@ -204,18 +295,15 @@ def main(argv: list[str] | None = None) -> dict:
             budgets = tiny_budgets(bench, streamed, args.prefetch)
         else:
             budgets = [None if b.strip() == "all" else float(b) for b in args.budgets.split(",")]
+        pinned = machine.pinned_bandwidth(device)
+        resident = None if args.no_resident else run_resident(bench, device, args)
         rows = [run_arm(bench, device, budget, streamed, args.prefetch, args) for budget in budgets]
-        base = rows[0]["median_step_s"] if budgets[0] is None else None
-        for row in rows:
-            row["vs_all_in_ram"] = row["median_step_s"] / base if base else None
-            floor = row["read_gib_per_step"] * GiB / (direct8 * 1e9) if direct8 else None
-            row["disk_floor_s"] = floor
+        floors(rows, resident["median_step_s"] if resident else None, pinned, direct8, budgets[0] is None)
         result = {
             "benchmark": "disk",
             "title": f"Disk tier: {bench.title} under host RAM budgets",
             "description": (
-                f"{bench.shape}; spread placement, {len(streamed)} layers (~{bench.streamed_bytes(streamed) / GiB:.1f} "
-                f"GiB) streamed, prefetch {args.prefetch}; host RAM budgets "
+                f"{bench.shape}; {placement(bench, streamed, args)}; host RAM budgets "
                 f"{', '.join(shown(b) for b in budgets)} GiB; {args.steps} timed steps after {args.warmup}; medians. "
                 f"Disk: {check_directory(args.disk_dir, 0)}."
                 + (" TINY config on the CPU: the figures mean nothing." if args.tiny else "")
@@ -224,6 +312,8 @@ def main(argv: list[str] | None = None) -> dict:
             "environment": machine.environment(device),
             "tiny": args.tiny,
             "read_bandwidth": bandwidth,
+            "pinned_h2d_gbps": pinned,
+            "resident": resident,
             "notes": [
                 *(
                     f"read bandwidth, {r['reader']}: "
@@ -235,7 +325,18 @@ def main(argv: list[str] | None = None) -> dict:
                     for r in bandwidth
                 ),  # fmt: skip
                 "disk floor: GiB read from disk per step / the 8-thread direct-I/O read bandwidth; a step cannot be "
-                "faster than that. Peak RSS: the process's resident set during the arm, sampled every 20 ms.",
+                "faster than that. RSS while training: the process's peak resident set during the timed steps; peak "
+                "RSS: during the whole arm (the swapper's build included, and what the arms before left in the "
+                "process: rss_at_start_gib), sampled every 20 ms. Reads ahead: fetches of a spilled layer that found "
+                "its read issued ahead, and reads ahead dropped (the order changed), per timed step.",
+                "two-stream floor: max(all-resident step, GiB copied to the device per step / pinned host-to-device "
+                f"bandwidth, {pinned:.1f} GB/s here); floor: the larger of it and the disk floor"
+                + (
+                    f"; all-resident: {resident['median_step_s']:.3f} s a step, {resident['peak_reserved_gib']:.1f} "
+                    "GiB reserved"
+                    if resident and resident["peak_reserved_gib"] is not None
+                    else ""
+                ),
                 *(f"host RAM budget {r['budget']}: {line}" for r in rows for line in r["plan"] + r["disk_plan"]),
             ],
             "rows": rows,

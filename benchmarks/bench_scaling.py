@@ -80,16 +80,6 @@ from units import GiB  # noqa: E402
 LORA_MODELS = ("flux", "wan")
 MODELS = (*LORA_MODELS, "sdxl_full")
 DEFAULT_BUDGET = {"flux": 8.0, "wan": 8.0}
-# toml/wan_lora_long_video.toml's [dgls] (benchmarks/results/wan_fit_81f_keep_cap8.md: 8 GiB at 81 frames)
-WAN_RECIPE = dict(
-    blocks_to_swap=40,
-    prefetch=1,
-    swap_unit_mb=256,
-    offload_activations=True,
-    checkpoint_units=True,
-    offload_recompute=True,
-    keep_piece_outputs=True,
-)
 EFFICIENT = 0.95  # a row at this share of N x one GPU's samples/s or more names no cap
 SHARED_RATE = 0.9  # plain copies on every GPU at once below this share of one GPU's alone: the host side is shared
 LAYOUTS = ("data", "pipeline", "data,pipeline")
@@ -253,8 +243,7 @@ def build(args, device, dtype, world: int):
         config = SwapConfig.of(gpu_layers=resident, prefetch=2, host_optimizer=spec, data_parallel=world > 1)
     elif wan_recipe(args):
         bench = wan.build(args.tiny, device, dtype, args)
-        recipe = dict(WAN_RECIPE, blocks_to_swap=len(bench.blocks))
-        config = SwapConfig.of(**dict(recipe, swap_unit_mb=0.05) if args.tiny else recipe)
+        config = SwapConfig.of(**wan.recipe(bench, args.tiny))
         capped = device.type == "cuda"  # as an 8 GiB card holds it, once the swapper took the blocks home
     else:
         bench = (flux.build if args.model == "flux" else wan.build)(args.tiny, device, dtype, args)
@@ -262,7 +251,7 @@ def build(args, device, dtype, world: int):
         config = SwapConfig.of(vram_budget=bench.tight_budget_gib() if args.tiny else budget)
     swapper = LayerSwapper(bench.layers, config, device=device, log=log)
     if capped:  # (methods.memory_cap) after the build: the model is made on the device, whole, then streamed home
-        cap_device_memory(device, args.memory_cap_gib)
+        wan.cap_device_memory(device, args.memory_cap_gib)
     ckpt = swapper.checkpoint_function(partial(checkpoint, use_reentrant=False))
     params = [p for layer in bench.layers for p in layer.parameters() if p.requires_grad]
     if full:
@@ -332,6 +321,7 @@ def pipeline_worker(args) -> None:
     """One pipeline stage (scaling_pipeline.py): build its part of the model, train, write OUT/rank<R>.json."""
     import scaling_pipeline
     import torch
+    import wan
 
     rank, world, port, out = int(args.worker[0]), int(args.worker[1]), args.worker[2], Path(args.worker[3])
     cuda, device, dtype = worker_device(args, rank)
@@ -345,7 +335,7 @@ def pipeline_worker(args) -> None:
             args, bench, device, dtype, world, partial(stage_config, args), log
         )
         if cuda and wan_recipe(args):  # the wan recipe's cap, as build()'s
-            cap_device_memory(device, args.memory_cap_gib)
+            wan.cap_device_memory(device, args.memory_cap_gib)
         build_s = time.perf_counter() - started
         losses: list[float] = []  # every step's, untimed ones too
         step = scaling_pipeline.stage_step(engine, bench, losses, args.one_backward, swapper.log)
@@ -388,13 +378,14 @@ def stage_config(args, layers: list):
     the whole model: the wan recipe streams every block of the stage (its device memory capped by the worker once
     DGLS took them home, as build() caps it)."""
     import scaling_pipeline
+    import wan
 
     from utils.dgls import SwapConfig
 
     if wan_recipe(args):
         blocks = sum(isinstance(layer, scaling_pipeline.StageBlock) for layer in layers)
-        recipe = dict(WAN_RECIPE, blocks_to_swap=blocks)
-        return SwapConfig.of(**dict(recipe, swap_unit_mb=0.05) if args.tiny else recipe)
+        units = 0.05 if args.tiny else wan.WAN_RECIPE["swap_unit_mb"]
+        return SwapConfig.of(**dict(wan.WAN_RECIPE, blocks_to_swap=blocks, swap_unit_mb=units))
     budget = args.vram_budget or DEFAULT_BUDGET[args.model]
     return SwapConfig.of(vram_budget=scaling_pipeline.tight_budget_gib(layers) if args.tiny else budget)
 
@@ -433,17 +424,6 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def cap_device_memory(device, gib: float) -> None:
-    """This process may hold at most ``gib`` of ``device``'s memory from here, as a card of that size would
-    (methods.memory_cap): the allocator's cache is emptied first, or the segments that held the model before DGLS
-    took its layers home would stay reserved past the cap (it binds only at new requests)."""
-    import torch
-
-    torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(gib * GiB / total, device)
-
-
 def wan_recipe(args) -> bool:
     """Whether the job runs toml/wan_lora_long_video.toml's settings under a device-memory cap."""
     return args.model == "wan" and args.vram_budget is None
@@ -451,11 +431,12 @@ def wan_recipe(args) -> bool:
 
 def job_environment(args) -> dict[str, str]:
     """The workers' environment: this one's, and for the wan recipe the allocator setting its config's command line
-    sets (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; without it the 8 GiB cap runs out on the allocator's
-    unused reserved blocks: measured on 2x H200, 1.1 GiB reserved but unallocated at the failing request)."""
+    sets (wan.RECIPE_ALLOCATOR)."""
+    import wan
+
     env = dict(os.environ)
     if wan_recipe(args) and not args.tiny:
-        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        env.setdefault(*wan.RECIPE_ALLOCATOR)
     return env
 
 

@@ -108,6 +108,13 @@ def _mallocs(row: dict, _result: dict) -> str:
     return f"{row['device_mallocs']} / {row.get('alloc_retries', 0)}"
 
 
+def _reads_ahead(row: dict, _result: dict) -> str:
+    """The disk tier: fetches that found their layer's read ahead, and reads ahead dropped, per timed step."""
+    if "reads_ahead_taken_per_step" not in row:
+        return "-"
+    return f"{row['reads_ahead_taken_per_step']:.3g} / {row['reads_ahead_dropped_per_step']:.3g}"
+
+
 def _text(key: str) -> Cell:
     return lambda row, _result: str(row.get(key, "-"))
 
@@ -226,7 +233,13 @@ TABLES: dict[str, Table] = {
             ("GiB read/step", _key("read_gib_per_step", ".1f")),
             ("step (s)", _key("median_step_s", ".3f")),
             ("vs all in RAM", _key("vs_all_in_ram", ".2f", "x")),
+            ("vs all-resident", _key("vs_resident", ".2f", "x")),
+            ("GiB to device/step", _key("weights_in_gib_per_step", ".1f")),
+            ("two-stream floor (s)", _key("two_stream_floor_s", ".3f")),
             ("disk floor (s)", _key("disk_floor_s", ".2f")),
+            ("vs floor", _key("vs_floor", ".2f", "x")),
+            ("reads ahead taken / dropped a step", _reads_ahead),
+            ("RSS while training GiB", _key("training_peak_rss_gib", ".1f")),
             ("peak RSS GiB", _key("peak_rss_gib", ".1f")),
         )
     ),
@@ -424,7 +437,19 @@ def row_notes(result: dict) -> list[str]:
             notes.append(f"- {name}: {' / '.join(r['plan_log'])}{fits.get(r.get('fits_budget'), '')}")
         if r.get("profile_summary"):
             notes.append(f"- {name}: {profile_note(r)}")
+        if r.get("device_gaps"):
+            notes.append(f"- {name}: {gaps_note(r['device_gaps'])}")
     return notes
+
+
+def gaps_note(gaps: dict) -> str:
+    """blocking.device_gaps of a row (--profile_dir): how much of one step the busiest stream ran kernels."""
+    return (
+        f"one more step under torch.profiler (device activity only): the busiest stream ran {gaps['kernels']} "
+        f"kernels for {gaps['busy_ms']:.2f} ms of {gaps['span_ms']:.2f} ms, and waited {gaps['gap_ms']:.2f} ms "
+        f"between them ({gaps['gaps_of_100us_or_more']} gaps of 100 us or more): the device waiting for the host to "
+        "issue work (or on an event)"
+    )
 
 
 def profile_note(row: dict) -> str:

@@ -25,6 +25,38 @@ WAN_14B = dict(
     qk_norm="rms_norm_across_heads",
     eps=1e-6,
 )
+# toml/wan_lora_long_video.toml's [dgls] (benchmarks/results/wan_fit_81f_keep_cap8.md: 8 GiB at 81 frames), every
+# block streamed (blocks_to_swap: the bench's block count); run under ``cap_device_memory`` as an 8 GiB card holds it,
+# with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True as the config's command line sets (without it the cap runs
+# out on the allocator's unused reserved blocks: measured on 2x H200, 1.1 GiB reserved but unallocated at the
+# failing request)
+WAN_RECIPE = dict(
+    prefetch=1,
+    swap_unit_mb=256,
+    offload_activations=True,
+    checkpoint_units=True,
+    offload_recompute=True,
+    keep_piece_outputs=True,
+)
+RECIPE_ALLOCATOR = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
+def recipe(bench: Bench, tiny: bool) -> dict:
+    """WAN_RECIPE for ``bench``: every block streamed (tiny: units small enough to split its blocks)."""
+    return dict(WAN_RECIPE, blocks_to_swap=len(bench.blocks), swap_unit_mb=0.05 if tiny else WAN_RECIPE["swap_unit_mb"])
+
+
+def cap_device_memory(device, gib: float | None) -> None:
+    """This process may hold at most ``gib`` of ``device``'s memory from here (``None``: all of it again), as a card
+    of that size would (methods.memory_cap): the allocator's cache is emptied first, or the segments that held the
+    model before DGLS took its layers home would stay reserved past the cap (it binds only at new requests)."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index  # "cuda": the current one
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(1.0 if gib is None else gib * 2**30 / total, index)
+
+
 WAN_TINY = dict(
     WAN_14B,
     num_attention_heads=2,

@@ -29,6 +29,14 @@ def test_the_disk_benchmark_measures_bandwidth_and_each_budget(tmp_path):
     assert budgets[-1]["layers_on_disk"] > budgets[0]["layers_on_disk"] >= 0
     assert budgets[-1]["read_gib_per_step"] > 0 and budgets[-1]["disk_floor_s"] > 0
     assert all(row["peak_rss_gib"] > 0 for row in result["rows"])
+    resident = result["resident"]["median_step_s"]  # every layer on the device: the two-stream floor's start
+    for row in result["rows"]:
+        assert row["vs_resident"] == row["median_step_s"] / resident and row["two_stream_floor_s"] >= resident
+        assert row["floor_s"] == max(row["two_stream_floor_s"], row["disk_floor_s"])
+    assert budgets[-1]["weights_in_gib_per_step"] > 0  # the streamed layers' copies are counted
+    # after the warm-up step the engine reads the spilled layers ahead of their fetches; RSS while training is measured
+    assert budgets[-1]["reads_ahead_taken_per_step"] > 0 and all_in_ram["reads_ahead_taken_per_step"] == 0
+    assert all(0 < row["training_peak_rss_gib"] <= row["peak_rss_gib"] for row in result["rows"])
     assert all_in_ram["disk_plan"] == [] and budgets[-1]["disk_plan"][0].startswith("DGLS disk plan: ")
     assert any("DGLS disk plan: " in note for note in result["notes"])  # the prediction beside the measured step
     assert (out / "disk_flux.md").read_text() == report.render(result)
