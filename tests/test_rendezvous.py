@@ -84,19 +84,30 @@ def test_a_rank_without_rank_0_says_so_within_the_wait():
     assert seconds < WAIT_S + 2
 
 
+# The program that is not a torch store, and every connection it accepted, open until the test process ends: the
+# meeting gives up on torch's client, whose thread goes on waiting and connecting again; a connection closed or reset
+# under it makes torch log the reset with its C++ stack, outside any test's capture.
+_HELD_OPEN: list[socket.socket] = []
+
+
+def _accept_forever(listener: socket.socket) -> None:
+    while True:
+        _HELD_OPEN.append(listener.accept()[0])
+
+
 def test_a_port_held_by_a_program_that_is_not_a_torch_store_is_named():
     """torch's own client waits forever there; the meeting gives up after its wait."""
-    with socket.socket() as other:
-        other.bind(("127.0.0.1", 0))
-        other.listen()
-        port = other.getsockname()[1]
-        accepted = threading.Thread(target=other.accept, daemon=True)
-        accepted.start()
-        text, seconds = meet([1], 2, port)[1]
-        assert text.startswith(f"rank 1 of 2: 127.0.0.1:{port} accepts connections but does not answer"), text
-        assert f"another training run on port {port}?" in text and seconds < WAIT_S + 4
-        text = meet([0], 2, port)[0][0]  # rank 0 cannot listen there either
-        assert text.startswith(f"port {port} is in use by another program"), text
+    other = socket.socket()
+    _HELD_OPEN.append(other)
+    other.bind(("127.0.0.1", 0))
+    other.listen()
+    port = other.getsockname()[1]
+    threading.Thread(target=_accept_forever, args=(other,), daemon=True).start()
+    text, seconds = meet([1], 2, port)[1]
+    assert text.startswith(f"rank 1 of 2: 127.0.0.1:{port} accepts connections but does not answer"), text
+    assert f"another training run on port {port}?" in text and seconds < WAIT_S + 4
+    text = meet([0], 2, port)[0][0]  # rank 0 cannot listen there either
+    assert text.startswith(f"port {port} is in use by another program"), text
 
 
 def test_a_one_process_job_meets_no_one():
