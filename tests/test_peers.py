@@ -57,6 +57,7 @@ def test_two_ranks_map_one_copy_of_the_masters_and_train_exactly(tmp_path):
     for rank in ranks:
         assert_bitwise_equal(reference, rank["record"])
         assert rank["named"] == [], "segments must lose their names once every rank has mapped them"
+        assert not rank["versioned"]  # a LoRA's shared copy never changes: no versions segment
     assert ranks[0]["maps"] == ranks[1]["maps"] and len(ranks[0]["maps"]) > 0
     masters = ranks[0]["masters"]["bytes"]
     assert all(r["masters"]["rss"] >= masters for r in ranks), [r["masters"] for r in ranks]  # each reads all ...

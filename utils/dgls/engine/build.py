@@ -168,7 +168,7 @@ def build(
             undo.callback(disk.close)
         masters = Masters(
             values, layouts, placement.streamed, device, cast_rules, c.transfer.pinned_ram_budget_gb,
-            c.transfer.selective_packing, log, share_group, disk,
+            c.transfer.selective_packing, log, share_group, disk, versioned=shared is not None,
         )  # fmt: skip
         undo.callback(masters.release)
         if disk is not None:

@@ -344,8 +344,9 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "GiB of host RAM for streamed layers, or `auto` (available RAM less a reserve): what does not fit stays in a "
         "file in --disk_dir: a full fine-tune's fp32 masters and optimizer state first (read for each update, written "
-        "back after it; host updates: --host_adam torch_fused), then weights (read each time they stream: those whose "
-        "reads hide behind the longest compute; the start-up line says the disk floor against the step's compute)",
+        "back after it; host updates: --host_adam torch_fused), then weights (read each time they stream, ahead of "
+        "their turn as far as a ring of two staging buffers allows: those whose reads hide behind the longest compute; "
+        "the start-up line says the disk floor against the step's compute)",
         "the model is larger than the RAM the machine can spare",
         "streaming",
         policy="transfer",

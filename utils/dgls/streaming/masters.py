@@ -67,9 +67,10 @@ class Masters:
 
     ``share_group``: processes of one job that host the same layers (``""`` for every process of a
     data-parallel job; the pipeline stage when the layers are split): their masters are one copy per
-    machine (:mod:`..memory.peers`), with :attr:`versions` beside them: per layer index, the step whose update
-    the shared copy holds (int64 in shared memory, zero at start; written by data-parallel full fine-tuning's
-    owners, :mod:`..training.data_parallel`), None when nothing is shared."""
+    machine (:mod:`..memory.peers`). With ``versioned`` (data-parallel full fine-tuning) :attr:`versions` is beside
+    them: per layer index, the step whose update the shared copy holds (int64 in shared memory, zero at start;
+    written by the layers' owners, :mod:`..training.data_parallel`); None otherwise (a LoRA's shared copy never
+    changes)."""
 
     def __init__(
         self,
@@ -83,6 +84,7 @@ class Masters:
         log: Callable[[str], None],
         share_group: str = "",
         disk: DiskTier | None = None,
+        versioned: bool = False,
     ) -> None:
         self.layers, self.layouts, self.device, self.cast_rules = layers, layouts, device, cast_rules
         hosted = [layout for layout in layouts if layout.index in streamed or has_fp8(layout)]
@@ -107,12 +109,13 @@ class Masters:
             check_ram(total - on_cpu)
             if self.store.use_pinning and (note := check_pinned_budget(min(total, budget), freed_bytes=on_cpu)):
                 log(note)
-        self._pack(hosted, log)
+        self._pack(hosted, log, versioned)
         self._handles: dict[int, list] = {}
         self._engine: MastersEngine | None = None  # from install(), before any state-dict hook exists
 
-    def _pack(self, hosted: list[LayerLayout], log: Callable[[str], None]) -> None:
-        """Pack the hosted layers: privately, or once per machine into shared segments (:mod:`..memory.peers`)."""
+    def _pack(self, hosted: list[LayerLayout], log: Callable[[str], None], versioned: bool) -> None:
+        """Pack the hosted layers: privately, or once per machine into shared segments (:mod:`..memory.peers`), with
+        the versions segment where ``versioned``."""
         peers = self.peers
         if not peers.shared:
             for layout in hosted:
@@ -123,12 +126,14 @@ class Masters:
             remove_orphans()
             for layout in hosted:
                 self.store.add_layer(layout, memory="create")
-            self.versions = peers.create(VERSIONS, versions).view(torch.int64)
+            if versioned:
+                self.versions = peers.create(VERSIONS, versions).view(torch.int64)
         peers.barrier()
         if not peers.leader:
             for layout in hosted:
                 self.store.add_layer(layout, memory="attach")
-            self.versions = peers.attach(VERSIONS, versions).view(torch.int64)
+            if versioned:
+                self.versions = peers.attach(VERSIONS, versions).view(torch.int64)
         peers.barrier()
         if peers.leader:
             peers.unlink_created()
