@@ -181,18 +181,13 @@ def stage_step(engine, bench, losses: list[float], joined: bool = False, log=Non
     adding it to ``losses`` (every step's, untimed ones too). ``joined`` (``--one_backward``): each step under the
     product's :func:`~utils.dgls.trainers.joined_backward.joined_backward`, as the demo and diffusion-pipe's
     ``train_batch`` run it with several stages (``log``: the stage's, told once)."""
-    from utils.dgls.trainers.joined_backward import joined_backward
+    from utils.dgls.trainers.joined_backward import SaidOnce, joined_backward
 
     data = batches(bench)
-    told: list[str] = []  # the joined backward's line, said once a run (the block is entered every step)
-
-    def tell(line: str) -> None:
-        told.append(line)
-        if log is not None:
-            log(line)
+    said = SaidOnce(log or (lambda line: None))  # the block is entered every step
 
     def step() -> float:
-        with joined_backward(engine, None if told else tell) if joined else contextlib.nullcontext():
+        with joined_backward(engine, said.log) if joined else contextlib.nullcontext():
             losses.append(engine.train_batch(data_iter=data).item())
         return losses[-1]
 

@@ -51,7 +51,7 @@ from ..training.shared_saves import SharedSaves
 from ..watching.stats import StepReader, StepStats, StepWindow
 from .engine_hooks import EngineHooks
 from .file_backed_casts import FileBackedCasts
-from .joined_backward import joined_backward
+from .joined_backward import SaidOnce, joined_backward
 from .layer_major_batches import layer_major_batches
 from .pipeline_hook import Stage, StageHook
 from .shm_op import without_shm_op
@@ -101,7 +101,8 @@ class PipelineInterception:
         self.swap = swap  # None: built from values when the layers arrive
         self.log = log
         self.steps = 0
-        self.joined_told = False  # the joined backward said its line (:meth:`_tell_joined`)
+        # the joined backward's line, once a run (the block is entered every step): on the stage's log
+        self.joined_said = SaidOnce(lambda line: (self.swapper.log if self.swapper is not None else self.log)(line))
         self.swapper: LayerSwapper | None = None
         self.monitor: MemoryMonitor | None = None
         self.reader: StepReader | None = None
@@ -236,13 +237,8 @@ class PipelineInterception:
         if layer_major_applies(self.values, engine.num_stages, engine.micro_batches):
             return layer_major_batches(engine, self.swapper)
         if engine.num_stages > 1:
-            return joined_backward(engine, None if self.joined_told else self._tell_joined)
+            return joined_backward(engine, self.joined_said.log)
         return contextlib.nullcontext()
-
-    def _tell_joined(self, line: str) -> None:
-        """The joined backward's line, once a run (the block is entered every step): on the stage's log."""
-        self.joined_told = True
-        (self.swapper.log if self.swapper is not None else self.log)(line)
 
     def _wrap_writer_init(self, original):
         def init_and_remember(writer, *args, **kwargs):

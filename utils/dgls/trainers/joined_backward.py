@@ -117,12 +117,28 @@ def _deepspeed_version() -> str:
     return deepspeed.__version__
 
 
+class SaidOnce:
+    """A stage's log for a block entered every step: :attr:`log` is the log until the joined backward said its line
+    through it, then ``None``, so the line is said once a run rather than once a step (the trainers, the bench)."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self._log, self.said = log, False
+
+    def _say(self, line: str) -> None:
+        self.said = True
+        self._log(line)
+
+    @property
+    def log(self) -> Callable[[str], None] | None:
+        return None if self.said else self._say
+
+
 @contextlib.contextmanager
 def joined_backward(engine: PipelineEngine, log: Callable[[str], None] | None = None) -> Iterator[None]:
     """Inside the block, this engine's stage runs one backward per micro-batch for all the tensors it sent on (see
     the module doc); nothing changes where that does not apply (:func:`applies`). ``log``: the stage's log, told
     once per block, at its first joined backward, how many tensors the one backward stands for (a trainer that
-    enters the block every step passes it only until it was told: :mod:`.diffusion_pipe`)."""
+    enters the block every step passes :attr:`SaidOnce.log`: told once a run)."""
     if not applies(engine):
         yield
         return
