@@ -156,7 +156,8 @@ def run_arm(bench: Bench, device, budget: float | None, streamed, prefetch, args
             step = bench.training_step(checkpoint_fn=ckpt)
             if capped:  # as an 8 GiB card holds it, once the swapper took the blocks home (bench_scaling's way)
                 wan.cap_device_memory(device, args.memory_cap_gib)  # (empties the allocator's cache first)
-            if device.type == "cuda":
+            if device.type == "cuda":  # the arm's own peak: not the cache of the layers before they went home
+                torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             time_steps(step, device, args.warmup, 0)
             for _ in range(PLANNER_STEPS):  # until the planner settled (its last line is the plan's disk floor)

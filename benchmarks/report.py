@@ -239,6 +239,7 @@ TABLES: dict[str, Table] = {
             ("disk floor (s)", _key("disk_floor_s", ".2f")),
             ("vs floor", _key("vs_floor", ".2f", "x")),
             ("reads ahead taken / dropped a step", _reads_ahead),
+            ("peak reserved GiB", _key("peak_reserved_gib", ".2f")),
             ("RSS while training GiB", _key("training_peak_rss_gib", ".1f")),
             ("peak RSS GiB", _key("peak_rss_gib", ".1f")),
         )

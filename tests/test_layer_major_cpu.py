@@ -122,7 +122,13 @@ def fetches_per_step(accumulate, mode="nonreentrant", layer_major=True):
     return [b.since(a) for a, b in zip(marks, marks[1:])], seen["streamed"]
 
 
-@pytest.mark.parametrize("mode", ["none", "nonreentrant", "reentrant"])
+# the other modes in the slow run: the default run stays within its time (their equality is tested by mode above)
+MODES_SLOW_BUT_ONE = [pytest.param("none", marks=pytest.mark.slow), "nonreentrant"] + [
+    pytest.param("reentrant", marks=pytest.mark.slow)
+]
+
+
+@pytest.mark.parametrize("mode", MODES_SLOW_BUT_ONE)
 def test_each_streamed_layer_is_fetched_once_a_direction_a_step(mode):
     """One pass a step whatever N, with a use of each streamed layer in its forward and one in its backward (and one
     in the eval pass between steps, which counts towards the next pass), and the fetches of one micro-batch; N
@@ -408,7 +414,7 @@ def keep_none_when_over(monkeypatch) -> None:
     monkeypatch.setattr(row_keeping, "plan_row", before)
 
 
-@pytest.mark.parametrize("accumulate", [2, 4])
+@pytest.mark.parametrize("accumulate", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_swap_units_that_outnumber_the_slots_keep_all_but_two_slots_worth_over_micro_batches(accumulate, monkeypatch):
     """6 units a layer, 4 slots, N micro-batches: each split layer keeps 2 units in their slots over its micro-batches
     but the last and fetches the others again in each after the first (engine/row_keeping.py). A step then copies
