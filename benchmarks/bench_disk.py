@@ -136,11 +136,11 @@ def read_bandwidth(directory: str | None, nbytes: int, request: int, threads: tu
 def run_arm(bench: Bench, device, budget: float | None, streamed, prefetch, args) -> dict:
     place(bench.layers, device)
     resident = [s.index for s in bench.sizes if s.streamable_bytes and s.index not in streamed]
-    capped = wan_recipe(args) and device.type == "cuda"
+    capped = wan.runs_recipe(args) and device.type == "cuda"
     if args.vram_budget is not None:  # the planner places the layers (its probe, trials, then the plan it keeps)
         settings = dict(vram_budget=args.vram_budget)
-    elif wan_recipe(args):  # toml/wan_lora_long_video.toml's settings, every block streamed
-        settings = wan.recipe(bench, args.tiny)
+    elif wan.runs_recipe(args):  # toml/wan_lora_long_video.toml's settings, every block streamed
+        settings = wan.recipe(len(bench.blocks), args.tiny)
     else:
         settings = dict(gpu_layers=resident, prefetch=prefetch)
     if budget is not None:
@@ -196,11 +196,6 @@ def run_arm(bench: Bench, device, budget: float | None, streamed, prefetch, args
     }
 
 
-def wan_recipe(args) -> bool:
-    """Wan without --vram_budget: toml/wan_lora_long_video.toml's settings, capped at --memory_cap_gib."""
-    return args.model == "wan" and args.vram_budget is None
-
-
 def run_resident(bench: Bench, device, args) -> dict:
     """Every layer on the device, no DGLS: the step the two-stream floor starts from."""
     place(bench.layers, device)
@@ -230,10 +225,10 @@ def floors(rows: list[dict], resident: float | None, pinned: float, disk_gbps: f
 def placement(bench: Bench, streamed, args) -> str:
     if args.vram_budget is not None:
         return f"the planner's placement for --vram_budget {args.vram_budget:g}"
-    if wan_recipe(args):
+    if wan.runs_recipe(args):
         return (
-            f"toml/wan_lora_long_video.toml's settings ({wan.recipe(bench, args.tiny)}), device memory capped at "
-            f"{args.memory_cap_gib:g} GiB"
+            f"toml/wan_lora_long_video.toml's settings ({wan.recipe(len(bench.blocks), args.tiny)}), device memory "
+            f"capped at {args.memory_cap_gib:g} GiB"
         )
     return (
         f"spread placement, {len(streamed)} layers (~{bench.streamed_bytes(streamed) / GiB:.1f} GiB) streamed, "
@@ -279,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--name", default=None, help="results file stem (default disk_<model>)")
     parser.add_argument("--results_dir", type=Path, default=None, help="default: results/ (results/tiny/ with --tiny)")
     args = parser.parse_args(argv)
-    if wan_recipe(args) and not args.tiny:  # before CUDA starts: the allocator reads it once
+    if wan.runs_recipe(args) and not args.tiny:  # before CUDA starts: the allocator reads it once
         os.environ.setdefault(*wan.RECIPE_ALLOCATOR)
     file_bytes = 8 * MiB if args.tiny else int(args.file_gib * GiB)
     request = (1 if args.tiny else args.request_mib) * MiB

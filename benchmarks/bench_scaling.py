@@ -241,9 +241,9 @@ def build(args, device, dtype, world: int):
         stream_mib = 0.05 if args.tiny else args.stream_mib  # tiny: the small layers stay resident
         resident = [s.index for s in bench.sizes if s.streamable_bytes < stream_mib * 2**20]
         config = SwapConfig.of(gpu_layers=resident, prefetch=2, host_optimizer=spec, data_parallel=world > 1)
-    elif wan_recipe(args):
+    elif wan.runs_recipe(args):
         bench = wan.build(args.tiny, device, dtype, args)
-        config = SwapConfig.of(**wan.recipe(bench, args.tiny))
+        config = SwapConfig.of(**wan.recipe(len(bench.blocks), args.tiny))
         capped = device.type == "cuda"  # as an 8 GiB card holds it, once the swapper took the blocks home
     else:
         bench = (flux.build if args.model == "flux" else wan.build)(args.tiny, device, dtype, args)
@@ -334,7 +334,7 @@ def pipeline_worker(args) -> None:
         engine, swapper = scaling_pipeline.build_engine(
             args, bench, device, dtype, world, partial(stage_config, args), log
         )
-        if cuda and wan_recipe(args):  # the wan recipe's cap, as build()'s
+        if cuda and wan.runs_recipe(args):  # the wan recipe's cap, as build()'s
             wan.cap_device_memory(device, args.memory_cap_gib)
         build_s = time.perf_counter() - started
         losses: list[float] = []  # every step's, untimed ones too
@@ -382,10 +382,9 @@ def stage_config(args, layers: list):
 
     from utils.dgls import SwapConfig
 
-    if wan_recipe(args):
+    if wan.runs_recipe(args):
         blocks = sum(isinstance(layer, scaling_pipeline.StageBlock) for layer in layers)
-        units = 0.05 if args.tiny else wan.WAN_RECIPE["swap_unit_mb"]
-        return SwapConfig.of(**dict(wan.WAN_RECIPE, blocks_to_swap=blocks, swap_unit_mb=units))
+        return SwapConfig.of(**wan.recipe(blocks, args.tiny))
     budget = args.vram_budget or DEFAULT_BUDGET[args.model]
     return SwapConfig.of(vram_budget=scaling_pipeline.tight_budget_gib(layers) if args.tiny else budget)
 
@@ -424,18 +423,13 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def wan_recipe(args) -> bool:
-    """Whether the job runs toml/wan_lora_long_video.toml's settings under a device-memory cap."""
-    return args.model == "wan" and args.vram_budget is None
-
-
 def job_environment(args) -> dict[str, str]:
     """The workers' environment: this one's, and for the wan recipe the allocator setting its config's command line
     sets (wan.RECIPE_ALLOCATOR)."""
     import wan
 
     env = dict(os.environ)
-    if wan_recipe(args) and not args.tiny:
+    if wan.runs_recipe(args) and not args.tiny:
         env.setdefault(*wan.RECIPE_ALLOCATOR)
     return env
 
@@ -629,7 +623,9 @@ def deepspeed_version() -> str:
 
 
 def description(args, record: dict) -> str:
-    if wan_recipe(args):
+    import wan
+
+    if wan.runs_recipe(args):
         what = (
             f"toml/wan_lora_long_video.toml's settings, device memory capped at {args.memory_cap_gib:g} GiB per GPU, "
             f"PYTORCH_CUDA_ALLOC_CONF={job_environment(args).get('PYTORCH_CUDA_ALLOC_CONF')} (its command line sets "

@@ -41,9 +41,16 @@ WAN_RECIPE = dict(
 RECIPE_ALLOCATOR = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
-def recipe(bench: Bench, tiny: bool) -> dict:
-    """WAN_RECIPE for ``bench``: every block streamed (tiny: units small enough to split its blocks)."""
-    return dict(WAN_RECIPE, blocks_to_swap=len(bench.blocks), swap_unit_mb=0.05 if tiny else WAN_RECIPE["swap_unit_mb"])
+def recipe(blocks: int, tiny: bool) -> dict:
+    """WAN_RECIPE with ``blocks`` blocks streamed, every one of a model or a pipeline stage (tiny: units small enough
+    to split its blocks)."""
+    return dict(WAN_RECIPE, blocks_to_swap=blocks, swap_unit_mb=0.05 if tiny else WAN_RECIPE["swap_unit_mb"])
+
+
+def runs_recipe(args) -> bool:
+    """A bench's Wan job without --vram_budget runs :data:`WAN_RECIPE` under a device-memory cap (bench_scaling,
+    bench_disk)."""
+    return args.model == "wan" and args.vram_budget is None
 
 
 def cap_device_memory(device, gib: float | None) -> None:

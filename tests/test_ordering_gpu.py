@@ -265,8 +265,8 @@ def test_canary_reads_ahead_that_do_not_wait_for_the_buffers_last_copy_differ(
     original = DiskTier.stage
 
     def ungated(self, transport, index, nbytes):
-        if self.ring.next_is_free:
-            self.ring.readers[self.ring._next] = None
+        if self._holder(self.ring.next) is None:
+            self.ring.readers[self.ring.next] = None
         return original(self, transport, index, nbytes)
 
     monkeypatch.setattr(DiskTier, "stage", ungated)

@@ -152,9 +152,8 @@ def build(
         driver.check_static_minimum(sizes, placement.update_bytes)
     # which layers spill (disk_planning.py); a layer-major step's fetches each compute its micro-batches
     # (full fine-tuning: no read-ahead, its fetches read: LayerSwapper.read_ahead)
-    disk_choice = DiskChoice(
-        layouts, placement, device, c.transfer.disk_dir, c.placement.layer_major_micro_batches, trained is None
-    )
+    micro_batches = c.placement.layer_major_micro_batches
+    disk_choice = DiskChoice(layouts, placement, device, c.transfer.disk_dir, micro_batches, read_ahead=trained is None)
     tiers, state_spilled = _tiers(c, values, layouts, placement, trained, disk_choice)
     training_note = check_host_training(trained) if trained is not None else ""
     with ExitStack() as undo:  # a failure below frees what was made

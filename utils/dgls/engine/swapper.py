@@ -276,11 +276,12 @@ class LayerSwapper:
     def _wanted(self, depth: int) -> tuple[int, ...]:
         """The next ``depth`` streamed layers the predictor expects after the current use, cached per
         (previous, current) use until the predictor learns something new (a table lookup per use)."""
-        return self._upcoming(self._plans, depth, self._streamed, {self._current})
+        return self._upcoming(self._plans, depth, self._streamed, skip_current=True)
 
-    def _upcoming(self, cache: dict, depth: int, among, skipped: set) -> tuple[int, ...]:
-        """The next ``depth`` layers of ``among`` but ``skipped`` the predictor expects after the current use, each
-        at its next use (``cache``: per (previous, current) use, cleared when the predictor learns something new)."""
+    def _upcoming(self, cache: dict, depth: int, among, skip_current: bool) -> tuple[int, ...]:
+        """The next ``depth`` layers of ``among`` (but the current one, with ``skip_current``) the predictor expects
+        after the current use, each at its next use (``cache``: per (previous, current) use, cleared when the
+        predictor learns something new)."""
         predictor = self.predictor
         if self._plans_version != predictor.version:
             self._plans.clear()
@@ -290,7 +291,7 @@ class LayerSwapper:
         wanted = cache.get(key)
         if wanted is None:
             found: list[int] = []
-            seen = set(skipped)
+            seen = {self._current} if skip_current else set()
             for idx, _ in predictor.upcoming(limit=2 * len(self.layers) + 2):
                 if idx not in seen:
                     seen.add(idx)
@@ -312,7 +313,7 @@ class LayerSwapper:
             return
         # as many as the ring holds, past those the slots may hold already
         depth = len(disk.ring.buffers) + self.placement.slot_count
-        for idx in self._upcoming(self._reads_ahead, depth, disk.spilled, set()):
+        for idx in self._upcoming(self._reads_ahead, depth, disk.spilled, skip_current=False):
             layer = self._streamed.get(idx)
             if idx == self._current:
                 break  # its next use (a later pass's) may find it evicted: a read past it could take its buffer

@@ -259,8 +259,7 @@ def probe_read_gbps(directory: str | Path | None, nbytes: int, pin: bool, thread
 
 class StagingRing:
     """``count`` page-aligned buffers of ``nbytes`` (page-locked when ``pin``), handed out in turn; each remembers
-    the last copy that reads it, so the next read into it waits for that copy, and the layer whose read ahead it
-    holds until a copy takes it (``holding``)."""
+    the last copy that reads it, so the next read into it waits for that copy."""
 
     def __init__(self, count: int, nbytes: int, pin: bool) -> None:
         self.nbytes = whole_pages(max(nbytes, 1))
@@ -271,7 +270,6 @@ class StagingRing:
                 self._registrations.add(k, buf, chunk=REGISTER_CHUNK)  # copies split at the same 1 GiB bounds
         self.pinned_bytes = count * self.nbytes if pin else 0
         self.readers: list[Copy | None] = [None] * count
-        self.holding: list[int | None] = [None] * count
         self._next = 0
 
     def take(self) -> int:
@@ -280,15 +278,14 @@ class StagingRing:
         return k
 
     @property
-    def next_is_free(self) -> bool:
-        """Whether the buffer :meth:`take` hands out next holds no read ahead that a copy has not taken yet."""
-        return self.holding[self._next] is None
+    def next(self) -> int:
+        """The buffer :meth:`take` hands out next."""
+        return self._next
 
     def release(self) -> None:
         self._registrations.drop_all()
         self.pinned_bytes = 0
         self.readers = [None] * len(self.buffers)
-        self.holding = [None] * len(self.buffers)
 
 
 @dataclass(frozen=True)
@@ -347,10 +344,9 @@ class DiskTier:
         turns another way leaves no read waiting on a copy never submitted)."""
         if index in self.staged:
             return True
-        if not self.ring.next_is_free:
+        if self._holder(self.ring.next) is not None:
             return False
         k = self.ring.take()
-        self.ring.holding[k] = index
         self.staged[index] = Staged(k, *self._read_into(transport, k, index, nbytes))
         return True
 
@@ -364,13 +360,16 @@ class DiskTier:
             self.taken += 1
             return staged.buffer, staged.view, staged.read
         k = self.ring.take()
-        if (held := self.ring.holding[k]) is not None:
+        before = None
+        if (held := self._holder(k)) is not None:
             before = self.staged.pop(held).read
-            self.ring.holding[k] = None
             self.dropped += 1
-        else:
-            before = None
         return (k, *self._read_into(transport, k, index, nbytes, before))
+
+    def _holder(self, k: int) -> int | None:
+        """The layer whose read ahead ring buffer ``k`` holds, not taken by a fetch yet (a scan of at most the ring's
+        few reads ahead)."""
+        return next((i for i, staged in self.staged.items() if staged.buffer == k), None)
 
     def _read_into(
         self, transport: Transport, k: int, index: int, nbytes: int, before: Copy | None = None
@@ -380,10 +379,8 @@ class DiskTier:
         return buffer, transport.read(buffer, self.file.offset(index), gates)
 
     def consumed(self, k: int, copy: Copy) -> None:
-        """``copy`` reads ring buffer ``k`` (taking its read ahead, if it held one): the next read into it waits for
-        it."""
+        """``copy`` reads ring buffer ``k``: the next read into it waits for it."""
         self.ring.readers[k] = copy
-        self.ring.holding[k] = None
 
     @property
     def pinned_bytes(self) -> int:
