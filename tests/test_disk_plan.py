@@ -20,7 +20,14 @@ from test_planner import flux_like
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
 from utils.dgls.engine import disk_planning
 from utils.dgls.memory.layout import LayerSizes
-from utils.dgls.planning.disk_plan import DiskCosts, choose_spilled, forecast, hiding_windows, simulate_reads
+from utils.dgls.planning.disk_plan import (
+    DiskCosts,
+    choose_spilled,
+    forecast,
+    hiding_windows,
+    simulate_reads,
+    spread_choice,
+)
 from utils.dgls.planning.planner import GiB, StepProfile, UseTiming, plan_for_budget, simulate
 from utils.dgls.streaming.schedule import Phase
 
@@ -73,6 +80,49 @@ def test_the_layers_whose_reads_hide_behind_the_longest_compute_spill_first():
     # full fine-tuning's fetches read (no read-ahead): later, so the same reads add more, and --prefetch helps there
     fetched = forecast(dataclasses.replace(slow, read_ahead=False), streamed, five.spilled)
     assert fetched.added_ms > five.added_ms and "a deeper --prefetch starts each read earlier" in fetched.line()
+
+
+def wan_like_costs(units=160, forward_ms=40.0):
+    """Equal swap units, forward then backward (each backward use twice its forward), every read 75 ms: about two
+    forward uses' compute (Wan2.1-14B's 160 units at 81 frames, 8 GiB of device memory, on the lent H200)."""
+    uses = tuple(UseTiming(i, F, forward_ms) for i in range(units))
+    uses += tuple(UseTiming(i, B, 2 * forward_ms) for i in reversed(range(units)))
+    return DiskCosts(
+        uses=uses,
+        copy_bytes={i: 3 * MB for i in range(units)},
+        read_bytes={i: 75 * MB for i in range(units)},
+        copy_bytes_per_ms=50 * MB,
+        read_bytes_per_ms=1 * MB,
+        prefetch=1,
+    )
+
+
+def test_half_of_equal_units_spill_every_other_one_and_their_reads_hide():
+    """The greedy alone took runs of neighbours here (its batches: 19.2 s a step becomes 20.6 s in the model), whose
+    reads queue behind each other with a forward use's compute to hide each: the evenly spread choice, every other
+    unit, gives each read two uses' compute, and the model keeps it."""
+    costs = wan_like_costs()
+    streamed = list(range(160))
+    chosen = sorted(choose_spilled(costs, streamed, over_by(costs, 80 * 75 * MB)))
+    assert len(chosen) == 80 and all(b - a == 2 for a, b in zip(chosen, chosen[1:]))
+    assert forecast(costs, streamed, chosen).hides
+    neighbours = forecast(costs, streamed, list(range(80)))
+    assert not neighbours.hides and neighbours.added_ms > 1000
+
+
+def test_the_spread_choice_is_the_fewest_evenly_spaced_that_fit():
+    position = {i: i for i in range(12)}
+    sizes = {i: 10 if i % 3 else 30 for i in range(12)}  # 0, 3, 6, 9 are larger
+
+    def over_need(need):
+        return lambda chosen: need - sum(sizes[i] for i in chosen)
+
+    assert spread_choice(list(range(1, 12, 3)), position, over_need(20)) == [4, 10]  # 2 of 4: each half's middle
+    assert spread_choice(list(range(12)), position, over_need(40)) == [3, 9]  # two of the larger fit
+    assert spread_choice(list(range(12)), position, over_need(0)) == [6]  # one is the fewest k the bisection tries
+    assert spread_choice([9, 2, 5], position, over_need(20)) == [2, 9]  # run order, whatever the candidates' order
+    assert spread_choice(list(range(12)), position, over_need(1000)) == list(range(12))  # none fits: all of them
+    assert spread_choice([], position, over_need(10)) == []
 
 
 def test_a_budget_that_holds_everything_spills_nothing():

@@ -245,12 +245,14 @@ def test_canary_weight_copies_that_do_not_wait_for_their_reads_differ(template, 
         assert_bitwise_equal(references("nonreentrant"), got)
 
 
-def test_delayed_reads_ahead_are_taken_and_stay_bitwise_equal(template, references, tmp_path):
+@pytest.mark.parametrize("copy_ms", [20.0, 600.0])
+def test_delayed_reads_ahead_are_taken_and_stay_bitwise_equal(template, references, tmp_path, copy_ms):
     """The engine reads the spilled blocks ahead of their fetches (LayerSwapper.read_ahead), on the reader's thread,
-    with every read and copy delayed: the fetches take those reads, and the run is bitwise the all-in-RAM one."""
+    with every read and copy delayed: the fetches take those reads, and the run is bitwise the all-in-RAM one.
+    600 ms: the canary's delays below, where each copy runs after the next read into its buffer was issued."""
     layers, trainable = fresh(template)
     with LayerSwapper(layers, disk_config(template, tmp_path), device=device(), log=None) as swapper:
-        delay_every_copy(swapper, 20.0)
+        delay_every_copy(swapper, copy_ms)
         swapper.add_listener(ComputeDelay(5.0))
         got = train(layers, trainable, device(), "nonreentrant", dtype=BF16, cfg=FLUX_WIDTH)
         assert swapper.store.disk.taken > 0
@@ -260,8 +262,11 @@ def test_delayed_reads_ahead_are_taken_and_stay_bitwise_equal(template, referenc
 def test_canary_reads_ahead_that_do_not_wait_for_the_buffers_last_copy_differ(
     template, references, tmp_path, monkeypatch
 ):
-    """The mutation: a read ahead forgets the copy that still reads its ring buffer, and lands while that copy (held
-    back 50 ms on the host) has not read it yet."""
+    """The mutation: a read ahead forgets the copy that still reads its ring buffer, and lands while that copy has
+    not read it yet. Each weight copy waits 600 ms on its stream first: longer than a block's read from the disk
+    (a double block's 680 MB take about 370 ms at 1.8 GB/s), so the read issued right after a copy lands before that
+    copy runs. (With 50 ms, the reads, slower than the copies, left every copy done before the next read into its
+    buffer began, and the mutation changed nothing: the lent H200, 2026-11-27.)"""
     original = DiskTier.stage
 
     def ungated(self, transport, index, nbytes):
@@ -270,7 +275,7 @@ def test_canary_reads_ahead_that_do_not_wait_for_the_buffers_last_copy_differ(
         return original(self, transport, index, nbytes)
 
     monkeypatch.setattr(DiskTier, "stage", ungated)
-    got = disk_run(template, tmp_path, "nonreentrant", disk_config(template, tmp_path), copy_ms=50.0, compute_ms=0)
+    got = disk_run(template, tmp_path, "nonreentrant", disk_config(template, tmp_path), copy_ms=600.0, compute_ms=0)
     with pytest.raises(AssertionError):
         assert_bitwise_equal(references("nonreentrant"), got)
 
