@@ -37,8 +37,12 @@ from utils.dgls.memory.host_store import HostStore
 from utils.dgls.memory.layout import measure
 from utils.dgls.memory.pinned import page_aligned_empty, whole_pages
 from utils.dgls.memory.transport import Copy, CudaTransport, Direction, Transport
+from utils.dgls.planning.disk_plan import DiskCosts, forecast
+from utils.dgls.planning.planner import UseTiming
 from utils.dgls.program import options
+from utils.dgls.streaming.schedule import Phase
 from utils.dgls.streaming.tiers import plan_tiers, spread
+from utils.dgls.watching.disk_check import DiskPlanCheck
 
 CPU = torch.device("cpu")
 MODES = ["none", "nonreentrant", "reentrant"]
@@ -105,6 +109,39 @@ def test_the_start_up_table_shows_the_three_tiers(tmp_path):
     (plan,) = [line for line in lines if line.startswith("DGLS disk plan: 3 of 6 streamed layers read from disk")]
     assert re.search(r"disk floor [0-9.]+ ms against [0-9.]+ ms of compute a step \(estimated from param counts", plan)
     assert lines.index(plan) == lines.index(tier) - 1  # after the host RAM budget's line, before the tier's
+
+
+def test_without_a_vram_budget_the_disk_plan_is_said_again_with_pass_2s_compute_measured(tmp_path, references):
+    """The start-up line estimates the compute from param counts; the second pass measures it, and the line comes
+    once more with it (watching/disk_check.py), once in the run, with the numbers unchanged."""
+    lines = []
+    layers, trainable = make_layers()
+    with LayerSwapper(layers, disk_config(tmp_path), device=CPU, log=lines.append) as swapper:
+        got = train(layers, trainable, CPU, "nonreentrant")
+        assert swapper.feature(DiskPlanCheck) is not None
+    assert_bitwise_equal(references("nonreentrant"), got)
+    (measured,) = [line for line in lines if line.startswith("DGLS disk plan, measured: 3 of 6 streamed layers")]
+    assert re.search(r"disk floor [0-9.]+ ms against [0-9.]+ ms of compute a step \(measured on pass 2\)", measured)
+
+
+def test_the_measured_line_replays_the_builds_choice_over_the_measured_uses():
+    """A step that computes for seconds hides reads the estimate (as long as the copies) said would add time."""
+    uses = tuple(UseTiming(i, Phase.FORWARD, 0.01) for i in range(4)) + tuple(
+        UseTiming(i, Phase.BACKWARD, 0.02) for i in reversed(range(4))
+    )
+    costs = DiskCosts(
+        uses=uses,
+        copy_bytes=dict.fromkeys(range(4), 1000),
+        read_bytes=dict.fromkeys(range(4), 100_000),
+        copy_bytes_per_ms=1000.0,
+        read_bytes_per_ms=1000.0,
+        prefetch=1,
+    )
+    check = DiskPlanCheck(costs, [0, 1, 2, 3], [1, 3], CPU, lambda line: None)
+    assert "the reads add" in forecast(costs, [0, 1, 2, 3], [1, 3]).line()
+    long = [UseTiming(u.layer, u.phase, 500.0) for u in uses]
+    line = check.line(long)
+    assert line.startswith("DGLS disk plan, measured: 2 of 4 streamed layers") and "the reads hide" in line
 
 
 @pytest.mark.parametrize("fp8", [False, True])

@@ -59,6 +59,7 @@ from ..training.disk_state import DiskState, plan_full_tiers, refuse_disk_state
 from ..training.host_training import HostTraining, check_host_training, training_layout, update_buffer_bytes
 from ..training.shared_saves import READER
 from ..training.training_feature import TrainingFeature
+from ..watching.disk_check import DiskPlanCheck
 from ..watching.profiler import Profiler
 from .disk_planning import DiskChoice, StateChoice
 from .training_costs import with_training_costs
@@ -230,6 +231,8 @@ def build(
             )
         if driver is not None:
             features.append(driver)
+        elif disk is not None and disk_choice.costs is not None:  # no probe measures the compute: pass 2 does
+            features.append(DiskPlanCheck(disk_choice.costs, placement.streamed, disk.spilled, device, log))
         features.append(TrainableCast(values, cast_rules, c.compute.autocast, c.compute.mixed_precision))
         pool = DevicePool(device, placement.slot_count, placement.slot_bytes)
         undo.callback(pool.release)

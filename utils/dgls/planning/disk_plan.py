@@ -74,6 +74,7 @@ class DiskCosts:
     prefetch: int
     ring: int = RING
     measured: bool = False  # the compute times were measured (the VRAM planner's probe), not estimated
+    measured_on: str = ""  # where, when not by the probe (:mod:`..watching.disk_check`: "on pass 2")
     read_ahead: bool = True  # reads run ahead of their fetches (not with full fine-tuning: the fetch reads)
 
     @property
@@ -327,7 +328,11 @@ class DiskForecast:
 
     def line(self) -> str:
         c = self.costs
-        compute = "measured by the probe" if c.measured else "estimated from param counts, as long as the step's copies"
+        compute = (
+            f"measured {c.measured_on or 'by the probe'}"
+            if c.measured
+            else "estimated from param counts, as long as the step's copies"
+        )
         said = (
             f"DGLS disk plan: {len(self.spilled)} of {self.streamed} streamed layers read from disk, "
             f"{human_bytes(self.with_disk.read_bytes)} a step at {c.read_bytes_per_ms / 1e6:.2f} GB/s: disk floor "

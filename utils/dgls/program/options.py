@@ -346,7 +346,8 @@ OPTIONS: tuple[Option, ...] = (
         "file in --disk_dir: a full fine-tune's fp32 masters and optimizer state first (read for each update, written "
         "back after it; host updates: --host_adam torch_fused), then weights (read each time they stream, ahead of "
         "their turn as far as a ring of two staging buffers allows: those whose reads hide behind the longest compute; "
-        "the start-up line says the disk floor against the step's compute)",
+        "the start-up line says the disk floor against the step's compute, estimated; without --vram_budget a line "
+        "after the second pass says it again with the compute measured)",
         "the model is larger than the RAM the machine can spare",
         "streaming",
         policy="transfer",
