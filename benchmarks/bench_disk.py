@@ -183,7 +183,8 @@ def run_arm(bench: Bench, device, budget: float | None, streamed, prefetch, args
         "weights_in_gib_per_step": reads.weights_in / args.steps / GiB,
         "median_step_s": statistics.median(times),
         "step_times_s": times,
-        "peak_rss_gib": rss.peak / GiB,
+        # the arm's sampler may fall between the timed steps' samples: their peak is the arm's too
+        "peak_rss_gib": max(rss.peak, training_rss.peak) / GiB,
         "rss_at_start_gib": rss.start / GiB,  # what the arms before left (the process, torch's host caches)
         "training_peak_rss_gib": training_rss.peak / GiB,  # during the timed steps: what training holds
         # fetches of a spilled layer that found its read ahead, and reads ahead dropped, per timed step

@@ -237,8 +237,9 @@ def spread_choice(
 ) -> list[int]:
     """The fewest of ``candidates`` that fit (``over`` no more than 0), evenly spaced in run order (``position``):
     k of n, the middle of each of k equal runs, so each spilled layer has about n / k layers' compute before it for
-    its read. Every candidate when none fits. (Bytes over the budget fall as k grows, about evenly where the sizes
-    are alike: a bisection over k, then the next k up while the one found does not fit.)"""
+    its read. Every candidate when none fits. A bisection over k: the k it returns always fits (k = n is every
+    candidate, which fits or nothing does); it is the fewest where the bytes freed grow with k, as they do where the
+    sizes are alike (elsewhere a smaller k that fits may be missed, never one that does not fit taken)."""
     ordered = sorted(candidates, key=lambda i: position[i])
     n = len(ordered)
 
