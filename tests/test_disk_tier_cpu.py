@@ -37,12 +37,12 @@ from utils.dgls.memory.host_store import HostStore
 from utils.dgls.memory.layout import measure
 from utils.dgls.memory.pinned import page_aligned_empty, whole_pages
 from utils.dgls.memory.transport import Copy, CudaTransport, Direction, Transport
+from utils.dgls.planning.disk_check import DiskPlanCheck
 from utils.dgls.planning.disk_plan import DiskCosts, forecast
 from utils.dgls.planning.planner import UseTiming
 from utils.dgls.program import options
 from utils.dgls.streaming.schedule import Phase
 from utils.dgls.streaming.tiers import plan_tiers, spread
-from utils.dgls.watching.disk_check import DiskPlanCheck
 
 CPU = torch.device("cpu")
 MODES = ["none", "nonreentrant", "reentrant"]
@@ -113,7 +113,7 @@ def test_the_start_up_table_shows_the_three_tiers(tmp_path):
 
 def test_without_a_vram_budget_the_disk_plan_is_said_again_with_pass_2s_compute_measured(tmp_path, references):
     """The start-up line estimates the compute from param counts; the second pass measures it, and the line comes
-    once more with it (watching/disk_check.py), once in the run, with the numbers unchanged."""
+    once more with it (planning/disk_check.py), once in the run, with the numbers unchanged."""
     lines = []
     layers, trainable = make_layers()
     with LayerSwapper(layers, disk_config(tmp_path), device=CPU, log=lines.append) as swapper:

@@ -44,6 +44,7 @@ from ..memory.precision import CastRules, check_device_support, name_of
 from ..memory.transport import CudaTransport, Direction, Transport, make_transport
 from ..planning.agreement import PlanAgreement
 from ..planning.autoplan import PlacementDriver, resolve_budget
+from ..planning.disk_check import DiskPlanCheck
 from ..planning.unit_choice import choose_unit_bytes
 from ..streaming.config import SwapConfig
 from ..streaming.feature import Feature
@@ -59,7 +60,6 @@ from ..training.disk_state import DiskState, plan_full_tiers, refuse_disk_state
 from ..training.host_training import HostTraining, check_host_training, training_layout, update_buffer_bytes
 from ..training.shared_saves import READER
 from ..training.training_feature import TrainingFeature
-from ..watching.disk_check import DiskPlanCheck
 from ..watching.profiler import Profiler
 from .disk_planning import DiskChoice, StateChoice
 from .training_costs import with_training_costs

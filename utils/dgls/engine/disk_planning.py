@@ -9,7 +9,7 @@ two measured bandwidths, as the chooser :func:`~..streaming.tiers.plan_tiers` ca
   nominal one.
 - Compute: the VRAM planner measures it on step 2, after the build; here it is estimated from param counts (each
   layer computing a step for as long as its two copies take, the break-even of streaming), and the line says so;
-  without a VRAM budget :mod:`..watching.disk_check` says it again after pass 2, with that pass's compute measured.
+  without a VRAM budget :mod:`..planning.disk_check` says it again after pass 2, with that pass's compute measured.
   A layer-major step (``layer_major_micro_batches`` N) computes its N micro-batches at each fetch: both choosers
   cost its uses at N times one micro-batch's compute (:func:`step_uses`, one rule for both).
   With a VRAM budget the planner's own predictions use the measured compute and the reads of the layers chosen here

@@ -106,7 +106,8 @@ def _mark_issued(token: Token) -> None:
 
 @dataclass(frozen=True)
 class Wait:
-    """Events around the compute stream's wait for a copy (timing on)."""
+    """Events around the compute stream's wait for a copy (timing on): from before the host waited for the copy to
+    be issued (the copy worker issues a disk layer's copy once its read landed), so a stall the read causes counts."""
 
     token: Token
     before: torch.cuda.Event
@@ -321,6 +322,12 @@ class CudaCopier(Copier):
         token.ready = self.transport.event(self._timing)
 
     def _wait(self, token: Token) -> Wait | None:
+        # timed, a copy not issued yet: the compute stream's stall starts here, before the host waits for the issue
+        # (the worker's wait for a disk read), not at the stream's wait for the copy (:class:`Wait`)
+        early = None
+        if self._timing and self.ordered_by_events and token.issued is not PENDING and not token.issued.is_set():
+            early = torch.cuda.Event(enable_timing=True)
+            early.record(torch.cuda.current_stream(self.device))
         self._wait_issued(token)
         if not self.ordered_by_events:
             self.transport.land(token)
@@ -329,7 +336,7 @@ class CudaCopier(Copier):
             self.transport.acquire(token)
             return None
         before, after = self.transport.acquire(token, timed=True)
-        return Wait(token, before, after)
+        return Wait(token, early if early is not None else before, after)
 
     def _issue(self, tokens: list[Token]) -> None:
         k = self._next_lane

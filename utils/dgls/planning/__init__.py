@@ -13,6 +13,8 @@ Modules
       whose count per layer fits the slots, so they stay over the micro-batches), chosen before the probe.
     - ``disk_plan.py``: with a host RAM budget, which streamed layers spill to disk (their reads hiding behind the
       longest compute) and the floor the disk sets on a step.
+    - ``disk_check.py``: without a VRAM budget, the disk plan's line again after pass 2, with that pass's compute
+      measured (the start-up line estimates it).
     - ``state_plan.py``: with a host RAM budget, which full fine-tuned layers keep their fp32 masters and optimizer
       state on disk (their reads and write-backs hiding behind the updates and compute left in the step), and the
       time they add.

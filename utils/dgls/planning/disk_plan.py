@@ -74,7 +74,7 @@ class DiskCosts:
     prefetch: int
     ring: int = RING
     measured: bool = False  # the compute times were measured (the VRAM planner's probe), not estimated
-    measured_on: str = ""  # where, when not by the probe (:mod:`..watching.disk_check`: "on pass 2")
+    measured_on: str = ""  # where, when not by the probe (:mod:`.disk_check`: "on pass 2")
     read_ahead: bool = True  # reads run ahead of their fetches (not with full fine-tuning: the fetch reads)
 
     @property

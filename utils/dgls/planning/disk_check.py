@@ -8,14 +8,15 @@ step's copies. That is the break-even of streaming, and far off where the activa
 added 3.4 s to. (With a VRAM budget the planner's probe measures the compute and its settled plan says the disk's
 line with it: this check is for the runs without one.)
 
-Mechanics: a :class:`~.listener.Listener` and a :class:`~..streaming.feature.Feature` of the engine. From the first
-use after the first pass ended (``between_passes``: step 2, or a sequential step's second micro-batch) to the next
-pass end, it records each use's start and its waits (the VRAM planner's :class:`~..planning.autoplan.UseRecorder`),
-so each use's compute is its time less its waits for copies and reads. At the next ``between_passes`` it waits for
-the device once, replays the disk plan's model (:func:`~..planning.disk_plan.forecast`) over those uses with the
-build's layers on disk, and says one line, ``DGLS disk plan, measured: ... (measured on pass 2) ...`` (a pass: one
-micro-batch's forward and backward). The placement stays: the
-spilled layers' bytes are in the disk file, and moving them is a re-placement this check does not make.
+Mechanics: a :class:`~..watching.listener.Listener` and a :class:`~..streaming.feature.Feature` of the engine.
+From the first use after the first pass ended (``between_passes``: step 2, or a sequential step's second
+micro-batch) to the next pass end, it records each use's start and its waits (the VRAM planner's
+:class:`~.autoplan.UseRecorder`), so each use's compute is its time less the compute stream's stalls for copies and
+reads (:class:`~..memory.copier.Wait`). At the next ``between_passes`` it waits for the device once, replays the disk
+plan's model (:func:`~.disk_plan.forecast`) over those uses with the build's layers on disk, and says one line,
+``DGLS disk plan, measured: ... (measured on pass 2) ...`` (a pass: one micro-batch's forward and backward). The
+placement stays: the spilled layers' bytes are in the disk file, and moving them is a re-placement this check does
+not make.
 
 Invariants
     - It records one pass and speaks once; after that its hooks do nothing.
@@ -30,12 +31,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..memory.copier import Wait
-from ..planning.autoplan import UseRecorder
-from ..planning.disk_plan import DiskCosts, forecast
 from ..streaming.feature import Engine, Feature
 from ..streaming.schedule import Phase
-from .listener import Listener
-from .stats import timestamp
+from ..watching.listener import Listener
+from ..watching.stats import timestamp
+from .autoplan import UseRecorder
+from .disk_plan import DiskCosts, forecast
 
 
 class DiskPlanCheck(Listener, Feature):
