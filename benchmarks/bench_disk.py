@@ -17,12 +17,16 @@ Two parts, side by side in one run:
   offload's pinned buffers are beside it.
 - The all-resident step (every layer on the device, no DGLS; ``--no_resident`` skips it): the two-stream floor's
   start.
+- ``--greedy_alone 16`` (budgets, or ``each``): those budgets' arms again with the disk plan's greedy alone, as it
+  chose before the evenly spread choice joined it (:func:`greedy_alone`): the two choices side by side.
 
     python3 benchmarks/bench_disk.py [--model flux|wan] [--budgets all,16,8] [--gib 20] [--vram_budget GIB]
         [--disk_dir DIR] [--no_resident] [--tiny]
     python3 benchmarks/bench_disk.py --model flux --gib 19 --steps 3 --warmup 1 --name disk_flux   # ~19 GiB
         streamed: what --vram_budget 8 streams (flux_accum_budget8), without its ~35 planning steps
     python3 benchmarks/bench_disk.py --model wan --steps 2 --warmup 1 --name disk_wan   # 81 frames, 8 GiB cap
+    python3 benchmarks/bench_disk.py --model wan --steps 2 --warmup 1 --no_resident --greedy_alone 16 \
+        --name disk_wan_spread    # about 12 minutes: all, 16, 8 GiB, and 16 GiB as the greedy alone chose
 
 Writes benchmarks/results/<name>.json and .md (default name disk_<model>; results/tiny/ with --tiny).
 """
@@ -30,6 +34,7 @@ Writes benchmarks/results/<name>.json and .md (default name disk_<model>; result
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -57,6 +62,7 @@ from utils.dgls.memory.disk_io import AioReader, ThreadReader, aio_handle  # noq
 from utils.dgls.memory.disk_tier import DiskFile, check_directory, default_directory  # noqa: E402
 from utils.dgls.memory.pinned import page_aligned_empty  # noqa: E402
 from utils.dgls.memory.transport import Direction  # noqa: E402
+from utils.dgls.planning import disk_plan  # noqa: E402
 from utils.dgls.streaming.tiers import RING_BUFFERS  # noqa: E402
 
 MiB = 1024**2
@@ -133,7 +139,20 @@ def read_bandwidth(directory: str | None, nbytes: int, request: int, threads: tu
         file.close()
 
 
-def run_arm(bench: Bench, device, budget: float | None, streamed, prefetch, args) -> dict:
+@contextlib.contextmanager
+def greedy_alone():
+    """While open, the disk plan chooses with its greedy alone: ``disk_plan.spread_choice`` (the evenly spread
+    candidate each cap also tries) is replaced by one that offers nothing (``choose_by_model`` skips a choice that does
+    not fit, and spilling nothing does not where it runs). Restored on exit; this benchmark's arms only."""
+    original = disk_plan.spread_choice
+    disk_plan.spread_choice = lambda candidates, position, over: []
+    try:
+        yield
+    finally:
+        disk_plan.spread_choice = original
+
+
+def run_arm(bench: Bench, device, budget: float | None, streamed, prefetch, args, greedy: bool = False) -> dict:
     place(bench.layers, device)
     resident = [s.index for s in bench.sizes if s.streamable_bytes and s.index not in streamed]
     capped = wan.runs_recipe(args) and device.type == "cuda"
@@ -148,7 +167,8 @@ def run_arm(bench: Bench, device, budget: float | None, streamed, prefetch, args
     machine.release_host_cache()
     reads = DiskReads()
     lines: list[str] = []
-    with PeakRSS() as rss:
+    chooser = greedy_alone() if greedy else contextlib.nullcontext()
+    with PeakRSS() as rss, chooser:
         with LayerSwapper(bench.layers, SwapConfig.of(**settings), device=device, log=lines.append) as swapper:
             swapper.add_listener(reads)
             # the features' checkpoint (activation offload: the wan recipe), as a trainer passes it
@@ -176,7 +196,7 @@ def run_arm(bench: Bench, device, budget: float | None, streamed, prefetch, args
             if capped:
                 wan.cap_device_memory(device, None)
     return {
-        "budget": shown(budget),
+        "budget": shown(budget) + (", greedy alone" if greedy else ""),
         "layers_on_disk": len(on_disk),
         "disk_gib": disk_gib,
         "read_gib_per_step": reads.nbytes / args.steps / GiB,
@@ -241,6 +261,12 @@ def shown(budget: float | None) -> str:
     return "all" if budget is None else f"{budget:.3g}"
 
 
+def greedy_arm(budget: float, spec: str) -> bool:
+    """Whether ``--greedy_alone`` (``spec``) names ``budget`` (or is ``each``)."""
+    named = [b.strip() for b in spec.split(",") if b.strip()]
+    return "each" in named or any(abs(float(b) - budget) < 1e-9 for b in named if b != "each")
+
+
 def tiny_budgets(bench: Bench, streamed, prefetch: int) -> list[float | None]:
     """A tiny model's budgets: all, and the ring plus a quarter and a twentieth of the streamed bytes."""
     total = bench.streamed_bytes(streamed)
@@ -271,6 +297,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--no_resident", action="store_true", help="skip the all-resident step (every layer on the device, no DGLS)"
     )
+    parser.add_argument(
+        "--greedy_alone",
+        default="",
+        help="budgets (GiB, comma list, or each) whose arm runs again with the disk plan's greedy alone",
+    )
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--name", default=None, help="results file stem (default disk_<model>)")
     parser.add_argument("--results_dir", type=Path, default=None, help="default: results/ (results/tiny/ with --tiny)")
@@ -294,7 +325,9 @@ def main(argv: list[str] | None = None) -> dict:
             budgets = [None if b.strip() == "all" else float(b) for b in args.budgets.split(",")]
         pinned = machine.pinned_bandwidth(device)
         resident = None if args.no_resident else run_resident(bench, device, args)
-        rows = [run_arm(bench, device, budget, streamed, args.prefetch, args) for budget in budgets]
+        arms = [(budget, False) for budget in budgets]
+        arms += [(budget, True) for budget in budgets if budget is not None and greedy_arm(budget, args.greedy_alone)]
+        rows = [run_arm(bench, device, budget, streamed, args.prefetch, args, greedy) for budget, greedy in arms]
         floors(rows, resident["median_step_s"] if resident else None, pinned, direct8, budgets[0] is None)
         result = {
             "benchmark": "disk",
@@ -335,6 +368,14 @@ def main(argv: list[str] | None = None) -> dict:
                     else ""
                 ),
                 *(f"host RAM budget {r['budget']}: {line}" for r in rows for line in r["plan"] + r["disk_plan"]),
+                *(
+                    [
+                        "greedy alone: the disk plan's greedy chose the layers on disk alone, as before the evenly "
+                        "spread choice joined it (each cap's faster of the two in the model: the other rows)"
+                    ]
+                    if any(greedy for _, greedy in arms)
+                    else []
+                ),  # fmt: skip
             ],
             "rows": rows,
         }

@@ -18,9 +18,16 @@ import report  # noqa: E402
 
 def test_the_disk_benchmark_measures_bandwidth_and_each_budget(tmp_path):
     out = tmp_path / "results"
-    bench_disk.main(["--tiny", "--steps", "1", "--warmup", "1", "--disk_dir", str(tmp_path), "--results_dir", str(out)])
+    argv = ["--tiny", "--steps", "1", "--warmup", "1", "--greedy_alone", "each", "--disk_dir", str(tmp_path)]
+    bench_disk.main([*argv, "--results_dir", str(out)])
     result = json.loads((out / "disk_flux.json").read_text())
     assert result["benchmark"] == "disk" and result["tiny"]
+    # --greedy_alone each: every budget's arm again, the greedy alone choosing, after the others
+    greedy = [row for row in result["rows"] if row["budget"].endswith(", greedy alone")]
+    result["rows"] = [row for row in result["rows"] if row not in greedy]
+    assert [g["budget"] for g in greedy] == [f"{r['budget']}, greedy alone" for r in result["rows"][1:]]
+    assert all(g["layers_on_disk"] > 0 for g in greedy) and any("greedy alone:" in n for n in result["notes"])
+    assert bench_disk.disk_plan.spread_choice.__name__ == "spread_choice"  # restored after the arms
     readers = [r["reader"] for r in result["read_bandwidth"]]
     assert any("1 threads" in r for r in readers) and any("8 threads" in r for r in readers)
     assert all(r["gbps"] > 0 for r in result["read_bandwidth"] if "gbps" in r)
@@ -39,7 +46,7 @@ def test_the_disk_benchmark_measures_bandwidth_and_each_budget(tmp_path):
     assert all(0 < row["training_peak_rss_gib"] <= row["peak_rss_gib"] for row in result["rows"])
     assert all_in_ram["disk_plan"] == [] and budgets[-1]["disk_plan"][0].startswith("DGLS disk plan: ")
     assert any("DGLS disk plan: " in note for note in result["notes"])  # the prediction beside the measured step
-    assert (out / "disk_flux.md").read_text() == report.render(result)
+    assert (out / "disk_flux.md").read_text() == report.render(json.loads((out / "disk_flux.json").read_text()))
     assert list(tmp_path.iterdir()) == [out]  # the bandwidth file and the disk tier's files are gone
 
 
