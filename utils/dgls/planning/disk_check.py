@@ -9,8 +9,9 @@ added 3.4 s to. (With a VRAM budget the planner's probe measures the compute and
 line with it: this check is for the runs without one.)
 
 Mechanics: a :class:`~..watching.listener.Listener` and a :class:`~..streaming.feature.Feature` of the engine.
-From the first use after the first pass ended (``between_passes``: step 2, or a sequential step's second
-micro-batch) to the next pass end, it records each use's start and its waits (the VRAM planner's
+From the first use with grad enabled after the first pass ended (step 2, or a sequential step's second micro-batch;
+not an eval forward between them, whose uses are no part of a training pass: the rule the VRAM planner's fixed probe
+keeps) to the next pass end, it records each use's start and its waits (the VRAM planner's
 :class:`~.autoplan.UseRecorder`), so each use's compute is its time less the compute stream's stalls for copies and
 reads (:class:`~..memory.copier.Wait`). At the next ``between_passes`` it waits for the device once, replays the disk
 plan's model (:func:`~.disk_plan.forecast`) over those uses with the build's layers on disk, and says one line,
@@ -19,7 +20,7 @@ placement stays: the spilled layers' bytes are in the disk file, and moving them
 not make.
 
 Invariants
-    - It records one pass and speaks once; after that its hooks do nothing.
+    - It records one training pass and speaks once (:attr:`uses` set); after that its hooks do nothing.
     - It never changes what runs: it reads timestamps, and waits for the device only when it speaks.
 """
 
@@ -37,6 +38,7 @@ from ..watching.listener import Listener
 from ..watching.stats import timestamp
 from .autoplan import UseRecorder
 from .disk_plan import DiskCosts, forecast
+from .planner import UseTiming
 
 
 class DiskPlanCheck(Listener, Feature):
@@ -55,14 +57,17 @@ class DiskPlanCheck(Listener, Feature):
         self.spilled = tuple(spilled)
         self.device = device
         self.log = log
-        self._recorder: UseRecorder | None = None
+        self._recorder: UseRecorder | None = None  # while recording, and until it spoke
         self._passes = 0  # passes ended
-        self._said = False
+        self._recorded: int | None = None  # the pass the recorder stopped at: the next step boundary speaks
+        self.uses: tuple[UseTiming, ...] | None = None  # what it measured, once it spoke
 
     def install(self, engine: Engine) -> None:
         engine.add_listener(self)
 
     def use_started(self, layer: int, phase: Phase, streamed: bool, missed: bool) -> None:
+        if self.uses is None and self._recorder is None and self._passes and torch.is_grad_enabled():
+            self._recorder = UseRecorder(self.device)  # a training pass's first use after the first pass
         if self._recorder is not None:
             self._recorder.use_started(layer, phase)
 
@@ -72,23 +77,19 @@ class DiskPlanCheck(Listener, Feature):
 
     def pass_ended(self) -> None:
         self._passes += 1
-        if self._recorder is not None:
+        if self._recorder is not None and self._recorded is None:
             self._recorder.stop(timestamp(self.device))
+            self._recorded = self._passes
 
     def between_passes(self) -> None:
-        if self._said:
+        if self._recorded is None or self.uses is not None:
             return
-        if self._recorder is None:
-            self._recorder = UseRecorder(self.device)  # records from this use to the next pass end
-            return
-        uses = self._recorder.finish()
-        self._recorder, self._said = None, True
-        if uses:
-            self.log(self.line(uses))
+        self.uses = self._recorder.finish()
+        self._recorder = None
+        if self.uses:
+            self.log(self.line(self.uses, self._recorded))
 
-    def line(self, uses) -> str:
-        """The forecast's line over ``uses`` (one pass, compute measured)."""
-        costs = dataclasses.replace(self.costs, uses=tuple(uses), measured=True, measured_on=f"on pass {self._passes}")
-        return (
-            forecast(costs, self.streamed, self.spilled).line().replace("DGLS disk plan:", "DGLS disk plan, measured:")
-        )
+    def line(self, uses: Sequence[UseTiming], on_pass: int) -> str:
+        """The forecast's line over ``uses`` (pass ``on_pass``'s, compute measured)."""
+        costs = dataclasses.replace(self.costs, uses=tuple(uses), measured=True, measured_on=f"on pass {on_pass}")
+        return forecast(costs, self.streamed, self.spilled).line()

@@ -334,8 +334,9 @@ class DiskForecast:
             if c.measured
             else "estimated from param counts, as long as the step's copies"
         )
+        head = "DGLS disk plan, measured:" if c.measured_on else "DGLS disk plan:"  # disk_check's line: its own head
         said = (
-            f"DGLS disk plan: {len(self.spilled)} of {self.streamed} streamed layers read from disk, "
+            f"{head} {len(self.spilled)} of {self.streamed} streamed layers read from disk, "
             f"{human_bytes(self.with_disk.read_bytes)} a step at {c.read_bytes_per_ms / 1e6:.2f} GB/s: disk floor "
             f"{_ms(self.floor_ms)} against {_ms(c.compute_ms)} of compute a step ({compute}); predicted step "
             f"{_ms(self.with_disk.step_ms)}, {_ms(self.in_ram.step_ms)} with every streamed layer in RAM"
