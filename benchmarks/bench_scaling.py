@@ -338,7 +338,7 @@ def pipeline_worker(args) -> None:
             wan.cap_device_memory(device, args.memory_cap_gib)
         build_s = time.perf_counter() - started
         losses: list[float] = []  # every step's, untimed ones too
-        step = scaling_pipeline.stage_step(engine, bench, losses, args.one_backward, swapper.log)
+        step = scaling_pipeline.stage_step(engine, bench, losses, swapper, args.one_backward, swapper.log)
         sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
         warm = warm_up(args, step, swapper.driver, sync, dist)
         if cuda:

@@ -176,11 +176,14 @@ def build_engine(
     return engine, placed["swapper"]
 
 
-def stage_step(engine, bench, losses: list[float], joined: bool = False, log=None) -> Callable[[], float]:
+def stage_step(engine, bench, losses: list[float], swapper, joined: bool = False, log=None) -> Callable[[], float]:
     """One training step (``train_batch``), returning its loss (the micro-batches' mean, on every stage) and
-    adding it to ``losses`` (every step's, untimed ones too). ``joined`` (``--one_backward``): each step under the
-    product's :func:`~utils.dgls.trainers.joined_backward.joined_backward`, as the demo and diffusion-pipe's
-    ``train_batch`` run it with several stages (``log``: the stage's, told once)."""
+    adding it to ``losses`` (every step's, untimed ones too). Each step is one step for the stage's ``swapper``
+    (:func:`~utils.dgls.trainers.interleaved_steps.stage_step`: with several stages the planner re-places layers
+    between steps only), as in the demo and diffusion-pipe's ``train_batch``. ``joined`` (``--one_backward``): each
+    step under the product's :func:`~utils.dgls.trainers.joined_backward.joined_backward`, as the demo and
+    diffusion-pipe's ``train_batch`` run it with several stages (``log``: the stage's, told once)."""
+    from utils.dgls.trainers import interleaved_steps
     from utils.dgls.trainers.joined_backward import SaidOnce, joined_backward
 
     data = batches(bench)
@@ -188,7 +191,8 @@ def stage_step(engine, bench, losses: list[float], joined: bool = False, log=Non
 
     def step() -> float:
         with joined_backward(engine, said.log) if joined else contextlib.nullcontext():
-            losses.append(engine.train_batch(data_iter=data).item())
+            with interleaved_steps.stage_step(engine, swapper):
+                losses.append(engine.train_batch(data_iter=data).item())
         return losses[-1]
 
     return step

@@ -71,6 +71,29 @@ def test_demo_pipeline_stages_stream_their_own_layers_and_train_exactly(tmp_path
     assert not list(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*_29500_*"))
 
 
+def test_demo_pipeline_stages_under_a_vram_budget_re_place_layers_between_steps_only(tmp_path):
+    """Two stages, 4 micro-batches a step: DeepSpeed's schedule runs stage 1's forward of micro-batch 2 before its
+    backward of micro-batch 1. The planner measures other placements from step 3 (swap units checkpointed or not);
+    re-placed between those micro-batches, micro-batch 1's recompute ran under another placement than its forward
+    (torch's CheckpointError). Re-placed between steps (utils/dgls/trainers/interleaved_steps.py), the stages train
+    what one process trains."""
+    steps, demo = 6, {"gradient_accumulation_steps": 4, "dgls": {"vram_budget": 0.002}}
+    runs = []
+    for name, launch, stages in (
+        ("one", python_cmd(), {}),
+        ("two", two_processes("dgls_train.py", "--deepspeed"), {"pipeline_stages": 2}),
+    ):
+        config = demo_toml(tmp_path / name, steps=steps, **demo, **stages)
+        proc = run_user_command([*launch, "--config", str(config)], ROOT)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        (saved,) = (tmp_path / name / "out").glob("*/adapter_model.safetensors")
+        runs.append((load_file(str(saved)), proc.stdout))
+    (one, one_out), (two, out) = runs
+    assert_same_training(two, one, out, one_out)
+    plans = [line for line in out.splitlines() if line.startswith("stage 1 of 2") and "DGLS plan (" in line]
+    assert len(plans) >= 2, out  # stage 1 measured other placements during the run
+
+
 def test_demo_full_fine_tune_in_pipeline_stages_trains_what_one_process_trains(tmp_path):
     """Every weight trains; each stage keeps its streamed layers' masters and AdamW state on the host, and the
     clipping norm is summed over the stages: the same losses and weights (up to summation order) as one

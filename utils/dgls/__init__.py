@@ -52,6 +52,10 @@ the optimizer over every trainable param (those trained on the host have no ``.g
 plan keeps resident bring step 1's), and let DGLS hear of the step before your optimizer does:
 ``clip_grad_norm_`` does, or call ``swapper.training.before_step()`` first.
 
+A loop whose micro-batches interleave (a pipeline schedule: the forward of one before the backward of the one
+before it) runs each step inside ``with swapper.one_step():``, so the planner re-places layers between steps, never
+while a micro-batch awaits its backward (DGLS's DeepSpeed trainers do this with several pipeline stages).
+
 ``SwapConfig.of`` takes each setting by its option's name (``--prefetch`` is ``prefetch``); the same settings
 grouped by the part that reads them are ``SwapConfig``'s policies (``config.placement.prefetch``,
 ``SwapConfig(placement=PlacementPolicy(blocks_to_swap=20))``, :mod:`utils.dgls.streaming.config`).

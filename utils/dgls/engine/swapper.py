@@ -24,7 +24,9 @@ Mechanics
     - The first use after a pass ended that is not inside a backward runs the features' ``between_passes``
       first: it comes after whatever the loop ran between passes (the optimizer step; with gradient
       accumulation, between micro-batches), outside autograd's callback. The planner acts there (and may
-      re-place layers: :meth:`apply_placement`).
+      re-place layers: :meth:`apply_placement`). A loop whose micro-batches interleave (a pipeline stage's forward
+      of one before the backward of the one before it) runs each step in :meth:`one_step`: the features act as
+      the block starts and not inside it.
 
 Hazards handled
     - Slot reuse. A layer's use lasts from its start until another layer's use begins. By then every kernel
@@ -34,6 +36,10 @@ Hazards handled
       :class:`~..memory.copier.OrderingError`).
     - Saved tensors of layers that are not checkpointed would keep views of a slot: :mod:`..streaming.hooks` swaps them
       for references that are re-resolved in backward.
+    - A re-placement while a micro-batch awaits its backward. Its checkpointed forward ran under one placement and
+      its recompute would run under another (other swap units checkpointed, other inputs kept), so the recompute
+      saves other tensors (torch's ``CheckpointError``; on CUDA the stage could also stall). Loops that interleave
+      micro-batches say where their step ends (:meth:`one_step`); the others end each pass with its backward.
     - State dicts read and write the true weights wherever a layer lives (:mod:`..streaming.masters`); :meth:`remove`
       puts every param and buffer back as it was (:mod:`..streaming.bindings`).
 """
@@ -102,6 +108,7 @@ class LayerSwapper:
         self._act_between_passes = [f for f in p.features if overrides(f, "between_passes")]
         self._act_after_backward = [f for f in p.features if overrides(f, "after_backward")]
         self._pass_ended = False  # a backward ended and no use outside a backward began since
+        self._in_step = False  # inside :meth:`one_step`: between_passes waits for the block's end
         self.micro_batches = 1  # of the last step, run layer-major (:mod:`.layer_major` sets it; the planner reads it)
         self._kept: frozenset[int] = frozenset()  # entries no prefetch evicts (:meth:`keep_for_repeats`)
         self._repeating = False  # uses repeat ones observed: the predictor moves without learning
@@ -158,10 +165,8 @@ class LayerSwapper:
     def use(self, idx: int, phase: Phase) -> None:
         """A use of layer ``idx`` begins: release the previous one, make this one resident, prefetch."""
         with self._lock:
-            if self._pass_ended and phase is not Phase.BACKWARD:  # after the loop's optimizer step
-                self._pass_ended = False
-                for feature in self._act_between_passes:
-                    feature.between_passes()
+            if self._pass_ended and phase is not Phase.BACKWARD and not self._in_step:  # after the optimizer step
+                self._between_passes()
             self.copier.check()
             if (idx, phase) == self._last_use:
                 return
@@ -260,6 +265,31 @@ class LayerSwapper:
         else:
             for request in requests:
                 self._fetch([request], demand=False)
+
+    def _between_passes(self) -> None:
+        """The features act on the passes ended since they last did (under the engine lock)."""
+        self._pass_ended = False
+        for feature in self._act_between_passes:
+            feature.between_passes()
+
+    @contextlib.contextmanager
+    def one_step(self) -> Iterator[None]:
+        """The passes inside the block are one step whose micro-batches interleave (DeepSpeed's pipeline schedule
+        runs a stage's forward of micro-batch 2 before the backward of micro-batch 1): the features act on the
+        passes ended before (the planner re-places layers) as the block starts, and not inside it, so never while a
+        micro-batch awaits its backward (see the module doc's hazards). Each pass still ends at its backward (the
+        features' ``after_backward``, the listeners' pass end). Not nested."""
+        with self._lock:
+            if self._in_step:
+                raise RuntimeError("one_step() is already active")
+            if self._pass_ended:  # the step before ended: act before this one starts
+                self._between_passes()
+            self._in_step = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_step = False
 
     def keep_for_repeats(self, kept: frozenset[int], repeating: bool, within: frozenset[int] | None = None) -> None:
         """Until called again: no prefetch evicts the entries ``kept`` (a demand fetch only when no other slot is free

@@ -372,7 +372,10 @@ class PlacementDriver(Listener, Feature):
       ``zero_grad`` (diffusion-pipe's DeepSpeed ``train_batch``, the demo, a library user's own
       loop alike), so no loop has to call DGLS and none can forget to. It is never autograd's
       end-of-backward callback, and never inside a backward (a pipeline's consecutive backward
-      passes are stepped together, at the next forward: :meth:`step` takes every pass ended since).
+      passes are stepped together, at the next forward: :meth:`step` takes every pass ended since). A
+      pipeline stage's micro-batches interleave (a forward before the backward of the one before): there
+      the trainer runs each step in the engine's ``one_step``, and the driver is stepped as the next step
+      starts, never while a micro-batch awaits its recompute.
       ``plan_finished`` steps it too (``--plan`` loops stop on the probe's decision, not a step later).
     - A pass that ends the run is never acted on: its decision would come with the next forward.
 

@@ -10,6 +10,8 @@ Modules
       demo's and train.py's steps, ``--layer_major``).
     - ``joined_backward.py``: with several pipeline stages, each stage's backward runs once per micro-batch for all
       the tensors it sends on (DeepSpeed 0.19's pass runs one per tensor, recomputing the stage each time).
+    - ``interleaved_steps.py``: with several pipeline stages, a stage's ``train_batch`` is one step for DGLS (its
+      micro-batches interleave: the planner re-places layers between steps only).
     - ``file_backed_casts.py``: under a host RAM budget, the dtype casts diffusion-pipe's loaders make (diffusers',
       accelerate's, ``p.data = p.data.to(dtype)``, ``Module.to(dtype)``) go to a scratch file in the disk_dir while
       the model loads, not to RAM (a torch-function mode, on only while train.py loads).
