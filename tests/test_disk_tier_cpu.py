@@ -693,3 +693,26 @@ def test_a_file_system_that_refuses_direct_io_is_read_by_threads_not_the_async_i
             reader.close()
     finally:
         file.close()
+
+
+def test_the_start_up_probe_times_reads_of_the_spilled_layers_size_after_an_untimed_one(tmp_path, monkeypatch):
+    """The disk plan's bandwidth comes from reads as training makes them (a spilled layer's size each), not from one
+    read whose threads start inside it; the first read is not timed."""
+    reads: list[int] = []
+    opened = disk_tier.open_reader
+
+    def recording(*args, **kwargs):
+        reader = opened(*args, **kwargs)
+        read = reader.read
+        reader.read = lambda dst, offset: (reads.append(dst.numel()), read(dst, offset))[1]
+        return reader
+
+    monkeypatch.setattr(disk_tier, "open_reader", recording)
+    mib = 2**20
+    gbps, name = disk_tier.probe_read_gbps(tmp_path, 8 * mib, pin=False, request=3 * mib)
+    assert gbps > 0 and "threads" in name
+    assert reads == [3 * mib, 3 * mib, 3 * mib], reads  # untimed (at most PROBE_WARM), then whole requests
+    reads.clear()
+    disk_tier.probe_read_gbps(tmp_path, 64 * mib, pin=False, request=48 * mib)
+    assert reads == [min(disk_tier.PROBE_WARM, 48 * mib), 48 * mib], reads
+    assert list(tmp_path.iterdir()) == []  # the probe's file is gone

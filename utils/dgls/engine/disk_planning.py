@@ -95,8 +95,13 @@ class DiskChoice:
         """The disk's read bandwidth and the copy bandwidth in bytes per ms, measured on the first call only."""
         if self._probed is None:
             streamed = self.placement.streamed
-            total = sum(whole_pages(self.layouts[i].host_bytes) for i in streamed)
-            self.read_gbps, _ = probe_read_gbps(self.directory, min(total, PROBE_BYTES), pin=self.device.type == "cuda")
+            sizes = [whole_pages(self.layouts[i].host_bytes) for i in streamed]
+            self.read_gbps, _ = probe_read_gbps(
+                self.directory,
+                min(sum(sizes), PROBE_BYTES),
+                pin=self.device.type == "cuda",
+                request=max(sizes, default=1),
+            )
             self._probed = (max(self.read_gbps, 1e-6) * 1e6, copy_bytes_per_ms(self.device))
         return self._probed
 
