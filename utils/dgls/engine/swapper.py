@@ -25,8 +25,8 @@ Mechanics
       first: it comes after whatever the loop ran between passes (the optimizer step; with gradient
       accumulation, between micro-batches), outside autograd's callback. The planner acts there (and may
       re-place layers: :meth:`apply_placement`). A loop whose micro-batches interleave (a pipeline stage's forward
-      of one before the backward of the one before it) runs each step in :meth:`one_step`: the features act as
-      the block starts and not inside it.
+      of one before the backward of the one before it) runs each step in :meth:`one_step`: the features act
+      at the first use after the block or as the next block starts, never inside it.
 
 Hazards handled
     - Slot reuse. A layer's use lasts from its start until another layer's use begins. By then every kernel
@@ -38,8 +38,9 @@ Hazards handled
       for references that are re-resolved in backward.
     - A re-placement while a micro-batch awaits its backward. Its checkpointed forward ran under one placement and
       its recompute would run under another (other swap units checkpointed, other inputs kept), so the recompute
-      saves other tensors (torch's ``CheckpointError``; on CUDA the stage could also stall). Loops that interleave
-      micro-batches say where their step ends (:meth:`one_step`); the others end each pass with its backward.
+      saves other tensors (torch's ``CheckpointError``), or a saved view names a layer no longer streamed. Loops
+      that interleave micro-batches say where their step ends (:meth:`one_step`); the others end each pass with its
+      backward.
     - State dicts read and write the true weights wherever a layer lives (:mod:`..streaming.masters`); :meth:`remove`
       puts every param and buffer back as it was (:mod:`..streaming.bindings`).
 """
@@ -108,7 +109,7 @@ class LayerSwapper:
         self._act_between_passes = [f for f in p.features if overrides(f, "between_passes")]
         self._act_after_backward = [f for f in p.features if overrides(f, "after_backward")]
         self._pass_ended = False  # a backward ended and no use outside a backward began since
-        self._in_step = False  # inside :meth:`one_step`: between_passes waits for the block's end
+        self._in_step = False  # inside :meth:`one_step`: the features do not act between passes
         self.micro_batches = 1  # of the last step, run layer-major (:mod:`.layer_major` sets it; the planner reads it)
         self._kept: frozenset[int] = frozenset()  # entries no prefetch evicts (:meth:`keep_for_repeats`)
         self._repeating = False  # uses repeat ones observed: the predictor moves without learning

@@ -19,8 +19,8 @@ What the engine promises
     - ``between_passes()``: under the engine lock, at the first use after a backward ended that is not inside
       a backward (the next forward or eval forward), before that use does anything: after whatever the loop
       ran between passes (the optimizer step; with gradient accumulation, between micro-batches), never in
-      autograd's callback; inside :meth:`~..engine.swapper.LayerSwapper.one_step` (micro-batches that interleave),
-      only as the next block starts. The planner acts here.
+      autograd's callback, and never inside :meth:`~..engine.swapper.LayerSwapper.one_step` (micro-batches that
+      interleave): at the first use after the block, or as the next block starts. The planner acts here.
     - ``before_placement()`` / ``placement_changed(placement, kept_activations)``: under the engine lock,
       between passes, around a re-placement (:meth:`~..engine.swapper.LayerSwapper.apply_placement`).
       ``before_placement`` runs before anything changes and may refuse with a :class:`~..errors.DGLSUserError`;

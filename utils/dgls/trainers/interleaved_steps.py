@@ -8,8 +8,9 @@ Why
       backward would change the placement while micro-batch 1 awaits its backward: its recompute would run under
       another placement than its forward and save other tensors (torch's ``CheckpointError`` on the CPU; on two
       H200s the 2-stage Flux benchmark's first stage stopped at its planner's first trial).
-    - So the stage's step runs inside :meth:`~..engine.swapper.LayerSwapper.one_step`: the planner acts at the next
-      step's first use. Each backward still ends its pass (the planner times every micro-batch's pass).
+    - So the stage's step runs inside :meth:`~..engine.swapper.LayerSwapper.one_step`: the planner acts before the
+      next step starts (or at an eval forward between steps). Each backward still ends its pass (the planner counts
+      every micro-batch's pass).
 
 With one stage the schedule runs each micro-batch's forward, then its backward: nothing changes.
 """
