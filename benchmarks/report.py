@@ -119,6 +119,12 @@ def _text(key: str) -> Cell:
     return lambda row, _result: str(row.get(key, "-"))
 
 
+def _each_step(row: dict, _result: dict) -> str:
+    """Every timed step's seconds, in order (a median of few steps hides a slow first one)."""
+    times = row.get("step_times_s") or []
+    return ", ".join(f"{t:.2f}" for t in times) or "-"
+
+
 PEAK_ALLOC = ("peak alloc GiB", _key("peak_allocated_gib", ".2f"))
 COPY_GBPS = ("copy GB/s", _key("copy_gbps", ".1f"))
 COPIED = ("copied/step GiB", _key("bytes_per_step", ".1f", scale=1 / GiB))
@@ -232,6 +238,7 @@ TABLES: dict[str, Table] = {
             ("GiB on disk", _key("disk_gib", ".1f")),
             ("GiB read/step", _key("read_gib_per_step", ".1f")),
             ("step (s)", _key("median_step_s", ".3f")),
+            ("timed steps (s)", _each_step),
             ("vs all in RAM", _key("vs_all_in_ram", ".2f", "x")),
             ("vs all-resident", _key("vs_resident", ".2f", "x")),
             ("GiB to device/step", _key("weights_in_gib_per_step", ".1f")),
