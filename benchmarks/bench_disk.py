@@ -96,16 +96,28 @@ class PeakRSS:
 
 class DiskReads(Listener):
     """Bytes the transport reads from disk (one ``copied`` event per read), and the weights it copies to the device
-    (the two-stream floor's bytes)."""
+    (the two-stream floor's bytes); each read, for the time the reader spent in it (its ``span``: set once the read
+    ran, on the disk thread, its gate waits not counted)."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self.nbytes = self.weights_in = 0
+        self.reads: list = []
 
     def copied(self, copy) -> None:
         if copy.direction is Direction.DISK_IN:
             self.nbytes += copy.nbytes
+            self.reads.append(copy)
         elif copy.direction is Direction.WEIGHTS_IN:
             self.weights_in += copy.nbytes
+
+    def busy(self) -> tuple[float, int]:
+        """Seconds the reader spent reading and the bytes of those reads (the reads that ran so far: one thread
+        reads them one after another, so their spans add up)."""
+        ran = [c for c in self.reads if c.span is not None]
+        return sum(c.span[1] - c.span[0] for c in ran), sum(c.nbytes for c in ran)
 
 
 def read_bandwidth(directory: str | None, nbytes: int, request: int, threads: tuple[int, ...]) -> list[dict]:
@@ -184,11 +196,12 @@ def run_arm(bench: Bench, device, budget: float | None, streamed, prefetch, args
                 if swapper.driver is None or swapper.driver.done:
                     break
                 time_steps(step, device, 1, 0)
-            reads.nbytes = reads.weights_in = 0
+            reads.reset()
             disk = swapper.store.disk
             taken, dropped = (disk.taken, disk.dropped) if disk is not None else (0, 0)
             with PeakRSS() as training_rss:
                 times = time_steps(step, device, 0, args.steps)[0]
+            busy_s, busy_bytes = reads.busy()
             store = swapper.store
             on_disk = store.disk_layers
             disk_gib = sum(store.layers[i].nbytes for i in on_disk) / GiB
@@ -200,6 +213,10 @@ def run_arm(bench: Bench, device, budget: float | None, streamed, prefetch, args
         "layers_on_disk": len(on_disk),
         "disk_gib": disk_gib,
         "read_gib_per_step": reads.nbytes / args.steps / GiB,
+        # the reader's time in its reads a timed step, and their rate while it read: a step's reads at less than the
+        # disk's bandwidth, with the reader busy all the step, point at the reader; idle, at what feeds it
+        "reader_busy_s_per_step": busy_s / args.steps,
+        "read_gbps_while_reading": (busy_bytes / busy_s / 1e9) if busy_s > 0 else None,
         "weights_in_gib_per_step": reads.weights_in / args.steps / GiB,
         "median_step_s": statistics.median(times),
         "step_times_s": times,
@@ -358,7 +375,9 @@ def main(argv: list[str] | None = None) -> dict:
                 "faster than that. RSS while training: the process's peak resident set during the timed steps; peak "
                 "RSS: during the whole arm (the swapper's build included, and what the arms before left in the "
                 "process: rss_at_start_gib), sampled every 20 ms. Reads ahead: fetches of a spilled layer that found "
-                "its read issued ahead, and reads ahead dropped (the order changed), per timed step.",
+                "its read issued ahead, and reads ahead dropped (the order changed), per timed step. Reader busy: "
+                "the disk thread's time in its reads a timed step (gate waits not counted); GB/s while reading: "
+                "their bytes over that time.",
                 "two-stream floor: max(all-resident step, GiB copied to the device per step / pinned host-to-device "
                 f"bandwidth, {pinned:.1f} GB/s here); floor: the larger of it and the disk floor"
                 + (

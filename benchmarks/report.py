@@ -245,6 +245,8 @@ TABLES: dict[str, Table] = {
             ("two-stream floor (s)", _key("two_stream_floor_s", ".3f")),
             ("disk floor (s)", _key("disk_floor_s", ".2f")),
             ("vs floor", _key("vs_floor", ".2f", "x")),
+            ("reader busy s a step", _key("reader_busy_s_per_step", ".2f")),
+            ("GB/s while reading", _key("read_gbps_while_reading", ".2f")),
             ("reads ahead taken / dropped a step", _reads_ahead),
             ("peak reserved GiB", _key("peak_reserved_gib", ".2f")),
             ("RSS while training GiB", _key("training_peak_rss_gib", ".1f")),

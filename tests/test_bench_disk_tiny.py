@@ -43,6 +43,9 @@ def test_the_disk_benchmark_measures_bandwidth_and_each_budget(tmp_path):
     assert budgets[-1]["weights_in_gib_per_step"] > 0  # the streamed layers' copies are counted
     # after the warm-up step the engine reads the spilled layers ahead of their fetches; RSS while training is measured
     assert budgets[-1]["reads_ahead_taken_per_step"] > 0 and all_in_ram["reads_ahead_taken_per_step"] == 0
+    # the reader's time in its reads, and their rate while it read (none without reads)
+    assert budgets[-1]["reader_busy_s_per_step"] > 0 and budgets[-1]["read_gbps_while_reading"] > 0
+    assert all_in_ram["reader_busy_s_per_step"] == 0 and all_in_ram["read_gbps_while_reading"] is None
     assert all(0 < row["training_peak_rss_gib"] <= row["peak_rss_gib"] for row in result["rows"])
     assert all_in_ram["disk_plan"] == [] and budgets[-1]["disk_plan"][0].startswith("DGLS disk plan: ")
     assert any("DGLS disk plan: " in note for note in result["notes"])  # the prediction beside the measured step
