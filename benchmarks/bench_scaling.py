@@ -454,11 +454,12 @@ def run_job(args, argv: list[str], gpus: int, name: str = "scaling", layout: str
             with open(logs[r], "w") as f:
                 command = [sys.executable, __file__, *argv, "--worker", str(r), str(gpus), port, folder]
                 procs.append(subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=job_environment(args)))
-        deadline = time.time() + args.timeout_s
+        deadline, stopped = time.time() + args.timeout_s, False
         for proc in procs:
             try:
                 proc.wait(timeout=max(1.0, deadline - time.time()))
             except subprocess.TimeoutExpired:
+                stopped = True
                 for other in procs:
                     other.kill()
                     other.wait()
@@ -470,6 +471,9 @@ def run_job(args, argv: list[str], gpus: int, name: str = "scaling", layout: str
         tails = [
             f"rank {r} (exit {procs[r].returncode}):\n{logs[r].read_text(errors='replace')[-1500:]}" for r in failed
         ]  # noqa: E501
+        if stopped:  # the last line (the row's error) says so, not what the killed ranks printed as they went
+            said = [line for line in logs[0].read_text(errors="replace").splitlines() if line.strip()] or ["-"]
+            tails.append(f"stopped after {args.timeout_s:g} s (--timeout_s); rank 0's last line: {said[-1]}")
         return [], "\n".join(tails)
 
 

@@ -420,6 +420,17 @@ def test_the_scaling_benchmark_writes_each_row_at_once(tmp_path, monkeypatch):
     assert [row["gpus"] for row in written["rows"]] == [1] and written["rows"][0]["samples_per_s"] == 1.0
 
 
+def test_a_scaling_job_stopped_at_its_timeout_says_so(tmp_path, monkeypatch):
+    """A job past --timeout_s is killed; its row's error says that, and what rank 0 printed last (the 2-stage row
+    on 2x H200 said a TCPStore error instead: what another rank printed as rank 0 was killed)."""
+    import bench_scaling
+
+    monkeypatch.setenv("DGLS_BENCH_LOGS", str(tmp_path / "logs"))
+    argv = ["--model", "flux", "--tiny", "--gpus", "1", "--timeout_s", "1", "--results_dir", str(tmp_path)]
+    (row,) = bench_scaling.main(argv)["rows"]
+    assert row["error"].startswith("stopped after 1 s (--timeout_s); rank 0's last line: "), row
+
+
 @pytest.mark.parametrize("model", ["flux", "wan"])
 def test_the_scaling_benchmark_runs_one_model_in_one_and_two_pipeline_stages(tmp_path, model):
     """bench_scaling.py --tiny --layout pipeline: the model as one stage, then as two (gloo, a process each, through
