@@ -330,7 +330,7 @@ def pipeline_worker(args) -> None:
     try:
         started = time.perf_counter()
         bench = model_builder(args.model)(args.tiny, device, dtype, args, on_meta=True)
-        log = print if rank == 0 else (lambda line: None)
+        log = print  # each stage's own lines (its planner's), in its own rank's log
         engine, swapper = scaling_pipeline.build_engine(
             args, bench, device, dtype, world, partial(stage_config, args), log
         )
