@@ -179,7 +179,7 @@ def build_engine(
 def stage_step(engine, bench, losses: list[float], swapper, joined: bool = False, log=None) -> Callable[[], float]:
     """One training step (``train_batch``), returning its loss (the micro-batches' mean, on every stage) and
     adding it to ``losses`` (every step's, untimed ones too). Each step is one step for the stage's ``swapper``
-    (:func:`~utils.dgls.trainers.interleaved_steps.stage_step`: with several stages the planner re-places layers
+    (:func:`~utils.dgls.trainers.interleaved_steps.train_batch_block`: with several stages the planner re-places layers
     between steps only), as in the demo and diffusion-pipe's ``train_batch``. ``joined`` (``--one_backward``): each
     step under the product's :func:`~utils.dgls.trainers.joined_backward.joined_backward`, as the demo and
     diffusion-pipe's ``train_batch`` run it with several stages (``log``: the stage's, told once)."""
@@ -191,7 +191,7 @@ def stage_step(engine, bench, losses: list[float], swapper, joined: bool = False
 
     def step() -> float:
         with joined_backward(engine, said.log) if joined else contextlib.nullcontext():
-            with interleaved_steps.stage_step(engine, swapper):
+            with interleaved_steps.train_batch_block(engine, swapper):
                 losses.append(engine.train_batch(data_iter=data).item())
         return losses[-1]
 

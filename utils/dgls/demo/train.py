@@ -37,7 +37,7 @@ from ..program.rendezvous import peers_arrived
 from ..program.stop_signals import stop_signal_received, stops_as
 from ..program.validate import DemoRun, accumulation_note
 from ..trainers.engine_hooks import EngineHooks
-from ..trainers.interleaved_steps import stage_step
+from ..trainers.interleaved_steps import train_batch_block
 from ..trainers.joined_backward import joined_backward
 from ..trainers.layer_major_batches import layer_major_batches
 from ..trainers.pipeline_hook import Stage, StageHook
@@ -346,7 +346,7 @@ def _train(run: DemoRun, engine, swapper, result: DemoResult, log, progress: boo
     reader = StepReader(swapper) if swapper is not None else None
     for step in bar:
         start = time.perf_counter()
-        with stage_step(engine, swapper):  # several stages: the planner acts between steps only
+        with train_batch_block(engine, swapper):  # several stages: the planner acts between steps only
             loss = engine.train_batch(data_iter=batches).item()
         reading = monitor.read()
         stats = reader.end() if reader is not None else None  # this step, every process's together

@@ -51,7 +51,7 @@ from ..training.shared_saves import SharedSaves
 from ..watching.stats import StepReader, StepStats, StepWindow
 from .engine_hooks import EngineHooks
 from .file_backed_casts import FileBackedCasts
-from .interleaved_steps import stage_step
+from .interleaved_steps import train_batch_block
 from .joined_backward import SaidOnce, joined_backward
 from .layer_major_batches import layer_major_batches
 from .pipeline_hook import Stage, StageHook
@@ -214,7 +214,7 @@ class PipelineInterception:
                 )
             start = time.perf_counter()
             self.reader.begin()  # eval passes between steps are not the step's
-            with self._layer_major(engine), stage_step(engine, self.swapper):
+            with self._layer_major(engine), train_batch_block(engine, self.swapper):
                 loss = original(engine, *args, **kwargs)
             self.steps += 1
             reading = self.monitor.read()

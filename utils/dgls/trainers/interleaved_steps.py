@@ -1,4 +1,4 @@
-"""A pipeline stage's ``train_batch`` as one step for DGLS: :func:`stage_step`.
+"""A pipeline stage's ``train_batch`` as one step for DGLS: :func:`train_batch_block`.
 
 Why
     - With several pipeline stages, DeepSpeed's ``TrainSchedule`` interleaves a stage's micro-batches (1F1B: on
@@ -13,22 +13,28 @@ Why
       every micro-batch's pass).
 
 With one stage the schedule runs each micro-batch's forward, then its backward: nothing changes.
+
+Not changed here: the planner's windows still run from one pass end to the next, so on an interleaved stage its probe
+records a mix of micro-batches (the first stage's F0 F1 B0), not one micro-batch's pass; its predictions are of that
+mix, and each trial is checked by measured step times.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
     from ..engine.swapper import LayerSwapper
 
 
-def stage_step(engine: Any, swapper: LayerSwapper | None) -> AbstractContextManager[None]:
+def train_batch_block(engine: PipelineEngine, swapper: LayerSwapper | None) -> AbstractContextManager[None]:
     """The block around one ``engine.train_batch``: :meth:`~..engine.swapper.LayerSwapper.one_step` with several
     pipeline stages (see the module doc), nothing otherwise (or without a swapper)."""
-    if swapper is None or getattr(engine, "num_stages", 1) <= 1:
+    if swapper is None or engine.num_stages == 1:
         return contextlib.nullcontext()
     return swapper.one_step()
