@@ -64,9 +64,10 @@ widths (a double block is 340M params, a single one 142M) and cuts the depth to 
 
 ``--optimizer`` takes any [optimizer] type DGLS trains streamed layers with (utils/dgls/training/optimizer_types.py:
 ``AdamW8bit``, ``Lion``, ``CAME``, ``Prodigy`` ...), built as a diffusion-pipe table ``{type, lr}`` builds it; a type
-that steps its own class runs on the CPU only (method ``dgls-auto``), and the resident method steps the same class on
-the device. Every row records the host RAM it took: the process's peak RSS (the kernel's high-water mark, and the
-largest sample after a step), the page-locked bytes, and for DGLS the optimizer state the RAM check counted beside
+that steps its own class runs it on the CPU (method ``dgls-auto``; ``AdamW8bit``'s default is the device, its class's
+own kernel, and ``dgls-torch`` keeps it on the CPU), and the resident method steps the same class on the device.
+Every row records the host RAM it took: the process's peak RSS (the kernel's high-water mark, and the largest sample
+after a step), the page-locked bytes, and for DGLS the optimizer state the RAM check counted beside
 what the host optimizers hold after the timed steps, so a table of host RAM per optimizer type is one run per type:
 
     for o in adamw AdamW8bit Lion CAME Prodigy; do python benchmarks/bench_full.py --model flux --flux_blocks 19,38 \

@@ -108,6 +108,25 @@ def test_a_per_layer_optimizer_class_streamed_on_cuda_equals_unstreamed_training
     assert_same(record, reference(template, names, "nonreentrant", **kw, host_spec=spec))
 
 
+@pytest.mark.parametrize(
+    "accumulate, release", [(1, False), (2, False), (1, True)], ids=["landings", "host-sums", "gradient-release"]
+)
+def test_adamw8bit_device_updates_with_delays_equal_its_class_on_the_gpu(template, monkeypatch, accumulate, release):
+    """``AdamW8bit`` (bitsandbytes), stepped on the device by default: each param's 8-bit codes, scales and fp32
+    master come through the updater's scratch slots and bitsandbytes' own CUDA kernel steps them, launched on the
+    legacy default stream between the in-stream's copies and the copies home, with every copy delayed. Equal,
+    bitwise, to resident training whose masters and AdamW8bit are on the GPU (the same kernel): from the bf16
+    landings (flat layers), from host sums, and with gradient_release (updates start during backward)."""
+    pytest.importorskip("bitsandbytes")
+    spec = HostOptimizerSpec.from_table({"type": "AdamW8bit", "lr": 1e-4, "weight_decay": 0.01})
+    spec = dataclasses.replace(spec, gradient_release=release)
+    assert spec.implementation == "device"
+    kw = {"accumulate": accumulate, "max_norm": None if release else MAX_NORM}
+    got, names = swapped(template, "nonreentrant", monkeypatch, **kw, spec=spec, clip_grads=not release)
+    want = reference(template, names, "nonreentrant", **kw, host_spec=spec, master_device=device())
+    assert_same(got, want)
+
+
 @pytest.mark.parametrize("clip", [True, False], ids=["clipped", "no-clipping"])
 def test_a_whole_step_optimizer_streamed_on_cuda_equals_one_instance_over_every_param(template, monkeypatch, clip):
     """Prodigy, whose step size sums over every param: one instance over the streamed layers' fp32 masters and host

@@ -278,6 +278,57 @@ def test_a_library_type_trains_streamed_layers_bitwise_as_one_optimizer_over_all
     streamed_equals_resident(spec)
 
 
+def _bitsandbytes_8bit() -> None:
+    """Skip unless bitsandbytes runs its 8-bit AdamW on the CPU (0.50 and later)."""
+    if not installed("bitsandbytes"):
+        pytest.skip("bitsandbytes is not installed")
+    try:
+        HostOptimizerSpec.from_table({"type": "AdamW8bit", "lr": 1e-2}).probe()
+    except DGLSUserError as exc:
+        pytest.skip(f"the installed bitsandbytes does not run AdamW8bit on the CPU: {exc}")
+
+
+def test_adamw8bit_steps_on_the_device_by_default_with_bitsandbytes_own_kernel_bitwise_as_its_class():
+    """``AdamW8bit``'s default is the device (its class's CPU step ran at 15 ns a param): the device updater moves
+    each param's own state (uint8 codes and their scales, or fp32 moments below ``min_8bit_size``) through its
+    scratch slots and makes the class's own calls. On the CPU those are the calls of a host step: bitwise equal to
+    one class over every param, with fp32 sums (two micro-batches) and with bf16 landings in a flat layout (one)."""
+    _bitsandbytes_8bit()
+    spec = HostOptimizerSpec.from_table({"type": "AdamW8bit", "lr": 1e-2, "min_8bit_size": 256})
+    assert spec.implementation == "device" and spec.on_device
+    assert "bitsandbytes.optim.AdamW8bit on the training device" in spec.kernel
+    layers = full_layers()
+    with LayerSwapper(layers, SwapConfig.of(host_optimizer=spec, accumulation_steps=1), device=CPU, log=None) as sw:
+        assert type(sw.training.updates).__name__ == "DeviceSide"
+        train_dgls(layers, sw, CPU, "nonreentrant", steps=1, accumulate=1)
+        states = [state for layer in sw.training.layers.values() for state in layer.optimizer.state.values()]
+        kinds = {str(state["state1"].dtype) for state in states}
+    assert kinds == {"torch.uint8", "torch.float32"}, "both of bitsandbytes' state layouts must be stepped"
+    streamed_equals_resident(spec)
+    streamed_equals_resident(spec, accumulate=1, dtype=torch.bfloat16)
+    host = dataclasses.replace(spec, implementation="torch")
+    assert "bitsandbytes.optim.AdamW8bit on the CPU" in host.kernel
+    streamed_equals_resident(host, accumulate=1, dtype=torch.bfloat16)
+
+
+def test_adamw8bit_on_the_device_saves_and_resumes_as_an_uninterrupted_run():
+    _bitsandbytes_8bit()
+    spec = HostOptimizerSpec.from_table({"type": "AdamW8bit", "lr": 1e-2, "min_8bit_size": 256})
+    resume_equals_uninterrupted(spec, torch.bfloat16, 1)
+
+
+def test_adamw8bit_settings_the_device_kernel_does_not_move_are_one_line():
+    _bitsandbytes_8bit()
+    spec = HostOptimizerSpec.from_table({"type": "AdamW8bit", "lr": 1e-2})
+    optimizer = spec.build([torch.zeros(64, 64)])
+    optimizer.is_paged = True  # paged state needs CUDA unified memory to build at all, so the CPU sets the flag alone
+    with pytest.raises(DGLSUserError, match="with is_paged \\(or max_unorm\\) .* --host_adam torch"):
+        spec.device_kernel().check(optimizer)
+    for implementation in ("split", "torch_fused"):
+        with pytest.raises(DGLSUserError, match="steps its own class on the CPU \\(torch\\) or the device"):
+            dataclasses.replace(spec, implementation=implementation)
+
+
 def test_a_per_layer_type_saves_and_resumes_as_an_uninterrupted_run(fake_type):
     resume_equals_uninterrupted(fake_type, torch.bfloat16, 1)
 

@@ -17,6 +17,8 @@ Modules
     - ``whole_step.py``: one instance of an optimizer whose step sums over every param (Prodigy ...), over a
       stage's masters and host copies of its resident params, stepped once after the backward.
     - ``optimizer_kernels.py``: the arithmetic a step runs on the GPU, one kernel per optimizer (AdamW, SGD).
+    - ``bitsandbytes_kernel.py``: ``AdamW8bit``'s step on the GPU: bitsandbytes' own kernel on its class's own
+      8-bit state, launched on the default stream between the update's copies.
     - ``device_update.py``: a layer's step on the GPU, its state streamed in and out.
     - ``update_split.py``: which layers take that step on the GPU and which on the CPU (``--host_adam split``).
     - ``speculation.py``: under clipping, steps that start before the gradient norm is known, undone and redone

@@ -103,7 +103,11 @@ class ParamUpdate:
 
 
 class Scratch:
-    """One device buffer: fp32 master, ``states`` state tensors and gradient, compute-dtype gradient and copy."""
+    """One device buffer: fp32 master, ``states`` state slots and gradient, compute-dtype gradient and copy.
+
+    A state slot is ``4 * capacity`` bytes: a chunk's params' state tensors of that slot lie in it back to back,
+    each at a 4-byte aligned offset and of at most 4 bytes per element of its param (fp32 shaped as the param,
+    bitsandbytes' uint8 codes, its fp32 scales per 256 elements), so a chunk's tensors always fit."""
 
     def __init__(self, capacity: int, device: torch.device, states: int = 2) -> None:
         self.capacity = capacity
@@ -127,6 +131,12 @@ class Scratch:
         c = self.capacity
         parts = [self.state[k * c + offset : k * c + offset + n] for k in range(2 + self.states)]
         return parts[0], parts[1:-1], parts[-1]
+
+    def slot(self, k: int, at: int, like: torch.Tensor) -> torch.Tensor:
+        """A view of slot ``k`` at byte ``at`` (4-byte aligned) with ``like``'s dtype and element count."""
+        c = self.capacity
+        raw = self.state[(1 + k) * c : (2 + k) * c].view(torch.uint8)
+        return raw[at : at + like.nbytes].view(like.dtype)
 
     def raw(self, buffer: torch.Tensor, offset: int, n: int, dtype: torch.dtype) -> torch.Tensor:
         return buffer[offset * dtype.itemsize : (offset + n) * dtype.itemsize].view(dtype)
@@ -158,7 +168,7 @@ class DeviceUpdater:
         if kernel is not None:
             self.kernel = kernel
         capacity = self.capacity_for(largest_param, largest_layer, self.capacity)
-        states = len(self.kernel.state_keys)
+        states = self.kernel.slots
         if not self.buffers or self.buffers[0].capacity < capacity or self.buffers[0].states != states:
             self.synchronize()
             self.buffers = [Scratch(capacity, self.device, states) for _ in range(2)]
@@ -175,15 +185,16 @@ class DeviceUpdater:
     def reserved_bytes(cls, largest_param: int, largest_layer: int, kernel: OptimizerKernel) -> int:
         """The device bytes :meth:`reserve` allocates for these sizes and ``kernel`` (the VRAM planner's figure)."""
         capacity = cls.capacity_for(largest_param, largest_layer)
-        return 2 * Scratch.bytes_for(capacity, len(kernel.state_keys))
+        return 2 * Scratch.bytes_for(capacity, kernel.slots)
 
     def forget(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer``'s layer no longer trains here (the VRAM planner made it resident): unpin its state."""
         for state in optimizer.state.values():
-            for key in self.kernel.state_keys:
+            for key in self.kernel.keys_of(state) if state else ():
                 if isinstance(state.get(key), torch.Tensor):
                     self._memory.free(state[key])
 
+    @torch.no_grad()  # an own class's masters require grad (as train.py's params do), and are written in place
     def update(
         self,
         optimizer: torch.optim.Optimizer,
@@ -215,7 +226,7 @@ class DeviceUpdater:
         asynchronous)."""
         state = optimizer.state[master]
         if not state:
-            self.kernel.new_state(state, master.shape, self._memory.zeros)
+            self.kernel.create_state(optimizer, master, self._memory.zeros)
         return state
 
     def _count_step(self, state: dict) -> float:
@@ -228,8 +239,9 @@ class DeviceUpdater:
     def prepare(self, optimizer: torch.optim.Optimizer, flat: FlatLayer | None = None) -> None:
         """Create every param's state now (pinned), so a host step of the same optimizer finds it there and
         a later device step can copy it asynchronously (an update split between the two). With ``flat``,
-        the state tensors are views of its flat buffers (``flat.state``, placed by the training layout)."""
-        if flat is not None:
+        the state tensors are views of its flat buffers (``flat.state``, placed by the training layout), where the
+        kernel's state can be flat."""
+        if flat is not None and self.kernel.flat:
             for fp in flat.params:
                 state = optimizer.state[fp.master]
                 if self.kernel.counts_steps:
@@ -246,7 +258,7 @@ class DeviceUpdater:
     ) -> None:
         """After a checkpoint load replaced the state tensors (``replaced``: the ones it dropped): copy them into the
         flat buffers (``flat``), or pin them where they are."""
-        if flat is None:
+        if flat is None or not self.kernel.flat:
             self.pin_state(optimizer, replaced)
             return
         for fp in flat.params:
@@ -338,18 +350,22 @@ class DeviceUpdater:
         buf = self._next_buffer()
         steps = [step for _, step in chunk]
         group = items[0].group
-        keys = self.kernel.state_keys
+        keys = [self.kernel.keys_of(optimizer.state[p.master]) for p in items]
         with self._coming_in(buf, after, previous) as came_in:
-            masters, states, grads = [], [[] for _ in keys], []
-            offset = 0
-            for p in items:
+            masters, states, grads = [], [], []
+            offset, at = 0, [0] * buf.states  # elements into master and gradient; bytes into each state slot
+            for p, names in zip(items, keys):
                 n = p.master.numel()
-                m, views, g = buf.views(offset, n)
+                m, _, g = buf.views(offset, n)
                 state = optimizer.state[p.master]
                 m.copy_(p.master.view(-1), non_blocking=True)
-                for key, s, listed in zip(keys, views, states):
-                    s.copy_(state[key].view(-1), non_blocking=True)
-                    listed.append(s)
+                views = []
+                for k, key in enumerate(names):
+                    host = state[key].view(-1)
+                    s = buf.slot(k, at[k], host)
+                    s.copy_(host, non_blocking=True)
+                    at[k] += -(-host.nbytes // 4) * 4
+                    views.append(s)
                 if p.grad.dtype == torch.float32:
                     g.copy_(p.grad.view(-1), non_blocking=True)
                 else:
@@ -357,16 +373,21 @@ class DeviceUpdater:
                     raw.copy_(p.grad.view(-1), non_blocking=True)
                     g.copy_(raw)
                 masters.append(m)
+                states.append(views)
                 grads.append(g)
                 offset += n
-            fp32 = 4 * (1 + len(keys))  # master and state bytes a param
-            came_in.nbytes = sum(fp32 * p.master.numel() + p.grad.nbytes for p in items)  # master, state, gradient
+            state_bytes = [sum(s.nbytes for s in views) for views in states]
+            # master, state, gradient
+            came_in.nbytes = sum(4 * p.master.numel() + b + p.grad.nbytes for p, b in zip(items, state_bytes))
             if coef is not None:
                 scale_(grads, _to_device(coef, self.device))
-            step_tensors = []
-            if self.kernel.counts_steps:
-                step_tensors = list(_to_device(torch.tensor(steps, dtype=torch.float32), self.device).unbind())
-            self.kernel.step(masters, grads, states, step_tensors, group, lr)
+            step_values: list = []
+            if self.kernel.counts_steps and self.kernel.steps_on_device:
+                step_values = list(_to_device(torch.tensor(steps, dtype=torch.float32), self.device).unbind())
+            elif self.kernel.counts_steps:
+                step_values = [int(step) for step in steps]
+            hosts = [p.master for p in items]
+            self.kernel.step_params(optimizer, hosts, masters, grads, states, step_values, group, lr)
             outs = []
             offset = 0
             for p, m in zip(items, masters):
@@ -379,16 +400,17 @@ class DeviceUpdater:
                     outs.append(None)
                 offset += n
         with self._going_home(came_in) as home:
-            for k, (p, m, out) in enumerate(zip(items, masters, outs)):
+            for p, m, views, names, out in zip(items, masters, states, keys, outs):
                 state = optimizer.state[p.master]
-                targets = p.home if p.home is not None else (p.master, *(state[key] for key in keys))
+                targets = p.home if p.home is not None else (p.master, *(state[key] for key in names))
                 targets[0].view(-1).copy_(m, non_blocking=True)
-                for target, listed in zip(targets[1:], states):
-                    target.view(-1).copy_(listed[k], non_blocking=True)
+                for target, view in zip(targets[1:], views):
+                    target.view(-1).copy_(view, non_blocking=True)
                 if out is not None:
                     p.packed.view(-1).copy_(out, non_blocking=True)
             home.nbytes = sum(
-                fp32 * m.numel() + (p.packed.nbytes if p.packed is not None else 0) for p, m in zip(items, masters)
+                4 * m.numel() + b + (p.packed.nbytes if p.packed is not None else 0)
+                for p, m, b in zip(items, masters, state_bytes)
             )
         return self._home(buf, came_in, home, sum(p.master.numel() for p in items))
 
@@ -428,7 +450,7 @@ class DeviceUpdater:
         for old in replaced:
             self._memory.free(old)
         for state in optimizer.state.values():
-            for key in self.kernel.state_keys:
+            for key in self.kernel.keys_of(state) if state else ():
                 if state.get(key) is not None:
                     state[key] = self._memory.copy_of(state[key])
 

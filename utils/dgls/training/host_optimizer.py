@@ -37,7 +37,10 @@ builds the same optimizer over every param (:meth:`build` accepts any param list
 with the defaults of the class diffusion-pipe builds for each. Every other type is decided in
 :data:`.optimizer_types.TYPES`: a per-param optimizer (8-bit AdamW, StableAdamW, Lion, schedule-free ...) runs its own
 class, built once per layer on the masters with the table's values as train.py passes them (``options``) and stepped
-on the CPU only (``--host_adam`` device, split, torch_fused or deepspeed with it is one line); one whose step sums over
+on the CPU (``--host_adam torch``), or, for a type with a device kernel (``AdamW8bit``: bitsandbytes' own CUDA kernel,
+:mod:`.bitsandbytes_kernel`), on the device by default (``--host_adam device``), its state streamed from host memory
+as AdamW's is (bitsandbytes' CPU step ran at 15 ns a param: benchmarks/results/full_flux_small_AdamW8bit.md); other
+``--host_adam`` values with an own class are one line. One whose step sums over
 every param (Prodigy, D-Adaptation) runs its own class once over every trained param, stepped after the backward
 (:mod:`.whole_step`); the others are refused by name there, never replaced by something else. ``offload`` (torchao's
 CPU offload of ``torch.optim.AdamW(fused=True)``) runs as ``adamw``. The masters an own class gets require grad, as
@@ -177,7 +180,12 @@ class HostOptimizerSpec:
 
     def __post_init__(self) -> None:
         if self.implementation == "auto":  # the fastest measured for each optimizer (see the module doc)
-            fastest = "split" if self.type == "adamw" else "torch" if self.own_class else "torch_fused"
+            if self.type == "adamw":
+                fastest = "split"
+            elif self.own_class:
+                fastest = "device" if self.class_on_device else "torch"
+            else:
+                fastest = "torch_fused"
             object.__setattr__(self, "implementation", fastest)
         if self.type not in HOST_OPTIMIZERS and not self.own_class:
             raise DGLSUserError(
@@ -190,11 +198,12 @@ class HostOptimizerSpec:
                 f"host optimizer implementation must be one of {', '.join(IMPLEMENTATIONS)}, "
                 f"got {self.implementation!r}"
             )
-        if self.own_class and self.implementation != "torch":
+        if self.own_class and self.implementation not in ("torch", "device" if self.class_on_device else "torch"):
             how = "one per layer" if self.per_layer else "one over every param"
+            where = "on the CPU (torch) or the device (device)" if self.class_on_device else "on the CPU"
             raise DGLSUserError(
                 f"--host_adam {self.implementation} picks DGLS's AdamW or SGD kernel, and [optimizer] type = "
-                f"{self.type!r} steps its own class on the CPU, {how}: drop --host_adam, or use type = 'adamw'"
+                f"{self.type!r} steps its own class {where}, {how}: drop --host_adam, or use type = 'adamw'"
             )
         if self.whole_step and self.gradient_release:
             raise DGLSUserError(
@@ -220,6 +229,12 @@ class HostOptimizerSpec:
         """The type's own class, one instance over every trained param, steps once after the backward
         (:mod:`.whole_step`)."""
         return self.type in optimizer_types.WHOLE_STEP
+
+    @property
+    def class_on_device(self) -> bool:
+        """The type's own class has a device kernel (:data:`.optimizer_types.TYPES`' ``on_device``)."""
+        entry = optimizer_types.TYPES.get(self.type)
+        return self.per_layer and entry is not None and entry.on_device
 
     @property
     def own_class(self) -> bool:
@@ -298,7 +313,12 @@ class HostOptimizerSpec:
         """The optimizer class that runs, in words (for the start-up line)."""
         if self.own_class:
             entry = optimizer_types.TYPES[self.type]
-            if self.per_layer:
+            if self.per_layer and self.on_device:
+                name = (
+                    f"{entry.class_name} on the training device (the class's own kernel on its own state, streamed "
+                    "from host memory), one per layer, stepped as its gradients land"
+                )
+            elif self.per_layer:
                 name = f"{entry.class_name} on the CPU, one per layer, stepped as its gradients land"
             else:
                 name = (
@@ -408,6 +428,8 @@ class HostOptimizerSpec:
                 optimizer.step()
             except Exception as exc:  # any failure of a class DGLS did not write: said in one line, with its error
                 raise self._step_failure(exc) from None
+        if self.on_device:  # settings whose state the device kernel does not move: one line now
+            self.device_kernel().check(optimizer)
 
     def _step_failure(self, exc: Exception) -> DGLSUserError:
         """The one line for an own class that fails a step on the CPU (``exc``: its error)."""

@@ -6,19 +6,28 @@ here, behind :class:`OptimizerKernel`. A second optimizer on the device is one m
 
 Contract of a kernel
     - ``state_keys``: the per-param fp32 tensors, shaped as the param, that the kernel reads and writes
-      (the keys of ``torch.optim.<Optimizer>.state[param]``, so checkpoints are the host optimizer's).
+      (the keys of ``torch.optim.<Optimizer>.state[param]``, so checkpoints are the host optimizer's); a flat
+      layer's buffers (:class:`~.device_update.FlatLayer`) hold them, where ``flat`` is true.
+    - :meth:`OptimizerKernel.keys_of`: the keys of one param's state tensors that the updater moves in and out,
+      in slot order (``state_keys`` by default); ``slots`` of them at most, each tensor of at most 4 bytes per
+      element of the param (what a :class:`~.device_update.Scratch` slot holds).
     - ``counts_steps``: the state holds a float32 ``"step"`` scalar per param, kept on the host and
       incremented by the updater before the kernel runs.
     - :meth:`OptimizerKernel.new_state` creates a param's state as ``torch.optim.<Optimizer>(fused=True)``
       would on its first step, with the tensors from ``zeros`` (pinned by the caller on CUDA).
     - :meth:`OptimizerKernel.step` is ``torch.optim.<Optimizer>(fused=True)``'s kernel on the lists given,
       with one param group's hyper-parameters: the same numbers as that optimizer on the same device.
+      :meth:`OptimizerKernel.step_params` is what the updater calls: it hands each param's state tensors to
+      ``step`` by slot, or (a kernel of an optimizer's own class) steps each param as that class would.
 
 Kernels
     - :class:`AdamWKernel`: torch's fused AdamW kernel; two moments, a step count.
     - :class:`SGDKernel`: torch's fused SGD kernel; a momentum buffer when momentum is set, no step count.
       The buffer is created as zeros and every step runs as a later one (``is_first_step=False``): with
       dampening 0 (the only one DGLS builds), ``0 * momentum + grad`` is the first step's ``grad``, bitwise.
+    - :class:`~.bitsandbytes_kernel.Bitsandbytes8bitKernel`: bitsandbytes' own AdamW8bit step
+      (``[optimizer] type = 'AdamW8bit'``) on the tensors of the class's own state: not flat, its step count a
+      Python int.
 
 Private torch APIs
     - The fused kernels are private torch functions: they are called through :mod:`..torch_private`.
@@ -51,6 +60,43 @@ class OptimizerKernel(ABC):
 
     state_keys: tuple[str, ...]
     counts_steps: bool
+    flat = True  # its state can live in a flat layer's fp32 buffers (``state_keys``, shaped as the param)
+    steps_on_device = True  # step counts reach the kernel as fp32 scalars on the device (else as Python ints)
+
+    @property
+    def slots(self) -> int:
+        """State tensors a param has at most (the updater's scratch slots)."""
+        return len(self.state_keys)
+
+    def check(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raise one line if ``optimizer`` (built as the run builds it) has settings this kernel does not step."""
+        return None
+
+    def keys_of(self, state: dict) -> tuple[str, ...]:
+        """The keys of one param's state tensors that move to the device and home, in slot order."""
+        return self.state_keys
+
+    def create_state(self, optimizer: torch.optim.Optimizer, master: torch.Tensor, zeros: Zeros) -> None:
+        """Fill ``master``'s empty state in ``optimizer`` as the optimizer's first step would (tensors from
+        ``zeros``: pinned by the caller on CUDA)."""
+        self.new_state(optimizer.state[master], master.shape, zeros)
+
+    def step_params(
+        self,
+        optimizer: torch.optim.Optimizer,
+        hosts: list[torch.Tensor],
+        masters: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: list[list[torch.Tensor]],
+        steps: list,
+        group: dict,
+        lr: float | None,
+    ) -> None:
+        """Step ``masters`` (the device's copies of ``hosts``, the optimizer's keys) with ``grads``; ``states[i]``:
+        param i's state tensors (:meth:`keys_of`) on the device; ``steps``: their counts after the increment
+        (device scalars, or Python ints where ``steps_on_device`` is false). By default :meth:`step` over the
+        tensors by slot."""
+        self.step(masters, grads, [list(slot) for slot in zip(*states)] if states else [], steps, group, lr)
 
     def new_state(self, state: dict, shape: torch.Size, zeros: Zeros) -> None:
         """Fill a param's empty state dict as the fused torch optimizer's first step would."""
@@ -121,9 +167,14 @@ class SGDKernel(OptimizerKernel):
 
 
 def kernel_for(kind: str, momentum: float = 0.0) -> OptimizerKernel:
-    """The kernel of a host optimizer type (:data:`~.host_optimizer.HOST_OPTIMIZERS`)."""
+    """The kernel of a host optimizer type (:data:`~.host_optimizer.HOST_OPTIMIZERS`), or of an own class's type
+    that has one on the device (:data:`~.optimizer_types.TYPES`' ``on_device``)."""
     if kind == "adamw":
         return AdamWKernel()
     if kind == "sgd":
         return SGDKernel(momentum)
+    if kind == "adamw8bit":
+        from .bitsandbytes_kernel import Bitsandbytes8bitKernel
+
+        return Bitsandbytes8bitKernel()
     raise ValueError(f"no device kernel for optimizer type {kind!r}")

@@ -12,7 +12,9 @@ Streamed layers' params train on the host, on fp32 masters. :data:`TYPES` record
   land. That gives each param the update one optimizer over every param gives it exactly when the step is *per
   param*: each param's update reads only that param's gradient and state, and group values that every layer's
   optimizer holds alike (lr, betas, a step count that advances once a step; schedule-free's ``weight_sum`` and
-  ``lr_max``, which follow from the step count and the lr);
+  ``lr_max``, which follow from the step count and the lr). A type marked ``on_device`` (``AdamW8bit``) steps its
+  class's own kernel on the training device by default, its state streamed from host memory
+  (:mod:`.bitsandbytes_kernel`); ``--host_adam torch`` keeps it on the CPU;
 - ``whole_step``: the class reads sums over every param in its step (Prodigy's and D-Adaptation's step size d):
   one instance over every trained param of the pipeline stage, as train.py's one optimizer is, stepped once after
   the backward (:mod:`.whole_step`);
@@ -58,6 +60,8 @@ class OptimizerType:
     # per_layer: state keys train.py's logging reads from its own instance for every param (Automagic's avg_lr),
     # which DGLS copies there for the streamed params (HostTraining.mirror_logged_state)
     logged_state: tuple[str, ...] = ()
+    # per_layer: the class's step has a device kernel (.optimizer_kernels.kernel_for) that steps its own state
+    on_device: bool = False
 
     @property
     def from_checkout(self) -> bool:
@@ -91,6 +95,7 @@ TYPES: dict[str, OptimizerType] = {
         BNB,
         note="its moments blockwise 8-bit",
         fallback="'adamw' (bitsandbytes runs 8-bit optimizers on the CPU from version 0.50)",
+        on_device=True,
     ),
     "adamw8bitkahan": OptimizerType(
         "per_layer",

@@ -310,7 +310,8 @@ class DeviceSide(Updater):
         spare = speculated.spare if speculated is not None else None
         if speculated is not None:
             speculation.before_device_update(speculated)
-        if layer.flat is not None and direct is not None and len(direct.params) == len(layer.params):
+        flat = layer.flat is not None and self.updater.kernel.flat  # else the kernel's state is not in flat buffers
+        if flat and direct is not None and len(direct.params) == len(layer.params):
             into = (spare.masters, spare.state) if spare is not None else None
             done = self.updater.update_flat(layer.optimizer, layer.flat, coef, lr, after, previous, into)
         else:

@@ -1,0 +1,181 @@
+"""bitsandbytes' 8-bit AdamW step on the device: ``[optimizer] type = 'AdamW8bit'`` for streamed layers.
+
+Why
+    diffusion-pipe's ``AdamW8bit`` is ``bitsandbytes.optim.AdamW8bit``: two moments kept as blockwise 8-bit codes
+    (2 bytes a param with their scales, against AdamW's 8), the state that brings a Flux-dev full fine-tune's host
+    RAM within 128 GiB (benchmarks/results/host_ram_flux.md). On the host its step is bitsandbytes' CPU code,
+    whose (de)quantization ran on one core: 15 ns a param on the lent machine's 32 cores, 20 s a step for 1.3B
+    trained params (benchmarks/results/full_flux_small_AdamW8bit.md), three minutes for Flux-dev's 11.9B. On the
+    device the same class's CUDA kernel steps a param in one pass over its bytes.
+
+What runs
+    The layer's own ``AdamW8bit`` (built on the host masters, as for host updates) keeps the state and the
+    hyper-parameters; checkpoints are its own. Each step, :class:`~.device_update.DeviceUpdater` copies a param's
+    master, gradient and state tensors (:meth:`Bitsandbytes8bitKernel.keys_of`) into its scratch, and
+    :meth:`Bitsandbytes8bitKernel.step_params` makes the calls the class's ``update_step`` makes, with the class's
+    own config (:meth:`get_config`): ``optimizer_update_8bit_blockwise`` for a param with 8-bit state,
+    ``optimizer_update_32bit`` for one below ``min_8bit_size`` (bitsandbytes keeps those moments in fp32). State
+    is created by the class's ``init_state``, then page-locked. The numbers are the class's on that device: on
+    the CPU (tests) bitwise those of a host update.
+
+Layout of a param's state (the class's): ``state1``, ``state2`` (uint8 codes shaped as the param, or fp32 below
+``min_8bit_size``), ``absmax1``, ``absmax2`` (fp32, one per 256 elements; 8-bit only), ``qmap1``, ``qmap2`` (the
+256 code values; one pair shared by every param of a layer's optimizer, copied to the device once), ``step``
+(a Python int, counted by the updater before the kernel runs).
+
+Hazards handled
+    - bitsandbytes launches its CUDA kernels on the device's legacy default stream, not on torch's current
+      stream (the updater's in-stream): around the calls the default stream waits for the in-stream's copies,
+      and the in-stream (the copies home) waits for the default stream's kernels. The default stream is the
+      training's compute stream, which thereby waits at that point for the update's copies in.
+    - Settings bitsandbytes' kernels read from extra state (paged state, ``max_unorm``'s norm vector) are not
+      built by DGLS; a class with them is refused by :func:`check_class` (the start-up probe, and its first step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from ..errors import DGLSUserError
+from .optimizer_kernels import OptimizerKernel, Zeros
+
+BLOCK_STATE = ("state1", "state2", "absmax1", "absmax2")  # a param with 8-bit moments
+FULL_STATE = ("state1", "state2")  # a param below min_8bit_size: fp32 moments
+
+
+def check_class(optimizer: torch.optim.Optimizer) -> None:
+    """One line for an ``AdamW8bit`` built with a setting whose state the device update does not move: paged
+    state (``is_paged``, CUDA unified memory) or a ``max_unorm`` norm vector (set through bitsandbytes' ``args``)."""
+    if getattr(optimizer, "is_paged", False) or getattr(getattr(optimizer, "args", None), "max_unorm", 0.0) > 0.0:
+        raise DGLSUserError(
+            "[optimizer] type = 'AdamW8bit' with is_paged (or max_unorm) keeps state the device update does not "
+            "move: drop it (DGLS keeps the state in host memory), or pass --host_adam torch (its class on the CPU)"
+        )
+
+
+class Bitsandbytes8bitKernel(OptimizerKernel):
+    """``bitsandbytes.optim.AdamW8bit``'s step on the tensors of its own state (see the module doc)."""
+
+    state_keys = ()  # none of its state is fp32 shaped as the param for every param: no flat layer holds it
+    counts_steps = True
+    flat = False
+    steps_on_device = False
+
+    def __init__(self) -> None:
+        self._maps: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def slots(self) -> int:
+        return len(BLOCK_STATE)
+
+    def check(self, optimizer: torch.optim.Optimizer) -> None:
+        check_class(optimizer)
+
+    def keys_of(self, state: dict) -> tuple[str, ...]:
+        return BLOCK_STATE if state["state1"].dtype == torch.uint8 else FULL_STATE
+
+    def new_state(self, state: dict, shape: torch.Size, zeros: Zeros) -> None:
+        raise AssertionError("bitsandbytes' state is made by its class (create_state)")
+
+    def create_state(self, optimizer: torch.optim.Optimizer, master: torch.Tensor, zeros: Zeros) -> None:
+        check_class(optimizer)
+        gindex, pindex = _index(optimizer)[id(master)]
+        optimizer.init_state(optimizer.param_groups[gindex], master, gindex, pindex)
+        state = optimizer.state[master]
+        for key in BLOCK_STATE:
+            if key in state:
+                state[key] = zeros(state[key].shape, state[key].dtype).copy_(state[key])
+
+    def step(self, masters, grads, state, steps, group, lr) -> None:
+        raise AssertionError("bitsandbytes' kernel steps each param with its own state (step_params)")
+
+    def step_params(self, optimizer, hosts, masters, grads, states, steps, group, lr) -> None:
+        from bitsandbytes import functional
+
+        where = _index(optimizer)
+        with _on_default_stream(masters[0].device if masters else None):
+            for host, m, g, tensors, step in zip(hosts, masters, grads, states, steps):
+                gindex, pindex = where[id(host)]
+                config = optimizer.get_config(gindex, pindex, group)
+                betas = config["betas"]
+                beta3 = betas[2] if len(betas) >= 3 else 0.0
+                rate = config["lr"] if lr is None else lr
+                if len(tensors) == len(BLOCK_STATE):
+                    state1, state2, absmax1, absmax2 = tensors
+                    qmap1, qmap2 = self._qmaps(optimizer.state[host], m.device)
+                    functional.optimizer_update_8bit_blockwise(
+                        optimizer.optimizer_name,
+                        g,
+                        m,
+                        state1,
+                        state2,
+                        betas[0],
+                        betas[1],
+                        beta3,
+                        config.get("alpha", 0.0),
+                        config["eps"],
+                        int(step),
+                        rate,
+                        qmap1,
+                        qmap2,
+                        absmax1,
+                        absmax2,
+                        config["weight_decay"],
+                        gnorm_scale=1.0,
+                        skip_zeros=config["skip_zeros"],
+                    )
+                else:
+                    state1, state2 = tensors
+                    functional.optimizer_update_32bit(
+                        optimizer.optimizer_name,
+                        g,
+                        m,
+                        state1,
+                        betas[0],
+                        config["eps"],
+                        int(step),
+                        rate,
+                        state2,
+                        betas[1],
+                        beta3,
+                        config.get("alpha", 0.0),
+                        config["weight_decay"],
+                        1.0,
+                        None,
+                        max_unorm=0.0,
+                        skip_zeros=config["skip_zeros"],
+                    )
+
+    def _qmaps(self, state: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The param's two code maps on ``device``: copied once per map pair (a layer's optimizer shares one)."""
+        host1, host2 = state["qmap1"], state["qmap2"]
+        key = (id(host1), device)
+        if key not in self._maps:  # the host map is held with its copies: its id stays this key's
+            on = [t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t for t in (host1, host2)]
+            self._maps[key] = (host1, on[0], on[1])
+        return self._maps[key][1:]
+
+
+def _index(optimizer: torch.optim.Optimizer) -> dict[int, tuple[int, int]]:
+    """Each param's (group index, index in its group), as bitsandbytes' ``get_config`` and ``init_state`` take."""
+    return {id(p): (g, i) for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])}
+
+
+@contextlib.contextmanager
+def _on_default_stream(device: torch.device | None) -> Iterator[None]:
+    """bitsandbytes' kernels, launched on the legacy default stream, ordered after the current stream's work so
+    far and before its work after (see the module doc's hazards)."""
+    if device is None or device.type != "cuda":
+        yield
+        return
+    current = torch.cuda.current_stream(device)
+    legacy = torch.cuda.default_stream(device)
+    if current == legacy:
+        yield
+        return
+    legacy.wait_stream(current)
+    yield
+    current.wait_stream(legacy)
