@@ -19,6 +19,9 @@ Two parts, side by side in one run:
   start.
 - ``--greedy_alone 16`` (budgets, or ``each``): those budgets' arms again with the disk plan's greedy alone, as it
   chose before the evenly spread choice joined it (:func:`greedy_alone`): the two choices side by side.
+- ``--ring 4 --ring_budgets 16``: those budgets' arms again with 4 staging buffers instead of the tier's
+  ``RING_BUFFERS`` (:func:`ring_of`): how far the reads may run ahead, side by side (the ring counts against the
+  budget, and the disk plan models it, so the layers on disk may differ).
 
     python3 benchmarks/bench_disk.py [--model flux|wan] [--budgets all,16,8] [--gib 20] [--vram_budget GIB]
         [--disk_dir DIR] [--no_resident] [--tiny]
@@ -27,6 +30,8 @@ Two parts, side by side in one run:
     python3 benchmarks/bench_disk.py --model wan --steps 2 --warmup 1 --name disk_wan   # 81 frames, 8 GiB cap
     python3 benchmarks/bench_disk.py --model wan --steps 2 --warmup 1 --no_resident --greedy_alone 16 \
         --name disk_wan_spread    # about 12 minutes: all, 16, 8 GiB, and 16 GiB as the greedy alone chose
+    python3 benchmarks/bench_disk.py --model wan --budgets all,16 --steps 4 --warmup 1 --no_resident --ring 4 \
+        --ring_budgets 16 --name disk_wan_ring   # 16 GiB with 2 and with 4 staging buffers
 
 Writes benchmarks/results/<name>.json and .md (default name disk_<model>; results/tiny/ with --tiny).
 """
@@ -58,6 +63,7 @@ from timing import time_steps  # noqa: E402
 from units import GiB  # noqa: E402
 
 from utils.dgls import LayerSwapper, Listener, SwapConfig  # noqa: E402
+from utils.dgls.engine import build, disk_planning  # noqa: E402
 from utils.dgls.memory.disk_io import AioReader, ThreadReader, aio_handle  # noqa: E402
 from utils.dgls.memory.disk_tier import DiskFile, check_directory, default_directory  # noqa: E402
 from utils.dgls.memory.pinned import page_aligned_empty  # noqa: E402
@@ -164,7 +170,25 @@ def greedy_alone():
         disk_plan.spread_choice = original
 
 
-def run_arm(bench: Bench, device, budget: float | None, streamed, prefetch, args, greedy: bool = False) -> dict:
+@contextlib.contextmanager
+def ring_of(buffers: int | None):
+    """While open, the disk tier's staging ring has ``buffers`` buffers (None: the tier's ``RING_BUFFERS``): the two
+    module names the engine reads it from when it plans and builds the tier are set, and restored on exit; this
+    benchmark's arms only."""
+    if buffers is None:
+        yield
+        return
+    saved = build.RING_BUFFERS, disk_planning.RING_BUFFERS
+    build.RING_BUFFERS = disk_planning.RING_BUFFERS = buffers
+    try:
+        yield
+    finally:
+        build.RING_BUFFERS, disk_planning.RING_BUFFERS = saved
+
+
+def run_arm(
+    bench: Bench, device, budget: float | None, streamed, prefetch, args, greedy: bool = False, ring: int | None = None
+) -> dict:
     place(bench.layers, device)
     resident = [s.index for s in bench.sizes if s.streamable_bytes and s.index not in streamed]
     capped = wan.runs_recipe(args) and device.type == "cuda"
@@ -180,7 +204,7 @@ def run_arm(bench: Bench, device, budget: float | None, streamed, prefetch, args
     reads = DiskReads()
     lines: list[str] = []
     chooser = greedy_alone() if greedy else contextlib.nullcontext()
-    with PeakRSS() as rss, chooser:
+    with PeakRSS() as rss, chooser, ring_of(ring):
         with LayerSwapper(bench.layers, SwapConfig.of(**settings), device=device, log=lines.append) as swapper:
             swapper.add_listener(reads)
             # the features' checkpoint (activation offload: the wan recipe), as a trainer passes it
@@ -198,6 +222,7 @@ def run_arm(bench: Bench, device, budget: float | None, streamed, prefetch, args
                 time_steps(step, device, 1, 0)
             reads.reset()
             disk = swapper.store.disk
+            buffers = len(disk.ring.buffers) if disk is not None else 0
             taken, dropped = (disk.taken, disk.dropped) if disk is not None else (0, 0)
             with PeakRSS() as training_rss:
                 times = time_steps(step, device, 0, args.steps)[0]
@@ -209,7 +234,8 @@ def run_arm(bench: Bench, device, budget: float | None, streamed, prefetch, args
             if capped:
                 wan.cap_device_memory(device, None)
     return {
-        "budget": shown(budget) + (", greedy alone" if greedy else ""),
+        "budget": shown(budget) + (", greedy alone" if greedy else "") + (f", ring of {ring}" if ring else ""),
+        "staging_buffers": buffers,
         "layers_on_disk": len(on_disk),
         "disk_gib": disk_gib,
         "read_gib_per_step": reads.nbytes / args.steps / GiB,
@@ -279,15 +305,15 @@ def shown(budget: float | None) -> str:
 
 
 def greedy_arm(budget: float, spec: str) -> bool:
-    """Whether ``--greedy_alone`` (``spec``) names ``budget`` (or is ``each``)."""
+    """Whether ``--greedy_alone`` or ``--ring_budgets`` (``spec``) names ``budget`` (or is ``each``)."""
     named = [b.strip() for b in spec.split(",") if b.strip()]
     return "each" in named or any(abs(float(b) - budget) < 1e-9 for b in named if b != "each")
 
 
-def tiny_budgets(bench: Bench, streamed, prefetch: int) -> list[float | None]:
-    """A tiny model's budgets: all, and the ring plus a quarter and a twentieth of the streamed bytes."""
+def tiny_budgets(bench: Bench, streamed, buffers: int) -> list[float | None]:
+    """A tiny model's budgets: all, and a ring of ``buffers`` plus a quarter and a twentieth of the streamed bytes."""
     total = bench.streamed_bytes(streamed)
-    ring = RING_BUFFERS * max(bench.sizes[i].streamable_bytes for i in streamed)
+    ring = buffers * max(bench.sizes[i].streamable_bytes for i in streamed)
     return [None, (ring + total / 4) / GiB, (ring + total / 20) / GiB]
 
 
@@ -319,6 +345,10 @@ def main(argv: list[str] | None = None) -> dict:
         default="",
         help="budgets (GiB, comma list, or each) whose arm runs again with the disk plan's greedy alone",
     )
+    parser.add_argument("--ring", type=int, default=None, help="staging buffers of the --ring_budgets arms")
+    parser.add_argument(
+        "--ring_budgets", default="", help="budgets (GiB, comma list, or each) whose arm runs again with --ring buffers"
+    )
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--name", default=None, help="results file stem (default disk_<model>)")
     parser.add_argument("--results_dir", type=Path, default=None, help="default: results/ (results/tiny/ with --tiny)")
@@ -337,14 +367,24 @@ def main(argv: list[str] | None = None) -> dict:
         gib = sum(s.streamable_bytes for s in bench.sizes) * 0.8 / GiB if args.tiny else args.gib
         streamed, _ = bench.spread_config(gib, args.prefetch)
         if args.tiny:
-            budgets = tiny_budgets(bench, streamed, args.prefetch)
+            budgets = tiny_budgets(bench, streamed, max(RING_BUFFERS, args.ring or 0))
         else:
             budgets = [None if b.strip() == "all" else float(b) for b in args.budgets.split(",")]
         pinned = machine.pinned_bandwidth(device)
         resident = None if args.no_resident else run_resident(bench, device, args)
-        arms = [(budget, False) for budget in budgets]
-        arms += [(budget, True) for budget in budgets if budget is not None and greedy_arm(budget, args.greedy_alone)]
-        rows = [run_arm(bench, device, budget, streamed, args.prefetch, args, greedy) for budget, greedy in arms]
+        arms = [(budget, False, None) for budget in budgets]
+        arms += [
+            (budget, True, None) for budget in budgets if budget is not None and greedy_arm(budget, args.greedy_alone)
+        ]
+        if args.ring is not None:
+            arms += [
+                (budget, False, args.ring)
+                for budget in budgets
+                if budget is not None and greedy_arm(budget, args.ring_budgets)
+            ]
+        rows = [
+            run_arm(bench, device, budget, streamed, args.prefetch, args, greedy, ring) for budget, greedy, ring in arms
+        ]
         floors(rows, resident["median_step_s"] if resident else None, pinned, direct8, budgets[0] is None)
         result = {
             "benchmark": "disk",
@@ -392,7 +432,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "greedy alone: the disk plan's greedy chose the layers on disk alone, as before the evenly "
                         "spread choice joined it (each cap's faster of the two in the model: the other rows)"
                     ]
-                    if any(greedy for _, greedy in arms)
+                    if any(greedy for _, greedy, _ in arms)
                     else []
                 ),  # fmt: skip
             ],

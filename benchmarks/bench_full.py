@@ -396,6 +396,7 @@ def measure(name: str, args, device, dtype) -> dict:
     layer_major = args.layer_major == "on" and applies_layer_major(name, count)
     row: dict = {"method": name, "micro_batches": count, "layer_major": layer_major}
     rss = PeakRss()
+    began = time.perf_counter()
     # built on the device (fast, and the same weights for every method), then moved to the host for DGLS
     bench = fresh_bench(args.tiny, device, dtype, device, args.model, flux_depth(args))
     if name.startswith("dgls-"):
@@ -453,8 +454,11 @@ def measure(name: str, args, device, dtype) -> dict:
             known = ", ".join(METHODS + OTHERS)
             raise ValueError(f"unknown method {name!r}: one of {known}, or dgls-IMPL-wait, dgls-IMPL-prevnorm")
         reset_peaks(device)
-        for _ in range(1 + args.warmup):  # the first step builds optimizer state and kernels (and fixes a plan)
+        progress(f"{name}: built in {time.perf_counter() - began:.0f} s")
+        for k in range(1 + args.warmup):  # the first step builds optimizer state and kernels (and fixes a plan)
+            began = time.perf_counter()
             step()
+            progress(f"{name}: untimed step {k + 1} of {1 + args.warmup} took {time.perf_counter() - began:.1f} s")
         if swapper is not None:
             sizes = swapper.placement.sizes  # the entries (a budget may split layers into swap units)
             row["streamed_gib"] = sum(sizes[i].streamable_bytes for i in swapper.streamed_layers) / GiB
@@ -469,10 +473,14 @@ def measure(name: str, args, device, dtype) -> dict:
         if copies is not None:
             copies()  # the warm-up's copies: not counted
 
+        timed = [time.perf_counter()]
+
         def after() -> None:
             rss.sample()
             if copies is not None:
                 copied.append(copies())
+            timed.append(time.perf_counter())
+            progress(f"{name}: timed step {len(timed) - 1} of {args.steps} ended, {timed[-1] - timed[-2]:.1f} s")
 
         times, _ = time_steps(step, device, 0, args.steps, after=after)
         if copied:
@@ -633,15 +641,30 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+PROGRESS = "bench_full: "  # the head of a method process's progress lines, which the parent echoes as they come
+
+
+def progress(line: str) -> None:
+    """A progress line of a method's process (its build, each step): a run cut off by a time limit shows how far
+    each method came and how long its steps took."""
+    print(PROGRESS + line, file=sys.stderr, flush=True)
+
+
 def _in_subprocess(name: str, argv: list[str], failed: dict) -> dict:
-    """``name``'s row, measured in a process of its own (``failed``: what a row that failed in it still says)."""
+    """``name``'s row, measured in a process of its own (``failed``: what a row that failed in it still says). Its
+    progress lines are echoed to stderr as they come; the rest of its output is kept for the error line."""
     with tempfile.TemporaryDirectory() as folder:
         row = Path(folder) / "row.json"
         cmd = [sys.executable, __file__, *argv, "--one", name, "--row", str(row)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        last = "no output"
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+            for line in proc.stdout:
+                if line.startswith(PROGRESS):
+                    print(line.rstrip(), file=sys.stderr, flush=True)
+                elif line.strip():
+                    last = line.strip()
         if proc.returncode != 0 or not row.is_file():
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            return {"method": name, **failed, "error": f"exit {proc.returncode}: {tail[0][:300]}"}
+            return {"method": name, **failed, "error": f"exit {proc.returncode}: {last[:300]}"}
         return json.loads(row.read_text())
 
 

@@ -19,12 +19,19 @@ import report  # noqa: E402
 def test_the_disk_benchmark_measures_bandwidth_and_each_budget(tmp_path):
     out = tmp_path / "results"
     argv = ["--tiny", "--steps", "1", "--warmup", "1", "--greedy_alone", "each", "--disk_dir", str(tmp_path)]
+    argv += ["--ring", "3", "--ring_budgets", "each"]
     bench_disk.main([*argv, "--results_dir", str(out)])
     result = json.loads((out / "disk_flux.json").read_text())
     assert result["benchmark"] == "disk" and result["tiny"]
     # --greedy_alone each: every budget's arm again, the greedy alone choosing, after the others
     greedy = [row for row in result["rows"] if row["budget"].endswith(", greedy alone")]
-    result["rows"] = [row for row in result["rows"] if row not in greedy]
+    # --ring 3 --ring_budgets each: every budget's arm again with three staging buffers
+    rings = [row for row in result["rows"] if row["budget"].endswith(", ring of 3")]
+    result["rows"] = [row for row in result["rows"] if row not in greedy and row not in rings]
+    assert [r["budget"] for r in rings] == [f"{r['budget']}, ring of 3" for r in result["rows"][1:]]
+    assert all(r["staging_buffers"] == 3 for r in rings if r["layers_on_disk"])
+    assert all(r["staging_buffers"] == bench_disk.RING_BUFFERS for r in result["rows"] if r["layers_on_disk"])
+    assert bench_disk.build.RING_BUFFERS == bench_disk.disk_planning.RING_BUFFERS == 2  # restored after the arms
     assert [g["budget"] for g in greedy] == [f"{r['budget']}, greedy alone" for r in result["rows"][1:]]
     assert all(g["layers_on_disk"] > 0 for g in greedy) and any("greedy alone:" in n for n in result["notes"])
     assert bench_disk.disk_plan.spread_choice.__name__ == "spread_choice"  # restored after the arms

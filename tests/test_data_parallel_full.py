@@ -106,6 +106,16 @@ def test_layer_major_steps_train_what_one_process_trains(tmp_path, clip):
 
 
 @pytest.mark.slow  # starts 3 processes with torch
+def test_adamw8bit_owners_step_their_share_on_the_device_and_train_what_one_process_trains(tmp_path):
+    """Each owner steps its layers with bitsandbytes' own kernel through the device updater (the CPU here), on the
+    8-bit state it alone holds. Tolerance 1e-3 of the weights' scale: the reduction's summation order moves a moment
+    across an 8-bit code now and then (a step of a few percent of it), which measured 4e-4 of the scale (1.5% of one
+    lr step); a lost or doubled update is a whole lr step (1e-2, 2.6e-2 of the scale)."""
+    pytest.importorskip("bitsandbytes")
+    assert_trains_like_one_process(tmp_path, 2, "--adamw8bit", tolerance=1e-3)
+
+
+@pytest.mark.slow  # starts 3 processes with torch
 def test_a_bf16_model_keeps_each_owners_fp32_masters_beside_the_shared_bf16_copies(tmp_path):
     """bf16: an owner's fp32 masters are its own, the bf16 copies every process streams are shared; the same training
     within two bf16 steps of the weights' scale (each process's rows are computed in bf16, then averaged)."""
