@@ -92,6 +92,10 @@ device's torch 2.11), bitsandbytes as .bnb, and diffusion-pipe's optimizers/ fol
         --steps 3 --warmup 2 --dp_checkout .dp --name full_sdxl_dp_ways
     python benchmarks/bench_full.py --methods resident,dgls-split,zero2-offload,torchao-offload --clip 0 \
         --steps 3 --warmup 2 --name full_sdxl_dp_ways_noclip
+    # 35: clipping at 1.0 where no step clips (the loss times 0.01: the random model's norm of ~29 under the limit,
+    # as a fine-tune's usually is), so DGLS keeps the updates it speculated before the norm was known
+    python benchmarks/bench_full.py --methods resident,dgls-split,dgls-device --loss_scale 0.01 --steps 4 \
+        --warmup 2 --name full_sdxl_clip_kept
     # 36: 4 micro-batches a step, resident and DGLS one after another and layer-major (4 rows), clipping at 1.0
     python benchmarks/bench_full.py --methods resident,dgls-split --accumulation 4 --layer_major both \
         --steps 3 --warmup 1 --name full_sdxl_accum4
@@ -108,6 +112,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import resource
 import statistics
@@ -206,13 +211,13 @@ def flux_depth(args) -> tuple[int, int]:
 forward_backward = full_methods.forward_backward  # one micro-batch (its loss scaled by 1 / micro-batches)
 
 
-def micro_batches(bench, count: int, layer_major: bool, swapper=None) -> None:
-    """A step's ``count`` micro-batches (the bench's inputs each), each loss scaled by ``1 / count``: one after
+def micro_batches(bench, count: int, layer_major: bool, swapper=None, scale: float = 1.0) -> None:
+    """A step's ``count`` micro-batches (the bench's inputs each), each loss scaled by ``scale / count``: one after
     another, or layer-major (each layer over all of them, then the next: utils/dgls/engine/layer_major.py, the
     engine ``swapper`` streaming the layers)."""
     if not layer_major:
         for _ in range(count):
-            forward_backward(bench, 1.0 / count)
+            forward_backward(bench, scale / count)
         return
     run = [
         partial(checkpoint, layer, use_reentrant=False) if i in bench.checkpointed else layer
@@ -220,7 +225,7 @@ def micro_batches(bench, count: int, layer_major: bool, swapper=None) -> None:
     ]
 
     def loss(h, _m: int) -> torch.Tensor:
-        return F.mse_loss(h.float(), bench.target.float()) / count
+        return F.mse_loss(h.float(), bench.target.float()) * (scale / count)
 
     layer_major_step(run, [bench.inputs] * count, loss, swapper)
 
@@ -262,7 +267,7 @@ def device_optimizer(params: list, optimizer: str) -> torch.optim.Optimizer:
 
 
 def resident_step(
-    bench, clip: float, optimizer_name: str = "adamw", accumulation: int = 1, layer_major: bool = False
+    bench, clip: float, optimizer_name: str = "adamw", accumulation: int = 1, layer_major: bool = False, scale=1.0
 ) -> Callable[[], None]:
     """Everything on the device; ``accumulation`` micro-batches a step, one after another or ``layer_major`` (the
     schedule alone: nothing streams, so it copies nothing either way)."""
@@ -271,7 +276,7 @@ def resident_step(
     optimizer = device_optimizer(masters, optimizer_name)
 
     def step() -> None:
-        micro_batches(bench, accumulation, layer_major)
+        micro_batches(bench, accumulation, layer_major, scale=scale)
         for p, m in zip(params, masters):
             m.grad = p.grad.float()
             p.grad = None
@@ -338,6 +343,7 @@ def dgls_step(
     ram: dict | None = None,
     accumulation: int = 1,
     layer_major: bool = False,
+    scale: float = 1.0,
 ):
     """DGLS's step of ``implementation`` (``IMPL``, or ``IMPL-wait``: with clipping, updates wait for the gradient norm
     instead of speculating; ``IMPL-prevnorm``: clip_mode previous_norm): layers of ``stream_mib`` or more streamed, or
@@ -372,7 +378,7 @@ def dgls_step(
     norms: list[float] = []
 
     def step() -> None:
-        micro_batches(bench, accumulation, layer_major, swapper)
+        micro_batches(bench, accumulation, layer_major, swapper, scale)
         training.before_step()  # under a budget, the first fixes the plan (clipping would call it too)
         if clip:
             norms.append(float(training.clip_grad_norm_(params, clip)))
@@ -412,7 +418,7 @@ def measure(name: str, args, device, dtype) -> dict:
     hyper = {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD}
     try:
         if name == "resident":
-            step = resident_step(bench, args.clip, args.optimizer, count, layer_major)
+            step = resident_step(bench, args.clip, args.optimizer, count, layer_major, args.loss_scale)
         elif name == "zero2-offload":
             if args.optimizer != "adamw":
                 raise ValueError("the ZeRO-2 offload method runs AdamW only")
@@ -441,7 +447,7 @@ def measure(name: str, args, device, dtype) -> dict:
 
             step, swapper, norms = dgls_step(
                 bench, device, impl, args.stream_mib, args.prefetch, args.clip, args.optimizer, args.vram_budget,
-                log, ram, count, layer_major,
+                log, ram, count, layer_major, args.loss_scale,
             )  # fmt: skip
             training = swapper.training
             counter = full_methods.CopyCounter()
@@ -580,6 +586,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--clip", type=float, default=1.0, help="gradient clipping norm; 0: none (DGLS then updates during backward)"
     )
     parser.add_argument(
+        "--loss_scale",
+        type=float,
+        default=1.0,
+        help="resident and DGLS methods: the loss times this; below the random model's norm over --clip, steps that "
+        "do not clip (a fine-tune's usual case), whose speculated updates DGLS keeps",
+    )
+    parser.add_argument(
         "--accumulation", type=int, default=1, help="micro-batches a step (gradient_accumulation_steps), every method"
     )
     parser.add_argument(
@@ -604,6 +617,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.accumulation < 1:
         parser.error("--accumulation is a count of micro-batches: 1 or more")
+    if not (args.loss_scale > 0 and math.isfinite(args.loss_scale)):
+        parser.error("--loss_scale must be a finite number > 0")
+    others = [m for m in args.methods.split(",") if not m.startswith(LAYER_MAJOR)]
+    if args.loss_scale != 1.0 and others:
+        parser.error(f"--loss_scale scales the resident and DGLS methods' loss only: drop {', '.join(others)}")
     args.name = args.name or f"full_{args.model}"
     if args.tiny:
         args.stream_mib = 0.001
@@ -680,6 +698,8 @@ def _result(args, argv, environment: dict, rows: list[dict], started: float) -> 
         if base and "median_step_s" in r:
             r["vs_resident"] = r["median_step_s"] / base
     clipping = f"gradients clipped to norm {args.clip:g}" if args.clip else "no gradient clipping"
+    if args.loss_scale != 1.0:
+        clipping += f" (the loss times {args.loss_scale:g})"
     if args.accumulation > 1:
         how = {"on": "layer-major", "off": "one after another", "both": "one after another and layer-major"}
         clipping += (

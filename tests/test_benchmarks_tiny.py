@@ -340,6 +340,25 @@ def test_the_full_fine_tuning_benchmark_places_by_a_vram_budget(tmp_path):
     assert "--vram_budget 0.02" in result["description"] and "--prefetch" in row["placement"], row
 
 
+def test_the_full_fine_tuning_benchmark_scales_the_loss_so_that_no_step_clips(tmp_path, capsys):
+    """``--loss_scale``: the random model's norm times a small factor is under the clipping limit, as a fine-tune's
+    usually is: DGLS keeps every update it speculated; each method's build and steps are echoed as they come; the
+    methods whose loss it cannot scale are refused."""
+    argv = ["--tiny", "--model", "flux", "--flux_blocks", "1,1", "--methods", "resident,dgls-split", "--loss_scale"]
+    bench_full.main([*argv, "0.001", "--steps", "2", "--warmup", "1", "--results_dir", str(tmp_path)])
+    result = load(tmp_path, "full_flux")
+    assert "clipped to norm 1 (the loss times 0.001)" in result["description"]
+    dgls = next(row for row in result["rows"] if row["method"] == "dgls-split")
+    assert dgls["grad_norm"] < 1 and " 0 redone" in dgls["speculation"] and "0 steps clipped" in dgls["speculation"]
+    assert " 0 kept" not in dgls["speculation"], dgls["speculation"]
+    err = capsys.readouterr().err
+    assert "bench_full: dgls-split: untimed step 2 of 2 took" in err
+    assert "bench_full: resident: timed step 2 of 2 ended" in err
+    with pytest.raises(SystemExit):
+        bench_full.parse(["--methods", "resident,zero2-offload", "--loss_scale", "0.5"])
+    assert "drop zero2-offload" in capsys.readouterr().err
+
+
 def test_the_full_fine_tuning_benchmark_reports_host_ram_for_an_8bit_optimizer_type(tmp_path):
     """``--optimizer AdamW8bit`` (any [optimizer] type DGLS trains): the resident method steps the type's class, DGLS
     its own class on the host (``dgls-auto``); each row has its peak RSS, and DGLS's its pinned bytes and the host
