@@ -33,6 +33,7 @@ from utils.dgls.demo.data import SyntheticLatents
 from utils.dgls.program import dp_config
 from utils.dgls.program.validate import prepare
 from utils.dgls.training import optimizer_types
+from utils.dgls.training.device_update import Scratch
 from utils.dgls.training.host_optimizer import HostOptimizerSpec
 from utils.dgls.training.optimizer_types import OptimizerType
 
@@ -327,6 +328,22 @@ def test_adamw8bit_settings_the_device_kernel_does_not_move_are_one_line():
     for implementation in ("split", "torch_fused"):
         with pytest.raises(DGLSUserError, match="steps its own class on the CPU \\(torch\\) or the device"):
             dataclasses.replace(spec, implementation=implementation)
+    tiny = HostOptimizerSpec.from_table({"type": "AdamW8bit", "lr": 1e-2, "min_8bit_size": 2})
+    with pytest.raises(DGLSUserError, match="min_8bit_size must be 4 or more for the device update"):
+        tiny.probe()
+    dataclasses.replace(tiny, implementation="torch").probe()  # its class runs it on the CPU
+
+
+def test_a_state_tensor_that_would_overrun_its_scratch_slot_is_an_assertion_not_a_write():
+    """The device updater's slots hold what each kernel promises (bytes an element); a tensor past a slot's end is a
+    DGLS bug, stopped before anything is written."""
+    scratch = Scratch(10, CPU, (4, 1))
+    assert [r.numel() for r in (scratch._region(0), scratch._region(1))] == [40, 12]
+    assert scratch.slot(1, 8, torch.zeros(1)).dtype == torch.float32  # bytes 8..11 of 12
+    with pytest.raises(AssertionError, match="overruns slot 1"):
+        scratch.slot(1, 12, torch.zeros(1))
+    with pytest.raises(AssertionError, match="overruns slot 0"):
+        scratch.slot(0, 2, torch.zeros(1, dtype=torch.uint8))  # not 4-byte aligned
 
 
 def test_a_per_layer_type_saves_and_resumes_as_an_uninterrupted_run(fake_type):

@@ -44,15 +44,24 @@ from .optimizer_kernels import OptimizerKernel, Zeros
 
 BLOCK_STATE = ("state1", "state2", "absmax1", "absmax2")  # a param with 8-bit moments
 FULL_STATE = ("state1", "state2")  # a param below min_8bit_size: fp32 moments
+MIN_ELEMENTS = 4  # the smallest min_8bit_size whose scales fit the scratch's 1 byte an element
 
 
 def check_class(optimizer: torch.optim.Optimizer) -> None:
     """One line for an ``AdamW8bit`` built with a setting whose state the device update does not move: paged
-    state (``is_paged``, CUDA unified memory) or a ``max_unorm`` norm vector (set through bitsandbytes' ``args``)."""
-    if getattr(optimizer, "is_paged", False) or getattr(getattr(optimizer, "args", None), "max_unorm", 0.0) > 0.0:
+    state (``is_paged``, CUDA unified memory) or a ``max_unorm`` norm vector (set through bitsandbytes' ``args``);
+    or with 8-bit state on params of fewer than 4 elements (``min_8bit_size``), whose scales the scratch slots are
+    not sized for."""
+    args = getattr(optimizer, "args", None)
+    if getattr(optimizer, "is_paged", False) or getattr(args, "max_unorm", 0.0) > 0.0:
         raise DGLSUserError(
             "[optimizer] type = 'AdamW8bit' with is_paged (or max_unorm) keeps state the device update does not "
             "move: drop it (DGLS keeps the state in host memory), or pass --host_adam torch (its class on the CPU)"
+        )
+    if getattr(args, "min_8bit_size", MIN_ELEMENTS) < MIN_ELEMENTS:
+        raise DGLSUserError(
+            f"[optimizer] min_8bit_size must be {MIN_ELEMENTS} or more for the device update (bitsandbytes' default is "
+            "4096), or pass --host_adam torch (its class on the CPU)"
         )
 
 
@@ -67,9 +76,9 @@ class Bitsandbytes8bitKernel(OptimizerKernel):
     def __init__(self) -> None:
         self._maps: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    @property
-    def slots(self) -> int:
-        return len(BLOCK_STATE)
+    # state1, state2: uint8 codes (1 byte an element) or, below min_8bit_size, fp32 moments (4); absmax1, absmax2:
+    # 4 bytes per 256 elements, at most 1 an element for params of 4 elements and more (check_class: min_8bit_size)
+    slot_bytes = (4, 4, 1, 1)
 
     def check(self, optimizer: torch.optim.Optimizer) -> None:
         check_class(optimizer)

@@ -15,7 +15,7 @@ Layout (the host side is placed by :class:`~..memory.layout.TrainingLayout`)
       pinned landing in the compute dtype, or the fp32 sum over micro-batches) and the packed
       compute-dtype copy the copier streams;
     - on the device, two scratch buffers (:class:`Scratch`), each with room for ``capacity`` params:
-      fp32 master, state and gradient, and the compute-dtype gradient and copy.
+      fp32 master, state (the kernel's slots) and gradient, and the compute-dtype gradient and copy.
 
 Mechanics (:meth:`DeviceUpdater.update`, one layer; its params in chunks of at most ``capacity``). The
 in-stream and the out-stream are the transport's optimizer-state-in and -out streams (:mod:`..memory.transport`),
@@ -103,43 +103,58 @@ class ParamUpdate:
 
 
 class Scratch:
-    """One device buffer: fp32 master, ``states`` state slots and gradient, compute-dtype gradient and copy.
+    """One device buffer: fp32 master and gradient, the kernel's state slots, compute-dtype gradient and copy.
 
-    A state slot is ``4 * capacity`` bytes: a chunk's params' state tensors of that slot lie in it back to back,
-    each at a 4-byte aligned offset and of at most 4 bytes per element of its param (fp32 shaped as the param,
-    bitsandbytes' uint8 codes, its fp32 scales per 256 elements), so a chunk's tensors always fit."""
+    Slot ``k`` is ``slot_bytes[k] * capacity`` bytes (4-byte aligned): a chunk's params' state tensors of that slot
+    lie in it back to back, each at a 4-byte aligned offset, and the kernel promises that each takes at most
+    ``slot_bytes[k]`` bytes per element of its param (:attr:`~.optimizer_kernels.OptimizerKernel.slot_bytes`), so a
+    chunk's tensors always fit; a tensor that would not is a DGLS bug (an assertion), never a write past the slot.
+    A slot of 4 bytes an element is also an fp32 tensor shaped as the chunk (the flat path's :meth:`views`)."""
 
-    def __init__(self, capacity: int, device: torch.device, states: int = 2) -> None:
+    def __init__(self, capacity: int, device: torch.device, slot_bytes: tuple[int, ...] = (4, 4)) -> None:
         self.capacity = capacity
-        self.states = states
-        self.state = torch.empty((2 + states) * capacity, dtype=torch.float32, device=device)
+        self.slot_bytes = tuple(slot_bytes)
+        self.fp32 = torch.empty(2 * capacity, dtype=torch.float32, device=device)  # master, then gradient
+        self.starts = [0]
+        for width in self.slot_bytes:
+            self.starts.append(self.starts[-1] + _round4(width * capacity))
+        self.slots = torch.empty(self.starts[-1], dtype=torch.uint8, device=device)
         self.raw_grad = torch.empty(4 * capacity, dtype=torch.uint8, device=device)
         self.raw_out = torch.empty(4 * capacity, dtype=torch.uint8, device=device)
         self.free: Copy | None = None  # its last chunk's copy home
 
     @property
     def nbytes(self) -> int:
-        return self.bytes_for(self.capacity, self.states)
+        return self.bytes_for(self.capacity, self.slot_bytes)
 
     @staticmethod
-    def bytes_for(capacity: int, states: int) -> int:
-        """Device bytes of one buffer with room for ``capacity`` params and ``states`` state tensors."""
-        return (4 * (2 + states) + 8) * capacity
+    def bytes_for(capacity: int, slot_bytes: tuple[int, ...]) -> int:
+        """Device bytes of one buffer with room for ``capacity`` params and state slots of ``slot_bytes`` each."""
+        return (8 + 8) * capacity + sum(_round4(width * capacity) for width in slot_bytes)
 
     def views(self, offset: int, n: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-        """fp32 master, state (one per state key) and gradient views of ``n`` params at ``offset``."""
+        """fp32 master, state (one per slot, each of 4 bytes an element) and gradient views of ``n`` params at
+        ``offset``."""
         c = self.capacity
-        parts = [self.state[k * c + offset : k * c + offset + n] for k in range(2 + self.states)]
-        return parts[0], parts[1:-1], parts[-1]
+        state = [self._region(k).view(torch.float32)[offset : offset + n] for k in range(len(self.slot_bytes))]
+        return self.fp32[offset : offset + n], state, self.fp32[c + offset : c + offset + n]
 
     def slot(self, k: int, at: int, like: torch.Tensor) -> torch.Tensor:
         """A view of slot ``k`` at byte ``at`` (4-byte aligned) with ``like``'s dtype and element count."""
-        c = self.capacity
-        raw = self.state[(1 + k) * c : (2 + k) * c].view(torch.uint8)
-        return raw[at : at + like.nbytes].view(like.dtype)
+        region = self._region(k)
+        if at % 4 or at + like.nbytes > region.numel():
+            raise AssertionError(f"a state tensor of {like.nbytes} bytes at byte {at} overruns slot {k}")
+        return region[at : at + like.nbytes].view(like.dtype)
+
+    def _region(self, k: int) -> torch.Tensor:
+        return self.slots[self.starts[k] : self.starts[k + 1]]
 
     def raw(self, buffer: torch.Tensor, offset: int, n: int, dtype: torch.dtype) -> torch.Tensor:
         return buffer[offset * dtype.itemsize : (offset + n) * dtype.itemsize].view(dtype)
+
+
+def _round4(nbytes: int) -> int:
+    return -(-nbytes // 4) * 4
 
 
 class DeviceUpdater:
@@ -168,10 +183,10 @@ class DeviceUpdater:
         if kernel is not None:
             self.kernel = kernel
         capacity = self.capacity_for(largest_param, largest_layer, self.capacity)
-        states = self.kernel.slots
-        if not self.buffers or self.buffers[0].capacity < capacity or self.buffers[0].states != states:
+        widths = self.kernel.slot_bytes
+        if not self.buffers or self.buffers[0].capacity < capacity or self.buffers[0].slot_bytes != widths:
             self.synchronize()
-            self.buffers = [Scratch(capacity, self.device, states) for _ in range(2)]
+            self.buffers = [Scratch(capacity, self.device, widths) for _ in range(2)]
             # the memory may have been freed by kernels still queued on the compute stream
             self.transport.after_compute(Direction.STATE_IN, Direction.STATE_OUT)
         return sum(b.nbytes for b in self.buffers)
@@ -185,7 +200,7 @@ class DeviceUpdater:
     def reserved_bytes(cls, largest_param: int, largest_layer: int, kernel: OptimizerKernel) -> int:
         """The device bytes :meth:`reserve` allocates for these sizes and ``kernel`` (the VRAM planner's figure)."""
         capacity = cls.capacity_for(largest_param, largest_layer)
-        return 2 * Scratch.bytes_for(capacity, kernel.slots)
+        return 2 * Scratch.bytes_for(capacity, kernel.slot_bytes)
 
     def forget(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer``'s layer no longer trains here (the VRAM planner made it resident): unpin its state."""
@@ -353,7 +368,7 @@ class DeviceUpdater:
         keys = [self.kernel.keys_of(optimizer.state[p.master]) for p in items]
         with self._coming_in(buf, after, previous) as came_in:
             masters, states, grads = [], [], []
-            offset, at = 0, [0] * buf.states  # elements into master and gradient; bytes into each state slot
+            offset, at = 0, [0] * len(buf.slot_bytes)  # elements into master and gradient; bytes into each slot
             for p, names in zip(items, keys):
                 n = p.master.numel()
                 m, _, g = buf.views(offset, n)
@@ -364,7 +379,7 @@ class DeviceUpdater:
                     host = state[key].view(-1)
                     s = buf.slot(k, at[k], host)
                     s.copy_(host, non_blocking=True)
-                    at[k] += -(-host.nbytes // 4) * 4
+                    at[k] += _round4(host.nbytes)
                     views.append(s)
                 if p.grad.dtype == torch.float32:
                     g.copy_(p.grad.view(-1), non_blocking=True)

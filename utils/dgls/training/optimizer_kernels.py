@@ -9,8 +9,8 @@ Contract of a kernel
       (the keys of ``torch.optim.<Optimizer>.state[param]``, so checkpoints are the host optimizer's); a flat
       layer's buffers (:class:`~.device_update.FlatLayer`) hold them, where ``flat`` is true.
     - :meth:`OptimizerKernel.keys_of`: the keys of one param's state tensors that the updater moves in and out,
-      in slot order (``state_keys`` by default); ``slots`` of them at most, each tensor of at most 4 bytes per
-      element of the param (what a :class:`~.device_update.Scratch` slot holds).
+      in slot order (``state_keys`` by default); one per slot at most, the tensor in slot k of at most
+      ``slot_bytes[k]`` bytes per element of the param (what a :class:`~.device_update.Scratch` slot holds).
     - ``counts_steps``: the state holds a float32 ``"step"`` scalar per param, kept on the host and
       incremented by the updater before the kernel runs.
     - :meth:`OptimizerKernel.new_state` creates a param's state as ``torch.optim.<Optimizer>(fused=True)``
@@ -64,9 +64,9 @@ class OptimizerKernel(ABC):
     steps_on_device = True  # step counts reach the kernel as fp32 scalars on the device (else as Python ints)
 
     @property
-    def slots(self) -> int:
-        """State tensors a param has at most (the updater's scratch slots)."""
-        return len(self.state_keys)
+    def slot_bytes(self) -> tuple[int, ...]:
+        """Per slot, the most bytes its tensor takes per element of the param (4: fp32 shaped as the param)."""
+        return (4,) * len(self.state_keys)
 
     def check(self, optimizer: torch.optim.Optimizer) -> None:
         """Raise one line if ``optimizer`` (built as the run builds it) has settings this kernel does not step."""
