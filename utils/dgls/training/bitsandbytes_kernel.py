@@ -4,7 +4,7 @@ Why
     diffusion-pipe's ``AdamW8bit`` is ``bitsandbytes.optim.AdamW8bit``: two moments kept as blockwise 8-bit codes
     (2 bytes a param with their scales, against AdamW's 8), the state that brings a Flux-dev full fine-tune's host
     RAM within 128 GiB (benchmarks/results/host_ram_flux.md). On the host its step is bitsandbytes' CPU code,
-    whose (de)quantization ran on one core: 15 ns a param on the lent machine's 32 cores, 20 s a step for 1.3B
+    whose (de)quantization ran on one core: 15 ns a param with 24 of the lent machine's 32 cores, 20 s a step for 1.3B
     trained params (benchmarks/results/full_flux_small_AdamW8bit.md), three minutes for Flux-dev's 11.9B. On the
     device the same class's CUDA kernel steps a param in one pass over its bytes.
 
@@ -20,8 +20,8 @@ What runs
 
 Layout of a param's state (the class's): ``state1``, ``state2`` (uint8 codes shaped as the param, or fp32 below
 ``min_8bit_size``), ``absmax1``, ``absmax2`` (fp32, one per 256 elements; 8-bit only), ``qmap1``, ``qmap2`` (the
-256 code values; one pair shared by every param of a layer's optimizer, copied to the device once), ``step``
-(a Python int, counted by the updater before the kernel runs).
+256 code values: one pair shared by a layer's optimizer, or one per param after a checkpoint load; each pair is
+copied to the device once and kept), ``step`` (a Python int, counted by the updater before the kernel runs).
 
 Hazards handled
     - bitsandbytes launches its CUDA kernels on the device's legacy default stream, not on torch's current

@@ -11,8 +11,8 @@ Contract of a kernel
     - :meth:`OptimizerKernel.keys_of`: the keys of one param's state tensors that the updater moves in and out,
       in slot order (``state_keys`` by default); one per slot at most, the tensor in slot k of at most
       ``slot_bytes[k]`` bytes per element of the param (what a :class:`~.device_update.Scratch` slot holds).
-    - ``counts_steps``: the state holds a float32 ``"step"`` scalar per param, kept on the host and
-      incremented by the updater before the kernel runs.
+    - ``counts_steps``: the state holds a ``"step"`` count per param (a float32 scalar for torch's kernels, a
+      Python int for bitsandbytes' class), kept on the host and incremented by the updater before the kernel runs.
     - :meth:`OptimizerKernel.new_state` creates a param's state as ``torch.optim.<Optimizer>(fused=True)``
       would on its first step, with the tensors from ``zeros`` (pinned by the caller on CUDA).
     - :meth:`OptimizerKernel.step` is ``torch.optim.<Optimizer>(fused=True)``'s kernel on the lists given,
