@@ -619,7 +619,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--accumulation is a count of micro-batches: 1 or more")
     if not (args.loss_scale > 0 and math.isfinite(args.loss_scale)):
         parser.error("--loss_scale must be a finite number > 0")
-    others = [m for m in args.methods.split(",") if not m.startswith(LAYER_MAJOR)]
+    others = [m for m in args.methods.split(",") if not m.startswith(LAYER_MAJOR)]  # not micro_batches' loss
     if args.loss_scale != 1.0 and others:
         parser.error(f"--loss_scale scales the resident and DGLS methods' loss only: drop {', '.join(others)}")
     args.name = args.name or f"full_{args.model}"

@@ -132,12 +132,17 @@ class Scratch:
         """Device bytes of one buffer with room for ``capacity`` params and state slots of ``slot_bytes`` each."""
         return (8 + 8) * capacity + sum(_round4(width * capacity) for width in slot_bytes)
 
-    def views(self, offset: int, n: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-        """fp32 master, state (one per slot, each of 4 bytes an element) and gradient views of ``n`` params at
-        ``offset``."""
+    def master_grad(self, offset: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 master and gradient views of ``n`` params at ``offset`` (a param's state: :meth:`slot`)."""
         c = self.capacity
+        return self.fp32[offset : offset + n], self.fp32[c + offset : c + offset + n]
+
+    def views(self, offset: int, n: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """fp32 master, state (one per slot, each of 4 bytes an element: a flat kernel's) and gradient views of ``n``
+        params at ``offset`` (the flat path's chunk)."""
         state = [self._region(k).view(torch.float32)[offset : offset + n] for k in range(len(self.slot_bytes))]
-        return self.fp32[offset : offset + n], state, self.fp32[c + offset : c + offset + n]
+        master, grad = self.master_grad(offset, n)
+        return master, state, grad
 
     def slot(self, k: int, at: int, like: torch.Tensor) -> torch.Tensor:
         """A view of slot ``k`` at byte ``at`` (4-byte aligned) with ``like``'s dtype and element count."""
@@ -371,7 +376,7 @@ class DeviceUpdater:
             offset, at = 0, [0] * len(buf.slot_bytes)  # elements into master and gradient; bytes into each slot
             for p, names in zip(items, keys):
                 n = p.master.numel()
-                m, _, g = buf.views(offset, n)
+                m, g = buf.master_grad(offset, n)
                 state = optimizer.state[p.master]
                 m.copy_(p.master.view(-1), non_blocking=True)
                 views = []
