@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.swapper import LayerSwapper
-from ..errors import DGLSUserError, RunInterrupted
+from ..errors import DGLSUserError, RunInterrupted, say
 from ..memory.layout import human_bytes
 from ..memory.monitor import MemoryMonitor
 from ..memory.shm_space import check_before_start
@@ -106,15 +106,15 @@ def _init_distributed(run: DemoRun) -> None:
             deepspeed.init_distributed(dist_backend=backend, verbose=False)
 
 
-def run_demo(run: DemoRun, log: Callable[[str], None] = print, progress: bool | None = None) -> DemoResult:
+def run_demo(run: DemoRun, log: Callable[[str], None] = say, progress: bool | None = None) -> DemoResult:
     """Build, place, train and save; returns the losses and figures for the summary.
     ``progress``: show a progress bar (default: when stderr is a terminal)."""
     from tqdm import tqdm
 
     if progress is None:
         progress = sys.stderr.isatty()
-    if progress and log is print:
-        log = tqdm.write  # lines printed during training (the profile, the planner) keep the bar intact
+    if progress and log is say:  # lines printed during training (the profile, the planner) keep the bar intact
+        log = lambda line: tqdm.write(line + "\n", end="")  # noqa: E731 (one write: errors.say)
     s, device = run.settings, run.device
     if device.type == "cuda":
         torch.cuda.set_device(device)

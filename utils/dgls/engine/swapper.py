@@ -54,7 +54,7 @@ from typing import TypeVar
 
 import torch
 
-from ..errors import DGLSUserError
+from ..errors import DGLSUserError, say
 from ..memory.device_pool import DevicePool, Slot
 from ..memory.host_store import HostStore
 from ..streaming.bindings import Bindings
@@ -90,7 +90,7 @@ class LayerSwapper:
         layers: Iterable,
         config: SwapConfig | None = None,
         device: torch.device | str | None = None,
-        log=print,
+        log=say,
         share_group: str = "",
     ) -> None:
         self.config = config or SwapConfig()

@@ -70,7 +70,7 @@ from typing import Protocol
 
 import torch
 
-from ..errors import DGLSUserError
+from ..errors import DGLSUserError, say
 from ..memory.copier import Wait
 from ..memory.layout import MB, LayerSizes, human_bytes
 from ..memory.transport import Copy, Direction
@@ -391,7 +391,7 @@ class PlacementDriver(Listener, Feature):
 
     budget: int
     device: torch.device
-    log: object = print
+    log: object = say
     plan_only: bool = False  # --plan: stop after planning
     copy_streams: int = 1  # each stream has its own fp8 landing buffer: counted in every plan's peak
     fixed: bool = False  # full fine-tuning: step 1 is the probe, its plan applied once before any update (module doc)

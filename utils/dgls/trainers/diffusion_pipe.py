@@ -34,7 +34,7 @@ import torch
 import toml
 
 from ..engine.swapper import LayerSwapper
-from ..errors import DGLSUserError, RunInterrupted
+from ..errors import DGLSUserError, RunInterrupted, say
 from ..memory.file_backed import weight_sources
 from ..memory.monitor import MemoryMonitor, MemoryReading
 from ..memory.shm_space import check_before_start
@@ -92,7 +92,7 @@ class PipelineInterception:
     def __init__(
         self,
         values: dict[str, Any],
-        log: Callable[[str], None] = print,
+        log: Callable[[str], None] = say,
         swap: SwapConfig | None = None,
         reset_optimizer_params: bool = False,
     ) -> None:
@@ -343,7 +343,7 @@ def config_for_train_py(run: DropInRun) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="dgls_") as folder:
         path = Path(folder) / Path(run.config_path).name
         path.write_text(toml.dumps(changed))
-        print(
+        say(
             f"DGLS: lazy_lora_steps {steps}: gradient_accumulation_steps {before} -> {before * steps} "
             f"(the optimizer runs every {before * steps} micro-batches)"
         )

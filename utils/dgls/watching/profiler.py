@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from ..errors import say
 from ..memory.copier import Token, Wait
 from ..memory.transport import ON_DISK, Copy, Direction
 from ..streaming.feature import Engine, Feature
@@ -99,7 +100,7 @@ class Profiler(Listener, Feature):
         warmup_steps: int = 2,
         steps: int = 3,
         copy_streams: int = 1,
-        log=print,
+        log=say,
     ) -> None:
         self.path = Path(path)
         self.device = torch.device(device)
