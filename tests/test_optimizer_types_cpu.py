@@ -220,6 +220,62 @@ def test_a_class_that_fails_a_step_is_one_line_before_anything_is_built(fake_typ
     fake_type.probe.__func__(HostOptimizerSpec())  # DGLS's own kernels need no probe
 
 
+def test_a_class_no_library_version_runs_on_the_cpu_says_why_and_the_nearest_type(fake_type, monkeypatch):
+    """A type whose entry names why no version of its library steps it on the CPU (adamw8bitkahan: bitsandbytes
+    0.50 dropped a setting its step reads, earlier versions have no CPU step) says so, not 'install a version'."""
+    entry = dataclasses.replace(
+        optimizer_types.TYPES["fakemomentum"], library_note="no version runs it", fallback="type = 'sgd'"
+    )
+    monkeypatch.setitem(optimizer_types.TYPES, "fakemomentum", entry)
+    klass = optimizer_types.load_class("fakemomentum", entry)
+    monkeypatch.setattr(klass, "step", lambda self, closure=None: 1 / 0)
+    with pytest.raises(DGLSUserError) as caught:
+        fake_type.probe()
+    assert str(caught.value).endswith("weight_decay = 0.1); no version runs it: use type = 'sgd'")
+    kahan = optimizer_types.TYPES["adamw8bitkahan"]
+    assert "percentile_clipping" in kahan.library_note and kahan.fallback.startswith(
+        "type = 'adamw8bit' with weight_decay = 0"
+    )
+
+
+def test_adamw8bitkahan_on_fp32_weights_steps_as_adamw8bit_without_weight_decay(monkeypatch, optimizers_folder):
+    """The refusal's nearest type, checked on diffusion-pipe's class (its optimizers/adamw_8bit.py): its update runs
+    on a zeroed buffer then added to the weight, so its weight decay decays that buffer. Run with the two settings
+    bitsandbytes 0.50 dropped restored at their old defaults (no percentile clipping, blockwise), it equals
+    AdamW8bit with weight_decay = 0 up to fp32 rounding, and not AdamW8bit with its weight decay."""
+    checkout = os.environ.get(dp_config.ENV_CHECKOUT)
+    if not checkout:
+        pytest.skip(f"set {dp_config.ENV_CHECKOUT} to a diffusion-pipe checkout to run its AdamW8bitKahan")
+    if not installed("bitsandbytes"):
+        pytest.skip("bitsandbytes is not installed")
+    import bitsandbytes
+
+    monkeypatch.syspath_prepend(checkout)
+    kahan = importlib.import_module("optimizers.adamw_8bit").AdamW8bitKahan
+
+    class Restored(kahan):
+        def get_config(self, gindex, pindex, group):
+            return {"percentile_clipping": 100, "block_wise": True, **super().get_config(gindex, pindex, group)}
+
+    start = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for name, klass, decay in (
+        ("kahan", Restored, 0.01),
+        ("8bit, no decay", bitsandbytes.optim.AdamW8bit, 0.0),
+        ("8bit", bitsandbytes.optim.AdamW8bit, 0.01),
+    ):
+        p = torch.nn.Parameter(start.clone())
+        optimizer = klass([p], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=decay)
+        grads = torch.Generator().manual_seed(1)
+        for _ in range(20):
+            p.grad = torch.randn(p.shape, generator=grads)
+            optimizer.step()
+        runs[name] = p.detach()
+    moved = (runs["kahan"] - start).abs().max().item()
+    assert (runs["kahan"] - runs["8bit, no decay"]).abs().max().item() < 1e-4 * moved
+    assert (runs["kahan"] - runs["8bit"]).abs().max().item() > 1e-2 * moved
+
+
 def test_a_checkout_class_outside_a_drop_in_run_is_one_line(monkeypatch):
     monkeypatch.setattr(optimizer_types.importlib.util, "find_spec", lambda name: object())
     entry = optimizer_types.TYPES["adamw8bitkahan"]

@@ -57,6 +57,9 @@ class OptimizerType:
     note: str = ""  # what the start-up line adds
     refusal: str = ""  # refused: why, and the nearest type that trains
     fallback: str = ""  # per_layer: the nearest type, for the line that says the class fails with this library
+    # per_layer: why no version of its library runs the class on the CPU, where one line says the class fails (else
+    # the line says to install a version it runs with)
+    library_note: str = ""
     # per_layer: state keys train.py's logging reads from its own instance for every param (Automagic's avg_lr),
     # which DGLS copies there for the streamed params (HostTraining.mirror_logged_state)
     logged_state: tuple[str, ...] = ()
@@ -103,9 +106,15 @@ TYPES: dict[str, OptimizerType] = {
         BNB,
         note="bitsandbytes' blockwise 8-bit moments; its Kahan summation is for bf16 weights: on the fp32 masters "
         "it carries only fp32 rounding",
-        # its update_step reads percentile_clipping, which bitsandbytes 0.50 (the first with 8-bit CPU kernels) dropped
-        fallback="'adamw8bit', bitsandbytes' own blockwise 8-bit AdamW (on fp32 masters Kahan summation has only "
-        "fp32 rounding to make up for)",
+        # its update_step reads percentile_clipping and block_wise, which bitsandbytes 0.50 (the first with 8-bit CPU
+        # kernels) dropped from get_config: train.py's own instance fails its first step with them too
+        library_note="bitsandbytes 0.50 and later dropped the percentile_clipping setting its step reads, so "
+        "train.py's own AdamW8bitKahan fails its first step with them too, and earlier versions have no CPU step",
+        # its update runs on a zeroed buffer (shift) that is then added to the weight: the weight decay decays that
+        # buffer, not the weight (tests/test_optimizer_types_cpu.py measures the equality on the class)
+        fallback="type = 'adamw8bit' with weight_decay = 0: AdamW8bitKahan applies its weight decay to its rounding "
+        "buffer, not to the weights, so on DGLS's fp32 masters it steps as AdamW8bit without weight decay, up to "
+        "fp32 rounding",
     ),
     "stableadamw": OptimizerType("per_layer", "optimi:StableAdamW", OPTIMI, note=f"per-param update RMS; {KAHAN_FP32}"),
     "automagic": OptimizerType(
