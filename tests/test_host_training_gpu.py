@@ -127,6 +127,32 @@ def test_adamw8bit_device_updates_with_delays_equal_its_class_on_the_gpu(templat
     assert_same(got, want)
 
 
+def test_adamw8bit_code_maps_copied_late_still_reach_the_kernel_first(template, monkeypatch):
+    """Each distinct pair of bitsandbytes' code maps is copied to the device once, on the in-stream, when its first
+    chunk comes in; the kernel runs on the default stream, which waits for the in-stream only at the point it is
+    entered. 50 ms on the in-stream before each map copy: were the maps copied after that point, the kernel would
+    read the landing memory before they arrive (other numbers from step 1 on)."""
+    pytest.importorskip("bitsandbytes")
+    from utils.dgls.training.bitsandbytes_kernel import Bitsandbytes8bitKernel
+
+    copied = []
+    first_copy = Bitsandbytes8bitKernel._qmaps
+
+    def late_maps(self, state, where):
+        if (id(state["qmap1"]), where) not in self._maps:
+            torch.cuda._sleep(int(50 * MS))  # on the in-stream, ahead of the copy
+            copied.append(where)
+        return first_copy(self, state, where)
+
+    monkeypatch.setattr(Bitsandbytes8bitKernel, "_qmaps", late_maps)
+    spec = HostOptimizerSpec.from_table({"type": "AdamW8bit", "lr": 1e-4, "weight_decay": 0.01})
+    kw = {"accumulate": 1, "max_norm": MAX_NORM}
+    got, names = swapped(template, "nonreentrant", monkeypatch, **kw, spec=spec)
+    assert copied, "no code map was copied to the device"
+    want = reference(template, names, "nonreentrant", **kw, host_spec=spec, master_device=device())
+    assert_same(got, want)
+
+
 @pytest.mark.parametrize("clip", [True, False], ids=["clipped", "no-clipping"])
 def test_a_whole_step_optimizer_streamed_on_cuda_equals_one_instance_over_every_param(template, monkeypatch, clip):
     """Prodigy, whose step size sums over every param: one instance over the streamed layers' fp32 masters and host

@@ -390,6 +390,18 @@ def test_adamw8bit_settings_the_device_kernel_does_not_move_are_one_line():
     dataclasses.replace(tiny, implementation="torch").probe()  # its class runs it on the CPU
 
 
+def test_adamw8bit_state_a_host_ram_budget_would_put_on_disk_is_one_line_naming_adamw(tmp_path):
+    """AdamW8bit steps on the device by default, and its state stays in RAM wherever it steps: where host_ram_budget
+    would spill it, the line names the type whose state can go to disk, not a --host_adam that is refused for it."""
+    _bitsandbytes_8bit()
+    spec = HostOptimizerSpec.from_table({"type": "AdamW8bit", "lr": 1e-2, "min_8bit_size": 256})
+    for each in (spec, dataclasses.replace(spec, implementation="torch")):
+        cfg = SwapConfig.of(host_optimizer=each, host_ram_budget=0.001, disk_dir=str(tmp_path))
+        with pytest.raises(DGLSUserError, match="type 'adamw8bit' keeps state DGLS does not lay out on disk .*'adamw'"):
+            LayerSwapper(full_layers(torch.bfloat16), cfg, device=CPU, log=None)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_state_tensor_that_would_overrun_its_scratch_slot_is_an_assertion_not_a_write():
     """The device updater's slots hold what each kernel promises (bytes an element); a tensor past a slot's end is a
     DGLS bug, stopped before anything is written."""

@@ -20,14 +20,20 @@ What runs
 
 Layout of a param's state (the class's): ``state1``, ``state2`` (uint8 codes shaped as the param, or fp32 below
 ``min_8bit_size``), ``absmax1``, ``absmax2`` (fp32, one per 256 elements; 8-bit only), ``qmap1``, ``qmap2`` (the
-256 code values: one pair shared by a layer's optimizer, or one per param after a checkpoint load; each pair is
-copied to the device once and kept), ``step`` (a Python int, counted by the updater before the kernel runs).
+256 code values, one pair shared by a layer's optimizer; each distinct pair is copied to the device once, on the
+in-stream before any kernel of its chunk, and kept), ``step`` (a Python int, counted by the updater before the
+kernel runs).
 
 Hazards handled
     - bitsandbytes launches its CUDA kernels on the device's legacy default stream, not on torch's current
-      stream (the updater's in-stream): around the calls the default stream waits for the in-stream's copies,
-      and the in-stream (the copies home) waits for the default stream's kernels. The default stream is the
-      training's compute stream, which thereby waits at that point for the update's copies in.
+      stream (the updater's in-stream): around a chunk's calls the default stream waits for everything queued on
+      the in-stream so far (the chunk's copies in, its code maps', and through the in-stream's gates the
+      gradients' copies home and the previous chunk's copy home), and the in-stream (the copies home) waits for
+      everything queued on the default stream so far. The default stream is the training's compute stream: the
+      backward queued after a layer's update waits for the layer's gradients to go home and its state to come in,
+      about 10 bytes a param over the link (a tenth of a second for a Flux-dev double block at 25 GB/s), so the
+      update's transfers are on the step's critical path, where AdamW's and SGD's overlap the backward. Its cost
+      is measured by ``bench_full``'s rows (its 'GPU wait' column).
     - Settings bitsandbytes' kernels read from extra state (paged state, ``max_unorm``'s norm vector) are not
       built by DGLS; a class with them is refused by :func:`check_class` (the start-up probe, and its first step).
 """
@@ -105,8 +111,13 @@ class Bitsandbytes8bitKernel(OptimizerKernel):
         from bitsandbytes import functional
 
         where = _index(optimizer)
+        # the code maps a first chunk copies in are queued on the in-stream before the default stream waits for it
+        maps = [
+            self._qmaps(optimizer.state[host], m.device) if len(tensors) == len(BLOCK_STATE) else None
+            for host, m, tensors in zip(hosts, masters, states)
+        ]
         with _on_default_stream(masters[0].device if masters else None):
-            for host, m, g, tensors, step in zip(hosts, masters, grads, states, steps):
+            for host, m, g, tensors, step, qmaps in zip(hosts, masters, grads, states, steps, maps):
                 gindex, pindex = where[id(host)]
                 config = optimizer.get_config(gindex, pindex, group)
                 betas = config["betas"]
@@ -114,7 +125,7 @@ class Bitsandbytes8bitKernel(OptimizerKernel):
                 rate = config["lr"] if lr is None else lr
                 if len(tensors) == len(BLOCK_STATE):
                     state1, state2, absmax1, absmax2 = tensors
-                    qmap1, qmap2 = self._qmaps(optimizer.state[host], m.device)
+                    qmap1, qmap2 = qmaps
                     functional.optimizer_update_8bit_blockwise(
                         optimizer.optimizer_name,
                         g,

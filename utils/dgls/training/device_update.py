@@ -241,9 +241,8 @@ class DeviceUpdater:
         return done
 
     def _state(self, optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict:
-        """``master``'s optimizer state, created as the fused torch optimizer would
-        (:meth:`~.optimizer_kernels.OptimizerKernel.new_state`), pinned on CUDA (the copies in and out are
-        asynchronous)."""
+        """``master``'s optimizer state, created by the kernel's ``create_state`` (as the fused torch optimizer
+        would, or by an own class's ``init_state``), pinned on CUDA (the copies in and out are asynchronous)."""
         state = optimizer.state[master]
         if not state:
             self.kernel.create_state(optimizer, master, self._memory.zeros)
