@@ -20,7 +20,9 @@ every block checkpointed):
   the norm, as before; ``dgls-IMPL-prevnorm`` (opt-in, inexact: utils/dgls/training/previous_norm.py) starts
   them as their gradients land, scaled by the previous step's clip coefficient. 'grad norm' is the median norm of
   the timed steps (the synthetic data decides whether a step clips), 'speculation' what became of the speculative
-  updates since the method started (prevnorm: how many started before their step's norm).
+  updates since the method started (prevnorm: how many started before their step's norm). ``dgls-device+triton``
+  (``--optimizer AdamW8bit``, not in the default list): bitsandbytes' Triton kernels on the updater's stream
+  instead of its CUDA kernels on the compute stream (utils/dgls/training/bitsandbytes_kernel.py).
 - ``torchao-offload`` (not in the default list): diffusion-pipe's ``[optimizer] type = 'offload'``, built as its
   train.py builds it: torchao's ``CPUOffloadOptimizer(groups, torch.optim.AdamW, fused=True, ...)`` over the model's
   bf16 params, everything else on the GPU; ``--offload_gradients`` passes its option of that name. CUDA only.
@@ -110,6 +112,7 @@ device's torch 2.11), bitsandbytes as .bnb, and diffusion-pipe's optimizers/ fol
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -139,7 +142,7 @@ from report import command_line, results_dir, write_result  # noqa: E402
 from timing import peaks, reset_peaks, time_steps  # noqa: E402
 from units import GiB  # noqa: E402
 
-from utils.dgls import LayerSwapper, Listener, SwapConfig  # noqa: E402
+from utils.dgls import DGLSUserError, LayerSwapper, Listener, SwapConfig  # noqa: E402
 from utils.dgls.engine.layer_major import layer_major_step  # noqa: E402
 from utils.dgls.memory.transport import Direction  # noqa: E402
 from utils.dgls.planning.row_copies import index_ranges  # noqa: E402
@@ -330,6 +333,19 @@ def zero2_step(bench, device, clip: float, accumulation: int = 1) -> tuple[Calla
     return step, engine
 
 
+def dgls_spec(implementation: str, optimizer: str) -> tuple[HostOptimizerSpec, str]:
+    """A DGLS method's host optimizer and its clipping variant, from its ``IMPL[+LAUNCH][-wait|-prevnorm]`` (the
+    method's name after ``dgls-``, less its ``@GiB``; ``+triton``: the own class's Triton kernels)."""
+    implementation, _, wait = implementation.partition("-")
+    if wait not in ("", "wait", "prevnorm"):
+        raise ValueError(
+            f"a DGLS method is dgls-IMPL, dgls-IMPL-wait or dgls-IMPL-prevnorm, got dgls-{implementation}-{wait}"
+        )
+    implementation, _, launch = implementation.partition("+")
+    spec = host_spec(optimizer, implementation)
+    return (dataclasses.replace(spec, kernel_launch=launch) if launch else spec), wait
+
+
 def dgls_step(
     bench,
     device,
@@ -353,12 +369,7 @@ def dgls_step(
     ``accumulation`` micro-batches a step: one after another (the host training told ``accumulation_steps``), or
     ``layer_major`` (each layer's gradients summed on the device over the micro-batches and sent home once: the host
     training sees one a step)."""
-    implementation, _, wait = implementation.partition("-")
-    if wait not in ("", "wait", "prevnorm"):
-        raise ValueError(
-            f"a DGLS method is dgls-IMPL, dgls-IMPL-wait or dgls-IMPL-prevnorm, got dgls-{implementation}-{wait}"
-        )
-    spec = host_spec(optimizer, implementation)
+    spec, wait = dgls_spec(implementation, optimizer)
     sizes = bench.sizes  # measured before anything was trainable: streamable = every param of the layer
     common = dict(host_optimizer=spec, clip_grads=bool(clip), speculate_clipping=wait != "wait", **(ram or {}))
     if wait == "prevnorm":
@@ -622,6 +633,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     others = [m for m in args.methods.split(",") if not m.startswith(LAYER_MAJOR)]  # not micro_batches' loss
     if args.loss_scale != 1.0 and others:
         parser.error(f"--loss_scale scales the resident and DGLS methods' loss only: drop {', '.join(others)}")
+    for name in args.methods.split(","):  # a DGLS method's optimizer settings, checked before any method runs
+        if name.startswith("dgls-"):
+            try:
+                dgls_spec(name.split("-", 1)[1].partition("@")[0], args.optimizer)
+            except (DGLSUserError, ValueError) as exc:
+                parser.error(f"--methods {name}: {exc}")
     args.name = args.name or f"full_{args.model}"
     if args.tiny:
         args.stream_mib = 0.001

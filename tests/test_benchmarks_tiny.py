@@ -383,6 +383,20 @@ def test_the_full_fine_tuning_benchmark_refuses_a_type_dgls_does_not_train():
         bench_full.main(["--tiny", "--optimizer", "ScheduleFreeWrapper"])
 
 
+@pytest.mark.parametrize(
+    "method, line",
+    [
+        ("dgls-split+triton", "kernel_launch 'triton' picks the kernel of an own class stepped on the device"),
+        ("dgls-device+cudaa", "kernel_launch must be one of cuda, triton"),
+        ("dgls-split-foo", "a DGLS method is dgls-IMPL, dgls-IMPL-wait or dgls-IMPL-prevnorm"),
+    ],
+)
+def test_the_full_fine_tuning_benchmark_checks_each_dgls_method_before_any_runs(method, line, capsys):
+    with pytest.raises(SystemExit):
+        bench_full.main(["--tiny", "--methods", f"resident,{method}"])
+    assert f"--methods {method}: {line}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("model", ["flux", "sdxl_full"])
 def test_the_scaling_benchmark_runs_one_and_two_processes_sharing_one_host_copy(tmp_path, model, monkeypatch):
     """bench_scaling.py --tiny: a job of one process, then one of two (gloo), each its own processes; a row each,

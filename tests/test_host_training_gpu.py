@@ -153,6 +153,25 @@ def test_adamw8bit_code_maps_copied_late_still_reach_the_kernel_first(template, 
     assert_same(got, want)
 
 
+def test_adamw8bit_triton_launch_with_delays_steps_as_its_cuda_kernel_up_to_quantization(template, monkeypatch):
+    """kernel_launch 'triton': bitsandbytes' Triton kernels of the same update, on the updater's in-stream (the
+    compute stream waits for none of its copies), with every copy delayed. Their (de)quantization is their own, so
+    the weights agree with resident training on the CUDA kernel to a quarter of what two steps moved them at most (a
+    missing wait would put whole updates apart); the losses of step 1, before any update, are equal."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("triton")
+    spec = HostOptimizerSpec.from_table({"type": "AdamW8bit", "lr": 1e-4, "weight_decay": 0.01})
+    kw = {"accumulate": 1, "max_norm": MAX_NORM}
+    triton = dataclasses.replace(spec, kernel_launch="triton")
+    got, names = swapped(template, "nonreentrant", monkeypatch, **kw, spec=triton)
+    want = reference(template, names, "nonreentrant", **kw, host_spec=spec, master_device=device())
+    assert torch.equal(got.losses[0], want.losses[0])
+    start = {f"{i}.{k}": v.float().cpu() for i, layer in enumerate(template) for k, v in layer.state_dict().items()}
+    moved = max((want.weights[k] - start[k]).abs().max().item() for k in names)
+    apart = max((got.weights[k] - want.weights[k]).abs().max().item() for k in names)
+    assert moved > 0 and apart <= 0.25 * moved, (apart, moved)
+
+
 @pytest.mark.parametrize("clip", [True, False], ids=["clipped", "no-clipping"])
 def test_a_whole_step_optimizer_streamed_on_cuda_equals_one_instance_over_every_param(template, monkeypatch, clip):
     """Prodigy, whose step size sums over every param: one instance over the streamed layers' fp32 masters and host

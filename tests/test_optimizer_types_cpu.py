@@ -402,6 +402,30 @@ def test_adamw8bit_state_a_host_ram_budget_would_put_on_disk_is_one_line_naming_
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_kernel_launch_is_checked_before_anything_is_built():
+    """bitsandbytes' Triton kernels (kernel_launch 'triton', the library API's and bench_full's dgls-device+triton)
+    are AdamW8bit's on the device alone, and run on CUDA only: each mistake is one line before anything is built."""
+    with pytest.raises(DGLSUserError, match="kernel_launch must be one of cuda, triton, got 'cudaa'"):
+        HostOptimizerSpec(type="adamw8bit", kernel_launch="cudaa")
+    with pytest.raises(DGLSUserError, match="picks the kernel of an own class stepped on the device .*'adamw' with"):
+        HostOptimizerSpec(kernel_launch="triton")
+    spec = HostOptimizerSpec(type="adamw8bit", kernel_launch="triton")
+    with pytest.raises(DGLSUserError, match="not of 'adamw8bit' with 'torch'"):
+        dataclasses.replace(spec, implementation="torch")
+    kernel = spec.device_kernel()
+    assert kernel.launch == "triton" and HostOptimizerSpec(type="adamw8bit").device_kernel().launch == "cuda"
+    with pytest.raises(DGLSUserError, match="run on CUDA only: launch 'cuda'"):
+        kernel.check_device(CPU)
+
+
+def test_adamw8bit_triton_launch_on_the_cpu_is_one_line_when_the_updater_is_built(tmp_path):
+    _bitsandbytes_8bit()
+    spec = HostOptimizerSpec.from_table({"type": "AdamW8bit", "lr": 1e-2, "min_8bit_size": 256})
+    cfg = SwapConfig.of(host_optimizer=dataclasses.replace(spec, kernel_launch="triton"))
+    with pytest.raises(DGLSUserError, match="Triton kernels \\(launch 'triton'\\) run on CUDA only"):
+        LayerSwapper(full_layers(torch.bfloat16), cfg, device=CPU, log=None)
+
+
 def test_a_state_tensor_that_would_overrun_its_scratch_slot_is_an_assertion_not_a_write():
     """The device updater's slots hold what each kernel promises (bytes an element); a tensor past a slot's end is a
     DGLS bug, stopped before anything is written."""

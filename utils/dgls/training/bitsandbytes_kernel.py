@@ -34,6 +34,11 @@ Hazards handled
       about 10 bytes a param over the link (a tenth of a second for a Flux-dev double block at 25 GB/s), so the
       update's transfers are on the step's critical path, where AdamW's and SGD's overlap the backward. Its cost
       is measured by ``bench_full``'s rows (its 'GPU wait' column).
+    - ``launch = "triton"`` (:data:`LAUNCHES`; the library API's and the benchmarks' choice, measured against the
+      default before it is anyone's default) steps with bitsandbytes' Triton kernels of the same updates, written
+      for Intel GPUs and launched on torch's current stream: the updater's in-stream, so the compute stream waits
+      for nothing. Their (de)quantization is their own: the numbers are bitsandbytes' AdamW8bit, not bitwise those
+      of its CUDA kernel. CUDA only; ``skip_zeros`` is refused by them.
     - Settings bitsandbytes' kernels read from extra state (paged state, ``max_unorm``'s norm vector) are not
       built by DGLS; a class with them is refused by :func:`check_class` (the start-up probe, and its first step).
 """
@@ -48,6 +53,7 @@ import torch
 from ..errors import DGLSUserError
 from .optimizer_kernels import OptimizerKernel, Zeros
 
+LAUNCHES = ("cuda", "triton")  # bitsandbytes' CUDA kernels (the default stream), or its Triton ones (module doc)
 BLOCK_STATE = ("state1", "state2", "absmax1", "absmax2")  # a param with 8-bit moments
 FULL_STATE = ("state1", "state2")  # a param below min_8bit_size: fp32 moments
 MIN_ELEMENTS = 4  # the smallest min_8bit_size whose scales fit the scratch's 1 byte an element
@@ -79,7 +85,10 @@ class Bitsandbytes8bitKernel(OptimizerKernel):
     flat = False
     steps_on_device = False
 
-    def __init__(self) -> None:
+    def __init__(self, launch: str = "cuda") -> None:
+        if launch not in LAUNCHES:
+            raise DGLSUserError(f"bitsandbytes' kernels launch as one of {', '.join(LAUNCHES)}, got {launch!r}")
+        self.launch = launch
         self._maps: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     # state1, state2: uint8 codes (1 byte an element) or, below min_8bit_size, fp32 moments (4); absmax1, absmax2:
@@ -88,6 +97,12 @@ class Bitsandbytes8bitKernel(OptimizerKernel):
 
     def check(self, optimizer: torch.optim.Optimizer) -> None:
         check_class(optimizer)
+        if self.launch == "triton" and getattr(getattr(optimizer, "args", None), "skip_zeros", False):
+            raise DGLSUserError("bitsandbytes' Triton kernels (launch 'triton') refuse skip_zeros: launch 'cuda'")
+
+    def check_device(self, device: torch.device) -> None:
+        if self.launch == "triton" and device.type != "cuda":
+            raise DGLSUserError("bitsandbytes' Triton kernels (launch 'triton') run on CUDA only: launch 'cuda'")
 
     def keys_of(self, state: dict) -> tuple[str, ...]:
         return BLOCK_STATE if state["state1"].dtype == torch.uint8 else FULL_STATE
@@ -108,6 +123,9 @@ class Bitsandbytes8bitKernel(OptimizerKernel):
         raise AssertionError("bitsandbytes' kernel steps each param with its own state (step_params)")
 
     def step_params(self, optimizer, hosts, masters, grads, states, steps, group, lr) -> None:
+        if self.launch == "triton":
+            self._step_triton(optimizer, hosts, masters, grads, states, steps, group, lr)
+            return
         from bitsandbytes import functional
 
         where = _index(optimizer)
@@ -168,6 +186,34 @@ class Bitsandbytes8bitKernel(OptimizerKernel):
                         max_unorm=0.0,
                         skip_zeros=config["skip_zeros"],
                     )
+
+    def _step_triton(self, optimizer, hosts, masters, grads, states, steps, group, lr) -> None:
+        """:meth:`step_params` with bitsandbytes' Triton kernels, on the current stream (module doc; CUDA only:
+        :meth:`check_device`)."""
+        from bitsandbytes.backends.triton import ops
+
+        where = _index(optimizer)
+        for host, m, g, tensors, step in zip(hosts, masters, grads, states, steps):
+            gindex, pindex = where[id(host)]
+            config = optimizer.get_config(gindex, pindex, group)
+            betas = config["betas"]
+            beta3 = betas[2] if len(betas) >= 3 else 0.0
+            rate = config["lr"] if lr is None else lr
+            alpha = config.get("alpha", 0.0)
+            if len(tensors) == len(BLOCK_STATE):
+                state1, state2, absmax1, absmax2 = tensors
+                qmap1, qmap2 = self._qmaps(optimizer.state[host], m.device)
+                ops.optimizer_update_8bit_blockwise(
+                    optimizer.optimizer_name, g, m, state1, state2, betas[0], betas[1], beta3, alpha,
+                    config["eps"], int(step), rate, qmap1, qmap2, absmax1, absmax2, config["weight_decay"],
+                    gnorm_scale=1.0, skip_zeros=False,
+                )  # fmt: skip
+            else:
+                state1, state2 = tensors
+                ops.optimizer_update_32bit(
+                    optimizer.optimizer_name, g, m, state1, state2, None, 0.0, 0.0, betas[0], betas[1], beta3,
+                    alpha, config["eps"], config["weight_decay"], int(step), rate, 1.0, skip_zeros=False,
+                )  # fmt: skip
 
     def _qmaps(self, state: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The param's two code maps on ``device``: copied once per map pair (a layer's optimizer shares one)."""

@@ -187,6 +187,7 @@ class DeviceUpdater:
         device bytes."""
         if kernel is not None:
             self.kernel = kernel
+        self.kernel.check_device(self.device)
         capacity = self.capacity_for(largest_param, largest_layer, self.capacity)
         widths = self.kernel.slot_bytes
         if not self.buffers or self.buffers[0].capacity < capacity or self.buffers[0].slot_bytes != widths:

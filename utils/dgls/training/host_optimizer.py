@@ -66,6 +66,7 @@ import torch
 
 from ..errors import DGLSUserError
 from . import optimizer_types
+from .bitsandbytes_kernel import LAUNCHES
 from .optimizer_kernels import OptimizerKernel, kernel_for
 from .optimizer_state import StateRate, measure_rate
 
@@ -177,6 +178,9 @@ class HostOptimizerSpec:
     options: tuple[tuple[str, Any], ...] = ()
     # diffusion-pipe's gradient_release: every param its own optimizer, so no 1-D split of the weight decay
     gradient_release: bool = False
+    # an own class's device kernel: which of its library's kernels (.bitsandbytes_kernel.LAUNCHES; library API and
+    # benchmarks: "triton" is measured against the default before it is anyone's default)
+    kernel_launch: str = "cuda"
 
     def __post_init__(self) -> None:
         if self.implementation == "auto":  # the fastest measured for each optimizer (see the module doc)
@@ -204,6 +208,13 @@ class HostOptimizerSpec:
             raise DGLSUserError(
                 f"--host_adam {self.implementation} picks DGLS's AdamW or SGD kernel, and [optimizer] type = "
                 f"{self.type!r} steps its own class {where}, {how}: drop --host_adam, or use type = 'adamw'"
+            )
+        if self.kernel_launch not in LAUNCHES:
+            raise DGLSUserError(f"kernel_launch must be one of {', '.join(LAUNCHES)}, got {self.kernel_launch!r}")
+        if self.kernel_launch != "cuda" and not (self.class_on_device and self.implementation == "device"):
+            raise DGLSUserError(
+                f"kernel_launch {self.kernel_launch!r} picks the kernel of an own class stepped on the device "
+                f"(AdamW8bit with implementation 'device'), not of {self.type!r} with {self.implementation!r}"
             )
         if self.whole_step and self.gradient_release:
             raise DGLSUserError(
@@ -473,7 +484,7 @@ class HostOptimizerSpec:
 
     def device_kernel(self) -> OptimizerKernel:
         """The arithmetic of this optimizer as the device runs it (and what the training layout gives state)."""
-        return kernel_for(self.type, self.momentum)
+        return kernel_for(self.type, self.momentum, self.kernel_launch)
 
     @property
     def state_keys(self) -> tuple[str, ...]:

@@ -72,6 +72,10 @@ class OptimizerKernel(ABC):
         """Raise one line if ``optimizer`` (built as the run builds it) has settings this kernel does not step."""
         return None
 
+    def check_device(self, device: torch.device) -> None:
+        """Raise one line if this kernel cannot step on ``device`` (the updater's, when it reserves its buffers)."""
+        return None
+
     def keys_of(self, state: dict) -> tuple[str, ...]:
         """The keys of one param's state tensors that move to the device and home, in slot order."""
         return self.state_keys
@@ -166,9 +170,10 @@ class SGDKernel(OptimizerKernel):
         )
 
 
-def kernel_for(kind: str, momentum: float = 0.0) -> OptimizerKernel:
+def kernel_for(kind: str, momentum: float = 0.0, launch: str = "cuda") -> OptimizerKernel:
     """The kernel of a host optimizer type (:data:`~.host_optimizer.HOST_OPTIMIZERS`), or of an own class's type
-    that has one on the device (:data:`~.optimizer_types.TYPES`' ``on_device``)."""
+    that has one on the device (:data:`~.optimizer_types.TYPES`' ``on_device``; ``launch``: which of its library's
+    kernels, :data:`~.bitsandbytes_kernel.LAUNCHES`)."""
     if kind == "adamw":
         return AdamWKernel()
     if kind == "sgd":
@@ -176,5 +181,5 @@ def kernel_for(kind: str, momentum: float = 0.0) -> OptimizerKernel:
     if kind == "adamw8bit":
         from .bitsandbytes_kernel import Bitsandbytes8bitKernel
 
-        return Bitsandbytes8bitKernel()
+        return Bitsandbytes8bitKernel(launch)
     raise ValueError(f"no device kernel for optimizer type {kind!r}")
