@@ -46,6 +46,7 @@ Hazards handled
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Iterator
 
 import torch
@@ -101,8 +102,12 @@ class Bitsandbytes8bitKernel(OptimizerKernel):
             raise DGLSUserError("bitsandbytes' Triton kernels (launch 'triton') refuse skip_zeros: launch 'cuda'")
 
     def check_device(self, device: torch.device) -> None:
-        if self.launch == "triton" and device.type != "cuda":
+        if self.launch != "triton":
+            return
+        if device.type != "cuda":
             raise DGLSUserError("bitsandbytes' Triton kernels (launch 'triton') run on CUDA only: launch 'cuda'")
+        if importlib.util.find_spec("triton") is None:
+            raise DGLSUserError("bitsandbytes' Triton kernels (launch 'triton') need triton: pip install triton")
 
     def keys_of(self, state: dict) -> tuple[str, ...]:
         return BLOCK_STATE if state["state1"].dtype == torch.uint8 else FULL_STATE
