@@ -201,6 +201,8 @@ class Bitsandbytes8bitKernel(OptimizerKernel):
         for host, m, g, tensors, step in zip(hosts, masters, grads, states, steps):
             gindex, pindex = where[id(host)]
             config = optimizer.get_config(gindex, pindex, group)
+            if config["skip_zeros"]:  # a per-param override (GlobalOptimManager) that check() could not see
+                raise DGLSUserError("bitsandbytes' Triton kernels (launch 'triton') refuse skip_zeros: launch 'cuda'")
             betas = config["betas"]
             beta3 = betas[2] if len(betas) >= 3 else 0.0
             rate = config["lr"] if lr is None else lr
