@@ -635,6 +635,32 @@ CASES = [
     Case("config-no-model", raw("[adapter]\nrank = 4\n"), "has no [model] type"),
     Case("unknown-model-type", raw('[model]\ntype = "fluxx"\n'), "unknown model type 'fluxx'"),
 ]
+
+
+def transformers_asks_for_peft(need: str, have: str) -> Callable[[Path, pytest.MonkeyPatch], None]:
+    """transformers 5.24.0, which asks for peft ``need``, beside peft ``have`` (as the package index had them)."""
+
+    def setup(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        from utils.dgls.program import dp_model
+
+        mp.setattr(dp_model, "transformers_min_peft", lambda: need)
+        mp.setattr(dp_model, "installed_version", {"peft": have, "transformers": "5.24.0"}.get)
+
+    return setup
+
+
+CASES += [
+    # transformers 5.24.0 asks for peft 0.22.0, newer than any released: SDXL's text encoders' LoRA failed in
+    # train.py itself once the model had loaded
+    Case(
+        "sdxl-lora-peft-older-than-transformers-asks",
+        dp(tables=FAKE_TABLES.replace('type = "flux"', 'type = "sdxl"')),
+        "[model] type = 'sdxl' with an [adapter]: diffusion-pipe adds its text encoders' LoRA through transformers' "
+        "add_adapter, and transformers 5.24.0 refuses peft 0.21.2 (it asks for 0.22.0 or newer): pip install "
+        "'peft>=0.22.0', or if there is none yet, pip install 'transformers<5.24.0'",
+        transformers_asks_for_peft("0.22.0", "0.21.2"),
+    ),
+]
 CASES += [
     # placement that cannot fit the model, refused before DeepSpeed starts (issue 39)
     Case(
@@ -973,3 +999,28 @@ def test_a_pipeline_stage_without_layers_stops_every_process_naming_pipeline_sta
     with pytest.raises(DGLSUserError) as raised:
         build(module)
     assert str(raised.value) == expected
+
+
+def test_the_transformers_peft_check_passes_a_new_enough_peft_a_full_fine_tune_and_other_types(monkeypatch):
+    from utils.dgls.program import dp_model
+
+    monkeypatch.setattr(dp_model, "transformers_min_peft", lambda: "0.22.0")
+    lora = {"model": {"type": "sdxl"}, "adapter": {"type": "lora"}}
+    for peft in ("0.22.0", "0.22.1.dev0", "1.0"):
+        monkeypatch.setattr(dp_model, "installed_version", {"peft": peft, "transformers": "5.24.0"}.get)
+        dp_model.check_adapter_libraries(lora, "x.toml")
+    monkeypatch.setattr(dp_model, "installed_version", {"peft": "0.21.2", "transformers": "5.24.0"}.get)
+    dp_model.check_adapter_libraries({"model": {"type": "sdxl"}}, "x.toml")  # a full fine-tune adds no LoRA
+    dp_model.check_adapter_libraries({**lora, "model": {"type": "flux"}}, "x.toml")  # diffusers' own PEFT path
+    with pytest.raises(DGLSUserError, match="refuses peft 0.21.2"):
+        dp_model.check_adapter_libraries(lora, "x.toml")
+
+
+def test_the_peft_version_transformers_asks_for_is_read_from_its_source():
+    """Read without importing transformers (seconds); its PEFT integration says it as MIN_PEFT_VERSION."""
+    from utils.dgls.program import dp_model
+
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed")
+    found = dp_model.transformers_min_peft()
+    assert found is not None and dp_model._release(found) >= (0, 1), found

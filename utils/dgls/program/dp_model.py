@@ -14,10 +14,15 @@ missing checkpoint or ``--blocks_to_swap 60`` for a 59-layer Flux would otherwis
   a ``config.json`` counts and an output layer, read from the file diffusion-pipe builds the
   transformer from (:data:`LAYER_RULES`). For other types, or when that file is not there, the
   placement is checked against the real layer list when the stage is built (``PlacementPolicy.for_stage``).
+- Libraries: a type whose LoRA diffusion-pipe adds through transformers' PEFT integration (:data:`TRANSFORMERS_LORA`)
+  needs the peft that transformers asks for, which it checks only once the model is loaded (transformers 5.24.0
+  asks for peft 0.22.0, newer than any released: SDXL LoRAs then fail in train.py itself).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -32,6 +37,9 @@ from ..streaming.config import PlacementPolicy
 FOLDER_KEYS = ("diffusers_path", "ckpt_path")  # read as folders (from_pretrained, a checkpoint folder)
 COMFY_FILE_KEYS = ("diffusion_model", "vae", "text_encoder", "audio_vae")
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+# diffusion-pipe's models/sdxl.py: add_adapter on its two CLIP text encoders (transformers models)
+TRANSFORMERS_LORA = {"sdxl": "its text encoders' LoRA"}
+MIN_PEFT = re.compile(r"^MIN_PEFT_VERSION\s*=\s*[\"']([^\"']+)[\"']", re.M)
 
 
 @dataclass(frozen=True)
@@ -134,3 +142,50 @@ def check_placement(
     if known is not None:
         count, source = known
         placement.check_layer_count(count, f"the {config['model']['type']} model ({source})", label)
+
+
+def check_adapter_libraries(config: dict[str, Any], path: str) -> None:
+    """One line where a LoRA of a :data:`TRANSFORMERS_LORA` type would fail in transformers' ``add_adapter``
+    (its peft is older than transformers asks for), before the model loads (module doc)."""
+    kind = config.get("model", {}).get("type")
+    if "adapter" not in config or kind not in TRANSFORMERS_LORA:
+        return
+    need, have, transformers = transformers_min_peft(), installed_version("peft"), installed_version("transformers")
+    if need is None or have is None or _release(have) >= _release(need):
+        return
+    raise DGLSUserError(
+        f"{path}: [model] type = {kind!r} with an [adapter]: diffusion-pipe adds {TRANSFORMERS_LORA[kind]} through "
+        f"transformers' add_adapter, and transformers {transformers} refuses peft {have} (it asks for {need} or "
+        f"newer): pip install 'peft>={need}', or if there is none yet, pip install 'transformers<{transformers}'"
+    )
+
+
+def installed_version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def transformers_min_peft() -> str | None:
+    """The peft version transformers' PEFT integration asks for, read from its source (importing transformers
+    takes seconds); None where it is not installed or says it otherwise."""
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    source = Path(spec.submodule_search_locations[0]) / "integrations" / "peft.py"
+    found = MIN_PEFT.search(source.read_text()) if source.is_file() else None
+    return found.group(1) if found else None
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The leading numbers of a version ("0.22.0.dev0" -> (0, 22, 0))."""
+    numbers = []
+    for part in version.split("."):
+        digits = re.match(r"\d+", part)
+        if digits is None:
+            break
+        numbers.append(int(digits.group()))
+        if digits.group() != part:
+            break
+    return tuple(numbers)
