@@ -16,7 +16,7 @@ missing checkpoint or ``--blocks_to_swap 60`` for a 59-layer Flux would otherwis
   placement is checked against the real layer list when the stage is built (``PlacementPolicy.for_stage``).
 - Libraries: a type whose LoRA diffusion-pipe adds through transformers' PEFT integration (:data:`TRANSFORMERS_LORA`)
   needs the peft that transformers asks for, which it checks only once the model is loaded (transformers 5.24.0
-  asks for peft 0.22.0, newer than any released: SDXL LoRAs then fail in train.py itself).
+  asks for peft 0.22.0, newer than any on the package index: SDXL LoRAs then fail in train.py itself).
 """
 
 from __future__ import annotations

@@ -109,7 +109,8 @@ TYPES: dict[str, OptimizerType] = {
         # its update_step reads percentile_clipping and block_wise, which bitsandbytes 0.50 (the first with 8-bit CPU
         # kernels) dropped from get_config: train.py's own instance fails its first step with them too
         library_note="bitsandbytes 0.50 and later dropped the percentile_clipping setting its step reads, so "
-        "train.py's own AdamW8bitKahan fails its first step with them too, and earlier versions have no CPU step",
+        "train.py's own AdamW8bitKahan fails its first step with those versions too, and earlier versions have no "
+        "CPU step",
         # its update runs on a zeroed buffer (shift) that is then added to the weight: the weight decay decays that
         # buffer, not the weight (tests/test_optimizer_types_cpu.py measures the equality on the class)
         fallback="type = 'adamw8bit' with weight_decay = 0: AdamW8bitKahan applies its weight decay to its rounding "
