@@ -650,8 +650,8 @@ def transformers_asks_for_peft(need: str, have: str) -> Callable[[Path, pytest.M
 
 
 CASES += [
-    # transformers 5.24.0 asks for peft 0.22.0, newer than any released: SDXL's text encoders' LoRA failed in
-    # train.py itself once the model had loaded
+    # transformers 5.24.0 asks for peft 0.22.0, newer than any on the package index: SDXL's text encoders' LoRA
+    # failed in train.py itself once the model had loaded
     Case(
         "sdxl-lora-peft-older-than-transformers-asks",
         dp(tables=FAKE_TABLES.replace('type = "flux"', 'type = "sdxl"')),
