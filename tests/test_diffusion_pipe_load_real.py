@@ -14,6 +14,7 @@ import re
 import pytest
 from dp_runs import requires_checkout, run_train
 from test_diffusion_pipe_models_real import SPECS, checkout, prepare  # noqa: F401 (fixtures)
+from tiny_models import sdxl  # noqa: E402 (on sys.path from test_diffusion_pipe_models_real)
 
 pytestmark = [pytest.mark.slow, requires_checkout]
 
@@ -41,8 +42,10 @@ def test_the_load_line_says_what_was_copied(prepare, tmp_path, model_type):  # n
     assert "TRAINING COMPLETE!" in log
     mapped, copied, rest = load_line(log)
     print(f"{model_type}: {mapped:.2f} MiB in place, {copied:.2f} MiB copied{rest}")
-    # every type's loader keeps the layer weights views of the file when the file's dtype is the run's
-    assert mapped > 0 and copied == 0, f"{model_type}: {mapped} MiB in place, {copied} MiB copied{rest}"
+    # every type's loader keeps the layer weights views of the file when the file's dtype is the run's, but for what
+    # SDXL's single-file loader splits and transposes in its second text encoder (tiny_models/sdxl.py)
+    made = sdxl.loader_copied_bytes() / 2**20 if model_type == "sdxl" else 0.0
+    assert mapped > 0 and copied == round(made, 2), f"{model_type}: {mapped} MiB in place, {copied} MiB copied{rest}"
 
 
 def test_a_cast_is_said_at_start_up(checkout, tmp_path):  # noqa: F811 (the fixture)
