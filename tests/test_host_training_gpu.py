@@ -140,6 +140,11 @@ def test_adamw8bit_code_maps_copied_late_still_reach_the_kernel_first(template, 
 
     def late_maps(self, state, where):
         if (id(state["qmap1"]), where) not in self._maps:
+            # the blocks the maps will land in hold NaN already (the allocator hands freed blocks of this stream
+            # and size back): a kernel that read them before the copy would see NaN, not an earlier pair's maps
+            stale = [torch.full_like(state[key], float("nan"), device=where) for key in ("qmap1", "qmap2")]
+            torch.cuda.synchronize(where)
+            del stale
             torch.cuda._sleep(int(50 * MS))  # on the in-stream, ahead of the copy
             copied.append(where)
         return first_copy(self, state, where)

@@ -231,7 +231,8 @@ def test_a_class_no_library_version_runs_on_the_cpu_says_why_and_the_nearest_typ
     monkeypatch.setattr(klass, "step", lambda self, closure=None: 1 / 0)
     with pytest.raises(DGLSUserError) as caught:
         fake_type.probe()
-    assert str(caught.value).endswith("weight_decay = 0.1); no version runs it: use type = 'sgd'")
+    tail = "test tensor (ZeroDivisionError('division by zero')): no version runs it: use type = 'sgd'"
+    assert str(caught.value).endswith(tail), "no values to check where no version runs the class"
     kahan = optimizer_types.TYPES["adamw8bitkahan"]
     assert "percentile_clipping" in kahan.library_note and kahan.fallback.startswith(
         "type = 'adamw8bit' with weight_decay = 0"

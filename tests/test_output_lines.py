@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import ROOT
@@ -18,11 +19,13 @@ from utils.dgls.errors import print_line, say
 
 PACKAGE = ROOT / "utils" / "dgls"
 WRITER = """
-import importlib.util, sys
+import importlib.util, sys, time
 spec = importlib.util.spec_from_file_location("errors", {errors!r})  # errors.py alone: no torch to import
 errors = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(errors)
 say = errors.say
+while time.time() < {start}:  # every writer starts at once, so that their writes meet
+    pass
 for i in range({lines}):
     {call}(f"process {{sys.argv[1]}} line {{i}} " + "x" * 60)
 """
@@ -61,7 +64,8 @@ def test_the_package_calls_print_nowhere():
 
 def run_writers(call: str, processes: int = 4, lines: int = 3000) -> list[str]:
     """``processes`` unbuffered Pythons writing ``lines`` lines each into one pipe, as the launcher's children do."""
-    code = WRITER.format(errors=str(PACKAGE / "errors.py"), lines=lines, call=call)
+    start = time.time() + 1.5  # after every writer has started (each imports errors.py alone)
+    code = WRITER.format(errors=str(PACKAGE / "errors.py"), lines=lines, call=call, start=start)
     shell = " & ".join(f"{sys.executable} -u -c {_quote(code)} {n}" for n in range(processes)) + " & wait"
     out = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=120).stdout
     return out.splitlines()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import skip_waits
 
-from utils.dgls import SwapWorkerError
+from utils.dgls import DGLSUserError, SwapWorkerError
 from utils.dgls.memory.transport import Direction, Marker, Transport, Worker
 
 CPU = torch.device("cpu")
@@ -120,6 +120,23 @@ def test_a_worker_failure_surfaces_in_the_waiting_thread():
         worker.wait(done)
     with pytest.raises(SwapWorkerError):
         worker.put(lambda: None)
+    worker.close()
+
+
+def test_a_user_mistake_a_job_finds_surfaces_as_itself_one_line():
+    """A setting a job refuses (AdamW8bit's Triton launch with a per-param skip_zeros) is the user's to fix: it reaches
+    the waiting thread as the DGLSUserError it is, which dgls_train.py prints as one line, not as a worker failure
+    (a bug, with its traceback)."""
+    worker = Worker()
+    worker.start()
+
+    def refuses():
+        raise DGLSUserError("a setting this job refuses: change it")
+
+    done = worker.put(refuses)
+    with pytest.raises(DGLSUserError, match="a setting this job refuses") as caught:
+        worker.wait(done)
+    assert not isinstance(caught.value, SwapWorkerError)
     worker.close()
 
 

@@ -83,7 +83,7 @@ from typing import Protocol
 import torch
 from torch.autograd import profiler as autograd_profiler
 
-from ..errors import SwapWorkerError
+from ..errors import DGLSUserError, SwapWorkerError
 from ..torch_private import profiler_recording, sleep_on_stream
 from .disk_io import DiskReader
 
@@ -753,7 +753,10 @@ class Worker:
         self.check()
 
     def check(self) -> None:
-        """Surface a failure of the worker in the calling thread."""
+        """Surface a failure of the worker in the calling thread: a user mistake found there (a setting a job
+        refuses) as itself, one line; anything else as a :class:`SwapWorkerError`, a bug."""
+        if isinstance(self.error, DGLSUserError):
+            raise self.error
         if self.error is not None:
             raise SwapWorkerError(f"DGLS worker thread failed: {self.error!r}") from self.error
 

@@ -150,13 +150,19 @@ def check_adapter_libraries(config: dict[str, Any], path: str) -> None:
     kind = config.get("model", {}).get("type")
     if "adapter" not in config or kind not in TRANSFORMERS_LORA:
         return
-    need, have, transformers = transformers_min_peft(), installed_version("peft"), installed_version("transformers")
-    if need is None or have is None or _release(have) >= _release(need):
+    need, have = transformers_min_peft(), installed_version("peft")
+    if need is None or have is None:
         return
+    from packaging.version import Version  # transformers' own comparison (check_peft_version); it depends on it
+
+    if Version(have) >= Version(need):
+        return
+    transformers = f"transformers {installed_version('transformers') or ''}".strip()
     raise DGLSUserError(
         f"{path}: [model] type = {kind!r} with an [adapter]: diffusion-pipe adds {TRANSFORMERS_LORA[kind]} through "
-        f"transformers' add_adapter, and transformers {transformers} refuses peft {have} (it asks for {need} or "
-        f"newer): pip install 'peft>={need}', or if there is none yet, pip install 'transformers<{transformers}'"
+        f"transformers' add_adapter, and {transformers} refuses peft {have} (it asks for {need} or newer): "
+        f"pip install 'peft>={need}', or if there is none yet, an earlier transformers that asks for peft {have} or "
+        "older (its MIN_PEFT_VERSION, in transformers/integrations/peft.py)"
     )
 
 
@@ -176,16 +182,3 @@ def transformers_min_peft() -> str | None:
     source = Path(spec.submodule_search_locations[0]) / "integrations" / "peft.py"
     found = MIN_PEFT.search(source.read_text()) if source.is_file() else None
     return found.group(1) if found else None
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """The leading numbers of a version ("0.22.0.dev0" -> (0, 22, 0))."""
-    numbers = []
-    for part in version.split("."):
-        digits = re.match(r"\d+", part)
-        if digits is None:
-            break
-        numbers.append(int(digits.group()))
-        if digits.group() != part:
-            break
-    return tuple(numbers)

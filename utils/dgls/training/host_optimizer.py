@@ -448,15 +448,16 @@ class HostOptimizerSpec:
         libraries = ", ".join(package for _, package in entry.packages)
         error = repr(exc) if len(repr(exc)) <= 200 else repr(exc)[:200] + "..."
         given = ", ".join(f"{key} = {value!r}" for key, value in self.options)
-        if entry.library_note:  # no version of the library runs the class on the CPU
-            what = f"; {entry.library_note}" + (f": use {entry.fallback}" if entry.fallback else "")
+        if entry.library_note:  # no version of the library runs the class on the CPU, whatever the values
+            what = f"{entry.library_note}" + (f": use {entry.fallback}" if entry.fallback else "")
         else:
-            what = f", or install a version of {libraries} it runs with on the CPU" + (
-                f", or use {entry.fallback}" if entry.fallback else ""
+            what = (
+                f"check the [optimizer] values it was given ({given or 'none'}), or install a version of {libraries} "
+                "it runs with on the CPU" + (f", or use {entry.fallback}" if entry.fallback else "")
             )
         return DGLSUserError(
             f"[optimizer] type = {self.type!r}: {entry.class_name} fails a step on the CPU on a test tensor "
-            f"({error}): check the [optimizer] values it was given ({given or 'none'}){what}"
+            f"({error}): {what}"
         )
 
     def state_rate(self, dtype: torch.dtype = torch.float32) -> StateRate:
