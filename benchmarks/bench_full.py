@@ -633,13 +633,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     others = [m for m in args.methods.split(",") if not m.startswith(LAYER_MAJOR)]  # not micro_batches' loss
     if args.loss_scale != 1.0 and others:
         parser.error(f"--loss_scale scales the resident and DGLS methods' loss only: drop {', '.join(others)}")
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")  # machine.session's
     for name in args.methods.split(","):  # a DGLS method's optimizer settings, checked before any method runs
         if name.startswith("dgls-"):
             try:
                 spec, _ = dgls_spec(name.split("-", 1)[1].partition("@")[0], args.optimizer)
                 if spec.kernel_launch != "cuda":  # another launch of an own class's kernel: its device and library
-                    spec.device_kernel().check_device(device)
+                    spec.device_kernel().check_device(machine.device())
             except (DGLSUserError, ValueError) as exc:
                 parser.error(f"--methods {name}: {exc} (drop {name} from --methods)")
     args.name = args.name or f"full_{args.model}"

@@ -16,6 +16,11 @@ import torch
 from units import GiB
 
 
+def device() -> torch.device:
+    """The device a run trains on: CUDA when there is one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 @contextlib.contextmanager
 def session(tiny: bool) -> Iterator[tuple[torch.device, torch.dtype]]:
     """The device and dtype of a run: CUDA in bf16 when there is one, else the CPU in fp32.
@@ -24,14 +29,14 @@ def session(tiny: bool) -> Iterator[tuple[torch.device, torch.dtype]]:
     only contend (on a 2-core CI runner a tiny planner run took 73 s with all threads, 7 s with one).
     cuDNN attention is off on CUDA: its backward is broken on the lent H100 image.
     """
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
+    on = device()
+    if on.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)
     threads = torch.get_num_threads()
-    if tiny and device.type == "cpu":
+    if tiny and on.type == "cpu":
         torch.set_num_threads(1)
     try:
-        yield device, (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        yield on, (torch.bfloat16 if on.type == "cuda" else torch.float32)
     finally:
         torch.set_num_threads(threads)
 

@@ -57,6 +57,7 @@ from .optimizer_kernels import OptimizerKernel, Zeros
 LAUNCHES = ("cuda", "triton")  # bitsandbytes' CUDA kernels (the default stream), or its Triton ones (module doc)
 BLOCK_STATE = ("state1", "state2", "absmax1", "absmax2")  # a param with 8-bit moments
 FULL_STATE = ("state1", "state2")  # a param below min_8bit_size: fp32 moments
+TRITON_SKIP_ZEROS = "bitsandbytes' Triton kernels (launch 'triton') refuse skip_zeros: launch 'cuda'"
 MIN_ELEMENTS = 4  # the smallest min_8bit_size whose scales fit the scratch's 1 byte an element
 
 
@@ -99,7 +100,7 @@ class Bitsandbytes8bitKernel(OptimizerKernel):
     def check(self, optimizer: torch.optim.Optimizer) -> None:
         check_class(optimizer)
         if self.launch == "triton" and getattr(getattr(optimizer, "args", None), "skip_zeros", False):
-            raise DGLSUserError("bitsandbytes' Triton kernels (launch 'triton') refuse skip_zeros: launch 'cuda'")
+            raise DGLSUserError(TRITON_SKIP_ZEROS)
 
     def check_device(self, device: torch.device) -> None:
         if self.launch != "triton":
@@ -128,99 +129,53 @@ class Bitsandbytes8bitKernel(OptimizerKernel):
         raise AssertionError("bitsandbytes' kernel steps each param with its own state (step_params)")
 
     def step_params(self, optimizer, hosts, masters, grads, states, steps, group, lr) -> None:
-        if self.launch == "triton":
-            self._step_triton(optimizer, hosts, masters, grads, states, steps, group, lr)
-            return
-        from bitsandbytes import functional
-
+        functional = self._functions()
         where = _index(optimizer)
-        # the code maps a first chunk copies in are queued on the in-stream before the default stream waits for it
+        # the code maps a first chunk copies in are queued on the in-stream before any kernel of the chunk reads them
+        # (the CUDA kernels' default stream waits for the in-stream when it is entered)
         maps = [
             self._qmaps(optimizer.state[host], m.device) if len(tensors) == len(BLOCK_STATE) else None
             for host, m, tensors in zip(hosts, masters, states)
         ]
-        with _on_default_stream(masters[0].device if masters else None):
+        device = masters[0].device if masters else None
+        around = contextlib.nullcontext() if self.launch == "triton" else _on_default_stream(device)
+        with around:
             for host, m, g, tensors, step, qmaps in zip(hosts, masters, grads, states, steps, maps):
-                gindex, pindex = where[id(host)]
-                config = optimizer.get_config(gindex, pindex, group)
-                betas = config["betas"]
-                beta3 = betas[2] if len(betas) >= 3 else 0.0
+                config = optimizer.get_config(*where[id(host)], group)
+                if self.launch == "triton" and config["skip_zeros"]:  # a per-param override check() cannot see
+                    raise DGLSUserError(TRITON_SKIP_ZEROS)
+                beta1, beta2, *rest = config["betas"]
+                beta3, alpha = (rest[0] if rest else 0.0), config.get("alpha", 0.0)
                 rate = config["lr"] if lr is None else lr
-                if len(tensors) == len(BLOCK_STATE):
+                eps, decay, skip = config["eps"], config["weight_decay"], config["skip_zeros"]
+                if qmaps is not None:
                     state1, state2, absmax1, absmax2 = tensors
-                    qmap1, qmap2 = qmaps
                     functional.optimizer_update_8bit_blockwise(
-                        optimizer.optimizer_name,
-                        g,
-                        m,
-                        state1,
-                        state2,
-                        betas[0],
-                        betas[1],
-                        beta3,
-                        config.get("alpha", 0.0),
-                        config["eps"],
-                        int(step),
-                        rate,
-                        qmap1,
-                        qmap2,
-                        absmax1,
-                        absmax2,
-                        config["weight_decay"],
-                        gnorm_scale=1.0,
-                        skip_zeros=config["skip_zeros"],
-                    )
+                        optimizer.optimizer_name, g, m, state1, state2, beta1, beta2, beta3, alpha, eps, int(step),
+                        rate, *qmaps, absmax1, absmax2, decay, gnorm_scale=1.0, skip_zeros=skip,
+                    )  # fmt: skip
+                elif self.launch == "triton":  # the same update; its arguments in another order
+                    functional.optimizer_update_32bit(
+                        optimizer.optimizer_name, g, m, *tensors, None, 0.0, 0.0, beta1, beta2, beta3, alpha, eps,
+                        decay, int(step), rate, 1.0, skip_zeros=skip,
+                    )  # fmt: skip
                 else:
                     state1, state2 = tensors
                     functional.optimizer_update_32bit(
-                        optimizer.optimizer_name,
-                        g,
-                        m,
-                        state1,
-                        betas[0],
-                        config["eps"],
-                        int(step),
-                        rate,
-                        state2,
-                        betas[1],
-                        beta3,
-                        config.get("alpha", 0.0),
-                        config["weight_decay"],
-                        1.0,
-                        None,
-                        max_unorm=0.0,
-                        skip_zeros=config["skip_zeros"],
-                    )
+                        optimizer.optimizer_name, g, m, state1, beta1, eps, int(step), rate, state2, beta2, beta3,
+                        alpha, decay, 1.0, None, max_unorm=0.0, skip_zeros=skip,
+                    )  # fmt: skip
 
-    def _step_triton(self, optimizer, hosts, masters, grads, states, steps, group, lr) -> None:
-        """:meth:`step_params` with bitsandbytes' Triton kernels, on the current stream (module doc; CUDA only:
-        :meth:`check_device`)."""
-        from bitsandbytes.backends.triton import ops
+    def _functions(self):
+        """bitsandbytes' update functions of this launch: its ``functional`` (the CUDA kernels, or its CPU ones on the
+        CPU), or its Triton ``ops`` (CUDA only: :meth:`check_device`)."""
+        if self.launch == "triton":
+            from bitsandbytes.backends.triton import ops
 
-        where = _index(optimizer)
-        for host, m, g, tensors, step in zip(hosts, masters, grads, states, steps):
-            gindex, pindex = where[id(host)]
-            config = optimizer.get_config(gindex, pindex, group)
-            if config["skip_zeros"]:  # a per-param override (GlobalOptimManager) that check() could not see
-                raise DGLSUserError("bitsandbytes' Triton kernels (launch 'triton') refuse skip_zeros: launch 'cuda'")
-            betas = config["betas"]
-            beta3 = betas[2] if len(betas) >= 3 else 0.0
-            rate = config["lr"] if lr is None else lr
-            alpha = config.get("alpha", 0.0)
-            if len(tensors) == len(BLOCK_STATE):
-                state1, state2, absmax1, absmax2 = tensors
-                qmap1, qmap2 = self._qmaps(optimizer.state[host], m.device)
-                ops.optimizer_update_8bit_blockwise(
-                    optimizer.optimizer_name, g, m, state1, state2, betas[0], betas[1], beta3, alpha,
-                    config["eps"], int(step), rate, qmap1, qmap2, absmax1, absmax2, config["weight_decay"],
-                    gnorm_scale=1.0, skip_zeros=False,
-                )  # fmt: skip
-            else:
-                state1, state2 = tensors
-                ops.optimizer_update_32bit(
-                    optimizer.optimizer_name, g, m, state1, state2, None, 0.0, 0.0, betas[0], betas[1], beta3,
-                    alpha, config["eps"], config["weight_decay"], int(step), rate, 1.0, skip_zeros=False,
-                )  # fmt: skip
+            return ops
+        from bitsandbytes import functional
+
+        return functional
 
     def _qmaps(self, state: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The param's two code maps on ``device``: copied once per map pair (a layer's optimizer shares one)."""

@@ -351,15 +351,15 @@ def refuse_disk_state(config, trained: TrainingLayout, count: int) -> None:
     what = f"host_ram_budget puts the fp32 masters and optimizer state of {count} streamed layers on disk"
     need = sum(trained.parts().values()) + sum(state_ram_bytes(trained, i) for i in trained.layers)
     raise_to = f"raise host_ram_budget (all in RAM: about {(need + trained.packed_bytes) / 2**30:.1f} GiB) or drop it"
-    if spec.on_device and not spec.own_class:  # an own class's state cannot go to disk wherever it steps (below)
-        raise DGLSUserError(
-            f"{what}, which host updates read and write back around each update, and --host_adam {spec.implementation} "
-            f"updates on the device: pass --host_adam torch_fused (or torch), or {raise_to}"
-        )
-    if spec.own_class:
+    if spec.own_class:  # first: its state stays in RAM wherever it steps (AdamW8bit steps on the device)
         raise DGLSUserError(
             f"{what}, and [optimizer] type {spec.table_type or spec.type!r} keeps state DGLS does not lay out on disk "
             f"(AdamW's and SGD's can): use type = 'adamw', or {raise_to}"
+        )
+    if spec.on_device:
+        raise DGLSUserError(
+            f"{what}, which host updates read and write back around each update, and --host_adam {spec.implementation} "
+            f"updates on the device: pass --host_adam torch_fused (or torch), or {raise_to}"
         )
     if config.training.data_parallel:
         raise DGLSUserError(f"{what}, and data-parallel processes share the host training state: {raise_to}")

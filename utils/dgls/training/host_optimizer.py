@@ -449,7 +449,7 @@ class HostOptimizerSpec:
         error = repr(exc) if len(repr(exc)) <= 200 else repr(exc)[:200] + "..."
         given = ", ".join(f"{key} = {value!r}" for key, value in self.options)
         if entry.library_note:  # no version of the library runs the class on the CPU, whatever the values
-            what = f"{entry.library_note}" + (f": use {entry.fallback}" if entry.fallback else "")
+            what = entry.library_note + (f": use {entry.fallback}" if entry.fallback else "")
         else:
             what = (
                 f"check the [optimizer] values it was given ({given or 'none'}), or install a version of {libraries} "
