@@ -488,6 +488,23 @@ def test_device_updates_equal_unstreamed_training_with_torch_fused_adamw(mode, a
     assert_same(record, reference)
 
 
+def test_gradient_release_device_updates_of_flat_layers_equal_unstreamed_training():
+    """gradient_release: the optimizer's params are one group in the layer's own order (a Linear's bias between
+    two weights), and a flat layer's masters, state and landings follow that order, not diffusion-pipe's two
+    groups' (2-D first): the device's kernel steps the flat buffers as the groups say, bitwise as the reference."""
+    fused = dataclasses.replace(FUSED, gradient_release=True)
+    spec = dataclasses.replace(DEVICE, gradient_release=True)
+    layers = full_layers(torch.bfloat16)
+    cfg = SwapConfig.of(host_optimizer=spec, accumulation_steps=1, clip_grads=False)
+    with LayerSwapper(layers, cfg, device=CPU, log=None) as swapper:
+        names = host_names(swapper, layers)
+        assert all(layer.flat is not None for layer in swapper.training.layers.values())
+        record = train_dgls(layers, swapper, CPU, "nonreentrant", accumulate=1, dtype=torch.bfloat16, max_norm=None)
+    kw = {"accumulate": 1, "dtype": torch.bfloat16, "max_norm": None}
+    want = train_reference(full_layers(torch.bfloat16), names, CPU, "nonreentrant", **kw, host_spec=fused)
+    assert_same(record, want)
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_device_updates_in_small_chunks_with_threads_and_bf16_compute_equal_unstreamed_training(
     monkeypatch, accumulate

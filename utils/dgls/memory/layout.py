@@ -382,9 +382,10 @@ class TrainingLayout:
           confirms it. Which layers may have one (``spares``): ``"all"``, ``"flat"`` (device updates, which
           speculate on flat layers only) or ``"none"``; how many do is the RAM check's (:meth:`limit_spares`).
         - Flat layers (``device_updates`` and one compute dtype, bf16 or fp16): masters, each state tensor and
-          landings are one buffer each, the params back to back in the optimizer's order (2-D and larger
-          first, then the 1-D ones: diffusion-pipe's param groups), so a device update moves a chunk with a
-          few copies (:class:`~..training.device_update.FlatLayer`).
+          landings are one buffer each, the params back to back in the optimizer's order, so a device update
+          moves a chunk with a few copies (:class:`~..training.device_update.FlatLayer`): 2-D and larger
+          first, then the 1-D ones (diffusion-pipe's param groups), or with ``one_group`` (its
+          gradient_release: one group) in the layer's own order.
 
     Mechanics
         - :meth:`allocate` hands out exactly the bytes :meth:`parts` counts (the RAM check's figure), except
@@ -406,6 +407,7 @@ class TrainingLayout:
         state_bytes: Callable[[tuple[int, ...]], int] | None = None,
         device_updates: bool,
         spares: str = "none",
+        one_group: bool = False,
     ) -> None:
         if spares not in ("none", "flat", "all"):
             raise ValueError(f"spares must be 'none', 'flat' or 'all', got {spares!r}")
@@ -413,6 +415,7 @@ class TrainingLayout:
         self.state_bytes = state_bytes  # an own class's state per param shape (None: the state_keys' fp32 tensors)
         self.sums = sums
         self.device_updates = device_updates
+        self.one_group = one_group  # the optimizer's params in one group, in layer order (flat layers' order)
         self.layers: dict[int, TrainedLayerPlace] = {}
         for idx in sorted(layouts):
             place = self._place(idx, layouts[idx])
@@ -439,7 +442,9 @@ class TrainingLayout:
             return None
         dtypes = {p.dtype for _, p in chosen}
         if self.device_updates and len(dtypes) == 1 and dtypes <= {torch.bfloat16, torch.float16}:
-            order = [kp for kp in chosen if len(kp[1].shape) > 1] + [kp for kp in chosen if len(kp[1].shape) <= 1]
+            order = chosen  # the optimizer's order: one group, or diffusion-pipe's two (2-D and larger first)
+            if not self.one_group:
+                order = [kp for kp in chosen if len(kp[1].shape) > 1] + [kp for kp in chosen if len(kp[1].shape) <= 1]
             flat, offset = {}, 0
             for k, p in order:
                 flat[k] = offset

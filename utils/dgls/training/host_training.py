@@ -108,6 +108,7 @@ def training_layout(
         sums=accumulation_steps != 1 or spec.whole_step,
         device_updates=spec.on_device,
         spares=spares_for(spec, clipping, speculate),
+        one_group=spec.gradient_release,  # :meth:`~.host_optimizer.HostOptimizerSpec.groups`
     )
 
 
