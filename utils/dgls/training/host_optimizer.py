@@ -179,7 +179,7 @@ class HostOptimizerSpec:
     # diffusion-pipe's gradient_release: every param its own optimizer, so no 1-D split of the weight decay
     gradient_release: bool = False
     # an own class's device kernel: which of its library's kernels (.bitsandbytes_kernel.LAUNCHES; library API and
-    # benchmarks: "triton" is measured against the default before it is anyone's default)
+    # benchmarks: "triton" is for measurements only, an open defect in its numbers: .bitsandbytes_kernel's doc)
     kernel_launch: str = "cuda"
 
     def __post_init__(self) -> None:
