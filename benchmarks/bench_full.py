@@ -360,6 +360,7 @@ def dgls_step(
     accumulation: int = 1,
     layer_major: bool = False,
     scale: float = 1.0,
+    gpu_layers: list[int] | None = None,
 ):
     """DGLS's step of ``implementation`` (``IMPL``, or ``IMPL-wait``: with clipping, updates wait for the gradient norm
     instead of speculating; ``IMPL-prevnorm``: clip_mode previous_norm): layers of ``stream_mib`` or more streamed, or
@@ -368,7 +369,8 @@ def dgls_step(
     their gradients to it). Returns the step, the swapper and the list each step's gradient norm is appended to.
     ``accumulation`` micro-batches a step: one after another (the host training told ``accumulation_steps``), or
     ``layer_major`` (each layer's gradients summed on the device over the micro-batches and sent home once: the host
-    training sees one a step)."""
+    training sees one a step). ``gpu_layers``: the layers kept on the GPU, by hand (a placement a budget's probe
+    printed), instead of ``stream_mib``'s."""
     spec, wait = dgls_spec(implementation, optimizer)
     sizes = bench.sizes  # measured before anything was trainable: streamable = every param of the layer
     common = dict(host_optimizer=spec, clip_grads=bool(clip), speculate_clipping=wait != "wait", **(ram or {}))
@@ -379,6 +381,7 @@ def dgls_step(
         config = SwapConfig.of(vram_budget=budget, **common)
     else:
         resident = [s.index for s in sizes if s.streamable_bytes < stream_mib * 2**20]
+        resident = resident if gpu_layers is None else gpu_layers
         config = SwapConfig.of(gpu_layers=resident, prefetch=prefetch, **common)
     swapper = LayerSwapper(bench.layers, config, device=device, log=log)
     training = swapper.training
@@ -458,7 +461,7 @@ def measure(name: str, args, device, dtype) -> dict:
 
             step, swapper, norms = dgls_step(
                 bench, device, impl, args.stream_mib, args.prefetch, args.clip, args.optimizer, args.vram_budget,
-                log, ram, count, layer_major, args.loss_scale,
+                log, ram, count, layer_major, args.loss_scale, args.gpu_layers,
             )  # fmt: skip
             training = swapper.training
             counter = full_methods.CopyCounter()
@@ -572,6 +575,14 @@ def host_state_held(training) -> int:
     return sum(held_bytes(layer.optimizer) for layer in training.layers.values() if layer.optimizer is not None)
 
 
+def layer_list(text: str) -> list[int]:
+    """``--gpu_layers``: comma-separated layer indices."""
+    try:
+        return sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"layer indices separated by commas, e.g. 0,4,58, got {text!r}") from None
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny config (a CPU smoke test)")
@@ -590,6 +601,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stream_mib", type=float, default=64.0, help="stream layers of at least this many MiB")
     parser.add_argument(
         "--vram_budget", type=float, default=None, help="GiB: DGLS methods place layers by the planner (not stream_mib)"
+    )
+    parser.add_argument(
+        "--gpu_layers",
+        type=layer_list,
+        default=None,
+        help="DGLS methods: the layers kept on the GPU, e.g. 0,4,14,58 (the placement a --vram_budget run printed, by "
+        "hand: no probe step with every layer streamed), instead of --stream_mib's",
     )
     parser.add_argument("--prefetch", type=int, default=2)
     parser.add_argument("--disk_dir", default=None, help="dgls-IMPL@GiB methods: the disk tier's directory")
@@ -626,6 +644,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one method, write its row to --row
     parser.add_argument("--row", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.gpu_layers is not None and args.vram_budget is not None:
+        parser.error("--gpu_layers places the layers by hand, --vram_budget by the planner: give one")
     if args.accumulation < 1:
         parser.error("--accumulation is a count of micro-batches: 1 or more")
     if not (args.loss_scale > 0 and math.isfinite(args.loss_scale)):
@@ -728,6 +748,8 @@ def _result(args, argv, environment: dict, rows: list[dict], started: float) -> 
         )
     if args.vram_budget is not None:
         clipping += f"; DGLS placed by --vram_budget {args.vram_budget:g} (its plan fixed at step 1)"
+    if args.gpu_layers is not None:
+        clipping += f"; DGLS keeps layers {', '.join(map(str, args.gpu_layers))} on the GPU (--gpu_layers)"
     if args.model == "flux":
         double, single = flux_depth(args)
         title = f"Flux-dev-width full fine-tune step ({double} double + {single} single blocks; Flux-dev: 19 + 38)"

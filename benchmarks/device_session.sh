@@ -4,7 +4,7 @@
 #   usage on the device: bash benchmarks/device_session.sh [tests] [shard:N:FILE[:FILE...]] [pytest:FILE[:FILE...]]
 #     [fulltests[:PYTEST_K]] [fulldemo] [dptests[:PYTEST_K]] [launch] [demo] [bench:SCRIPT.py[:ARG...]] [pack] ...
 #   e.g. bench:bench_models.py:--model=flux   bench:bench_models.py:--model=wan:--steps=10   bench:bench_fp8.py
-#   shard:8:tests/test_units_gpu.py:tests/test_host_training_gpu.py  runs those files' non-slow tests in 8 pytest
+#   shard:8:tests/test_units_gpu.py:tests/test_host_training_gpu.py  runs those files' (or FILE::TEST's) non-slow tests in 8 pytest
 #   processes at once, spread over the machine's GPUs (each test's state is its own; the delay-injection tests
 #   check order, not time), so a call holds every GPU test file.
 # A bench writes its results and the results index (README.md) to benchmarks/results/; what it wrote is copied to $OUT.
@@ -40,7 +40,8 @@ for step in "$@"; do
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     shard:*)
       spec=${step#shard:}
-      IFS=: read -r -a parts <<<"$spec"
+      IFS=: read -r -a parts <<<"${spec//::/@@}"  # FILE::TEST node ids as pytest: takes them
+      parts=("${parts[@]//@@/::}")
       n=${parts[0]}
       ngpu=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$ngpu" -ge 1 ] || ngpu=1
       python3 -m pytest -q --collect-only -m "not slow" "${parts[@]:1}" 2>/dev/null | grep '::' >/tmp/nodes.txt
