@@ -313,3 +313,26 @@ def test_a_refused_type_is_one_line_before_train_py_starts(given, tmp_path):
     assert f"[optimizer] type = {given!r} cannot train streamed layers: use '" in lines[0]
     assert "steps:" not in proc.stdout
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_gradient_release_for_flux_fails_in_plain_train_py_and_is_one_line_through_dgls(tmp_path):
+    """train.py's gradient release reads each param group's lr, which Flux's groups (models/base.py's) lack: plain
+    train.py fails with KeyError: 'lr' once the model has loaded; dgls_train.py says so in one line first."""
+    checkout = checkout_or_skip()
+    tiny = _load_fixture("tiny_flux")
+    model = tiny.build_tiny_flux(tmp_path / "model", seed=0, num_double=1, num_single=1)
+    data = tiny.write_dataset(tmp_path / "data", n=1, size=64, seed=0)
+    table = {"type": "adamw", "lr": 1e-3, "gradient_release": True}
+    config = tiny.write_configs(tmp_path, model, data, tmp_path / "out", full=True, optimizer=table, max_steps=1)
+    with pytest.raises(Exception, match="KeyError: 'lr'"):
+        run_train(checkout, config, tmp_path / "plain.log", env=ONE_THREAD)
+    command = [sys.executable, str(ROOT / "dgls_train.py"), "--config", str(config), "--diffusion_pipe", str(checkout)]
+    proc = subprocess.run(
+        [*command, "--blocks_to_swap", "1"], capture_output=True, text=True, env=child_env(), timeout=300
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stdout + proc.stderr
+    assert (
+        lines[0].startswith("dgls: error: ") and "gradient_release = true fails in this checkout's train.py" in lines[0]
+    )
+    assert "steps:" not in proc.stdout

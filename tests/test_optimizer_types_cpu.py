@@ -537,6 +537,56 @@ def test_gradient_release_refusals_are_one_line():
         dp_config.host_optimizer_spec(full({"type": "adamw", "gradient_release": "yes"}), "x.toml")
 
 
+def checkout_with_models(tmp_path, train_reads_group_lr: bool = True):
+    """A checkout whose train.py maps four types to model modules (as diffusion-pipe's does), its gradient release
+    reading each group's lr or not; flux's module has models/base.py's groups, sdxl's its own with an lr, chroma's
+    builds on flux's pipeline, mine on sdxl's."""
+    (tmp_path / "models").mkdir(parents=True)
+    branches = "".join(
+        f"    elif model_type == '{kind}':\n        from models import {kind}\n" for kind in ("flux", "sdxl", "chroma")
+    )
+    branches += "    elif model_type == 'mine' or model_type == 'mine2':\n        from models import mine\n"
+    read = "param_kwargs['lr'] = pg['lr']" if train_reads_group_lr else "pass"
+    (tmp_path / "train.py").write_text(f"if False:\n    pass\n{branches}\nfor p in pg['params']:\n    {read}\n")
+    models = {
+        "flux": "from models.base import BasePipeline\n",
+        "sdxl": "def get_param_groups(self, parameters):\n    return [{'params': parameters, 'lr': 1.0}]\n",
+        "chroma": "from models.flux import FluxPipeline\n",
+        "mine": "from models import sdxl\n",
+    }
+    for name, text in models.items():
+        (tmp_path / "models" / f"{name}.py").write_text(text)
+    return tmp_path
+
+
+def test_gradient_release_is_refused_in_one_line_where_train_py_would_find_no_group_lr(tmp_path):
+    """train.py's gradient release reads each param group's lr (diffusion-pipe 8f83dbf); for a type whose groups
+    are models/base.py's it fails with KeyError: 'lr' once the model has loaded, plain or through DGLS: one line
+    before anything starts. Types with their own groups, built on such a type's pipeline, and any type where
+    train.py does not read the key, or without gradient_release, pass."""
+    from utils.dgls.program import dp_model
+
+    checkout = checkout_with_models(tmp_path / "reads")
+
+    def config(kind, release=True):
+        return {"model": {"type": kind}, "optimizer": {"type": "adamw", "lr": 1e-5, "gradient_release": release}}
+
+    for kind in ("flux", "chroma"):
+        with pytest.raises(
+            DGLSUserError, match=rf"^x.toml: \[optimizer\] gradient_release = true fails .* type = '{kind}'"
+        ) as err:
+            dp_model.check_gradient_release(config(kind), "x.toml", checkout)
+        assert (
+            "\n" not in str(err.value)
+            and "KeyError: 'lr'" in str(err.value)
+            and "drop gradient_release" in str(err.value)
+        )
+    for kind in ("sdxl", "mine", "mine2", "unmapped"):
+        dp_model.check_gradient_release(config(kind), "x.toml", checkout)
+    dp_model.check_gradient_release(config("flux", release=False), "x.toml", checkout)
+    dp_model.check_gradient_release(config("flux"), "x.toml", checkout_with_models(tmp_path / "fixed", False))
+
+
 def test_gradient_release_updates_streamed_layers_as_train_py_updates_every_param():
     """train.py's gradient release on all-resident fp32 layers: an optimizer per param (the table's values, weight
     decay on 1-D params too, foreach off), stepped in its post-accumulate-grad hook. With DGLS, streamed layers'

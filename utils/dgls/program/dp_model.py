@@ -17,6 +17,10 @@ missing checkpoint or ``--blocks_to_swap 60`` for a 59-layer Flux would otherwis
 - Libraries: a type whose LoRA diffusion-pipe adds through transformers' PEFT integration (:data:`TRANSFORMERS_LORA`)
   needs the peft that transformers asks for, which it checks only once the model is loaded (transformers 5.24.0
   asks for peft 0.22.0, newer than any on the package index: SDXL LoRAs then fail in train.py itself).
+- ``[optimizer] gradient_release``: train.py's gradient release builds an optimizer per param with the ``lr`` of
+  the param's group, which only the types whose module sets it in ``get_param_groups`` give (SDXL, Cosmos-Predict2
+  at diffusion-pipe 8f83dbf); the groups of models/base.py have none, and train.py fails with ``KeyError: 'lr'``
+  after the model loaded, plain or through DGLS (:func:`check_gradient_release`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 # diffusion-pipe's models/sdxl.py: add_adapter on its two CLIP text encoders (transformers models)
 TRANSFORMERS_LORA = {"sdxl": "its text encoders' LoRA"}
 MIN_PEFT = re.compile(r"^MIN_PEFT_VERSION\s*=\s*[\"']([^\"']+)[\"']", re.M)
+GROUP_LR = "param_kwargs['lr'] = pg['lr']"  # train.py's gradient release: each group's lr, read as a key
+MODEL_IMPORTS = re.compile(r"^\s*from models(?:\.(\w+))? import (\w+)", re.M)  # a model module's own models
 
 
 @dataclass(frozen=True)
@@ -164,6 +170,54 @@ def check_adapter_libraries(config: dict[str, Any], path: str) -> None:
         f"pip install 'peft>={need}', or if there is none yet, an earlier transformers that asks for peft {have} or "
         "older (its MIN_PEFT_VERSION, in transformers/integrations/peft.py)"
     )
+
+
+def check_gradient_release(config: dict[str, Any], path: str, checkout: Path) -> None:
+    """One line where train.py's gradient release would fail for this model type: it reads each param group's
+    ``lr`` (:data:`GROUP_LR`), and neither the type's module nor a model module it imports defines
+    ``get_param_groups`` (models/base.py's groups carry no ``lr``). Nothing is said where train.py does not read
+    it, or where its model modules cannot be found (module doc)."""
+    optimizer = config.get("optimizer")
+    if not (isinstance(optimizer, dict) and optimizer.get("gradient_release") is True):
+        return
+    try:
+        train = (checkout / "train.py").read_text(encoding="utf-8")
+    except OSError:
+        return
+    kind = config.get("model", {}).get("type")
+    if GROUP_LR not in train or not isinstance(kind, str):
+        return
+    found = re.search(rf"==\s*'{re.escape(kind)}'[^\n]*:\s*\n\s*from models import (\w+)", train)
+    if found is None:
+        return
+    module = found.group(1)
+    sources = _model_sources(checkout, module)
+    if not sources or any("def get_param_groups" in text for text in sources):
+        return
+    raise DGLSUserError(
+        f"{path}: [optimizer] gradient_release = true fails in this checkout's train.py for [model] type = "
+        f"{kind!r}: its gradient release reads each param group's 'lr', and models/{module}.py's groups (those of "
+        "models/base.py) have none (KeyError: 'lr' after the model loads, plain train.py too): drop "
+        "gradient_release (with gradient_clipping = 0, DGLS updates each streamed layer as its last gradient lands)"
+    )
+
+
+def _model_sources(checkout: Path, module: str) -> list[str]:
+    """The text of models/``module``.py and of the model modules it imports (one level: a type built on another's
+    pipeline class); empty when the file is not there."""
+    try:
+        text = (checkout / "models" / f"{module}.py").read_text(encoding="utf-8")
+    except OSError:
+        return []
+    sources = [text]
+    for package_module, name in MODEL_IMPORTS.findall(text):
+        other = package_module or name
+        if other not in ("base", module):
+            try:
+                sources.append((checkout / "models" / f"{other}.py").read_text(encoding="utf-8"))
+            except OSError:
+                continue
+    return sources
 
 
 def installed_version(package: str) -> str | None:

@@ -527,6 +527,7 @@ def _drop_in(path: str, config: dict, rest: list[str], resolved: options.Resolve
     dp_config.check_dataset_files(config, path, checkout)
     dp_model.check_model_paths(config, path, checkout)
     dp_model.check_adapter_libraries(config, path)
+    dp_model.check_gradient_release(config, path, checkout)
     if swapping:
         dp_model.check_placement(config, checkout, swap.placement, resolved.label)
     output_dir = config["output_dir"]
