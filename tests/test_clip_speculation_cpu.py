@@ -188,12 +188,12 @@ def with_ram_beside_the_reserve(monkeypatch, spare_bytes: int) -> None:
         def virtual_memory():
             return Memory
 
-    def check(layout):
+    def check(layout, **kw):
         parts = layout.parts()
         parts.pop("speculation", None)
         beside = sum(parts.values()) + layout.packed_bytes + spare_bytes
         Memory.available = host_training.ram_reserve(Memory.total) + beside
-        return real(layout)
+        return real(layout, **kw)
 
     import utils.dgls.engine.build as build
 

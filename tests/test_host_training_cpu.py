@@ -361,6 +361,14 @@ def test_a_host_without_the_ram_for_training_is_refused_with_the_numbers(monkeyp
     monkeypatch.setattr(host_training.psutil, "virtual_memory", lambda: Host)
     with pytest.raises(DGLSUserError, match=r"needs .* of host RAM .* and 2\.00 GiB is free, of which 2\.00 GiB stays"):
         LayerSwapper(full_layers(), config(), device=CPU, log=None)
+    # under a VRAM budget the first step streams every layer (the probe): the advice is the placement by hand
+    with pytest.raises(
+        DGLSUserError, match=r"stays for the rest of the host: --vram_budget's first step streams"
+    ) as err:
+        LayerSwapper(full_layers(), config(vram_budget=1.0), device=CPU, log=None)
+    assert "give the placement by hand instead (--gpu_layers" in str(err.value) and "blocks_to_swap" not in str(
+        err.value
+    )
     assert "MiB of host RAM" in line  # the small model needs less than the GiB left beside the reserve here:
     Host.available = 3 * 2**30
     with LayerSwapper(full_layers(), config(), device=CPU, log=None):

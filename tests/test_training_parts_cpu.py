@@ -160,7 +160,7 @@ def test_the_ram_check_and_the_allocation_use_one_training_layout(monkeypatch):
 
     checked = []
     real = build.check_host_training
-    monkeypatch.setattr(build, "check_host_training", lambda layout: checked.append(layout) or real(layout))
+    monkeypatch.setattr(build, "check_host_training", lambda layout, **kw: checked.append(layout) or real(layout, **kw))
     layers = full_layers(torch.bfloat16)
     with LayerSwapper(layers, SwapConfig.of(host_optimizer=SPEC), device=CPU, log=None) as swapper:
         assert len(checked) == 1 and swapper.training.layout is checked[0]

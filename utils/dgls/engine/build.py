@@ -156,7 +156,7 @@ def build(
     micro_batches = c.placement.layer_major_micro_batches
     disk_choice = DiskChoice(layouts, placement, device, c.transfer.disk_dir, micro_batches, read_ahead=trained is None)
     tiers, state_spilled = _tiers(c, values, layouts, placement, trained, disk_choice)
-    training_note = check_host_training(trained) if trained is not None else ""
+    training_note = check_host_training(trained, probe=c.placement.planned) if trained is not None else ""
     with ExitStack() as undo:  # a failure below frees what was made
         disk_state = None
         if state_spilled:  # full fine-tuning: masters and optimizer state that do not fit (training/disk_state.py)

@@ -778,7 +778,7 @@ def host_training_bytes(
     return training_layout({idx: layouts[idx] for idx in streamed}, spec, 2 if sums else 1, clipping, speculate).parts()
 
 
-def check_host_training(layout: TrainingLayout, save_copy: int = 0) -> str:
+def check_host_training(layout: TrainingLayout, save_copy: int = 0, probe: bool = False) -> str:
     """Refuse, with the numbers, when the host cannot hold the masters, gradients and optimizer state and
     still keep its reserve (a tenth of its RAM, 2 GiB at least: the weight store's rule; much of this is
     page-locked, which the host cannot swap out); otherwise the start-up line that says how much they take.
@@ -786,7 +786,9 @@ def check_host_training(layout: TrainingLayout, save_copy: int = 0) -> str:
     spares of speculative updates (:mod:`.speculation`) are optional: the layout keeps those that fit in half of
     what is left beside the rest (:meth:`~..memory.layout.TrainingLayout.limit_spares`); the clipping line says what
     became of them. ``save_copy``: bytes one process holds besides while a save runs (a data-parallel job's reader,
-    the other owners' masters: :mod:`.shared_saves`), counted as needed too."""
+    the other owners' masters: :mod:`.shared_saves`), counted as needed too. ``probe``: a VRAM budget places the
+    layers, its first step streaming every one (``layout`` holds them all), so the advice is to place them by
+    hand."""
     parts = layout.parts()
     parts.pop("speculation", None)
     if save_copy:
@@ -799,7 +801,13 @@ def check_host_training(layout: TrainingLayout, save_copy: int = 0) -> str:
         raise DGLSUserError(
             f"full fine-tuning of the streamed layers needs {human_bytes(need)} of host RAM ({described}) beyond "
             f"their packed weights, and {human_bytes(memory.available)} is free, of which "
-            f"{human_bytes(reserve)} stays for the rest of the host: stream fewer layers (blocks_to_swap), or free RAM"
+            f"{human_bytes(reserve)} stays for the rest of the host: "
+            + (
+                "--vram_budget's first step streams every layer (its probe): give the placement by hand instead "
+                "(--gpu_layers, the layers your card holds; toml/full_flux_dev_128gb.toml), or free RAM"
+                if probe
+                else "stream fewer layers (blocks_to_swap), or free RAM"
+            )
         )
     if layout.spares_wanted:  # optional: at most half of what is left once the packed copies are made too, so
         left = memory.available - reserve - need - layout.packed_bytes  # that saving a checkpoint and the data
