@@ -44,6 +44,10 @@ for step in "$@"; do
       parts=("${parts[@]//@@/::}")
       n=${parts[0]}
       ngpu=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$ngpu" -ge 1 ] || ngpu=1
+      # a full fine-tuning test holds up to about 16 GiB of host RAM (pinned): 8 of them on a 128 GiB host were
+      # killed by the kernel and left no output, so a process per 24 GiB at most
+      ram=$(awk '/MemTotal/ {print int($2 / 1048576)}' /proc/meminfo); fit=$((ram / 24)); [ "$fit" -ge 1 ] || fit=1
+      [ "$n" -le "$fit" ] || { echo "shard: $n processes cut to $fit ($ram GiB of RAM)"; n=$fit; }
       python3 -m pytest -q --collect-only -m "not slow" "${parts[@]:1}" 2>/dev/null | grep '::' >/tmp/nodes.txt
       echo "$(wc -l </tmp/nodes.txt) tests in $n processes on $ngpu GPUs"
       pids=()
@@ -54,9 +58,11 @@ for step in "$@"; do
         pids+=($!)
       done
       for ((i = 0; i < n; i++)); do
-        wait "${pids[$i]}" || status=1
-        { echo "=== shard $i"; cat "/tmp/shard_$i.log"; } >>"$OUT/shard_tests.log"
+        wait "${pids[$i]}"; rc=$?; [ $rc -eq 0 ] || status=1
+        # a process killed from outside (rc 137: the kernel's OOM killer) prints no summary: the tests it had say so
+        { echo "=== shard $i (exit $rc)"; cat "/tmp/shard_$i.log"; } >>"$OUT/shard_tests.log"
         grep -E "^(FAILED|ERROR)|passed|failed" "/tmp/shard_$i.log" | tail -8
+        [ $rc -le 128 ] || echo "shard $i killed (exit $rc) with no summary; its tests: $(tr '\n' ' ' <"/tmp/shard_$i.txt")"
       done ;;
     pytest:*)
       # some GPU test files or tests, verbose with durations: pytest:tests/a.py:tests/b.py::test_name
