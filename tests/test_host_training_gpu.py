@@ -160,20 +160,28 @@ def test_adamw8bit_code_maps_copied_late_still_reach_the_kernel_first(template, 
     assert_same(got, want)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open defect (utils/dgls/training/bitsandbytes_kernel.py): on an H200, 492874256 of the 500346058 weights "
-    "two steps changed differed from the CUDA kernel's",
-)
-def test_adamw8bit_triton_launch_with_delays_steps_as_its_cuda_kernel_up_to_quantization(template, monkeypatch):
+@pytest.mark.parametrize("synced", [False, True], ids=["streams", "synchronized"])
+def test_adamw8bit_triton_launch_with_delays_steps_as_its_cuda_kernel_up_to_quantization(template, monkeypatch, synced):
     """kernel_launch 'triton': bitsandbytes' Triton kernels of the same update, on the updater's in-stream (the
     compute stream waits for none of its copies), with every copy delayed. Their (de)quantization is their own, so
-    the bf16 weights agree with resident training on the CUDA kernel but for roundings: fewer than a quarter of the
-    weights two steps changed differ (a missing wait would put whole updates apart; the largest difference is one
-    step's size, where a master near a rounding boundary lands on the other side); the losses of step 1, before any
-    update, are equal."""
+    the bf16 weights should agree with resident training on the CUDA kernel but for roundings: fewer than a quarter
+    of the weights two steps changed differ (a missing wait would put whole updates apart); the losses of step 1,
+    before any update, are equal. ``synchronized``: the device synchronized before and after each chunk's calls,
+    which leaves no ordering to get wrong. An open defect (bitsandbytes_kernel.py's doc): far more differ, an xfail
+    with the numbers until it is fixed; any other failure fails."""
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("triton")
+    from utils.dgls.training.bitsandbytes_kernel import Bitsandbytes8bitKernel
+
+    if synced:
+        unsynced = Bitsandbytes8bitKernel.step_params
+
+        def step_params(self, *args, **kwargs):
+            torch.cuda.synchronize()
+            unsynced(self, *args, **kwargs)
+            torch.cuda.synchronize()
+
+        monkeypatch.setattr(Bitsandbytes8bitKernel, "step_params", step_params)
     spec = HostOptimizerSpec.from_table({"type": "AdamW8bit", "lr": 1e-4, "weight_decay": 0.01})
     kw = {"accumulate": 1, "max_norm": MAX_NORM}
     triton = dataclasses.replace(spec, kernel_launch="triton")
@@ -184,7 +192,9 @@ def test_adamw8bit_triton_launch_with_delays_steps_as_its_cuda_kernel_up_to_quan
     changed = sum((want.weights[k] != start[k]).sum().item() for k in names)
     differ = sum((got.weights[k] != want.weights[k]).sum().item() for k in names)
     largest = max((got.weights[k] - want.weights[k]).abs().max().item() for k in names)
-    assert changed > 0 and differ <= 0.25 * changed, (differ, changed, largest)
+    assert changed > 0
+    if differ > 0.25 * changed:
+        pytest.xfail(f"open defect: {differ} of the {changed} weights two steps changed differ (largest {largest:.3g})")
 
 
 @pytest.mark.parametrize("clip", [True, False], ids=["clipped", "no-clipping"])

@@ -538,51 +538,57 @@ def test_gradient_release_refusals_are_one_line():
 
 
 def checkout_with_models(tmp_path, train_reads_group_lr: bool = True):
-    """A checkout whose train.py maps four types to model modules (as diffusion-pipe's does), its gradient release
-    reading each group's lr or not; flux's module has models/base.py's groups, sdxl's its own with an lr, chroma's
-    builds on flux's pipeline, mine on sdxl's."""
-    (tmp_path / "models").mkdir(parents=True)
+    """A checkout whose train.py maps types to model modules as diffusion-pipe's does, its gradient release reading
+    each group's lr or not: flux's module has models/base.py's groups, sdxl's its own (with [optimizer] lr),
+    chroma's builds on flux's pipeline class, mine (and mine2) on the sdxl module, wan is a module of a package."""
+    (tmp_path / "models" / "wan").mkdir(parents=True)
     branches = "".join(
         f"    elif model_type == '{kind}':\n        from models import {kind}\n" for kind in ("flux", "sdxl", "chroma")
     )
     branches += "    elif model_type == 'mine' or model_type == 'mine2':\n        from models import mine\n"
+    branches += "    elif model_type == 'wan':\n        from models.wan import wan\n"
     read = "param_kwargs['lr'] = pg['lr']" if train_reads_group_lr else "pass"
     (tmp_path / "train.py").write_text(f"if False:\n    pass\n{branches}\nfor p in pg['params']:\n    {read}\n")
+    groups = "def get_param_groups(self, parameters):\n    return [{'params': parameters, 'lr': self.lr}]\n"
     models = {
-        "flux": "from models.base import BasePipeline\n",
-        "sdxl": "def get_param_groups(self, parameters):\n    return [{'params': parameters, 'lr': 1.0}]\n",
-        "chroma": "from models.flux import FluxPipeline\n",
-        "mine": "from models import sdxl\n",
+        "flux.py": "from models.base import BasePipeline, make_contiguous\n",
+        "sdxl.py": groups,
+        "chroma.py": "from models.flux import FluxPipeline\n",
+        "mine.py": "from models import sdxl\n",
+        "wan/wan.py": "from models.base import BasePipeline\n",
     }
     for name, text in models.items():
-        (tmp_path / "models" / f"{name}.py").write_text(text)
+        (tmp_path / "models" / name).write_text(text)
     return tmp_path
 
 
 def test_gradient_release_is_refused_in_one_line_where_train_py_would_find_no_group_lr(tmp_path):
     """train.py's gradient release reads each param group's lr (diffusion-pipe 8f83dbf); for a type whose groups
-    are models/base.py's it fails with KeyError: 'lr' once the model has loaded, plain or through DGLS: one line
-    before anything starts. Types with their own groups, built on such a type's pipeline, and any type where
-    train.py does not read the key, or without gradient_release, pass."""
+    are models/base.py's it fails with KeyError: 'lr' once the model has loaded, plain or through DGLS, and for one
+    whose own groups take [optimizer] lr when it is not set: one line before anything starts. Types with their own
+    groups (or built on such a module) and an lr, types train.py does not map, any type where train.py does not read
+    the key, and runs without gradient_release pass."""
     from utils.dgls.program import dp_model
 
     checkout = checkout_with_models(tmp_path / "reads")
 
-    def config(kind, release=True):
-        return {"model": {"type": kind}, "optimizer": {"type": "adamw", "lr": 1e-5, "gradient_release": release}}
+    def config(kind, release=True, lr=True):
+        table = {"type": "adamw", "gradient_release": release, **({"lr": 1e-5} if lr else {})}
+        return {"model": {"type": kind}, "optimizer": table}
 
-    for kind in ("flux", "chroma"):
+    for kind, module in (("flux", "flux.py"), ("chroma", "chroma.py"), ("wan", "wan/wan.py")):
         with pytest.raises(
-            DGLSUserError, match=rf"^x.toml: \[optimizer\] gradient_release = true fails .* type = '{kind}'"
+            DGLSUserError, match=rf"^x.toml: \[optimizer\] gradient_release = true fails .* '{kind}'"
         ) as err:
             dp_model.check_gradient_release(config(kind), "x.toml", checkout)
-        assert (
-            "\n" not in str(err.value)
-            and "KeyError: 'lr'" in str(err.value)
-            and "drop gradient_release" in str(err.value)
-        )
-    for kind in ("sdxl", "mine", "mine2", "unmapped"):
+        message = str(err.value)
+        assert "\n" not in message and f"models/{module}'s groups" in message and "KeyError: 'lr'" in message
+        assert "drop gradient_release" in message
+    for kind in ("sdxl", "mine", "mine2"):
         dp_model.check_gradient_release(config(kind), "x.toml", checkout)
+        with pytest.raises(DGLSUserError, match=r"without \[optimizer\] lr: .* set lr$"):
+            dp_model.check_gradient_release(config(kind, lr=False), "x.toml", checkout)
+    dp_model.check_gradient_release(config("unmapped"), "x.toml", checkout)
     dp_model.check_gradient_release(config("flux", release=False), "x.toml", checkout)
     dp_model.check_gradient_release(config("flux"), "x.toml", checkout_with_models(tmp_path / "fixed", False))
 

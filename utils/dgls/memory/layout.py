@@ -385,7 +385,7 @@ class TrainingLayout:
           landings are one buffer each, the params back to back in the optimizer's order, so a device update
           moves a chunk with a few copies (:class:`~..training.device_update.FlatLayer`): 2-D and larger
           first, then the 1-D ones (diffusion-pipe's param groups), or with ``one_group`` (its
-          gradient_release: one group) in the layer's own order.
+          gradient_release: one group) in layout order.
 
     Mechanics
         - :meth:`allocate` hands out exactly the bytes :meth:`parts` counts (the RAM check's figure), except
@@ -415,7 +415,7 @@ class TrainingLayout:
         self.state_bytes = state_bytes  # an own class's state per param shape (None: the state_keys' fp32 tensors)
         self.sums = sums
         self.device_updates = device_updates
-        self.one_group = one_group  # the optimizer's params in one group, in layer order (flat layers' order)
+        self.one_group = one_group  # the optimizer's params in one group, in layout order (flat layers' order)
         self.layers: dict[int, TrainedLayerPlace] = {}
         for idx in sorted(layouts):
             place = self._place(idx, layouts[idx])

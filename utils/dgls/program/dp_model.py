@@ -19,8 +19,8 @@ missing checkpoint or ``--blocks_to_swap 60`` for a 59-layer Flux would otherwis
   asks for peft 0.22.0, newer than any on the package index: SDXL LoRAs then fail in train.py itself).
 - ``[optimizer] gradient_release``: train.py's gradient release builds an optimizer per param with the ``lr`` of
   the param's group, which only the types whose module sets it in ``get_param_groups`` give (SDXL, Cosmos-Predict2
-  at diffusion-pipe 8f83dbf); the groups of models/base.py have none, and train.py fails with ``KeyError: 'lr'``
-  after the model loaded, plain or through DGLS (:func:`check_gradient_release`).
+  and Anima at diffusion-pipe 8f83dbf, from ``[optimizer] lr``); the groups of models/base.py have none, and
+  train.py fails with ``KeyError: 'lr'`` after the model loaded, plain or through DGLS (:func:`check_gradient_release`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 TRANSFORMERS_LORA = {"sdxl": "its text encoders' LoRA"}
 MIN_PEFT = re.compile(r"^MIN_PEFT_VERSION\s*=\s*[\"']([^\"']+)[\"']", re.M)
 GROUP_LR = "param_kwargs['lr'] = pg['lr']"  # train.py's gradient release: each group's lr, read as a key
-MODEL_IMPORTS = re.compile(r"^\s*from models(?:\.(\w+))? import (\w+)", re.M)  # a model module's own models
+MODEL_IMPORTS = re.compile(r"^\s*from models((?:\.\w+)*) import (\w+)", re.M)  # a model module's own models
 
 
 @dataclass(frozen=True)
@@ -175,8 +175,9 @@ def check_adapter_libraries(config: dict[str, Any], path: str) -> None:
 def check_gradient_release(config: dict[str, Any], path: str, checkout: Path) -> None:
     """One line where train.py's gradient release would fail for this model type: it reads each param group's
     ``lr`` (:data:`GROUP_LR`), and neither the type's module nor a model module it imports defines
-    ``get_param_groups`` (models/base.py's groups carry no ``lr``). Nothing is said where train.py does not read
-    it, or where its model modules cannot be found (module doc)."""
+    ``get_param_groups`` (models/base.py's groups carry no ``lr``), or one does but takes the lr from
+    ``[optimizer] lr``, which is not set. Nothing is said where train.py does not read it, or where its model
+    modules cannot be found (module doc)."""
     optimizer = config.get("optimizer")
     if not (isinstance(optimizer, dict) and optimizer.get("gradient_release") is True):
         return
@@ -187,34 +188,54 @@ def check_gradient_release(config: dict[str, Any], path: str, checkout: Path) ->
     kind = config.get("model", {}).get("type")
     if GROUP_LR not in train or not isinstance(kind, str):
         return
-    found = re.search(rf"==\s*'{re.escape(kind)}'[^\n]*:\s*\n\s*from models import (\w+)", train)
+    found = re.search(rf"==\s*'{re.escape(kind)}'[^\n]*:\s*\n\s*from models((?:\.\w+)*) import (\w+)", train)
     if found is None:
         return
-    module = found.group(1)
-    sources = _model_sources(checkout, module)
-    if not sources or any("def get_param_groups" in text for text in sources):
+    module = _module_file(checkout, found.group(1), found.group(2))
+    if module is None:
         return
-    raise DGLSUserError(
-        f"{path}: [optimizer] gradient_release = true fails in this checkout's train.py for [model] type = "
-        f"{kind!r}: its gradient release reads each param group's 'lr', and models/{module}.py's groups (those of "
-        "models/base.py) have none (KeyError: 'lr' after the model loads, plain train.py too): drop "
-        "gradient_release (with gradient_clipping = 0, DGLS updates each streamed layer as its last gradient lands)"
-    )
+    sources = _model_sources(checkout, module)
+    if not sources:
+        return
+    start = f"{path}: [optimizer] gradient_release = true fails in this checkout's train.py for [model] type = {kind!r}"
+    if not any("def get_param_groups" in text for text in sources):
+        raise DGLSUserError(
+            f"{start}: its gradient release reads each param group's 'lr', and models/{module}'s groups (those of "
+            "models/base.py) have none (KeyError: 'lr' after the model loads, plain train.py too): drop "
+            "gradient_release (with gradient_clipping = 0, DGLS updates each streamed layer as its last gradient "
+            "lands)"
+        )
+    if "lr" not in optimizer:
+        raise DGLSUserError(
+            f"{start} without [optimizer] lr: its gradient release reads each param group's 'lr', which "
+            f"models/{module} takes from it: set lr"
+        )
+
+
+def _module_file(checkout: Path, package: str, name: str) -> str | None:
+    """The file under models/ that ``from models<package> import name`` reads (``package``: "" or ".wan"): a module
+    of the package (``from models.wan import wan``: wan/wan.py; ``from models import flux``: flux.py), or the package
+    itself (``from models.flux import FluxPipeline``: flux.py); None where neither is there."""
+    parts = [part for part in package.split(".") if part]
+    for candidate in ("/".join([*parts, name]) + ".py", "/".join(parts) + ".py" if parts else None):
+        if candidate is not None and (checkout / "models" / candidate).is_file():
+            return candidate
+    return None
 
 
 def _model_sources(checkout: Path, module: str) -> list[str]:
-    """The text of models/``module``.py and of the model modules it imports (one level: a type built on another's
-    pipeline class); empty when the file is not there."""
+    """The text of models/``module`` and of the model modules it imports (one level: a type built on another's
+    pipeline class, not models/base.py); empty when the file cannot be read."""
     try:
-        text = (checkout / "models" / f"{module}.py").read_text(encoding="utf-8")
+        text = (checkout / "models" / module).read_text(encoding="utf-8")
     except OSError:
         return []
     sources = [text]
-    for package_module, name in MODEL_IMPORTS.findall(text):
-        other = package_module or name
-        if other not in ("base", module):
+    for package, name in MODEL_IMPORTS.findall(text):
+        other = _module_file(checkout, package, name)
+        if other is not None and other not in ("base.py", module):
             try:
-                sources.append((checkout / "models" / f"{other}.py").read_text(encoding="utf-8"))
+                sources.append((checkout / "models" / other).read_text(encoding="utf-8"))
             except OSError:
                 continue
     return sources

@@ -803,8 +803,9 @@ def check_host_training(layout: TrainingLayout, save_copy: int = 0, probe: bool 
             f"their packed weights, and {human_bytes(memory.available)} is free, of which "
             f"{human_bytes(reserve)} stays for the rest of the host: "
             + (
-                "--vram_budget's first step streams every layer (its probe): give the placement by hand instead "
-                "(--gpu_layers, the layers your card holds; toml/full_flux_dev_128gb.toml), or free RAM"
+                "a VRAM budget's first step streams every layer (its probe): replace the budget with a placement by "
+                "hand (gpu_layers or blocks_to_swap; each layer kept on the GPU takes its share off this figure, as "
+                "in toml/full_flux_dev_128gb.toml), or free RAM"
                 if probe
                 else "stream fewer layers (blocks_to_swap), or free RAM"
             )
