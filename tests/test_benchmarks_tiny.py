@@ -294,6 +294,26 @@ def test_the_full_fine_tuning_benchmark_trains_flux_widths_at_a_chosen_depth(tmp
     assert rows["resident"]["trained_params_b"] == rows["dgls-split"]["trained_params_b"] > 0
 
 
+def test_the_full_fine_tuning_benchmark_keeps_the_layers_given_by_hand_on_the_gpu(tmp_path):
+    """``--gpu_layers``: the DGLS methods keep exactly those layers resident (a budget's placement without its
+    probe), stream the others, and say so in the title; with --vram_budget it is one parse error."""
+    bench = full_bench()
+    for layer in bench.layers:
+        layer.to("cpu")
+    _, swapper, _ = bench_full.dgls_step(bench, torch.device("cpu"), "torch_fused", 0.001, 1, 1.0, gpu_layers=[0, 2])
+    try:
+        assert sorted(set(range(len(bench.layers))) - set(swapper.streamed_layers)) == [0, 2]
+    finally:
+        swapper.remove()
+    argv = ["--tiny", "--model", "flux", "--flux_blocks", "1,1", "--methods", "dgls-torch_fused", "--gpu_layers", "0,2"]
+    bench_full.main([*argv, "--steps", "1", "--warmup", "0", "--results_dir", str(tmp_path)])
+    result = load(tmp_path, "full_flux")
+    assert "DGLS keeps layers 0, 2 on the GPU (--gpu_layers)" in result["description"]
+    assert all("error" not in row for row in result["rows"]), result["rows"]
+    with pytest.raises(SystemExit):
+        bench_full.parse(["--tiny", "--gpu_layers", "0", "--vram_budget", "3"])
+
+
 def test_the_full_fine_tuning_benchmark_runs_sgd_without_state(tmp_path):
     """``--optimizer sgd``: SGD without momentum in every method (no optimizer state on the host)."""
     argv = ["--tiny", "--model", "flux", "--flux_blocks", "1,1", "--methods", "resident,dgls-torch_fused"]
