@@ -380,8 +380,8 @@ def dgls_step(
     if budget is not None:
         config = SwapConfig.of(vram_budget=budget, **common)
     else:
-        resident = [s.index for s in sizes if s.streamable_bytes < stream_mib * 2**20]
-        resident = resident if gpu_layers is None else gpu_layers
+        small = [s.index for s in sizes if s.streamable_bytes < stream_mib * 2**20]
+        resident = small if gpu_layers is None else gpu_layers
         config = SwapConfig.of(gpu_layers=resident, prefetch=prefetch, **common)
     swapper = LayerSwapper(bench.layers, config, device=device, log=log)
     training = swapper.training

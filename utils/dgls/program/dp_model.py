@@ -181,20 +181,15 @@ def check_gradient_release(config: dict[str, Any], path: str, checkout: Path) ->
     optimizer = config.get("optimizer")
     if not (isinstance(optimizer, dict) and optimizer.get("gradient_release") is True):
         return
-    try:
-        train = (checkout / "train.py").read_text(encoding="utf-8")
-    except OSError:
-        return
+    train = _read(checkout / "train.py")
     kind = config.get("model", {}).get("type")
-    if GROUP_LR not in train or not isinstance(kind, str):
+    if train is None or GROUP_LR not in train or not isinstance(kind, str):
         return
     found = re.search(rf"==\s*'{re.escape(kind)}'[^\n]*:\s*\n\s*from models((?:\.\w+)*) import (\w+)", train)
     if found is None:
         return
     module = _module_file(checkout, found.group(1), found.group(2))
-    if module is None:
-        return
-    sources = _model_sources(checkout, module)
+    sources = _model_sources(checkout, module) if module is not None else []
     if not sources:
         return
     start = f"{path}: [optimizer] gradient_release = true fails in this checkout's train.py for [model] type = {kind!r}"
@@ -226,19 +221,20 @@ def _module_file(checkout: Path, package: str, name: str) -> str | None:
 def _model_sources(checkout: Path, module: str) -> list[str]:
     """The text of models/``module`` and of the model modules it imports (one level: a type built on another's
     pipeline class, not models/base.py); empty when the file cannot be read."""
-    try:
-        text = (checkout / "models" / module).read_text(encoding="utf-8")
-    except OSError:
+    text = _read(checkout / "models" / module)
+    if text is None:
         return []
-    sources = [text]
-    for package, name in MODEL_IMPORTS.findall(text):
-        other = _module_file(checkout, package, name)
-        if other is not None and other not in ("base.py", module):
-            try:
-                sources.append((checkout / "models" / other).read_text(encoding="utf-8"))
-            except OSError:
-                continue
-    return sources
+    others = {_module_file(checkout, package, name) for package, name in MODEL_IMPORTS.findall(text)}
+    read = (_read(checkout / "models" / other) for other in others - {None, "base.py", module})
+    return [text, *(other for other in read if other is not None)]
+
+
+def _read(path: Path) -> str | None:
+    """The text of a checkout's file; None where it cannot be read (then nothing is checked)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError:
+        return None
 
 
 def installed_version(package: str) -> str | None:

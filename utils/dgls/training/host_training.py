@@ -78,6 +78,13 @@ from .update_split import UpdateSplit
 from .updaters import DeviceSide, HostUpdater, SplitUpdater, Updater, update_threads
 from .whole_step import STATE_KEY, WholeStep
 
+# the RAM check's advice where a VRAM budget places the layers (check_host_training's ``probe``)
+PROBE_ADVICE = (
+    "a VRAM budget's first step streams every layer (its probe): replace the budget with a placement by hand "
+    "(gpu_layers or blocks_to_swap; each layer kept on the GPU takes its share off this figure, as in "
+    "toml/full_flux_dev_128gb.toml), or free RAM"
+)
+
 __all__ = [
     "SEND_GROUP_BYTES",
     "HostTraining",
@@ -798,17 +805,11 @@ def check_host_training(layout: TrainingLayout, save_copy: int = 0, probe: bool 
     reserve = ram_reserve(memory.total)
     described = ", ".join(f"{name} {human_bytes(n)}" for name, n in parts.items())
     if need > memory.available - reserve:
+        advice = PROBE_ADVICE if probe else "stream fewer layers (blocks_to_swap), or free RAM"
         raise DGLSUserError(
             f"full fine-tuning of the streamed layers needs {human_bytes(need)} of host RAM ({described}) beyond "
             f"their packed weights, and {human_bytes(memory.available)} is free, of which "
-            f"{human_bytes(reserve)} stays for the rest of the host: "
-            + (
-                "a VRAM budget's first step streams every layer (its probe): replace the budget with a placement by "
-                "hand (gpu_layers or blocks_to_swap; each layer kept on the GPU takes its share off this figure, as "
-                "in toml/full_flux_dev_128gb.toml), or free RAM"
-                if probe
-                else "stream fewer layers (blocks_to_swap), or free RAM"
-            )
+            f"{human_bytes(reserve)} stays for the rest of the host: {advice}"
         )
     if layout.spares_wanted:  # optional: at most half of what is left once the packed copies are made too, so
         left = memory.available - reserve - need - layout.packed_bytes  # that saving a checkpoint and the data
