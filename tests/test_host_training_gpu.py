@@ -8,6 +8,8 @@ wait, a landing read early or a fetch ahead of its update gives other numbers. T
 at a small width leave allocated device memory and the process's RSS where they were after step 10.
 """
 
+import collections
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -195,6 +197,161 @@ def test_adamw8bit_triton_launch_with_delays_steps_as_its_cuda_kernel_up_to_quan
     assert changed > 0
     if differ > 0.25 * changed:
         pytest.xfail(f"open defect: {differ} of the {changed} weights two steps changed differ (largest {largest:.3g})")
+
+
+def test_adamw8bit_triton_calls_in_dgls_equal_the_calls_on_fresh_tensors_and_the_cuda_kernel(template, monkeypatch):
+    """Where the Triton launch's open defect is (the test above): each of bitsandbytes' Triton calls DGLS makes in
+    two steps is made again on fresh, contiguous copies of its arguments taken just before it (the same stream, so
+    the same inputs), by the Triton op and by the CUDA kernel. Equal to the Triton call on fresh copies: the inputs,
+    not DGLS's views of its scratch, set the numbers (seen on the H200). Within 1e-5 of the CUDA kernel on the same
+    inputs, as the two kernels alone (benchmarks/probe_bnb_launches.py: 6.5e-6 after three steps): else the kernels
+    themselves part on these inputs. The message lists the first calls that part, each argument's dtype, shape,
+    strides and alignment, and how far each output is from the CUDA kernel's."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("triton")
+    from bitsandbytes import functional
+    from bitsandbytes.backends.triton import ops
+
+    from utils.dgls.training.bitsandbytes_kernel import _on_default_stream
+
+    real = ops.optimizer_update_8bit_blockwise
+    calls: list[dict] = []
+    names = ("g", "p", "state1", "state2", "qmap1", "qmap2", "absmax1", "absmax2")
+    outputs = ("p", "state1", "state2", "absmax1", "absmax2")
+
+    def described(t: torch.Tensor) -> str:
+        return f"{t.dtype} {tuple(t.shape)} {t.stride()} ptr%16={t.data_ptr() % 16} offset={t.storage_offset()}"
+
+    def apart(a: torch.Tensor, b: torch.Tensor) -> float:
+        return (a.float() - b.float()).abs().max().item() if a.dtype.is_floating_point else (a != b).sum().item()
+
+    def checked(name, g, p, state1, state2, beta1, beta2, beta3, alpha, eps, step, lr, qmap1, qmap2, absmax1,
+                absmax2, weight_decay=0.0, gnorm_scale=1.0, skip_zeros=False):  # fmt: skip
+        args = dict(zip(names, (g, p, state1, state2, qmap1, qmap2, absmax1, absmax2)))
+        before = args["p"].clone()
+        fresh = {k: v.clone(memory_format=torch.contiguous_format) for k, v in args.items()}
+        cuda = {k: v.clone(memory_format=torch.contiguous_format) for k, v in args.items()}
+        scalars = (beta1, beta2, beta3, alpha, eps, step, lr)
+        tail = (weight_decay, gnorm_scale, skip_zeros)
+        real(name, g, p, state1, state2, *scalars, qmap1, qmap2, absmax1, absmax2, *tail)
+        for got, run in ((fresh, real), (cuda, functional.optimizer_update_8bit_blockwise)):
+            with _on_default_stream(g.device) if run is not real else contextlib.nullcontext():
+                run(name, got["g"], got["p"], got["state1"], got["state2"], *scalars, got["qmap1"], got["qmap2"],
+                    got["absmax1"], got["absmax2"], *tail)  # fmt: skip
+        torch.cuda.current_stream().wait_stream(torch.cuda.default_stream())
+        calls.append(
+            {
+                "described": {k: described(v) for k, v in args.items()},
+                "scalars": [repr(v) for v in scalars + tail],
+                "fresh": {k: apart(args[k], fresh[k]) for k in outputs},
+                "cuda": {k: apart(args[k], cuda[k]) for k in outputs},
+                "moved": (args["p"] - before).abs().max().item(),
+            }
+        )
+
+    monkeypatch.setattr(ops, "optimizer_update_8bit_blockwise", checked)
+    spec = HostOptimizerSpec.from_table({"type": "AdamW8bit", "lr": 1e-4, "weight_decay": 0.01})
+    kw = {"accumulate": 1, "max_norm": MAX_NORM}
+    swapped(template, "nonreentrant", monkeypatch, **kw, spec=dataclasses.replace(spec, kernel_launch="triton"))
+    assert calls, "no Triton call was made"
+    refresh = [c for c in calls if any(c["fresh"].values())]
+    parted = [c for c in calls if c["cuda"]["p"] > 1e-5]
+    shown = "\n".join(json.dumps(c) for c in (refresh or parted)[:3])
+    assert not refresh, f"{len(refresh)} of {len(calls)} calls differ on fresh tensors:\n{shown}"
+    assert not parted, f"{len(parted)} of {len(calls)} calls part from the CUDA kernel on the same inputs:\n{shown}"
+
+
+def test_adamw8bit_triton_and_cuda_launches_in_dgls_give_step_1s_calls_the_same_inputs(template, monkeypatch):
+    """The next narrowing of the Triton launch's open defect: its calls agree with the CUDA kernel's on the same
+    inputs (the test above), so where the two launches' weights part, their calls got other inputs. Both launches
+    train the same layers; each of bitsandbytes' 8-bit calls of step 1 (before any update, so equal inputs are
+    bitwise equal) is compared, argument by argument, with the same call of the other launch. The message names the
+    first calls whose inputs differ, which arguments, and by how much. Seen on the H200 (an xfail with the numbers
+    until fixed): each launch makes 24 such calls and no other, the first with equal inputs, and each later one's
+    master and moments under the Triton launch already hold an update (the master up to 1e-4 apart, at lr 1e-4;
+    codes up to 255 apart; scales where the CUDA launch's are 0)."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("triton")
+    from bitsandbytes import functional
+    from bitsandbytes.backends.triton import ops
+
+    from utils.dgls.training.bitsandbytes_kernel import Bitsandbytes8bitKernel
+
+    names = ("g", "p", "state1", "state2", "absmax1", "absmax2")
+    calls: collections.Counter = collections.Counter()  # (Triton run, inside step_params, step): calls
+    streams: dict[str, int] = {}  # the Triton run's first call: the current stream, torch's and Triton's
+    seen: list[dict] = []
+    parted: list[dict] = []
+
+    def differences(args: dict, want: dict) -> dict:
+        """Each argument that differs, by element (the launches may shape a param's views differently)."""
+        apart = {}
+        for n, v in args.items():
+            if v.numel() != want[n].numel() or v.dtype != want[n].dtype:
+                apart[n] = f"{v.dtype} {tuple(v.shape)} against {want[n].dtype} {tuple(want[n].shape)}"
+            elif not v.reshape(-1).equal(want[n].reshape(-1)):
+                apart[n] = (v.float() - want[n].float().reshape(v.shape)).abs().max().item()
+        return apart
+
+    def capture(real, compare: bool):
+        def call(name, g, p, state1, state2, beta1, beta2, beta3, alpha, eps, step, lr, qmap1, qmap2, absmax1,
+                 absmax2, *rest, **kw):  # fmt: skip
+            calls[(compare, bool(inside), int(step))] += 1
+            if compare and not streams:
+                from triton.runtime import driver
+
+                index = g.device.index
+                streams.update(torch_current=torch.cuda.current_stream(g.device).cuda_stream,
+                               triton_current=driver.active.get_current_stream(index),
+                               legacy=torch.cuda.default_stream(g.device).cuda_stream)  # fmt: skip
+            if step == 1 and inside:  # DGLS's calls (not its start-up check of the class's own step)
+                args = dict(zip(names, (g, p, state1, state2, absmax1, absmax2)))
+                scalars = [repr(v) for v in (beta1, beta2, beta3, alpha, eps, step, lr, *rest, *kw.values())]
+                if not compare:
+                    seen.append({"args": {n: v.clone() for n, v in args.items()}, "scalars": scalars})
+                elif call.count < len(seen):
+                    want = seen[call.count]
+                    apart = differences(args, want["args"])
+                    if apart or scalars != want["scalars"]:
+                        parted.append({"call": call.count, "shape": list(p.shape), "apart": apart,
+                                       "scalars": scalars, "want": want["scalars"]})  # fmt: skip
+                call.count += 1
+            real(name, g, p, state1, state2, beta1, beta2, beta3, alpha, eps, step, lr, qmap1, qmap2, absmax1,
+                 absmax2, *rest, **kw)  # fmt: skip
+
+        call.count = 0
+        return call
+
+    inside: list[bool] = []
+    step_params = Bitsandbytes8bitKernel.step_params
+
+    def stepping(self, *args, **kwargs):
+        inside.append(True)
+        try:
+            step_params(self, *args, **kwargs)
+        finally:
+            inside.clear()
+
+    monkeypatch.setattr(Bitsandbytes8bitKernel, "step_params", stepping)
+    spec = HostOptimizerSpec.from_table({"type": "AdamW8bit", "lr": 1e-4, "weight_decay": 0.01})
+    kw = {"accumulate": 1, "max_norm": MAX_NORM, "steps": 1}
+    real = functional.optimizer_update_8bit_blockwise
+    monkeypatch.setattr(functional, "optimizer_update_8bit_blockwise", capture(real, False))
+    swapped(template, "nonreentrant", monkeypatch, **kw, spec=spec)
+    monkeypatch.setattr(functional, "optimizer_update_8bit_blockwise", real)
+    triton = capture(ops.optimizer_update_8bit_blockwise, True)
+    monkeypatch.setattr(ops, "optimizer_update_8bit_blockwise", triton)
+    swapped(template, "nonreentrant", monkeypatch, **kw, spec=dataclasses.replace(spec, kernel_launch="triton"))
+    assert seen, "no 8-bit call was made"
+    if triton.count != len(seen):
+        parted.append({"why": f"{len(seen)} step-1 calls with the CUDA launch, {triton.count} with Triton"})
+    shown = "\n".join(json.dumps(c) for c in parted[:4])
+    counted = {f"{'triton' if t else 'cuda'} run, {'in' if i else 'outside'} step_params, step {k}": n
+               for (t, i, k), n in sorted(calls.items())}  # fmt: skip
+    why = f"{len(parted)} of {len(seen)} step-1 calls got other inputs; calls {counted}; streams {streams}:\n{shown}"
+    if parted and all(set(c.get("apart", {})) <= set(names) for c in parted) and "apart" in parted[0]:
+        pytest.xfail(f"open defect: {why}")
+    assert not parted, why
 
 
 @pytest.mark.parametrize("clip", [True, False], ids=["clipped", "no-clipping"])
