@@ -81,7 +81,7 @@ def test_diffusion_pipe_config_passes_the_checks(name, tmp_path, monkeypatch):
         assert run.swap.training.host_optimizer is not None and not run.swap.training.data_parallel
     elif name in FLUX_CONFIGS:
         assert run.swap.placement.vram_budget is not None
-    elif name == FULL_8BIT:  # every weight trains; the layers placed by hand (a budget's probe needs more RAM)
+    elif name == FULL_8BIT:  # every weight trains; the layers placed by hand, as measured
         assert run.swap.placement.gpu_layers == [0, 4, 14, 24, 34, 44, 54, 58] and not run.swap.placement.planned
         assert run.swap.training.host_optimizer.type == "adamw8bit"  # diffusion-pipe matches types in lower case
     elif name in FULL_CONFIGS:  # every weight trains; the planner places the layers, fixed from step 1

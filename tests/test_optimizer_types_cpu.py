@@ -35,6 +35,7 @@ from utils.dgls.program.validate import prepare
 from utils.dgls.training import optimizer_types
 from utils.dgls.training.device_update import Scratch
 from utils.dgls.training.host_optimizer import HostOptimizerSpec
+from utils.dgls.training.host_training import update_buffer_bytes
 from utils.dgls.training.optimizer_types import OptimizerType
 
 CPU = torch.device("cpu")
@@ -367,6 +368,33 @@ def test_adamw8bit_steps_on_the_device_by_default_with_bitsandbytes_own_kernel_b
     host = dataclasses.replace(spec, implementation="torch")
     assert "bitsandbytes.optim.AdamW8bit on the CPU" in host.kernel
     streamed_equals_resident(host, accumulate=1, dtype=torch.bfloat16)
+
+
+def test_adamw8bit_state_is_made_at_each_streamed_layers_first_update_after_a_budgets_plan():
+    """A flat layout (bf16, device updates) lays out masters and landings, but ``AdamW8bit``'s state is its class's
+    own: nothing of it is made at start-up, so under a VRAM budget step 1 (the probe, every layer streamed) holds
+    none, the start-up RAM check leaves it out and says so, and each layer the plan keeps streamed makes it at its
+    first update; the layers the plan made resident never hold it on the host."""
+    from test_planner_full import middle_budget, train_full
+
+    _bitsandbytes_8bit()
+    spec = HostOptimizerSpec.from_table({"type": "AdamW8bit", "lr": 1e-2, "min_8bit_size": 256})
+    layers = full_layers(torch.bfloat16)
+    with LayerSwapper(full_layers(torch.bfloat16), SwapConfig.of(host_optimizer=spec), device=CPU, log=None) as sw:
+        buffers = update_buffer_bytes(sw.training.layout, spec)  # every layer streamed: the most they take
+    budget = middle_budget(layers, spec) + buffers / 2**30  # the device update's buffers on top
+    config = SwapConfig.of(host_optimizer=spec, clip_grads=False, vram_budget=budget)
+    lines: list[str] = []
+    with LayerSwapper(layers, config, device=CPU, log=lines.append) as swapper:
+        training = swapper.training
+        assert all(layer.flat is not None for layer in training.layers.values()), "bf16 device updates: flat"
+        assert not any(layer.optimizer.state for layer in training.layers.values()), "no state before an update"
+        assert training.layout.deferred_state() == training.layout.parts()["optimizer"] > 0
+        assert any("is made at their first update and counted once the plan is fixed" in line for line in lines)
+        everything = len(training.layers)
+        train_full(layers, swapper, steps=1, clip=False, dtype=torch.bfloat16)
+        assert 0 < len(training.layers) < everything, "the plan kept some layers resident"
+        assert all(len(layer.optimizer.state) == len(layer.params) for layer in training.layers.values())
 
 
 def test_adamw8bit_on_the_device_saves_and_resumes_as_an_uninterrupted_run():

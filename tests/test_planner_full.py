@@ -9,7 +9,7 @@ import functools
 
 import pytest
 import torch
-from full_ft import MAX_NORM, SPEC, _batches, _forward_backward, _weights, full_layers, params_of
+from full_ft import MAX_NORM, SPEC, SPLIT, _batches, _forward_backward, _weights, full_layers, params_of
 from helpers import run_layers
 from torch.utils.checkpoint import checkpoint
 
@@ -126,14 +126,14 @@ def middle_budget(layers, spec=SPEC) -> float:
     return (least + most) / 2 / GiB
 
 
-def train_full(layers, swapper, steps=3, clip=True, tell=True):
+def train_full(layers, swapper, steps=3, clip=True, tell=True, dtype=torch.float32):
     """A full fine-tune's loop as diffusion-pipe's engine runs it: the trainer's optimizer over every trainable param
     (those the host trains have no gradient at its step), clipping through the host training (which lets the planner
     fix its plan first) or, without clipping, ``before_step`` (``tell``) before the trainer's step."""
     training = swapper.training
     params = params_of(layers)
     trainer = SPEC.trainer_optimizer(params)
-    batches = _batches(CPU, torch.float32)
+    batches = _batches(CPU, dtype)
     losses = []
     for _ in range(steps):
         inputs, target = next(batches)
@@ -258,3 +258,42 @@ def test_on_cuda_a_full_fine_tune_under_a_budget_stays_under_it_in_peak_reserved
         resident = resident_layers(swapper)
         assert swapper.driver.done and 0 < len(resident) < len(layers), resident
     assert max(peaks) <= budget * GiB, [round(p / GiB, 3) for p in peaks]
+
+
+def test_a_budgets_ram_check_counts_the_optimizer_state_of_the_layers_its_plan_streams_once_it_is_fixed(monkeypatch):
+    """Under a VRAM budget step 1 streams every layer, but the optimizer state is made at a layer's first update,
+    after the plan: the start-up check counts what is allocated then (masters, landings), and the state of the layers
+    the plan streams is counted once the plan is fixed, before any update. A host with room for the first but not for
+    every layer's state starts (it was refused before), says so, and stops at the plan with one line when the
+    streamed layers' state does not fit what is free then."""
+    from utils.dgls.training import host_training
+
+    layers = full_layers()
+    config = SwapConfig.of(host_optimizer=SPEC, clip_grads=False, vram_budget=middle_budget(layers))
+    with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
+        layout = swapper.training.layout
+        later = layout.deferred_state()
+        now = sum(v for k, v in layout.parts().items() if k != "speculation") - later
+    assert later == layout.parts()["optimizer"] > 0, "host AdamW makes every layer's state at its first update"
+    with LayerSwapper(full_layers(), SwapConfig.of(host_optimizer=SPLIT), device=CPU, log=None) as swapper:
+        assert swapper.training.layout.layers and swapper.training.layout.parts()["optimizer"] > 0
+        assert swapper.training.layout.deferred_state() == 0, "split updates make every layer's state at start-up"
+        assert all(layer.optimizer.state for layer in swapper.training.layers.values())
+
+    class Host:
+        total = 16 * 2**30  # reserve: 2 GiB
+        available = 2 * 2**30 + now + later // 2  # room for what step 1 allocates, not for every layer's state
+
+    monkeypatch.setattr(host_training.psutil, "virtual_memory", lambda: Host)
+    lines: list[str] = []
+    layers = full_layers()
+    with LayerSwapper(layers, config, device=CPU, log=lines.append) as swapper:
+        assert any("is made at their first update and counted once the plan is fixed" in line for line in lines)
+        Host.available = 2 * 2**30 + 1024  # the state of the layers the plan streams does not fit now
+        with pytest.raises(DGLSUserError, match=r"the VRAM budget's plan streams \d+ trained layers, whose optimizer"):
+            train_full(layers, swapper, clip=False)
+        streamed = len(swapper.training.layout.layers)
+        assert 0 < streamed < len(swapper.layers), "refused after the plan released the resident layers"
+        assert not any(
+            layer.optimizer is not None and layer.optimizer.state for layer in swapper.training.layers.values()
+        )

@@ -389,8 +389,9 @@ class TrainingLayout:
 
     Mechanics
         - :meth:`allocate` hands out exactly the bytes :meth:`parts` counts (the RAM check's figure), except
-          the optimizer state of layers that are not flat, which the optimizer (host) or the device updater
-          (per-param, pinned) creates on its first step, at the size counted here.
+          the optimizer state of layers that are not flat (or whose class makes its own), which the optimizer
+          (host) or the device updater (per-param, pinned) creates on its first step, at the size counted here
+          (:meth:`deferred_state`; under a VRAM budget, counted once the plan is fixed).
         - Page-locked: the landings always (``pinned``); masters, sums and state only with device updates,
           whose copies in are asynchronous (``plain`` otherwise).
 
@@ -408,6 +409,7 @@ class TrainingLayout:
         device_updates: bool,
         spares: str = "none",
         one_group: bool = False,
+        state_at_start: bool = False,
     ) -> None:
         if spares not in ("none", "flat", "all"):
             raise ValueError(f"spares must be 'none', 'flat' or 'all', got {spares!r}")
@@ -416,6 +418,7 @@ class TrainingLayout:
         self.sums = sums
         self.device_updates = device_updates
         self.one_group = one_group  # the optimizer's params in one group, in layout order (flat layers' order)
+        self.state_at_start = state_at_start  # every layer's state made at start-up (split updates: either side's)
         self.layers: dict[int, TrainedLayerPlace] = {}
         for idx in sorted(layouts):
             place = self._place(idx, layouts[idx])
@@ -473,6 +476,21 @@ class TrainingLayout:
         if self.spares:
             parts["speculation"] = sum(self.spare_bytes(idx) for idx in self.spares)
         return parts
+
+    def deferred_state(self) -> int:
+        """Host bytes of the optimizer state :meth:`allocate` does not make: every layer's but a flat layer's fp32
+        state tensors (``state_keys``), which the optimizer or the device updater creates on the layer's first
+        update. Under a VRAM budget that update comes after the plan is fixed, so only the layers the plan streams
+        ever hold it (the RAM check counts it then: :func:`~..training.host_training.check_deferred_state`). None
+        with ``state_at_start`` (split updates make every layer's state at start-up, for either side to find)."""
+        if self.state_at_start:
+            return 0
+        return sum(
+            self._state(p)
+            for layer in self.layers.values()
+            if layer.index not in self.on_disk and not (layer.flat and self.state_bytes is None)
+            for p in layer.params
+        )
 
     def _state(self, p: TrainedParamPlace) -> int:
         """Host bytes of ``p``'s optimizer state: ``state_bytes`` of its shape, or an fp32 tensor per state key."""

@@ -55,7 +55,9 @@ Full fine-tuning: one plan, fixed before the first update (``fixed``)
       DeepSpeed hooks call), the planner picks the fastest predicted plan with the full fine-tune's device costs
       (:mod:`.planner`), and it is applied once: the layers it keeps resident take their step-1 gradients onto
       the device, where the trainer's optimizer steps them from that step on. Nothing had been updated, so the
-      run is the run of the same placement given explicitly.
+      run is the run of the same placement given explicitly. Host RAM: step 1 allocates every layer's masters and
+      landings; optimizer state that a layer's first update makes is counted then, for the layers the plan
+      streams (:func:`~..training.host_training.check_deferred_state`), not at start-up.
     - A trainer that runs its optimizer step before DGLS hears of the step (a loop that neither clips through
       DGLS nor calls ``before_step``) gets the probe's placement for the run, with a line saying so.
 """

@@ -15,7 +15,8 @@ What runs
     :meth:`Bitsandbytes8bitKernel.step_params` makes the calls the class's ``update_step`` makes, with the class's
     own config (:meth:`get_config`): ``optimizer_update_8bit_blockwise`` for a param with 8-bit state,
     ``optimizer_update_32bit`` for one below ``min_8bit_size`` (bitsandbytes keeps those moments in fp32). State
-    is created by the class's ``init_state``, then page-locked. The numbers are the class's on that device: on
+    is created by the class's ``init_state`` at the param's first update (under a VRAM budget, after the plan:
+    only the layers it streams hold it), then page-locked. The numbers are the class's on that device: on
     the CPU (tests) bitwise those of a host update.
 
 Layout of a param's state (the class's): ``state1``, ``state2`` (uint8 codes shaped as the param, or fp32 below

@@ -260,14 +260,17 @@ class DeviceUpdater:
         """Create every param's state now (pinned), so a host step of the same optimizer finds it there and
         a later device step can copy it asynchronously (an update split between the two). With ``flat``,
         the state tensors are views of its flat buffers (``flat.state``, placed by the training layout), where the
-        kernel's state can be flat."""
-        if flat is not None and self.kernel.flat:
-            for fp in flat.params:
-                state = optimizer.state[fp.master]
-                if self.kernel.counts_steps:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                for key in self.kernel.state_keys:
-                    state[key] = _view(flat.state[key], fp)
+        kernel's state can be flat; where it cannot (an own class's: 8-bit moments ...), nothing is made now: the
+        layer's first update makes it (:meth:`_state`), after a VRAM budget's plan, for the layers it streams only
+        (:meth:`~..memory.layout.TrainingLayout.deferred_state`; own classes never split their updates)."""
+        if flat is not None:
+            if self.kernel.flat:
+                for fp in flat.params:
+                    state = optimizer.state[fp.master]
+                    if self.kernel.counts_steps:
+                        state["step"] = torch.zeros((), dtype=torch.float32)
+                    for key in self.kernel.state_keys:
+                        state[key] = _view(flat.state[key], fp)
             return
         for group in optimizer.param_groups:
             for master in group["params"]:

@@ -88,6 +88,7 @@ PROBE_ADVICE = (
 __all__ = [
     "SEND_GROUP_BYTES",
     "HostTraining",
+    "check_deferred_state",
     "check_host_training",
     "grad_norms",
     "host_training_bytes",
@@ -116,6 +117,7 @@ def training_layout(
         device_updates=spec.on_device,
         spares=spares_for(spec, clipping, speculate),
         one_group=spec.gradient_release,  # :meth:`~.host_optimizer.HostOptimizerSpec.groups`
+        state_at_start=spec.split,  # the split updater prepares every layer's state (HostTraining._strategy)
     )
 
 
@@ -794,9 +796,12 @@ def check_host_training(layout: TrainingLayout, save_copy: int = 0, probe: bool 
     what is left beside the rest (:meth:`~..memory.layout.TrainingLayout.limit_spares`); the clipping line says what
     became of them. ``save_copy``: bytes one process holds besides while a save runs (a data-parallel job's reader,
     the other owners' masters: :mod:`.shared_saves`), counted as needed too. ``probe``: a VRAM budget places the
-    layers, its first step streaming every one (``layout`` holds them all), so the advice is to place them by
-    hand."""
-    parts = layout.parts()
+    layers, its first step streaming every one (``layout`` holds them all): the optimizer state made at a layer's
+    first update (:meth:`~..memory.layout.TrainingLayout.deferred_state`) comes after the plan, for the layers it
+    streams only, and is counted then (:func:`check_deferred_state`); what is allocated now is counted here, and
+    the advice is to place the layers by hand."""
+    later = layout.deferred_state() if probe else 0
+    parts = _allocated_now(layout, later)
     parts.pop("speculation", None)
     if save_copy:
         parts["a save's copy of the other processes' masters"] = save_copy
@@ -811,9 +816,40 @@ def check_host_training(layout: TrainingLayout, save_copy: int = 0, probe: bool 
             f"their packed weights, and {human_bytes(memory.available)} is free, of which "
             f"{human_bytes(reserve)} stays for the rest of the host: {advice}"
         )
-    if layout.spares_wanted:  # optional: at most half of what is left once the packed copies are made too, so
-        left = memory.available - reserve - need - layout.packed_bytes  # that saving a checkpoint and the data
-        layout.limit_spares(max(0, left) // 2)  # loader still find room beside page-locked RAM
-    parts = layout.parts()
+    if layout.spares_wanted:  # optional: at most half of what is left once the packed copies (and the state made
+        left = memory.available - reserve - need - later - layout.packed_bytes  # later) are made too, so that saving
+        layout.limit_spares(max(0, left) // 2)  # a checkpoint and the data loader still find room beside pinned RAM
+    parts = _allocated_now(layout, later)
     described = ", ".join(f"{name} {human_bytes(n)}" for name, n in parts.items())
-    return f"DGLS host training: {human_bytes(sum(parts.values()))} of host RAM ({described})"
+    line = f"DGLS host training: {human_bytes(sum(parts.values()))} of host RAM ({described})"
+    if later:
+        line += (
+            f"; the optimizer state of the layers the VRAM budget's plan streams (up to {human_bytes(later)}, every "
+            "layer streamed) is made at their first update and counted once the plan is fixed"
+        )
+    return line
+
+
+def _allocated_now(layout: TrainingLayout, later: int) -> dict[str, int]:
+    """The layout's parts less the optimizer state made ``later`` (the part dropped where nothing is left of it)."""
+    parts = layout.parts()
+    parts["optimizer"] -= later
+    if later and not parts["optimizer"]:
+        del parts["optimizer"]
+    return parts
+
+
+def check_deferred_state(layout: TrainingLayout) -> None:
+    """The VRAM budget's plan is fixed and the layers it made resident are released (before any update): refuse,
+    with the numbers, before the first update makes the optimizer state of the layers it streams, when the host
+    cannot hold it and keep its reserve (:func:`check_host_training`'s rule, on what is free now)."""
+    need = layout.deferred_state()
+    memory = psutil.virtual_memory()
+    reserve = ram_reserve(memory.total)
+    if need > memory.available - reserve:
+        raise DGLSUserError(
+            f"the VRAM budget's plan streams {len(layout.layers)} trained layers, whose optimizer state needs "
+            f"{human_bytes(need)} of host RAM at their first update, and {human_bytes(memory.available)} is free, "
+            f"of which {human_bytes(reserve)} stays for the rest of the host: a larger --vram_budget keeps more "
+            "layers on the GPU, or place them by hand (gpu_layers or blocks_to_swap), or free RAM"
+        )
