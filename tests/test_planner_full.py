@@ -265,7 +265,8 @@ def test_a_budgets_ram_check_counts_the_optimizer_state_of_the_layers_its_plan_s
     after the plan: the start-up check counts what is allocated then (masters, landings), and the state of the layers
     the plan streams is counted once the plan is fixed, before any update. A host with room for the first but not for
     every layer's state starts (it was refused before), says so, and stops at the plan with one line when the
-    streamed layers' state does not fit what is free then."""
+    streamed layers' state does not fit what is free then; also where the plan is not applied (the trainer stepped
+    before DGLS heard of the step) and every layer stays streamed."""
     from utils.dgls.training import host_training
 
     layers = full_layers()
@@ -297,3 +298,10 @@ def test_a_budgets_ram_check_counts_the_optimizer_state_of_the_layers_its_plan_s
         assert not any(
             layer.optimizer is not None and layer.optimizer.state for layer in swapper.training.layers.values()
         )
+    Host.available = 2 * 2**30 + now + later // 2
+    layers = full_layers()
+    with LayerSwapper(layers, config, device=CPU, log=None) as swapper:  # a trainer that steps before DGLS hears
+        everything = len(swapper.training.layers)
+        Host.available = 2 * 2**30 + 1024
+        with pytest.raises(DGLSUserError, match=rf"the VRAM budget's plan streams {everything} trained layers"):
+            train_full(layers, swapper, clip=False, tell=False)  # the probe's placement kept: checked all the same

@@ -481,7 +481,7 @@ class TrainingLayout:
         """Host bytes of the optimizer state :meth:`allocate` does not make: every layer's but a flat layer's fp32
         state tensors (``state_keys``), which the optimizer or the device updater creates on the layer's first
         update. Under a VRAM budget that update comes after the plan is fixed, so only the layers the plan streams
-        ever hold it (the RAM check counts it then: :func:`~..training.host_training.check_deferred_state`). None
+        ever hold it (the RAM check counts it then: :func:`~..training.host_training.check_deferred_state`). 0
         with ``state_at_start`` (split updates make every layer's state at start-up, for either side to find)."""
         if self.state_at_start:
             return 0

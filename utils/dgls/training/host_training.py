@@ -446,9 +446,16 @@ class HostTraining:
     def before_step(self) -> None:
         """Before the trainer's optimizer step (and its clipping): the first one lets the VRAM planner fix its plan,
         which may :meth:`release` layers to the trainer; later ones do nothing."""
+        self._fix_plan(True)
+
+    def _fix_plan(self, in_time: bool) -> None:
+        """The VRAM planner's one re-placement, before the first step's updates (``in_time``: before the trainer's
+        optimizer step too), which may :meth:`release` layers; then the RAM check of the optimizer state the first
+        updates of the layers still streamed make (:func:`check_deferred_state`). Later calls do nothing."""
         first, self._first_step = self._first_step, None
         if first is not None:
-            first(True)
+            first(in_time)
+            check_deferred_state(self.layout)
 
     def release(self, indices: Iterable[int]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """Stop training layers ``indices`` on the host, before any update of theirs ran (the VRAM planner made them
@@ -503,9 +510,7 @@ class HostTraining:
                 "this step was not clipped (the trainer stepped without clip_grad_norm_): clip every step, or use "
                 "clip_mode exact"
             )
-        first, self._first_step = self._first_step, None
-        if first is not None:  # the trainer may have stepped already: the planner keeps the placement
-            first(False)
+        self._fix_plan(False)  # the trainer may have stepped already: the planner keeps the placement
         coef, self._coef = self._coef, None
         exact, finite, self._finite = coef, self._finite, True
         if self.previous_norm is not None:  # every update of the step at the previous step's coefficient

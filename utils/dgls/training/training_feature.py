@@ -34,7 +34,7 @@ from .data_parallel import SharedGradients, check_shared
 from .device_update import DeviceUpdater
 from .disk_state import DiskState
 from .host_optimizer import HostOptimizerSpec
-from .host_training import HostTraining, check_deferred_state
+from .host_training import HostTraining
 
 
 def processes_here(sharing: int, environ: Mapping[str, str] = os.environ) -> int:
@@ -152,7 +152,6 @@ class TrainingFeature(Feature):
         with torch.no_grad():
             for param, grad in self.training.release(resident):
                 param.grad = grad.to(param.device, param.dtype, copy=True)
-        check_deferred_state(self.training.layout)  # the streamed layers' optimizer state, before it is made
 
     def true_value(self, param: torch.Tensor) -> torch.Tensor | None:
         lent = self.lent.get(id(param))
