@@ -374,7 +374,7 @@ def test_adamw8bit_state_is_made_at_each_streamed_layers_first_update_after_a_bu
     """A flat layout (bf16, device updates) lays out masters and landings, but ``AdamW8bit``'s state is its class's
     own: nothing of it is made at start-up, so under a VRAM budget step 1 (the probe, every layer streamed) holds
     none, the start-up RAM check leaves it out and says so, and each layer the plan keeps streamed makes it at its
-    first update; the layers the plan made resident never hold it on the host."""
+    first update, within what the check at the plan counted for those layers."""
     from test_planner_full import middle_budget, train_full
 
     _bitsandbytes_8bit()
@@ -395,6 +395,14 @@ def test_adamw8bit_state_is_made_at_each_streamed_layers_first_update_after_a_bu
         train_full(layers, swapper, steps=1, clip=False, dtype=torch.bfloat16)
         assert 0 < len(training.layers) < everything, "the plan kept some layers resident"
         assert all(len(layer.optimizer.state) == len(layer.params) for layer in training.layers.values())
+        held = sum(
+            t.nbytes
+            for layer in training.layers.values()
+            for state in layer.optimizer.state.values()
+            for key, t in state.items()
+            if isinstance(t, torch.Tensor) and not key.startswith("qmap")  # the code maps: one pair, shared
+        )
+        assert 0 < held <= training.layout.deferred_state(), "what the check counted covers what was made"
 
 
 def test_adamw8bit_on_the_device_saves_and_resumes_as_an_uninterrupted_run():

@@ -303,5 +303,19 @@ def test_a_budgets_ram_check_counts_the_optimizer_state_of_the_layers_its_plan_s
     with LayerSwapper(layers, config, device=CPU, log=None) as swapper:  # a trainer that steps before DGLS hears
         everything = len(swapper.training.layers)
         Host.available = 2 * 2**30 + 1024
-        with pytest.raises(DGLSUserError, match=rf"the VRAM budget's plan streams {everything} trained layers"):
+        with pytest.raises(DGLSUserError, match=rf"call before_step\(\) .* placement streams {everything} trained"):
             train_full(layers, swapper, clip=False, tell=False)  # the probe's placement kept: checked all the same
+    Host.available = 2 * 2**30 + later - 1  # short of every layer's state, room for the streamed layers' only
+    layers = full_layers()
+    with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
+        train_full(layers, swapper, clip=False)
+        assert 0 < swapper.training.layout.deferred_state() < later
+    Host.available = 2 * 2**30 + now + later
+    layers = full_layers()
+    with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
+        train_full(layers, swapper, clip=False, tell=False)  # every layer stays streamed, as the probe's placement
+        saved = swapper.training.state_dict()
+    layers = full_layers()
+    with LayerSwapper(layers, config, device=CPU, log=None) as swapper:
+        swapper.training.load_state_dict(saved)  # a load makes the state now: nothing is left for the first update
+        assert swapper.training.layout.deferred_state() == 0

@@ -418,7 +418,8 @@ class TrainingLayout:
         self.sums = sums
         self.device_updates = device_updates
         self.one_group = one_group  # the optimizer's params in one group, in layout order (flat layers' order)
-        self.state_at_start = state_at_start  # every layer's state made at start-up (split updates: either side's)
+        # every layer's state made before its first update: at start-up (split updates: either side's), or loaded
+        self.state_at_start = state_at_start
         self.layers: dict[int, TrainedLayerPlace] = {}
         for idx in sorted(layouts):
             place = self._place(idx, layouts[idx])
@@ -482,7 +483,8 @@ class TrainingLayout:
         state tensors (``state_keys``), which the optimizer or the device updater creates on the layer's first
         update. Under a VRAM budget that update comes after the plan is fixed, so only the layers the plan streams
         ever hold it (the RAM check counts it then: :func:`~..training.host_training.check_deferred_state`). 0
-        with ``state_at_start`` (split updates make every layer's state at start-up, for either side to find)."""
+        with ``state_at_start`` (split updates make every layer's state at start-up, for either side to find; a
+        loaded checkpoint's is there already)."""
         if self.state_at_start:
             return 0
         return sum(

@@ -43,14 +43,12 @@ Hazards handled
       weights that two steps changed differ from the CUDA kernel's in DGLS (tests/test_host_training_gpu.py, its
       Triton test), while the two kernels alone, on one fp32 param with the same gradients, end three steps at
       most 6.5e-6 apart against a mean move of 1.7e-4 (benchmarks/probe_bnb_launches.py): the difference is in
-      how DGLS calls them, not found yet. Narrowed on the H200 (tests/test_host_training_gpu.py, the two tests
-      after the Triton test): in DGLS each Triton call's numbers are those of the same call on fresh copies of
-      its arguments, within 1e-5 of the CUDA kernel's on them, and it runs on the updater's in-stream (torch's
-      and Triton's current stream alike); but of the 24 8-bit calls of step 1, only the first gets the inputs
-      the CUDA launch's does: each later one's master and moments already hold about one update (the master up
-      to 1e-4 apart at lr 1e-4, codes up to 255 apart, scales where a fresh state has 0), and the Triton run
-      made no other Triton 8-bit call. Next: whether the CUDA kernel also runs on those params in the Triton
-      run, and whether the inputs are the earlier run's outputs (device memory reused before its copy in).
+      how DGLS calls them, not found yet. Narrowed on the H200 (tests/test_host_training_gpu.py, the first test
+      after the Triton test, which synchronizes the device after each call to read its numbers): each Triton call's
+      outputs equal the same call's on fresh copies of its arguments, and its master is within 1e-5 of the CUDA
+      kernel's on those inputs; it runs on the updater's in-stream (torch's and Triton's current stream alike).
+      Whether the two launches' calls get the same inputs (the next test) is not settled: its first runs read the
+      CUDA launch's inputs on another stream than its kernel's; ordered since, not run again.
     - Settings bitsandbytes' kernels read from extra state (paged state, ``max_unorm``'s norm vector) are not
       built by DGLS; a class with them is refused by :func:`check_class` (the start-up probe, and its first step).
 """

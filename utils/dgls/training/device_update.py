@@ -257,7 +257,7 @@ class DeviceUpdater:
         return float(state["step"])
 
     def prepare(self, optimizer: torch.optim.Optimizer, flat: FlatLayer | None = None) -> None:
-        """Create every param's state now (pinned), so a host step of the same optimizer finds it there and
+        """Create the params' state now (pinned), so a host step of the same optimizer finds it there and
         a later device step can copy it asynchronously (an update split between the two). With ``flat``,
         the state tensors are views of its flat buffers (``flat.state``, placed by the training layout), where the
         kernel's state can be flat; where it cannot (an own class's: 8-bit moments ...), nothing is made now: the

@@ -455,7 +455,7 @@ class HostTraining:
         first, self._first_step = self._first_step, None
         if first is not None:
             first(in_time)
-            check_deferred_state(self.layout)
+            check_deferred_state(self.layout, in_time)
 
     def release(self, indices: Iterable[int]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """Stop training layers ``indices`` on the host, before any update of theirs ran (the VRAM planner made them
@@ -717,6 +717,7 @@ class HostTraining:
         if (problem := self.state_problem(state, keep_hyper_parameters)) is not None:
             raise DGLSUserError(f"the host optimizer state {problem}")
         self.finish()
+        self.layout.state_at_start = True  # loaded now, not made at the first update (deferred_state: none left)
         if self.previous_norm is not None:  # a resume: the loaded step waits for its own norm, as step 1
             self.previous_norm.previous = None
         if self.whole is not None:
@@ -844,17 +845,25 @@ def _allocated_now(layout: TrainingLayout, later: int) -> dict[str, int]:
     return parts
 
 
-def check_deferred_state(layout: TrainingLayout) -> None:
-    """The VRAM budget's plan is fixed and the layers it made resident are released (before any update): refuse,
-    with the numbers, before the first update makes the optimizer state of the layers it streams, when the host
-    cannot hold it and keep its reserve (:func:`check_host_training`'s rule, on what is free now)."""
+def check_deferred_state(layout: TrainingLayout, in_time: bool = True) -> None:
+    """The VRAM budget's placement is fixed and the layers a plan made resident are released (before any update):
+    refuse, with the numbers, before the first update makes the optimizer state of the layers still streamed, when
+    the host cannot hold it and keep its reserve (:func:`check_host_training`'s rule, on what is free now).
+    ``in_time``: the planner heard of the step before the trainer's optimizer step; otherwise it kept the probe's
+    placement (every layer streamed), and the line says how to let it plan."""
     need = layout.deferred_state()
     memory = psutil.virtual_memory()
     reserve = ram_reserve(memory.total)
     if need > memory.available - reserve:
+        what = (
+            "the VRAM budget's plan streams"
+            if in_time
+            else "the trainer stepped before DGLS heard of the step (clip through DGLS, or call before_step() "
+            "before the optimizer step, to let the VRAM budget plan), so the probe's placement streams"
+        )
         raise DGLSUserError(
-            f"the VRAM budget's plan streams {len(layout.layers)} trained layers, whose optimizer state needs "
-            f"{human_bytes(need)} of host RAM at their first update, and {human_bytes(memory.available)} is free, "
-            f"of which {human_bytes(reserve)} stays for the rest of the host: a larger --vram_budget keeps more "
-            "layers on the GPU, or place them by hand (gpu_layers or blocks_to_swap), or free RAM"
+            f"{what} {len(layout.layers)} trained layers, whose optimizer state needs {human_bytes(need)} of host "
+            f"RAM at their first update, and {human_bytes(memory.available)} is free, of which {human_bytes(reserve)} "
+            "stays for the rest of the host: a larger --vram_budget keeps more layers on the GPU, or place them by "
+            "hand (gpu_layers or blocks_to_swap), or free RAM"
         )
