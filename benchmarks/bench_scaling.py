@@ -50,6 +50,8 @@ scaling_flux_pp1_24 --name scaling_flux     # every layout's rows in one result 
         --steps 2 --name scaling_wan_pp_1     # a step is 2 micro-batches of ~22 s: about 4 minutes
     python benchmarks/bench_scaling.py --model wan --gpus 2,4 --layout pipeline --micro_batches 2 --warmup 1 \
         --steps 2 --name scaling_wan_pp_24    # about 6 minutes; then --merge as above
+    python benchmarks/bench_scaling.py --model flux --gpus 1,4 --bind_cores --name scaling_flux_14_bound
+        # each process on its own physical cores: whether 4 processes sharing cores slow a launch-bound step
     python benchmarks/bench_scaling.py --model flux --tiny              # smoke test on CPU (gloo), 1 and 2 processes
     python benchmarks/bench_scaling.py --model wan --tiny --layout pipeline   # the same, 1 and 2 stages
 
@@ -118,6 +120,12 @@ def parser() -> argparse.ArgumentParser:
         help="pipeline rows: DGLS's joined backward (one per stage and micro-batch, as DeepSpeed 0.18.4 and DGLS's "
         "runs with several stages); without it DeepSpeed's own pass (0.19.8: one backward per tensor sent on)",
     )
+    p.add_argument(
+        "--bind_cores",
+        action="store_true",
+        help="data rows: each process bound to its own block of physical cores (with their sibling threads) and "
+        "as many torch threads: whether processes sharing cores hold the launch-bound step back (rank_cores)",
+    )
     p.add_argument("--worker", nargs=4, metavar=("RANK", "WORLD", "PORT", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--job_layout", choices=("data", "pipeline"), default="data", help=argparse.SUPPRESS)
     return p
@@ -139,6 +147,47 @@ def worker_device(args, rank: int):
     return cuda, device, dtype
 
 
+def cpu_topology(cpus: list[int]) -> dict[int, tuple[int, int]]:
+    """Each logical CPU's (package, core) from sysfs; a CPU without topology files is a core of its own."""
+    topology = {}
+    for cpu in cpus:
+        base = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            package = int((base / "physical_package_id").read_text())
+            core = int((base / "core_id").read_text())
+        except (OSError, ValueError):
+            package, core = -1, cpu
+        topology[cpu] = (package, core)
+    return topology
+
+
+def rank_cores(rank: int, world: int, topology: dict[int, tuple[int, int]]) -> tuple[list[int], int]:
+    """``--bind_cores``: rank ``rank``'s logical CPUs of the allowed ones (``topology``: each one's package and core)
+    and its count of physical cores. The physical cores, in (package, core) order, are split into ``world``
+    contiguous blocks as evenly as they go (a block never spans two packages where each package holds a whole number
+    of blocks, as on a 2-socket machine with 4 GPUs, 2 on each); each rank gets every sibling thread of its block's
+    cores. With fewer physical cores than ranks, ranks share them round robin."""
+    siblings: dict[tuple[int, int], list[int]] = {}
+    for cpu in sorted(topology):
+        siblings.setdefault(topology[cpu], []).append(cpu)
+    cores = sorted(siblings)
+    if len(cores) < world:
+        core = cores[rank % len(cores)]
+        return siblings[core], 1
+    block = cores[rank * len(cores) // world : (rank + 1) * len(cores) // world]
+    return sorted(cpu for core in block for cpu in siblings[core]), len(block)
+
+
+def bind_cores(rank: int, world: int) -> int:
+    """Bind this process to its cores (:func:`rank_cores`) with as many torch threads; their count."""
+    import torch
+
+    cpus, physical = rank_cores(rank, world, cpu_topology(sorted(os.sched_getaffinity(0))))
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(physical)
+    return physical
+
+
 def worker(args) -> None:
     """One rank: build the model, train data parallel, write OUT/rank<R>.json."""
     import scaling_pipeline
@@ -149,6 +198,7 @@ def worker(args) -> None:
         return
     rank, world, port, out = int(args.worker[0]), int(args.worker[1]), args.worker[2], Path(args.worker[3])
     cuda, device, dtype = worker_device(args, rank)
+    cores = bind_cores(rank, world) if args.bind_cores else None
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist = torch.distributed
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
@@ -172,6 +222,7 @@ def worker(args) -> None:
             "warmup_steps": warm,
             "step_times_s": times,
             "thread_cpu_ms": statistics.median(thread_cpu) * 1000,
+            "bound_cores": cores,
             **job_figures(cuda, device, swapper, bench, stats, len(times)),
             "before_allreduce_ms": before_reduce_s * 1000,
             "allreduce_ms": reduce_s * 1000,
@@ -528,6 +579,8 @@ def row_of(gpus: int, ranks: list[dict], base: dict | None, label: str | None = 
     }
     if "thread_cpu_ms" in ranks[0]:
         row["thread_cpu_ms"] = [r["thread_cpu_ms"] for r in ranks]
+    if ranks[0].get("bound_cores") is not None:  # --bind_cores: each process's physical cores
+        row["bound_cores"] = [r["bound_cores"] for r in ranks]
     if micro is not None:
         row["micro_batches"] = micro
         row["stage_layers"] = [r["stage_layers"] for r in ranks]
@@ -659,8 +712,14 @@ def description(args, record: dict) -> str:
         (f"{layouts[layout]}" if args.layout == "data" else f"{layout} rows: {layouts[layout]}")
         for layout in args.layout.split(",")
     )
+    bound = (
+        "; each process bound to its own block of physical cores (their sibling threads too) and as many torch "
+        "threads (--bind_cores)"
+        if args.bind_cores
+        else ""
+    )
     return (
-        f"{record['shape']}; {how}; {what}; "
+        f"{record['shape']}; {how}; {what}{bound}; "
         f"{record['streamed_layers']} of {record['entries']} swap units ({record['layers']} layers) streamed on rank 0"
     )
 
@@ -695,6 +754,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     args.micro_batches = args.micro_batches if args.micro_batches is not None else (2 if args.tiny else 4)
     if "pipeline" in args.layout and args.model not in LORA_MODELS:
         raise SystemExit(f"--layout {args.layout}: pipeline rows are of the LoRA models ({', '.join(LORA_MODELS)})")
+    if args.bind_cores and args.layout != "data":
+        raise SystemExit(f"--bind_cores binds the data-parallel rows' processes: --layout data, not {args.layout}")
     if args.worker:
         worker(args)
         return None

@@ -396,13 +396,14 @@ TABLES["scaling"] = Table(
         ("before ms per GPU", _per_gpu("before_allreduce_ms", ".0f")),
         ("all-reduce ms per GPU", _per_gpu("allreduce_ms", ".0f")),
         ("thread CPU ms per GPU", _per_gpu("thread_cpu_ms", ".0f")),  # bench_scaling.py since 2026-11-27
+        ("bound cores per GPU", _per_gpu("bound_cores", "d")),  # --bind_cores: each process's physical cores
         (
             "host GiB (shared GiB)",
             lambda r, _: f"{_f(r.get('host_pss_gib'), '.1f')} ({_f(r.get('host_copy_gib'), '.1f')})",
         ),  # noqa: E501
         ("cap", lambda r, _: r.get("cap") or "-"),
     ),
-    optional=("layout", "micro-batches", "thread CPU ms per GPU"),
+    optional=("layout", "micro-batches", "thread CPU ms per GPU", "bound cores per GPU"),
 )
 
 

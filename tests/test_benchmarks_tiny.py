@@ -417,6 +417,24 @@ def test_the_full_fine_tuning_benchmark_checks_each_dgls_method_before_any_runs(
     assert f"--methods {method}: {line}" in capsys.readouterr().err
 
 
+def test_each_rank_of_the_scaling_benchmark_gets_its_own_block_of_physical_cores(tmp_path):
+    """--bind_cores: physical cores in (package, core) order, split into contiguous blocks, each with its sibling
+    threads; on 2 sockets of 4 cores (8 threads each) and 4 ranks, ranks 0 and 1 on socket 0, 2 and 3 on socket 1."""
+    import bench_scaling
+
+    # Linux numbers the first thread of every core first, then their siblings: cpu c and c + 8 share a core
+    topology = {cpu: (cpu % 8 // 4, cpu % 4) for cpu in range(16)}
+    blocks = [bench_scaling.rank_cores(r, 4, topology) for r in range(4)]
+    assert blocks == [([0, 1, 8, 9], 2), ([2, 3, 10, 11], 2), ([4, 5, 12, 13], 2), ([6, 7, 14, 15], 2)]
+    assert bench_scaling.rank_cores(2, 3, {0: (0, 0), 1: (0, 1)}) == ([0], 1), "fewer cores than ranks: shared"
+    with pytest.raises(SystemExit, match="--bind_cores binds the data-parallel rows' processes"):
+        bench_scaling.main(["--model", "flux", "--tiny", "--bind_cores", "--layout", "pipeline"])
+    argv = ["--model", "flux", "--tiny", "--strict", "--bind_cores", "--gpus", "2", "--results_dir", str(tmp_path)]
+    result = bench_scaling.main(argv)
+    (row,) = result["rows"]
+    assert len(row["bound_cores"]) == 2 and min(row["bound_cores"]) >= 1 and "--bind_cores" in result["description"]
+
+
 @pytest.mark.parametrize("model", ["flux", "sdxl_full"])
 def test_the_scaling_benchmark_runs_one_and_two_processes_sharing_one_host_copy(tmp_path, model, monkeypatch):
     """bench_scaling.py --tiny: a job of one process, then one of two (gloo), each its own processes; a row each,
