@@ -27,10 +27,10 @@ from helpers import (
 )
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
-from utils.dgls.activations import activation_offload
 from utils.dgls.activations.activation_offload import ActivationOffloader
 from utils.dgls.activations.recompute_offload import AHEAD_BYTES
 from utils.dgls.demo.data import SyntheticLatents
+from utils.dgls.memory import host_store
 from utils.dgls.memory.layout import GiB
 from utils.dgls.memory.transport import Direction
 
@@ -138,7 +138,7 @@ def test_running_out_of_host_ram_is_one_line_naming_what_to_drop(monkeypatch):
     """A new host buffer that would leave the host less than its reserve (a tenth of its RAM, 2 GiB at least) is
     refused with the figures and the flags that send the most home, not left to fail inside CUDA or to swap."""
     memory = SimpleNamespace(total=16 * GiB, available=2 * GiB + 4096)
-    monkeypatch.setattr(activation_offload.psutil, "virtual_memory", lambda: memory)
+    monkeypatch.setattr(host_store.psutil, "virtual_memory", lambda: memory)  # ram_short reads it there
     with pytest.raises(
         DGLSUserError,
         match=r"activation offload ran out of host RAM: .* 2\.00 GiB available .*"

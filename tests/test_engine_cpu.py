@@ -297,6 +297,20 @@ def test_a_pool_larger_than_what_streams_is_said_at_start_up():
     assert not any("so it saves no VRAM" in line for line in lines)
 
 
+def test_ram_short_says_where_a_need_cuts_into_the_reserve(monkeypatch):
+    """The RAM checks' one rule (host_store.ram_short): a need fits while the reserve (a tenth of RAM, 2 GiB at least)
+    stays free; otherwise the bytes available and the reserve, for the caller's line."""
+    import utils.dgls.memory.host_store as host_store
+
+    class Host:
+        total = 16 * 2**30  # reserve: 2 GiB
+        available = 3 * 2**30
+
+    monkeypatch.setattr(host_store.psutil, "virtual_memory", lambda: Host)
+    assert host_store.ram_short(2**30) is None
+    assert host_store.ram_short(2**30 + 1) == (3 * 2**30, 2 * 2**30)
+
+
 def test_a_cast_that_matches_no_param_is_refused():
     layers, _ = make_layers()  # float32 model
     with pytest.raises(DGLSUserError, match="cast_target bf16 f8_e4m3 casts nothing"):

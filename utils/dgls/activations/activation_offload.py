@@ -61,11 +61,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
-import psutil
 import torch
 
 from ..errors import DGLSUserError
-from ..memory.host_store import ram_reserve
+from ..memory.host_store import ram_short
 from ..memory.layout import human_bytes
 from ..memory.pinned import PinnedMemory
 from ..memory.transport import Copy, Direction, Transport, make_transport
@@ -402,13 +401,13 @@ class ActivationOffloader(Feature):
     def _check_ram(self, nbytes: int) -> None:
         """A new host buffer must leave the host its reserve (a tenth of its RAM, at least 2 GiB): page-locked
         memory cannot be swapped, and an allocation that fails deep in CUDA says nothing of what to change."""
-        memory = psutil.virtual_memory()
-        reserve = ram_reserve(memory.total)
-        if memory.available - nbytes >= reserve:
+        short = ram_short(nbytes)
+        if short is None:
             return
+        available, reserve = short
         raise DGLSUserError(
             f"activation offload ran out of host RAM: it holds {human_bytes(self.host_bytes())} of activations, needs "
-            f"{human_bytes(nbytes)} more, and the host has {human_bytes(memory.available)} available (keeping "
+            f"{human_bytes(nbytes)} more, and the host has {human_bytes(available)} available (keeping "
             f"{human_bytes(reserve)} free): drop --keep_piece_outputs (its pieces' outputs), then --offload_recompute, "
             "or train fewer frames or a lower resolution, or free RAM"
         )

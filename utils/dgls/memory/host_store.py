@@ -122,6 +122,14 @@ def ram_reserve(total: int) -> int:
     return max(2 * GiB, total // 10)
 
 
+def ram_short(need: int) -> tuple[int, int] | None:
+    """Where ``need`` more bytes of host RAM would cut into the reserve (:func:`ram_reserve`): the bytes available
+    now and the reserve, for the caller's one line; None where they fit."""
+    memory = psutil.virtual_memory()
+    reserve = ram_reserve(memory.total)
+    return (memory.available, reserve) if need > memory.available - reserve else None
+
+
 def default_pinned_budget(streamable_on_cpu: int) -> int:
     """What can be page-locked without starving the host: available RAM, plus the RAM the
     original CPU params give back as they are packed, less a reserve."""

@@ -61,7 +61,7 @@ import psutil
 import torch
 
 from ..errors import DGLSUserError
-from ..memory.host_store import HostLayer, ram_reserve
+from ..memory.host_store import HostLayer, ram_reserve, ram_short
 from ..memory.layout import LayerLayout, TrainingLayout, human_bytes
 from ..memory.pinned import PinnedMemory
 from ..memory.transport import Copy, Direction, Transport
@@ -852,9 +852,8 @@ def check_deferred_state(layout: TrainingLayout, in_time: bool = True) -> None:
     ``in_time``: the planner heard of the step before the trainer's optimizer step; otherwise it kept the probe's
     placement (every layer streamed), and the line says how to let it plan."""
     need = layout.deferred_state()
-    memory = psutil.virtual_memory()
-    reserve = ram_reserve(memory.total)
-    if need > memory.available - reserve:
+    if (short := ram_short(need)) is not None:
+        available, reserve = short
         what = (
             "the VRAM budget's plan streams"
             if in_time
@@ -863,7 +862,7 @@ def check_deferred_state(layout: TrainingLayout, in_time: bool = True) -> None:
         )
         raise DGLSUserError(
             f"{what} {len(layout.layers)} trained layers, whose optimizer state needs {human_bytes(need)} of host "
-            f"RAM at their first update, and {human_bytes(memory.available)} is free, of which {human_bytes(reserve)} "
+            f"RAM at their first update, and {human_bytes(available)} is free, of which {human_bytes(reserve)} "
             "stays for the rest of the host: a larger --vram_budget keeps more layers on the GPU, or place them by "
             "hand (gpu_layers or blocks_to_swap), or free RAM"
         )

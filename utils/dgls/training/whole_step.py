@@ -45,11 +45,10 @@ import time
 from collections.abc import Iterable
 from functools import partial
 
-import psutil
 import torch
 
 from ..errors import DGLSUserError
-from ..memory.host_store import ram_reserve
+from ..memory.host_store import ram_short
 from ..memory.layout import human_bytes
 from .grad_return import StepGrads, TrainedLayer
 from .host_optimizer import HostOptimizerSpec
@@ -113,13 +112,12 @@ class WholeStep(Updater):
         host's reserve (the start-up check counted the streamed layers only)."""
         rates = {dtype: self.spec.state_rate(dtype) for dtype in {p.dtype for p in resident}}  # the copies' dtypes
         need = sum(p.numel() * p.element_size() + rates[p.dtype].bytes(tuple(p.shape)) for p in resident)
-        memory = psutil.virtual_memory()
-        reserve = ram_reserve(memory.total)
-        if need > memory.available - reserve:
+        if (short := ram_short(need)) is not None:
+            available, reserve = short
             raise DGLSUserError(
                 f"[optimizer] type = {self.spec.type!r} steps one optimizer over every param on the host, so the "
                 f"resident params' host copies and optimizer state need {human_bytes(need)} of host RAM, and "
-                f"{human_bytes(memory.available)} is free, of which {human_bytes(reserve)} stays for the rest of the "
+                f"{human_bytes(available)} is free, of which {human_bytes(reserve)} stays for the rest of the "
                 "host: stream more layers (blocks_to_swap), free RAM, or use a per-param type such as 'adamw'"
             )
 
