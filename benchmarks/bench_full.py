@@ -74,6 +74,10 @@ what the host optimizers hold after the timed steps, so a table of host RAM per 
 
     for o in adamw AdamW8bit Lion CAME Prodigy; do python benchmarks/bench_full.py --model flux --flux_blocks 19,38 \
         --optimizer $o --methods dgls-auto --steps 2 --name full_flux_ram_$o; done
+    python benchmarks/bench_full.py --merge full_flux_ram_adamw,full_flux_ram_AdamW8bit,... --name full_flux_ram
+
+``--merge A,B,...`` (no device) joins results of one model and shape that differ only in ``--optimizer`` into one
+(``--name``), each row's method naming its optimizer type.
 
 A host RAM budget (the disk tier, utils/dgls/training/disk_state.py): a DGLS method ``dgls-IMPL@GiB`` runs with
 ``host_ram_budget = GiB`` (``--disk_dir``: where its files go); the masters and AdamW moments of the layers that do
@@ -117,6 +121,7 @@ import gc
 import json
 import math
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -640,6 +645,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="dp-recipe: diffusion-pipe checkout for AdamW8bitKahan (or DGLS_DIFFUSION_PIPE)",
     )
     parser.add_argument("--name", default=None, help="results file stem (default: full_MODEL)")
+    parser.add_argument("--merge", default=None, help="comma list of result names (one model, one --optimizer each)")
     parser.add_argument("--results_dir", type=Path, default=None)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one method, write its row to --row
     parser.add_argument("--row", type=Path, help=argparse.SUPPRESS)
@@ -661,6 +667,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     spec.device_kernel().check_device(machine.device())
             except (DGLSUserError, ValueError) as exc:
                 parser.error(f"--methods {name}: {exc} (drop {name} from --methods)")
+    if args.merge and not args.name:
+        parser.error("--merge writes one result: name it with --name")
     args.name = args.name or f"full_{args.model}"
     if args.tiny:
         args.stream_mib = 0.001
@@ -680,6 +688,8 @@ def runs(args) -> list[tuple[str, str]]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
+    if args.merge:
+        return merge(args.merge.split(","), args.name, args.results_dir or results_dir(args.tiny))
     if args.one:
         with machine.session(args.tiny) as (device, dtype):
             args.row.write_text(json.dumps(measure(args.one, args, device, dtype)))
@@ -695,6 +705,33 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(_in_subprocess(name, [*own, "--layer_major", layer_major], failed))
         result = _result(args, argv, environment, rows, started)
         write_result(result, args.name, args.results_dir or results_dir(args.tiny), echo=True)
+    return result
+
+
+def merge(names: list[str], name: str, out: Path) -> dict:
+    """One result of the rows of runs that differ only in ``--optimizer`` (a host RAM table per optimizer type is one
+    run per type): each row's method gets its run's type, and the description names none. Runs of another model,
+    shape or setting (a title or description that differs in more than the optimizer) are refused."""
+    parts = [json.loads((out / f"{n}.json").read_text()) for n in names]
+    rows, described = [], set()
+    for part in parts:
+        found = re.search(r"--optimizer[= ](\S+)", part["command"])
+        kind = part.get("optimizer") or (found.group(1) if found else "adamw")
+        described.add((part["title"], part["description"].replace(describe_optimizer(kind), "OPTIMIZER")))
+        rows += [dict(row, method=f"{row['method']} ({describe_optimizer(kind)})") for row in part["rows"]]
+    if len(described) != 1:
+        raise SystemExit("--merge joins runs that differ only in --optimizer: these differ in " + " | ".join(
+            f"{title}: {text}" for title, text in sorted(described)
+        ))  # fmt: skip
+    result = dict(
+        parts[0],
+        rows=rows,
+        description=described.pop()[1].replace("OPTIMIZER", "the optimizer each row names"),
+        seconds=sum(p.get("seconds", 0.0) for p in parts),
+        command=" && ".join(p["command"] for p in parts),
+    )
+    result.pop("optimizer", None)
+    write_result(result, name, out, echo=True)
     return result
 
 
@@ -760,6 +797,7 @@ def _result(args, argv, environment: dict, rows: list[dict], started: float) -> 
         shape = "1024x1024 (128x128x4 latents), checkpointing as diffusion-pipe"
     return {
         "benchmark": "full",
+        "optimizer": args.optimizer,
         "title": title + (" (tiny)" if args.tiny else ""),
         "description": f"{shape}, batch 1, {describe_optimizer(args.optimizer)}, every weight trained, {clipping}; "
         "median of the timed steps",

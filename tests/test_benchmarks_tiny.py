@@ -325,6 +325,27 @@ def test_the_full_fine_tuning_benchmark_runs_sgd_without_state(tmp_path):
     assert rows["dgls-torch_fused"]["host_optimizer"] == "torch.optim.SGD"
 
 
+def test_runs_of_each_optimizer_merge_into_one_table_of_host_ram(tmp_path):
+    """``--merge``: one result of runs that differ only in ``--optimizer``, each row's method naming its type and the
+    description none; runs of another shape are refused, with what differs."""
+    argv = ["--tiny", "--model", "flux", "--flux_blocks", "1,1", "--methods", "dgls-torch_fused", "--steps", "1"]
+    for kind in ("adamw", "sgd"):
+        bench_full.main([*argv, "--optimizer", kind, "--name", f"ram_{kind}", "--results_dir", str(tmp_path)])
+    bench_full.main(["--merge", "ram_adamw,ram_sgd", "--name", "ram", "--results_dir", str(tmp_path)])
+    result = load(tmp_path, "ram")
+    methods = [r["method"] for r in result["rows"]]
+    assert methods == ["dgls-torch_fused (AdamW)", "dgls-torch_fused (SGD without momentum)"]
+    assert "the optimizer each row names" in result["description"] and "SGD" not in result["description"]
+    assert all(r["host_rss_gib"] > 0 for r in result["rows"])
+    assert "ram_sgd" in result["command"] and "optimizer" not in result
+    assert (tmp_path / "ram.md").is_file()
+    bench_full.main([*argv, "--flux_blocks", "1,2", "--name", "ram_deeper", "--results_dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="differ only in --optimizer"):
+        bench_full.main(["--merge", "ram_adamw,ram_deeper", "--name", "bad", "--results_dir", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        bench_full.parse(["--merge", "ram_adamw,ram_sgd"])  # no --name
+
+
 def test_offload_rows_with_and_without_recompute_offload(tmp_path):
     """``--offload_recompute both --checkpoint_units on``: a row each; the recompute row sends more home (what
     the recomputes save, beside the block inputs) and records that it ran with it."""

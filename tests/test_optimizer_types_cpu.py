@@ -347,6 +347,25 @@ def _bitsandbytes_8bit() -> None:
         pytest.skip(f"the installed bitsandbytes does not run AdamW8bit on the CPU: {exc}")
 
 
+def device_by_default_bitwise_as_its_class(spec: HostOptimizerSpec, class_name: str, steps: int) -> list:
+    """An own class stepped on the device by default: its start-up words, ``steps`` steps through the device updater
+    on the CPU (each layer's optimizer returned, its state as the steps left it), then bitwise equal to one class
+    over every param with fp32 sums (two micro-batches) and with bf16 landings (one), on the device and on the CPU."""
+    assert spec.implementation == "device" and spec.on_device
+    assert f"{class_name} on the training device" in spec.kernel
+    layers = full_layers()
+    with LayerSwapper(layers, SwapConfig.of(host_optimizer=spec, accumulation_steps=1), device=CPU, log=None) as sw:
+        assert type(sw.training.updates).__name__ == "DeviceSide"
+        train_dgls(layers, sw, CPU, "nonreentrant", steps=steps, accumulate=1)
+        optimizers = [layer.optimizer for layer in sw.training.layers.values()]
+    streamed_equals_resident(spec)
+    streamed_equals_resident(spec, accumulate=1, dtype=torch.bfloat16)
+    host = dataclasses.replace(spec, implementation="torch")
+    assert f"{class_name} on the CPU" in host.kernel
+    streamed_equals_resident(host, accumulate=1, dtype=torch.bfloat16)
+    return optimizers
+
+
 def test_adamw8bit_steps_on_the_device_by_default_with_bitsandbytes_own_kernel_bitwise_as_its_class():
     """``AdamW8bit``'s default is the device (its class's CPU step ran at 15 ns a param): the device updater moves
     each param's own state (uint8 codes and their scales, or fp32 moments below ``min_8bit_size``) through its
@@ -354,20 +373,34 @@ def test_adamw8bit_steps_on_the_device_by_default_with_bitsandbytes_own_kernel_b
     one class over every param, with fp32 sums (two micro-batches) and with bf16 landings in a flat layout (one)."""
     _bitsandbytes_8bit()
     spec = HostOptimizerSpec.from_table({"type": "AdamW8bit", "lr": 1e-2, "min_8bit_size": 256})
-    assert spec.implementation == "device" and spec.on_device
-    assert "bitsandbytes.optim.AdamW8bit on the training device" in spec.kernel
-    layers = full_layers()
-    with LayerSwapper(layers, SwapConfig.of(host_optimizer=spec, accumulation_steps=1), device=CPU, log=None) as sw:
-        assert type(sw.training.updates).__name__ == "DeviceSide"
-        train_dgls(layers, sw, CPU, "nonreentrant", steps=1, accumulate=1)
-        states = [state for layer in sw.training.layers.values() for state in layer.optimizer.state.values()]
-        kinds = {str(state["state1"].dtype) for state in states}
+    optimizers = device_by_default_bitwise_as_its_class(spec, "bitsandbytes.optim.AdamW8bit", steps=1)
+    kinds = {str(state["state1"].dtype) for o in optimizers for state in o.state.values()}
     assert kinds == {"torch.uint8", "torch.float32"}, "both of bitsandbytes' state layouts must be stepped"
-    streamed_equals_resident(spec)
-    streamed_equals_resident(spec, accumulate=1, dtype=torch.bfloat16)
-    host = dataclasses.replace(spec, implementation="torch")
-    assert "bitsandbytes.optim.AdamW8bit on the CPU" in host.kernel
-    streamed_equals_resident(host, accumulate=1, dtype=torch.bfloat16)
+
+
+def test_lion_steps_on_the_device_by_default_with_its_class_s_ops_bitwise_as_its_class():
+    """``Lion``'s default is the device (its class's CPU step held the training thread 93% of a Flux step): the device
+    updater moves each param's ``exp_avg`` through its scratch and runs the ops of the class's step with the param's
+    group's settings (diffusion-pipe's 1-D params without weight decay). On the CPU those are the class's own numbers:
+    bitwise equal to one class over every param with fp32 sums, bf16 landings, and from the CPU path; the group's
+    step count advances as the class's does. Settings its ops leave out are one line."""
+    if not installed("pytorch_optimizer"):
+        pytest.skip("pytorch_optimizer is not installed")
+    spec = HostOptimizerSpec.from_table({"type": "Lion", "lr": 1e-3, "weight_decay": 0.01})
+    assert "(the ops of the class's step on its own state" in spec.kernel
+    optimizers = device_by_default_bitwise_as_its_class(spec, "pytorch_optimizer.Lion", steps=3)
+    assert all(set(o.state[p]) == {"exp_avg"} for o in optimizers for p in o.state)
+    assert {g["step"] for o in optimizers for g in o.param_groups} == {3}
+    assert {g["weight_decay"] for o in optimizers for g in o.param_groups} == {0.0, 0.01}  # the 1-D split
+    for extra, named in (({"cautious": True}, "cautious"), ({"weight_decouple": False}, "weight_decouple = false")):
+        refused = HostOptimizerSpec.from_table({"type": "Lion", "lr": 1e-3, "weight_decay": 0.01, **extra})
+        line = f"^Lion's device step runs its plain update, not {named}: drop it from \\[optimizer\\], or step Lion"
+        with pytest.raises(DGLSUserError, match=line):
+            refused.probe()  # start-up
+        with pytest.raises(DGLSUserError, match=line):  # a layer's first update (the library API)
+            fresh = full_layers()
+            with LayerSwapper(fresh, SwapConfig.of(host_optimizer=refused), device=CPU, log=None) as sw:
+                train_dgls(fresh, sw, CPU, "nonreentrant", steps=1, accumulate=1)
 
 
 def test_adamw8bit_state_is_made_at_each_streamed_layers_first_update_after_a_budgets_plan():

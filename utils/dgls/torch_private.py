@@ -2,9 +2,10 @@
 
 Why one module
     - DGLS hooks into autograd below its public surface (which node runs, which saved-tensor hooks are
-      active, the end-of-backward callback) and calls three fused kernels that ``torch.optim`` uses but does
-      not export. A torch release may rename any of them; here a reader sees the whole exposure at once, and
-      :func:`check_torch` finds a missing one at start-up instead of in the middle of a step.
+      active, the end-of-backward callback) and calls fused and batched (``_foreach``) kernels that
+      ``torch.optim`` and optimizer libraries use but torch does not export. A torch release may rename any of
+      them; here a reader sees the whole exposure at once, and :func:`check_torch` finds a missing one at
+      start-up instead of in the middle of a step.
     - The rest of ``utils/dgls`` calls these functions and never spells ``torch._``.
 
 Tested range
@@ -107,6 +108,28 @@ def foreach_norm(tensors: Sequence[torch.Tensor], dtype: torch.dtype = torch.flo
 def foreach_mul_(tensors: Sequence[torch.Tensor], factor: torch.Tensor | float) -> None:
     """Multiply every tensor in place by ``factor`` in one kernel. ``torch._foreach_mul_``."""
     torch._foreach_mul_(list(tensors), factor)
+
+
+def lion_step_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    *,
+    decay: float,
+    lr: float,
+    beta1: float,
+    beta2: float,
+) -> None:
+    """pytorch_optimizer Lion's batched step, op for op (``Lion._step_foreach``, its decoupled weight decay first):
+    ``params *= decay`` (unless 1), ``update = sign(lerp(exp_avgs, grads, 1 - beta1))``, ``exp_avgs.lerp_(grads,
+    1 - beta2)``, ``params += -lr * update``. ``torch._foreach_mul_``, ``_foreach_lerp``, ``_foreach_sign_``,
+    ``_foreach_lerp_``, ``_foreach_add_``: the ops its class calls, so the numbers are its numbers."""
+    if decay != 1.0:
+        torch._foreach_mul_(params, decay)
+    updates = torch._foreach_lerp(exp_avgs, grads, weight=1.0 - beta1)
+    torch._foreach_sign_(updates)
+    torch._foreach_lerp_(exp_avgs, grads, weight=1.0 - beta2)
+    torch._foreach_add_(params, updates, alpha=-lr)
 
 
 def fused_adamw_(
@@ -231,6 +254,10 @@ USED = (
     "torch.autograd.Variable._execution_engine",
     "torch._foreach_norm",
     "torch._foreach_mul_",
+    "torch._foreach_lerp",
+    "torch._foreach_lerp_",
+    "torch._foreach_sign_",
+    "torch._foreach_add_",
     "torch._fused_adamw_",
     "torch._fused_sgd_",
     "torch.autograd.profiler._is_profiler_enabled",

@@ -179,7 +179,7 @@ class HostOptimizerSpec:
     # diffusion-pipe's gradient_release: every param its own optimizer, so no 1-D split of the weight decay
     gradient_release: bool = False
     # an own class's device kernel: which of its library's kernels (.bitsandbytes_kernel.LAUNCHES; library API and
-    # benchmarks: "triton" is for measurements only, an open defect in its numbers: .bitsandbytes_kernel's doc)
+    # benchmarks: "triton" is bitsandbytes' numbers but not bitwise its CUDA kernel's: .bitsandbytes_kernel's doc)
     kernel_launch: str = "cuda"
 
     def __post_init__(self) -> None:
@@ -325,9 +325,10 @@ class HostOptimizerSpec:
         if self.own_class:
             entry = optimizer_types.TYPES[self.type]
             if self.per_layer and self.on_device:
+                how = "the class's own kernel" if self.type == "adamw8bit" else "the ops of the class's step"
                 name = (
-                    f"{entry.class_name} on the training device (the class's own kernel on its own state, streamed "
-                    "from host memory), one per layer, stepped as its gradients land"
+                    f"{entry.class_name} on the training device ({how} on its own state, streamed from host "
+                    "memory), one per layer, stepped as its gradients land"
                 )
             elif self.per_layer:
                 name = f"{entry.class_name} on the CPU, one per layer, stepped as its gradients land"

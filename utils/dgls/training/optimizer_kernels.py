@@ -28,6 +28,8 @@ Kernels
     - :class:`~.bitsandbytes_kernel.Bitsandbytes8bitKernel`: bitsandbytes' own AdamW8bit step
       (``[optimizer] type = 'AdamW8bit'``) on the tensors of the class's own state: not flat, its step count a
       Python int.
+    - :class:`LionKernel`: ``pytorch_optimizer.Lion``'s step (``[optimizer] type = 'Lion'``), written out with the
+      torch ops its class runs, on the class's own state (one fp32 momentum): not flat, no step count.
 
 Private torch APIs
     - The fused kernels are private torch functions: they are called through :mod:`..torch_private`.
@@ -170,6 +172,89 @@ class SGDKernel(OptimizerKernel):
         )
 
 
+def param_positions(optimizer: torch.optim.Optimizer) -> dict[int, tuple[int, int]]:
+    """Each param's (group index, index in its group), keyed by ``id``: an own class's kernel steps a param with the
+    settings of its group (diffusion-pipe's 1-D params, for one, have no weight decay)."""
+    return {id(p): (g, i) for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])}
+
+
+class LionKernel(OptimizerKernel):
+    """``pytorch_optimizer.Lion``'s step on the device, on its class's own state (``[optimizer] type = 'Lion'``).
+
+    Why: the class steps a param with four elementwise passes (decay, interpolate and sign, interpolate, add); on
+    the host that was 3.78 s a step for Flux-dev's widths at 3.18B params, the training thread waiting 93% of the
+    step (benchmarks/results/host_ram_per_optimizer.md), where the device does it in passes over memory it reads
+    at hundreds of GB/s. What runs: the class's batched step (``_step_foreach``, which it takes for real params
+    with dense gradients unless ``foreach = false``), op for op, over each of its param groups' params in the chunk
+    with that group's settings: the decoupled weight decay ``p *= 1 - weight_decay * lr``, ``update =
+    lerp(exp_avg, grad, 1 - beta1).sign_()``, ``exp_avg.lerp_(grad, 1 - beta2)``, ``p += -lr * update`` (its
+    per-param path runs the same ops one tensor at a time). The same numbers as the class on the same device:
+    bitwise on the CPU (tests). Its state is the
+    class's ``exp_avg`` (fp32 as the param), made at a param's first update and page-locked; checkpoints are the
+    class's. The class counts steps per group (``group["step"]``, read by nothing in its arithmetic): a group's
+    count goes up when its first param steps. Settings that change the arithmetic beyond this (``maximize``,
+    ``use_gc``, ``adanorm``, ``cautious``, coupled weight decay, complex params) are refused by :meth:`check` (the
+    start-up probe, and each param's first update)."""
+
+    state_keys = ()  # its class's state, not the training layout's
+    counts_steps = False
+    flat = False
+    steps_on_device = False
+    slot_bytes = (4,)
+    REFUSED = ("maximize", "use_gc", "adanorm", "cautious")
+
+    def check(self, optimizer: torch.optim.Optimizer) -> None:
+        from ..errors import DGLSUserError
+
+        groups = optimizer.param_groups
+        found = [k for k in self.REFUSED if getattr(optimizer, k, False) or any(g.get(k) for g in groups)]
+        if any(not g.get("weight_decouple", True) and g["weight_decay"] for g in groups):
+            found.append("weight_decouple = false")
+        if found:
+            raise DGLSUserError(
+                f"Lion's device step runs its plain update, not {', '.join(found)}: drop it from [optimizer], or "
+                "step Lion on the CPU (--host_adam torch)"
+            )
+
+    def keys_of(self, state: dict) -> tuple[str, ...]:
+        return ("exp_avg",)
+
+    def new_state(self, state: dict, shape: torch.Size, zeros: Zeros) -> None:
+        state["exp_avg"] = zeros(shape, torch.float32)
+
+    def create_state(self, optimizer: torch.optim.Optimizer, master: torch.Tensor, zeros: Zeros) -> None:
+        self.check(optimizer)  # the start-up probe's check, again for a class built elsewhere (the library API)
+        if torch.is_complex(master):
+            raise ValueError("Lion's device step takes real params")
+        self.new_state(optimizer.state[master], master.shape, zeros)
+        optimizer.param_groups[param_positions(optimizer)[id(master)][0]].setdefault("step", 0)
+
+    def step(self, masters, grads, state, steps, group, lr) -> None:
+        raise AssertionError("Lion's kernel steps each param with its own group's settings (step_params)")
+
+    def step_params(self, optimizer, hosts, masters, grads, states, steps, group, lr) -> None:
+        where = param_positions(optimizer)
+        by_group: dict[int, list[int]] = {}  # the chunk's params, in order, by their group
+        for i, host in enumerate(hosts):
+            by_group.setdefault(where[id(host)][0], []).append(i)
+        for gindex, members in by_group.items():
+            settings = optimizer.param_groups[gindex]
+            if any(where[id(hosts[i])][1] == 0 for i in members):
+                settings["step"] = settings.get("step", 0) + 1
+            rate = float(settings["lr"] if lr is None else lr)
+            beta1, beta2 = settings["betas"]
+            decay = settings["weight_decay"]
+            torch_private.lion_step_(
+                [masters[i] for i in members],
+                [grads[i] for i in members],
+                [states[i][0] for i in members],
+                decay=1.0 - decay * (1.0 if settings["fixed_decay"] else rate) if decay != 0.0 else 1.0,
+                lr=rate,
+                beta1=float(beta1),
+                beta2=float(beta2),
+            )
+
+
 def kernel_for(kind: str, momentum: float = 0.0, launch: str = "cuda") -> OptimizerKernel:
     """The kernel of a host optimizer type (:data:`~.host_optimizer.HOST_OPTIMIZERS`), or of an own class's type
     that has one on the device (:data:`~.optimizer_types.TYPES`' ``on_device``; ``launch``: which of its library's
@@ -182,4 +267,6 @@ def kernel_for(kind: str, momentum: float = 0.0, launch: str = "cuda") -> Optimi
         from .bitsandbytes_kernel import Bitsandbytes8bitKernel
 
         return Bitsandbytes8bitKernel(launch)
+    if kind == "Lion":  # pytorch_optimizer's exact name (optimizer_types.TYPES)
+        return LionKernel()
     raise ValueError(f"no device kernel for optimizer type {kind!r}")

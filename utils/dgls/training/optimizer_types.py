@@ -12,9 +12,10 @@ Streamed layers' params train on the host, on fp32 masters. :data:`TYPES` record
   land. That gives each param the update one optimizer over every param gives it exactly when the step is *per
   param*: each param's update reads only that param's gradient and state, and group values that every layer's
   optimizer holds alike (lr, betas, a step count that advances once a step; schedule-free's ``weight_sum`` and
-  ``lr_max``, which follow from the step count and the lr). A type marked ``on_device`` (``AdamW8bit``) steps its
-  class's own kernel on the training device by default, its state streamed from host memory
-  (:mod:`.bitsandbytes_kernel`); ``--host_adam torch`` keeps it on the CPU;
+  ``lr_max``, which follow from the step count and the lr). A type marked ``on_device`` steps on the training
+  device by default, its class's own state streamed from host memory: ``AdamW8bit`` with its class's own kernel
+  (:mod:`.bitsandbytes_kernel`), ``Lion`` with the ops of its class's step (:class:`.optimizer_kernels.LionKernel`);
+  ``--host_adam torch`` keeps it on the CPU;
 - ``whole_step``: the class reads sums over every param in its step (Prodigy's and D-Adaptation's step size d):
   one instance over every trained param of the pipeline stage, as train.py's one optimizer is, stepped once after
   the backward (:mod:`.whole_step`);
@@ -137,7 +138,7 @@ TYPES: dict[str, OptimizerType] = {
         "which DGLS runs on the host for streamed layers yet",
     ),
     # pytorch_optimizer (train.py: getattr(pytorch_optimizer, type)): per-param steps, read in its source
-    "Lion": OptimizerType("per_layer", "pytorch_optimizer:Lion", PYTORCH_OPTIMIZER),
+    "Lion": OptimizerType("per_layer", "pytorch_optimizer:Lion", PYTORCH_OPTIMIZER, on_device=True),
     "ADOPT": OptimizerType("per_layer", "pytorch_optimizer:ADOPT", PYTORCH_OPTIMIZER),
     "AdEMAMix": OptimizerType("per_layer", "pytorch_optimizer:AdEMAMix", PYTORCH_OPTIMIZER),
     "CAME": OptimizerType("per_layer", "pytorch_optimizer:CAME", PYTORCH_OPTIMIZER),
