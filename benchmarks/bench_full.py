@@ -66,8 +66,9 @@ widths (a double block is 340M params, a single one 142M) and cuts the depth to 
 
 ``--optimizer`` takes any [optimizer] type DGLS trains streamed layers with (utils/dgls/training/optimizer_types.py:
 ``AdamW8bit``, ``Lion``, ``CAME``, ``Prodigy`` ...), built as a diffusion-pipe table ``{type, lr}`` builds it; a type
-that steps its own class runs it on the CPU (method ``dgls-auto``; ``AdamW8bit``'s default is the device, its class's
-own kernel, and ``dgls-torch`` keeps it on the CPU), and the resident method steps the same class on the device.
+that steps its own class runs it where DGLS's default puts it (method ``dgls-auto``: the CPU, but the device for
+``AdamW8bit`` and ``Lion``, whose device kernels run their class's numbers; ``dgls-torch`` keeps them on the CPU), and
+the resident method steps the same class on the device.
 Every row records the host RAM it took: the process's peak RSS (the kernel's high-water mark, and the largest sample
 after a step), the page-locked bytes, and for DGLS the optimizer state the RAM check counted beside
 what the host optimizers hold after the timed steps, so a table of host RAM per optimizer type is one run per type:
@@ -599,7 +600,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         type=optimizer_type,
         default="adamw",
         help="adamw, sgd (without momentum: no optimizer state), or any [optimizer] type DGLS trains streamed layers "
-        "with (AdamW8bit, Lion, CAME, Prodigy ...; its own class runs on the CPU: method dgls-auto)",
+        "with (AdamW8bit, Lion, CAME, Prodigy ...; its own class runs where DGLS's default puts it: method dgls-auto)",
     )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
@@ -711,18 +712,26 @@ def main(argv: list[str] | None = None) -> dict:
 def merge(names: list[str], name: str, out: Path) -> dict:
     """One result of the rows of runs that differ only in ``--optimizer`` (a host RAM table per optimizer type is one
     run per type): each row's method gets its run's type, and the description names none. Runs of another model,
-    shape or setting (a title or description that differs in more than the optimizer) are refused."""
+    shape, setting or machine (a title, description, environment or command that differs in more than the optimizer
+    and the name) are refused, as is a name without a result."""
+    names = [n.strip() for n in names if n.strip()]
+    missing = [n for n in names if not (out / f"{n}.json").is_file()]
+    if missing:
+        raise SystemExit(f"--merge: no result named {', '.join(missing)} in {out}")
     parts = [json.loads((out / f"{n}.json").read_text()) for n in names]
     rows, described = [], set()
     for part in parts:
         found = re.search(r"--optimizer[= ](\S+)", part["command"])
         kind = part.get("optimizer") or (found.group(1) if found else "adamw")
-        described.add((part["title"], part["description"].replace(describe_optimizer(kind), "OPTIMIZER")))
+        rest = re.sub(r" --(optimizer|name)[= ]\S+", "", part["command"])
+        text = part["description"].replace(describe_optimizer(kind), "OPTIMIZER")
+        described.add((part["title"], text, json.dumps(part["environment"], sort_keys=True), rest))
         rows += [dict(row, method=f"{row['method']} ({describe_optimizer(kind)})") for row in part["rows"]]
     if len(described) != 1:
-        raise SystemExit("--merge joins runs that differ only in --optimizer: these differ in " + " | ".join(
-            f"{title}: {text}" for title, text in sorted(described)
-        ))  # fmt: skip
+        raise SystemExit(
+            "--merge joins runs that differ only in --optimizer, on one machine: these differ in their "
+            + " | ".join(sorted({" ; ".join(str(v) for v in d) for d in described}))[:2000]
+        )
     result = dict(
         parts[0],
         rows=rows,

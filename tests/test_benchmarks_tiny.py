@@ -342,6 +342,20 @@ def test_runs_of_each_optimizer_merge_into_one_table_of_host_ram(tmp_path):
     bench_full.main([*argv, "--flux_blocks", "1,2", "--name", "ram_deeper", "--results_dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="differ only in --optimizer"):
         bench_full.main(["--merge", "ram_adamw,ram_deeper", "--name", "bad", "--results_dir", str(tmp_path)])
+    sgd = load(tmp_path, "ram_sgd")
+    for field, value in (
+        ("environment", {**sgd["environment"], "gpu": "another"}),
+        ("command", sgd["command"] + " --steps=9"),
+    ):
+        (tmp_path / "ram_other.json").write_text(json.dumps({**sgd, field: value}))
+        with pytest.raises(SystemExit, match="on one machine: these differ"):
+            bench_full.main(["--merge", "ram_adamw,ram_other", "--name", "bad", "--results_dir", str(tmp_path)])
+    # results written before runs recorded their optimizer: its type from the command
+    (tmp_path / "ram_old.json").write_text(json.dumps({k: v for k, v in sgd.items() if k != "optimizer"}))
+    bench_full.main(["--merge", "ram_adamw, ram_old", "--name", "ram2", "--results_dir", str(tmp_path)])
+    assert load(tmp_path, "ram2")["rows"][1]["method"] == "dgls-torch_fused (SGD without momentum)"
+    with pytest.raises(SystemExit, match="--merge: no result named ram_none in"):
+        bench_full.main(["--merge", "ram_adamw,ram_none", "--name", "bad", "--results_dir", str(tmp_path)])
     with pytest.raises(SystemExit):
         bench_full.parse(["--merge", "ram_adamw,ram_sgd"])  # no --name
 

@@ -392,6 +392,18 @@ def test_lion_steps_on_the_device_by_default_with_its_class_s_ops_bitwise_as_its
     assert all(set(o.state[p]) == {"exp_avg"} for o in optimizers for p in o.state)
     assert {g["step"] for o in optimizers for g in o.param_groups} == {3}
     assert {g["weight_decay"] for o in optimizers for g in o.param_groups} == {0.0, 0.01}  # the 1-D split
+    from pytorch_optimizer import Lion
+
+    from utils.dgls.training.optimizer_kernels import LionKernel
+
+    class OldLion:  # pytorch_optimizer before 4: no batched step, one per-param step of other ops (mul_, add_)
+        param_groups = [{"lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": 0.0}]
+
+    assert hasattr(Lion, "_step_foreach")
+    with pytest.raises(DGLSUserError, match=r"ops of pytorch_optimizer 4's Lion, .* pip install -U 'pytorch-optimizer"):
+        LionKernel().check(OldLion())
+    with pytest.raises(DGLSUserError, match="Lion's device step takes lr as a number, not a tensor"):
+        LionKernel().check(Lion([torch.zeros(2)], lr=torch.tensor(1e-3)))
     for extra, named in (({"cautious": True}, "cautious"), ({"weight_decouple": False}, "weight_decouple = false")):
         refused = HostOptimizerSpec.from_table({"type": "Lion", "lr": 1e-3, "weight_decay": 0.01, **extra})
         line = f"^Lion's device step runs its plain update, not {named}: drop it from \\[optimizer\\], or step Lion"
@@ -474,11 +486,17 @@ def test_adamw8bit_state_a_host_ram_budget_would_put_on_disk_is_one_line_naming_
 
 def test_a_kernel_launch_is_checked_before_anything_is_built():
     """bitsandbytes' Triton kernels (kernel_launch 'triton', the library API's and bench_full's dgls-device+triton)
-    are AdamW8bit's on the device alone, and run on CUDA only: each mistake is one line before anything is built."""
+    are AdamW8bit's on the device alone (not Lion's, whose device kernel has one launch), and run on CUDA only: each
+    mistake is one line before anything is built."""
     with pytest.raises(DGLSUserError, match="kernel_launch must be one of cuda, triton, got 'cudaa'"):
         HostOptimizerSpec(type="adamw8bit", kernel_launch="cudaa")
     with pytest.raises(DGLSUserError, match="picks the kernel of an own class stepped on the device .*'adamw' with"):
         HostOptimizerSpec(kernel_launch="triton")
+    if installed("pytorch_optimizer"):
+        lion = HostOptimizerSpec.from_table({"type": "Lion", "lr": 1e-3})
+        assert lion.implementation == "device"
+        with pytest.raises(DGLSUserError, match="not of 'Lion' with 'device'"):
+            dataclasses.replace(lion, kernel_launch="triton")
     spec = HostOptimizerSpec(type="adamw8bit", kernel_launch="triton")
     with pytest.raises(DGLSUserError, match="not of 'adamw8bit' with 'torch'"):
         dataclasses.replace(spec, implementation="torch")

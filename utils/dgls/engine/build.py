@@ -40,6 +40,7 @@ from ..memory.copier import Copier, CudaCopier, DeferredCopier
 from ..memory.device_pool import DevicePool
 from ..memory.disk_tier import DiskTier
 from ..memory.layout import MB, LayerLayout, LayerSizes, TrainingLayout, human_bytes, measure
+from ..memory.peers import others_on_machine
 from ..memory.precision import CastRules, check_device_support, name_of
 from ..memory.transport import CudaTransport, Direction, Transport, make_transport
 from ..planning.agreement import PlanAgreement
@@ -57,7 +58,13 @@ from ..streaming.units import Entry, split_layers, split_note, split_points
 from ..torch_private import check_torch
 from ..training.data_parallel import SharedGradients, agree, job_ownership, refuse_whole_step
 from ..training.disk_state import DiskState, plan_full_tiers, refuse_disk_state
-from ..training.host_training import HostTraining, check_host_training, training_layout, update_buffer_bytes
+from ..training.host_training import (
+    HostTraining,
+    check_host_training,
+    host_training_need,
+    training_layout,
+    update_buffer_bytes,
+)
 from ..training.shared_saves import READER
 from ..training.training_feature import TrainingFeature
 from ..watching.profiler import Profiler
@@ -156,7 +163,7 @@ def build(
     micro_batches = c.placement.layer_major_micro_batches
     disk_choice = DiskChoice(layouts, placement, device, c.transfer.disk_dir, micro_batches, read_ahead=trained is None)
     tiers, state_spilled = _tiers(c, values, layouts, placement, trained, disk_choice)
-    training_note = check_host_training(trained, probe=c.placement.planned) if trained is not None else ""
+    training_note = _check_host_ram(c, trained)
     with ExitStack() as undo:  # a failure below frees what was made
         disk_state = None
         if state_spilled:  # full fine-tuning: masters and optimizer state that do not fit (training/disk_state.py)
@@ -271,6 +278,27 @@ def build(
         activations=activations,
         tiers=tiers,
     )
+
+
+def _check_host_ram(c: SwapConfig, trained: TrainingLayout | None) -> str:
+    """Full fine-tuning's host RAM check at start-up (:func:`check_host_training`), its start-up line. Processes that
+    each train their own layers (pipeline stages) count what the job's others on this machine need too, and all stop
+    on one's refusal, with its line, before any of them allocates: every process of a full fine-tune calls this
+    (a collective), one without host-trained layers needing none. Data parallel checks every share in each process
+    (:func:`_data_parallel_share`)."""
+    if c.training.host_optimizer is None:
+        return ""
+    probe = c.placement.planned
+    if c.training.data_parallel:
+        return check_host_training(trained, probe=probe) if trained is not None else ""
+    others = others_on_machine(host_training_need(trained, probe=probe) if trained is not None else 0)
+    note, problem = "", None
+    try:
+        note = check_host_training(trained, probe=probe, others=others) if trained is not None else ""
+    except DGLSUserError as exc:
+        problem = str(exc)
+    agree(problem)
+    return note
 
 
 def _data_parallel_share(

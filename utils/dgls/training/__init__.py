@@ -16,7 +16,7 @@ Modules
       class (the host RAM check's, the start-up line's and the VRAM planner's figure).
     - ``whole_step.py``: one instance of an optimizer whose step sums over every param (Prodigy ...), over a
       stage's masters and host copies of its resident params, stepped once after the backward.
-    - ``optimizer_kernels.py``: the arithmetic a step runs on the GPU, one kernel per optimizer (AdamW, SGD).
+    - ``optimizer_kernels.py``: the arithmetic a step runs on the GPU, one kernel per optimizer (AdamW, SGD, Lion).
     - ``bitsandbytes_kernel.py``: ``AdamW8bit``'s step on the GPU: bitsandbytes' own kernel on its class's own
       8-bit state, launched on the default stream between the update's copies.
     - ``device_update.py``: a layer's step on the GPU, its state streamed in and out.

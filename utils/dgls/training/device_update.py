@@ -10,9 +10,9 @@ Why
 
 Layout (the host side is placed by :class:`~..memory.layout.TrainingLayout`)
     - per trained param, in pinned host memory: the fp32 master, the optimizer state the kernel names
-      (:mod:`.optimizer_kernels`: AdamW's ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum_buffer``, AdamW8bit's
-      8-bit codes and their scales; the layer's optimizer's state, so checkpoints are the host optimizer's), the
-      gradient (the pinned landing in the compute dtype, or the fp32 sum over micro-batches) and the packed
+      (:mod:`.optimizer_kernels`: AdamW's ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum_buffer``, Lion's ``exp_avg``,
+      AdamW8bit's 8-bit codes and their scales; the layer's optimizer's state, so checkpoints are the host optimizer's),
+      the gradient (the pinned landing in the compute dtype, or the fp32 sum over micro-batches) and the packed
       compute-dtype copy the copier streams;
     - on the device, two scratch buffers (:class:`Scratch`), each with room for ``capacity`` params:
       fp32 master, state (the kernel's slots) and gradient, and the compute-dtype gradient and copy.
@@ -230,6 +230,7 @@ class DeviceUpdater:
         update. Returns the copy the layer's next reader waits for (its last chunk's copy home)."""
         if not params:
             return previous
+        self.kernel.begin_step(optimizer)
         if not self.buffers:
             sizes = [p.master.numel() for p in params]
             self.reserve(max(sizes), sum(sizes))

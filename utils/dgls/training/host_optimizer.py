@@ -38,13 +38,14 @@ with the defaults of the class diffusion-pipe builds for each. Every other type 
 :data:`.optimizer_types.TYPES`: a per-param optimizer (8-bit AdamW, StableAdamW, Lion, schedule-free ...) runs its own
 class, built once per layer on the masters with the table's values as train.py passes them (``options``) and stepped
 on the CPU (``--host_adam torch``), or, for a type with a device kernel (``AdamW8bit``: bitsandbytes' own CUDA kernel,
-:mod:`.bitsandbytes_kernel`), on the device by default (``--host_adam device``), its state streamed from host memory
-as AdamW's is (bitsandbytes' CPU step ran at 15 ns a param: benchmarks/results/full_flux_small_AdamW8bit.md); other
-``--host_adam`` values with an own class are one line. One whose step sums over
-every param (Prodigy, D-Adaptation) runs its own class once over every trained param, stepped after the backward
-(:mod:`.whole_step`); the others are refused by name there, never replaced by something else. ``offload`` (torchao's
-CPU offload of ``torch.optim.AdamW(fused=True)``) runs as ``adamw``. The masters an own class gets require grad, as
-train.py's params do (Automagic skips params that do not).
+:mod:`.bitsandbytes_kernel`; ``Lion``: the ops of its class's step, :class:`.optimizer_kernels.LionKernel`), on the
+device by default (``--host_adam device``), its state streamed from host memory as AdamW's is (bitsandbytes' CPU step
+ran at 15 ns a param: benchmarks/results/full_flux_small_AdamW8bit.md; Lion's class held a Flux step 93%:
+benchmarks/results/host_ram_per_optimizer.md); other ``--host_adam`` values with an own class are one line. One whose
+step sums over every param (Prodigy, D-Adaptation) runs its own class once over every trained param, stepped after the
+backward (:mod:`.whole_step`); the others are refused by name there, never replaced by something else. ``offload``
+(torchao's CPU offload of ``torch.optim.AdamW(fused=True)``) runs as ``adamw``. The masters an own class gets require
+grad, as train.py's params do (Automagic skips params that do not).
 
 ``gradient_release`` (diffusion-pipe's: an optimizer per param, stepped as its gradient is ready) builds one group
 without the 1-D split, as an optimizer per param gets the table's weight decay; stepped per layer, each param gets
@@ -211,7 +212,7 @@ class HostOptimizerSpec:
             )
         if self.kernel_launch not in LAUNCHES:
             raise DGLSUserError(f"kernel_launch must be one of {', '.join(LAUNCHES)}, got {self.kernel_launch!r}")
-        if self.kernel_launch != "cuda" and not (self.class_on_device and self.implementation == "device"):
+        if self.kernel_launch != "cuda" and not (self.type == "adamw8bit" and self.implementation == "device"):
             raise DGLSUserError(
                 f"kernel_launch {self.kernel_launch!r} picks the kernel of an own class stepped on the device "
                 f"(AdamW8bit with implementation 'device'), not of {self.type!r} with {self.implementation!r}"

@@ -63,9 +63,11 @@ import torch
 from ..errors import DGLSUserError
 from ..memory.host_store import HostLayer, ram_reserve, ram_short
 from ..memory.layout import LayerLayout, TrainingLayout, human_bytes
+from ..memory.peers import others_on_machine
 from ..memory.pinned import PinnedMemory
 from ..memory.transport import Copy, Direction, Transport
 from . import optimizer_types, previous_norm, speculation
+from .data_parallel import agree
 from .device_update import DeviceUpdater, FlatLayer, FlatParam
 from .disk_state import DiskState
 from .grad_return import SEND_GROUP_BYTES, GradReturn, GradState, TrainedLayer, TrainedParam
@@ -81,8 +83,8 @@ from .whole_step import STATE_KEY, WholeStep
 # the RAM check's advice where a VRAM budget places the layers (check_host_training's ``probe``)
 PROBE_ADVICE = (
     "a VRAM budget's first step streams every layer (its probe): replace the budget with a placement by hand "
-    "(gpu_layers or blocks_to_swap; each layer kept on the GPU takes its share off this figure, as in "
-    "toml/full_flux_dev_128gb.toml), or free RAM"
+    "(gpu_layers or blocks_to_swap; each layer kept on the GPU takes its share off this figure: --plan prints the "
+    "placement the budget would choose), or free RAM"
 )
 
 __all__ = [
@@ -455,7 +457,14 @@ class HostTraining:
         first, self._first_step = self._first_step, None
         if first is not None:
             first(in_time)
-            check_deferred_state(self.layout, in_time)
+            # every stage fixes its plan at the same step: the machine's processes check their state together
+            others = others_on_machine(self.layout.deferred_state())
+            problem = None
+            try:
+                check_deferred_state(self.layout, in_time, others)
+            except DGLSUserError as exc:
+                problem = str(exc)
+            agree(problem)
 
     def release(self, indices: Iterable[int]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """Stop training layers ``indices`` on the host, before any update of theirs ran (the VRAM planner made them
@@ -793,7 +802,24 @@ def host_training_bytes(
     return training_layout({idx: layouts[idx] for idx in streamed}, spec, 2 if sums else 1, clipping, speculate).parts()
 
 
-def check_host_training(layout: TrainingLayout, save_copy: int = 0, probe: bool = False) -> str:
+def host_training_need(layout: TrainingLayout, save_copy: int = 0, probe: bool = False) -> int:
+    """The host RAM :func:`check_host_training` counts for ``layout`` (same arguments), in bytes."""
+    parts = _allocated_now(layout, layout.deferred_state() if probe else 0)
+    parts.pop("speculation", None)
+    return sum(parts.values()) + save_copy
+
+
+def _others_text(others: tuple[int, int]) -> str:
+    """The RAM check's words for the job's other processes on this machine (:func:`.peers.others_on_machine`)."""
+    need, count = others
+    if not count:
+        return ""
+    return f", the job's {count} other process{'es' if count > 1 else ''} on this machine {human_bytes(need)} more"
+
+
+def check_host_training(
+    layout: TrainingLayout, save_copy: int = 0, probe: bool = False, others: tuple[int, int] = (0, 0)
+) -> str:
     """Refuse, with the numbers, when the host cannot hold the masters, gradients and optimizer state and
     still keep its reserve (a tenth of its RAM, 2 GiB at least: the weight store's rule; much of this is
     page-locked, which the host cannot swap out); otherwise the start-up line that says how much they take.
@@ -805,7 +831,8 @@ def check_host_training(layout: TrainingLayout, save_copy: int = 0, probe: bool 
     layers, its first step streaming every one (``layout`` holds them all): the optimizer state made at a layer's
     first update (:meth:`~..memory.layout.TrainingLayout.deferred_state`) comes after the plan, for the layers it
     streams only, and is counted then (:func:`check_deferred_state`); what is allocated now is counted here, and
-    the advice is to place the layers by hand."""
+    the advice is to place the layers by hand. ``others``: what the job's other processes on this machine need
+    beside (bytes, how many: :func:`..memory.peers.others_on_machine`; pipeline stages), counted too."""
     later = layout.deferred_state() if probe else 0
     parts = _allocated_now(layout, later)
     parts.pop("speculation", None)
@@ -815,16 +842,18 @@ def check_host_training(layout: TrainingLayout, save_copy: int = 0, probe: bool 
     memory = psutil.virtual_memory()
     reserve = ram_reserve(memory.total)
     described = ", ".join(f"{name} {human_bytes(n)}" for name, n in parts.items())
-    if need > memory.available - reserve:
+    if need + others[0] > memory.available - reserve:
         advice = PROBE_ADVICE if probe else "stream fewer layers (blocks_to_swap), or free RAM"
         raise DGLSUserError(
             f"full fine-tuning of the streamed layers needs {human_bytes(need)} of host RAM ({described}) beyond "
-            f"their packed weights, and {human_bytes(memory.available)} is free, of which "
+            f"their packed weights{_others_text(others)}, and {human_bytes(memory.available)} is free, of which "
             f"{human_bytes(reserve)} stays for the rest of the host: {advice}"
         )
     if layout.spares_wanted:  # optional: at most half of what is left once the packed copies (and the state made
-        left = memory.available - reserve - need - later - layout.packed_bytes  # later) are made too, so that saving
-        layout.limit_spares(max(0, left) // 2)  # a checkpoint and the data loader still find room beside pinned RAM
+        # later, and the other processes' needs) are made too, so that saving a checkpoint and the data loader still
+        # find room beside pinned RAM
+        left = memory.available - reserve - need - others[0] - later - layout.packed_bytes
+        layout.limit_spares(max(0, left) // 2)
     parts = _allocated_now(layout, later)
     described = ", ".join(f"{name} {human_bytes(n)}" for name, n in parts.items())
     line = f"DGLS host training: {human_bytes(sum(parts.values()))} of host RAM ({described})"
@@ -845,14 +874,15 @@ def _allocated_now(layout: TrainingLayout, later: int) -> dict[str, int]:
     return parts
 
 
-def check_deferred_state(layout: TrainingLayout, in_time: bool = True) -> None:
+def check_deferred_state(layout: TrainingLayout, in_time: bool = True, others: tuple[int, int] = (0, 0)) -> None:
     """The VRAM budget's placement is fixed and the layers a plan made resident are released (before any update):
     refuse, with the numbers, before the first update makes the optimizer state of the layers still streamed, when
     the host cannot hold it and keep its reserve (:func:`check_host_training`'s rule, on what is free now).
     ``in_time``: the planner heard of the step before the trainer's optimizer step; otherwise it kept the probe's
-    placement (every layer streamed), and the line says how to let it plan."""
+    placement (every layer streamed), and the line says how to let it plan. ``others``: the state the job's other
+    processes on this machine make at the same step (pipeline stages), counted too."""
     need = layout.deferred_state()
-    if (short := ram_short(need)) is not None:
+    if (short := ram_short(need + others[0])) is not None:
         available, reserve = short
         what = (
             "the VRAM budget's plan streams"
@@ -862,7 +892,7 @@ def check_deferred_state(layout: TrainingLayout, in_time: bool = True) -> None:
         )
         raise DGLSUserError(
             f"{what} {len(layout.layers)} trained layers, whose optimizer state needs {human_bytes(need)} of host "
-            f"RAM at their first update, and {human_bytes(available)} is free, of which {human_bytes(reserve)} "
-            "stays for the rest of the host: a larger --vram_budget keeps more layers on the GPU, or place them by "
-            "hand (gpu_layers or blocks_to_swap), or free RAM"
+            f"RAM at their first update{_others_text(others)}, and {human_bytes(available)} is free, of which "
+            f"{human_bytes(reserve)} stays for the rest of the host: a larger --vram_budget keeps more layers on the "
+            "GPU, or place them by hand (gpu_layers or blocks_to_swap), or free RAM"
         )

@@ -1,8 +1,8 @@
 """Optimizer kernels: the arithmetic of one optimizer step on lists of tensors, whatever device they are on.
 
-A device update (:mod:`.device_update`) moves a chunk of masters, gradients and optimizer state onto the
-device and steps it with one fused kernel; everything about that step that depends on the optimizer is
-here, behind :class:`OptimizerKernel`. A second optimizer on the device is one more kernel class.
+A device update (:mod:`.device_update`) moves a chunk of masters, gradients and optimizer state onto the device and
+steps it with one fused kernel (or an own class's few batched ops); everything about that step that depends on the
+optimizer is here, behind :class:`OptimizerKernel`. A second optimizer on the device is one more kernel class.
 
 Contract of a kernel
     - ``state_keys``: the per-param fp32 tensors, shaped as the param, that the kernel reads and writes
@@ -86,6 +86,11 @@ class OptimizerKernel(ABC):
         """Fill ``master``'s empty state in ``optimizer`` as the optimizer's first step would (tensors from
         ``zeros``: pinned by the caller on CUDA)."""
         self.new_state(optimizer.state[master], master.shape, zeros)
+
+    def begin_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Once per update of a layer (its optimizer's step), before any of its params: what the optimizer's
+        ``step()`` does besides the params (an own class's group counts). Nothing by default."""
+        return None
 
     def step_params(
         self,
@@ -181,20 +186,21 @@ def param_positions(optimizer: torch.optim.Optimizer) -> dict[int, tuple[int, in
 class LionKernel(OptimizerKernel):
     """``pytorch_optimizer.Lion``'s step on the device, on its class's own state (``[optimizer] type = 'Lion'``).
 
-    Why: the class steps a param with four elementwise passes (decay, interpolate and sign, interpolate, add); on
-    the host that was 3.78 s a step for Flux-dev's widths at 3.18B params, the training thread waiting 93% of the
-    step (benchmarks/results/host_ram_per_optimizer.md), where the device does it in passes over memory it reads
-    at hundreds of GB/s. What runs: the class's batched step (``_step_foreach``, which it takes for real params
-    with dense gradients unless ``foreach = false``), op for op, over each of its param groups' params in the chunk
-    with that group's settings: the decoupled weight decay ``p *= 1 - weight_decay * lr``, ``update =
+    Why: the class steps a param with four elementwise passes (decay, interpolate and sign, interpolate, add); on the
+    host, Flux-dev's widths at 3.18B params took 3.975 s a step, 3.78 s of it the class's updates, the training thread
+    waiting 93% of the step (benchmarks/results/host_ram_per_optimizer.md), where the device does it in passes over
+    memory it reads at hundreds of GB/s. What runs: the class's batched step (``_step_foreach``, which it takes for real
+    params with dense gradients unless ``foreach = false``), op for op, over each of its param groups' params in the
+    chunk with that group's settings: the decoupled weight decay ``p *= 1 - weight_decay * lr``, ``update =
     lerp(exp_avg, grad, 1 - beta1).sign_()``, ``exp_avg.lerp_(grad, 1 - beta2)``, ``p += -lr * update`` (its
-    per-param path runs the same ops one tensor at a time). The same numbers as the class on the same device:
-    bitwise on the CPU (tests). Its state is the
-    class's ``exp_avg`` (fp32 as the param), made at a param's first update and page-locked; checkpoints are the
-    class's. The class counts steps per group (``group["step"]``, read by nothing in its arithmetic): a group's
-    count goes up when its first param steps. Settings that change the arithmetic beyond this (``maximize``,
-    ``use_gc``, ``adanorm``, ``cautious``, coupled weight decay, complex params) are refused by :meth:`check` (the
-    start-up probe, and each param's first update)."""
+    per-param path runs the same ops one tensor at a time). The same numbers as the class on the same device: bitwise on
+    the CPU (tests). Its state is the class's ``exp_avg`` (fp32 as the param), made at a param's first update and
+    page-locked; checkpoints are the class's. The class counts steps in every group (``group["step"]``, read by nothing
+    in its arithmetic) at each ``step()``: :meth:`begin_step`, once per layer update. Refused by :meth:`check` (the
+    start-up probe, and each param's first update): what changes the arithmetic beyond this (``maximize``, ``use_gc``,
+    ``adanorm``, ``cautious``, coupled weight decay, complex params), a tensor lr (the class computes its decay in the
+    tensor's dtype), and pytorch_optimizer before 4 (its step uses ``mul_`` and ``add_`` where 4's uses ``lerp``: other
+    last bits)."""
 
     state_keys = ()  # its class's state, not the training layout's
     counts_steps = False
@@ -206,7 +212,17 @@ class LionKernel(OptimizerKernel):
     def check(self, optimizer: torch.optim.Optimizer) -> None:
         from ..errors import DGLSUserError
 
+        if not hasattr(type(optimizer), "_step_foreach"):  # before pytorch_optimizer 4: other ops (mul_, add_)
+            raise DGLSUserError(
+                "Lion's device step runs the ops of pytorch_optimizer 4's Lion, and the installed version's step is "
+                "another: pip install -U 'pytorch-optimizer>=4', or step Lion on the CPU (--host_adam torch)"
+            )
         groups = optimizer.param_groups
+        if any(isinstance(g["lr"], torch.Tensor) for g in groups):
+            raise DGLSUserError(
+                "Lion's device step takes lr as a number, not a tensor: give a float, or step Lion on the CPU "
+                "(--host_adam torch)"
+            )
         found = [k for k in self.REFUSED if getattr(optimizer, k, False) or any(g.get(k) for g in groups)]
         if any(not g.get("weight_decouple", True) and g["weight_decay"] for g in groups):
             found.append("weight_decouple = false")
@@ -223,11 +239,16 @@ class LionKernel(OptimizerKernel):
         state["exp_avg"] = zeros(shape, torch.float32)
 
     def create_state(self, optimizer: torch.optim.Optimizer, master: torch.Tensor, zeros: Zeros) -> None:
+        from ..errors import DGLSUserError
+
         self.check(optimizer)  # the start-up probe's check, again for a class built elsewhere (the library API)
         if torch.is_complex(master):
-            raise ValueError("Lion's device step takes real params")
+            raise DGLSUserError("Lion's device step takes real params: step Lion on the CPU (--host_adam torch)")
         self.new_state(optimizer.state[master], master.shape, zeros)
-        optimizer.param_groups[param_positions(optimizer)[id(master)][0]].setdefault("step", 0)
+
+    def begin_step(self, optimizer: torch.optim.Optimizer) -> None:
+        for group in optimizer.param_groups:  # the class's step(): init_group, then the count, every group
+            group["step"] = group.get("step", 0) + 1
 
     def step(self, masters, grads, state, steps, group, lr) -> None:
         raise AssertionError("Lion's kernel steps each param with its own group's settings (step_params)")
@@ -239,8 +260,6 @@ class LionKernel(OptimizerKernel):
             by_group.setdefault(where[id(host)][0], []).append(i)
         for gindex, members in by_group.items():
             settings = optimizer.param_groups[gindex]
-            if any(where[id(hosts[i])][1] == 0 for i in members):
-                settings["step"] = settings.get("step", 0) + 1
             rate = float(settings["lr"] if lr is None else lr)
             beta1, beta2 = settings["betas"]
             decay = settings["weight_decay"]
