@@ -4,12 +4,14 @@ when a VRAM budget's plan is fixed, and every process stops with the same line (
 
 Two processes of ``torch.multiprocessing.spawn`` over gloo, each a stage (its own ``share_group``) holding the small
 demo model's layers, with the host's free RAM faked in each: room for one stage's need and not for both. Alone, one
-process starts on that host; together both are refused, naming the other process's need. Without the count, each
-would pass its own check and the two together would run out of RAM after allocating.
+process starts on that host; together both are refused, naming the other process's need, also where only one of them
+reads too little free RAM (the other stops with its line). Without the count, each would pass its own check and the
+two together would run out of RAM after allocating.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from pathlib import Path
@@ -45,13 +47,13 @@ def _needs() -> tuple[int, int]:
     return start, streamed
 
 
-def _stage(rank: int, port: int, folder: Path, start_free: int, plan_free: int) -> None:
-    """One pipeline stage: build with ``start_free`` bytes free, then train under the budget with ``plan_free`` free
-    when the plan is fixed; writes what happened."""
+def _stage(rank: int, port: int, folder: Path, start_free: tuple[int, int], plan_free: int) -> None:
+    """One pipeline stage: build with ``start_free[rank]`` bytes free, then train under the budget with ``plan_free``
+    free when the plan is fixed; writes what happened."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
     host_training.psutil.virtual_memory = lambda: Host  # this process's own module: the parent's is untouched
-    Host.available = start_free
+    Host.available = start_free[rank]
     layers = full_layers()
     config = SwapConfig.of(host_optimizer=SPEC, clip_grads=False, vram_budget=middle_budget(layers))
     outcome = "trained"
@@ -65,7 +67,7 @@ def _stage(rank: int, port: int, folder: Path, start_free: int, plan_free: int) 
     torch.distributed.destroy_process_group()
 
 
-def two_stages(folder: Path, start_free: int, plan_free: int) -> list[str]:
+def two_stages(folder: Path, start_free: tuple[int, int], plan_free: int) -> list[str]:
     torch.multiprocessing.spawn(_stage, args=(free_port(), folder, start_free, plan_free), nprocs=2)
     return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(2)]
 
@@ -80,17 +82,18 @@ def test_pipeline_stages_on_one_machine_count_each_others_ram_and_stop_together(
     with LayerSwapper(full_layers(), config, device=CPU, log=None):
         pass  # the control: one process alone starts on this host
 
-    both = two_stages(tmp_path / "start", alone, roomy)
+    # rank 1 reads more free RAM than rank 0 (another moment): rank 0 refuses, and rank 1 stops with its line
+    both = two_stages(tmp_path / "start", (alone, roomy), roomy)
     assert both[0] == both[1], "every process stops with the same line"
     assert "the job's 1 other process on this machine" in both[0] and "of host RAM (masters" in both[0], both[0]
 
     plan = RESERVE + later + later // 2  # room for one stage's state at the plan, not for both
-    both = two_stages(tmp_path / "plan", roomy, plan)
+    both = two_stages(tmp_path / "plan", (roomy, roomy), plan)
     assert both[0] == both[1], "every process stops with the same line"
     assert both[0].startswith("the VRAM budget's plan streams "), both[0]
     assert "at their first update, the job's 1 other process on this machine" in both[0], both[0]
 
-    assert two_stages(tmp_path / "room", roomy, roomy) == ["trained", "trained"]
+    assert two_stages(tmp_path / "room", (roomy, roomy), roomy) == ["trained", "trained"]
 
 
 @pytest.fixture(autouse=True)

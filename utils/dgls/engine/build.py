@@ -61,6 +61,7 @@ from ..training.disk_state import DiskState, plan_full_tiers, refuse_disk_state
 from ..training.host_training import (
     HostTraining,
     check_host_training,
+    host_training_beside,
     host_training_need,
     training_layout,
     update_buffer_bytes,
@@ -291,7 +292,10 @@ def _check_host_ram(c: SwapConfig, trained: TrainingLayout | None) -> str:
     probe = c.placement.planned
     if c.training.data_parallel:
         return check_host_training(trained, probe=probe) if trained is not None else ""
-    others = others_on_machine(host_training_need(trained, probe=probe) if trained is not None else 0)
+    if trained is not None:
+        others = others_on_machine(host_training_need(trained, probe=probe), host_training_beside(trained, probe))
+    else:
+        others = others_on_machine(0)
     note, problem = "", None
     try:
         note = check_host_training(trained, probe=probe, others=others) if trained is not None else ""

@@ -456,14 +456,19 @@ class HostTraining:
         updates of the layers still streamed make (:func:`check_deferred_state`). Later calls do nothing."""
         first, self._first_step = self._first_step, None
         if first is not None:
-            first(in_time)
-            # every stage fixes its plan at the same step: the machine's processes check their state together
-            others = others_on_machine(self.layout.deferred_state())
+            # every stage fixes its plan at the same step: the machine's processes check their state together, and
+            # all stop with the first refusal any of them met (the plan's own included)
             problem = None
             try:
-                check_deferred_state(self.layout, in_time, others)
+                first(in_time)
             except DGLSUserError as exc:
                 problem = str(exc)
+            others = others_on_machine(self.layout.deferred_state() if problem is None else 0)
+            if problem is None:
+                try:
+                    check_deferred_state(self.layout, in_time, others)
+                except DGLSUserError as exc:
+                    problem = str(exc)
             agree(problem)
 
     def release(self, indices: Iterable[int]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
@@ -809,16 +814,22 @@ def host_training_need(layout: TrainingLayout, save_copy: int = 0, probe: bool =
     return sum(parts.values()) + save_copy
 
 
-def _others_text(others: tuple[int, int]) -> str:
+def host_training_beside(layout: TrainingLayout, probe: bool = False) -> int:
+    """What a process holds beside :func:`host_training_need` once running: the packed copies, and under a budget's
+    probe the state made at the first updates (the room optional spares must leave, counted for every process)."""
+    return layout.packed_bytes + (layout.deferred_state() if probe else 0)
+
+
+def _others_text(others: tuple[int, int, int]) -> str:
     """The RAM check's words for the job's other processes on this machine (:func:`.peers.others_on_machine`)."""
-    need, count = others
+    need, count, _ = others
     if not count:
         return ""
     return f", the job's {count} other process{'es' if count > 1 else ''} on this machine {human_bytes(need)} more"
 
 
 def check_host_training(
-    layout: TrainingLayout, save_copy: int = 0, probe: bool = False, others: tuple[int, int] = (0, 0)
+    layout: TrainingLayout, save_copy: int = 0, probe: bool = False, others: tuple[int, int, int] = (0, 0, 0)
 ) -> str:
     """Refuse, with the numbers, when the host cannot hold the masters, gradients and optimizer state and
     still keep its reserve (a tenth of its RAM, 2 GiB at least: the weight store's rule; much of this is
@@ -832,7 +843,8 @@ def check_host_training(
     first update (:meth:`~..memory.layout.TrainingLayout.deferred_state`) comes after the plan, for the layers it
     streams only, and is counted then (:func:`check_deferred_state`); what is allocated now is counted here, and
     the advice is to place the layers by hand. ``others``: what the job's other processes on this machine need
-    beside (bytes, how many: :func:`..memory.peers.others_on_machine`; pipeline stages), counted too."""
+    beside (bytes, how many, what they hold besides: :func:`..memory.peers.others_on_machine`; pipeline stages),
+    counted too; the spares then take their share of what is left, one per process."""
     later = layout.deferred_state() if probe else 0
     parts = _allocated_now(layout, later)
     parts.pop("speculation", None)
@@ -850,10 +862,10 @@ def check_host_training(
             f"{human_bytes(reserve)} stays for the rest of the host: {advice}"
         )
     if layout.spares_wanted:  # optional: at most half of what is left once the packed copies (and the state made
-        # later, and the other processes' needs) are made too, so that saving a checkpoint and the data loader still
-        # find room beside pinned RAM
-        left = memory.available - reserve - need - others[0] - later - layout.packed_bytes
-        layout.limit_spares(max(0, left) // 2)
+        # later, and the other processes' needs and holdings) are made too, so that saving a checkpoint and the data
+        # loader still find room beside pinned RAM; this process's share of it, one per process on the machine
+        left = memory.available - reserve - need - later - layout.packed_bytes - others[0] - others[2]
+        layout.limit_spares(max(0, left) // 2 // (others[1] + 1))
     parts = _allocated_now(layout, later)
     described = ", ".join(f"{name} {human_bytes(n)}" for name, n in parts.items())
     line = f"DGLS host training: {human_bytes(sum(parts.values()))} of host RAM ({described})"
@@ -874,7 +886,9 @@ def _allocated_now(layout: TrainingLayout, later: int) -> dict[str, int]:
     return parts
 
 
-def check_deferred_state(layout: TrainingLayout, in_time: bool = True, others: tuple[int, int] = (0, 0)) -> None:
+def check_deferred_state(
+    layout: TrainingLayout, in_time: bool = True, others: tuple[int, int, int] = (0, 0, 0)
+) -> None:
     """The VRAM budget's placement is fixed and the layers a plan made resident are released (before any update):
     refuse, with the numbers, before the first update makes the optimizer state of the layers still streamed, when
     the host cannot hold it and keep its reserve (:func:`check_host_training`'s rule, on what is free now).
