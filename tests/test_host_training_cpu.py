@@ -391,6 +391,35 @@ def test_a_data_parallel_saves_copy_of_the_other_owners_masters_is_counted_in_th
         host_training.check_host_training(layout, save_copy=200 * 1024)
 
 
+def test_the_room_for_spares_is_shared_by_the_processes_on_the_machine(monkeypatch):
+    """The optional spares of speculated updates take half of what is left beside the reserve, the need and what the
+    process holds besides (its packed copies): on a machine with other processes of the job (pipeline stages, or data
+    parallel's other shares), what they need and hold is taken off first and each process gets its share of the
+    rest, so the processes together keep half of it free for saves and the data loader."""
+    with LayerSwapper(full_layers(torch.bfloat16), config(), device=CPU, log=None) as swapper:
+        layout = swapper.training.layout
+    assert layout.spares_wanted, "clipping with host AdamW speculates"
+    need = host_training.host_training_need(layout)
+    beside = host_training.host_training_beside(layout)
+    every = sum(layout.spare_bytes(idx) for idx in layout.spares_wanted)
+
+    class Host:
+        total = 16 * 2**30  # reserve: 2 GiB
+        available = 2 * 2**30 + need + beside + 2 * every  # alone: room for every spare in half of what is left
+
+    monkeypatch.setattr(host_training.psutil, "virtual_memory", lambda: Host)
+
+    def spares(others) -> int:
+        host_training.check_host_training(layout, others=others)
+        return sum(layout.spare_bytes(idx) for idx in layout.spares)
+
+    assert spares((0, 0, 0)) == every
+    assert spares((0, 1, 0)) <= every // 2, "two processes: each half of its own half"
+    Host.available += need + beside  # room for a second process's need and holdings: each still gets half
+    assert spares((need, 1, beside)) <= every // 2 < spares((0, 0, 0))
+    assert 0 < spares((need, 1, beside))
+
+
 class Built(Exception):
     """Stops a build at its SharedGradients (the test has no torch.distributed job to go on with)."""
 

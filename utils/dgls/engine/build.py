@@ -145,14 +145,18 @@ def build(
     placement = plan_placement(sizes, c.placement, c.transfer.cuda_streams)
     trained = None  # the training layout: the RAM check's figure, then what full fine-tuning allocates
     shared = None  # data parallel: this process's share of the host-trained layers (training/data_parallel.py)
+    others = (0, 0, 0)  # data parallel: the other shares' need, count and holdings (this machine holds them all)
     if host_trained:
         streamed_layouts = {idx: layouts[idx] for idx in placement.streamed}
         trained = training_layout(
             streamed_layouts, c.training.host_optimizer, c.training.accumulation_steps,
             c.training.clip_grads, c.training.speculates,
         )  # fmt: skip
-        if c.training.data_parallel:
+        if c.training.data_parallel:  # the machine holds every share: what the others need, from the whole layout
+            whole = (host_training_need(trained), host_training_beside(trained))
             shared, trained = _data_parallel_share(c, entries, trained, streamed_layouts)
+            size = shared.ownership.size if shared is not None else 1
+            others = (whole[0] - host_training_need(trained), size - 1, whole[1] - host_training_beside(trained))
         update = update_buffer_bytes(trained, c.training.host_optimizer)  # what HostTraining reserves
         buckets = shared.pool_bytes if shared is not None else 0  # data parallel's, during the backward
         placement = dataclasses.replace(placement, update_bytes=update, reduce_bytes=buckets)
@@ -164,7 +168,7 @@ def build(
     micro_batches = c.placement.layer_major_micro_batches
     disk_choice = DiskChoice(layouts, placement, device, c.transfer.disk_dir, micro_batches, read_ahead=trained is None)
     tiers, state_spilled = _tiers(c, values, layouts, placement, trained, disk_choice)
-    training_note = _check_host_ram(c, trained)
+    training_note = _check_host_ram(c, trained, others)
     with ExitStack() as undo:  # a failure below frees what was made
         disk_state = None
         if state_spilled:  # full fine-tuning: masters and optimizer state that do not fit (training/disk_state.py)
@@ -281,17 +285,18 @@ def build(
     )
 
 
-def _check_host_ram(c: SwapConfig, trained: TrainingLayout | None) -> str:
+def _check_host_ram(c: SwapConfig, trained: TrainingLayout | None, shares: tuple[int, int, int]) -> str:
     """Full fine-tuning's host RAM check at start-up (:func:`check_host_training`), its start-up line. Processes that
     each train their own layers (pipeline stages) count what the job's others on this machine need too, and all stop
     on one's refusal, with its line, before any of them allocates: every process of a full fine-tune calls this
-    (a collective), one without host-trained layers needing none. Data parallel checks every share in each process
-    (:func:`_data_parallel_share`)."""
+    (a collective), one without host-trained layers needing none. Data parallel checked every share in each process
+    (:func:`_data_parallel_share`) and counts the other shares here (``shares``: their need, count and holdings,
+    from the whole layout), so each process's optional spares take its share of what is left."""
     if c.training.host_optimizer is None:
         return ""
     probe = c.placement.planned
     if c.training.data_parallel:
-        return check_host_training(trained, probe=probe) if trained is not None else ""
+        return check_host_training(trained, probe=probe, others=shares) if trained is not None else ""
     if trained is not None:
         others = others_on_machine(host_training_need(trained, probe=probe), host_training_beside(trained, probe))
     else:
