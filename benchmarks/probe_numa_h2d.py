@@ -16,7 +16,6 @@ import argparse
 import ctypes
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import torch
@@ -92,21 +91,18 @@ def rates(sources: dict[int, torch.Tensor], repeats: int) -> dict[int, float]:
     streams = {g: torch.cuda.Stream(device=g) for g in sources}
     for g in sources:
         torch.cuda.synchronize(g)
-    ends = {}
-    starts = {}
     events = {g: [torch.cuda.Event(enable_timing=True) for _ in range(2)] for g in sources}
-    t0 = time.perf_counter()
     for g, src in sources.items():
         with torch.cuda.device(g), torch.cuda.stream(streams[g]):
             events[g][0].record()
             for _ in range(repeats):
                 dsts[g].copy_(src, non_blocking=True)
             events[g][1].record()
+    seconds = {}
     for g in sources:
         streams[g].synchronize()
-        ends[g] = events[g][0].elapsed_time(events[g][1]) / 1e3
-        starts[g] = t0
-    return {g: repeats * sources[g].numel() / ends[g] / 1e9 for g in sources}
+        seconds[g] = events[g][0].elapsed_time(events[g][1]) / 1e3
+    return {g: repeats * sources[g].numel() / seconds[g] / 1e9 for g in sources}
 
 
 def main() -> None:

@@ -31,6 +31,7 @@ from full_ft import (
 )
 
 from utils.dgls import LayerSwapper, SwapConfig
+from utils.dgls.memory import host_store
 from utils.dgls.memory.layout import TrainingLayout, measure
 from utils.dgls.training import grad_return, host_training, speculation
 from utils.dgls.training.host_optimizer import HostOptimizerSpec
@@ -177,28 +178,28 @@ def test_the_ram_figure_and_the_start_up_line_count_the_spares(spec, per_param):
 
 def with_ram_beside_the_reserve(monkeypatch, spare_bytes: int) -> None:
     """The RAM check sees the training state's figure (without spares), the packed weights and ``spare_bytes`` more
-    beside the host's reserve (the rest of the program sees the host as it is)."""
+    beside the host's reserve (the RAM rule, host_store.ram_room, sees it: the pinned budget and the rest of the
+    program see the host as it is)."""
 
     class Memory:
         total = 64 * 2**30  # reserve: 6.4 GiB
         available = 0
 
-    class Psutil:
-        @staticmethod
-        def virtual_memory():
-            return Memory
+    def room() -> tuple[int, int]:
+        return Memory.available, host_store.ram_reserve(Memory.total)
 
     def check(layout, **kw):
         parts = layout.parts()
         parts.pop("speculation", None)
         beside = sum(parts.values()) + layout.packed_bytes + spare_bytes
-        Memory.available = host_training.ram_reserve(Memory.total) + beside
+        Memory.available = host_store.ram_reserve(Memory.total) + beside
         return real(layout, **kw)
 
     import utils.dgls.engine.build as build
 
     real = build.check_host_training
-    monkeypatch.setattr(host_training, "psutil", Psutil)
+    monkeypatch.setattr(host_store, "ram_room", room)  # the RAM rule (ram_short reads it here) sees this host
+    monkeypatch.setattr(host_training, "ram_room", room)  # and the spares' room, imported by name
     monkeypatch.setattr(build, "check_host_training", check)
 
 

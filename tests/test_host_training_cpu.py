@@ -30,6 +30,8 @@ from full_ft import (
 from helpers import skip_waits
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
+from utils.dgls.memory import host_store
+from utils.dgls.memory.peers import Others
 from utils.dgls.memory.transport import Direction, Transport
 from utils.dgls.training import device_update, grad_return, host_training
 from utils.dgls.training.grad_return import GradReturn, GradState
@@ -358,7 +360,7 @@ def test_a_host_without_the_ram_for_training_is_refused_with_the_numbers(monkeyp
         total = 16 * 2**30  # reserve: 2 GiB
         available = 2 * 2**30 + 1024  # 1 KiB beside the reserve
 
-    monkeypatch.setattr(host_training.psutil, "virtual_memory", lambda: Host)
+    monkeypatch.setattr(host_store.psutil, "virtual_memory", lambda: Host)
     with pytest.raises(DGLSUserError, match=r"needs .* of host RAM .* and 2\.00 GiB is free, of which 2\.00 GiB stays"):
         LayerSwapper(full_layers(), config(), device=CPU, log=None)
     # under a VRAM budget the first step streams every layer (the probe): the advice is the placement by hand
@@ -385,7 +387,7 @@ def test_a_data_parallel_saves_copy_of_the_other_owners_masters_is_counted_in_th
         total = 16 * 2**30  # reserve: 2 GiB
         available = 2 * 2**30 + need + 1024
 
-    monkeypatch.setattr(host_training.psutil, "virtual_memory", lambda: Host)
+    monkeypatch.setattr(host_store.psutil, "virtual_memory", lambda: Host)
     assert host_training.check_host_training(layout).startswith("DGLS host training:")
     with pytest.raises(DGLSUserError, match=r"a save's copy of the other processes' masters 0\.2 MiB\) beyond"):
         host_training.check_host_training(layout, save_copy=200 * 1024)
@@ -407,17 +409,17 @@ def test_the_room_for_spares_is_shared_by_the_processes_on_the_machine(monkeypat
         total = 16 * 2**30  # reserve: 2 GiB
         available = 2 * 2**30 + need + beside + 2 * every  # alone: room for every spare in half of what is left
 
-    monkeypatch.setattr(host_training.psutil, "virtual_memory", lambda: Host)
+    monkeypatch.setattr(host_store.psutil, "virtual_memory", lambda: Host)
 
     def spares(others) -> int:
         host_training.check_host_training(layout, others=others)
         return sum(layout.spare_bytes(idx) for idx in layout.spares)
 
-    assert spares((0, 0, 0)) == every
-    assert spares((0, 1, 0)) <= every // 2, "two processes: each half of its own half"
+    assert spares(Others()) == every
+    assert spares(Others(0, 1, 0)) <= every // 2, "two processes: each half of its own half"
     Host.available += need + beside  # room for a second process's need and holdings: each still gets half
-    assert spares((need, 1, beside)) <= every // 2 < spares((0, 0, 0))
-    assert 0 < spares((need, 1, beside))
+    assert spares(Others(need, 1, beside)) <= every // 2 < spares(Others())
+    assert 0 < spares(Others(need, 1, beside))
 
 
 class Built(Exception):
@@ -457,7 +459,7 @@ def test_the_builder_counts_a_saves_copy_of_the_other_owners_own_masters_only(mo
             raise DGLSUserError(problem)
 
     monkeypatch.setattr(build, "agree", agree)
-    monkeypatch.setattr(host_training.psutil, "virtual_memory", lambda: Host)
+    monkeypatch.setattr(host_store.psutil, "virtual_memory", lambda: Host)
     monkeypatch.setattr(build, "job_ownership", lambda numels, groups: Ownership.assign(numels, groups, 0, 2))
     monkeypatch.setattr(build, "SharedGradients", shared_gradients)
     monkeypatch.setattr(torch.distributed, "new_group", lambda **kw: groups.append((object(), kw)) or groups[-1][0])

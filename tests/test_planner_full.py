@@ -267,7 +267,7 @@ def test_a_budgets_ram_check_counts_the_optimizer_state_of_the_layers_its_plan_s
     every layer's state starts (it was refused before), says so, and stops at the plan with one line when the
     streamed layers' state does not fit what is free then; also where the plan is not applied (the trainer stepped
     before DGLS heard of the step) and every layer stays streamed."""
-    from utils.dgls.training import host_training
+    from utils.dgls.memory import host_store
 
     layers = full_layers()
     config = SwapConfig.of(host_optimizer=SPEC, clip_grads=False, vram_budget=middle_budget(layers))
@@ -285,7 +285,7 @@ def test_a_budgets_ram_check_counts_the_optimizer_state_of_the_layers_its_plan_s
         total = 16 * 2**30  # reserve: 2 GiB
         available = 2 * 2**30 + now + later // 2  # room for what step 1 allocates, not for every layer's state
 
-    monkeypatch.setattr(host_training.psutil, "virtual_memory", lambda: Host)
+    monkeypatch.setattr(host_store.psutil, "virtual_memory", lambda: Host)
     lines: list[str] = []
     layers = full_layers()
     with LayerSwapper(layers, config, device=CPU, log=lines.append) as swapper:

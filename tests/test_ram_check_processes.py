@@ -22,6 +22,7 @@ from full_ft import SPEC, full_layers
 from test_planner_full import middle_budget, train_full
 
 from utils.dgls import DGLSUserError, LayerSwapper, SwapConfig
+from utils.dgls.memory import host_store
 from utils.dgls.program.distributed import free_port
 from utils.dgls.training import host_training
 
@@ -52,7 +53,7 @@ def _stage(rank: int, port: int, folder: Path, start_free: tuple[int, int], plan
     free when the plan is fixed; writes what happened."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
-    host_training.psutil.virtual_memory = lambda: Host  # this process's own module: the parent's is untouched
+    host_store.psutil.virtual_memory = lambda: Host  # this process's own module: the parent's is untouched
     Host.available = start_free[rank]
     layers = full_layers()
     config = SwapConfig.of(host_optimizer=SPEC, clip_grads=False, vram_budget=middle_budget(layers))
@@ -64,6 +65,7 @@ def _stage(rank: int, port: int, folder: Path, start_free: tuple[int, int], plan
     except DGLSUserError as exc:
         outcome = str(exc)
     (folder / f"rank{rank}.json").write_text(json.dumps(outcome))
+    torch.distributed.barrier()  # neither tears its gloo connections down while the other still uses them
     torch.distributed.destroy_process_group()
 
 
@@ -76,7 +78,7 @@ def test_pipeline_stages_on_one_machine_count_each_others_ram_and_stop_together(
     start, later = _needs()
     alone = RESERVE + start + start // 2  # one stage's need fits, two do not
     roomy = RESERVE + 4 * (start + later)
-    monkeypatch.setattr(host_training.psutil, "virtual_memory", lambda: Host)
+    monkeypatch.setattr(host_store.psutil, "virtual_memory", lambda: Host)
     Host.available = alone
     config = SwapConfig.of(host_optimizer=SPEC, clip_grads=False, vram_budget=middle_budget(full_layers()))
     with LayerSwapper(full_layers(), config, device=CPU, log=None):

@@ -40,7 +40,7 @@ from ..memory.copier import Copier, CudaCopier, DeferredCopier
 from ..memory.device_pool import DevicePool
 from ..memory.disk_tier import DiskTier
 from ..memory.layout import MB, LayerLayout, LayerSizes, TrainingLayout, human_bytes, measure
-from ..memory.peers import others_on_machine
+from ..memory.peers import NO_OTHERS, Others, others_on_machine
 from ..memory.precision import CastRules, check_device_support, name_of
 from ..memory.transport import CudaTransport, Direction, Transport, make_transport
 from ..planning.agreement import PlanAgreement
@@ -145,7 +145,7 @@ def build(
     placement = plan_placement(sizes, c.placement, c.transfer.cuda_streams)
     trained = None  # the training layout: the RAM check's figure, then what full fine-tuning allocates
     shared = None  # data parallel: this process's share of the host-trained layers (training/data_parallel.py)
-    others = (0, 0, 0)  # data parallel: the other shares' need, count and holdings (this machine holds them all)
+    others = NO_OTHERS  # data parallel: the other shares (this machine holds them all)
     if host_trained:
         streamed_layouts = {idx: layouts[idx] for idx in placement.streamed}
         trained = training_layout(
@@ -156,7 +156,7 @@ def build(
             whole = (host_training_need(trained), host_training_beside(trained))
             shared, trained = _data_parallel_share(c, entries, trained, streamed_layouts)
             size = shared.ownership.size if shared is not None else 1
-            others = (whole[0] - host_training_need(trained), size - 1, whole[1] - host_training_beside(trained))
+            others = Others(whole[0] - host_training_need(trained), size - 1, whole[1] - host_training_beside(trained))
         update = update_buffer_bytes(trained, c.training.host_optimizer)  # what HostTraining reserves
         buckets = shared.pool_bytes if shared is not None else 0  # data parallel's, during the backward
         placement = dataclasses.replace(placement, update_bytes=update, reduce_bytes=buckets)
@@ -285,7 +285,7 @@ def build(
     )
 
 
-def _check_host_ram(c: SwapConfig, trained: TrainingLayout | None, shares: tuple[int, int, int]) -> str:
+def _check_host_ram(c: SwapConfig, trained: TrainingLayout | None, shares: Others) -> str:
     """Full fine-tuning's host RAM check at start-up (:func:`check_host_training`), its start-up line. Processes that
     each train their own layers (pipeline stages) count what the job's others on this machine need too, and all stop
     on one's refusal, with its line, before any of them allocates: every process of a full fine-tune calls this

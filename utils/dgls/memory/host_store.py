@@ -122,12 +122,17 @@ def ram_reserve(total: int) -> int:
     return max(2 * GiB, total // 10)
 
 
+def ram_room() -> tuple[int, int]:
+    """The host RAM available now and the reserve it keeps (:func:`ram_reserve`), in bytes."""
+    memory = psutil.virtual_memory()
+    return memory.available, ram_reserve(memory.total)
+
+
 def ram_short(need: int) -> tuple[int, int] | None:
     """Where ``need`` more bytes of host RAM would cut into the reserve (:func:`ram_reserve`): the bytes available
     now and the reserve, for the caller's one line; None where they fit."""
-    memory = psutil.virtual_memory()
-    reserve = ram_reserve(memory.total)
-    return (memory.available, reserve) if need > memory.available - reserve else None
+    available, reserve = ram_room()
+    return (available, reserve) if need > available - reserve else None
 
 
 def default_pinned_budget(streamable_on_cpu: int) -> int:

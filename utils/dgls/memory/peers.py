@@ -37,6 +37,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -156,20 +157,31 @@ class Peers:
         self._created.clear()
 
 
-def others_on_machine(need: int, extra: int = 0) -> tuple[int, int, int]:
+class Others(NamedTuple):
+    """The job's other processes on this machine, as a RAM check counts them (:func:`others_on_machine`)."""
+
+    need: int = 0  # bytes they need, together
+    count: int = 0  # how many of them need any
+    holdings: int = 0  # bytes they hold besides (packed copies, state made later): the room optional spares leave
+
+
+NO_OTHERS = Others()  # a process alone on its machine (or one whose check counts every share itself)
+
+
+def others_on_machine(need: int, extra: int = 0) -> Others:
     """What the job's other processes on this machine need of its host RAM beside this one's ``need`` (bytes), how
     many of them need any, and the sum of their ``extra`` (what they hold beside their need: their packed copies, the
     state made later; for sizing what is optional): processes that each train their own layers (pipeline stages) draw
     on one host's RAM, so each RAM check counts them all. Every rank must call it (``all_gather_object`` over the
-    default group, where every rank builds or fixes its plan in lockstep); (0, 0, 0) in a single process."""
+    default group, where every rank builds or fixes its plan in lockstep); none in a single process."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return 0, 0, 0
+        return NO_OTHERS
     here = machine_name(os.environ, socket.gethostname())
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (here, dist.get_rank(), int(need), int(extra)))
     others = [(n, x) for machine, rank, n, x in everyone if machine == here and rank != dist.get_rank() and n > 0]
-    return sum(n for n, _ in others), len(others), sum(x for _, x in others)
+    return Others(sum(n for n, _ in others), len(others), sum(x for _, x in others))
 
 
 def sharing_problems(everyone: list[tuple]) -> list[str]:

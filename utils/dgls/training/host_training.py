@@ -57,13 +57,12 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 
-import psutil
 import torch
 
 from ..errors import DGLSUserError
-from ..memory.host_store import HostLayer, ram_reserve, ram_short
+from ..memory.host_store import HostLayer, ram_room, ram_short
 from ..memory.layout import LayerLayout, TrainingLayout, human_bytes
-from ..memory.peers import others_on_machine
+from ..memory.peers import NO_OTHERS, Others, others_on_machine
 from ..memory.pinned import PinnedMemory
 from ..memory.transport import Copy, Direction, Transport
 from . import optimizer_types, previous_norm, speculation
@@ -807,11 +806,19 @@ def host_training_bytes(
     return training_layout({idx: layouts[idx] for idx in streamed}, spec, 2 if sums else 1, clipping, speculate).parts()
 
 
-def host_training_need(layout: TrainingLayout, save_copy: int = 0, probe: bool = False) -> int:
-    """The host RAM :func:`check_host_training` counts for ``layout`` (same arguments), in bytes."""
+def _counted(layout: TrainingLayout, save_copy: int = 0, probe: bool = False) -> dict[str, int]:
+    """The parts of the host RAM :func:`check_host_training` counts for ``layout`` (same arguments): what is
+    allocated before the first update, less the optional spares, with a save's copy."""
     parts = _allocated_now(layout, layout.deferred_state() if probe else 0)
     parts.pop("speculation", None)
-    return sum(parts.values()) + save_copy
+    if save_copy:
+        parts["a save's copy of the other processes' masters"] = save_copy
+    return parts
+
+
+def host_training_need(layout: TrainingLayout, save_copy: int = 0, probe: bool = False) -> int:
+    """The host RAM :func:`check_host_training` counts for ``layout`` (same arguments), in bytes."""
+    return sum(_counted(layout, save_copy, probe).values())
 
 
 def host_training_beside(layout: TrainingLayout, probe: bool = False) -> int:
@@ -820,16 +827,16 @@ def host_training_beside(layout: TrainingLayout, probe: bool = False) -> int:
     return layout.packed_bytes + (layout.deferred_state() if probe else 0)
 
 
-def _others_text(others: tuple[int, int, int]) -> str:
+def _others_text(others: Others) -> str:
     """The RAM check's words for the job's other processes on this machine (:func:`.peers.others_on_machine`)."""
-    need, count, _ = others
-    if not count:
+    if not others.count:
         return ""
-    return f", the job's {count} other process{'es' if count > 1 else ''} on this machine {human_bytes(need)} more"
+    plural = "es" if others.count > 1 else ""
+    return f", the job's {others.count} other process{plural} on this machine {human_bytes(others.need)} more"
 
 
 def check_host_training(
-    layout: TrainingLayout, save_copy: int = 0, probe: bool = False, others: tuple[int, int, int] = (0, 0, 0)
+    layout: TrainingLayout, save_copy: int = 0, probe: bool = False, others: Others = NO_OTHERS
 ) -> str:
     """Refuse, with the numbers, when the host cannot hold the masters, gradients and optimizer state and
     still keep its reserve (a tenth of its RAM, 2 GiB at least: the weight store's rule; much of this is
@@ -846,26 +853,23 @@ def check_host_training(
     beside (bytes, how many, what they hold besides: :func:`..memory.peers.others_on_machine`; pipeline stages),
     counted too; the spares then take their share of what is left, one per process."""
     later = layout.deferred_state() if probe else 0
-    parts = _allocated_now(layout, later)
-    parts.pop("speculation", None)
-    if save_copy:
-        parts["a save's copy of the other processes' masters"] = save_copy
+    parts = _counted(layout, save_copy, probe)
     need = sum(parts.values())
-    memory = psutil.virtual_memory()
-    reserve = ram_reserve(memory.total)
-    described = ", ".join(f"{name} {human_bytes(n)}" for name, n in parts.items())
-    if need + others[0] > memory.available - reserve:
+    if (short := ram_short(need + others.need)) is not None:
+        available, reserve = short
+        described = ", ".join(f"{name} {human_bytes(n)}" for name, n in parts.items())
         advice = PROBE_ADVICE if probe else "stream fewer layers (blocks_to_swap), or free RAM"
         raise DGLSUserError(
             f"full fine-tuning of the streamed layers needs {human_bytes(need)} of host RAM ({described}) beyond "
-            f"their packed weights{_others_text(others)}, and {human_bytes(memory.available)} is free, of which "
+            f"their packed weights{_others_text(others)}, and {human_bytes(available)} is free, of which "
             f"{human_bytes(reserve)} stays for the rest of the host: {advice}"
         )
     if layout.spares_wanted:  # optional: at most half of what is left once the packed copies (and the state made
         # later, and the other processes' needs and holdings) are made too, so that saving a checkpoint and the data
         # loader still find room beside pinned RAM; this process's share of it, one per process on the machine
-        left = memory.available - reserve - need - later - layout.packed_bytes - others[0] - others[2]
-        layout.limit_spares(max(0, left) // 2 // (others[1] + 1))
+        available, reserve = ram_room()
+        left = available - reserve - need - host_training_beside(layout, probe) - others.need - others.holdings
+        layout.limit_spares(max(0, left) // 2 // (others.count + 1))
     parts = _allocated_now(layout, later)
     described = ", ".join(f"{name} {human_bytes(n)}" for name, n in parts.items())
     line = f"DGLS host training: {human_bytes(sum(parts.values()))} of host RAM ({described})"
@@ -886,9 +890,7 @@ def _allocated_now(layout: TrainingLayout, later: int) -> dict[str, int]:
     return parts
 
 
-def check_deferred_state(
-    layout: TrainingLayout, in_time: bool = True, others: tuple[int, int, int] = (0, 0, 0)
-) -> None:
+def check_deferred_state(layout: TrainingLayout, in_time: bool = True, others: Others = NO_OTHERS) -> None:
     """The VRAM budget's placement is fixed and the layers a plan made resident are released (before any update):
     refuse, with the numbers, before the first update makes the optimizer state of the layers still streamed, when
     the host cannot hold it and keep its reserve (:func:`check_host_training`'s rule, on what is free now).
@@ -896,7 +898,7 @@ def check_deferred_state(
     placement (every layer streamed), and the line says how to let it plan. ``others``: the state the job's other
     processes on this machine make at the same step (pipeline stages), counted too."""
     need = layout.deferred_state()
-    if (short := ram_short(need + others[0])) is not None:
+    if (short := ram_short(need + others.need)) is not None:
         available, reserve = short
         what = (
             "the VRAM budget's plan streams"

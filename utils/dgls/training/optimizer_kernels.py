@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import torch_private
+from ..errors import DGLSUserError
 
 Zeros = Callable[[torch.Size, torch.dtype], torch.Tensor]
 
@@ -177,12 +178,6 @@ class SGDKernel(OptimizerKernel):
         )
 
 
-def param_positions(optimizer: torch.optim.Optimizer) -> dict[int, tuple[int, int]]:
-    """Each param's (group index, index in its group), keyed by ``id``: an own class's kernel steps a param with the
-    settings of its group (diffusion-pipe's 1-D params, for one, have no weight decay)."""
-    return {id(p): (g, i) for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])}
-
-
 class LionKernel(OptimizerKernel):
     """``pytorch_optimizer.Lion``'s step on the device, on its class's own state (``[optimizer] type = 'Lion'``).
 
@@ -190,9 +185,9 @@ class LionKernel(OptimizerKernel):
     host, Flux-dev's widths at 3.18B params took 3.975 s a step, 3.78 s of it the class's updates, the training thread
     waiting 93% of the step (benchmarks/results/host_ram_per_optimizer.md), where the device does it in passes over
     memory it reads at hundreds of GB/s. What runs: the class's batched step (``_step_foreach``, which it takes for real
-    params with dense gradients unless ``foreach = false``), op for op, over each of its param groups' params in the
-    chunk with that group's settings: the decoupled weight decay ``p *= 1 - weight_decay * lr``, ``update =
-    lerp(exp_avg, grad, 1 - beta1).sign_()``, ``exp_avg.lerp_(grad, 1 - beta2)``, ``p += -lr * update`` (its
+    params with dense gradients unless ``foreach = false``), op for op, over a chunk's params (the updater's chunks are
+    of one param group each) with that group's settings: the decoupled weight decay ``p *= 1 - weight_decay * lr``,
+    ``update = lerp(exp_avg, grad, 1 - beta1).sign_()``, ``exp_avg.lerp_(grad, 1 - beta2)``, ``p += -lr * update`` (its
     per-param path runs the same ops one tensor at a time). The same numbers as the class on the same device: bitwise on
     the CPU (tests). Its state is the class's ``exp_avg`` (fp32 as the param), made at a param's first update and
     page-locked; checkpoints are the class's. The class counts steps in every group (``group["step"]``, read by nothing
@@ -210,8 +205,6 @@ class LionKernel(OptimizerKernel):
     REFUSED = ("maximize", "use_gc", "adanorm", "cautious")
 
     def check(self, optimizer: torch.optim.Optimizer) -> None:
-        from ..errors import DGLSUserError
-
         if not hasattr(type(optimizer), "_step_foreach"):  # before pytorch_optimizer 4: other ops (mul_, add_)
             raise DGLSUserError(
                 "Lion's device step runs the ops of pytorch_optimizer 4's Lion, and the installed version's step is "
@@ -239,8 +232,6 @@ class LionKernel(OptimizerKernel):
         state["exp_avg"] = zeros(shape, torch.float32)
 
     def create_state(self, optimizer: torch.optim.Optimizer, master: torch.Tensor, zeros: Zeros) -> None:
-        from ..errors import DGLSUserError
-
         self.check(optimizer)  # the start-up probe's check, again for a class built elsewhere (the library API)
         if torch.is_complex(master):
             raise DGLSUserError("Lion's device step takes real params: step Lion on the CPU (--host_adam torch)")
@@ -251,27 +242,18 @@ class LionKernel(OptimizerKernel):
             group["step"] = group.get("step", 0) + 1
 
     def step(self, masters, grads, state, steps, group, lr) -> None:
-        raise AssertionError("Lion's kernel steps each param with its own group's settings (step_params)")
-
-    def step_params(self, optimizer, hosts, masters, grads, states, steps, group, lr) -> None:
-        where = param_positions(optimizer)
-        by_group: dict[int, list[int]] = {}  # the chunk's params, in order, by their group
-        for i, host in enumerate(hosts):
-            by_group.setdefault(where[id(host)][0], []).append(i)
-        for gindex, members in by_group.items():
-            settings = optimizer.param_groups[gindex]
-            rate = float(settings["lr"] if lr is None else lr)
-            beta1, beta2 = settings["betas"]
-            decay = settings["weight_decay"]
-            torch_private.lion_step_(
-                [masters[i] for i in members],
-                [grads[i] for i in members],
-                [states[i][0] for i in members],
-                decay=1.0 - decay * (1.0 if settings["fixed_decay"] else rate) if decay != 0.0 else 1.0,
-                lr=rate,
-                beta1=float(beta1),
-                beta2=float(beta2),
-            )
+        rate = float(group["lr"] if lr is None else lr)
+        beta1, beta2 = group["betas"]
+        decay = group["weight_decay"]
+        torch_private.lion_step_(
+            masters,
+            grads,
+            state[0],
+            decay=1.0 - decay * (1.0 if group["fixed_decay"] else rate) if decay != 0.0 else 1.0,
+            lr=rate,
+            beta1=float(beta1),
+            beta2=float(beta2),
+        )
 
 
 def kernel_for(kind: str, momentum: float = 0.0, launch: str = "cuda") -> OptimizerKernel:
