@@ -52,6 +52,8 @@ scaling_flux_pp1_24 --name scaling_flux     # every layout's rows in one result 
         --steps 2 --name scaling_wan_pp_24    # about 6 minutes; then --merge as above
     python benchmarks/bench_scaling.py --model flux --gpus 1,4 --bind_cores --name scaling_flux_14_bound
         # each process on its own physical cores: whether 4 processes sharing cores slow a launch-bound step
+    python benchmarks/bench_scaling.py --model flux --gpus 1,4 --share_fetch off,on --name scaling_flux_share_14
+        # 4 GPUs copying every layer each, and each copying a quarter and gathering the rest: about 7 minutes
     python benchmarks/bench_scaling.py --model flux --tiny              # smoke test on CPU (gloo), 1 and 2 processes
     python benchmarks/bench_scaling.py --model wan --tiny --layout pipeline   # the same, 1 and 2 stages
 
@@ -126,6 +128,13 @@ def parser() -> argparse.ArgumentParser:
         help="data rows: each process bound to its own block of physical cores (with their sibling threads) and "
         "as many torch threads: whether processes sharing cores hold the launch-bound step back (rank_cores)",
     )
+    p.add_argument(
+        "--share_fetch",
+        default="auto",
+        help="data rows: comma list of share_fetch modes (auto, on, off), one row each per GPU count above 1: the "
+        "processes copy 1/N of each layer and all-gather the rest (utils/dgls/memory/fetch_share.py)",
+    )
+    p.add_argument("--job_share", default="auto", help=argparse.SUPPRESS)
     p.add_argument("--worker", nargs=4, metavar=("RANK", "WORLD", "PORT", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--job_layout", choices=("data", "pipeline"), default="data", help=argparse.SUPPRESS)
     return p
@@ -223,6 +232,7 @@ def worker(args) -> None:
             "step_times_s": times,
             "thread_cpu_ms": statistics.median(thread_cpu) * 1000,
             "bound_cores": cores,
+            "shared_fetch": swapper.copier.share is not None,
             **job_figures(cuda, device, swapper, bench, stats, len(times)),
             "before_allreduce_ms": before_reduce_s * 1000,
             "allreduce_ms": reduce_s * 1000,
@@ -291,15 +301,19 @@ def build(args, device, dtype, world: int):
         spec = HostOptimizerSpec(lr=1e-5, implementation=args.host_adam if device.type == "cuda" else "torch")
         stream_mib = 0.05 if args.tiny else args.stream_mib  # tiny: the small layers stay resident
         resident = [s.index for s in bench.sizes if s.streamable_bytes < stream_mib * 2**20]
-        config = SwapConfig.of(gpu_layers=resident, prefetch=2, host_optimizer=spec, data_parallel=world > 1)
+        config = SwapConfig.of(
+            gpu_layers=resident, prefetch=2, host_optimizer=spec, data_parallel=world > 1, share_fetch=args.job_share
+        )
     elif wan.runs_recipe(args):
         bench = wan.build(args.tiny, device, dtype, args)
-        config = SwapConfig.of(**wan.recipe(len(bench.blocks), args.tiny))
+        config = SwapConfig.of(**wan.recipe(len(bench.blocks), args.tiny), share_fetch=args.job_share)
         capped = device.type == "cuda"  # as an 8 GiB card holds it, once the swapper took the blocks home
     else:
         bench = (flux.build if args.model == "flux" else wan.build)(args.tiny, device, dtype, args)
         budget = args.vram_budget or DEFAULT_BUDGET[args.model]
-        config = SwapConfig.of(vram_budget=bench.tight_budget_gib() if args.tiny else budget)
+        config = SwapConfig.of(
+            vram_budget=bench.tight_budget_gib() if args.tiny else budget, share_fetch=args.job_share
+        )
     swapper = LayerSwapper(bench.layers, config, device=device, log=log)
     if capped:  # (methods.memory_cap) after the build: the model is made on the device, whole, then streamed home
         wan.cap_device_memory(device, args.memory_cap_gib)
@@ -579,6 +593,8 @@ def row_of(gpus: int, ranks: list[dict], base: dict | None, label: str | None = 
     }
     if "thread_cpu_ms" in ranks[0]:
         row["thread_cpu_ms"] = [r["thread_cpu_ms"] for r in ranks]
+    if gpus > 1 and "shared_fetch" in ranks[0]:  # whether each process copied 1/N of every layer and gathered the rest
+        row["shared_fetch"] = bool(ranks[0]["shared_fetch"])
     if ranks[0].get("bound_cores") is not None:  # --bind_cores: each process's physical cores
         row["bound_cores"] = [r["bound_cores"] for r in ranks]
     if micro is not None:
@@ -718,6 +734,8 @@ def description(args, record: dict) -> str:
         if args.bind_cores
         else ""
     )
+    if args.share_fetch != "auto":  # the data rows' modes (utils/dgls/memory/fetch_share.py)
+        bound += f"; data rows above 1 GPU with share_fetch {' and '.join(args.share_fetch.split(','))}"
     return (
         f"{record['shape']}; {how}; {what}{bound}; "
         f"{record['streamed_layers']} of {record['entries']} swap units ({record['layers']} layers) streamed on rank 0"
@@ -737,6 +755,11 @@ NOTES = [
     "thread CPU ms: the training thread's CPU time in a step (median; time.thread_time, its waits for the device "
     "included where they spin): more of it on several GPUs than on one, for the same work, points at a CPU shared "
     "by the processes (cores, clocks, memory bandwidth) rather than at the copies.",
+]
+SHARE_NOTES = [
+    "share_fetch on: each of the N processes copies 1/N of every streamed layer from host memory and gathers the "
+    "rest from the other GPUs (NCCL all-gather); its copy GB/s counts the whole layer over the copy stream's time, "
+    "gather included. off: each process copies every layer itself (utils/dgls/memory/fetch_share.py).",
 ]
 PIPELINE_NOTES = [
     "pipeline rows: one model, a stage per GPU, each streaming its own layers from its own host copy (shared GiB: "
@@ -771,10 +794,14 @@ def main(argv: list[str] | None = None) -> dict | None:
         raise SystemExit(f"--gpus {args.gpus or '1,2,4'} needs {max(counts)} CUDA devices; {seen} seen")
     started = time.time()
     rows, record = [], None
+    modes = args.share_fetch.split(",")
+    if bad := [m for m in modes if m not in ("auto", "on", "off")]:
+        raise SystemExit(f"--share_fetch {args.share_fetch}: {bad[0]!r} is not auto, on or off")
     for layout in args.layout.split(","):
         base = None
-        for gpus in counts:
-            label = row_label(args, layout, gpus)
+        jobs = [(gpus, mode) for gpus in counts for mode in (modes if gpus > 1 and layout == "data" else modes[:1])]
+        for gpus, mode in jobs:
+            label = row_label(args, layout, gpus) + (f", share_fetch {mode}" if len(modes) > 1 and gpus > 1 else "")
             if time.time() - started > args.deadline_s:
                 rows.append(
                     labelled(
@@ -784,7 +811,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                     )
                 )
                 continue
-            job_argv = [a for a in argv if a != "--strict"] + ["--job_layout", layout]
+            job_argv = [a for a in argv if a != "--strict"] + ["--job_layout", layout, "--job_share", mode]
             ranks, log = run_job(args, job_argv, gpus, name, layout)
             if not ranks:
                 if args.strict:
@@ -818,7 +845,9 @@ def scaling_result(args, argv: list[str], record: dict | None, rows: list[dict])
         "environment": machine.environment(device),
         "tiny": args.tiny,
         "command": command_line(__file__, argv),
-        "notes": NOTES + (PIPELINE_NOTES if "pipeline" in args.layout else []),
+        "notes": NOTES
+        + (SHARE_NOTES if args.share_fetch != "auto" else [])
+        + (PIPELINE_NOTES if "pipeline" in args.layout else []),
         "rows": rows,
     }
 

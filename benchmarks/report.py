@@ -382,6 +382,13 @@ def _per_gpu(key: str, fmt: str) -> Cell:
     return cell
 
 
+def _shared_fetch(row: dict, _result: dict) -> str:
+    """A data row's share_fetch: 'on' (each process copied 1/N of every layer and gathered the rest), 'off', or '-'
+    (one GPU, or a result from before the flag)."""
+    value = row.get("shared_fetch")
+    return "-" if value is None else ("on" if value else "off")
+
+
 TABLES["scaling"] = Table(
     columns=(
         ("layout", _text("layout")),  # results with pipeline rows (bench_scaling.py --layout)
@@ -397,13 +404,14 @@ TABLES["scaling"] = Table(
         ("all-reduce ms per GPU", _per_gpu("allreduce_ms", ".0f")),
         ("thread CPU ms per GPU", _per_gpu("thread_cpu_ms", ".0f")),  # bench_scaling.py since 2026-11-27
         ("bound cores per GPU", _per_gpu("bound_cores", "d")),  # --bind_cores: each process's physical cores
+        ("shared fetches", _shared_fetch),  # --share_fetch: data rows above 1 GPU (utils/dgls/memory/fetch_share.py)
         (
             "host GiB (shared GiB)",
             lambda r, _: f"{_f(r.get('host_pss_gib'), '.1f')} ({_f(r.get('host_copy_gib'), '.1f')})",
         ),  # noqa: E501
         ("cap", lambda r, _: r.get("cap") or "-"),
     ),
-    optional=("layout", "micro-batches", "thread CPU ms per GPU", "bound cores per GPU"),
+    optional=("layout", "micro-batches", "thread CPU ms per GPU", "bound cores per GPU", "shared fetches"),
 )
 
 

@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from utils.dgls.demo.data import SyntheticLatents
 from utils.dgls.demo.model import BLOCK_CLASSES, DemoModelConfig, add_lora, build_layers
+from utils.dgls.memory.precision import fake_quantize
 
 DIST_KEYS = ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -38,6 +39,17 @@ def skip_waits(monkeypatch, direction) -> None:
 
 
 SMALL = DemoModelConfig(hidden=32, heads=2, double_blocks=3, single_blocks=3, text_dim=16, latent_channels=8)
+
+
+def round_as_stored(layers, rules, device) -> None:
+    """The reference for fp8 storage: every param ``rules`` (a CastRules) casts rounded as DGLS stores it, the rounding
+    computed on ``device`` (as the copier's upcast runs there), in place wherever the params live."""
+    with torch.no_grad():
+        for layer in layers:
+            casts = rules.plan(layer)
+            for p in layer.parameters():
+                if id(p) in casts:
+                    p.copy_(fake_quantize(p.to(device), casts[id(p)].stored).to(p.device))
 
 
 def make_layers(dtype=torch.float32, cfg=SMALL):

@@ -39,8 +39,8 @@ def train_losses(output_dir) -> list[float]:
     return [e.value for e in sorted(events.Scalars("train/loss"), key=lambda e: e.step)]
 
 
-def assert_close_models(expected: dict, got: dict) -> None:
-    assert expected.keys() == got.keys() and len(expected) > 50
+def assert_close_models(expected: dict, got: dict, least: int = 50) -> None:
+    assert expected.keys() == got.keys() and len(expected) > least
     scale = max(v.abs().max().item() for v in expected.values())
     worst = max((expected[k].float() - got[k].float()).abs().max().item() for k in expected)
     assert worst <= TOLERANCE * scale, (worst, scale)
@@ -124,3 +124,31 @@ def test_a_bf16_full_fine_tune_of_two_processes_saves_every_owners_fp32_masters(
     saved = saved_model(tmp_path / "out", "epoch1")  # 4 images over 2 processes: an epoch is 2 steps
     blocks = {".".join(k.split(".")[:2]) for k, v in saved.items() if off_bf16_grid(v)}
     assert len(blocks) == 5, sorted(blocks)
+
+
+def test_two_processes_sharing_fetches_train_and_evaluate_what_plain_train_py_does(checkout, tmp_path):
+    """A LoRA of two data-parallel processes with ``--share_fetch on`` (each copies half of every streamed block and
+    gathers the other half from the other process: utils/dgls/memory/fetch_share.py), evaluating before step 1 and
+    every 2 steps: train.py's eval passes run on both processes, so their gathers meet. The losses and the LoRA are
+    plain train.py's with the same two processes."""
+    tiny = _load_fixture("tiny_flux")
+    built = tiny.build_all(tmp_path / "fixture", n_images=4, eval_images=2, num_double=3, num_single=3, dtype=DTYPE)
+    loras, losses = {}, {}
+    for name, dgls in (("plain", None), ("dgls", "--blocks_to_swap 5 --prefetch 1 --share_fetch on")):
+        out = tmp_path / f"out_{name}"
+        config = tiny.write_configs(
+            tmp_path / f"cfg_{name}", built["model"], built["data"], out, eval_data_dir=built["eval_data"],
+            max_steps=4, epochs=4, dtype=DTYPE, eval_every_n_steps=2,
+        )  # fmt: skip
+        if name == "plain":
+            run_train(checkout, config, tmp_path / "cache.log", "--cache_only")
+        logs = run_train_ranks(checkout, config, tmp_path / name, WORLD, dgls=dgls)
+        assert "TRAINING COMPLETE!" in logs[0]
+        if dgls is not None:
+            assert "DGLS shared fetches: each of the 2 data-parallel processes" in logs[0], logs[0][-3000:]
+        loras[name] = saved_model(out, "step4")
+        losses[name] = train_losses(out)
+    assert len(losses["plain"]) == len(losses["dgls"]) == 4, losses
+    for plain, dgls in zip(losses["plain"], losses["dgls"]):
+        assert abs(plain - dgls) <= TOLERANCE * abs(plain) * 10, losses
+    assert_close_models(loras["plain"], loras["dgls"], least=10)  # a LoRA's tensors

@@ -14,14 +14,14 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, make_layers, train
+from helpers import assert_bitwise_equal, make_layers, round_as_stored, train
 
 from utils.dgls import LayerSwapper, Listener, SwapConfig
 from utils.dgls.demo.model import DemoModelConfig
 from utils.dgls.memory.copier import CudaCopier
 from utils.dgls.memory.disk_tier import DiskTier
 from utils.dgls.memory.layout import measure
-from utils.dgls.memory.precision import CastRules, fake_quantize
+from utils.dgls.memory.precision import CastRules
 from utils.dgls.memory.transport import Copy, Direction
 from utils.dgls.streaming.config import ComputePolicy
 from utils.dgls.streaming.tiers import RING_BUFFERS
@@ -60,13 +60,7 @@ def template():
 def fresh(template, fp8_rounding=False):
     layers = copy.deepcopy(template)
     if fp8_rounding:  # the reference for fp8 storage: every cast param rounded as DGLS rounds it
-        rules = CastRules.from_policy(ComputePolicy(cast_target=FP8))
-        with torch.no_grad():
-            for layer in layers:
-                casts = rules.plan(layer)
-                for p in layer.parameters():
-                    if id(p) in casts:
-                        p.copy_(fake_quantize(p.to(device()), casts[id(p)].stored).cpu())
+        round_as_stored(layers, CastRules.from_policy(ComputePolicy(cast_target=FP8)), device())
     trainable = [p for layer in layers for p in layer.parameters() if p.requires_grad]
     return layers, trainable
 

@@ -139,16 +139,15 @@ def test_agreed_ranks_apply_the_same_placements_and_end_where_one_planner_given_
     assert group.calls[0] == group.calls[1] > 0
 
 
-def test_the_agreement_ends_when_the_plan_settles_and_a_rank_over_its_budget_re_plans_alone():
-    """Settled, each rank watches its own peaks with no collective (a forward on one rank only, a sample, cannot
-    wait for the others; no micro-batch is a rendezvous): rank 1 going over re-plans alone, rank 0 keeps its plan."""
-    group = ThreadGroup(2)
-    extra = {0: 0, 1: 0}
+def settled_ranks(group: ThreadGroup, extra: dict[int, int], lockstep: bool = False) -> list:
+    """Two ranks' drivers (and fake swappers) that planned together until their plan settled; ``extra[rank]``: bytes
+    added to that rank's measured peaks from then on (a test raises it after settling)."""
 
     def settle(rank: int):
         sizes, profile, wall, peak = rank_inputs(rank)
         planner = ScriptedPlanner(BUDGET, profile, wall=wall, peak=lambda p: peak(p) + extra[rank])
         planner.agreement = group.member(rank)
+        planner.lockstep = lockstep
         swapper = FakeSwapper(sizes)
         drive(planner, swapper)
         return planner, swapper
@@ -157,7 +156,16 @@ def test_the_agreement_ends_when_the_plan_settles_and_a_rank_over_its_budget_re_
     for result in results:
         if isinstance(result, BaseException):
             raise result
-    (p0, s0), (p1, s1) = results
+    return results
+
+
+def test_the_agreement_ends_when_the_plan_settles_and_a_rank_over_its_budget_re_plans_alone():
+    """Settled, each rank watches its own peaks with no collective (a forward on one rank only, a sample, cannot
+    wait for the others; no micro-batch is a rendezvous): rank 1 going over re-plans alone, rank 0 keeps its plan.
+    (Not with shared fetches, whose gathers make every fetch a rendezvous: the next test.)"""
+    group = ThreadGroup(2)
+    extra = {0: 0, 1: 0}
+    (p0, s0), (p1, s1) = settled_ranks(group, extra)
     assert p0.plan == p1.plan and p0.agreement is None and p1.agreement is None
     calls = list(group.calls)
     settled = p1.plan
@@ -169,6 +177,24 @@ def test_the_agreement_ends_when_the_plan_settles_and_a_rank_over_its_budget_re_
     p1._watch(s1)  # rank 1 over: it re-plans, alone (a collective here would hang: rank 0 is not in one)
     drive(p1, s1)
     assert p1.replanned and not p0.replanned and group.calls == calls, "no collective after settling"
+
+
+def test_with_shared_fetches_a_settled_rank_over_its_budget_says_so_and_keeps_the_plan():
+    """Shared fetches (``lockstep``): every fetch gathers from every rank, so a rank re-planning alone would change its
+    fetches and leave the others' gathers waiting: over its budget it says so once, keeps the plan, and nothing
+    runs a collective."""
+    group = ThreadGroup(2)
+    extra = {0: 0, 1: 0}
+    lines: list[str] = []
+    _, (p1, s1) = settled_ranks(group, extra, lockstep=True)
+    calls, settled = list(group.calls), p1.plan
+    p1.log = lines.append
+    extra[1] = BUDGET - settled.predicted_peak + GiB // 4
+    for _ in range(2):
+        p1._watch(s1)
+        drive(p1, s1)
+    assert p1.plan == settled and not p1.replanned and group.calls == calls
+    assert len(lines) == 1 and "with shared fetches (--share_fetch) the placement stays as it settled" in lines[0]
 
 
 def test_probes_of_different_uses_stop_every_rank_with_one_line():

@@ -7,10 +7,10 @@ H100: 0.09% and 1.6%).
 
 import pytest
 import torch
-from helpers import make_layers, train
+from helpers import make_layers, round_as_stored, train
 
 from utils.dgls import LayerSwapper, SwapConfig
-from utils.dgls.memory.precision import CastRules, fake_quantize
+from utils.dgls.memory.precision import CastRules
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -40,12 +40,7 @@ def fake_quantized_reference(mode, config=FP8):
     rules = CastRules.from_policy(config.compute)
     for layer in layers:
         layer.to(device())
-    with torch.no_grad():
-        for layer in layers:
-            casts = rules.plan(layer)
-            for p in layer.parameters():
-                if id(p) in casts:
-                    p.copy_(fake_quantize(p, casts[id(p)].stored))
+    round_as_stored(layers, rules, device())
     return train(layers, trainable, device(), mode, dtype=BF16)
 
 

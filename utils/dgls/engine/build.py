@@ -39,6 +39,7 @@ from ..errors import DGLSUserError
 from ..memory.copier import Copier, CudaCopier, DeferredCopier
 from ..memory.device_pool import DevicePool
 from ..memory.disk_tier import DiskTier
+from ..memory.fetch_share import FetchShare
 from ..memory.layout import MB, LayerLayout, LayerSizes, TrainingLayout, human_bytes, measure
 from ..memory.peers import NO_OTHERS, Others, others_on_machine
 from ..memory.precision import CastRules, check_device_support, name_of
@@ -246,9 +247,9 @@ def build(
         elif disk is not None and disk_choice.costs is not None:  # no probe measures the compute: pass 2 does
             features.append(DiskPlanCheck(disk_choice.costs, placement.streamed, disk.spilled, device, log))
         features.append(TrainableCast(values, cast_rules, c.compute.autocast, c.compute.mixed_precision))
-        pool = DevicePool(device, placement.slot_count, placement.slot_bytes)
-        undo.callback(pool.release)
-        masters.store.ensure_staging(2, placement.slot_bytes)
+        share = _fetch_share(c, masters, placement, device, log)
+        if share is not None and driver is not None:  # one re-planning alone would change its fetches
+            driver.lockstep = True
         if isinstance(transport, CudaTransport):
             copier: Copier = CudaCopier(
                 transport,
@@ -256,10 +257,14 @@ def build(
                 ordered_by_events=c.transfer.ordered_by_events,
                 use_thread=c.transfer.threading or disk is not None,  # a read's wait is the worker's, not compute's
                 landing_bytes=placement.landing_bytes,
+                share=share,
             )
         else:
-            copier = DeferredCopier(masters.store, use_thread=c.transfer.threading, transport=transport)
+            copier = DeferredCopier(masters.store, use_thread=c.transfer.threading, transport=transport, share=share)
         undo.callback(copier.close)
+        pool = DevicePool(device, placement.slot_count, placement.slot_bytes + copier.slot_padding)
+        undo.callback(pool.release)
+        masters.store.ensure_staging(2, placement.slot_bytes)
         undo.pop_all()
     return Parts(
         layers=values,
@@ -283,6 +288,22 @@ def build(
         activations=activations,
         tiers=tiers,
     )
+
+
+def _fetch_share(
+    c: SwapConfig, masters: Masters, placement: Placement, device: torch.device, log: Callable[[str], None]
+) -> FetchShare | None:
+    """Data parallel on one machine: this process's share of each streamed layer's copy (:mod:`..memory.fetch_share`),
+    or None (it copies every byte). Every rank calls it (groups are made by all), after the masters found the sets."""
+    streamed = [masters.host(i) for i in placement.streamed if masters.has(i)]
+    pinned = [h.buffer[: h.nbytes] for h in streamed if h.pinned and not h.on_disk]
+    largest = max(pinned, key=lambda b: b.numel(), default=None)  # auto measures a host copy from it
+    share, line = FetchShare.among(masters.peers.sets, c.transfer.share_fetch, device, largest)
+    if share is not None:
+        line = share.line(len(streamed), sum(not h.packed for h in streamed))
+    if line:
+        log(line)
+    return share
 
 
 def _check_host_ram(c: SwapConfig, trained: TrainingLayout | None, shares: Others) -> str:

@@ -485,7 +485,8 @@ class LayerSwapper:
             self._plans.clear()
             self._reads_ahead.clear()
             self.pool.release()
-            self.pool = DevicePool(self.device, self.placement.slot_count, self.placement.slot_bytes)
+            slot_bytes = self.placement.slot_bytes + self.copier.slot_padding  # a shared fetch's gather rounds up
+            self.pool = DevicePool(self.device, self.placement.slot_count, slot_bytes)
             self.copier.forget_slots()
             self.copier.resize(self.placement.landing_bytes)
             self.store.ensure_staging(2, self.placement.slot_bytes)

@@ -23,6 +23,8 @@ Modules
     - ``pinned.py``: page-locked host memory of exact size.
     - ``peers.py``: one shared host copy per machine for the processes that hold the same layers.
     - ``shm_space.py``: room in ``/dev/shm`` for that shared copy, checked before anything is written.
+    - ``fetch_share.py``: those processes each copy a share of every streamed layer and gather the rest from the
+      others (NVLink), so the host sends each layer once per machine.
     - ``layout.py``: the one model of a layer's bytes (params, casts, slot, copy and landing sizes) and of the
       training state's (``TrainingLayout``); byte units.
     - ``precision.py``: dtype names, which frozen params ``cast_target`` casts, fp8 scaling, autocast's dtypes.

@@ -32,6 +32,10 @@ Mechanics:
   submission order. With ``use_thread`` the worker performs each write as soon as it is submitted
   instead (the earliest the protocol allows). CI runs on CPU, so this is what makes a missing wait or
   an early slot reuse fail a test there.
+- Shared fetches (data parallel on one machine, :mod:`.fetch_share`): a write copies this process's share of the
+  layer's bytes and gathers the other processes' shares into the slot (and the fp8 landing buffer) before the upcast,
+  inside the same issued work, so the token, its gates and the slot protocol are those of a whole copy. Slots and
+  landing buffers hold the gather's padding (:attr:`Copier.slot_padding`).
 
 Hazards handled:
 
@@ -59,6 +63,7 @@ from functools import partial
 import torch
 
 from .device_pool import Slot
+from .fetch_share import FetchShare, Region
 from .host_store import HostLayer, HostStore
 from .precision import dequantize
 from .transport import POISON, Copy, CudaTransport, Direction, Marker, Transport
@@ -122,11 +127,15 @@ class _SlotState:
 
 
 class Copier:
-    """The slot protocol; subclasses say how a write is issued on the transport."""
+    """The slot protocol; subclasses say how a write is issued on the transport. With ``share`` (data parallel on
+    one machine, :mod:`.fetch_share`) each write copies this process's share of the layer and gathers the rest."""
 
-    def __init__(self, transport: Transport, store: HostStore, use_thread: bool) -> None:
+    def __init__(
+        self, transport: Transport, store: HostStore, use_thread: bool, share: FetchShare | None = None
+    ) -> None:
         self.transport = transport
         self.store = store
+        self.share = share
         self._slots: dict[Slot, _SlotState] = {}
         self.threaded = use_thread
         if use_thread:
@@ -245,6 +254,19 @@ class Copier:
     def resize(self, landing_bytes: int) -> None:
         """The streamed set changed: make room for the largest fp8 landing."""
 
+    @property
+    def slot_padding(self) -> int:
+        """Bytes each slot needs past the largest layer (a shared fetch's gather rounds up: :mod:`.fetch_share`)."""
+        return self.share.padding if self.share is not None else 0
+
+    def _pairs(
+        self, host: HostLayer, slot: torch.Tensor, landing: torch.Tensor | None, source: torch.Tensor | None
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, Region]]]:
+        """The (host, device) pairs this process copies for a write, and the regions gathered after them."""
+        if self.share is None:
+            return host.copies(slot, landing, source), []
+        return self.share.copies(host, slot, landing, source)
+
 
 def _wake(tokens: list[Token]) -> None:
     """The worker failed to issue ``tokens``: their waiters wake (and find the error). Only tokens of a threaded
@@ -262,19 +284,27 @@ def _nothing() -> None:
 class DeferredCopier(Copier):
     """CPU copier: a write poisons its slot at once and lands when the slot is acquired (see module doc)."""
 
-    def __init__(self, store: HostStore, use_thread: bool, transport: Transport | None = None) -> None:
-        super().__init__(transport if transport is not None else Transport(torch.device("cpu")), store, use_thread)
+    def __init__(
+        self,
+        store: HostStore,
+        use_thread: bool,
+        transport: Transport | None = None,
+        share: FetchShare | None = None,
+    ) -> None:
+        transport = transport if transport is not None else Transport(torch.device("cpu"))
+        super().__init__(transport, store, use_thread, share)
 
     def _issue(self, tokens: list[Token]) -> None:
         for token in tokens:
             host, buffer = token.host, token.slot.buffer
+            pairs, regions = self._pairs(host, buffer, None, token.source)
             self.transport.submit(
                 Direction.WEIGHTS_IN,
-                [(dst, src) for src, dst in host.copies(buffer, None, token.source)],
+                [(dst, src) for src, dst in pairs],
                 token.gates,
                 into=token,
                 poison=[buffer],
-                then=partial(_upcast, host, buffer, None, token.source),
+                then=partial(_gather_and_upcast, self.share, regions, host, buffer, None, token.source),
                 late=not self.threaded,  # the worker performs each write now, the earliest the protocol allows
             )
             _mark_issued(token)
@@ -296,8 +326,10 @@ class CudaCopier(Copier):
         ordered_by_events: bool,
         use_thread: bool,
         landing_bytes: int,
+        share: FetchShare | None = None,
     ) -> None:
         self.device = transport.device
+        self.share = share  # before resize: the landing buffers hold its padding
         self.ordered_by_events = ordered_by_events  # False: the host waits for each copy instead
         self.transport = transport
         self.lanes = transport.lanes(Direction.WEIGHTS_IN)
@@ -307,13 +339,14 @@ class CudaCopier(Copier):
         self.resize(landing_bytes)
         self._next_lane = 0
         self._staging_done: list[Marker | None] = []
-        super().__init__(transport, store, use_thread)
+        super().__init__(transport, store, use_thread, share)
 
     def resize(self, landing_bytes: int) -> None:
         if landing_bytes == self.landing_bytes:
             return
         self.transport.synchronize(Direction.WEIGHTS_IN)
-        self.landing = [torch.empty(landing_bytes, dtype=torch.uint8, device=self.device) for _ in range(self.lanes)]
+        nbytes = landing_bytes + self.slot_padding if landing_bytes else 0
+        self.landing = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(self.lanes)]
         self.landing_bytes = landing_bytes
 
     def _prepare(self, token: Token) -> None:
@@ -362,13 +395,13 @@ class CudaCopier(Copier):
         host = token.host
         if host.layout.landing_bytes > landing.numel():
             raise OrderingError(f"layer {token.layer} needs a {host.layout.landing_bytes}-byte landing buffer")
-        pairs = host.copies(token.slot.buffer, landing, token.source)
+        pairs, regions = self._pairs(host, token.slot.buffer, landing, token.source)
         if host.pinned or token.source is not None:  # a disk layer's staging buffer is pinned
             for src, dst in pairs:
                 dst.copy_(src, non_blocking=True)
         else:
             self._copy_staged(pairs)
-        _upcast(host, token.slot.buffer, landing)
+        _gather_and_upcast(self.share, regions, host, token.slot.buffer, landing)
 
     def _copy_staged(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Pageable master: memcpy into a pinned bounce buffer, then an async copy from it."""
@@ -386,6 +419,21 @@ class CudaCopier(Copier):
                 )
                 done += n
                 k = (k + 1) % len(staging)
+
+
+def _gather_and_upcast(
+    share: FetchShare | None,
+    regions: list[tuple[torch.Tensor, Region]],
+    host: HostLayer,
+    slot: torch.Tensor,
+    landing: torch.Tensor | None,
+    source: torch.Tensor | None = None,
+) -> None:
+    """After this process's share of a write was copied: the other shares from the other processes
+    (:mod:`.fetch_share`), then the fp8 upcast (:func:`_upcast`), which rewrites what the gather's padding covered."""
+    if regions:
+        share.gather(regions)
+    _upcast(host, slot, landing, source)
 
 
 def _upcast(

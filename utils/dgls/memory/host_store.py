@@ -23,7 +23,7 @@ so a store dropped without :meth:`HostStore.release` still unregisters before it
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import psutil
@@ -37,6 +37,16 @@ from .pinned import REGISTER_CHUNK, Registrations, page_aligned_empty, whole_pag
 from .precision import dequantize, quantize
 
 COPY_CHUNK = REGISTER_CHUNK
+
+
+def copy_chunks(start: int, end: int) -> Iterator[tuple[int, int]]:
+    """Bytes ``[start, end)`` of a layer's buffer cut at every multiple of :data:`COPY_CHUNK`: the buffer is
+    page-locked in registrations of that size from its first byte, and one copy must not span two (:mod:`.pinned`)."""
+    o = start
+    while o < end:
+        stop = min((o // COPY_CHUNK + 1) * COPY_CHUNK, end)
+        yield o, stop
+        o = stop
 
 
 @dataclass
@@ -98,12 +108,10 @@ class HostLayer:
         layout, pairs = self.layout, []
         buffer = self.buffer if source is None else source
         if self.packed:
-            for o in range(0, layout.direct_bytes, COPY_CHUNK):
-                end = min(o + COPY_CHUNK, layout.direct_bytes)
+            for o, end in copy_chunks(0, layout.direct_bytes):
                 pairs.append((buffer[o:end], slot[o:end]))
             if landing is not None:
-                for o in range(layout.direct_bytes, layout.host_bytes, COPY_CHUNK):
-                    end = min(o + COPY_CHUNK, layout.host_bytes)
+                for o, end in copy_chunks(layout.direct_bytes, layout.host_bytes):
                     base = o - layout.direct_bytes
                     pairs.append((buffer[o:end], landing[base : base + end - o]))
             return pairs

@@ -68,6 +68,9 @@ class Peers:
     leader: bool = True  # this process packs the masters
     token: str = ""  # names this job's files: "<leader pid>-<random>"
     pids: dict[int, int] = field(default_factory=dict)  # rank -> process id, of the processes sharing with this one
+    # every set of two or more processes of the job that share a copy (on any machine), the same on every rank: the
+    # groups of shared fetches (:mod:`.fetch_share`) are made from it, by every rank in one order
+    sets: tuple[tuple[int, ...], ...] = ()
     _segments: list[mmap.mmap] = field(default_factory=list)
     _created: list[Path] = field(default_factory=list)
 
@@ -102,7 +105,13 @@ class Peers:
         here = sorted((e for e in everyone if e[:3] == mine[:3]), key=lambda e: e[3])
         leader = here[0]
         pids = {e[3]: e[4] for e in here}
-        return cls(local_ranks=len(here), leader=leader[3] == mine[3], token=f"{leader[4]}-{leader[5]}", pids=pids)
+        return cls(
+            local_ranks=len(here),
+            leader=leader[3] == mine[3],
+            token=f"{leader[4]}-{leader[5]}",
+            pids=pids,
+            sets=sharing_sets(everyone),
+        )
 
     def barrier(self) -> None:
         if self.shared:
@@ -182,6 +191,15 @@ def others_on_machine(need: int, extra: int = 0) -> Others:
     dist.all_gather_object(everyone, (here, dist.get_rank(), int(need), int(extra)))
     others = [(n, x) for machine, rank, n, x in everyone if machine == here and rank != dist.get_rank() and n > 0]
     return Others(sum(n for n, _ in others), len(others), sum(x for _, x in others))
+
+
+def sharing_sets(everyone: list[tuple]) -> tuple[tuple[int, ...], ...]:
+    """Every set of two or more ranks that share a copy (the same machine, group and signature), from every rank's
+    ``discover`` entry: sorted, the same on every rank."""
+    sets: dict[tuple, list[int]] = {}
+    for e in everyone:
+        sets.setdefault(e[:3], []).append(e[3])
+    return tuple(sorted(tuple(sorted(ranks)) for ranks in sets.values() if len(ranks) > 1))
 
 
 def sharing_problems(everyone: list[tuple]) -> list[str]:

@@ -42,6 +42,9 @@ Invariants
       members only (a sample on rank 0 between steps) is safe; before, it would step their drivers alone into a
       collective the others never reach: the members wait (gloo's timeout), then each stops with one line that says
       this. Training loops (DeepSpeed's, the demo's, the benchmarks') run the same passes on every replica.
+      Except with shared fetches (:mod:`..memory.fetch_share`, ``--share_fetch``): every fetch is then a gather of
+      the members, so every forward must run on every member for the whole run, and a settled plan stays as it
+      settled (the driver's ``lockstep``: a process over its budget says so and does not re-plan alone).
     - A probe whose sequence of uses (layer and phase, in order) differs between the processes cannot give one plan:
       every member raises the same line.
     - Every field of :class:`~.planner.StepProfile` has a rule here (``RULES``; a test checks the set), so a field
@@ -106,9 +109,9 @@ def gloo_max(group, size: int) -> MaxOf:
             raise DGLSUserError(
                 f"the VRAM planner's agreement between the {size} data-parallel processes holding these layers "
                 f"failed ({cause}): one of them stopped (see its own error), or ran a forward the others did not "
-                "before the plan settled; until it settles (about the first 35 steps), run every forward and "
-                "backward on every process, or give the placement with --gpu_layers / --blocks_to_swap instead of "
-                "--vram_budget"
+                "before the plan settled; until it settles (about the first 35 steps; with shared fetches, always), "
+                "run every forward and backward on every process, or give the placement with --gpu_layers / "
+                "--blocks_to_swap instead of --vram_budget"
             ) from None
         return tensor.tolist()
 

@@ -34,7 +34,9 @@ Data parallel (:mod:`.agreement`)
       the same step boundary on each (:meth:`PlacementDriver._agree`), so every driver makes the same decisions.
       Each step of data parallel runs at its slowest process's pace, and waits for it at the gradients' all-reduce:
       placements chosen apart would differ, and the slowest would set the pace. Alone, nothing is agreed. Once
-      settled, each process watches its own peaks (no collective per pass; a later re-plan is its own).
+      settled, each process watches its own peaks (no collective per pass; a later re-plan is its own), except with
+      shared fetches (``lockstep``: :mod:`..memory.fetch_share`), where the settled plan stays and a peak over the
+      budget is said, as for a full fine-tune.
 
 Why measure at all
     - The model ranks plans that differ by a few percent less reliably than timed steps do, so the last word
@@ -406,6 +408,9 @@ class PlacementDriver(Listener, Feature):
     # data parallel: the processes holding these layers, which decide one placement together (:mod:`.agreement`;
     # None: this process alone, and nothing is agreed)
     agreement: PlanAgreement | None = None
+    # shared fetches (:mod:`..memory.fetch_share`): the processes gather every fetch together, so the placement stays
+    # as it settled (re-planning alone would change this process's fetches and leave the others' gathers waiting)
+    lockstep: bool = False
     plan: Plan | None = None  # the plan in force
     profile: StepProfile | None = None  # the probe's (data parallel: as agreed)
     own_profile: StepProfile | None = None  # this process's probe, before any agreement (to tell them apart)
@@ -700,12 +705,17 @@ class PlacementDriver(Listener, Feature):
         peak = self._peak_since_reset()  # this process's own: the agreement ended when the plan settled
         if peak <= self.budget:
             return
-        if self.fixed:
+        if self.fixed or self.lockstep:
             if not self._over_reported:
                 self._over_reported = True
+                why = (
+                    "a full fine-tune's placement is fixed for the run"
+                    if self.fixed
+                    else "with shared fetches (--share_fetch) the placement stays as it settled"
+                )
                 self.log(
                     f"DGLS: a step peaked at {peak / GiB:.2f} GiB reserved, over the {self.budget / GiB:.2f} GiB "
-                    "budget; a full fine-tune's placement is fixed for the run: lower --vram_budget for the next run"
+                    f"budget; {why}: lower --vram_budget for the next run"
                 )
             return
         self.log(

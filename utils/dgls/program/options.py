@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import DGLSUserError
 from ..spelling import did_you_mean
-from ..streaming.config import CLIP_MODES, SYNC_MODES, SwapConfig, policy_types
+from ..streaming.config import CLIP_MODES, SHARE_MODES, SYNC_MODES, SwapConfig, policy_types
 from ..training.host_optimizer import IMPLEMENTATIONS
 
 AUTOCAST_MODES = ("fp32", "fp16", "bf16")
@@ -327,6 +327,19 @@ OPTIONS: tuple[Option, ...] = (
         "step: exact step timings and errors reported at the step that caused them; layer: debugging",
         "streaming",
         SYNC_MODES,
+        policy="transfer",
+    ),
+    Option(
+        "share_fetch",
+        "choice",
+        "auto",
+        "data-parallel processes on one machine each copy 1/N of every streamed layer from host memory and gather the "
+        "rest from the others' GPUs: auto where that gather (measured at start-up) is fast enough to pay (NVLink); "
+        "every process must then run every forward (no forward on one process alone), and a VRAM budget's placement "
+        "stays as it settled",
+        "off: a forward on one process alone between steps; on: to measure",
+        "streaming",
+        SHARE_MODES,
         policy="transfer",
     ),
     Option(

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 from ..errors import DGLSUserError
+from ..memory.fetch_share import MODES as SHARE_MODES
 from ..memory.precision import validate_autocast, validate_cast_target, validate_mixed_precision
 from ..spelling import did_you_mean
 
@@ -231,6 +232,8 @@ class TransferPolicy(_Policy):
       pass), ``layer`` (the host waits for every copy, as ``event_sync`` off does); read through
       :attr:`ordered_by_events` and :attr:`sync_each_step`, which combine it with ``event_sync``.
     - ``pinned_ram_budget_gb`` and ``selective_packing`` shape the host store of streamed weights (:mod:`.masters`).
+    - ``share_fetch``: data-parallel processes on one machine each copy a share of every streamed layer and gather
+      the rest from the others (``auto``: where the GPUs' gather is fast enough to pay: :mod:`..memory.fetch_share`).
     - ``host_ram_budget`` (GiB, or ``"auto"``): streamed layers whose masters do not fit stay in a file in
       ``disk_dir`` (default: the system temp directory) and are read from disk each time they stream
       (:mod:`.tiers`, :mod:`..memory.disk_tier`).
@@ -247,6 +250,7 @@ class TransferPolicy(_Policy):
     pinned_ram_budget_gb: float | None = _size(None, "must be a number of GiB >= 0")
     host_ram_budget: float | str | None = _checked(None, _vram_budget)
     disk_dir: str | None = _checked(None, _path)
+    share_fetch: str = _checked("auto", _one_of(SHARE_MODES))
 
     @property
     def ordered_by_events(self) -> bool:
