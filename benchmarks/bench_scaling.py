@@ -11,6 +11,9 @@ by flux.py, wan.py, sdxl.py as bench_models.py builds them), batch 1 per process
   ``--memory_cap_gib 8`` as an 8 GiB card holds it (``--vram_budget N`` plans instead);
 - ``sdxl_full``: the SDXL UNet, every weight trained (AdamW; streamed layers on the host, each process updating its
   share of them, utils/dgls/training/data_parallel.py), layers of ``--stream_mib`` or more streamed.
+- ``flux_full`` (pipeline rows only): Flux-dev with every weight trained, as toml/two_gpus_full_flux_dev.toml trains
+  it: each stage's streamed layers on the host (AdamW, ``--host_adam``), the resident ones by DeepSpeed's optimizer,
+  ``--vram_budget 21`` per GPU (a stage's plan fixed at step 1).
 
 The LoRA's gradients are averaged over the processes after each backward (one all-reduce), as DeepSpeed does; a full
 fine-tune's resident params' too. A vram_budget run's untimed steps last until every process's planner has settled.
@@ -50,6 +53,8 @@ scaling_flux_pp1_24 --name scaling_flux     # every layout's rows in one result 
         --steps 2 --name scaling_wan_pp_1     # a step is 2 micro-batches of ~22 s: about 4 minutes
     python benchmarks/bench_scaling.py --model wan --gpus 2,4 --layout pipeline --micro_batches 2 --warmup 1 \
         --steps 2 --name scaling_wan_pp_24    # about 6 minutes; then --merge as above
+    python benchmarks/bench_scaling.py --model flux_full --gpus 1,2 --layout pipeline --one_backward --steps 3 \
+        --name scaling_flux_full_pp_12     # toml/two_gpus_full_flux_dev.toml's figures: about 180 GiB of host RAM
     python benchmarks/bench_scaling.py --model flux --gpus 1,4 --bind_cores --name scaling_flux_14_bound
         # each process on its own physical cores: whether 4 processes sharing cores slow a launch-bound step
     python benchmarks/bench_scaling.py --model flux --gpus 1,4 --share_fetch off,on --name scaling_flux_share_14
@@ -82,8 +87,9 @@ from report import command_line, results_dir, write_result  # noqa: E402
 from units import GiB  # noqa: E402
 
 LORA_MODELS = ("flux", "wan")
-MODELS = (*LORA_MODELS, "sdxl_full")
-DEFAULT_BUDGET = {"flux": 8.0, "wan": 8.0}
+MODELS = (*LORA_MODELS, "sdxl_full", "flux_full")
+PIPELINE_MODELS = (*LORA_MODELS, "flux_full")  # flux_full: pipeline rows only (toml/two_gpus_full_flux_dev.toml)
+DEFAULT_BUDGET = {"flux": 8.0, "wan": 8.0, "flux_full": 21.0}
 EFFICIENT = 0.95  # a row at this share of N x one GPU's samples/s or more names no cap
 SHARED_RATE = 0.9  # plain copies on every GPU at once below this share of one GPU's alone: the host side is shared
 LAYOUTS = ("data", "pipeline", "data,pipeline")
@@ -397,7 +403,7 @@ def pipeline_worker(args) -> None:
         bench = model_builder(args.model)(args.tiny, device, dtype, args, on_meta=True)
         log = print  # each stage's own lines (its planner's), in its own rank's log
         engine, swapper = scaling_pipeline.build_engine(
-            args, bench, device, dtype, world, partial(stage_config, args), log
+            args, bench, device, dtype, world, partial(stage_config, args), log, train_all=args.model == "flux_full"
         )
         if cuda and wan.runs_recipe(args):  # the wan recipe's cap, as build()'s
             wan.cap_device_memory(device, args.memory_cap_gib)
@@ -405,13 +411,14 @@ def pipeline_worker(args) -> None:
         losses: list[float] = []  # every step's, untimed ones too
         step = scaling_pipeline.stage_step(engine, bench, losses, swapper, args.one_backward, swapper.log)
         sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
-        warm = warm_up(args, step, swapper.driver, sync, dist)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        before = swapper.total_stats(sync=True)
-        thread_cpu: list[float] = []
-        times = scaling_pipeline.timed_steps(step, args.steps, sync, dist, thread_cpu)
-        stats = swapper.total_stats(sync=True).since(before)
+        with scaling_pipeline.host_training_hooks(swapper):  # a full fine-tune's host updates join DeepSpeed's step
+            warm = warm_up(args, step, swapper.driver, sync, dist)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            before = swapper.total_stats(sync=True)
+            thread_cpu: list[float] = []
+            times = scaling_pipeline.timed_steps(step, args.steps, sync, dist, thread_cpu)
+            stats = swapper.total_stats(sync=True).since(before)
         module = engine.module
         record = {
             "rank": rank,
@@ -423,7 +430,7 @@ def pipeline_worker(args) -> None:
             "micro_batches": args.micro_batches,
             "stage_layers": [int(module._local_start), int(module._local_stop)],
             **job_figures(cuda, device, swapper, bench, stats, len(times)),
-            "title": bench.title,
+            "title": bench.title.replace("LoRA training", "full fine-tuning") if swapper.training else bench.title,
         }
         swapper.remove()
         (out / f"rank{rank}.json").write_text(json.dumps(record))
@@ -435,7 +442,7 @@ def model_builder(model: str):
     import flux
     import wan
 
-    return {"flux": flux.build, "wan": wan.build}[model]
+    return {"flux": flux.build, "wan": wan.build, "flux_full": partial(flux.build, lora=False)}[model]
 
 
 def stage_config(args, layers: list):
@@ -451,7 +458,13 @@ def stage_config(args, layers: list):
         blocks = sum(isinstance(layer, scaling_pipeline.StageBlock) for layer in layers)
         return SwapConfig.of(**wan.recipe(blocks, args.tiny))
     budget = args.vram_budget or DEFAULT_BUDGET[args.model]
-    return SwapConfig.of(vram_budget=scaling_pipeline.tight_budget_gib(layers) if args.tiny else budget)
+    budget = scaling_pipeline.tight_budget_gib(layers) if args.tiny else budget
+    if args.model == "flux_full":  # every weight trains: the stage's streamed layers on the host, as the toml's
+        from utils.dgls.training.host_optimizer import HostOptimizerSpec
+
+        spec = HostOptimizerSpec(lr=1e-5, implementation="torch" if args.tiny else args.host_adam)
+        return SwapConfig.of(vram_budget=budget, host_optimizer=spec)
+    return SwapConfig.of(vram_budget=budget)
 
 
 def warm_up(args, step, planner, sync, dist) -> int:
@@ -704,9 +717,14 @@ def description(args, record: dict) -> str:
             f"PYTORCH_CUDA_ALLOC_CONF={job_environment(args).get('PYTORCH_CUDA_ALLOC_CONF')} (its command line sets "
             "expandable_segments:True)"
         )
-    elif args.model in LORA_MODELS:
+    elif args.model in PIPELINE_MODELS:
         budget = "the tightest budget" if args.tiny else f"{args.vram_budget or DEFAULT_BUDGET[args.model]:g} GiB"
         what = f"--vram_budget {budget} per GPU"
+        if args.model == "flux_full":
+            what = (
+                f"every weight trained (AdamW: the streamed layers' on the host, --host_adam {args.host_adam}; the "
+                f"resident ones' by DeepSpeed's optimizer), {what}"
+            )
     else:
         what = (
             f"every weight trained, layers of {args.stream_mib:g} MiB or more streamed, host AdamW ({args.host_adam})"
@@ -775,8 +793,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     args.steps = args.steps if args.steps is not None else (2 if args.tiny else 5)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2)
     args.micro_batches = args.micro_batches if args.micro_batches is not None else (2 if args.tiny else 4)
-    if "pipeline" in args.layout and args.model not in LORA_MODELS:
-        raise SystemExit(f"--layout {args.layout}: pipeline rows are of the LoRA models ({', '.join(LORA_MODELS)})")
+    if "pipeline" in args.layout and args.model not in PIPELINE_MODELS:
+        raise SystemExit(f"--layout {args.layout}: pipeline rows are of the models {', '.join(PIPELINE_MODELS)}")
+    if args.model == "flux_full" and args.layout != "pipeline":
+        raise SystemExit(
+            "--model flux_full: pipeline rows only (--layout pipeline), a Flux-dev full fine-tune in stages as "
+            "toml/two_gpus_full_flux_dev.toml runs it; data-parallel full fine-tuning: --model sdxl_full"
+        )
     if args.bind_cores and args.layout != "data":
         raise SystemExit(f"--bind_cores binds the data-parallel rows' processes: --layout data, not {args.layout}")
     if args.worker:

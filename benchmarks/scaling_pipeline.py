@@ -85,14 +85,16 @@ def stage_layers(layers: list[nn.Module]) -> list[nn.Module]:
     return [StageFirst(layers[0]), *(StageBlock(layer) for layer in layers[1:-1]), StageLast(layers[-1])]
 
 
-def give_weights(layers: list, start: int, device: torch.device, dtype: torch.dtype) -> None:
+def give_weights(layers: list, start: int, device: torch.device, dtype: torch.dtype, train_all: bool = False) -> None:
     """The stage's meta weights made real on ``device`` (:func:`models.materialize`), each layer's from a seed of
     its own (its index in the whole list: every layout trains the same model), its LoRA trainable again (B zero, as
-    a fresh LoRA's)."""
+    a fresh LoRA's); ``train_all`` (a full fine-tune): every weight trainable."""
     for index, layer in enumerate(layers, start):
         if not isinstance(layer, nn.Module):
             continue
         materialize([layer], device, dtype, seed=index)
+        if train_all:
+            layer.requires_grad_(True)
         for name, p in layer.named_parameters():
             if "lora_" in name:
                 p.requires_grad_(True)
@@ -133,9 +135,12 @@ def build_engine(
     stages: int,
     config_for: Callable[[list[nn.Module]], object],
     log,
+    train_all: bool = False,
 ):
     """The PipelineModule of ``stages`` stages over the bench's layers, this process's stage placed by DGLS
-    (``config_for(stage layers)``: its SwapConfig), and DeepSpeed's engine; (engine, swapper)."""
+    (``config_for(stage layers)``: its SwapConfig), and DeepSpeed's engine; (engine, swapper). ``train_all``: a full
+    fine-tune (every weight trained: DeepSpeed's optimizer gets them all, as train.py's does, and the stage's
+    streamed ones train on the host, :func:`host_training_hooks`)."""
     import deepspeed
     from deepspeed.pipe import PipelineModule
     from torch.utils.checkpoint import checkpoint
@@ -146,7 +151,7 @@ def build_engine(
     placed = {}
 
     def install(stage):
-        give_weights(stage.layers, stage.start, device, dtype)
+        give_weights(stage.layers, stage.start, device, dtype, train_all)
         config = config_for(stage.layers).for_stage(stage.start, stage.stop, stage.layer_count)
         placed["swapper"] = LayerSwapper(
             stage.layers, config, device=device, log=lambda line: log(stage.label + line), share_group=stage.share_group
@@ -174,6 +179,16 @@ def build_engine(
     optimizer = torch.optim.AdamW(trained, lr=1e-5)
     engine, _, _, _ = deepspeed.initialize(model=pipeline, optimizer=optimizer, config=ds_config)
     return engine, placed["swapper"]
+
+
+def host_training_hooks(swapper):
+    """A full fine-tune's stage: DGLS's hooks on DeepSpeed's engine (:class:`utils.dgls.trainers.engine_hooks
+    .EngineHooks`: one gradient norm over the engine's and the host's params, then the host updates with the
+    trainer's step), as the demo and dgls_train.py install them; a LoRA's: nothing."""
+    from utils.dgls.trainers.engine_hooks import EngineHooks
+
+    training = swapper.training
+    return EngineHooks(lambda module: training) if training is not None else contextlib.nullcontext()
 
 
 def stage_step(engine, bench, losses: list[float], swapper, joined: bool = False, log=None) -> Callable[[], float]:

@@ -537,12 +537,13 @@ def test_a_scaling_job_stopped_at_its_timeout_says_so(tmp_path, monkeypatch):
     assert row["error"].startswith("stopped after 1 s (--timeout_s); rank 0's last line: "), row
 
 
-@pytest.mark.parametrize("model", ["flux", "wan"])
+@pytest.mark.parametrize("model", ["flux", "wan", "flux_full"])
 def test_the_scaling_benchmark_runs_one_model_in_one_and_two_pipeline_stages(tmp_path, model):
     """bench_scaling.py --tiny --layout pipeline: the model as one stage, then as two (gloo, a process each, through
     DeepSpeed's PipelineModule and train_batch): the stages hold the layer list between them, in order, each
     streaming some of its part from its own host copy; both jobs train the same model (every step's loss equal);
-    a step trains its micro-batches, and the 2-stage row's ratio is to the 1-stage row of the same micro-batches."""
+    a step trains its micro-batches, and the 2-stage row's ratio is to the 1-stage row of the same micro-batches.
+    flux_full: every weight trained, each stage's streamed layers on the host (toml/two_gpus_full_flux_dev.toml)."""
     import bench_scaling
 
     argv = ["--model", model, "--tiny", "--strict", "--layout", "pipeline", "--results_dir", str(tmp_path)]
@@ -567,6 +568,32 @@ def test_the_scaling_benchmark_runs_one_model_in_one_and_two_pipeline_stages(tmp
     markdown = (tmp_path / f"scaling_{model}.md").read_text()
     assert "| layout | GPUs | micro-batches | samples/s |" in markdown and "2 micro-batches of 1 per step" in markdown
     assert report.render(json.loads((tmp_path / f"scaling_{model}.json").read_text())) == markdown
+
+
+def test_the_flux_full_fine_tune_scales_in_pipeline_stages_only(capsys):
+    import bench_scaling
+
+    with pytest.raises(SystemExit, match="pipeline rows only"):
+        bench_scaling.main(["--model", "flux_full", "--tiny"])
+
+
+def test_the_scaling_benchmark_runs_a_row_per_share_fetch_mode_side_by_side(tmp_path):
+    """--share_fetch off,on: one 1-process row, then a row per mode of the 2 processes (gloo on the CPU): on, each
+    copies half of every streamed layer and gathers the rest (utils/dgls/memory/fetch_share.py); the table says
+    which row is which, and both train."""
+    import bench_scaling
+
+    argv = ["--model", "flux", "--tiny", "--strict", "--share_fetch", "off,on", "--results_dir", str(tmp_path)]
+    result = bench_scaling.main(argv)
+    one, off, on = result["rows"]
+    assert (one["gpus"], off["gpus"], on["gpus"]) == (1, 2, 2) and "shared_fetch" not in one
+    assert off["shared_fetch"] is False and on["shared_fetch"] is True
+    assert off["method"] == "2 GPUs, share_fetch off" and on["method"] == "2 GPUs, share_fetch on"
+    markdown = (tmp_path / "scaling_flux.md").read_text()
+    assert "| shared fetches |" in markdown and "share_fetch on: each of the N processes copies 1/N" in markdown
+    assert "data rows above 1 GPU with share_fetch off and on" in result["description"]
+    with pytest.raises(SystemExit, match="'sometimes' is not auto, on or off"):
+        bench_scaling.main(["--model", "flux", "--tiny", "--share_fetch", "on,sometimes"])
 
 
 def test_one_backward_runs_a_stages_backward_once_for_all_it_sent_on(tmp_path):

@@ -126,3 +126,19 @@ def test_auto_shares_where_a_gather_beats_the_break_even_rate():
     for size in (2, 4, 8):
         even = 40 * size / (size - 1)
         assert not pays(even * MARGIN * 0.99, 40, size) and pays(even * MARGIN * 1.01, 40, size)
+
+
+def test_on_in_a_process_with_nothing_to_share_says_so_and_copies_whole_layers():
+    """``--share_fetch on`` is never ignored in silence: one process alone (or a pipeline stage alone on its layers)
+    has no one to gather from, and says so."""
+    from helpers import train
+
+    from utils.dgls import LayerSwapper, SwapConfig
+
+    layers, trainable = make_layers()
+    lines: list[str] = []
+    with LayerSwapper(layers, SwapConfig.of(prefetch=1, share_fetch="on"), device="cpu", log=lines.append) as swapper:
+        assert swapper.copier.share is None
+        train(layers, trainable, torch.device("cpu"), steps=1)
+    said = [line for line in lines if "shared fetches" in line]
+    assert len(said) == 1 and "no other process of this job on this machine holds these layers" in said[0], said

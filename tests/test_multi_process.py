@@ -61,6 +61,28 @@ def test_demo_data_parallel_trains_what_one_process_trains_with_the_global_batch
     assert "one copy shared by the 2 processes on this machine" in out
 
 
+@pytest.mark.parametrize("base", ["demo.toml", "demo_full.toml"])
+def test_demo_data_parallel_with_shared_fetches_trains_bitwise_what_it_trains_without(tmp_path, base):
+    """``share_fetch = "on"`` (each process copies half of every streamed layer and gathers the other half over gloo:
+    utils/dgls/memory/fetch_share.py), the LoRA and the data-parallel full fine-tune (each process updating its share
+    of the layers, every fetch gathered from both): the saved weights and every step's loss are those of the same
+    two processes copying whole layers."""
+    import toml
+
+    table = toml.loads((ROOT / "toml" / base).read_text())["dgls"]
+    runs = {}
+    for mode in ("off", "on"):
+        launch = two_processes("dgls_train.py", "--deepspeed")
+        runs[mode] = demo_lora(tmp_path / mode, launch, base=base, dgls={**table, "share_fetch": mode})
+    (off, off_out), (on, on_out) = runs["off"], runs["on"]
+    runs_out = (off_out, on_out)
+    assert "each of the 2 data-parallel processes on this machine copies 1/2" in on_out
+    assert "shared fetches" not in off_out
+    assert off.keys() == on.keys() and all(torch.equal(off[k], on[k]) for k in off)
+    losses = [[line.split(",")[0] for line in out.splitlines() if line.startswith("step ")] for out in runs_out]
+    assert losses[0] == losses[1] and losses[0]
+
+
 def test_demo_pipeline_stages_stream_their_own_layers_and_train_exactly(tmp_path):
     one, one_out = demo_lora(tmp_path / "one", python_cmd())
     two, out = demo_lora(tmp_path / "two", two_processes("dgls_train.py", "--deepspeed"), pipeline_stages=2)

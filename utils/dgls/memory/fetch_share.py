@@ -73,7 +73,7 @@ from .host_store import HostLayer, copy_chunks
 
 ALIGN = 512  # bytes: every share starts at a multiple of it (the copy engines' and NCCL's preferred alignment)
 MARGIN = 1.25  # auto shares when the gather beats the break-even rate by this much
-MEASURED = 256 << 20  # bytes: auto's measurement moves at most this much (a Flux block's size: ~680 MB)
+MEASURED = 256 << 20  # bytes: the most auto's measurement moves (a Flux double block is ~680 MB; this times well)
 MODES = ("auto", "on", "off")  # share_fetch (:class:`..streaming.config.TransferPolicy`)
 
 
@@ -162,8 +162,14 @@ class FetchShare:
         Every rank of the default group calls it at the same point."""
         if mode not in MODES:
             raise DGLSUserError(f"share_fetch is {mode!r}: use one of {', '.join(MODES)}")
-        if mode == "off" or (mode == "auto" and device.type != "cuda") or not sets:
+        alone = (
+            "DGLS shared fetches: on, but no other process of this job on this machine holds these layers (data "
+            "parallel shares fetches, pipeline stages do not): this process copies whole layers"
+        )
+        if mode == "off" or (mode == "auto" and device.type != "cuda"):
             return None, ""
+        if not sets:
+            return None, alone if mode == "on" else ""
         dist = torch.distributed
         rank = dist.get_rank()
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -173,7 +179,7 @@ class FetchShare:
             if rank in ranks:
                 mine = (group, list(ranks))
         if mine is None:
-            return None, ""
+            return None, alone if mode == "on" else ""
         group, ranks = mine
         share = cls(group, ranks.index(rank), len(ranks))
         if device.type != "cuda":
