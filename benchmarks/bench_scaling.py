@@ -12,8 +12,10 @@ by flux.py, wan.py, sdxl.py as bench_models.py builds them), batch 1 per process
 - ``sdxl_full``: the SDXL UNet, every weight trained (AdamW; streamed layers on the host, each process updating its
   share of them, utils/dgls/training/data_parallel.py), layers of ``--stream_mib`` or more streamed.
 - ``flux_full`` (pipeline rows only): Flux-dev with every weight trained, as toml/two_gpus_full_flux_dev.toml trains
-  it: each stage's streamed layers on the host (AdamW, ``--host_adam``), the resident ones by DeepSpeed's optimizer,
-  ``--vram_budget 21`` per GPU (a stage's plan fixed at step 1).
+  it through dgls_train.py: its ``[optimizer]`` table (the streamed layers' on the host, ``--host_adam``; the resident
+  ones' by the class train.py builds), clipping at 1.0, ``--vram_budget 21`` per GPU (a stage's plan fixed at step 1);
+  one stage runs its micro-batches layer-major (dgls_train.py's default there: each layer copied in and its gradients
+  sent home once a step), several stages one micro-batch after another, each stage's host training summing them.
 
 The LoRA's gradients are averaged over the processes after each backward (one all-reduce), as DeepSpeed does; a full
 fine-tune's resident params' too. A vram_budget run's untimed steps last until every process's planner has settled.
@@ -23,16 +25,17 @@ pinned copies of 1 GiB run on every GPU at once (the shared host memory and PCIe
 memory (the processes' proportional set sizes summed: the shared copy counts once) and the shared copy's size.
 Where the rate falls short of the GPU count, the row names the likely cap.
 
-``--layout pipeline`` (or ``data,pipeline``; LoRA models) adds rows of ONE model in N pipeline stages, a process per
-GPU, as diffusion-pipe runs ``pipeline_stages = N`` (scaling_pipeline.py: DeepSpeed's PipelineModule partitioned by
-trainable parameters, ``train_batch``, DGLS placing each stage's layers under its own GPU's budget or cap). Stages
-overlap only across micro-batches: a step is ``--micro_batches`` micro-batches of 1 (default 4) on every pipeline row,
-the 1-GPU one (one stage) included, and its samples/s are micro-batches / step. Per row: its stages' layer ranges,
-bytes copied per step and host copies (each stage holds its own layers' copy), every step's loss (the same model
-trains in every row, so the losses agree), and the bubble's bound N x M / (M + N - 1) the cap is judged against.
-DeepSpeed 0.19.8 runs a stage's backward once per tensor it sends on (Flux's first stages: twice); ``--one_backward``
-runs it once, as 0.18.4 (diffusion-pipe's pin) does and as DGLS's demo and diffusion-pipe runs with several stages do
-(utils/dgls/trainers/joined_backward.py); without it a row measures the installed DeepSpeed's own pass.
+``--layout pipeline`` (or ``data,pipeline``; the LoRA models and flux_full) adds rows of ONE model in N pipeline
+stages, a process per GPU, as diffusion-pipe runs ``pipeline_stages = N`` (scaling_pipeline.py: DeepSpeed's
+PipelineModule partitioned by trainable parameters, ``train_batch``, DGLS placing each stage's layers under its own
+GPU's budget or cap). Stages overlap only across micro-batches: a step is ``--micro_batches`` micro-batches of 1
+(default 4) on every pipeline row, the 1-GPU one (one stage) included, and its samples/s are micro-batches / step. Per
+row: its stages' layer ranges, bytes copied per step and host copies (each stage holds its own layers' copy), every
+step's loss (the same model trains in every row, so the losses agree), and the bubble's bound N x M / (M + N - 1) the
+cap is judged against. DeepSpeed 0.19.8 runs a stage's backward once per tensor it sends on (Flux's first stages:
+twice); ``--one_backward`` runs it once, as 0.18.4 (diffusion-pipe's pin) does and as DGLS's demo and diffusion-pipe
+runs with several stages do (utils/dgls/trainers/joined_backward.py); without it a row measures the installed
+DeepSpeed's own pass.
 
     python benchmarks/bench_scaling.py --model flux --gpus 1,2,4 --name scaling_flux_124   # 4x H200: 5.5 minutes
     python benchmarks/bench_scaling.py --model flux --gpus 1,2 --name scaling_flux_12   # H100: about 5 minutes
@@ -71,6 +74,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -79,6 +83,8 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
+
+import tomllib
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -90,6 +96,9 @@ LORA_MODELS = ("flux", "wan")
 MODELS = (*LORA_MODELS, "sdxl_full", "flux_full")
 PIPELINE_MODELS = (*LORA_MODELS, "flux_full")  # flux_full: pipeline rows only (toml/two_gpus_full_flux_dev.toml)
 DEFAULT_BUDGET = {"flux": 8.0, "wan": 8.0, "flux_full": 21.0}
+# flux_full trains as toml/two_gpus_full_flux_dev.toml: its [optimizer] table (read with the stdlib's TOML reader)
+FULL_FLUX_TOML = Path(__file__).resolve().parents[1] / "toml" / "two_gpus_full_flux_dev.toml"
+FULL_FLUX_OPTIMIZER = tomllib.loads(FULL_FLUX_TOML.read_text())["optimizer"]
 EFFICIENT = 0.95  # a row at this share of N x one GPU's samples/s or more names no cap
 SHARED_RATE = 0.9  # plain copies on every GPU at once below this share of one GPU's alone: the host side is shared
 LAYOUTS = ("data", "pipeline", "data,pipeline")
@@ -107,7 +116,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--memory_cap_gib", type=float, default=8.0, help="wan recipe: each process's device memory cap")
     p.add_argument("--latent_frames", type=int, default=21, help="wan: latent frames (21 = 81 video frames)")
     p.add_argument("--stream_mib", type=float, default=64.0, help="sdxl_full: stream the layers of this many MiB")
-    p.add_argument("--host_adam", default="split", help="sdxl_full: where updates run (split, device, torch_fused)")
+    p.add_argument(
+        "--host_adam", default="split", help="sdxl_full, flux_full: where updates run (split, device, torch_fused)"
+    )
     p.add_argument("--deadline_s", type=float, default=540.0, help="no GPU count starts past this many seconds")
     p.add_argument("--timeout_s", type=float, default=500.0, help="a job's processes are stopped after this")
     p.add_argument("--name", default=None, help="results file stem (default scaling_<model>)")
@@ -118,7 +129,8 @@ def parser() -> argparse.ArgumentParser:
         "--layout",
         choices=LAYOUTS,
         default="data",
-        help="data: data-parallel rows; pipeline: rows of one model in N pipeline stages (LoRA models); data,pipeline",
+        help="data: data-parallel rows; pipeline: rows of one model in N pipeline stages (LoRA models, flux_full); "
+        "data,pipeline",
     )
     p.add_argument("--micro_batches", type=int, default=None, help="pipeline rows: micro-batches per step (default 4)")
     p.add_argument("--partition", default="parameters", help="pipeline rows: PipelineModule's partition_method")
@@ -274,6 +286,7 @@ def job_figures(cuda: bool, device, swapper, bench, stats, steps: int) -> dict:
         "raw_h2d_gbps": machine.pinned_bandwidth(device) if cuda else 0.0,
         "pss_gib": getattr(memory, "pss", memory.rss) / GiB,
         "rss_gib": memory.rss / GiB,
+        "rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB: the process's peak
         "host_copy_gib": shared / GiB,
         "sharing_processes": swapper.masters.peers.local_ranks,
         "streamed_layers": len(swapper.placement.streamed),
@@ -403,7 +416,14 @@ def pipeline_worker(args) -> None:
         bench = model_builder(args.model)(args.tiny, device, dtype, args, on_meta=True)
         log = print  # each stage's own lines (its planner's), in its own rank's log
         engine, swapper = scaling_pipeline.build_engine(
-            args, bench, device, dtype, world, partial(stage_config, args), log, train_all=args.model == "flux_full"
+            args,
+            bench,
+            device,
+            dtype,
+            world,
+            partial(stage_config, args, stages=world),
+            log,
+            train_all=args.model == "flux_full",
         )
         if cuda and wan.runs_recipe(args):  # the wan recipe's cap, as build()'s
             wan.cap_device_memory(device, args.memory_cap_gib)
@@ -411,7 +431,10 @@ def pipeline_worker(args) -> None:
         losses: list[float] = []  # every step's, untimed ones too
         step = scaling_pipeline.stage_step(engine, bench, losses, swapper, args.one_backward, swapper.log)
         sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
-        with scaling_pipeline.host_training_hooks(swapper):  # a full fine-tune's host updates join DeepSpeed's step
+        with (
+            scaling_pipeline.host_training_hooks(swapper),  # a full fine-tune's host updates join DeepSpeed's step
+            scaling_pipeline.step_order(engine, swapper),  # one stage of a full fine-tune: layer-major, as dgls_train
+        ):
             warm = warm_up(args, step, swapper.driver, sync, dist)
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
@@ -445,7 +468,7 @@ def model_builder(model: str):
     return {"flux": flux.build, "wan": wan.build, "flux_full": partial(flux.build, lora=False)}[model]
 
 
-def stage_config(args, layers: list):
+def stage_config(args, layers: list, stages: int = 1):
     """A pipeline stage's SwapConfig for its ``layers`` (each stage its own GPU's budget or cap), as build()'s for
     the whole model: the wan recipe streams every block of the stage (its device memory capped by the worker once
     DGLS took them home, as build() caps it)."""
@@ -462,8 +485,15 @@ def stage_config(args, layers: list):
     if args.model == "flux_full":  # every weight trains: the stage's streamed layers on the host, as the toml's
         from utils.dgls.training.host_optimizer import HostOptimizerSpec
 
-        spec = HostOptimizerSpec(lr=1e-5, implementation="torch" if args.tiny else args.host_adam)
-        return SwapConfig.of(vram_budget=budget, host_optimizer=spec)
+        spec = HostOptimizerSpec.from_table(FULL_FLUX_OPTIMIZER, "torch" if args.tiny else args.host_adam)
+        layer_major = stages == 1 and args.micro_batches > 1  # as dgls_train.py (program/validate.py) sets them
+        return SwapConfig.of(
+            vram_budget=budget,
+            host_optimizer=spec,
+            clip_grads=True,  # the toml's gradient_clipping = 1.0, as the engine's config below
+            accumulation_steps=1 if layer_major else args.micro_batches,
+            layer_major_micro_batches=args.micro_batches if layer_major else 1,
+        )
     return SwapConfig.of(vram_budget=budget)
 
 
@@ -600,6 +630,7 @@ def row_of(gpus: int, ranks: list[dict], base: dict | None, label: str | None = 
         "bytes_per_step": ranks[0]["bytes_per_step"],
         "host_pss_gib": sum(r["pss_gib"] for r in ranks),
         "host_rss_gib": [r["rss_gib"] for r in ranks],
+        "host_rss_peak_gib": [r.get("rss_peak_gib") for r in ranks],
         "host_copy_gib": ranks[0]["host_copy_gib"] if micro is None else sum(r["host_copy_gib"] for r in ranks),
         "sharing_processes": ranks[0]["sharing_processes"],
         "streamed_layers": [r["streamed_layers"] for r in ranks],
@@ -722,8 +753,10 @@ def description(args, record: dict) -> str:
         what = f"--vram_budget {budget} per GPU"
         if args.model == "flux_full":
             what = (
-                f"every weight trained (AdamW: the streamed layers' on the host, --host_adam {args.host_adam}; the "
-                f"resident ones' by DeepSpeed's optimizer), {what}"
+                f"every weight trained with toml/two_gpus_full_flux_dev.toml's [optimizer] "
+                f"({FULL_FLUX_OPTIMIZER['type']}: the streamed layers' on the host, --host_adam {args.host_adam}; the "
+                f"resident ones' by the class train.py builds), clipping at 1.0, {what}; one stage runs its "
+                "micro-batches layer-major, as dgls_train.py does"
             )
     else:
         what = (

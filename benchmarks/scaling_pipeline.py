@@ -176,7 +176,8 @@ def build_engine(
         "steps_per_print": 10**9,
     }
     trained = [p for p in pipeline.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=1e-5)
+    spec = placed["swapper"].config.training.host_optimizer  # a full fine-tune: the class train.py builds for its table
+    optimizer = spec.trainer_optimizer(trained) if spec is not None else torch.optim.AdamW(trained, lr=1e-5)
     engine, _, _, _ = deepspeed.initialize(model=pipeline, optimizer=optimizer, config=ds_config)
     return engine, placed["swapper"]
 
@@ -189,6 +190,17 @@ def host_training_hooks(swapper):
 
     training = swapper.training
     return EngineHooks(lambda module: training) if training is not None else contextlib.nullcontext()
+
+
+def step_order(engine, swapper):
+    """A step's micro-batches layer-major where the stage's config says so (a full fine-tune on one stage, as
+    dgls_train.py runs it: :func:`utils.dgls.trainers.layer_major_batches.layer_major_batches`); otherwise as
+    DeepSpeed's schedule runs them."""
+    from utils.dgls.trainers.layer_major_batches import layer_major_batches
+
+    if swapper.config.placement.layer_major_micro_batches > 1:
+        return layer_major_batches(engine, swapper)
+    return contextlib.nullcontext()
 
 
 def stage_step(engine, bench, losses: list[float], swapper, joined: bool = False, log=None) -> Callable[[], float]:
