@@ -57,7 +57,8 @@ scaling_flux_pp1_24 --name scaling_flux     # every layout's rows in one result 
     python benchmarks/bench_scaling.py --model wan --gpus 2,4 --layout pipeline --micro_batches 2 --warmup 1 \
         --steps 2 --name scaling_wan_pp_24    # about 6 minutes; then --merge as above
     python benchmarks/bench_scaling.py --model flux_full --gpus 1,2 --layout pipeline --one_backward --steps 3 \
-        --name scaling_flux_full_pp_12     # toml/two_gpus_full_flux_dev.toml's figures: about 180 GiB of host RAM
+        --name scaling_flux_full_pp_12     # toml/two_gpus_full_flux_dev.toml's figures: host RAM about 180 GiB
+        # for one stage (layer-major: no host sums), about 220 for two (each summing 4 micro-batches): 512 GiB machine
     python benchmarks/bench_scaling.py --model flux --gpus 1,4 --bind_cores --name scaling_flux_14_bound
         # each process on its own physical cores: whether 4 processes sharing cores slow a launch-bound step
     python benchmarks/bench_scaling.py --model flux --gpus 1,4 --share_fetch off,on --name scaling_flux_share_14
