@@ -113,7 +113,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="timed steps per GPU count (default 5; tiny 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps without a budget (default 2; tiny 1)")
     p.add_argument("--max_warmup", type=int, default=40, help="vram_budget: most untimed steps while planners settle")
-    p.add_argument("--vram_budget", type=float, default=None, help="GiB per GPU (LoRA models; default 8)")
+    p.add_argument("--vram_budget", type=float, default=None, help="GiB per GPU (default 8; flux_full 21)")
     p.add_argument("--memory_cap_gib", type=float, default=8.0, help="wan recipe: each process's device memory cap")
     p.add_argument("--latent_frames", type=int, default=21, help="wan: latent frames (21 = 81 video frames)")
     p.add_argument("--stream_mib", type=float, default=64.0, help="sdxl_full: stream the layers of this many MiB")

@@ -690,10 +690,11 @@ def test_the_scaling_merge_keeps_each_layouts_rows_against_its_own_first_row(tmp
     )
 
 
-def test_the_scaling_benchmark_refuses_pipeline_rows_of_a_full_fine_tune():
+def test_the_scaling_benchmark_refuses_pipeline_rows_of_the_data_parallel_full_fine_tune():
+    """sdxl_full is the data-parallel full fine-tune; the full fine-tune in stages is flux_full's."""
     import bench_scaling
 
-    with pytest.raises(SystemExit, match="pipeline rows are of the LoRA models"):
+    with pytest.raises(SystemExit, match="pipeline rows are of the models flux, wan, flux_full"):
         bench_scaling.main(["--model", "sdxl_full", "--tiny", "--layout", "pipeline"])
 
 
